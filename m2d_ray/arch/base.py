@@ -1,0 +1,285 @@
+"""What every architecture adapter provides, plus the family-independent expert math.
+
+An adapter hides one model family's names and tensor layouts. Everything downstream (calibration,
+scoring, grouping, merging, export) only sees the plain tensors defined here:
+
+* `ExpertWeights`: E experts as gate [E, I, d], up [E, I, d], down [E, d, I] (+ optional biases) and
+  the activation that combines gate and up.
+* `Routing`: for T tokens, the router softmax over all E experts, the top-k indices and the weights
+  the model really applies to them.
+* `DenseFFN`: one SwiGLU-style FFN of width W, what a student layer holds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Callable, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+# --------------------------------------------------------------------------------------------
+# Activations: elementwise in the hidden unit, so block concatenation of experts stays exact.
+# --------------------------------------------------------------------------------------------
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
+
+
+def clamped_swiglu(alpha: float, limit: float) -> Callable[[Tensor, Tensor], Tensor]:
+    """GPT-OSS's SwiGLU: clamped gate and up, sigmoid(alpha * gate) gating, (up + 1)."""
+
+    def act(gate: Tensor, up: Tensor) -> Tensor:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    return act
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """E experts in one canonical layout (views into the model's tensors where possible)."""
+
+    gate: Tensor  # [E, I, d]
+    up: Tensor  # [E, I, d]
+    down: Tensor  # [E, d, I]
+    act: Callable[[Tensor, Tensor], Tensor] = swiglu
+    gate_bias: Tensor | None = None  # [E, I]
+    up_bias: Tensor | None = None  # [E, I]
+    down_bias: Tensor | None = None  # [E, d]
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.gate.shape[1]
+
+    def to(self, dtype: torch.dtype) -> "ExpertWeights":
+        cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+        return replace(
+            self,
+            gate=cast(self.gate),
+            up=cast(self.up),
+            down=cast(self.down),
+            gate_bias=cast(self.gate_bias),
+            up_bias=cast(self.up_bias),
+            down_bias=cast(self.down_bias),
+        )
+
+    def select(self, idx: list[int]) -> "ExpertWeights":
+        pick = lambda t: None if t is None else t[idx]  # noqa: E731
+        return replace(
+            self,
+            gate=pick(self.gate),
+            up=pick(self.up),
+            down=pick(self.down),
+            gate_bias=pick(self.gate_bias),
+            up_bias=pick(self.up_bias),
+            down_bias=pick(self.down_bias),
+        )
+
+
+def expert_hidden(w: ExpertWeights, h: Tensor) -> Tensor:
+    """Activations of every expert on every token, [E, T, I], with one GEMM for gate and up.
+
+    Stacking gate and up of all experts into one [E*2I, d] matrix turns E small products into a
+    single large one, which is what makes all-expert calibration fast.
+    """
+    E, I, d = w.gate.shape
+    w1 = torch.cat([w.gate, w.up], dim=1).reshape(E * 2 * I, d)
+    x = F.linear(h, w1).view(h.shape[0], E, 2, I)
+    g, u = x[:, :, 0], x[:, :, 1]
+    if w.gate_bias is not None:
+        g = g + w.gate_bias
+    if w.up_bias is not None:
+        u = u + w.up_bias
+    return w.act(g, u).transpose(0, 1)
+
+
+def expert_outputs(w: ExpertWeights, h: Tensor) -> Tensor:
+    """Raw outputs f_e(h_t) of every expert on every token, [E, T, d] (no routing weight)."""
+    a = expert_hidden(w, h)
+    y = torch.bmm(a, w.down.transpose(1, 2))
+    if w.down_bias is not None:
+        y = y + w.down_bias[:, None, :]
+    return y
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Router decisions for T tokens."""
+
+    probs: Tensor  # [T, E] float32: softmax over all E (before any top-k renormalisation)
+    index: Tensor  # [T, k] long: the selected experts
+    weight: Tensor  # [T, k]: the weights the model applies to the selected experts' outputs
+
+
+@dataclass(frozen=True)
+class SharedExpert:
+    """Always-on experts of a layer, concatenated into one FFN.
+
+    `gate` is None when the shared output is added with weight 1 (DeepSeek); otherwise the shared
+    output is multiplied by sigmoid(gate @ h) (Qwen2-MoE) and the student uses its calibrated mean.
+    """
+
+    weights: ExpertWeights  # E == 1
+    gate: Tensor | None = None  # [1, d]
+
+    def scale(self, h: Tensor) -> Tensor:
+        """Per-token multiplier [T] applied to the shared output."""
+        if self.gate is None:
+            return torch.ones(h.shape[0], dtype=h.dtype, device=h.device)
+        return torch.sigmoid(F.linear(h, self.gate.to(h.dtype)))[:, 0]
+
+
+@dataclass(frozen=True)
+class DenseFFN:
+    """One dense FFN of width W: what each student layer holds."""
+
+    gate: Tensor  # [W, d]
+    up: Tensor  # [W, d]
+    down: Tensor  # [d, W]
+    act: Callable[[Tensor, Tensor], Tensor] = swiglu
+    gate_bias: Tensor | None = None
+    up_bias: Tensor | None = None
+    down_bias: Tensor | None = None
+
+    @property
+    def width(self) -> int:
+        return self.gate.shape[0]
+
+    def pad_to(self, width: int) -> "DenseFFN":
+        """Append zero hidden units; zero down-columns make the padding exact for any activation."""
+        extra = width - self.width
+        if extra < 0:
+            raise ValueError(f"cannot pad width {self.width} down to {width}")
+        if extra == 0:
+            return self
+
+        def rows(t: Tensor | None) -> Tensor | None:
+            return None if t is None else F.pad(t, (0, 0, 0, extra) if t.dim() == 2 else (0, extra))
+
+        return replace(
+            self,
+            gate=rows(self.gate),
+            up=rows(self.up),
+            down=F.pad(self.down, (0, extra)),
+            gate_bias=rows(self.gate_bias),
+            up_bias=rows(self.up_bias),
+        )
+
+    def __call__(self, h: Tensor) -> Tensor:
+        g = F.linear(h, self.gate, self.gate_bias)
+        u = F.linear(h, self.up, self.up_bias)
+        return F.linear(self.act(g, u), self.down, self.down_bias)
+
+
+def dense_from_mlp(mlp: nn.Module) -> DenseFFN:
+    """A teacher's dense (non-MoE) layer with gate_proj/up_proj/down_proj Linear modules."""
+    return DenseFFN(
+        gate=mlp.gate_proj.weight.detach(),
+        up=mlp.up_proj.weight.detach(),
+        down=mlp.down_proj.weight.detach(),
+    )
+
+
+def softmax_routing(logits: Tensor, weight: Tensor, index: Tensor) -> Routing:
+    """Routing for routers whose probabilities are a softmax over all E router logits."""
+    return Routing(probs=torch.softmax(logits.float(), dim=-1), index=index, weight=weight)
+
+
+class MoEAdapter:
+    """One model family. Subclasses set `model_types` and implement the abstract methods."""
+
+    model_types: ClassVar[tuple[str, ...]] = ()
+    #: transformers model_type of the dense student (may equal the teacher's)
+    student_model_type: ClassVar[str] = ""
+
+    # ---- teacher structure -------------------------------------------------------------
+    def layers(self, model: nn.Module) -> nn.ModuleList:
+        return model.model.layers
+
+    def moe_blocks(self, model: nn.Module) -> dict[int, nn.Module]:
+        """Layer index -> MoE block (the module whose input is the post-attention hidden state)."""
+        return {i: layer.mlp for i, layer in enumerate(self.layers(model)) if self.is_moe(layer.mlp)}
+
+    def is_moe(self, mlp: nn.Module) -> bool:
+        return hasattr(mlp, "experts")
+
+    def num_experts(self, config) -> int:
+        raise NotImplementedError
+
+    def top_k(self, config) -> int:
+        return int(config.num_experts_per_tok)
+
+    def renormalizes(self, config) -> bool:
+        """Whether the applied top-k weights sum to one (else avg-cp scaling is the natural one)."""
+        return bool(getattr(config, "norm_topk_prob", True))
+
+    def route(self, block: nn.Module, h: Tensor) -> Routing:
+        """Router decisions for tokens h [T, d], computed by the model's own router module."""
+        logits, weight, index = block.gate(h)
+        return softmax_routing(logits, weight, index)
+
+    def experts(self, block: nn.Module) -> ExpertWeights:
+        """Fused transformers-5 layout: gate_up_proj [E, 2I, d] (gate first), down_proj [E, d, I]."""
+        ex = block.experts
+        gate, up = ex.gate_up_proj.detach().chunk(2, dim=1)
+        return ExpertWeights(gate=gate, up=up, down=ex.down_proj.detach(), act=self.activation(block))
+
+    def activation(self, block: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
+        return swiglu
+
+    def router_weight(self, block: nn.Module) -> Tensor:
+        """Router rows [E, d] (for router-based grouping)."""
+        return block.gate.weight.detach()
+
+    def shared(self, block: nn.Module) -> SharedExpert | None:
+        return None
+
+    def block_output(self, block: nn.Module, h: Tensor) -> Tensor:
+        """The model's own MoE block output for hidden states [B, S, d] (parity tests)."""
+        out = block(h)
+        return out[0] if isinstance(out, tuple) else out
+
+    # ---- student -----------------------------------------------------------------------
+    def student_config(self, config, width: int):
+        """Config of the dense student whose every FFN has width `width`."""
+        raise NotImplementedError
+
+    def student_ffn_state(self, prefix: str, ffn: DenseFFN) -> dict[str, Tensor]:
+        """State-dict entries of one student FFN at `prefix` (e.g. 'model.layers.3.mlp.')."""
+        out = {
+            prefix + "gate_proj.weight": ffn.gate,
+            prefix + "up_proj.weight": ffn.up,
+            prefix + "down_proj.weight": ffn.down,
+        }
+        return out
+
+    def student_ffn(self, mlp: nn.Module) -> Callable[[Tensor], Tensor]:
+        """Callable evaluating a student's FFN module on tokens [T, d] (for the export check)."""
+        return mlp
+
+    def ffn_prefix(self, layer: int) -> str:
+        return f"model.layers.{layer}.mlp."
+
+
+def copy_config(target_cls, config, **overrides):
+    """Build `target_cls` from the fields of `config` it knows, then apply overrides."""
+    known = set(target_cls().to_dict())
+    src = config.to_dict()
+    kwargs = {k: v for k, v in src.items() if k in known and k not in ("model_type", "architectures", "transformers_version")}
+    kwargs.update(overrides)
+    return target_cls(**kwargs)
+
+
+def rel_error(a: Tensor, b: Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (0 when both vanish)."""
+    num = torch.linalg.vector_norm((a - b).double()).item()
+    den = torch.linalg.vector_norm(b.double()).item()
+    return num / den if den > 0 else (0.0 if num == 0 else math.inf)

@@ -1,0 +1,39 @@
+"""Calibration: one pass over tokenised text recording, per MoE layer, the statistics of method.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from m2d_ray.calibrate.artifact import StatsArtifact, load_matching, save_stats
+from m2d_ray.calibrate.collect import collect_stats
+from m2d_ray.calibrate.stats import LayerStats
+from m2d_ray.data.text import TokenSet
+
+__all__ = ["calibrate", "data_fingerprint", "StatsArtifact", "LayerStats"]
+
+
+def data_fingerprint(spec: str, tokens: TokenSet) -> dict:
+    return {
+        "spec": spec,
+        "tokens_sha256": tokens.sha256(),
+        "n_tokens": tokens.n_tokens,
+        "seq_len": int(tokens.ids.shape[1]),
+    }
+
+
+def calibrate(
+    teacher, tokens: TokenSet, data_spec: str, out: str | Path | None = None, batch_size: int = 8, progress: bool = True
+) -> tuple[StatsArtifact, bool]:
+    """Statistics of `teacher` on `tokens`, saved to `out`; reuses `out` when it already matches.
+
+    Returns (artifact, reused). With out=None the statistics stay in memory (no checksum).
+    """
+    model_fp, data_fp = teacher.fingerprint(), data_fingerprint(data_spec, tokens)
+    if out is not None and (found := load_matching(out, model_fp, data_fp)) is not None:
+        return found, True
+    layers = collect_stats(teacher.model, teacher.adapter, tokens.ids, tokens.mask, batch_size=batch_size, progress=progress)
+    layers = {i: LayerStats.from_tensors(st.to_tensors(""), "") for i, st in layers.items()}  # to CPU
+    extra = {"top_k": teacher.adapter.top_k(teacher.config)}
+    if out is None:
+        return StatsArtifact(layers=layers, manifest={"model": model_fp, "data": data_fp, "sha256": "", **extra}), False
+    return save_stats(out, layers, model_fp, data_fp, extra), False

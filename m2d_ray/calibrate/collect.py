@@ -1,0 +1,59 @@
+"""One calibration pass over a teacher: forward pre-hooks on every MoE block feed `layer_stats`.
+
+The teacher runs its normal forward, so every layer sees the hidden states the real model produces;
+the hooks only observe. Padding positions (attention_mask == 0) are removed before any statistic.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from m2d_ray.arch.base import MoEAdapter
+from m2d_ray.calibrate.stats import LayerStats, layer_stats
+
+
+def token_batches(ids: Tensor, mask: Tensor, batch_size: int) -> Iterable[tuple[Tensor, Tensor]]:
+    for start in range(0, ids.shape[0], batch_size):
+        yield ids[start : start + batch_size], mask[start : start + batch_size]
+
+
+@torch.no_grad()
+def collect_stats(
+    model: nn.Module,
+    adapter: MoEAdapter,
+    ids: Tensor,
+    mask: Tensor,
+    batch_size: int = 8,
+    progress: bool = True,
+) -> dict[int, LayerStats]:
+    """Statistics of every MoE layer over sequences ids/mask [n, L] (one forward per batch)."""
+    blocks = adapter.moe_blocks(model)
+    device = next(model.parameters()).device
+    stats = {i: LayerStats.zeros(adapter.num_experts(model.config), device=device) for i in blocks}
+    weights = {i: adapter.experts(b) for i, b in blocks.items()}
+    current: dict[str, Tensor] = {}
+
+    def hook(layer: int):
+        def fn(module: nn.Module, args: tuple) -> None:
+            h = args[0]
+            keep = current["mask"].reshape(-1).bool()
+            stats[layer].add_(layer_stats(adapter, module, h.reshape(-1, h.shape[-1])[keep], weights[layer]))
+
+        return fn
+
+    handles = [b.register_forward_pre_hook(hook(i)) for i, b in blocks.items()]
+    try:
+        n_batches = -(-ids.shape[0] // batch_size)
+        for b_ids, b_mask in tqdm(
+            token_batches(ids, mask, batch_size), total=n_batches, desc="calibrate", unit="batch", disable=None if progress else True
+        ):
+            current["mask"] = b_mask.to(device)
+            model(input_ids=b_ids.to(device), attention_mask=b_mask.to(device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return stats

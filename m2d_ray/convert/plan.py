@@ -1,0 +1,115 @@
+"""The conversion plan: what a student is made of, layer by layer, before any weight is touched.
+
+A plan is pure data (selected experts, groups, merge coefficients, scales), so it can be printed,
+logged, compared (two configs with the same plan build the very same student) and replayed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+from m2d_ray.calibrate.stats import LayerStats
+from m2d_ray.convert.merge import merge_weights
+from m2d_ray.convert.scaling import SCALINGS
+from m2d_ray.errors import M2DError
+from m2d_ray.grouping import GROUPINGS, GroupingInputs, group
+from m2d_ray.scoring import SCORINGS, select, selection_erank
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    selected: list[int]  # pick order
+    groups: list[list[int]]
+    coefs: list[list[float]]  # merge coefficient of each member, per group
+    alphas: list[float]  # down-projection scale per group
+    shared_scale: float | None  # scale of the shared expert(s); None when the layer has none
+    erank: float  # effective rank of the selected experts' output Gram
+
+
+@dataclass(frozen=True)
+class ConversionPlan:
+    scoring: str
+    grouping: str
+    scaling: str
+    K: int
+    k: int
+    layers: dict[int, LayerPlan]
+
+    def signature(self, digits: int = 12) -> str:
+        """Digest of everything that determines the student's weights (not the method names)."""
+        r = lambda xs: [round(float(x), digits) for x in xs]  # noqa: E731
+        body = [
+            (i, p.groups, [r(c) for c in p.coefs], r(p.alphas), None if p.shared_scale is None else round(p.shared_scale, digits))
+            for i, p in sorted(self.layers.items())
+        ]
+        return hashlib.sha256(json.dumps(body).encode()).hexdigest()[:16]
+
+    def to_json(self) -> dict:
+        return {
+            "scoring": self.scoring,
+            "grouping": self.grouping,
+            "scaling": self.scaling,
+            "K": self.K,
+            "k": self.k,
+            "signature": self.signature(),
+            "layers": {str(i): asdict(p) for i, p in sorted(self.layers.items())},
+        }
+
+
+def check_methods(scoring: str, grouping: str, scaling: str) -> None:
+    SCORINGS.check(scoring)
+    GROUPINGS.check(grouping)
+    SCALINGS.check(scaling)
+
+
+def check_K(K: int, k: int, E: int) -> None:
+    if not k <= K <= E:
+        raise M2DError(f"K={K} is outside [k, E] = [{k}, {E}] for this model; choose {k} <= K <= {E}")
+
+
+def plan_layer(st: LayerStats, inputs_for, scoring: str, grouping: str, scaling: str, K: int, k: int, has_shared: bool, gated_shared: bool) -> LayerPlan:
+    """Plan one MoE layer. `inputs_for(selected, scores)` builds the GroupingInputs (lazy weights)."""
+    sel = select(scoring, st, K)
+    groups = group(grouping, inputs_for(sel.experts, sel.scores), k)
+    coefs = [merge_weights(sel.scores, g).tolist() for g in groups]
+    alphas = SCALINGS[scaling](st, groups, sel.scores)
+    shared_scale = (st.shared_gate_mean if gated_shared else 1.0) if has_shared else None
+    return LayerPlan(
+        selected=sel.experts,
+        groups=groups,
+        coefs=coefs,
+        alphas=[float(a) for a in alphas],
+        shared_scale=shared_scale,
+        erank=selection_erank(st, sel),
+    )
+
+
+def make_plan(teacher, stats: dict[int, LayerStats], scoring: str, grouping: str, scaling: str, K: int) -> ConversionPlan:
+    """Plan every MoE layer of `teacher` (a models.Teacher) from its calibration statistics."""
+    check_methods(scoring, grouping, scaling)
+    adapter, config = teacher.adapter, teacher.config
+    k, E = adapter.top_k(config), adapter.num_experts(config)
+    check_K(K, k, E)
+    blocks = adapter.moe_blocks(teacher.model)
+    if sorted(blocks) != sorted(stats):
+        raise M2DError(f"statistics cover layers {sorted(stats)} but the model's MoE layers are {sorted(blocks)}; recalibrate")
+    layers = {}
+    for i, block in blocks.items():
+        shared = adapter.shared(block)
+
+        def inputs_for(selected, scores, block=block, st=stats[i]):
+            return GroupingInputs(
+                selected=selected,
+                scores=scores,
+                gram=st.gram_mean,
+                router=lambda: adapter.router_weight(block),
+                experts=lambda: adapter.experts(block),
+            )
+
+        layers[i] = plan_layer(
+            stats[i], inputs_for, scoring, grouping, scaling, K, k,
+            has_shared=shared is not None, gated_shared=shared is not None and shared.gate is not None,
+        )
+    return ConversionPlan(scoring=scoring, grouping=grouping, scaling=scaling, K=K, k=k, layers=layers)

@@ -1,0 +1,135 @@
+"""The stage order, top to bottom. Each function is one CLI command; later stages (sweeps,
+distillation, lm-eval) plug in after `convert_one`.
+
+    load teacher -> tokenise calibration text -> calibrate (stats artifact)
+      -> plan (score, select, group, scale) -> build dense student -> export + verify -> perplexity
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from m2d_ray.calibrate import StatsArtifact, calibrate
+from m2d_ray.calibrate.artifact import load_stats
+from m2d_ray.convert import build_from_plan, make_plan
+from m2d_ray.convert.baselines import BASELINES
+from m2d_ray.convert.export import export_student
+from m2d_ray.convert.plan import check_K, check_methods
+from m2d_ray.data.text import calibration_set, load_text, tokenize
+from m2d_ray.errors import M2DError
+from m2d_ray.evaluate.perplexity import Perplexity, perplexity
+from m2d_ray.models import Teacher, default_teacher, load_teacher
+
+#: defaults of the embedded teacher's corpus; other teachers calibrate on WikiText (as the paper)
+EMBEDDED_CALIB, EMBEDDED_EVAL = "synthetic:valid", "synthetic:test"
+HUB_CALIB = "wikitext2:train"
+EVAL_MAX_CHARS = 300_000
+
+
+def resolve_calib(spec: str | None, model: str | None) -> str:
+    if spec:
+        return spec
+    return EMBEDDED_CALIB if model in (None, default_teacher()) else HUB_CALIB
+
+
+def load_text_with_fallback(spec: str) -> str:
+    """Load `spec`; when WikiText cannot be fetched (offline) fall back to the embedded corpus."""
+    try:
+        return load_text(spec)
+    except M2DError as exc:
+        if not spec.startswith("wikitext2"):
+            raise
+        print(f"m2d: warning: {exc}; using the embedded synthetic corpus instead", file=sys.stderr)
+        return load_text(EMBEDDED_CALIB)
+
+
+def device_default() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_calibrate(
+    model: str | None,
+    calib_data: str | None,
+    out: str | Path | None,
+    max_tokens: int = 32768,
+    seq_len: int = 256,
+    batch_size: int = 8,
+    device: str | None = None,
+    teacher: Teacher | None = None,
+) -> tuple[Teacher, StatsArtifact, bool]:
+    """Stage 0: the statistics artifact (reused when `out` already matches)."""
+    teacher = teacher or load_teacher(model, device=device or device_default())
+    spec = resolve_calib(calib_data, model)
+    text = load_text_with_fallback(spec)
+    pad = teacher.tokenizer.pad_token_id if teacher.tokenizer.pad_token_id is not None else 0
+    tokens = calibration_set(teacher.tokenizer, text, seq_len=seq_len, max_tokens=max_tokens, pad_id=pad)
+    art, reused = calibrate(teacher, tokens, spec, out=out, batch_size=batch_size)
+    return teacher, art, reused
+
+
+def load_or_calibrate(teacher: Teacher, stats: str | None, calib_data: str | None, model: str | None, **kw) -> StatsArtifact:
+    """--stats DIR alone loads it; with --calib-data it is (re)computed into DIR when it doesn't match."""
+    if stats and not calib_data:
+        art = load_stats(stats)
+        if art.manifest["model"]["config_sha256"] != teacher.fingerprint()["config_sha256"]:
+            raise M2DError(f"statistics in {stats} were computed for {art.manifest['model']['name']}, not this model; recalibrate")
+        return art
+    return run_calibrate(model, calib_data, stats, teacher=teacher, **kw)[1]
+
+
+def evaluate_ppl(model, tokenizer, eval_data: str, seq_len: int = 256, max_chars: int | None = EVAL_MAX_CHARS, batch_size: int = 8) -> Perplexity:
+    ids = tokenize(tokenizer, load_text(eval_data), max_chars=max_chars)
+    return perplexity(model, ids, seq_len=seq_len, batch_size=batch_size, progress=True)
+
+
+def convert_one(
+    model: str | None,
+    scoring: str,
+    grouping: str,
+    scaling: str,
+    K: int | None,
+    out: str | Path,
+    stats: str | None = None,
+    calib_data: str | None = None,
+    eval_data: str | None = None,
+    baseline: str | None = None,
+    device: str | None = None,
+    calib_kwargs: dict | None = None,
+) -> dict:
+    """Stages 0-2 for one recipe: statistics -> plan -> dense student -> verified export (-> ppl)."""
+    if baseline:
+        BASELINES.check(baseline)
+    else:
+        check_methods(scoring, grouping, scaling)
+    teacher = load_teacher(model, device=device or device_default())
+    adapter, config = teacher.adapter, teacher.config
+    k, E = adapter.top_k(config), adapter.num_experts(config)
+    K = k if K is None else K
+    check_K(K, k, E)
+    result: dict = {"model": teacher.name, "k": k, "E": E}
+    if baseline:
+        student = BASELINES[baseline](teacher)
+        export_student(student, teacher.tokenizer, out)
+        result.update(baseline=baseline)
+    else:
+        art = load_or_calibrate(teacher, stats, calib_data, model, device=device, **(calib_kwargs or {}))
+        plan = make_plan(teacher, art.layers, scoring, grouping, scaling, K)
+        student = build_from_plan(teacher, plan)
+        check = export_student(student, teacher.tokenizer, out, teacher=teacher, plan=plan, extra={"stats_sha256": art.checksum})
+        result.update(
+            scoring=scoring, grouping=grouping, scaling=scaling, K=K,
+            selected={str(i): p.selected for i, p in plan.layers.items()},
+            groups={str(i): p.groups for i, p in plan.layers.items()},
+            scales={str(i): p.alphas for i, p in plan.layers.items()},
+            effective_rank={str(i): round(p.erank, 4) for i, p in plan.layers.items()},
+            signature=plan.signature(),
+            max_rel_error=check["max_rel_error"],
+            stats_sha256=art.checksum,
+        )
+    result.update(dense_class=type(student).__name__, out=str(out))
+    if eval_data:
+        result["perplexity"] = evaluate_ppl(student, teacher.tokenizer, eval_data).to_json()
+    return result

@@ -1,0 +1,56 @@
+"""Name -> implementation registries with "did you mean" suggestions for typos."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Callable, Generic, Iterator, TypeVar
+
+from m2d_ray.errors import M2DError
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """A small ordered mapping from method names to callables.
+
+    Lookup of an unknown name raises `M2DError` with the closest known names, so a typo on the
+    command line or in a YAML file gets an actionable one-line message.
+    """
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._items: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        def deco(obj: T) -> T:
+            if name in self._items:
+                raise ValueError(f"{self.kind} {name!r} registered twice")
+            self._items[name] = obj
+            return obj
+
+        return deco
+
+    def __getitem__(self, name: str) -> T:
+        try:
+            return self._items[name]
+        except KeyError:
+            raise M2DError(self.unknown_message(name)) from None
+
+    def unknown_message(self, name: str) -> str:
+        close = difflib.get_close_matches(str(name), self._items, n=2, cutoff=0.4)
+        hint = f" did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        return f"unknown {self.kind} {name!r};{hint} choose from: {', '.join(self._items)}"
+
+    def check(self, name: str) -> str:
+        """Validate a name without fetching it (for configs)."""
+        self[name]
+        return name
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._items
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def names(self) -> list[str]:
+        return list(self._items)
