@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from m2d_ray.errors import M2DError
+
 
 # --------------------------------------------------------------------------------------------
 # Activations: elementwise in the hidden unit, so block concatenation of experts stays exact.
@@ -188,6 +190,14 @@ def dense_from_mlp(mlp: nn.Module) -> DenseFFN:
     )
 
 
+def mlp_as_expert(mlp: nn.Module) -> ExpertWeights:
+    """A gate_proj/up_proj/down_proj SwiGLU MLP as one expert (E == 1)."""
+    if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
+        raise M2DError("shared experts with biases (mlp_bias=True) are not supported")
+    d = dense_from_mlp(mlp)
+    return ExpertWeights(gate=d.gate.unsqueeze(0), up=d.up.unsqueeze(0), down=d.down.unsqueeze(0))
+
+
 def softmax_routing(logits: Tensor, weight: Tensor, index: Tensor) -> Routing:
     """Routing for routers whose probabilities are a softmax over all E router logits."""
     return Routing(probs=torch.softmax(logits.float(), dim=-1), index=index, weight=weight)
@@ -220,6 +230,11 @@ class MoEAdapter:
     def renormalizes(self, config) -> bool:
         """Whether the applied top-k weights sum to one (else avg-cp scaling is the natural one)."""
         return bool(getattr(config, "norm_topk_prob", True))
+
+    def routed_scale(self, config) -> float:
+        """Factor the router multiplies the applied top-k weights by (DeepSeek's routed_scaling_factor):
+        uniform and proportional scales are multiplied by it so the student keeps the output magnitude."""
+        return 1.0
 
     def route(self, block: nn.Module, h: Tensor) -> Routing:
         """Router decisions for tokens h [T, d], computed by the model's own router module."""

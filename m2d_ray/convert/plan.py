@@ -69,12 +69,15 @@ def check_K(K: int, k: int, E: int) -> None:
         raise M2DError(f"K={K} is outside [k, E] = [{k}, {E}] for this model; choose {k} <= K <= {E}")
 
 
-def plan_layer(st: LayerStats, inputs_for, scoring: str, grouping: str, scaling: str, K: int, k: int, has_shared: bool, gated_shared: bool) -> LayerPlan:
+def plan_layer(
+    st: LayerStats, inputs_for, scoring: str, grouping: str, scaling: str, K: int, k: int,
+    has_shared: bool, gated_shared: bool, routed_scale: float = 1.0,
+) -> LayerPlan:
     """Plan one MoE layer. `inputs_for(selected, scores)` builds the GroupingInputs (lazy weights)."""
     sel = select(scoring, st, K)
     groups = group(grouping, inputs_for(sel.experts, sel.scores), k)
     coefs = [merge_weights(sel.scores, g).tolist() for g in groups]
-    alphas = SCALINGS[scaling](st, groups, sel.scores)
+    alphas = SCALINGS[scaling](st, groups, sel.scores, routed_scale)
     shared_scale = (st.shared_gate_mean if gated_shared else 1.0) if has_shared else None
     return LayerPlan(
         selected=sel.experts,
@@ -111,5 +114,6 @@ def make_plan(teacher, stats: dict[int, LayerStats], scoring: str, grouping: str
         layers[i] = plan_layer(
             stats[i], inputs_for, scoring, grouping, scaling, K, k,
             has_shared=shared is not None, gated_shared=shared is not None and shared.gate is not None,
+            routed_scale=adapter.routed_scale(config),
         )
     return ConversionPlan(scoring=scoring, grouping=grouping, scaling=scaling, K=K, k=k, layers=layers)

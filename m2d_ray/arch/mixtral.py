@@ -1,0 +1,26 @@
+"""Mixtral: softmax router with renormalised top-k, fused SwiGLU experts of width `intermediate_size`
+(`experts.gate_up_proj` [E, 2I, d], gate first; `experts.down_proj` [E, d, I]), E = `num_local_experts`.
+Dense student = Mistral (`MistralForCausalLM`), same attention, sliding window copied (usually None).
+"""
+
+from __future__ import annotations
+
+from transformers import MistralConfig
+
+from m2d_ray.arch import register
+from m2d_ray.arch.base import MoEAdapter, copy_config
+
+
+@register
+class MixtralAdapter(MoEAdapter):
+    model_types = ("mixtral",)
+    student_model_type = "mistral"
+
+    def num_experts(self, config) -> int:
+        return int(config.num_local_experts)
+
+    def renormalizes(self, config) -> bool:
+        return True
+
+    def student_config(self, config, width: int):
+        return copy_config(MistralConfig, config, intermediate_size=width, architectures=["MistralForCausalLM"])

@@ -1,0 +1,64 @@
+"""Shared fixtures: a tiny saved Qwen3-MoE teacher with the synthetic corpus' tokenizer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def shared_path(*parts: str) -> Path:
+    """A path under ../shared, or skip the test when it is absent (CI without shared data)."""
+    p = SHARED.joinpath(*parts)
+    if not p.exists():
+        pytest.skip(f"{p} not present")
+    return p
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("M2D_SLOW") == "1" or "slow" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: set M2D_SLOW=1 or run with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher_dir(tmp_path_factory) -> Path:
+    """A randomly initialised 2-layer Qwen3-MoE (E=8, k=2) saved natively with a tokenizer."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from m2d_ray.data.synthetic import build_tokenizer
+
+    tok = build_tokenizer()
+    vocab = -(-len(tok) // 8) * 8
+    cfg = Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name or "mlp.gate" in name:
+                p.normal_(0, 0.3)
+    out = tmp_path_factory.mktemp("teacher") / "tiny_qwen3_moe"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher(tiny_teacher_dir):
+    from m2d_ray.models import load_teacher
+
+    return load_teacher(str(tiny_teacher_dir))
