@@ -1,0 +1,117 @@
+"""The `m2d` command line: end to end on a tiny teacher, and clean one-line failures on bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from m2d_ray.cli import main
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def calib_file(tmp_path_factory):
+    from m2d_ray.data.synthetic import corpus_text
+
+    p = tmp_path_factory.mktemp("data") / "calib.txt"
+    p.write_text(corpus_text("valid", max_chars=20_000))
+    return p
+
+
+@pytest.fixture(scope="module")
+def stats_dir(tiny_teacher_dir, calib_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("stats") / "stats"
+    assert main(["calibrate", "--model", str(tiny_teacher_dir), "--calib-data", str(calib_file), "--max-tokens", "2048", "--seq-len", "64", "--out", str(out)]) == 0
+    return out
+
+
+def test_calibrate_then_convert_prints_plan_and_ppl(capsys, tiny_teacher_dir, stats_dir, tmp_path):
+    out_dir = tmp_path / "student"
+    code, out, err = run(
+        capsys, "convert", "--model", str(tiny_teacher_dir), "--stats", str(stats_dir), "--scoring", "do-acp",
+        "--grouping", "oc", "--scaling", "proportional", "--K", "4", "--eval-data", "synthetic:test", "--out", str(out_dir),
+    )
+    assert code == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["dense_class"] == "Qwen3ForCausalLM" and result["K"] == 4
+    assert set(result["selected"]) == {"0", "1"} and all(len(v) == 4 for v in result["selected"].values())
+    assert len(result["groups"]["0"]) == 2 and sorted(sum(result["groups"]["0"], [])) == sorted(result["selected"]["0"])
+    assert result["perplexity"]["ppl"] > 1 and not result["perplexity"]["diverged"]
+    assert result["max_rel_error"] < 1e-10
+    assert "layer 0: experts" in err
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert type(AutoModelForCausalLM.from_pretrained(out_dir)).__name__ == "Qwen3ForCausalLM"
+    AutoTokenizer.from_pretrained(out_dir)
+
+
+def test_calibrate_reuses_matching_stats(capsys, tiny_teacher_dir, calib_file, stats_dir):
+    code, out, _ = run(capsys, "calibrate", "--model", str(tiny_teacher_dir), "--calib-data", str(calib_file), "--max-tokens", "2048", "--seq-len", "64", "--out", str(stats_dir))
+    assert code == 0 and json.loads(out)["reused"] is True
+
+
+def test_baseline_convert(capsys, tiny_teacher_dir, tmp_path):
+    code, out, err = run(capsys, "convert", "--model", str(tiny_teacher_dir), "--baseline", "random-ffn", "--out", str(tmp_path / "b"))
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["baseline"] == "random-ffn"
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("llama") / "llama"
+    LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=32)).save_pretrained(d)
+    return d
+
+
+BAD = {
+    "K below k": (["--K", "1"], "outside [k, E]"),
+    "K above E": (["--K", "9"], "outside [k, E]"),
+    "unknown scoring": (["--scoring", "do_acp"], "did you mean 'do-acp'"),
+    "unknown grouping": (["--grouping", "kmeans"], "unknown grouping"),
+    "unknown scaling": (["--scaling", "proportionl"], "did you mean 'proportional'"),
+    "unknown baseline": (["--baseline", "random"], "unknown baseline"),
+    "missing calib path": (["--calib-data", "/nonexistent/calib.txt"], "neither a file"),
+    "missing stats dir": (["--stats", "/nonexistent/stats"], "not a statistics directory"),
+    "missing model": (["--model", "/nonexistent/model"], "not found"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+def test_bad_input_fails_with_one_line_and_writes_nothing(capsys, tiny_teacher_dir, tmp_path, case):
+    extra, message = BAD[case]
+    args = ["convert", "--model", str(tiny_teacher_dir), "--out", str(tmp_path / "out"), *extra]
+    code, out, err = run(capsys, *args)
+    assert code == 2
+    lines = [ln for ln in err.splitlines() if ln.startswith("m2d: error:")]
+    assert len(lines) == 1 and message in lines[0], err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("text,message", [("", "empty"), ("the court", "at least")])
+def test_empty_or_short_calibration_text(capsys, tiny_teacher_dir, tmp_path, text, message):
+    p = tmp_path / "c.txt"
+    p.write_text(text)
+    code, _, err = run(capsys, "calibrate", "--model", str(tiny_teacher_dir), "--calib-data", str(p), "--out", str(tmp_path / "s"))
+    assert code == 2 and message in err
+    assert not (tmp_path / "s").exists()
+
+
+def test_non_moe_model_lists_supported_types(capsys, llama_dir, tmp_path):
+    code, _, err = run(capsys, "convert", "--model", str(llama_dir), "--out", str(tmp_path / "o"))
+    assert code == 2 and "'llama' is not a supported" in err and "qwen3_moe" in err and "gpt_oss" in err
+
+
+def test_console_script_exit_code(tmp_path):
+    """The installed `m2d` entry point (argparse errors and ours both exit 2)."""
+    r = subprocess.run([sys.executable, "-m", "m2d_ray.cli", "convert", "--out", str(tmp_path / "o"), "--K", "0"], capture_output=True, text=True)
+    assert r.returncode == 2 and "must be positive" in r.stderr
