@@ -23,6 +23,9 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = True) -> Iterator[Pat
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the result should look like any other directory
     try:
         yield tmp
         if final.exists():
