@@ -9,6 +9,15 @@ a multiple of 8), fp32. Training: AdamW, linear warm-up + cosine decay, batches 
 the synthetic ``train`` split (documents concatenated exactly as ``corpus_text`` tokenises, each sequence seen
 once), load-balancing aux loss (coefficient 0.01) on. Deterministic for a given ``--seed`` and ``--threads``.
 
+Domain warm-up of the router. Trained plainly (``--domain-warmup-steps 0``) this model routes by token identity
+(OpenMoE's "context-independent specialisation"): the same perplexity, but I(domain; expert) / H(domain) is only
+about 0.03 because each domain's words are hashed over all 16 experts. Experts that specialise by domain are the
+point of this teacher, so by default the first 30% of the steps add ``0.1 x`` a routing-guide loss (``-log`` of
+the router probability mass on the experts assigned to the token's domain, expert e <-> domain e % 6, every
+layer), which then fades out linearly over 15% of the steps; the remaining 55% are plain training (CE + aux
+loss), and the specialisation that survives them is what ``train_info.json`` reports. The saved model is a
+standard ``Qwen3MoeForCausalLM``: nothing of the guide remains but the weights.
+
 The output directory gets the model (safetensors), the tokenizer and ``train_info.json`` with the held-out
 perplexity (synthetic ``test`` split, non-overlapping 128-token windows) against uniform and unigram baselines,
 and per-layer routing specialisation by domain. It is written to a temporary sibling directory and renamed into
@@ -84,14 +93,15 @@ def encode_documents(tok, docs) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, doms
 
 
-def train_stream(tok, n_tokens: int, seed: int) -> torch.Tensor:
-    """At least ``n_tokens`` token ids from the train split (generated in growing, prefix-stable chunks)."""
+def train_stream(tok, n_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """At least ``n_tokens`` token ids from the train split and their domain indices (generated in growing,
+    prefix-stable chunks)."""
     n_docs = max(1, n_tokens // (55 * len(synthetic.DOMAINS)) + 1)
     while True:
         docs = synthetic.generate_documents("train", n_docs, seed=seed)
-        ids, _ = encode_documents(tok, docs)
+        ids, doms = encode_documents(tok, docs)
         if ids.numel() >= n_tokens:
-            return ids
+            return ids, doms
         n_docs = int(n_docs * 1.2) + 1
 
 
@@ -211,6 +221,25 @@ def per_layer_aux_loss(router_logits, num_experts: int, top_k: int) -> torch.Ten
     return sum(load_balancing_loss_func((g,), num_experts, top_k) for g in router_logits)
 
 
+def domain_guide_loss(router_logits, token_group_mask: torch.Tensor) -> torch.Tensor:
+    """Mean over layers and tokens of ``-log`` (router probability mass on the experts assigned to the token's
+    domain); ``token_group_mask`` is [tokens, E] with 1 on those experts."""
+    losses = []
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)
+        losses.append(-torch.log((probs * token_group_mask).sum(-1).clamp_min(1e-9)).mean())
+    return torch.stack(losses).mean()
+
+
+def warmup_factor(step: int, full_steps: int, decay_steps: int) -> float:
+    """1 for the first ``full_steps`` steps, then linearly down to 0 over ``decay_steps`` steps."""
+    if step < full_steps:
+        return 1.0
+    if decay_steps <= 0 or step >= full_steps + decay_steps:
+        return 0.0
+    return 1.0 - (step - full_steps) / decay_steps
+
+
 def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -236,9 +265,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--aux-per-layer", action=argparse.BooleanOptionalAction, default=False,
                     help="balance every layer separately (sum of per-layer losses) instead of transformers' pooled "
                          "loss")
+    ap.add_argument("--domain-warmup-steps", type=int, default=None,
+                    help="steps during which the router is also pushed towards the experts assigned to each token's "
+                         "domain (expert e <-> domain e %% 6); default 30%% of --steps; 0 = plain training")
+    ap.add_argument("--domain-warmup-decay", type=int, default=None,
+                    help="steps over which that push then fades out linearly (default 15%% of --steps)")
+    ap.add_argument("--domain-warmup-coef", type=float, default=0.1)
     ap.add_argument("--log-every", type=int, default=100)
     ap.add_argument("--valid-every", type=int, default=1000)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.domain_warmup_steps is None:
+        args.domain_warmup_steps = round(0.3 * args.steps)
+    if args.domain_warmup_decay is None:
+        args.domain_warmup_decay = round(0.15 * args.steps) if args.domain_warmup_steps > 0 else 0
+    return args
 
 
 def main(argv=None) -> dict:
@@ -259,8 +299,11 @@ def main(argv=None) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
 
     tokens_needed = args.steps * args.batch_size * args.seq_len + 1
-    train_ids = train_stream(tok, tokens_needed, args.seed)
-    train_windows = windows(train_ids, args.seq_len)
+    train_ids, train_doms = train_stream(tok, tokens_needed, args.seed)
+    train_windows, train_dom_windows = windows(train_ids, args.seq_len), windows(train_doms, args.seq_len)
+    # expert e is "assigned" to domain e % D; only used by the router's domain warm-up
+    D = len(synthetic.DOMAINS)
+    group_mask = (torch.arange(config.num_experts)[None, :] % D == torch.arange(D)[:, None]).float()  # [D, E]
     gen = torch.Generator().manual_seed(args.seed)
     order = torch.randperm(train_windows.shape[0], generator=gen)
     print(f"params {n_params:,}  vocab {len(tok)} (model {config.vocab_size})  train tokens {train_ids.numel():,} "
@@ -279,7 +322,7 @@ def main(argv=None) -> dict:
     coef = config.router_aux_loss_coef
     history = []
     t_train = time.time()
-    ce_acc = aux_acc = 0.0
+    ce_acc = aux_acc = guide_acc = 0.0
     n_acc = 0
     for step in range(args.steps):
         lr = lr_at(step, args.steps, args.lr, args.warmup, args.min_lr_ratio)
@@ -287,6 +330,7 @@ def main(argv=None) -> dict:
             g["lr"] = lr
         idx = order[step * args.batch_size : (step + 1) * args.batch_size]
         x = train_windows[idx]
+        guide = args.domain_warmup_coef * warmup_factor(step, args.domain_warmup_steps, args.domain_warmup_decay)
         if args.aux_per_layer:
             out = model(input_ids=x, output_router_logits=True, use_cache=False)
             ce = torch.nn.functional.cross_entropy(
@@ -298,6 +342,10 @@ def main(argv=None) -> dict:
             out = model(input_ids=x, labels=x, output_router_logits=True, use_cache=False)
             loss, aux_t = out.loss, out.aux_loss
             ce = loss - coef * aux_t
+        if guide > 0:
+            g_loss = domain_guide_loss(out.router_logits, group_mask[train_dom_windows[idx].reshape(-1)])
+            loss = loss + guide * g_loss
+            guide_acc += g_loss.detach().item()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -308,12 +356,13 @@ def main(argv=None) -> dict:
         n_acc += 1
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             rec = {"step": step + 1, "lr": lr, "train_ce": ce_acc / n_acc, "aux_loss": aux_acc / n_acc,
+                   "domain_guide_coef": guide, "domain_guide_loss": guide_acc / n_acc,
                    "elapsed_s": round(time.time() - t_train, 1)}
             if (step + 1) % args.valid_every == 0 or step + 1 == args.steps:
                 rec["valid_ppl"] = evaluate(model, valid_ids, valid_doms, args.seq_len)["perplexity"]
             history.append(rec)
             print(json.dumps(rec), flush=True)
-            ce_acc = aux_acc = 0.0
+            ce_acc = aux_acc = guide_acc = 0.0
             n_acc = 0
     train_time = time.time() - t_train
 
@@ -342,6 +391,16 @@ def main(argv=None) -> dict:
                       "grad_clip": 1.0},
         "experts_implementation_for_training": args.experts_implementation,
         "router_aux_loss_coef": coef,
+        "router_aux_loss": "per layer, summed over layers" if args.aux_per_layer
+        else "transformers' load_balancing_loss_func (router logits of all layers pooled)",
+        "domain_warmup": {
+            "steps": args.domain_warmup_steps,
+            "decay_steps": args.domain_warmup_decay,
+            "coef": args.domain_warmup_coef,
+            "free_steps_after": max(0, args.steps - args.domain_warmup_steps - args.domain_warmup_decay),
+            "expert_assignment": f"expert e <-> domain DOMAINS[e % {len(synthetic.DOMAINS)}]",
+            "loss": "mean over layers and tokens of -log(router probability mass on the token's domain experts)",
+        },
         "n_parameters": n_params,
         "tokenizer_vocab_size": len(tok),
         "model_vocab_size": config.vocab_size,
@@ -381,6 +440,9 @@ def main(argv=None) -> dict:
         info["reload_max_abs_logit_diff"] = diff
         info["total_wall_time_s"] = round(time.time() - t0, 1)
         (tmp / "train_info.json").write_text(json.dumps(info, indent=1) + "\n")
+        tmp.chmod(0o755)  # mkdtemp makes it 0700 (and safetensors writes 0600 files)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
         old = None
         if out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")

@@ -132,10 +132,12 @@ def test_tokenizer_round_trip(tokenizer, tmp_path):
 EVAL_CHARS = 20_000
 SEQ = 128
 # Mean over layers of I(domain; expert) / H(domain) of the top-k selections on EVAL_CHARS of the test split.
-# Measured (train_info.json): the trained teacher 0.032 (layers 0.019-0.043); the same architecture with random
-# weights stays below 0.01. The experts specialise mostly by token role, only weakly by domain: the threshold
-# separates trained from random routing, it does not claim strong domain experts.
-NMI_THRESHOLD = 0.015
+# Measured (train_info.json, 200k characters): the committed teacher 0.66 (layers 0.75 / 0.66 / 0.64 / 0.57).
+# The same model trained without the router's domain warm-up (--domain-warmup-steps 0) reached the same
+# perplexity (4.63) but only 0.03, routing by token identity; random weights give about 0.01. 0.3 is ten times
+# what domain-blind routing gives and far below the teacher's value, so the test fails for a teacher whose
+# experts do not specialise by domain, not for sampling noise on 20k characters.
+NMI_THRESHOLD = 0.3
 
 
 @pytest.fixture(scope="module")
@@ -228,5 +230,5 @@ def test_nmi_threshold_rejects_untrained_routing(teacher, torch_one_thread):
     torch_one_thread.manual_seed(0)
     fresh = AutoModelForCausalLM.from_config(model.config).eval()
     ppl, nmi, _ = _heldout(fresh, tok, torch_one_thread)
-    assert nmi < NMI_THRESHOLD
+    assert nmi < NMI_THRESHOLD / 10
     assert ppl > len(tok) / 4

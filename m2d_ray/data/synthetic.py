@@ -12,9 +12,10 @@ templates with learnable structure:
 * lists (``x , y and z``) and document-level coherence: each document draws a small subset of its domain's words
   and its sentences reuse them.
 
-Function words and punctuation are shared, so a mixture-of-experts LM trained on the corpus can (and does)
-route by domain. Text is lower-case with every token separated by one space, so the word-level tokenizer from
-:func:`build_tokenizer` round-trips it exactly (``decode(encode(doc)) == doc``).
+Function words, numbers and punctuation are shared by all domains (and one unit, ``degrees``, by cooking and
+medicine); about 43% of the tokens are domain-specific words. Text is lower-case with every token separated by
+one space, so the word-level tokenizer from :func:`build_tokenizer` round-trips it exactly
+(``decode(encode(doc)) == doc``).
 
 Everything is deterministic: a document stream is seeded from ``(split, domain, seed)`` through SHA-256 (never
 Python's salted ``hash``), and streams are prefix-stable (the first ``n`` documents do not depend on how many are
@@ -27,7 +28,7 @@ import functools
 import hashlib
 import random
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = [
     "DOMAINS",
