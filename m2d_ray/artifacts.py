@@ -42,13 +42,23 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = True) -> Iterator[Pat
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def write_json_atomic(path: str | os.PathLike, obj) -> None:
+def write_text_atomic(path: str | os.PathLike, text: str | bytes) -> None:
+    """Write a file through a temp file + rename: readers see the old or the new file, never half."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode() if isinstance(text, str) else text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_json_atomic(path: str | os.PathLike, obj) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True))
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:

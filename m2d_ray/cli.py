@@ -51,15 +51,30 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--baseline", default=None, help="random-ffn or random-init instead of a conversion")
     v.add_argument("--eval-data", default=None, help="measure perplexity on: text file, synthetic[:split] or wikitext2[:split]")
     v.add_argument("--out", required=True, help="directory for the dense student")
+
+    w = sub.add_parser("sweep", help="stage 1 on Ray: the scoring x grouping x scaling x K grid by pre-distillation perplexity")
+    w.add_argument("config", nargs="?", default=None, help="YAML config (experiments/*.yaml); not needed with --resume")
+    w.add_argument("overrides", nargs="*", default=[], help="key=value overrides, e.g. grid.K=[2,4] grid.scoring=[sf,do-acp]")
+    w.add_argument("--model", default=None, help="overrides `model:`")
+    w.add_argument("--calib-data", default=None, help="overrides `calib.data`")
+    w.add_argument("--eval-data", default=None, help="overrides `eval.data`")
+    w.add_argument("--out", default=None, help="run directory (default runs/<name>-<time>)")
+    w.add_argument("--resume", default=None, metavar="RUN_DIR", help="finish a killed or interrupted sweep")
+    w.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///RUN_DIR/mlflow.db)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    ap = parser()
+    args, extra = ap.parse_known_args(argv)
+    if args.command == "sweep" and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides += extra  # key=value overrides may follow the options
+    elif extra:
+        ap.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         from m2d_ray import pipeline
 
-        calib = {"max_tokens": args.max_tokens, "seq_len": args.seq_len, "batch_size": args.batch_size}
+        calib = {k: getattr(args, k) for k in ("max_tokens", "seq_len", "batch_size") if hasattr(args, k)}
         if args.command == "calibrate":
             _, art, reused = pipeline.run_calibrate(args.model, args.calib_data, args.out, device=args.device, **calib)
             m = art.manifest
@@ -72,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             for layer, sel in result.get("selected", {}).items():
                 print(f"layer {layer}: experts {sel} groups {result['groups'][layer]}", file=sys.stderr)
+            print(json.dumps(result))
+        elif args.command == "sweep":
+            result = pipeline.sweep(
+                args.config, args.overrides, out=args.out, resume=args.resume, tracking_uri=args.tracking_uri,
+                model=args.model, calib_data=args.calib_data, eval_data=args.eval_data,
+            )
             print(json.dumps(result))
     except M2DError as exc:
         print(f"m2d: error: {exc}", file=sys.stderr)

@@ -1,8 +1,9 @@
-"""The stage order, top to bottom. Each function is one CLI command; later stages (sweeps,
-distillation, lm-eval) plug in after `convert_one`.
+"""The stage order, top to bottom. Each function is one CLI command.
 
     load teacher -> tokenise calibration text -> calibrate (stats artifact)
       -> plan (score, select, group, scale) -> build dense student -> export + verify -> perplexity
+    sweep (stage 1): calibrate on Ray Data -> plan the whole grid -> Ray Tune over distinct students
+      -> stage1 table + promotions.json (the input of stage 2)
 """
 
 from __future__ import annotations
@@ -133,3 +134,43 @@ def convert_one(
     if eval_data:
         result["perplexity"] = evaluate_ppl(student, teacher.tokenizer, eval_data).to_json()
     return result
+
+
+def sweep(
+    config: str | None,
+    overrides: list[str],
+    out: str | None = None,
+    resume: str | None = None,
+    tracking_uri: str | None = None,
+    model: str | None = None,
+    calib_data: str | None = None,
+    eval_data: str | None = None,
+) -> dict:
+    """Stage 1: run (or resume) the grid of a YAML config; returns a summary (promotions included)."""
+    import time
+
+    from m2d_ray.config import load_config
+
+    if resume:
+        if config or overrides or model or calib_data or eval_data or out:
+            raise M2DError("--resume RUN_DIR reuses the run's saved config; drop the config, overrides and --out/--model/--*-data")
+        run_dir, cfg = resume, None
+    else:
+        if config is None:
+            raise M2DError("give a config (e.g. experiments/tiny.yaml) or --resume RUN_DIR")
+        cli = [f"{k}={v}" for k, v in (("model", model), ("calib.data", calib_data), ("eval.data", eval_data)) if v]
+        cfg = load_config(config, [*overrides, *cli])
+        run_dir = out or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    from m2d_ray.sweep.stage1 import run_stage1
+
+    res = run_stage1(cfg, run_dir, resume=bool(resume), tracking_uri=tracking_uri)
+    statuses = [r["status"] for r in res.records]
+    return {
+        "run_dir": str(res.run_dir),
+        "configs": len(res.records),
+        "status": {s: statuses.count(s) for s in sorted(set(statuses))},
+        "trials_run": res.evaluated,
+        "full_evaluations": res.full_evaluations,
+        "promotions": {p: {"K": v["K"], "scaling": v["scaling"], "ppl": v["ppl"]} for p, v in res.promotions.items()},
+        "wall_s": round(res.wall_s, 1),
+    }

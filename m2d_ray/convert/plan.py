@@ -57,6 +57,12 @@ class ConversionPlan:
             "layers": {str(i): asdict(p) for i, p in sorted(self.layers.items())},
         }
 
+    @classmethod
+    def from_json(cls, d: dict) -> "ConversionPlan":
+        """Inverse of to_json (plans travel to sweep trials as JSON)."""
+        layers = {int(i): LayerPlan(**p) for i, p in d["layers"].items()}
+        return cls(scoring=d["scoring"], grouping=d["grouping"], scaling=d["scaling"], K=d["K"], k=d["k"], layers=layers)
+
 
 def check_methods(scoring: str, grouping: str, scaling: str) -> None:
     SCORINGS.check(scoring)

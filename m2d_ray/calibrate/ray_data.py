@@ -1,0 +1,88 @@
+"""Distributed calibration on Ray Data: the same statistics artifact as `calibrate()`, computed by a pool.
+
+The tokenised calibration set becomes a Ray Dataset of sequences; `map_batches` runs an actor pool
+in which each actor loads the teacher once and turns a batch into the additive partial sums of
+`collect_stats` (one output row per batch). The driver adds the rows up in float64 and writes the
+artifact with `save_stats`, so it is interchangeable with the single-process one (and reused alike).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import ray
+import torch
+
+from m2d_ray.calibrate import data_fingerprint
+from m2d_ray.calibrate.artifact import StatsArtifact, load_matching, save_stats
+from m2d_ray.calibrate.collect import collect_stats
+from m2d_ray.calibrate.stats import LayerStats
+from m2d_ray.data.text import TokenSet
+from m2d_ray.models import load_config, model_fingerprint
+
+
+class StatsActor:
+    """Holds one teacher; called with a batch of sequences, returns that batch's partial sums."""
+
+    def __init__(self, model: str, device: str, threads: int) -> None:
+        from m2d_ray.models import load_teacher
+
+        torch.set_num_threads(threads)
+        self.teacher = load_teacher(model, device=device)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        t = self.teacher
+        seqs = torch.from_numpy(np.ascontiguousarray(batch["data"]))  # [B, 2, L]: ids, mask
+        ids, mask = seqs[:, 0], seqs[:, 1]
+        stats = collect_stats(t.model, t.adapter, ids, mask, batch_size=ids.shape[0], progress=False)
+        out = {}
+        for i, st in stats.items():
+            out.update({name: v.numpy()[None] for name, v in st.to_tensors(f"layer{i}.").items()})
+        return out
+
+
+def calibrate_ray(
+    model: str,
+    tokens: TokenSet,
+    data_spec: str,
+    out: str | Path,
+    batch_size: int = 8,
+    actors: int = 2,
+    gpus_per_actor: float = 0.0,
+    threads: int = 1,
+) -> tuple[StatsArtifact, bool]:
+    """Statistics of `model` on `tokens` with a Ray Data actor pool; reuses `out` when it matches.
+
+    Returns (artifact, reused). Needs a running Ray (`ray.init`). The driver never loads the weights.
+    """
+    config = load_config(model)
+    model_fp, data_fp = model_fingerprint(model, config), data_fingerprint(data_spec, tokens)
+    if (found := load_matching(out, model_fp, data_fp)) is not None:
+        return found, True
+    from m2d_ray.arch import get_adapter
+
+    adapter = get_adapter(config)
+    seqs = torch.stack([tokens.ids, tokens.mask], dim=1).numpy()
+    # blocks cut at batch boundaries: every actor call sees exactly a batch of the single-process pass
+    n_batches = -(-len(seqs) // batch_size)
+    per_block = max(1, -(-n_batches // (4 * actors))) * batch_size
+    ds = ray.data.from_numpy([seqs[i : i + per_block] for i in range(0, len(seqs), per_block)])
+    partials = ds.map_batches(
+        StatsActor,
+        batch_size=batch_size,
+        compute=ray.data.ActorPoolStrategy(size=actors),
+        num_gpus=gpus_per_actor,
+        num_cpus=1,
+        fn_constructor_kwargs={"model": model, "device": "cuda" if gpus_per_actor > 0 else "cpu", "threads": threads},
+        batch_format="numpy",
+    )
+    total: dict[str, np.ndarray] = {}
+    for rows in partials.iter_batches(batch_size=None, batch_format="numpy"):
+        for name, v in rows.items():
+            s = np.asarray(v, dtype=np.float64).sum(0)
+            total[name] = total[name] + s if name in total else s
+    tensors = {name: torch.from_numpy(np.asarray(v)) for name, v in total.items()}
+    layers = sorted({int(name.split(".")[0].removeprefix("layer")) for name in tensors})
+    stats = {i: LayerStats.from_tensors(tensors, f"layer{i}.") for i in layers}
+    return save_stats(out, stats, model_fp, data_fp, {"top_k": adapter.top_k(config), "engine": "ray-data"}), False

@@ -1,0 +1,236 @@
+"""Sweep configuration: frozen dataclasses read from YAML, with `key=value` overrides.
+
+A YAML file is a (possibly partial) nested mapping of the dataclasses below; `include: base.yaml`
+merges a base file first, so a teacher's config is a small diff. Every key is checked: an unknown
+key, a wrong type or an unknown method name fails with one line that says what to write instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+from m2d_ray.errors import M2DError
+
+
+@dataclass(frozen=True)
+class CalibConfig:
+    data: str | None = None  # data spec; None = the teacher's default (pipeline.resolve_calib)
+    max_tokens: int = 32768
+    seq_len: int = 256
+    batch_size: int = 8
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    data: str = "wikitext2:test"
+    max_chars: int | None = 300_000
+    seq_len: int = 256
+    batch_size: int = 8
+    chunks: int = 6  # perplexity is reported after each of these chunks (early stopping)
+
+
+@dataclass(frozen=True)
+class GridConfig:
+    scoring: tuple[str, ...] = ("sf", "pp", "ps", "cp", "acp", "do-cp", "do-acp")
+    grouping: tuple[str, ...] = ("rr", "wc", "rc", "ab", "oc")
+    scaling: tuple[str, ...] = ("uniform", "proportional")
+    K: Union[str, tuple[int, ...]] = "auto"  # "auto" = k, 2k, 4k, ..., E
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    dedupe: bool = True  # evaluate each distinct student once
+    early_stop: bool = True
+    stop_factor: float = 1.5  # stop when partial ppl > factor x the best of its (scoring, grouping) pair
+    grace_chunks: int = 1  # never stop before this many chunks
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    address: str | None = None  # None: RAY_ADDRESS or a local Ray; "auto": the running cluster
+    num_cpus: int = 4  # logical CPUs of a local Ray (more than the cores: see stack-notes)
+    data_actors: int = 2  # Ray Data actor pool for calibration
+    data_gpus_per_actor: float = 0.0
+    cpus_per_trial: float = 1.0
+    gpus_per_trial: float = 0.0  # fractional GPUs share one device between trials
+    max_concurrent_trials: int = 2
+    threads_per_worker: int = 1
+    storage_path: str | None = None  # Tune storage (shared/cloud path on a cluster); default RUN_DIR/tune
+
+
+@dataclass(frozen=True)
+class TrackConfig:
+    tracking_uri: str | None = None  # default sqlite:///RUN_DIR/mlflow.db
+    experiment: str = "m2d-stage1"
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """Fault injection for tests and drills: trial keys that raise, or whose student is poisoned with NaN."""
+
+    raise_in: tuple[str, ...] = ()
+    nan_in: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    name: str = "sweep"
+    model: str | None = None  # hub name or directory; None = the embedded tiny teacher
+    device: str | None = None  # per trial; None = cuda when the trial has a GPU, else cpu
+    calib: CalibConfig = field(default_factory=CalibConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    grid: GridConfig = field(default_factory=GridConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    mlflow: TrackConfig = field(default_factory=TrackConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
+
+    def to_dict(self) -> dict:
+        return _plain(dataclasses.asdict(self))
+
+    def check_methods(self) -> None:
+        """Method names, non-empty axes and a well-formed K list (K's range needs the model: check_k_range)."""
+        from m2d_ray.convert.scaling import SCALINGS
+        from m2d_ray.grouping import GROUPINGS
+        from m2d_ray.scoring import SCORINGS
+
+        for axis, registry in (("scoring", SCORINGS), ("grouping", GROUPINGS), ("scaling", SCALINGS)):
+            names = getattr(self.grid, axis)
+            if not names:
+                raise M2DError(f"grid.{axis} is empty; list at least one of: {', '.join(registry.names())}")
+            for n in names:
+                if n not in registry:
+                    raise M2DError(f"grid.{axis}: {registry.unknown_message(n)}")
+        K = self.grid.K
+        if isinstance(K, str) and K != "auto":
+            raise M2DError(f"grid.K={K!r}: write a list of integers such as [8, 16] or auto (k, 2k, 4k ... E)")
+        if not isinstance(K, str) and not K:
+            raise M2DError("grid.K is empty; give a list such as [8, 16] or auto (k, 2k, 4k ... E)")
+        if self.eval.chunks < 1 or self.search.stop_factor <= 1.0:
+            raise M2DError("eval.chunks must be >= 1 and search.stop_factor > 1")
+
+
+def k_values(K: Union[str, tuple[int, ...]], k: int, E: int) -> list[int]:
+    """The K list for a model with top-k `k` and `E` experts; raises when a K is outside [k, E]."""
+    if K == "auto":
+        out, v = [], k
+        while v < E:
+            out.append(v)
+            v *= 2
+        return out + [E]
+    bad = [v for v in K if not k <= v <= E]
+    if bad:
+        raise M2DError(f"grid.K has {bad} outside [k, E] = [{k}, {E}] for this model; use values in that range or auto")
+    return sorted(set(K))
+
+
+# ---- loading ---------------------------------------------------------------------------------
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> SweepConfig:
+    """Read a YAML config (None = all defaults) and apply `a.b=value` overrides."""
+    raw: dict = _read_yaml(Path(path)) if path is not None else {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise M2DError(f"override {item!r} is not key=value (e.g. grid.K=[8,16] or search.early_stop=false)")
+        _set_path(raw, key.strip().split("."), yaml.safe_load(value))
+    cfg = _build(SweepConfig, raw, "")
+    cfg.check_methods()
+    return cfg
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    if not path.exists():
+        raise M2DError(f"config {path} not found; see experiments/ for examples")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise M2DError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise M2DError(f"{path} must be a mapping of keys (name:, model:, grid: ...)")
+    base = data.pop("include", None)
+    if base is None:
+        return data
+    base_path = (path.parent / base).resolve()
+    if base_path in seen:
+        raise M2DError(f"{path}: include cycle through {base_path}")
+    return _merge(_read_yaml(base_path, seen + (path.resolve(),)), data)
+
+
+def _merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _set_path(raw: dict, keys: list[str], value: Any) -> None:
+    node = raw
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise M2DError(f"override {'.'.join(keys)}: {k} is not a section")
+    node[keys[-1]] = value
+
+
+def _build(cls, raw: Any, where: str):
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise M2DError(f"{where or 'config'} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        path = f"{where}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+            hint = f" did you mean {where}{close[0]}?" if close else ""
+            raise M2DError(f"unknown config key {path!r};{hint} known keys here: {', '.join(names)}")
+        hint = hints[key]
+        kwargs[key] = _build(hint, value, f"{path}.") if dataclasses.is_dataclass(hint) else _coerce(value, hint, path)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, path: str) -> Any:
+    """Check/convert a YAML value against a field's type hint (str | None, int, tuple[str, ...], ...)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for alt in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, alt, path)
+            except M2DError as exc:
+                errors.append(str(exc))
+        raise M2DError(errors[-1])
+    if origin is tuple:
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return tuple(_coerce(v, args[0], path) for v in items)
+    ok = {bool: lambda v: isinstance(v, bool), int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), str: lambda v: isinstance(v, str)}
+    if hint in ok and ok[hint](value):
+        return float(value) if hint is float else value
+    raise M2DError(f"{path}={value!r} should be {getattr(hint, '__name__', hint)}")
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def dump_config(cfg: SweepConfig, path: str | Path) -> None:
+    from m2d_ray.artifacts import write_text_atomic
+
+    write_text_atomic(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

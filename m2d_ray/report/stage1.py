@@ -1,0 +1,88 @@
+"""The stage-1 table in the paper's layout (rows scoring x grouping x scaling, columns K) and a heatmap."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from pathlib import Path
+
+from m2d_ray.artifacts import write_text_atomic
+
+#: how a non-ok cell reads in the table ("--" is the paper's mark for numerical instability)
+MARKS = {"diverged": "--", "pruned": "pruned", "failed": "failed"}
+
+
+def table(records: list[dict], order: dict[str, list]) -> tuple[list[int], list[tuple[str, str, str, dict[int, dict]]]]:
+    """(K columns, rows) with rows in the grid's order; `order` maps scoring/grouping/scaling/K to lists."""
+    by_row: dict[tuple[str, str, str], dict[int, dict]] = {}
+    for r in records:
+        by_row.setdefault((r["scoring"], r["grouping"], r["scaling"]), {})[r["K"]] = r
+    pos = {axis: {v: i for i, v in enumerate(vals)} for axis, vals in order.items()}
+    keys = sorted(by_row, key=lambda t: (pos["scoring"].get(t[0], 99), pos["grouping"].get(t[1], 99), pos["scaling"].get(t[2], 99)))
+    Ks = sorted({r["K"] for r in records})
+    return Ks, [(*t, by_row[t]) for t in keys]
+
+
+def cell(r: dict | None, fmt: str = "{:.2f}") -> str:
+    if r is None:
+        return ""
+    if r["status"] == "ok":
+        return fmt.format(r["ppl"])
+    return MARKS[r["status"]]
+
+
+def write_tables(records: list[dict], order: dict[str, list], out_dir: str | Path) -> list[Path]:
+    """stage1.csv and stage1.md in `out_dir` (atomic writes); returns the paths."""
+    Ks, rows = table(records, order)
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["scoring", "grouping", "scaling", *[f"K={K}" for K in Ks]])
+    for s, g, c, cells in rows:
+        w.writerow([s, g, c, *[cell(cells.get(K), "{:.6g}") for K in Ks]])
+    md = ["| scoring | grouping | scaling | " + " | ".join(f"K={K}" for K in Ks) + " |", "|---|---|---|" + "---:|" * len(Ks)]
+    for s, g, c, cells in rows:
+        md.append(f"| {s.upper()} | {g.upper()} | {c} | " + " | ".join(cell(cells.get(K), "{:,.1f}") for K in Ks) + " |")
+    md.append("")
+    md.append("Pre-distillation perplexity. `--` diverged (NaN/inf), `pruned` stopped early (far worse than its pair's best).")
+    out = Path(out_dir)
+    write_text_atomic(out / "stage1.csv", buf.getvalue())
+    write_text_atomic(out / "stage1.md", "\n".join(md) + "\n")
+    return [out / "stage1.csv", out / "stage1.md"]
+
+
+def heatmap(records: list[dict], order: dict[str, list], path: str | Path, title: str = "stage 1: pre-distillation perplexity") -> Path:
+    """log10 perplexity per row x K; diverged / pruned / failed cells are grey and labelled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    Ks, rows = table(records, order)
+    vals = np.full((len(rows), len(Ks)), np.nan)
+    for i, (_, _, _, cells) in enumerate(rows):
+        for j, K in enumerate(Ks):
+            r = cells.get(K)
+            if r is not None and r["status"] == "ok" and math.isfinite(r["ppl"]):
+                vals[i, j] = math.log10(r["ppl"])
+    fig, ax = plt.subplots(figsize=(2.2 + 0.9 * len(Ks), 1.0 + 0.22 * len(rows)))
+    cmap = plt.get_cmap("viridis_r").copy()
+    cmap.set_bad("#cccccc")
+    im = ax.imshow(np.ma.masked_invalid(vals), aspect="auto", cmap=cmap)
+    for i, (_, _, _, cells) in enumerate(rows):
+        for j, K in enumerate(Ks):
+            v = vals[i, j]
+            dark = np.isfinite(v) and (v - np.nanmin(vals)) > 0.6 * (np.nanmax(vals) - np.nanmin(vals))
+            ax.text(j, i, cell(cells.get(K), "{:.0f}"), ha="center", va="center", fontsize=6, color="white" if dark else "black")
+    ax.set_xticks(range(len(Ks)), [f"K={K}" for K in Ks])
+    ax.set_yticks(range(len(rows)), [f"{s}·{g}·{c}" for s, g, c, _ in rows], fontsize=6)
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax, label="log10 perplexity")
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=130)
+    plt.close(fig)
+    tmp.replace(path)
+    return path

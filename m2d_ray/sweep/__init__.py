@@ -1,0 +1,1 @@
+"""Sweeps on Ray Tune: stage 1 (conversion recipes by pre-distillation perplexity)."""

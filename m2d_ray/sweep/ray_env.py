@@ -1,0 +1,26 @@
+"""Connecting to Ray: a running cluster (ray.address / RAY_ADDRESS / `ray job submit`) or a local one."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+
+from m2d_ray.config import RayConfig
+
+
+def ensure_ray(cfg: RayConfig) -> None:
+    """Use the Ray already initialised in this process, else connect or start one.
+
+    A local Ray gets more logical CPUs than cores (`num_cpus`, default 4): with as many as the
+    cores a Tune trial that starts workers deadlocked here (stack-notes). Token auth, on by default
+    for local clusters since Ray 2.59, is turned off for a local instance only.
+    """
+    if ray.is_initialized():
+        return
+    address = cfg.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=False)

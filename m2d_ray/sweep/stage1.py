@@ -1,0 +1,327 @@
+"""Stage 1 on Ray: Ray Data calibration -> plan every config -> Ray Tune over the distinct students.
+
+    statistics (Ray Data actor pool)        RUN_DIR/stats/
+    plans of the whole grid (one Ray task)  RUN_DIR/plans.json
+    dedupe by plan signature                one Tune trial per distinct student
+    Tune + PairwiseStopper                  chunked perplexity, hopeless configs stopped
+    ledger + MLflow (driver callback)       RUN_DIR/trials/*.json, parent run + one nested run per config
+    table, heatmap, promotions              RUN_DIR/stage1.{csv,md,png}, promotions.json
+
+Resume (`m2d sweep --resume RUN_DIR`) re-reads the saved config, reuses the statistics and plans,
+skips every config already in the ledger and reconciles MLflow from the ledger.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+import torch
+from ray import tune
+
+from m2d_ray.artifacts import write_json_atomic
+from m2d_ray.calibrate.artifact import StatsArtifact
+from m2d_ray.calibrate.ray_data import calibrate_ray
+from m2d_ray.config import SweepConfig, dump_config, load_config
+from m2d_ray.data.text import calibration_set, load_text, tokenize
+from m2d_ray.errors import M2DError
+from m2d_ray.report.stage1 import heatmap, write_tables
+from m2d_ray.sweep.grid import TrialSpec, Unique, dedupe, expand, plan_all, plan_of
+from m2d_ray.sweep.ledger import Ledger
+from m2d_ray.sweep.promote import promote, unpromoted
+from m2d_ray.sweep.ray_env import ensure_ray
+from m2d_ray.sweep.scheduler import PairwiseStopper
+from m2d_ray.sweep.trial import InjectedFault, run_trial
+from m2d_ray.track import LOGGED_TAG, Tracker, default_tracking_uri
+
+CONFIG_FILE, STATE_FILE, PLANS_FILE, PROMOTIONS_FILE = "config.yaml", "sweep.json", "plans.json", "promotions.json"
+
+
+@dataclass
+class Stage1Result:
+    run_dir: Path
+    records: list[dict]
+    promotions: dict[str, dict]
+    evaluated: int  # Tune trials run by this invocation
+    full_evaluations: int  # of which ran the whole perplexity (not pruned, not failed)
+    wall_s: float
+
+
+# ---- the trial (runs in a Tune worker) ---------------------------------------------------------
+_TEACHERS: dict[tuple[str, str], object] = {}
+
+
+def _teacher(model: str, device: str):
+    """One teacher per worker process (Tune reuses actors across trials)."""
+    from m2d_ray.models import load_teacher
+
+    if (model, device) not in _TEACHERS:
+        _TEACHERS[(model, device)] = load_teacher(model, device=device)
+    return _TEACHERS[(model, device)]
+
+
+def stage1_trainable(config: dict, *, model: str, plans: dict, eval_ids, cfg: SweepConfig) -> None:
+    torch.set_num_threads(cfg.ray.threads_per_worker)
+    key = config["key"]
+    if key in cfg.faults.raise_in:
+        raise InjectedFault(f"injected failure in {key} (faults.raise_in)")
+    device = cfg.device or ("cuda" if cfg.ray.gpus_per_trial > 0 else "cpu")
+    for metrics in run_trial(_teacher(model, device), plan_of(plans, key), eval_ids, cfg.eval, poison=key in cfg.faults.nan_in):
+        tune.report(metrics)
+
+
+@ray.remote(num_cpus=1)
+def _plan_task(model: str, stats: dict[str, torch.Tensor], layers: list[int], specs: list[TrialSpec], threads: int) -> dict:
+    from m2d_ray.calibrate.stats import LayerStats
+    from m2d_ray.models import load_teacher
+
+    torch.set_num_threads(threads)
+    teacher = load_teacher(model)
+    return plan_all(teacher, {i: LayerStats.from_tensors(stats, f"layer{i}.") for i in layers}, specs)
+
+
+# ---- records -------------------------------------------------------------------------------------
+def make_record(spec: TrialSpec, plan: dict, status: str, partials: list[tuple[int, float]], final: dict | None,
+                duplicate_of: str | None, attempt: str, error: str | None = None) -> dict:
+    layers = plan["layers"]
+    return {
+        **spec.params(),
+        "key": spec.key,
+        "signature": plan["signature"],
+        "status": status,
+        "ppl": final["ppl"] if status == "ok" else None,
+        "nll": final["nll"] if final else None,
+        "tokens": final["tokens"] if final else None,
+        "partials": [[c, p if math.isfinite(p) else None] for c, p in partials],
+        "duplicate_of": duplicate_of,
+        "selected": {i: p["selected"] for i, p in layers.items()},
+        "effective_rank": sum(p["erank"] for p in layers.values()) / len(layers),
+        "error": error,
+        "attempt": attempt,
+    }
+
+
+def log_record(tracker: Tracker, parent: str, r: dict) -> None:
+    """Idempotent: the config's nested run (found or created) gets the record and is terminated."""
+    run = tracker.trial_run(parent, r["key"], {k: r[k] for k in ("scoring", "grouping", "scaling", "K")})
+    metrics = {"effective_rank": r["effective_rank"]}
+    if r["ppl"] is not None:
+        metrics["perplexity"] = r["ppl"]
+    tags = {"status": r["status"], "signature": r["signature"], "duplicate_of": r["duplicate_of"], "error": r["error"],
+            "selected": json.dumps(r["selected"]), LOGGED_TAG: "1"}
+    tracker.log(run, metrics=metrics, tags=tags, steps={"partial_perplexity": [tuple(p) for p in r["partials"]]})
+    tracker.finish(run, {"ok": "FINISHED", "diverged": "FINISHED", "pruned": "KILLED", "failed": "FAILED"}[r["status"]])
+
+
+class Recorder(tune.Callback):
+    """Driver side: on each finished Tune trial, write the ledger for every config of its student, then MLflow."""
+
+    def __init__(self, uniques: dict[str, Unique], plans: dict, ledger: Ledger, tracker: Tracker, parent: str,
+                 stopper: PairwiseStopper | None, attempt: str, total: int) -> None:
+        self.uniques, self.plans, self.ledger, self.tracker, self.parent = uniques, plans, ledger, tracker, parent
+        self.stopper, self.attempt, self.total = stopper, attempt, total
+        self.partials: dict[str, list[tuple[int, float]]] = {}
+        self.finished = 0
+        self.full = 0
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        key = trial.config["key"]
+        self.partials[key] = []
+        self.tracker.trial_run(self.parent, key, self.uniques[key].canonical.params())
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        if "chunk" in result:
+            self.partials[trial.config["key"]].append((result["chunk"], result["ppl"]))
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        last = trial.last_result or {}
+        if last.get("final"):
+            status = "diverged" if last.get("diverged") else "ok"
+        else:
+            status = "pruned"
+        self._finish(trial, status, last)
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        err = trial.get_error()
+        lines = [ln for ln in str(err or "trial raised").splitlines() if ln.strip()]
+        self._finish(trial, "failed", trial.last_result or {}, error=lines[-1][:500] if lines else "trial raised")
+
+    def _finish(self, trial, status: str, last: dict, error: str | None = None) -> None:
+        key = trial.config["key"]
+        u = self.uniques[key]
+        final = last if last.get("final") else None
+        records = [
+            make_record(m, self.plans[m.key], status, self.partials.get(key, []), final, None if m == u.canonical else key, self.attempt, error)
+            for m in u.members
+        ]
+        for r in records:  # ledger first (source of truth), then MLflow (reconciled on resume)
+            self.ledger.write(r)
+        for r in records:
+            log_record(self.tracker, self.parent, r)
+        self.finished += 1
+        self.full += status in ("ok", "diverged")
+        ppl = f"{last['ppl']:.2f}" if last.get("ppl") is not None and math.isfinite(last["ppl"]) else "-"
+        dup = f" (+{len(u.members) - 1} identical)" if len(u.members) > 1 else ""
+        print(f"[{self.finished}/{self.total}] {key}: {status} ppl {ppl}{dup}", file=sys.stderr, flush=True)
+
+
+# ---- the sweep -----------------------------------------------------------------------------------
+def prepare_run_dir(cfg: SweepConfig | None, run_dir: str | Path, resume: bool) -> tuple[SweepConfig, dict]:
+    """New run: refuse a used directory, save the config. Resume: read config and state back."""
+    run_dir = Path(run_dir)
+    state_file = run_dir / STATE_FILE
+    if resume:
+        if not state_file.exists():
+            raise M2DError(f"{run_dir} holds no sweep to resume (no {STATE_FILE}); start one with m2d sweep CONFIG --out {run_dir}")
+        return load_config(run_dir / CONFIG_FILE), json.loads(state_file.read_text())
+    if state_file.exists():
+        raise M2DError(f"{run_dir} already holds a sweep; resume it with --resume {run_dir} or choose another --out")
+    assert cfg is not None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(cfg, run_dir / CONFIG_FILE)
+    state = {"sweep_id": uuid.uuid4().hex, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "attempts": 0}
+    write_json_atomic(state_file, state)
+    return cfg, state
+
+
+def _stats(cfg: SweepConfig, model: str, run_dir: Path, tokenizer) -> StatsArtifact:
+    from m2d_ray.pipeline import load_text_with_fallback, resolve_calib
+
+    spec = resolve_calib(cfg.calib.data, cfg.model)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    tokens = calibration_set(tokenizer, load_text_with_fallback(spec), seq_len=cfg.calib.seq_len, max_tokens=cfg.calib.max_tokens, pad_id=pad)
+    art, reused = calibrate_ray(model, tokens, spec, run_dir / "stats", batch_size=cfg.calib.batch_size, actors=cfg.ray.data_actors,
+                                gpus_per_actor=cfg.ray.data_gpus_per_actor, threads=cfg.ray.threads_per_worker)
+    print(f"statistics: {'reused' if reused else 'computed'} {art.manifest['n_tokens']} tokens, sha256 {art.checksum[:12]}", file=sys.stderr)
+    return art
+
+
+def _plans(cfg: SweepConfig, model: str, run_dir: Path, art: StatsArtifact, specs: list[TrialSpec]) -> dict:
+    path = run_dir / PLANS_FILE
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved["stats_sha256"] == art.checksum and set(saved["plans"]) >= {s.key for s in specs}:
+            return saved["plans"]
+    tensors = {k: v for i, st in art.layers.items() for k, v in st.to_tensors(f"layer{i}.").items()}
+    plans = ray.get(_plan_task.remote(model, tensors, sorted(art.layers), specs, cfg.ray.threads_per_worker))
+    write_json_atomic(path, {"stats_sha256": art.checksum, "plans": plans})
+    return plans
+
+
+def run_stage1(cfg: SweepConfig | None, run_dir: str | Path, resume: bool = False, tracking_uri: str | None = None) -> Stage1Result:
+    """Run (or resume) the stage-1 grid of `cfg` into `run_dir`; see the module docstring."""
+    from transformers import AutoTokenizer
+
+    from m2d_ray.arch import get_adapter
+    from m2d_ray.models import default_teacher
+    from m2d_ray.models import load_config as model_config
+
+    t0 = time.time()
+    run_dir = Path(run_dir).resolve()
+    cfg, state = prepare_run_dir(cfg, run_dir, resume)
+    model = cfg.model or default_teacher()
+    mcfg = model_config(model)
+    adapter = get_adapter(mcfg)
+    k, E = adapter.top_k(mcfg), adapter.num_experts(mcfg)
+    specs = expand(cfg.grid, k, E)  # validates K against [k, E] before any work
+    state["attempts"] += 1
+    attempt = f"{state['sweep_id'][:8]}-{state['attempts']}"
+    write_json_atomic(run_dir / STATE_FILE, state)
+
+    tracker = Tracker(tracking_uri or cfg.mlflow.tracking_uri or default_tracking_uri(run_dir), cfg.mlflow.experiment, run_dir / "mlartifacts")
+    ensure_ray(cfg.ray)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    art = _stats(cfg, model, run_dir, tokenizer)
+    plans = _plans(cfg, model, run_dir, art, specs)
+    uniques = dedupe(specs, plans, cfg.search.dedupe)
+    parent = tracker.parent_run(
+        state["sweep_id"], cfg.name,
+        params={"model": model, "k": k, "E": E, "configs": len(specs), "distinct_students": len(uniques),
+                "stats_sha256": art.checksum, "calib_tokens": art.manifest["n_tokens"], "eval_data": cfg.eval.data,
+                "grid.K": ",".join(map(str, sorted({s.K for s in specs}))), "early_stop": cfg.search.early_stop,
+                "stop_factor": cfg.search.stop_factor, "dedupe": cfg.search.dedupe},
+        tags={"run_dir": str(run_dir), "teacher": model},
+    )
+    ledger = Ledger(run_dir)
+    _reconcile(ledger, uniques, plans, tracker, parent, attempt)
+    pending = [u for u in uniques if u.canonical.key not in ledger.done()]
+    print(f"stage 1: {len(specs)} configs, {len(uniques)} distinct students, {len(pending)} to evaluate", file=sys.stderr)
+
+    recorder = None
+    if pending:
+        recorder = _tune(cfg, model, run_dir, plans, pending, ledger, tracker, parent, attempt, tokenizer)
+    records = ledger.records()
+    promotions = _finish(cfg, run_dir, records, tracker, parent, model, art, k, E)
+    return Stage1Result(run_dir, records, promotions, recorder.finished if recorder else 0, recorder.full if recorder else 0, time.time() - t0)
+
+
+def _reconcile(ledger: Ledger, uniques: list[Unique], plans: dict, tracker: Tracker, parent: str, attempt: str) -> None:
+    """After a kill: copy finished results to identical configs missing a record; log unlogged records."""
+    done = ledger.done()
+    for u in uniques:
+        if u.canonical.key in done:
+            src = ledger.read(u.canonical.key)
+            for m in u.members[1:]:
+                if m.key not in done:
+                    ledger.write({**src, **m.params(), "key": m.key, "duplicate_of": u.canonical.key})
+    logged = tracker.logged_trials(parent)
+    for r in ledger.records():
+        if r["key"] not in logged:
+            log_record(tracker, parent, r)
+
+
+def _tune(cfg, model, run_dir, plans, pending, ledger, tracker, parent, attempt, tokenizer) -> Recorder:
+    ids = tokenize(tokenizer, load_text(cfg.eval.data), max_chars=cfg.eval.max_chars)
+    uniques = {u.canonical.key: u for u in pending}
+    stopper = None
+    if cfg.search.early_stop:
+        stopper = PairwiseStopper(cfg.search.stop_factor, cfg.search.grace_chunks, pairs={k: u.pairs for k, u in uniques.items()})
+        stopper.seed(ledger.records())
+    recorder = Recorder(uniques, plans, ledger, tracker, parent, stopper, attempt, len(pending))
+    resources = {"cpu": cfg.ray.cpus_per_trial, "gpu": cfg.ray.gpus_per_trial}
+    trainable = tune.with_resources(tune.with_parameters(stage1_trainable, model=model, plans=plans, eval_ids=ids, cfg=cfg), resources)
+    storage = cfg.ray.storage_path or str(run_dir / "tune")
+    tuner = tune.Tuner(
+        trainable,
+        param_space={"key": tune.grid_search(list(uniques))},
+        tune_config=tune.TuneConfig(
+            scheduler=stopper, max_concurrent_trials=cfg.ray.max_concurrent_trials, reuse_actors=True,
+            trial_name_creator=lambda t: t.config["key"], trial_dirname_creator=lambda t: t.config["key"],
+        ),
+        run_config=tune.RunConfig(
+            name=f"stage1-{attempt}", storage_path=storage, callbacks=[recorder], verbose=0,
+            failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
+        ),
+    )
+    try:
+        tuner.fit()
+    except Exception as exc:  # Tune itself broke (not a trial): keep what the ledger has
+        traceback.print_exc()
+        raise M2DError(f"Ray Tune stopped ({type(exc).__name__}); finished trials are saved: resume with --resume {run_dir}") from None
+    return recorder
+
+
+def _finish(cfg, run_dir, records, tracker, parent, model, art, k, E) -> dict:
+    order = {"scoring": list(cfg.grid.scoring), "grouping": list(cfg.grid.grouping), "scaling": list(cfg.grid.scaling)}
+    outputs = write_tables(records, order, run_dir)
+    outputs.append(heatmap(records, order, run_dir / "stage1_heatmap.png", title=f"stage 1: {Path(model).name}, k={k}, E={E}"))
+    promotions = promote(records, list(cfg.grid.scaling))
+    write_json_atomic(run_dir / PROMOTIONS_FILE, {
+        "teacher": model, "stats_sha256": art.checksum, "k": k, "E": E,
+        "criterion": f"lowest pre-distillation perplexity on {cfg.eval.data}",
+        "pairs": promotions, "unpromoted": unpromoted(records),
+    })
+    outputs.append(run_dir / PROMOTIONS_FILE)
+    counts = {s: sum(r["status"] == s for r in records) for s in ("ok", "pruned", "diverged", "failed")}
+    tracker.log(parent, metrics={f"configs_{s}": n for s, n in counts.items()}, tags={"promotions": json.dumps({p: f"K={v['K']},{v['scaling']}" for p, v in promotions.items()})})
+    tracker.artifacts(parent, outputs)
+    tracker.finish(parent)
+    print(f"stage 1 done: {counts}; table {run_dir / 'stage1.md'}", file=sys.stderr)
+    return promotions

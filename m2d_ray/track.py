@@ -1,0 +1,102 @@
+"""MLflow tracking: one parent run per sweep, one nested run per trial, idempotent across resumes.
+
+Runs are addressed by tags (`m2d.sweep_id` on the parent, `m2d.trial` on each child), never created
+twice: `trial_run` finds the run a killed driver left behind and continues it, so a resumed sweep
+has exactly one run per config. Uses `MlflowClient` (no global active-run state), so the Tune
+callbacks on the driver can log from any thread.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from m2d_ray.errors import M2DError
+
+PARENT_TAG, TRIAL_TAG, LOGGED_TAG = "m2d.sweep_id", "m2d.trial", "m2d.logged"
+
+
+def default_tracking_uri(run_dir: str | Path) -> str:
+    """sqlite store inside the run directory (plain-folder stores raise in MLflow 3.x)."""
+    return f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
+
+
+class Tracker:
+    def __init__(self, tracking_uri: str, experiment: str, artifact_root: str | Path | None = None) -> None:
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        self._mlflow = mlflow
+        self.uri = tracking_uri
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        try:
+            exp = self.client.get_experiment_by_name(experiment)
+            if exp is None:
+                location = Path(artifact_root).resolve().as_uri() if artifact_root and tracking_uri.startswith("sqlite") else None
+                self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+            else:
+                self.experiment_id = exp.experiment_id
+        except Exception as exc:  # unreachable server, bad URI ...
+            raise M2DError(f"MLflow tracking at {tracking_uri} is not usable ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); check --tracking-uri") from None
+
+    # ---- runs ------------------------------------------------------------------------------
+    def _find(self, tag: str, value: str, parent: str | None = None) -> str | None:
+        flt = f"tags.`{tag}` = '{value}'" + (f" and tags.`mlflow.parentRunId` = '{parent}'" if parent else "")
+        runs = self.client.search_runs([self.experiment_id], filter_string=flt, max_results=2)
+        return runs[0].info.run_id if runs else None
+
+    def parent_run(self, sweep_id: str, name: str, params: dict, tags: dict) -> str:
+        """The sweep's parent run (created once; found again on resume)."""
+        run_id = self._find(PARENT_TAG, sweep_id)
+        if run_id is None:
+            run_id = self.client.create_run(self.experiment_id, run_name=name, tags={PARENT_TAG: sweep_id, **_str(tags)}).info.run_id
+            self.log(run_id, params=params)
+        else:
+            self.client.update_run(run_id, status="RUNNING")
+        return run_id
+
+    def trial_run(self, parent: str, key: str, params: dict) -> str:
+        run_id = self._find(TRIAL_TAG, key, parent)
+        if run_id is None:
+            tags = {"mlflow.parentRunId": parent, TRIAL_TAG: key}
+            run_id = self.client.create_run(self.experiment_id, run_name=key, tags=tags).info.run_id
+            self.log(run_id, params=params)
+        return run_id
+
+    def logged_trials(self, parent: str) -> set[str]:
+        """Keys of the nested runs of `parent` whose results were fully logged (tag m2d.logged)."""
+        flt = f"tags.`mlflow.parentRunId` = '{parent}' and tags.`{LOGGED_TAG}` = '1'"
+        runs = self.client.search_runs([self.experiment_id], filter_string=flt, max_results=50_000)
+        return {r.data.tags[TRIAL_TAG] for r in runs if TRIAL_TAG in r.data.tags}
+
+    # ---- logging ---------------------------------------------------------------------------
+    def log(self, run_id: str, params: dict | None = None, metrics: dict | None = None, tags: dict | None = None, steps: dict[str, list[tuple[int, float]]] | None = None) -> None:
+        from mlflow.entities import Metric, Param, RunTag
+
+        now = int(time.time() * 1000)
+        ms = [Metric(k, float(v), now, 0) for k, v in (metrics or {}).items() if _finite(v)]
+        for k, series in (steps or {}).items():
+            ms += [Metric(k, float(v), now, int(s)) for s, v in series if _finite(v)]
+        self.client.log_batch(
+            run_id,
+            metrics=ms,
+            params=[Param(k, str(v)) for k, v in (params or {}).items()],
+            tags=[RunTag(k, v) for k, v in _str(tags or {}).items()],
+        )
+
+    def finish(self, run_id: str, status: str = "FINISHED") -> None:
+        self.client.set_terminated(run_id, status=status)
+
+    def artifacts(self, run_id: str, paths: list[str | Path]) -> None:
+        for p in paths:
+            if Path(p).exists():
+                self.client.log_artifact(run_id, str(p))
+
+
+def _finite(v) -> bool:
+    return v is not None and isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _str(d: dict) -> dict[str, str]:
+    return {k: str(v) for k, v in d.items() if v is not None}

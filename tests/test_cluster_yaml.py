@@ -1,0 +1,183 @@
+"""cluster.yaml (Ray cluster launcher, AWS) validated offline with Ray's own config checks.
+
+`ray up` has no dry run, so this runs the steps `ray up` takes before it talks to AWS:
+`prepare_config` (merge with the AWS provider's defaults.yaml, merge setup commands, fill per-type
+min/max workers) and `validate_config` (ray-schema.json via jsonschema, plus head type and
+min/max workers checks). Both are internal Ray API (ray.autoscaler._private.util), pinned by
+pyproject.toml to ray==2.60.0. No boto3 call and no network: sockets are blocked while they run.
+"""
+
+from __future__ import annotations
+
+import copy
+import socket
+from pathlib import Path
+
+import jsonschema
+import pytest
+import ray
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+
+CLUSTER_YAML = Path(__file__).resolve().parents[1] / "cluster.yaml"
+
+COMMAND_LISTS = (
+    "initialization_commands",
+    "setup_commands",
+    "head_setup_commands",
+    "worker_setup_commands",
+    "head_start_ray_commands",
+    "worker_start_ray_commands",
+)
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any attempt to open a connection (boto3, pip, metadata service) fails the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("cluster.yaml validation tried to use the network")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+@pytest.fixture
+def raw() -> dict:
+    with open(CLUSTER_YAML) as f:
+        return yaml.safe_load(f)
+
+
+@pytest.fixture
+def prepared(raw, no_network) -> dict:
+    return prepare_config(copy.deepcopy(raw))
+
+
+def _worker_types(cfg: dict) -> dict:
+    return {k: v for k, v in cfg["available_node_types"].items() if k != cfg["head_node_type"]}
+
+
+# --- Ray's own validation -------------------------------------------------------------------
+
+
+def test_ray_validator_accepts_cluster_yaml(raw, prepared, no_network):
+    validate_config(prepared)  # what `ray up` checks after filling defaults
+    validate_config(copy.deepcopy(raw))  # the file as written is complete on its own too
+    assert prepared["provider"]["type"] == "aws"
+    assert prepared["cluster_name"] == "m2d-ray"
+
+
+def test_no_provider_defaults_leak_in(raw, prepared):
+    """prepare_config merges the AWS defaults.yaml *shallowly*: a command list left out of
+    cluster.yaml would silently become Ray's example (a Ray nightly wheel, conda paths)."""
+    for key in COMMAND_LISTS:
+        assert key in raw, f"{key} missing: Ray would fill in its AWS example commands"
+    assert prepared["head_setup_commands"] == raw["setup_commands"] + raw["head_setup_commands"]
+    assert prepared["worker_setup_commands"] == raw["setup_commands"] + raw["worker_setup_commands"]
+    every = [c for key in COMMAND_LISTS for c in prepared[key]]
+    assert not [c for c in every if "ray-wheels" in c or "anaconda3" in c]
+
+
+# --- our invariants -------------------------------------------------------------------------
+
+
+def test_head_is_cpu_only(prepared):
+    head = prepared["available_node_types"][prepared["head_node_type"]]
+    assert head["resources"].get("GPU") == 0
+    assert head["resources"].get("CPU", 0) > 0  # Tune/Train drivers run there
+    assert head["max_workers"] == 0
+
+
+def test_gpu_worker_types_scale_from_zero(raw, prepared):
+    workers = _worker_types(prepared)
+    assert workers
+    for name, node in workers.items():
+        assert raw["available_node_types"][name].get("min_workers") == 0, name
+        assert node["min_workers"] == 0, name
+        assert node["max_workers"] >= 1, name
+        assert node["resources"].get("GPU", 0) > 0, name
+        assert node["resources"].get("CPU", 0) > 0, name
+    assert max(n["resources"]["GPU"] for n in workers.values()) >= 8  # a distillation node
+
+
+def test_spot_worker_type_and_on_demand_fallback(prepared):
+    def market(node):
+        return node["node_config"].get("InstanceMarketOptions", {}).get("MarketType")
+
+    markets = [market(n) for n in _worker_types(prepared).values()]
+    assert "spot" in markets
+    assert None in markets  # at least one on-demand GPU type
+
+
+def test_every_node_type_pins_the_same_ami(prepared):
+    # Without ImageId Ray falls back to an Ubuntu 18.04 / CUDA 11.2 DLAMI, too old for torch 2.13.
+    amis = {n["node_config"].get("ImageId") for n in prepared["available_node_types"].values()}
+    assert len(amis) == 1 and None not in amis
+
+
+def test_setup_installs_the_project_with_gpu_extra(prepared):
+    mounts = prepared["file_mounts"]
+    assert mounts.get("~/m2d_ray") == "."
+    worker = prepared["worker_setup_commands"]
+    assert any("pip install" in c and "/m2d_ray[gpu]" in c for c in worker), worker
+    head = prepared["head_setup_commands"]
+    assert any("pip install" in c and "/m2d_ray" in c for c in head), head
+    # Ray on the nodes must be the version that wrote and validated this config.
+    assert any(f"ray[default]=={ray.__version__}" in c for c in head), head
+    for c in head + worker:
+        assert '"~/' not in c and "'~/" not in c, f"quoted ~ is not expanded by the shell: {c}"
+
+
+def test_start_commands(prepared):
+    head = " ; ".join(prepared["head_start_ray_commands"])
+    assert "ray start --head --port=6379" in head
+    assert "--autoscaling-config=~/ray_bootstrap_config.yaml" in head
+    worker = " ; ".join(prepared["worker_start_ray_commands"])
+    assert "ray start --address=$RAY_HEAD_IP:6379" in worker
+
+
+# --- the validator can fail -----------------------------------------------------------------
+
+
+def _misspelled_key(cfg):
+    cfg["max_worker"] = cfg.pop("max_workers")
+
+
+def _max_workers_wrong_type(cfg):
+    cfg["max_workers"] = "twelve"
+
+
+def _node_type_without_resources(cfg):
+    del cfg["available_node_types"]["gpu_a10g_1x"]["resources"]
+
+
+def _fractional_gpu_resource(cfg):
+    cfg["available_node_types"]["gpu_a10g_1x"]["resources"]["GPU"] = 0.5
+
+
+def _auth_typo(cfg):
+    cfg["auth"]["ssh_usr"] = "ubuntu"
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [_misspelled_key, _max_workers_wrong_type, _node_type_without_resources,
+     _fractional_gpu_resource, _auth_typo],
+)
+def test_ray_validator_rejects_schema_errors(prepared, mutate, no_network):
+    bad = copy.deepcopy(prepared)
+    mutate(bad)
+    with pytest.raises(jsonschema.ValidationError):
+        validate_config(bad)
+
+
+def test_ray_validator_rejects_inconsistent_node_types(prepared, no_network):
+    bad = copy.deepcopy(prepared)
+    bad["head_node_type"] = "no_such_type"
+    with pytest.raises(ValueError, match="head_node_type"):
+        validate_config(bad)
+    bad = copy.deepcopy(prepared)
+    bad["available_node_types"]["gpu_a10g_1x"]["min_workers"] = bad["max_workers"] + 1
+    with pytest.raises(ValueError, match="min_workers"):
+        validate_config(bad)
