@@ -63,6 +63,7 @@ class RayConfig:
     gpus_per_trial: float = 0.0  # fractional GPUs share one device between trials
     max_concurrent_trials: int = 2
     threads_per_worker: int = 1
+    max_failures: int = 0  # Tune retries of a trial (set > 0 on spot nodes, which can be reclaimed)
     storage_path: str | None = None  # Tune storage (shared/cloud path on a cluster); default RUN_DIR/tune
 
 

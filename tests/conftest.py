@@ -62,3 +62,16 @@ def tiny_teacher(tiny_teacher_dir):
     from m2d_ray.models import load_teacher
 
     return load_teacher(str(tiny_teacher_dir))
+
+
+@pytest.fixture(scope="session")
+def ray_address():
+    """One local Ray for the whole session (num_cpus=4, token auth off); yields its GCS address."""
+    import ray
+
+    from m2d_ray.config import RayConfig
+    from m2d_ray.sweep.ray_env import ensure_ray
+
+    ensure_ray(RayConfig())
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()

@@ -24,12 +24,12 @@ def table(records: list[dict], order: dict[str, list]) -> tuple[list[int], list[
     return Ks, [(*t, by_row[t]) for t in keys]
 
 
-def cell(r: dict | None, fmt: str = "{:.2f}") -> str:
+def cell(r: dict | None, fmt: str = "{:.2f}", marks: dict[str, str] = MARKS) -> str:
     if r is None:
         return ""
     if r["status"] == "ok":
         return fmt.format(r["ppl"])
-    return MARKS[r["status"]]
+    return marks.get(r["status"], r["status"])
 
 
 def write_tables(records: list[dict], order: dict[str, list], out_dir: str | Path) -> list[Path]:
@@ -39,7 +39,7 @@ def write_tables(records: list[dict], order: dict[str, list], out_dir: str | Pat
     w = csv.writer(buf)
     w.writerow(["scoring", "grouping", "scaling", *[f"K={K}" for K in Ks]])
     for s, g, c, cells in rows:
-        w.writerow([s, g, c, *[cell(cells.get(K), "{:.6g}") for K in Ks]])
+        w.writerow([s, g, c, *[cell(cells.get(K), "{:.6g}", {}) for K in Ks]])
     md = ["| scoring | grouping | scaling | " + " | ".join(f"K={K}" for K in Ks) + " |", "|---|---|---|" + "---:|" * len(Ks)]
     for s, g, c, cells in rows:
         md.append(f"| {s.upper()} | {g.upper()} | {c} | " + " | ".join(cell(cells.get(K), "{:,.1f}") for K in Ks) + " |")
@@ -67,8 +67,8 @@ def heatmap(records: list[dict], order: dict[str, list], path: str | Path, title
             if r is not None and r["status"] == "ok" and math.isfinite(r["ppl"]):
                 vals[i, j] = math.log10(r["ppl"])
     fig, ax = plt.subplots(figsize=(2.2 + 0.9 * len(Ks), 1.0 + 0.22 * len(rows)))
-    cmap = plt.get_cmap("viridis_r").copy()
-    cmap.set_bad("#cccccc")
+    cmap = plt.get_cmap("viridis_r")
+    cmap = cmap.with_extremes(bad="#cccccc")
     im = ax.imshow(np.ma.masked_invalid(vals), aspect="auto", cmap=cmap)
     for i, (_, _, _, cells) in enumerate(rows):
         for j, K in enumerate(Ks):

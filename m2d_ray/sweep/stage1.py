@@ -73,7 +73,8 @@ def stage1_trainable(config: dict, *, model: str, plans: dict, eval_ids, cfg: Sw
     if key in cfg.faults.raise_in:
         raise InjectedFault(f"injected failure in {key} (faults.raise_in)")
     device = cfg.device or ("cuda" if cfg.ray.gpus_per_trial > 0 else "cpu")
-    for metrics in run_trial(_teacher(model, device), plan_of(plans, key), eval_ids, cfg.eval, poison=key in cfg.faults.nan_in):
+    teacher = _teacher(model, "cpu")  # the student is built on CPU and moved: a GPU slice holds only the student
+    for metrics in run_trial(teacher, plan_of(plans, key), eval_ids, cfg.eval, poison=key in cfg.faults.nan_in, device=device):
         tune.report(metrics)
 
 
@@ -149,7 +150,8 @@ class Recorder(tune.Callback):
         self._finish(trial, status, last)
 
     def on_trial_error(self, iteration, trials, trial, **info):
-        err = trial.get_error()
+        local = trial.error_file  # written on the driver before this callback; get_error() reads the synced copy
+        err = Path(local).read_text() if local and Path(local).exists() else trial.get_error()
         lines = [ln for ln in str(err or "trial raised").splitlines() if ln.strip()]
         self._finish(trial, "failed", trial.last_result or {}, error=lines[-1][:500] if lines else "trial raised")
 
@@ -173,22 +175,23 @@ class Recorder(tune.Callback):
 
 
 # ---- the sweep -----------------------------------------------------------------------------------
-def prepare_run_dir(cfg: SweepConfig | None, run_dir: str | Path, resume: bool) -> tuple[SweepConfig, dict]:
-    """New run: refuse a used directory, save the config. Resume: read config and state back."""
-    run_dir = Path(run_dir)
+def read_run_dir(run_dir: Path) -> tuple[SweepConfig, dict]:
+    """The saved config and state of a sweep to resume."""
     state_file = run_dir / STATE_FILE
-    if resume:
-        if not state_file.exists():
-            raise M2DError(f"{run_dir} holds no sweep to resume (no {STATE_FILE}); start one with m2d sweep CONFIG --out {run_dir}")
-        return load_config(run_dir / CONFIG_FILE), json.loads(state_file.read_text())
-    if state_file.exists():
+    if not state_file.exists():
+        raise M2DError(f"{run_dir} holds no sweep to resume (no {STATE_FILE}); start one with m2d sweep CONFIG --out {run_dir}")
+    return load_config(run_dir / CONFIG_FILE), json.loads(state_file.read_text())
+
+
+def new_run_dir(cfg: SweepConfig, run_dir: Path) -> dict:
+    """Refuse a directory that holds a sweep; save the config and a fresh state."""
+    if (run_dir / STATE_FILE).exists():
         raise M2DError(f"{run_dir} already holds a sweep; resume it with --resume {run_dir} or choose another --out")
-    assert cfg is not None
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, run_dir / CONFIG_FILE)
     state = {"sweep_id": uuid.uuid4().hex, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "attempts": 0}
-    write_json_atomic(state_file, state)
-    return cfg, state
+    write_json_atomic(run_dir / STATE_FILE, state)
+    return state
 
 
 def _stats(cfg: SweepConfig, model: str, run_dir: Path, tokenizer) -> StatsArtifact:
@@ -225,12 +228,15 @@ def run_stage1(cfg: SweepConfig | None, run_dir: str | Path, resume: bool = Fals
 
     t0 = time.time()
     run_dir = Path(run_dir).resolve()
-    cfg, state = prepare_run_dir(cfg, run_dir, resume)
+    if resume:
+        cfg, state = read_run_dir(run_dir)
     model = cfg.model or default_teacher()
     mcfg = model_config(model)
     adapter = get_adapter(mcfg)
     k, E = adapter.top_k(mcfg), adapter.num_experts(mcfg)
-    specs = expand(cfg.grid, k, E)  # validates K against [k, E] before any work
+    specs = expand(cfg.grid, k, E)  # validates K against [k, E] before anything is written
+    if not resume:
+        state = new_run_dir(cfg, run_dir)
     state["attempts"] += 1
     attempt = f"{state['sweep_id'][:8]}-{state['attempts']}"
     write_json_atomic(run_dir / STATE_FILE, state)
@@ -297,7 +303,7 @@ def _tune(cfg, model, run_dir, plans, pending, ledger, tracker, parent, attempt,
         ),
         run_config=tune.RunConfig(
             name=f"stage1-{attempt}", storage_path=storage, callbacks=[recorder], verbose=0,
-            failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
+            failure_config=tune.FailureConfig(max_failures=cfg.ray.max_failures, fail_fast=False),
         ),
     )
     try:

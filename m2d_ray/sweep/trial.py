@@ -34,12 +34,13 @@ def run_trial(
     eval_ids: Tensor,
     cfg: EvalConfig,
     poison: bool = False,
+    device: str = "cpu",
 ) -> Iterator[dict]:
     """Build the student of `plan` and yield {"chunk", "ppl", "nll", "tokens", "final", "diverged"}.
 
     The last dict has final=True; a non-finite partial perplexity ends the trial as diverged.
     """
-    student = build_from_plan(teacher, plan)
+    student = build_from_plan(teacher, plan).to(device)
     if poison:  # fault drill: a NaN weight, so the real evaluation path produces a NaN loss
         with torch.no_grad():
             next(p for n, p in student.named_parameters() if "mlp" in n).view(-1)[0] = float("nan")

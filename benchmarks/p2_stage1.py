@@ -1,0 +1,56 @@
+"""P2: the stage-1 grid with plan dedupe + per-pair early stopping against the full, unpruned grid.
+
+Both sweeps run on one local Ray (num_cpus=4, 2 concurrent trials of 1 thread) from the same
+statistics (the second run reuses the first's artifact), so they differ only in the search. Prints
+the number of Tune trials, of full perplexity evaluations, wall times, their ratios, and whether the
+promoted (K, scaling) of every (scoring, grouping) pair is the same.
+
+    python benchmarks/p2_stage1.py [--config experiments/tiny.yaml] [--out runs/p2] [key=value ...]
+
+Default: experiments/tiny.yaml (the embedded teacher, 7 x 5 x 2 x K in {2, 4, 8, 16} = 280 configs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO, machine_line  # noqa: E402
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=str(REPO / "experiments" / "tiny.yaml"))
+    p.add_argument("--out", default=str(REPO / "runs" / "p2"))
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args(argv)
+
+    from m2d_ray.config import load_config
+    from m2d_ray.sweep.stage1 import run_stage1
+
+    out = Path(a.out)
+    if out.exists():
+        shutil.rmtree(out)
+    print(machine_line())
+    fast = run_stage1(load_config(a.config, a.overrides), out / "pruned")
+    (out / "full").mkdir(parents=True)
+    shutil.copytree(out / "pruned" / "stats", out / "full" / "stats")
+    full = run_stage1(load_config(a.config, [*a.overrides, "search.dedupe=false", "search.early_stop=false"]), out / "full")
+
+    win = lambda r: {k: (v["K"], v["scaling"]) for k, v in r.promotions.items()}  # noqa: E731
+    same = win(fast) == win(full)
+    diff = sorted(k for k in win(full) if win(fast).get(k) != win(full)[k])
+    print(f"\nconfigs {len(full.records)}; distinct students {fast.evaluated}")
+    print("| search | Tune trials | full perplexity evaluations | wall (s) |")
+    print("|---|---:|---:|---:|")
+    print(f"| full grid | {full.evaluated} | {full.full_evaluations} | {full.wall_s:.0f} |")
+    print(f"| dedupe + early stopping | {fast.evaluated} | {fast.full_evaluations} | {fast.wall_s:.0f} |")
+    print(f"| ratio | {full.evaluated / fast.evaluated:.2f}x | {full.full_evaluations / max(fast.full_evaluations, 1):.2f}x | {full.wall_s / fast.wall_s:.2f}x |")
+    print(f"same winners for all {len(win(full))} (scoring, grouping) pairs: {same}" + (f" (differ: {diff})" if diff else ""))
+
+
+if __name__ == "__main__":
+    main()

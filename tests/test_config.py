@@ -1,0 +1,95 @@
+"""Sweep configs: every shipped YAML loads and fits its teacher; bad values fail with one actionable line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from m2d_ray.cli import main
+from m2d_ray.config import SweepConfig, k_values, load_config
+from m2d_ray.errors import M2DError
+
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+#: (top-k, experts) of the paper's teachers (method.md), checked offline against each YAML's K list
+TEACHERS = {
+    None: (2, 16),  # the embedded tiny teacher
+    "Qwen/Qwen3-30B-A3B": (8, 128),
+    "deepseek-ai/DeepSeek-V2-Lite": (6, 64),
+    "openai/gpt-oss-20b": (4, 32),
+    "../shared/teachers/qwen3moe-wiki4": (4, 32),
+}
+
+
+@pytest.mark.parametrize("path", sorted(EXPERIMENTS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_yaml_loads_and_fits_its_teacher(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, SweepConfig)
+    if path.name.startswith("_"):  # an include-only base
+        return
+    k, E = TEACHERS[cfg.model]
+    Ks = k_values(cfg.grid.K, k, E)
+    assert Ks[0] == k and Ks[-1] == E
+
+
+def test_paper_grid_is_350_configs():
+    cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml")
+    assert len(cfg.grid.scoring) * len(cfg.grid.grouping) * len(cfg.grid.scaling) * len(k_values(cfg.grid.K, 8, 128)) == 350
+    assert cfg.calib.seq_len == 2048 and cfg.ray.gpus_per_trial == 0.5  # from the included base
+
+
+def test_auto_K_and_overrides():
+    assert k_values("auto", 2, 16) == [2, 4, 8, 16]
+    assert k_values("auto", 6, 64) == [6, 12, 24, 48, 64]
+    cfg = load_config(EXPERIMENTS / "tiny.yaml", ["grid.scoring=[sf,do-acp]", "grid.K=[4,2]", "search.early_stop=false", "eval.max_chars=null"])
+    assert cfg.grid.scoring == ("sf", "do-acp") and k_values(cfg.grid.K, 2, 16) == [2, 4]
+    assert cfg.search.early_stop is False and cfg.eval.max_chars is None
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("grid.scoring=[sf,do-acpp]", "did you mean 'do-acp'"),
+        ("grid.grouping=[rr,oc,xx]", "unknown grouping 'xx'"),
+        ("grid.K=[]", "grid.K is empty"),
+        ("grid.scaling=[]", "grid.scaling is empty"),
+        ("grid.K=many", "grid.K='many'"),
+        ("serch.early_stop=false", "did you mean search"),
+        ("search.stop_factr=2", "did you mean search.stop_factor"),
+        ("eval.chunks=two", "eval.chunks='two' should be int"),
+        ("eval.chunks=0", "eval.chunks must be >= 1"),
+        ("grid", "not key=value"),
+    ],
+)
+def test_bad_values_fail_with_one_line(override, message):
+    with pytest.raises(M2DError, match=message.replace("[", r"\[").replace(".", r"\.")):
+        load_config(EXPERIMENTS / "tiny.yaml", [override])
+
+
+def test_K_outside_range():
+    with pytest.raises(M2DError, match=r"outside \[k, E\] = \[2, 16\]"):
+        k_values((2, 32), 2, 16)
+    with pytest.raises(M2DError, match="outside"):
+        k_values((1,), 2, 16)
+
+
+def test_bad_yaml_files(tmp_path):
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    (tmp_path / "broken.yaml").write_text("grid: [unclosed\n")
+    (tmp_path / "a.yaml").write_text("include: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("include: a.yaml\n")
+    for name, msg in [("list.yaml", "must be a mapping"), ("broken.yaml", "not valid YAML"), ("a.yaml", "include cycle"), ("missing.yaml", "not found")]:
+        with pytest.raises(M2DError, match=msg):
+            load_config(tmp_path / name)
+
+
+def test_cli_sweep_rejects_bad_config_before_writing(capsys, tmp_path):
+    out = tmp_path / "run"
+    code = main(["sweep", str(EXPERIMENTS / "tiny.yaml"), "--out", str(out), "grid.scoring=[sf,cpp]"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "did you mean" in err and "'cp'" in err
+    code = main(["sweep", str(EXPERIMENTS / "tiny.yaml"), "--out", str(out), "grid.K=[2,64]"])
+    err = capsys.readouterr().err
+    assert code == 2 and "outside [k, E] = [2, 16]" in err
+    assert not out.exists()
+    assert main(["sweep", "--resume", str(out)]) == 2 and "no sweep to resume" in capsys.readouterr().err
