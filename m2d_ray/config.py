@@ -49,8 +49,9 @@ class GridConfig:
 class SearchConfig:
     dedupe: bool = True  # evaluate each distinct student once
     early_stop: bool = True
-    stop_factor: float = 1.5  # stop when partial ppl > factor x the best of its (scoring, grouping) pair
+    stop_factor: float = 1.3  # stop when partial ppl > factor x the best of its (scoring, grouping) pair
     grace_chunks: int = 1  # never stop before this many chunks
+    probe: bool = True  # rung 0: every student's first chunk first, then the survivors best-first
 
 
 @dataclass(frozen=True)

@@ -169,8 +169,10 @@ def sweep(
         "run_dir": str(res.run_dir),
         "configs": len(res.records),
         "status": {s: statuses.count(s) for s in sorted(set(statuses))},
+        "probed": res.probed,
         "trials_run": res.evaluated,
         "full_evaluations": res.full_evaluations,
+        "chunks_evaluated": res.chunks_evaluated,
         "promotions": {p: {"K": v["K"], "scaling": v["scaling"], "ppl": v["ppl"]} for p, v in res.promotions.items()},
         "wall_s": round(res.wall_s, 1),
     }

@@ -111,8 +111,8 @@ def test_dedupe_and_early_stopping_keep_the_unpruned_winners(pruned_run, tmp_pat
     full = run_stage1(_cfg("search.dedupe=false", "search.early_stop=false"), _with_stats(pruned_run.run_dir, tmp_path / "full"))
     assert full.evaluated == full.full_evaluations == 32
     statuses = [r["status"] for r in pruned_run.records]
-    assert pruned_run.evaluated < 32 and statuses.count("pruned") > 0  # dedupe and the scheduler both acted
-    assert pruned_run.full_evaluations < full.full_evaluations
+    assert pruned_run.probed < 32 and statuses.count("pruned") > 0  # dedupe and pruning both acted
+    assert pruned_run.full_evaluations < full.full_evaluations and pruned_run.chunks_evaluated < full.chunks_evaluated
     win = lambda res: {p: (v["K"], v["scaling"]) for p, v in res.promotions.items()}  # noqa: E731
     assert win(pruned_run) == win(full)
     full_ppl = {r["key"]: r["ppl"] for r in full.records}
@@ -153,12 +153,12 @@ def test_resume_after_sigkill(pruned_run, ray_address, tmp_path):
     assert len(after) == 32 and summary["configs"] == 32
     changed = [k for k, v in before.items() if after[k] != v]
     assert not changed, (changed, before[changed[0]], after[changed[0]])  # finished trials were not re-run
-    assert summary["trials_run"] <= pruned_run.evaluated - len({json.loads(v)["signature"] for v in before.values()}) + 1
-    attempts = {json.loads(v)["attempt"].rsplit("-", 1)[1] for k, v in after.items() if k not in before}
-    assert attempts == {"2"}
+    new = [json.loads(v) for k, v in after.items() if k not in before]
+    assert {r["attempt"].rsplit("-", 1)[1] for r in new if r["duplicate_of"] not in before} == {"2"}
 
     runs = _mlflow_runs(run_dir)
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     keys = [r.data.tags["m2d.trial"] for r in runs if "m2d.trial" in r.data.tags]
     assert len(parents) == 1 and sorted(keys) == sorted(after)  # one run per config, no duplicates
-    assert all(r.info.status != "RUNNING" for r in runs)
+    running = [(r.data.tags.get("mlflow.runName"), r.data.tags.get("status")) for r in runs if r.info.status == "RUNNING"]
+    assert not running, (running, out.stderr[-3000:])

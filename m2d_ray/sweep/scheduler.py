@@ -41,6 +41,11 @@ class PairwiseStopper(FIFOScheduler):
             for chunk, ppl in r.get("partials", []):
                 self._update([f"{r['scoring']}/{r['grouping']}"], chunk, ppl)
 
+    def seed_probes(self, pairs: dict[str, list[str]], probes: dict[str, float]) -> None:
+        """The probe round's first-chunk perplexities count as seen (for every pair of each student)."""
+        for key, ppl in probes.items():
+            self._update(pairs.get(key, []), 1, ppl)
+
     def on_trial_result(self, tune_controller, trial, result: dict) -> str:
         if "chunk" not in result or result.get("final"):
             self._record(trial, result)

@@ -37,11 +37,12 @@ from m2d_ray.sweep.grid import TrialSpec, Unique, dedupe, expand, plan_all, plan
 from m2d_ray.sweep.ledger import Ledger
 from m2d_ray.sweep.promote import promote, unpromoted
 from m2d_ray.sweep.ray_env import ensure_ray
-from m2d_ray.sweep.scheduler import PairwiseStopper
+from m2d_ray.sweep.scheduler import PairwiseStopper, hopeless
 from m2d_ray.sweep.trial import InjectedFault, run_trial
 from m2d_ray.track import LOGGED_TAG, Tracker, default_tracking_uri
 
 CONFIG_FILE, STATE_FILE, PLANS_FILE, PROMOTIONS_FILE = "config.yaml", "sweep.json", "plans.json", "promotions.json"
+PROBES_FILE = "probes.json"  # first-chunk perplexity of every distinct student (the probe round)
 
 
 @dataclass
@@ -49,8 +50,10 @@ class Stage1Result:
     run_dir: Path
     records: list[dict]
     promotions: dict[str, dict]
-    evaluated: int  # Tune trials run by this invocation
-    full_evaluations: int  # of which ran the whole perplexity (not pruned, not failed)
+    probed: int  # students whose first chunk was measured in the probe round
+    evaluated: int  # Tune trials run after the probe round (all trials when there is none)
+    full_evaluations: int  # students whose whole perplexity was computed (ok or diverged)
+    chunks_evaluated: int  # perplexity chunks computed in all, probes included (compute, in chunks)
     wall_s: float
 
 
@@ -76,6 +79,8 @@ def stage1_trainable(config: dict, *, model: str, plans: dict, eval_ids, cfg: Sw
     teacher = _teacher(model, "cpu")  # the student is built on CPU and moved: a GPU slice holds only the student
     for metrics in run_trial(teacher, plan_of(plans, key), eval_ids, cfg.eval, poison=key in cfg.faults.nan_in, device=device):
         tune.report(metrics)
+        if metrics["chunk"] == config.get("max_chunks"):
+            return  # probe round: the first chunk only
 
 
 @ray.remote(num_cpus=1)
@@ -110,27 +115,32 @@ def make_record(spec: TrialSpec, plan: dict, status: str, partials: list[tuple[i
 
 
 def log_record(tracker: Tracker, parent: str, r: dict) -> None:
-    """Idempotent: the config's nested run (found or created) gets the record and is terminated."""
+    """Idempotent: the config's nested run (found or created) gets the record and is terminated.
+
+    The `m2d.logged` tag is set last, so a kill anywhere before it leaves the run to be redone by
+    `_reconcile` on resume (a kill after the metrics but before termination would otherwise leave
+    the run RUNNING forever).
+    """
     run = tracker.trial_run(parent, r["key"], {k: r[k] for k in ("scoring", "grouping", "scaling", "K")})
     metrics = {"effective_rank": r["effective_rank"]}
     if r["ppl"] is not None:
         metrics["perplexity"] = r["ppl"]
     tags = {"status": r["status"], "signature": r["signature"], "duplicate_of": r["duplicate_of"], "error": r["error"],
-            "selected": json.dumps(r["selected"]), LOGGED_TAG: "1"}
+            "selected": json.dumps(r["selected"])}
     tracker.log(run, metrics=metrics, tags=tags, steps={"partial_perplexity": [tuple(p) for p in r["partials"]]})
     tracker.finish(run, {"ok": "FINISHED", "diverged": "FINISHED", "pruned": "KILLED", "failed": "FAILED"}[r["status"]])
+    tracker.log(run, tags={LOGGED_TAG: "1"})
 
 
 class Recorder(tune.Callback):
     """Driver side: on each finished Tune trial, write the ledger for every config of its student, then MLflow."""
 
-    def __init__(self, uniques: dict[str, Unique], plans: dict, ledger: Ledger, tracker: Tracker, parent: str,
-                 stopper: PairwiseStopper | None, attempt: str, total: int) -> None:
+    def __init__(self, uniques: dict[str, Unique], plans: dict, ledger: Ledger, tracker: Tracker, parent: str, attempt: str) -> None:
         self.uniques, self.plans, self.ledger, self.tracker, self.parent = uniques, plans, ledger, tracker, parent
-        self.stopper, self.attempt, self.total = stopper, attempt, total
+        self.attempt = attempt
         self.partials: dict[str, list[tuple[int, float]]] = {}
-        self.finished = 0
-        self.full = 0
+        self.probes: dict[str, float] = {}  # probe round: key -> first-chunk perplexity
+        self.total = self.finished = self.full = self.chunks = self.trials = 0
 
     def on_trial_start(self, iteration, trials, trial, **info):
         key = trial.config["key"]
@@ -140,23 +150,27 @@ class Recorder(tune.Callback):
     def on_trial_result(self, iteration, trials, trial, result, **info):
         if "chunk" in result:
             self.partials[trial.config["key"]].append((result["chunk"], result["ppl"]))
+            self.chunks += 1
 
     def on_trial_complete(self, iteration, trials, trial, **info):
-        last = trial.last_result or {}
+        last, key = trial.last_result or {}, trial.config["key"]
         if last.get("final"):
-            status = "diverged" if last.get("diverged") else "ok"
+            self.record(key, "diverged" if last.get("diverged") else "ok", last)
+        elif trial.config.get("max_chunks"):
+            self.probes[key] = last["ppl"]
+            self.finished += 1
+            print(f"[probe {self.finished}/{self.total}] {key}: first chunk ppl {last['ppl']:.2f}", file=sys.stderr, flush=True)
         else:
-            status = "pruned"
-        self._finish(trial, status, last)
+            self.record(key, "pruned", last)
 
     def on_trial_error(self, iteration, trials, trial, **info):
         local = trial.error_file  # written on the driver before this callback; get_error() reads the synced copy
         err = Path(local).read_text() if local and Path(local).exists() else trial.get_error()
         lines = [ln for ln in str(err or "trial raised").splitlines() if ln.strip()]
-        self._finish(trial, "failed", trial.last_result or {}, error=lines[-1][:500] if lines else "trial raised")
+        self.record(trial.config["key"], "failed", trial.last_result or {}, error=lines[-1][:500] if lines else "trial raised")
 
-    def _finish(self, trial, status: str, last: dict, error: str | None = None) -> None:
-        key = trial.config["key"]
+    def record(self, key: str, status: str, last: dict, error: str | None = None) -> None:
+        """Ledger records for every config of this student, then their MLflow runs."""
         u = self.uniques[key]
         final = last if last.get("final") else None
         records = [
@@ -260,12 +274,59 @@ def run_stage1(cfg: SweepConfig | None, run_dir: str | Path, resume: bool = Fals
     pending = [u for u in uniques if u.canonical.key not in ledger.done()]
     print(f"stage 1: {len(specs)} configs, {len(uniques)} distinct students, {len(pending)} to evaluate", file=sys.stderr)
 
-    recorder = None
+    ids = tokenize(tokenizer, load_text(cfg.eval.data), max_chars=cfg.eval.max_chars) if pending else None
+    recorder = Recorder({u.canonical.key: u for u in pending}, plans, ledger, tracker, parent, attempt)
+    run = lambda units, phase, stopper=None, max_chunks=None: _tune(  # noqa: E731
+        cfg, model, run_dir, plans, units, ids, recorder, f"stage1-{attempt}-{phase}", stopper, max_chunks)
+    probed = 0
+    if pending and cfg.search.early_stop and cfg.search.probe and cfg.eval.chunks > 1:
+        probes = _load_probes(run_dir)
+        todo = [u for u in pending if u.canonical.key not in probes]
+        if todo:
+            run(todo, "probe", max_chunks=1)
+            probes.update(recorder.probes)
+            write_json_atomic(run_dir / PROBES_FILE, probes)
+        probed = len(probes)
+        pending = _after_probes(cfg, [u for u in pending if u.canonical.key not in ledger.done()], probes, ledger, recorder)
     if pending:
-        recorder = _tune(cfg, model, run_dir, plans, pending, ledger, tracker, parent, attempt, tokenizer)
+        stopper = None
+        if cfg.search.early_stop:
+            stopper = PairwiseStopper(cfg.search.stop_factor, cfg.search.grace_chunks, pairs={u.canonical.key: u.pairs for u in pending})
+            stopper.seed(ledger.records())
+            stopper.seed_probes({u.canonical.key: u.pairs for u in uniques}, _load_probes(run_dir))
+        run(pending, "eval", stopper)
     records = ledger.records()
     promotions = _finish(cfg, run_dir, records, tracker, parent, model, art, k, E)
-    return Stage1Result(run_dir, records, promotions, recorder.finished if recorder else 0, recorder.full if recorder else 0, time.time() - t0)
+    return Stage1Result(run_dir, records, promotions, probed, recorder.trials, recorder.full, recorder.chunks, time.time() - t0)
+
+
+def _load_probes(run_dir: Path) -> dict[str, float]:
+    path = run_dir / PROBES_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _after_probes(cfg: SweepConfig, pending: list[Unique], probes: dict[str, float], ledger: Ledger, recorder: Recorder) -> list[Unique]:
+    """Prune students hopeless at chunk 1 against every probe; order the rest best-first (so the
+    scheduler meets each pair's best early and stops the others sooner)."""
+    best: dict[str, dict[int, float]] = {}
+    for u in pending:
+        for p in u.pairs:
+            best.setdefault(p, {})[1] = min(probes[u.canonical.key], best.get(p, {}).get(1, math.inf))
+    for r in ledger.records():
+        for c, v in r["partials"]:
+            if v is not None:
+                pb = best.setdefault(f"{r['scoring']}/{r['grouping']}", {})
+                pb[c] = min(v, pb.get(c, math.inf))
+    survivors = []
+    recorder.total, recorder.finished = len(pending), 0
+    for u in sorted(pending, key=lambda u: probes[u.canonical.key]):
+        key = u.canonical.key
+        if hopeless(probes[key], 1, u.pairs, best, cfg.search.stop_factor, cfg.search.grace_chunks):
+            recorder.partials[key] = [(1, probes[key])]
+            recorder.record(key, "pruned", {"ppl": probes[key]})
+        else:
+            survivors.append(u)
+    return survivors
 
 
 def _reconcile(ledger: Ledger, uniques: list[Unique], plans: dict, tracker: Tracker, parent: str, attempt: str) -> None:
@@ -283,26 +344,25 @@ def _reconcile(ledger: Ledger, uniques: list[Unique], plans: dict, tracker: Trac
             log_record(tracker, parent, r)
 
 
-def _tune(cfg, model, run_dir, plans, pending, ledger, tracker, parent, attempt, tokenizer) -> Recorder:
-    ids = tokenize(tokenizer, load_text(cfg.eval.data), max_chars=cfg.eval.max_chars)
-    uniques = {u.canonical.key: u for u in pending}
-    stopper = None
-    if cfg.search.early_stop:
-        stopper = PairwiseStopper(cfg.search.stop_factor, cfg.search.grace_chunks, pairs={k: u.pairs for k, u in uniques.items()})
-        stopper.seed(ledger.records())
-    recorder = Recorder(uniques, plans, ledger, tracker, parent, stopper, attempt, len(pending))
+def _tune(cfg, model, run_dir, plans, units: list[Unique], ids, recorder: Recorder, name: str,
+          stopper: PairwiseStopper | None = None, max_chunks: int | None = None) -> None:
+    """One Tune run over `units` (grid order = the order given); results go through `recorder`."""
+    recorder.total, recorder.finished = len(units), 0
+    recorder.trials += 0 if max_chunks else len(units)
     resources = {"cpu": cfg.ray.cpus_per_trial, "gpu": cfg.ray.gpus_per_trial}
     trainable = tune.with_resources(tune.with_parameters(stage1_trainable, model=model, plans=plans, eval_ids=ids, cfg=cfg), resources)
-    storage = cfg.ray.storage_path or str(run_dir / "tune")
+    space = {"key": tune.grid_search([u.canonical.key for u in units])}
+    if max_chunks:
+        space["max_chunks"] = max_chunks
     tuner = tune.Tuner(
         trainable,
-        param_space={"key": tune.grid_search(list(uniques))},
+        param_space=space,
         tune_config=tune.TuneConfig(
             scheduler=stopper, max_concurrent_trials=cfg.ray.max_concurrent_trials, reuse_actors=True,
             trial_name_creator=lambda t: t.config["key"], trial_dirname_creator=lambda t: t.config["key"],
         ),
         run_config=tune.RunConfig(
-            name=f"stage1-{attempt}", storage_path=storage, callbacks=[recorder], verbose=0,
+            name=name, storage_path=cfg.ray.storage_path or str(run_dir / "tune"), callbacks=[recorder], verbose=0,
             failure_config=tune.FailureConfig(max_failures=cfg.ray.max_failures, fail_fast=False),
         ),
     )
@@ -311,7 +371,6 @@ def _tune(cfg, model, run_dir, plans, pending, ledger, tracker, parent, attempt,
     except Exception as exc:  # Tune itself broke (not a trial): keep what the ledger has
         traceback.print_exc()
         raise M2DError(f"Ray Tune stopped ({type(exc).__name__}); finished trials are saved: resume with --resume {run_dir}") from None
-    return recorder
 
 
 def _finish(cfg, run_dir, records, tracker, parent, model, art, k, E) -> dict:
