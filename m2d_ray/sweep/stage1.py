@@ -245,6 +245,8 @@ def run_stage1(cfg: SweepConfig | None, run_dir: str | Path, resume: bool = Fals
     if resume:
         cfg, state = read_run_dir(run_dir)
     model = cfg.model or default_teacher()
+    if Path(model).expanduser().exists():  # Tune runs trials in their own directories: pass absolute paths
+        model = str(Path(model).expanduser().resolve())
     mcfg = model_config(model)
     adapter = get_adapter(mcfg)
     k, E = adapter.top_k(mcfg), adapter.num_experts(mcfg)
