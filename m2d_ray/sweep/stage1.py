@@ -140,6 +140,7 @@ class Recorder(tune.Callback):
         self.attempt = attempt
         self.partials: dict[str, list[tuple[int, float]]] = {}
         self.probes: dict[str, float] = {}  # probe round: key -> first-chunk perplexity
+        self.probe_file: Path | None = None
         self.total = self.finished = self.full = self.chunks = self.trials = 0
 
     def on_trial_start(self, iteration, trials, trial, **info):
@@ -158,6 +159,8 @@ class Recorder(tune.Callback):
             self.record(key, "diverged" if last.get("diverged") else "ok", last)
         elif trial.config.get("max_chunks"):
             self.probes[key] = last["ppl"]
+            if self.probe_file is not None:  # saved as they come: a killed probe round resumes where it was
+                write_json_atomic(self.probe_file, {**_load_probes(self.probe_file.parent), **self.probes})
             self.finished += 1
             print(f"[probe {self.finished}/{self.total}] {key}: first chunk ppl {last['ppl']:.2f}", file=sys.stderr, flush=True)
         else:
@@ -285,9 +288,9 @@ def run_stage1(cfg: SweepConfig | None, run_dir: str | Path, resume: bool = Fals
         probes = _load_probes(run_dir)
         todo = [u for u in pending if u.canonical.key not in probes]
         if todo:
+            recorder.probe_file = run_dir / PROBES_FILE
             run(todo, "probe", max_chunks=1)
             probes.update(recorder.probes)
-            write_json_atomic(run_dir / PROBES_FILE, probes)
         probed = len(probes)
         pending = _after_probes(cfg, [u for u in pending if u.canonical.key not in ledger.done()], probes, ledger, recorder)
     if pending:
