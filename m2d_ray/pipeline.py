@@ -51,6 +51,13 @@ def device_default() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def calibration_tokens(tokenizer, calib_data: str | None, model: str | None, seq_len: int, max_tokens: int):
+    """(resolved data spec, TokenSet) of the calibration text, packed into padded sequences."""
+    spec = resolve_calib(calib_data, model)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return spec, calibration_set(tokenizer, load_text_with_fallback(spec), seq_len=seq_len, max_tokens=max_tokens, pad_id=pad)
+
+
 def run_calibrate(
     model: str | None,
     calib_data: str | None,
@@ -63,10 +70,7 @@ def run_calibrate(
 ) -> tuple[Teacher, StatsArtifact, bool]:
     """Stage 0: the statistics artifact (reused when `out` already matches)."""
     teacher = teacher or load_teacher(model, device=device or device_default())
-    spec = resolve_calib(calib_data, model)
-    text = load_text_with_fallback(spec)
-    pad = teacher.tokenizer.pad_token_id if teacher.tokenizer.pad_token_id is not None else 0
-    tokens = calibration_set(teacher.tokenizer, text, seq_len=seq_len, max_tokens=max_tokens, pad_id=pad)
+    spec, tokens = calibration_tokens(teacher.tokenizer, calib_data, model, seq_len, max_tokens)
     art, reused = calibrate(teacher, tokens, spec, out=out, batch_size=batch_size)
     return teacher, art, reused
 

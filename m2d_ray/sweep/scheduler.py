@@ -41,17 +41,20 @@ class PairwiseStopper(FIFOScheduler):
             for chunk, ppl in r.get("partials", []):
                 self._update([f"{r['scoring']}/{r['grouping']}"], chunk, ppl)
 
-    def seed_probes(self, pairs: dict[str, list[str]], probes: dict[str, float]) -> None:
+    def seed_probes(self, probes: dict[str, float]) -> None:
         """The probe round's first-chunk perplexities count as seen (for every pair of each student)."""
         for key, ppl in probes.items():
-            self._update(pairs.get(key, []), 1, ppl)
+            self._update(self.pairs.get(key, []), 1, ppl)
+
+    def is_hopeless(self, key: str, chunk: int, ppl: float) -> bool:
+        return hopeless(ppl, chunk, self.pairs[key], self.best, self.factor, self.grace)
 
     def on_trial_result(self, tune_controller, trial, result: dict) -> str:
         if "chunk" not in result or result.get("final"):
             self._record(trial, result)
             return TrialScheduler.CONTINUE
         key = trial.config["key"]
-        if hopeless(result["ppl"], result["chunk"], self.pairs[key], self.best, self.factor, self.grace):
+        if self.is_hopeless(key, result["chunk"], result["ppl"]):
             self.stopped.add(key)
             return TrialScheduler.STOP
         self._record(trial, result)

@@ -30,14 +30,14 @@ from m2d_ray.artifacts import write_json_atomic
 from m2d_ray.calibrate.artifact import StatsArtifact
 from m2d_ray.calibrate.ray_data import calibrate_ray
 from m2d_ray.config import SweepConfig, dump_config, load_config
-from m2d_ray.data.text import calibration_set, load_text, tokenize
+from m2d_ray.data.text import load_text, tokenize
 from m2d_ray.errors import M2DError
 from m2d_ray.report.stage1 import heatmap, write_tables
 from m2d_ray.sweep.grid import TrialSpec, Unique, dedupe, expand, plan_all, plan_of
 from m2d_ray.sweep.ledger import Ledger
 from m2d_ray.sweep.promote import promote, unpromoted
 from m2d_ray.sweep.ray_env import ensure_ray
-from m2d_ray.sweep.scheduler import PairwiseStopper, hopeless
+from m2d_ray.sweep.scheduler import PairwiseStopper
 from m2d_ray.sweep.trial import InjectedFault, run_trial
 from m2d_ray.track import LOGGED_TAG, Tracker, default_tracking_uri
 
@@ -160,7 +160,7 @@ class Recorder(tune.Callback):
         elif trial.config.get("max_chunks"):
             self.probes[key] = last["ppl"]
             if self.probe_file is not None:  # saved as they come: a killed probe round resumes where it was
-                write_json_atomic(self.probe_file, {**_load_probes(self.probe_file.parent), **self.probes})
+                write_json_atomic(self.probe_file, self.probes)
             self.finished += 1
             print(f"[probe {self.finished}/{self.total}] {key}: first chunk ppl {last['ppl']:.2f}", file=sys.stderr, flush=True)
         else:
@@ -212,11 +212,9 @@ def new_run_dir(cfg: SweepConfig, run_dir: Path) -> dict:
 
 
 def _stats(cfg: SweepConfig, model: str, run_dir: Path, tokenizer) -> StatsArtifact:
-    from m2d_ray.pipeline import load_text_with_fallback, resolve_calib
+    from m2d_ray.pipeline import calibration_tokens
 
-    spec = resolve_calib(cfg.calib.data, cfg.model)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    tokens = calibration_set(tokenizer, load_text_with_fallback(spec), seq_len=cfg.calib.seq_len, max_tokens=cfg.calib.max_tokens, pad_id=pad)
+    spec, tokens = calibration_tokens(tokenizer, cfg.calib.data, cfg.model, cfg.calib.seq_len, cfg.calib.max_tokens)
     art, reused = calibrate_ray(model, tokens, spec, run_dir / "stats", batch_size=cfg.calib.batch_size, actors=cfg.ray.data_actors,
                                 gpus_per_actor=cfg.ray.data_gpus_per_actor, threads=cfg.ray.threads_per_worker)
     print(f"statistics: {'reused' if reused else 'computed'} {art.manifest['n_tokens']} tokens, sha256 {art.checksum[:12]}", file=sys.stderr)
@@ -275,7 +273,7 @@ def run_stage1(cfg: SweepConfig | None, run_dir: str | Path, resume: bool = Fals
         tags={"run_dir": str(run_dir), "teacher": model},
     )
     ledger = Ledger(run_dir)
-    _reconcile(ledger, uniques, plans, tracker, parent, attempt)
+    _reconcile(ledger, uniques, tracker, parent)
     pending = [u for u in uniques if u.canonical.key not in ledger.done()]
     print(f"stage 1: {len(specs)} configs, {len(uniques)} distinct students, {len(pending)} to evaluate", file=sys.stderr)
 
@@ -283,22 +281,20 @@ def run_stage1(cfg: SweepConfig | None, run_dir: str | Path, resume: bool = Fals
     recorder = Recorder({u.canonical.key: u for u in pending}, plans, ledger, tracker, parent, attempt)
     run = lambda units, phase, stopper=None, max_chunks=None: _tune(  # noqa: E731
         cfg, model, run_dir, plans, units, ids, recorder, f"stage1-{attempt}-{phase}", stopper, max_chunks)
+    stopper = None
+    if pending and cfg.search.early_stop:
+        stopper = PairwiseStopper(cfg.search.stop_factor, cfg.search.grace_chunks, pairs={u.canonical.key: u.pairs for u in uniques})
+        stopper.seed(ledger.records())
     probed = 0
-    if pending and cfg.search.early_stop and cfg.search.probe and cfg.eval.chunks > 1:
-        probes = _load_probes(run_dir)
-        todo = [u for u in pending if u.canonical.key not in probes]
+    if stopper and cfg.search.probe and cfg.eval.chunks > 1:
+        recorder.probes, recorder.probe_file = _load_probes(run_dir), run_dir / PROBES_FILE
+        todo = [u for u in pending if u.canonical.key not in recorder.probes]
         if todo:
-            recorder.probe_file = run_dir / PROBES_FILE
             run(todo, "probe", max_chunks=1)
-            probes.update(recorder.probes)
-        probed = len(probes)
-        pending = _after_probes(cfg, [u for u in pending if u.canonical.key not in ledger.done()], probes, ledger, recorder)
+        probed = len(recorder.probes)
+        stopper.seed_probes(recorder.probes)
+        pending = _after_probes([u for u in pending if u.canonical.key not in ledger.done()], recorder.probes, stopper, recorder)
     if pending:
-        stopper = None
-        if cfg.search.early_stop:
-            stopper = PairwiseStopper(cfg.search.stop_factor, cfg.search.grace_chunks, pairs={u.canonical.key: u.pairs for u in pending})
-            stopper.seed(ledger.records())
-            stopper.seed_probes({u.canonical.key: u.pairs for u in uniques}, _load_probes(run_dir))
         run(pending, "eval", stopper)
     records = ledger.records()
     promotions = _finish(cfg, run_dir, records, tracker, parent, model, art, k, E)
@@ -310,23 +306,14 @@ def _load_probes(run_dir: Path) -> dict[str, float]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def _after_probes(cfg: SweepConfig, pending: list[Unique], probes: dict[str, float], ledger: Ledger, recorder: Recorder) -> list[Unique]:
+def _after_probes(pending: list[Unique], probes: dict[str, float], stopper: PairwiseStopper, recorder: Recorder) -> list[Unique]:
     """Prune students hopeless at chunk 1 against every probe; order the rest best-first (so the
     scheduler meets each pair's best early and stops the others sooner)."""
-    best: dict[str, dict[int, float]] = {}
-    for u in pending:
-        for p in u.pairs:
-            best.setdefault(p, {})[1] = min(probes[u.canonical.key], best.get(p, {}).get(1, math.inf))
-    for r in ledger.records():
-        for c, v in r["partials"]:
-            if v is not None:
-                pb = best.setdefault(f"{r['scoring']}/{r['grouping']}", {})
-                pb[c] = min(v, pb.get(c, math.inf))
     survivors = []
     recorder.total, recorder.finished = len(pending), 0
     for u in sorted(pending, key=lambda u: probes[u.canonical.key]):
         key = u.canonical.key
-        if hopeless(probes[key], 1, u.pairs, best, cfg.search.stop_factor, cfg.search.grace_chunks):
+        if stopper.is_hopeless(key, 1, probes[key]):
             recorder.partials[key] = [(1, probes[key])]
             recorder.record(key, "pruned", {"ppl": probes[key]})
         else:
@@ -334,7 +321,7 @@ def _after_probes(cfg: SweepConfig, pending: list[Unique], probes: dict[str, flo
     return survivors
 
 
-def _reconcile(ledger: Ledger, uniques: list[Unique], plans: dict, tracker: Tracker, parent: str, attempt: str) -> None:
+def _reconcile(ledger: Ledger, uniques: list[Unique], tracker: Tracker, parent: str) -> None:
     """After a kill: copy finished results to identical configs missing a record; log unlogged records."""
     done = ledger.done()
     for u in uniques:
