@@ -75,6 +75,51 @@ class TrackConfig:
 
 
 @dataclass(frozen=True)
+class DistillConfig:
+    """Stage 2 training of one student (the paper's values are the defaults; tiny configs shrink them)."""
+
+    train_data: str = "fineweb-edu"  # streamed through datasets; or a local text / .jsonl / .parquet file, synthetic[:split]
+    eval_data: str | None = None  # validation text; None = the sweep's eval.data
+    eval_max_tokens: int | None = 65536
+    loss: str = "fkl"  # fkl | rkl | fkl+mse
+    temperature: float = 1.0
+    mse_weight: float = 1.0  # fkl+mse: weight of the hidden-state MSE
+    teacher_topk: int | None = None  # expanded teacher routing k' >= k (None = the teacher's own k)
+    steps: int = 200
+    lr: float = 1e-4
+    min_lr: float = 1e-5
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    betas: tuple[float, ...] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    batch_size: int = 4  # sequences per worker per micro-batch
+    grad_accum: int = 1
+    seq_len: int = 4096
+    eval_every: int = 50  # steps between validations (each one is a report, a checkpoint and an ASHA rung step)
+    eval_batch_size: int = 4
+    loss_chunk: int = 1024  # tokens per vocabulary chunk of the KL
+    deepspeed: bool = True  # ZeRO-2 (bf16 on GPU, fp32 + gloo on CPU); false = plain torch
+    zero_stage: int = 2
+    workers: int = 1  # Ray Train workers per student
+    gpus_per_worker: float = 0.0
+    cpus_per_worker: float = 1.0
+    threads_per_worker: int = 1
+    gradient_checkpointing: bool = False
+    keep_checkpoints: int = 2
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Stage2Config:
+    baselines: tuple[str, ...] = ("random-ffn", "random-init")  # distilled under the same budget
+    asha: bool = True  # stop poor students early on validation loss
+    grace_evals: int = 2  # ASHA never stops a student before this many validations
+    reduction_factor: int = 3
+    max_concurrent_trials: int | None = None  # None = from the cluster's GPUs (else ray.max_concurrent_trials)
+    experiment: str = "m2d-stage2"
+
+
+@dataclass(frozen=True)
 class FaultConfig:
     """Fault injection for tests and drills: trial keys that raise, or whose student is poisoned with NaN."""
 
@@ -85,6 +130,7 @@ class FaultConfig:
 @dataclass(frozen=True)
 class SweepConfig:
     name: str = "sweep"
+    stage: int = 1  # 1 = the pre-distillation grid; 2 = distil the promotions of a finished stage 1 (--resume RUN_DIR)
     model: str | None = None  # hub name or directory; None = the embedded tiny teacher
     device: str | None = None  # per trial; None = cuda when the trial has a GPU, else cpu
     calib: CalibConfig = field(default_factory=CalibConfig)
@@ -93,6 +139,8 @@ class SweepConfig:
     search: SearchConfig = field(default_factory=SearchConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     mlflow: TrackConfig = field(default_factory=TrackConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    stage2: Stage2Config = field(default_factory=Stage2Config)
     faults: FaultConfig = field(default_factory=FaultConfig)
 
     def to_dict(self) -> dict:
@@ -118,6 +166,30 @@ class SweepConfig:
             raise M2DError("grid.K is empty; give a list such as [8, 16] or auto (k, 2k, 4k ... E)")
         if self.eval.chunks < 1 or self.search.stop_factor <= 1.0:
             raise M2DError("eval.chunks must be >= 1 and search.stop_factor > 1")
+        if self.stage not in (1, 2):
+            raise M2DError(f"stage={self.stage}: write stage=1 (pre-distillation grid) or stage=2 (distil the promotions)")
+        check_distill(self.distill)
+        from m2d_ray.convert.baselines import BASELINES
+
+        for b in self.stage2.baselines:
+            if b not in BASELINES:
+                raise M2DError(f"stage2.baselines: {BASELINES.unknown_message(b)}")
+
+
+def check_distill(d: DistillConfig) -> None:
+    """One-line errors for a distillation config that cannot run."""
+    from m2d_ray.distill.losses import LOSSES
+
+    if d.loss not in LOSSES:
+        raise M2DError(f"distill.loss: {LOSSES.unknown_message(d.loss)}")
+    positive = {k: getattr(d, k) for k in ("steps", "batch_size", "grad_accum", "seq_len", "eval_every", "eval_batch_size", "loss_chunk", "workers", "threads_per_worker")}
+    bad = [f"distill.{k}={v}" for k, v in positive.items() if v < 1]
+    if bad:
+        raise M2DError(f"{', '.join(bad)}: must be >= 1")
+    if not (d.lr > 0 and 0 <= d.min_lr <= d.lr and d.temperature > 0 and len(d.betas) == 2):
+        raise M2DError("distill: need lr > 0, 0 <= min_lr <= lr, temperature > 0 and betas = [beta1, beta2]")
+    if d.zero_stage not in (0, 1, 2):
+        raise M2DError(f"distill.zero_stage={d.zero_stage}: use 2 (ZeRO-2), 1 or 0; ZeRO-3 would shard the weights the loss reads")
 
 
 def k_values(K: Union[str, tuple[int, ...]], k: int, E: int) -> list[int]:
@@ -221,6 +293,11 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
           float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), str: lambda v: isinstance(v, str)}
     if hint in ok and ok[hint](value):
         return float(value) if hint is float else value
+    if hint is float and isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     raise M2DError(f"{path}={value!r} should be {getattr(hint, '__name__', hint)}")
 
 

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from m2d_ray.calibrate import calibrate
-from m2d_ray.calibrate.stats import LayerStats
 from m2d_ray.config import load_config
 from m2d_ray.data.synthetic import corpus_text
 from m2d_ray.data.text import calibration_set

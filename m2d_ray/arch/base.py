@@ -236,10 +236,23 @@ class MoEAdapter:
         uniform and proportional scales are multiplied by it so the student keeps the output magnitude."""
         return 1.0
 
+    def router(self, block: nn.Module) -> nn.Module:
+        """The block's router module (returns logits, applied top-k weights, top-k indices)."""
+        return block.gate
+
     def route(self, block: nn.Module, h: Tensor) -> Routing:
         """Router decisions for tokens h [T, d], computed by the model's own router module."""
-        logits, weight, index = block.gate(h)
+        logits, weight, index = self.router(block)(h)
         return softmax_routing(logits, weight, index)
+
+    def set_top_k(self, model: nn.Module, k: int) -> None:
+        """Expanded routing: every MoE block uses its top-`k` experts, weighted by the router's own rule
+        (renormalised top-k probabilities where the model renormalises)."""
+        E = self.num_experts(model.config)
+        if not 1 <= k <= E:
+            raise M2DError(f"teacher top-k {k} outside [1, E={E}]")
+        for block in self.moe_blocks(model).values():
+            self.router(block).top_k = k
 
     def experts(self, block: nn.Module) -> ExpertWeights:
         """Fused transformers-5 layout: gate_up_proj [E, 2I, d] (gate first), down_proj [E, d, I]."""
@@ -252,7 +265,7 @@ class MoEAdapter:
 
     def router_weight(self, block: nn.Module) -> Tensor:
         """Router rows [E, d] (for router-based grouping)."""
-        return block.gate.weight.detach()
+        return self.router(block).weight.detach()
 
     def shared(self, block: nn.Module) -> SharedExpert | None:
         return None

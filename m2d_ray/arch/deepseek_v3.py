@@ -34,6 +34,6 @@ class DeepseekV3Adapter(DeepseekAdapterBase):
         return bool(getattr(config, "norm_topk_prob", True))
 
     def route(self, block: nn.Module, h: Tensor) -> Routing:
-        logits, weight, index = block.gate(h)
+        logits, weight, index = self.router(block)(h)
         scores = torch.sigmoid(logits.float())
         return Routing(probs=scores / scores.sum(dim=-1, keepdim=True), index=index, weight=weight)

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from transformers import GptOssConfig
 
 from m2d_ray.arch import register
-from m2d_ray.arch.base import DenseFFN, ExpertWeights, MoEAdapter, Routing, clamped_swiglu, copy_config, softmax_routing
+from m2d_ray.arch.base import DenseFFN, ExpertWeights, MoEAdapter, clamped_swiglu, copy_config
 
 
 @register
@@ -37,9 +37,8 @@ class GptOssAdapter(MoEAdapter):
     def renormalizes(self, config) -> bool:
         return True
 
-    def route(self, block: nn.Module, h: Tensor) -> Routing:
-        logits, weight, index = block.router(h)
-        return softmax_routing(logits, weight, index)
+    def router(self, block: nn.Module) -> nn.Module:
+        return block.router
 
     def activation(self, block: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
         return clamped_swiglu(float(block.experts.alpha), float(block.experts.limit))
@@ -57,9 +56,6 @@ class GptOssAdapter(MoEAdapter):
             up_bias=bias[:, 1::2],
             down_bias=ex.down_proj_bias.detach(),
         )
-
-    def router_weight(self, block: nn.Module) -> Tensor:
-        return block.router.weight.detach()
 
     def student_config(self, config, width: int):
         return copy_config(

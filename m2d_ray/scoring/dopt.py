@@ -54,7 +54,6 @@ def greedy_logdet(K: Tensor, budget: int, lam: float) -> list[int]:
 def greedy_logdet_naive(K: Tensor, budget: int, lam: float) -> list[int]:
     """Same greedy, recomputing (K_S + lam I)^-1 every step (the paper's O(K^3 E) form)."""
     K = K.double()
-    E = K.shape[0]
     order: list[int] = []
     for _ in range(budget):
         if order:

@@ -1,0 +1,104 @@
+"""Distillation losses, computed token chunk by token chunk from the final hidden states.
+
+A [tokens x vocab] float32 tensor is never held whole (Qwen3's vocabulary is 151,936): for each
+chunk of tokens the student and teacher logits `h @ W.T` are formed, the loss and its gradient with
+respect to the student logits are computed in float32, and the gradient is pushed straight back to
+the hidden states and the output projection. Backward then only rescales the stored gradients.
+
+With temperature t the loss is t^2 * KL at logits / t (Hinton et al.), so gradients keep their size.
+    fkl: KL(p_teacher || p_student)  (the paper's default)
+    rkl: KL(p_student || p_teacher)
+Losses are means over the tokens given (the caller drops padding before calling).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from m2d_ray.registry import Registry
+
+#: loss name -> (logit divergence, whether hidden-state MSE over all layers is added)
+LOSSES: Registry[tuple[str, bool]] = Registry("loss")
+LOSSES.register("fkl")(("fkl", False))
+LOSSES.register("rkl")(("rkl", False))
+LOSSES.register("fkl+mse")(("fkl", True))
+
+
+def _fkl(ls: Tensor, lt: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-token KL(t || s) and its gradient w.r.t. the student logits (p_s - p_t)."""
+    pt = lt.exp()
+    return (pt * (lt - ls)).sum(-1), ls.exp() - pt
+
+
+def _rkl(ls: Tensor, lt: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-token KL(s || t) and its gradient w.r.t. the student logits p_s * (log p_s - log p_t - KL)."""
+    ps = ls.exp()
+    diff = ls - lt
+    kl = (ps * diff).sum(-1)
+    return kl, ps * (diff - kl[:, None])
+
+
+DIVERGENCES: dict[str, Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]] = {"fkl": _fkl, "rkl": _rkl}
+
+
+class _ChunkedKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_s: Tensor, w_s: Tensor, h_t: Tensor, w_t: Tensor, kind: str, temperature: float, chunk: int) -> Tensor:
+        n = h_s.shape[0]
+        div = DIVERGENCES[kind]
+        grad_h = torch.empty_like(h_s)
+        grad_w = torch.zeros(w_s.shape, dtype=torch.float32, device=w_s.device) if ctx.needs_input_grad[1] else None
+        total = torch.zeros((), dtype=torch.float64, device=h_s.device)
+        t = float(temperature)
+        for s in range(0, n, chunk):
+            hs, ht = h_s[s : s + chunk], h_t[s : s + chunk]
+            ls = torch.log_softmax((hs @ w_s.T).float() / t, dim=-1)
+            lt = torch.log_softmax((ht @ w_t.T).float() / t, dim=-1)
+            kl, g = div(ls, lt)
+            total += kl.double().sum()
+            g = g * (t / n)  # d(t^2 * mean KL(z / t)) / dz = t / n * dKL
+            grad_h[s : s + chunk] = (g @ w_s.float()).to(h_s.dtype)
+            if grad_w is not None:
+                grad_w.addmm_(g.T, hs.float())
+            del ls, lt, kl, g
+        ctx.save_for_backward(grad_h, grad_w if grad_w is not None else torch.empty(0))
+        ctx.w_dtype = w_s.dtype
+        return (total * (t * t) / max(n, 1)).to(torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = grad_h * grad_out.to(grad_h.dtype)
+        gw = (grad_w * grad_out).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
+        return gh, gw, None, None, None, None, None
+
+
+def chunked_kl(h_s: Tensor, w_s: Tensor, h_t: Tensor, w_t: Tensor, kind: str = "fkl", temperature: float = 1.0, chunk: int = 1024) -> Tensor:
+    """Mean per-token divergence between softmax(h_s @ w_s.T) and softmax(h_t @ w_t.T), chunked.
+
+    h_s [N, d] student hidden states (after the final norm), w_s [V, d] the student's output
+    projection; h_t, w_t the teacher's (no gradient). Peak extra memory ~ 4 x chunk x V floats.
+    """
+    if kind not in DIVERGENCES:
+        raise ValueError(f"unknown divergence {kind!r}")
+    return _ChunkedKL.apply(h_s, w_s, h_t.detach(), w_t.detach(), kind, temperature, max(1, int(chunk)))
+
+
+def naive_kl(logits_s: Tensor, logits_t: Tensor, kind: str = "fkl", temperature: float = 1.0) -> Tensor:
+    """Reference: the same divergence on whole [N, V] logits (what the chunked form must equal)."""
+    ls = torch.log_softmax(logits_s.float() / temperature, dim=-1)
+    lt = torch.log_softmax(logits_t.float() / temperature, dim=-1)
+    a, b = (lt, ls) if kind == "fkl" else (ls, lt)
+    return temperature**2 * F.kl_div(b, a, log_target=True, reduction="batchmean")
+
+
+def hidden_mse(student_states: tuple[Tensor, ...], teacher_states: tuple[Tensor, ...], mask: Tensor) -> Tensor:
+    """Mean squared error between the hidden states of every layer (the embeddings excluded), over real tokens."""
+    pairs = list(zip(student_states[1:], teacher_states[1:]))
+    valid = mask.bool()
+    per_layer = [F.mse_loss(s[valid].float(), t[valid].float().detach()) for s, t in pairs]
+    return torch.stack(per_layer).mean()

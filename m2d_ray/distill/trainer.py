@@ -1,0 +1,84 @@
+"""Ray Train host of the distillation loop: a TorchTrainer whose workers run `loop.run_distill`.
+
+Each worker loads the frozen teacher and the student, joins the process group Ray Train set up
+(gloo on CPU, NCCL on GPU) and, with DeepSpeed, wraps the student in a ZeRO-2 engine. Reports carry
+a checkpoint (every rank's ZeRO partition lands in the same checkpoint directory). A run started
+again with the same name and storage resumes from its latest checkpoint (Train V2 restores the
+checkpoint manager from storage), so a killed run continues from step N, not from 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from ray import train
+from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.v2.api.callback import UserCallback
+
+from m2d_ray.distill.loop import DistillJob, WorkerIO, run_distill
+
+#: environment forwarded to the workers (DeepSpeed's compiled-ops cache: a stale lock there hangs every run)
+FORWARDED_ENV = ("TORCH_EXTENSIONS_DIR", "DS_ACCELERATOR")
+
+
+def train_func(config: dict) -> None:
+    """Ray Train worker entry point."""
+    os.environ.update(config.get("env", {}))
+    job: DistillJob = config["job"]
+    torch.set_num_threads(job.cfg.threads_per_worker)
+    ctx = train.get_context()
+    if job.device == "cuda":
+        torch.cuda.set_device(train.torch.get_device())
+
+    def report(metrics: dict, path: Path | None) -> None:
+        train.report(metrics, checkpoint=Checkpoint.from_directory(str(path)) if path else None)
+
+    io = WorkerIO(rank=ctx.get_world_rank(), world=ctx.get_world_size(), report=report)
+    ckpt = train.get_checkpoint()
+    if ckpt is None:
+        run_distill(job, io)
+        return
+    with ckpt.as_directory() as d:
+        io.restore = Path(d)
+        run_distill(job, io)
+
+
+class MetricsLog(UserCallback):
+    """Controller side: rank 0's reports appended to a JSONL file and printed as progress lines."""
+
+    def __init__(self, path: str | Path, label: str = "") -> None:
+        self.path, self.label = str(Path(path).resolve()), label
+
+    def after_report(self, run_context, metrics, checkpoint):
+        m = dict(metrics[0])
+        with open(self.path, "a") as f:
+            f.write(json.dumps(m) + "\n")
+        print(f"[distill {self.label}] step {m['step']}: train loss {m['train_loss']:.4f}, val ppl {m['val_ppl']:.2f} "
+              f"(start {m['val_ppl_initial']:.2f}), {m['tokens_per_s']:.0f} tok/s", file=sys.stderr, flush=True)
+
+
+def fit(job: DistillJob, name: str, storage: str | Path, callbacks: list | None = None, max_failures: int = 0):
+    """Build and fit the TorchTrainer of one student; returns Ray Train's Result."""
+    cfg = job.cfg
+    use_gpu = cfg.gpus_per_worker > 0
+    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    trainer = TorchTrainer(
+        train_func,
+        train_loop_config={"job": job, "env": env},
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=ScalingConfig(
+            num_workers=cfg.workers, use_gpu=use_gpu,
+            resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": cfg.gpus_per_worker} if use_gpu else {})},
+        ),
+        run_config=RunConfig(
+            name=name, storage_path=str(Path(storage).resolve()), callbacks=callbacks or [],
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
+            failure_config=FailureConfig(max_failures=max_failures),
+        ),
+    )
+    return trainer.fit()
