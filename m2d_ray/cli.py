@@ -61,16 +61,42 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--out", default=None, help="run directory (default runs/<name>-<time>)")
     w.add_argument("--resume", default=None, metavar="RUN_DIR", help="finish a killed or interrupted sweep")
     w.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///RUN_DIR/mlflow.db)")
+
+    d = sub.add_parser("distill", help="distil one dense student from its MoE teacher (Ray Train + DeepSpeed)")
+    d.add_argument("--teacher", default=None, help="teacher directory or hub name (default: the embedded tiny Qwen3-MoE)")
+    d.add_argument("--student", required=True, help="initial student directory (m2d convert --out), or random-ffn / random-init")
+    d.add_argument("--train-data", default=None, help="fineweb-edu (streamed), hf:NAME[:CONFIG[:SPLIT]], a text / .jsonl / .parquet file, synthetic:train")
+    d.add_argument("--eval-data", required=True, help="validation text: a file, synthetic[:split] or wikitext2[:split]")
+    d.add_argument("--steps", type=_positive, default=None)
+    d.add_argument("--loss", default=None, help="fkl (default), rkl or fkl+mse")
+    d.add_argument("--teacher-topk", type=_positive, default=None, help="expanded teacher routing k' (k <= k' <= E)")
+    d.add_argument("--deepspeed", action=argparse.BooleanOptionalAction, default=None, help="DeepSpeed ZeRO-2 (default on)")
+    d.add_argument("--workers", type=_positive, default=None, help="Ray Train workers")
+    d.add_argument("--config", default=None, help="YAML whose distill: section gives the defaults (experiments/*.yaml)")
+    d.add_argument("overrides", nargs="*", default=[], help="more distill settings as key=value, e.g. lr=3e-3 seq_len=256 eval_every=20")
+    d.add_argument("--out", required=True, help="run directory: student/, train/ (checkpoints), metrics.jsonl, result.json")
     return ap
+
+
+KV_COMMANDS = ("sweep", "distill")  # commands whose key=value overrides may follow the options
+
+
+def _distill_overrides(args) -> list[str]:
+    flags = {"train_data": args.train_data, "steps": args.steps, "loss": args.loss, "teacher_topk": args.teacher_topk,
+             "deepspeed": args.deepspeed, "workers": args.workers}
+    return [*args.overrides, *(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in flags.items() if v is not None)]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args, extra = ap.parse_known_args(argv)
-    if args.command == "sweep" and all("=" in e and not e.startswith("-") for e in extra):
+    if args.command in KV_COMMANDS and all("=" in e and not e.startswith("-") for e in extra):
         args.overrides += extra  # key=value overrides may follow the options
     elif extra:
         ap.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "sweep" and args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
+        args.overrides.insert(0, args.config)  # `m2d sweep --resume RUN_DIR stage=2`: no config, only overrides
+        args.config = None
     try:
         from m2d_ray import pipeline
 
@@ -93,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
                 args.config, args.overrides, out=args.out, resume=args.resume, tracking_uri=args.tracking_uri,
                 model=args.model, calib_data=args.calib_data, eval_data=args.eval_data,
             )
+            print(json.dumps(result))
+        elif args.command == "distill":
+            result = pipeline.distill_one(args.teacher, args.student, args.out, args.eval_data, config=args.config, overrides=_distill_overrides(args))
             print(json.dumps(result))
     except M2DError as exc:
         print(f"m2d: error: {exc}", file=sys.stderr)

@@ -150,20 +150,28 @@ def sweep(
     calib_data: str | None = None,
     eval_data: str | None = None,
 ) -> dict:
-    """Stage 1: run (or resume) the grid of a YAML config; returns a summary (promotions included)."""
+    """Stage 1 (a new grid, or --resume) or, with stage=2 and --resume RUN_DIR, stage 2 on its promotions."""
     import time
 
     from m2d_ray.config import load_config
 
+    cli = [f"{k}={v}" for k, v in (("model", model), ("calib.data", calib_data), ("eval.data", eval_data)) if v]
     if resume:
-        if config or overrides or model or calib_data or eval_data or out:
-            raise M2DError("--resume RUN_DIR reuses the run's saved config; drop the config, overrides and --out/--model/--*-data")
+        saved = Path(resume) / "config.yaml"
+        if not saved.exists():
+            raise M2DError(f"{resume} holds no sweep to resume (no config.yaml); start one with m2d sweep CONFIG --out {resume}")
+        cfg = load_config(config or saved, [*overrides, *cli])
+        if cfg.stage == 2:
+            return _stage2_summary(resume, cfg, tracking_uri)
+        if config or overrides or cli or out:
+            raise M2DError("--resume RUN_DIR reuses the run's saved config; drop the config, overrides and --out/--model/--*-data (or add stage=2)")
         run_dir, cfg = resume, None
     else:
         if config is None:
             raise M2DError("give a config (e.g. experiments/tiny.yaml) or --resume RUN_DIR")
-        cli = [f"{k}={v}" for k, v in (("model", model), ("calib.data", calib_data), ("eval.data", eval_data)) if v]
         cfg = load_config(config, [*overrides, *cli])
+        if cfg.stage == 2:
+            raise M2DError("stage=2 distils the promotions of a finished stage 1: add --resume RUN_DIR")
         run_dir = out or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     from m2d_ray.sweep.stage1 import run_stage1
 
@@ -180,3 +188,82 @@ def sweep(
         "promotions": {p: {"K": v["K"], "scaling": v["scaling"], "ppl": v["ppl"]} for p, v in res.promotions.items()},
         "wall_s": round(res.wall_s, 1),
     }
+
+
+def _stage2_summary(run_dir: str, cfg, tracking_uri: str | None) -> dict:
+    from m2d_ray.sweep.stage2 import run_stage2
+
+    records = run_stage2(cfg, run_dir, tracking_uri=tracking_uri)
+    return {
+        "run_dir": str(Path(run_dir).resolve()),
+        "stage": 2,
+        "table": str(Path(run_dir).resolve() / "stage2.csv"),
+        "students": {r["key"]: {"status": r["status"], "val_ppl_initial": r["val_ppl_initial"], "val_ppl": r["val_ppl"], "student": r["student_path"]} for r in records},
+    }
+
+
+def check_teacher_topk(model: str, k_prime: int | None) -> None:
+    """Expanded teacher routing needs k <= k' <= E."""
+    if k_prime is None:
+        return
+    from m2d_ray.arch import get_adapter
+    from m2d_ray.models import load_config as model_config
+
+    config = model_config(model)
+    adapter = get_adapter(config)
+    k, E = adapter.top_k(config), adapter.num_experts(config)
+    if not k <= k_prime <= E:
+        raise M2DError(f"teacher top-k {k_prime} outside [k, E] = [{k}, {E}]: expanded routing uses at least the teacher's own k")
+
+
+def distill_one(
+    teacher: str | None,
+    student: str,
+    out: str | Path,
+    eval_data: str,
+    config: str | None = None,
+    overrides: list[str] = (),
+) -> dict:
+    """`m2d distill`: one student (a directory, or a baseline name built from the teacher) on Ray Train.
+
+    OUT/student is the exported student, OUT/train the Ray Train storage (checkpoints: running the same
+    command again resumes), OUT/metrics.jsonl the validation curve, OUT/result.json the summary.
+    """
+    import json
+
+    from m2d_ray.artifacts import write_json_atomic
+    from m2d_ray.config import RayConfig, load_config
+    from m2d_ray.convert.initial import materialize
+    from m2d_ray.distill.loop import DistillJob
+    from m2d_ray.distill.trainer import MetricsLog, fit, follow
+    from m2d_ray.sweep.ray_env import ensure_ray
+
+    cfg = load_config(config, [f"distill.{o}" if not o.startswith("distill.") else o for o in overrides]).distill
+    out = Path(out).resolve()
+    if (out / "result.json").exists():
+        raise M2DError(f"{out} already holds a finished distillation ({out / 'result.json'}); choose another --out")
+    teacher = str(Path(teacher).expanduser().resolve()) if teacher and Path(teacher).expanduser().exists() else (teacher or default_teacher())
+    if student in BASELINES:
+        student_dir = materialize(load_teacher(teacher), out / "init", baseline=student, seed=cfg.seed)
+    else:
+        student_dir = Path(student).expanduser().resolve()
+        if not (student_dir / "config.json").exists():
+            raise M2DError(f"student {student!r} is neither a model directory nor a baseline ({', '.join(BASELINES.names())})")
+    check_teacher_topk(teacher, cfg.teacher_topk)
+    device = "cuda" if cfg.gpus_per_worker > 0 else "cpu"
+    job = DistillJob(teacher, str(student_dir), cfg, eval_data, out=str(out / "student"), device=device)
+    out.mkdir(parents=True, exist_ok=True)
+    ensure_ray(RayConfig())
+    with follow(out / "metrics.jsonl", out.name):
+        result = fit(job, name="train", storage=out, callbacks=[MetricsLog(out / "metrics.jsonl")])
+    if result.error is not None:
+        raise M2DError(f"distillation failed: {str(result.error).splitlines()[0][:300]}; fix it and run the same command to resume")
+    m = result.metrics
+    summary = {
+        "student": m.get("student_path"), "steps": m["step"], "tokens": m["tokens"], "resumed_from": m["resumed_from"],
+        "first_val_ppl": m["val_ppl_initial"], "last_val_ppl": m["val_ppl"], "tokens_per_s": m["tokens_per_s"],
+        "loss": cfg.loss, "teacher_topk": cfg.teacher_topk, "deepspeed": cfg.deepspeed, "workers": cfg.workers,
+        "metrics": str(out / "metrics.jsonl"),
+    }
+    write_json_atomic(out / "result.json", summary)
+    return json.loads(json.dumps(summary))

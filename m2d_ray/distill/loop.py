@@ -12,6 +12,7 @@ checkpoint to resume from; a resumed run continues at the checkpoint's step with
 from __future__ import annotations
 
 import math
+import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ class DistillJob:
     eval_data: str
     out: str | None = None  # exported student directory (written by rank 0 after the last step)
     device: str = "cpu"
+    stop_file: str | None = None  # early stop requested from outside (ASHA): the run ends cleanly at the next step
 
 
 @dataclass
@@ -179,6 +181,16 @@ def _mean_over_ranks(x: float, io: WorkerIO) -> float:
     return x
 
 
+def stop_requested(job: DistillJob, io: WorkerIO) -> bool:
+    """Rank 0 looks for the stop file and every rank gets its answer (ranks must stop at the same step)."""
+    if job.stop_file is None:
+        return False
+    flag = torch.tensor([float(io.rank == 0 and os.path.exists(job.stop_file))])
+    if io.world > 1 and dist.is_initialized():
+        dist.all_reduce(flag)
+    return bool(flag.item())
+
+
 def run_distill(job: DistillJob, io: WorkerIO) -> dict:
     """Train `job.student` for cfg.steps (from the restored step on); returns the last report's metrics."""
     cfg = job.cfg
@@ -222,6 +234,8 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
             sched.step()
             opt.zero_grad(set_to_none=True)
         step += 1
+        if stop_requested(job, io):
+            break
         if step % cfg.eval_every and step < cfg.steps:
             continue
         elapsed = time.perf_counter() - t0

@@ -9,10 +9,13 @@ checkpoint manager from storage), so a killed run continues from step N, not fro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import threading
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from ray import train
@@ -49,17 +52,46 @@ def train_func(config: dict) -> None:
 
 
 class MetricsLog(UserCallback):
-    """Controller side: rank 0's reports appended to a JSONL file and printed as progress lines."""
+    """Controller side: rank 0's reports appended to a JSONL file (the controller's own output is not
+    forwarded to the driver; `follow` prints the file's lines there)."""
 
-    def __init__(self, path: str | Path, label: str = "") -> None:
-        self.path, self.label = str(Path(path).resolve()), label
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(Path(path).resolve())
 
     def after_report(self, run_context, metrics, checkpoint):
-        m = dict(metrics[0])
         with open(self.path, "a") as f:
-            f.write(json.dumps(m) + "\n")
-        print(f"[distill {self.label}] step {m['step']}: train loss {m['train_loss']:.4f}, val ppl {m['val_ppl']:.2f} "
-              f"(start {m['val_ppl_initial']:.2f}), {m['tokens_per_s']:.0f} tok/s", file=sys.stderr, flush=True)
+            f.write(json.dumps(metrics[0]) + "\n")
+
+
+def progress_line(m: dict, label: str = "") -> str:
+    return (f"[distill{' ' + label if label else ''}] step {m['step']}: train loss {m['train_loss']:.4f}, "
+            f"val ppl {m['val_ppl']:.2f} (start {m['val_ppl_initial']:.2f}), {m['tokens_per_s']:,.0f} tok/s")
+
+
+@contextlib.contextmanager
+def follow(path: str | Path, label: str = "", every_s: float = 1.0) -> Iterator[None]:
+    """Print a progress line on the driver for each line appended to a MetricsLog file while the block runs."""
+    path, stop = Path(path), threading.Event()
+    seen = len(path.read_text().splitlines()) if path.exists() else 0
+
+    def poll() -> None:
+        nonlocal seen
+        while True:
+            done = stop.wait(every_s)
+            lines = path.read_text().splitlines() if path.exists() else []
+            for line in lines[seen:]:
+                print(progress_line(json.loads(line), label), file=sys.stderr, flush=True)
+            seen = len(lines)
+            if done:
+                return
+
+    t = threading.Thread(target=poll, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
 
 
 def fit(job: DistillJob, name: str, storage: str | Path, callbacks: list | None = None, max_failures: int = 0):

@@ -1,0 +1,25 @@
+"""The initial student of a distillation run, on disk: a converted student (from its plan) or a baseline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from m2d_ray.convert.plan import ConversionPlan
+
+
+def materialize(teacher, out: str | Path, plan: ConversionPlan | None = None, baseline: str | None = None, seed: int = 0) -> Path:
+    """Build and export the student once (a converted one is verified exact); reuse `out` when it exists."""
+    out = Path(out)
+    if (out / "config.json").exists():
+        return out
+    from m2d_ray.convert import build_from_plan
+    from m2d_ray.convert.baselines import BASELINES
+    from m2d_ray.convert.export import export_student
+
+    if baseline is not None:
+        export_student(BASELINES[baseline](teacher, seed=seed), teacher.tokenizer, out)
+    elif plan is not None:
+        export_student(build_from_plan(teacher, plan), teacher.tokenizer, out, teacher=teacher, plan=plan)
+    else:
+        raise ValueError("materialize needs a plan or a baseline")
+    return out

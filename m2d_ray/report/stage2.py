@@ -1,0 +1,64 @@
+"""The stage-2 table (one row per distilled student) and its validation-perplexity curves."""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+from m2d_ray.artifacts import write_text_atomic
+
+COLUMNS = ("key", "pair", "baseline", "stage1_ppl", "status", "steps", "val_ppl_initial", "val_ppl", "best_val_ppl", "tokens_per_s", "student_path")
+NOTE = "`pruned`: stopped early by ASHA on validation loss; `--`: diverged (NaN/inf)."
+
+
+def _fmt(v, spec: str = "{:,.2f}") -> str:
+    return "" if v is None else spec.format(v) if isinstance(v, (int, float)) else str(v)
+
+
+def write_stage2(records: list[dict], order: list[str], run_dir: str | Path) -> list[Path]:
+    """stage2.csv, stage2.md and stage2_curves.png in `run_dir`, rows in `order` (promotion order, then baselines)."""
+    pos = {k: i for i, k in enumerate(order)}
+    rows = sorted(records, key=lambda r: pos.get(r["key"], len(pos)))
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(COLUMNS)
+    for r in rows:
+        w.writerow([r.get(c) if r.get(c) is not None else "" for c in COLUMNS])
+    md = ["| student | stage-1 ppl | status | steps | val ppl at start | final val ppl | best val ppl | tok/s |",
+          "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        final = "--" if r["status"] == "diverged" else _fmt(r.get("val_ppl"))
+        md.append(f"| {r['pair']} ({r['key']}) | {_fmt(r.get('stage1_ppl'), '{:,.1f}')} | {r['status']} | {_fmt(r.get('steps'), '{}')} | "
+                  f"{_fmt(r.get('val_ppl_initial'))} | {final} | {_fmt(r.get('best_val_ppl'))} | {_fmt(r.get('tokens_per_s'), '{:,.0f}')} |")
+    md += ["", NOTE]
+    out = Path(run_dir)
+    write_text_atomic(out / "stage2.csv", buf.getvalue())
+    write_text_atomic(out / "stage2.md", "\n".join(md) + "\n")
+    return [out / "stage2.csv", out / "stage2.md", curves(rows, out / "stage2_curves.png")]
+
+
+def curves(records: list[dict], path: Path) -> Path:
+    """Validation perplexity against training step, one line per student (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for r in records:
+        pts = [(0, r["val_ppl_initial"])] if r.get("val_ppl_initial") else []
+        pts += [(s, p) for s, p in r.get("curve", []) if p is not None]
+        if pts:
+            xs, ys = zip(*sorted(set(pts)))
+            ax.plot(xs, ys, marker=".", linestyle="--" if r.get("baseline") else "-", label=r["pair"])
+    ax.set_yscale("log")
+    ax.set_xlabel("distillation step")
+    ax.set_ylabel("validation perplexity")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=130)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
