@@ -59,11 +59,11 @@ def documents(spec: str) -> Iterator[str]:
 
 
 def _hub(name: str, config: str | None, split: str) -> Iterator[str]:
+    first = True
     try:
         import datasets
 
         rows = datasets.load_dataset(name, config, split=split, streaming=True)
-        first = True
         for row in rows:
             first = False
             yield row["text"]

@@ -147,7 +147,8 @@ def _finite(v):
 def log_record(tracker: Tracker, parent: str, r: dict) -> None:
     """Idempotent final logging of one student (tag m2d.logged last, as in stage 1)."""
     run = tracker.trial_run(parent, f"stage2/{r['key']}", {"stage": 2, **{k: r[k] for k in ("key", "pair", "baseline", "stage1_ppl")}})
-    metrics = {k: r[k] for k in ("val_ppl", "best_val_ppl", "val_ppl_initial", "tokens_per_s") if r.get(k) is not None}
+    names = {"val_ppl": "final_val_ppl", "best_val_ppl": "best_val_ppl", "val_ppl_initial": "initial_val_ppl", "tokens_per_s": "mean_tokens_per_s"}
+    metrics = {names[k]: r[k] for k in names if r.get(k) is not None}  # the curves keep the plain names
     tracker.log(run, metrics=metrics, tags={"status": r["status"], "student_path": r["student_path"], "error": r["error"], "stage": "2"})
     tracker.finish(run, {"ok": "FINISHED", "diverged": "FINISHED", "pruned": "KILLED", "failed": "FAILED"}[r["status"]])
     tracker.log(run, tags={LOGGED_TAG: "1"})

@@ -1,0 +1,143 @@
+"""Stage 2 on the session's Ray: real DeepSpeed ZeRO-2 on 2 CPU workers, kill + resume, and the stage-2
+sweep (ASHA, ledger, MLflow, native students) on a finished stage 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from m2d_ray.config import load_config
+from m2d_ray.sweep.stage1 import run_stage1
+from m2d_ray.sweep.stage2 import run_stage2
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "experiments" / "tiny.yaml"
+SMALL_DISTILL = ["distill.seq_len=64", "distill.batch_size=4", "distill.eval_max_tokens=2048", "distill.warmup_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def ds_env(tmp_path_factory):
+    """DeepSpeed's compiled ops in a directory of this session (a stale lock elsewhere would hang the run)."""
+    ext = str(tmp_path_factory.mktemp("torch_extensions"))
+    old = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = ext
+    yield ext
+    if old is None:
+        os.environ.pop("TORCH_EXTENSIONS_DIR")
+    else:
+        os.environ["TORCH_EXTENSIONS_DIR"] = old
+
+
+def _steps(metrics: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
+
+
+def test_deepspeed_zero2_on_two_cpu_workers_killed_and_resumed(ray_address, ds_env, tmp_path):
+    out = tmp_path / "distill"
+    args = [sys.executable, "-m", "m2d_ray.cli", "distill", "--student", "random-ffn", "--train-data", "synthetic:train",
+            "--eval-data", "synthetic:valid", "--steps", "40", "--workers", "2", "--deepspeed", "--out", str(out),
+            "lr=3e-3", "eval_every=4", "seq_len=64", "batch_size=2", "eval_max_tokens=1024", "warmup_steps=2"]
+    env = {**os.environ, "RAY_ADDRESS": ray_address}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 400
+    while max(_steps(out / "metrics.jsonl"), default=0) < 8 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    seen = max(_steps(out / "metrics.jsonl"), default=0)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert 8 <= seen < 40, proc.stderr.read()[-2000:]
+    assert not (out / "result.json").exists()
+
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["steps"] == 40 and result["resumed_from"] >= 8, result  # continued from a checkpoint, not step 0
+    steps = _steps(out / "metrics.jsonl")
+    assert steps[: steps.index(seen) + 1] == list(range(4, seen + 1, 4)) and steps[-1] == 40
+    assert result["last_val_ppl"] < result["first_val_ppl"]
+    assert "[distill distill] step 40" in done.stderr  # progress lines reach the driver
+    # ZeRO-2 over two ranks: each rank saved its own optimizer partition into the same checkpoint
+    ckpt = sorted(p for p in (out / "train").glob("checkpoint_*") if p.is_dir())[-1] / "state"
+    assert {p.name for p in ckpt.glob("zero_pp_rank_*_optim_states.pt")} == {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)}
+    student = AutoModelForCausalLM.from_pretrained(result["student"])
+    assert type(student).__name__ == "Qwen3ForCausalLM"
+    # a finished run is not silently redone
+    again = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "already holds a finished distillation" in again.stderr
+
+
+@pytest.fixture(scope="module")
+def stage1_dir(ray_address, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("stage2") / "run"
+    cfg = load_config(TINY, ["calib.max_tokens=4096", "calib.seq_len=128", "eval.max_chars=20000", "eval.seq_len=128", "eval.chunks=1",
+                             "grid.scoring=[sf,do-acp]", "grid.grouping=[rr]", "grid.scaling=[uniform]", "grid.K=[2]"])
+    run_stage1(cfg, run_dir)
+    return run_dir
+
+
+def test_stage2_sweep_asha_mlflow_and_native_students(stage1_dir):
+    import mlflow
+    import ray
+
+    overrides = ["stage=2", "distill.steps=12", "distill.eval_every=3", "distill.deepspeed=false", *SMALL_DISTILL,
+                 "stage2.baselines=[random-init]", "stage2.grace_evals=1", "stage2.reduction_factor=2", "stage2.max_concurrent_trials=1"]
+    cfg = load_config(stage1_dir / "config.yaml", overrides)
+    records = {r["key"]: r for r in run_stage2(cfg, stage1_dir)}
+    promotions = json.loads((stage1_dir / "promotions.json").read_text())["pairs"]
+    best = min(promotions.values(), key=lambda p: p["ppl"])["key"]
+    assert set(records) == {p["key"] for p in promotions.values()} | {"baseline-random-init"}
+
+    first = records[best]
+    assert first["status"] == "ok" and first["steps"] == 12 and first["val_ppl"] < first["val_ppl_initial"]
+    assert [s for s, _ in first["curve"]] == [3, 6, 9, 12]
+    student = AutoModelForCausalLM.from_pretrained(first["student_path"])
+    assert type(student).__name__ == "Qwen3ForCausalLM"
+    # the deliberately bad student (random init, ppl ~ vocabulary size) is stopped by ASHA at its first rung
+    bad = records["baseline-random-init"]
+    assert bad["status"] == "pruned" and bad["steps"] < 12 and bad["student_path"] is None
+    assert bad["val_ppl"] > 10 * first["val_ppl"]
+    rows = (stage1_dir / "stage2.csv").read_text().splitlines()
+    assert len(rows) == 1 + len(records) and rows[1].startswith(best)
+    for name in ("stage2.md", "stage2_curves.png", "stage2/config.yaml"):
+        assert (stage1_dir / name).exists(), name
+
+    mlflow.set_tracking_uri(f"sqlite:///{stage1_dir / 'mlflow.db'}")
+    try:
+        runs = {r.data.tags["m2d.trial"]: r for r in mlflow.search_runs(experiment_names=["m2d-stage1-tiny"], output_format="list")
+                if r.data.tags.get("m2d.trial", "").startswith("stage2/")}
+        parent = {r.data.tags["mlflow.parentRunId"] for r in runs.values()}
+        assert set(runs) == {f"stage2/{k}" for k in records} and len(parent) == 1
+        run = runs[f"stage2/{best}"]
+        assert run.data.tags["status"] == "ok" and run.data.tags["student_path"] == first["student_path"] and run.info.status == "FINISHED"
+        history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "val_ppl")
+        assert sorted(m.step for m in history) == [0, 3, 6, 9, 12]
+        assert runs["stage2/baseline-random-init"].info.status == "KILLED"
+    finally:
+        mlflow.set_tracking_uri(None)
+
+    # stopped students ended their Train runs cleanly: no placement group is left holding CPUs
+    time.sleep(2)
+    assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]
+    # resuming a finished stage 2 distils nothing again
+    t0 = time.time()
+    assert {r["key"]: r["status"] for r in run_stage2(cfg, stage1_dir)} == {k: r["status"] for k, r in records.items()}
+    assert time.time() - t0 < 30
+
+
+def test_stage2_needs_a_finished_stage1_and_the_same_recipe_grid(stage1_dir, tmp_path):
+    from m2d_ray.cli import main
+
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "config.yaml").write_text((stage1_dir / "config.yaml").read_text())
+    assert main(["sweep", "--resume", str(half), "stage=2"]) == 2
+    assert main(["sweep", "--resume", str(stage1_dir), "stage=2", "grid.K=[4]"]) == 2
+    assert main(["sweep", str(TINY), "stage=2"]) == 2
