@@ -25,6 +25,13 @@ from m2d_ray.errors import M2DError
 FINEWEB = ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train")
 
 
+def absolute_spec(spec: str | None) -> str | None:
+    """A local path made absolute (Ray runs trials and workers in their own directories); names unchanged."""
+    if spec is None or not Path(spec).expanduser().exists():
+        return spec
+    return str(Path(spec).expanduser().resolve())
+
+
 def documents(spec: str) -> Iterator[str]:
     """The documents of a train-data spec, in a fixed order (see the module docstring)."""
     if spec == "fineweb-edu":

@@ -13,6 +13,7 @@ continues from its last checkpoint (same Train run name and storage).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -27,6 +28,7 @@ from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
 from m2d_ray.config import SweepConfig, dump_config, load_config
+from m2d_ray.distill.data import absolute_spec
 from m2d_ray.errors import M2DError
 from m2d_ray.sweep.ledger import Ledger
 from m2d_ray.sweep.ray_env import ensure_ray
@@ -221,6 +223,8 @@ def run_stage2(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None =
     if not prom_file.exists():
         raise M2DError(f"{run_dir} has no promotions.json: finish stage 1 first (m2d sweep --resume {run_dir})")
     cfg = stage2_config(run_dir, cfg)
+    d = cfg.distill  # trials run in their own directories: local data paths made absolute
+    cfg = dataclasses.replace(cfg, distill=dataclasses.replace(d, train_data=absolute_spec(d.train_data), eval_data=absolute_spec(d.eval_data or cfg.eval.data)))
     promotions = json.loads(prom_file.read_text())
     model = promotions["teacher"]
     todo_all = students(promotions, cfg.stage2.baselines)
