@@ -37,18 +37,19 @@ def main() -> None:
         pairs = json.loads(prom.read_text())["pairs"]
         sf = min((v for k, v in pairs.items() if k.startswith("sf/")), key=lambda v: v["ppl"])
     recipes = {"DO-ACP K=k": ("do-acp", "rr", "uniform", None), f"SF {sf['grouping']} K={sf['K']} {sf['scaling']}": ("sf", sf["grouping"], sf["scaling"], sf["K"])}
-    students = {}
+    students, slugs = {}, {}
     for name, (s, g, c, K) in recipes.items():
-        d = out / "init" / name.split()[0].lower()
+        slugs[name] = s
+        d = out / "init" / s
         if not (d / "config.json").exists():
             convert_one(str(TEACHER), s, g, c, K, d, stats=str(stats) if stats.exists() else None,
                         calib_data=None if stats.exists() else str(TRAIN), calib_kwargs={"max_tokens": 32768, "seq_len": 256})
         students[name] = str(d)
-    students["random FFN + teacher attention"] = "random-ffn"
-    students["random init"] = "random-init"
+    for name, baseline in (("random FFN + teacher attention", "random-ffn"), ("random init", "random-init")):
+        students[name] = slugs[name] = baseline
     curves = {}
     for name, student in students.items():
-        run = out / name.split()[0].lower().replace("+", "")
+        run = out / slugs[name]
         if not (run / "result.json").exists():
             cmd = [sys.executable, "-m", "m2d_ray.cli", "distill", "--teacher", str(TEACHER), "--student", student,
                    "--train-data", str(TRAIN), "--eval-data", str(EVAL), "--steps", str(args.steps), "--no-deepspeed", "--out", str(run),

@@ -240,11 +240,12 @@ def distill_one(
 
     import dataclasses
 
-    from m2d_ray.distill.data import absolute_spec
+    from m2d_ray.distill.data import absolute_spec, check_source
 
     cfg = load_config(config, [f"distill.{o}" if not o.startswith("distill.") else o for o in overrides]).distill
     cfg = dataclasses.replace(cfg, train_data=absolute_spec(cfg.train_data))
     eval_data = absolute_spec(eval_data)
+    check_source(cfg.train_data)
     out = Path(out).resolve()
     if (out / "result.json").exists():
         raise M2DError(f"{out} already holds a finished distillation ({out / 'result.json'}); choose another --out")

@@ -72,6 +72,7 @@ def test_resume_from_a_checkpoint_continues_exactly(do_acp_student, tmp_path):
     resumed = Keep(tmp_path / "b")
     last = run_distill(job("resumed"), WorkerIO(report=resumed, restore=straight.ckpts[3]))
     assert [r["step"] for r in resumed.reports] == [6] and last["resumed_from"] == 3
+    assert [s for s, _ in last["curve"]] == [0, 3, 6] and last["curve"][:2] == straight.reports[0]["curve"]  # history survives
     a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "resumed")
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
     # and resuming is not a no-op: the step-3 weights differ from the final ones

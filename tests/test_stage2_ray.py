@@ -88,16 +88,18 @@ def test_stage2_sweep_asha_mlflow_and_native_students(stage1_dir):
     import ray
 
     overrides = ["stage=2", "distill.steps=12", "distill.eval_every=3", "distill.deepspeed=false", *SMALL_DISTILL,
-                 "stage2.baselines=[random-init]", "stage2.grace_evals=1", "stage2.reduction_factor=2", "stage2.max_concurrent_trials=1"]
+                 "stage2.baselines=[random-init,random-ffn]", "faults.raise_in=[baseline-random-ffn]", "stage2.grace_evals=1", "stage2.reduction_factor=2", "stage2.max_concurrent_trials=1"]
     cfg = load_config(stage1_dir / "config.yaml", overrides)
     records = {r["key"]: r for r in run_stage2(cfg, stage1_dir)}
     promotions = json.loads((stage1_dir / "promotions.json").read_text())["pairs"]
     best = min(promotions.values(), key=lambda p: p["ppl"])["key"]
-    assert set(records) == {p["key"] for p in promotions.values()} | {"baseline-random-init"}
+    assert set(records) == {p["key"] for p in promotions.values()} | {"baseline-random-init", "baseline-random-ffn"}
+    failed = records["baseline-random-ffn"]  # a trial that raises is recorded and the sweep goes on
+    assert failed["status"] == "failed" and "injected failure in baseline-random-ffn" in failed["error"]
 
     first = records[best]
     assert first["status"] == "ok" and first["steps"] == 12 and first["val_ppl"] < first["val_ppl_initial"]
-    assert [s for s, _ in first["curve"]] == [3, 6, 9, 12]
+    assert [s for s, _ in first["curve"]] == [0, 3, 6, 9, 12] and first["curve"][0][1] == first["val_ppl_initial"]
     student = AutoModelForCausalLM.from_pretrained(first["student_path"])
     assert type(student).__name__ == "Qwen3ForCausalLM"
     # the deliberately bad student (random init, ppl ~ vocabulary size) is stopped by ASHA at its first rung
@@ -119,7 +121,7 @@ def test_stage2_sweep_asha_mlflow_and_native_students(stage1_dir):
         assert run.data.tags["status"] == "ok" and run.data.tags["student_path"] == first["student_path"] and run.info.status == "FINISHED"
         history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "val_ppl")
         assert sorted(m.step for m in history) == [0, 3, 6, 9, 12]
-        assert runs["stage2/baseline-random-init"].info.status == "KILLED"
+        assert runs["stage2/baseline-random-init"].info.status == "KILLED" and runs["stage2/baseline-random-ffn"].info.status == "FAILED"
     finally:
         mlflow.set_tracking_uri(None)
 

@@ -32,6 +32,12 @@ def absolute_spec(spec: str | None) -> str | None:
     return str(Path(spec).expanduser().resolve())
 
 
+def check_source(spec: str) -> None:
+    """Fail on the driver, with the data module's one-line message, before any worker starts."""
+    if next(documents(spec), None) is None:
+        raise M2DError(f"training data {spec!r} holds no documents")
+
+
 def documents(spec: str) -> Iterator[str]:
     """The documents of a train-data spec, in a fixed order (see the module docstring)."""
     if spec == "fineweb-edu":

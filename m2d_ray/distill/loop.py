@@ -29,6 +29,7 @@ from m2d_ray.distill.losses import LOSSES, chunked_kl, hidden_mse
 
 STATE_FILE = "m2d_state.pt"  # plain-torch checkpoint (DeepSpeed writes its own layout next to it)
 DS_TAG = "state"
+EXTRAS = ("val_ppl_initial", "curve")  # saved with every checkpoint besides the training state
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,7 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
     initial = extra.get("val_ppl_initial")
     if initial is None:
         initial = validate(student, win, wmask, io, cfg, job.device)["val_ppl"]
+    curve = list(extra.get("curve") or [[0, initial]])  # (step, val ppl) since step 0, carried across resumes
     per_step = cfg.batch_size * cfg.grad_accum * io.world
     batches = train_batches(tokenizer, cfg.train_data, cfg.seq_len, cfg.batch_size, io.rank, io.world, start_block=step * per_step)
     ones = torch.ones(cfg.batch_size, cfg.seq_len, dtype=torch.int64, device=job.device)
@@ -246,6 +248,8 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
             "lr": sched.get_last_lr()[0], "tokens_per_s": (tokens - tokens0) / max(elapsed, 1e-9),
             "resumed_from": resumed_from, "final": step >= cfg.steps,
         }
+        curve.append([step, last["val_ppl"]])
+        last["curve"] = list(curve)
         losses = []
         if last["final"] and job.out and io.rank == 0:
             _export(student, tokenizer, job)
@@ -253,7 +257,7 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
         if last["final"] and io.world > 1 and dist.is_initialized():
             dist.barrier()  # the student is on disk before any rank reports completion
         with tempfile.TemporaryDirectory(prefix="m2d-ckpt-") as tmp:
-            _save(Path(tmp), engine, student, opt, sched, step, {"val_ppl_initial": initial}, io.rank)
+            _save(Path(tmp), engine, student, opt, sched, step, {"val_ppl_initial": initial, "curve": curve}, io.rank)
             io.report(last, Path(tmp))
     return last
 
@@ -279,11 +283,11 @@ def _restore(path: Path | None, engine, student, opt, sched) -> tuple[int, dict]
         return 0, {}
     if engine is not None and (path / DS_TAG).is_dir():
         _, client = engine.load_checkpoint(str(path), tag=DS_TAG)
-        return int(client["step"]), {k: v for k, v in client.items() if k == "val_ppl_initial"}
+        return int(client["step"]), {k: client.get(k) for k in EXTRAS}
     if (path / STATE_FILE).exists():
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
         student.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
-        return int(state["step"]), {"val_ppl_initial": state.get("val_ppl_initial")}
+        return int(state["step"]), {k: state.get(k) for k in EXTRAS}
     raise RuntimeError(f"checkpoint {path} holds neither a DeepSpeed ({DS_TAG}/) nor a plain ({STATE_FILE}) state")

@@ -47,8 +47,7 @@ def curves(records: list[dict], path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for r in records:
-        pts = [(0, r["val_ppl_initial"])] if r.get("val_ppl_initial") else []
-        pts += [(s, p) for s, p in r.get("curve", []) if p is not None]
+        pts = [(s, p) for s, p in r.get("curve", []) if p is not None]
         if pts:
             xs, ys = zip(*sorted(set(pts)))
             ax.plot(xs, ys, marker=".", linestyle="--" if r.get("baseline") else "-", label=r["pair"])

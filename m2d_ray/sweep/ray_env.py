@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import ray
 
@@ -24,3 +25,11 @@ def ensure_ray(cfg: RayConfig) -> None:
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=False)
+
+
+def trial_error(trial) -> str:
+    """The last line of a failed Tune trial's error (the driver-side file: get_error() reads a synced copy, often None)."""
+    local = trial.error_file
+    err = Path(local).read_text() if local and Path(local).exists() else trial.get_error()
+    lines = [ln for ln in str(err or "trial raised").splitlines() if ln.strip()]
+    return lines[-1][:500] if lines else "trial raised"

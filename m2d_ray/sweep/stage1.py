@@ -36,7 +36,7 @@ from m2d_ray.report.stage1 import heatmap, write_tables
 from m2d_ray.sweep.grid import TrialSpec, Unique, dedupe, expand, plan_all, plan_of
 from m2d_ray.sweep.ledger import Ledger
 from m2d_ray.sweep.promote import promote, unpromoted
-from m2d_ray.sweep.ray_env import ensure_ray
+from m2d_ray.sweep.ray_env import ensure_ray, trial_error
 from m2d_ray.sweep.scheduler import PairwiseStopper
 from m2d_ray.sweep.trial import InjectedFault, run_trial
 from m2d_ray.track import LOGGED_TAG, Tracker, default_tracking_uri
@@ -167,10 +167,7 @@ class Recorder(tune.Callback):
             self.record(key, "pruned", last)
 
     def on_trial_error(self, iteration, trials, trial, **info):
-        local = trial.error_file  # written on the driver before this callback; get_error() reads the synced copy
-        err = Path(local).read_text() if local and Path(local).exists() else trial.get_error()
-        lines = [ln for ln in str(err or "trial raised").splitlines() if ln.strip()]
-        self.record(trial.config["key"], "failed", trial.last_result or {}, error=lines[-1][:500] if lines else "trial raised")
+        self.record(trial.config["key"], "failed", trial.last_result or {}, error=trial_error(trial))
 
     def record(self, key: str, status: str, last: dict, error: str | None = None) -> None:
         """Ledger records for every config of this student, then their MLflow runs."""

@@ -28,10 +28,11 @@ from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
 from m2d_ray.config import SweepConfig, dump_config, load_config
-from m2d_ray.distill.data import absolute_spec
+from m2d_ray.distill.data import absolute_spec, check_source
 from m2d_ray.errors import M2DError
 from m2d_ray.sweep.ledger import Ledger
-from m2d_ray.sweep.ray_env import ensure_ray
+from m2d_ray.sweep.ray_env import ensure_ray, trial_error
+from m2d_ray.sweep.trial import InjectedFault
 from m2d_ray.track import LOGGED_TAG, Tracker, default_tracking_uri
 
 STAGE2_DIR, STAGE2_CONFIG, STOP_DIR = "stage2", "config.yaml", "stop"
@@ -70,6 +71,8 @@ def stage2_trainable(config: dict, *, run_dir: str, model: str, cfg: SweepConfig
 
     torch.set_num_threads(cfg.ray.threads_per_worker)
     s = Student(**config["student"])
+    if s.key in cfg.faults.raise_in:
+        raise InjectedFault(f"injected failure in {s.key} (faults.raise_in)")
     base = Path(run_dir) / STAGE2_DIR
     init = base / "init" / s.key
     if not (init / "config.json").exists():
@@ -119,21 +122,18 @@ class Recorder(tune.Callback):
         self.record(trial.config["student"]["key"], status, last)
 
     def on_trial_error(self, iteration, trials, trial, **info):
-        local = trial.error_file
-        err = Path(local).read_text() if local and Path(local).exists() else trial.get_error()
-        lines = [ln for ln in str(err or "trial raised").splitlines() if ln.strip()]
-        self.record(trial.config["student"]["key"], "failed", trial.last_result or {}, error=lines[-1][:500] if lines else "trial raised")
+        self.record(trial.config["student"]["key"], "failed", trial.last_result or {}, error=trial_error(trial))
 
     def record(self, key: str, status: str, last: dict, error: str | None = None) -> None:
         s = self.todo[key]
-        curve = self.curves.get(key, [])
+        full = last.get("curve") or [[c["step"], c["val_ppl"]] for c in self.curves.get(key, [])]
         r = {
             **s.params(), "status": status, "error": error,
             "steps": last.get("step"), "tokens": last.get("tokens"),
             "val_ppl_initial": last.get("val_ppl_initial"), "val_ppl": _finite(last.get("val_ppl")),
-            "best_val_ppl": min((c["val_ppl"] for c in curve if _finite(c["val_ppl"]) is not None), default=None),
+            "best_val_ppl": min((p for _, p in full[1:] if _finite(p) is not None), default=None),
             "tokens_per_s": last.get("tokens_per_s"), "student_path": last.get("student_path"),
-            "curve": [[c["step"], _finite(c["val_ppl"])] for c in curve],
+            "curve": [[s, _finite(p)] for s, p in full],  # from step 0, across resumes
         }
         self.ledger.write(r)
         log_record(self.tracker, self.parent, r)
@@ -242,6 +242,7 @@ def run_stage2(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None =
     for s in pending:  # a stop request nobody acted on (killed sweep): the student starts over from its checkpoint
         (run_dir / STAGE2_DIR / STOP_DIR / s.key).unlink(missing_ok=True)
     if pending:
+        check_source(cfg.distill.train_data)
         ensure_ray(cfg.ray)
         _tune(cfg, model, run_dir, pending, Recorder({s.key: s for s in pending}, ledger, tracker, parent))
     records = ledger.records()
