@@ -116,7 +116,6 @@ class Stage2Config:
     grace_evals: int = 2  # ASHA never stops a student before this many validations
     reduction_factor: int = 3
     max_concurrent_trials: int | None = None  # None = from the cluster's GPUs (else ray.max_concurrent_trials)
-    experiment: str = "m2d-stage2"
 
 
 @dataclass(frozen=True)
