@@ -223,6 +223,7 @@ def run_stage2(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None =
     if not prom_file.exists():
         raise M2DError(f"{run_dir} has no promotions.json: finish stage 1 first (m2d sweep --resume {run_dir})")
     cfg = stage2_config(run_dir, cfg)
+    params = {f"stage2.{k}": v for k, v in cfg.to_dict()["distill"].items()}  # as written (MLflow params never change)
     d = cfg.distill  # trials run in their own directories: local data paths made absolute
     cfg = dataclasses.replace(cfg, distill=dataclasses.replace(d, train_data=absolute_spec(d.train_data), eval_data=absolute_spec(d.eval_data or cfg.eval.data)))
     promotions = json.loads(prom_file.read_text())
@@ -232,7 +233,7 @@ def run_stage2(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None =
     tracker = Tracker(tracking_uri or cfg.mlflow.tracking_uri or default_tracking_uri(run_dir), cfg.mlflow.experiment, run_dir / "mlartifacts")
     state = json.loads((run_dir / "sweep.json").read_text())
     parent = tracker.parent_run(state["sweep_id"], cfg.name, params={}, tags={})
-    tracker.log(parent, params={f"stage2.{k}": v for k, v in cfg.to_dict()["distill"].items()})
+    tracker.log(parent, params=params)
     logged = {k.removeprefix("stage2/") for k in tracker.logged_trials(parent)}
     for r in ledger.records():  # a kill between the ledger and MLflow: log it now
         if r["key"] not in logged:
