@@ -75,6 +75,14 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--config", default=None, help="YAML whose distill: section gives the defaults (experiments/*.yaml)")
     d.add_argument("overrides", nargs="*", default=[], help="more distill settings as key=value, e.g. lr=3e-3 seq_len=256 eval_every=20")
     d.add_argument("--out", required=True, help="run directory: student/, train/ (checkpoints), metrics.jsonl, result.json")
+
+    e = sub.add_parser("eval", help="lm-eval benchmarks of one model (a student or a teacher), offline with --tasks local")
+    e.add_argument("--model", required=True, help="model directory or hub name")
+    e.add_argument("--tasks", default="local", help="local (offline, default), paper (Winogrande 5, HellaSwag 10, ARC-E 25, ARC-C 25, MMLU 5) or task[:shots],…")
+    e.add_argument("--num-fewshot", type=int, default=None, help="shots for every task (default: the suite's own)")
+    e.add_argument("--limit", type=_positive, default=None, help="examples per task (a quick look)")
+    e.add_argument("--batch-size", type=_positive, default=16)
+    e.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     return ap
 
 
@@ -119,6 +127,11 @@ def main(argv: list[str] | None = None) -> int:
                 args.config, args.overrides, out=args.out, resume=args.resume, tracking_uri=args.tracking_uri,
                 model=args.model, calib_data=args.calib_data, eval_data=args.eval_data,
             )
+            print(json.dumps(result))
+        elif args.command == "eval":
+            result = pipeline.evaluate_one(args.model, args.tasks, args.num_fewshot, args.limit, args.batch_size, args.device)
+            for name, r in result["tasks"].items():
+                print(f"{name} ({r['shots']}-shot): {r['score']}", file=sys.stderr)
             print(json.dumps(result))
         elif args.command == "distill":
             result = pipeline.distill_one(args.teacher, args.student, args.out, args.eval_data, config=args.config, overrides=_distill_overrides(args))

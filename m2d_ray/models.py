@@ -73,3 +73,16 @@ def model_fingerprint(name: str, config) -> dict:
         "config_sha256": hashlib.sha256(cfg.encode()).hexdigest(),
         "weight_files": files,
     }
+
+
+def load_model(name: str, device: str = "cpu"):
+    """(model, tokenizer) of any causal LM directory or hub name: a dense student or an MoE teacher."""
+    from m2d_ray.arch import supported_types
+
+    config = load_config(name)
+    src = str(Path(name).expanduser()) if Path(name).expanduser().exists() else name
+    kwargs = {"dtype": "auto"}
+    if device == "cpu" and config.model_type in supported_types():
+        kwargs["experts_implementation"] = "eager"  # grouped_mm rejects odd tiny shapes on CPU
+    model = AutoModelForCausalLM.from_pretrained(src, **kwargs).to(device).eval()
+    return model, AutoTokenizer.from_pretrained(src)

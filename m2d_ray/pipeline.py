@@ -274,3 +274,15 @@ def distill_one(
     }
     write_json_atomic(out / "result.json", summary)
     return json.loads(json.dumps(summary))
+
+
+def evaluate_one(model: str, tasks: str = "local", num_fewshot: int | None = None, limit: int | None = None,
+                 batch_size: int = 16, device: str | None = None) -> dict:
+    """`m2d eval`: lm-eval of one saved model (the stage-3 measurement)."""
+    from m2d_ray.evaluate.harness import evaluate, parse_tasks
+    from m2d_ray.models import load_model
+
+    suite = parse_tasks(tasks, num_fewshot)  # bad task specs fail before the model loads
+    device = device or device_default()
+    lm, tok = load_model(model, device=device)
+    return {"model": model, **evaluate(lm, tok, suite, batch_size=batch_size, device=device, limit=limit)}

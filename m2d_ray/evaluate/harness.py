@@ -1,0 +1,71 @@
+"""lm-eval on a model in memory or on disk: one `simple_evaluate` over a group with per-task shots.
+
+A suite is a list of (task, shots). `paper` is the paper's (Winogrande 5, HellaSwag 10, ARC-Easy 25,
+ARC-Challenge 25, MMLU 5; hub datasets); `local` is the offline task built from the embedded corpus.
+The per-task shots go into a generated group YAML (`simple_evaluate` takes a single num_fewshot), and
+the suite's score is the unweighted mean of the task scores (acc_norm where the paper reports it, else acc).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from m2d_ray.errors import M2DError
+from m2d_ray.evaluate.local_tasks import CONTINUATION, write_task_yamls
+
+PAPER_SUITE = (("winogrande", 5), ("hellaswag", 10), ("arc_easy", 25), ("arc_challenge", 25), ("mmlu", 5))
+LOCAL_SUITE = ((CONTINUATION, 0), (f"{CONTINUATION}_fewshot", 2))  # the tiny models see 256 tokens
+SUITES = {"paper": PAPER_SUITE, "local": LOCAL_SUITE}
+NORMED = ("hellaswag", "arc_easy", "arc_challenge")  # scored by length-normalised accuracy
+GROUP = "m2d_suite"
+
+
+def parse_tasks(spec: str, num_fewshot: int | None = None) -> list[tuple[str, int]]:
+    """`paper`, `local`, or `task[:shots],…` (shots default to --num-fewshot, else 0)."""
+    if spec in SUITES:
+        return [(t, num_fewshot if num_fewshot is not None else s) for t, s in SUITES[spec]]
+    out = []
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, shots = item.partition(":")
+        try:
+            out.append((name, int(shots) if shots else (num_fewshot or 0)))
+        except ValueError:
+            raise M2DError(f"task {item!r}: write name or name:shots (e.g. hellaswag:10), or a suite: {', '.join(SUITES)}") from None
+    if not out:
+        raise M2DError(f"no tasks in {spec!r}; give a suite ({', '.join(SUITES)}) or task[:shots],…")
+    return out
+
+
+def _group_yaml(tasks: list[tuple[str, int]], dest: Path) -> None:
+    group = {"group": GROUP, "task": [{"task": name, "num_fewshot": shots} for name, shots in tasks],
+             "aggregate_metric_list": [{"metric": "acc", "aggregation": "mean", "weight_by_size": False}], "metadata": {"version": 1.0}}
+    (dest / f"{GROUP}.yaml").write_text(yaml.safe_dump(group, sort_keys=False))
+
+
+def evaluate(model, tokenizer, tasks: list[tuple[str, int]], batch_size: int = 16, device: str = "cpu", limit: int | None = None) -> dict:
+    """{"tasks": {name: {"acc", "acc_norm", "score", "shots", "n"}}, "mean": unweighted mean score}."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
+    with tempfile.TemporaryDirectory(prefix="m2d-lmeval-") as tmp:
+        include = write_task_yamls(Path(tmp))
+        _group_yaml(tasks, include)
+        try:
+            out = simple_evaluate(model=lm, tasks=[GROUP], task_manager=TaskManager(include_path=str(include)), limit=limit, log_samples=False)
+        except Exception as exc:  # unknown task, dataset not reachable offline ...
+            raise M2DError(f"lm-eval failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); offline? use --tasks local") from None
+    by_alias = {v.get("alias", k).strip(" -"): v for k, v in out["results"].items() if k != GROUP}
+    results = {}
+    for name, shots in tasks:
+        r = by_alias.get(name, {})
+        acc, norm = r.get("acc,none"), r.get("acc_norm,none")
+        score = norm if name in NORMED and norm is not None else acc
+        n = r.get("sample_len") or (r.get("sample_count") or {}).get("acc,none")
+        results[name] = {"acc": acc, "acc_norm": norm, "score": score, "shots": shots, "n": n}
+    scores = [r["score"] for r in results.values() if r["score"] is not None]
+    return {"tasks": results, "mean": sum(scores) / len(scores) if scores else None}
