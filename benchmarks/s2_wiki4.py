@@ -15,11 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
-TEACHER = SHARED / "teachers" / "qwen3moe-wiki4"
-TRAIN = SHARED / "data" / "wikitext-2" / "wiki.valid.tokens"
-EVAL = SHARED / "data" / "wikitext-2" / "wiki.test.raw"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO as ROOT  # noqa: E402
+from _common import TEACHER_DIR as TEACHER  # noqa: E402
+from _common import WIKI_TEST as EVAL  # noqa: E402
+from _common import WIKI_VALID as TRAIN  # noqa: E402
 
 
 def main() -> None:
