@@ -49,14 +49,8 @@ def load_config(name: str):
 def load_teacher(name: str | None = None, dtype: torch.dtype | None = None, device: str = "cpu") -> Teacher:
     """Load a MoE teacher and its tokenizer; a non-MoE or unsupported model fails with one line."""
     name = name or default_teacher()
-    config = load_config(name)
-    adapter = get_adapter(config)  # fails fast, before any weights are read
-    src = str(Path(name).expanduser()) if Path(name).expanduser().exists() else name
-    kwargs = {"dtype": dtype} if dtype is not None else {"dtype": "auto"}
-    if device == "cpu":
-        kwargs["experts_implementation"] = "eager"  # grouped_mm rejects odd tiny shapes on CPU
-    model = AutoModelForCausalLM.from_pretrained(src, **kwargs).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(src)
+    adapter = get_adapter(load_config(name))  # fails fast, before any weights are read
+    model, tokenizer = load_model(name, device=device, dtype=dtype)
     return Teacher(name=name, model=model, tokenizer=tokenizer, adapter=adapter)
 
 
@@ -75,13 +69,13 @@ def model_fingerprint(name: str, config) -> dict:
     }
 
 
-def load_model(name: str, device: str = "cpu"):
+def load_model(name: str, device: str = "cpu", dtype: torch.dtype | None = None):
     """(model, tokenizer) of any causal LM directory or hub name: a dense student or an MoE teacher."""
     from m2d_ray.arch import supported_types
 
     config = load_config(name)
     src = str(Path(name).expanduser()) if Path(name).expanduser().exists() else name
-    kwargs = {"dtype": "auto"}
+    kwargs = {"dtype": dtype if dtype is not None else "auto"}
     if device == "cpu" and config.model_type in supported_types():
         kwargs["experts_implementation"] = "eager"  # grouped_mm rejects odd tiny shapes on CPU
     model = AutoModelForCausalLM.from_pretrained(src, **kwargs).to(device).eval()

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from m2d_ray.config import DistillConfig, load_config
-from m2d_ray.distill.loop import DistillJob, WorkerIO, chunked_nll, lr_factor, run_distill
+from m2d_ray.distill.loop import DistillJob, WorkerIO, lr_factor, run_distill
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.perplexity import window_nll, windows
 from m2d_ray.models import default_teacher
@@ -82,12 +82,16 @@ def test_resume_from_a_checkpoint_continues_exactly(do_acp_student, tmp_path):
     assert any(not torch.allclose(a[k], s3[k]) for k in a)
 
 
-def test_validation_cross_entropy_equals_the_perplexity_module(tiny_teacher):
+def test_chunked_window_cross_entropy_equals_whole_logits(tiny_teacher):
+    """window_nll (stage 1 and validation) forms logits in chunks; the reference takes the model's own logits."""
     ids = torch.randint(0, tiny_teacher.config.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
-    w, m = windows(ids, 64)
-    ref = window_nll(tiny_teacher.model, w, m)
-    got = chunked_nll(tiny_teacher.model, w, m, chunk=7)
-    assert got[1] == ref[1] and got[0] == pytest.approx(ref[0], rel=1e-6)
+    w, m = windows(ids, 64)  # the last window is padded and masked
+    with torch.no_grad():
+        logits = tiny_teacher.model(input_ids=w, attention_mask=m).logits[:, :-1].double()
+    valid = m[:, 1:].bool()
+    ref = torch.nn.functional.cross_entropy(logits[valid], w[:, 1:][valid], reduction="sum").item()
+    got = window_nll(tiny_teacher.model, w, m, chunk=7)
+    assert got[1] == int(valid.sum()) == 300 - 5 and got[0] == pytest.approx(ref, rel=1e-6)
 
 
 def test_warmup_then_cosine_schedule():

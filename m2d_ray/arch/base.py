@@ -245,12 +245,16 @@ class MoEAdapter:
         logits, weight, index = self.router(block)(h)
         return softmax_routing(logits, weight, index)
 
+    def check_top_k(self, config, k: int) -> None:
+        """Expanded routing uses at least the model's own k and at most all E experts."""
+        own, E = self.top_k(config), self.num_experts(config)
+        if not own <= k <= E:
+            raise M2DError(f"teacher top-k {k} outside [k, E] = [{own}, {E}]: expanded routing uses at least the teacher's own k")
+
     def set_top_k(self, model: nn.Module, k: int) -> None:
         """Expanded routing: every MoE block uses its top-`k` experts, weighted by the router's own rule
         (renormalised top-k probabilities where the model renormalises)."""
-        E = self.num_experts(model.config)
-        if not 1 <= k <= E:
-            raise M2DError(f"teacher top-k {k} outside [1, E={E}]")
+        self.check_top_k(model.config, k)
         for block in self.moe_blocks(model).values():
             self.router(block).top_k = k
 

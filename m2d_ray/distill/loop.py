@@ -26,6 +26,7 @@ from torch import Tensor
 from m2d_ray.config import DistillConfig
 from m2d_ray.distill.data import train_batches
 from m2d_ray.distill.losses import LOSSES, chunked_kl, hidden_mse
+from m2d_ray.evaluate.perplexity import window_nll, windows
 
 STATE_FILE = "m2d_state.pt"  # plain-torch checkpoint (DeepSpeed writes its own layout next to it)
 DS_TAG = "state"
@@ -102,30 +103,15 @@ def distill_loss(student, teacher, ids: Tensor, mask: Tensor, cfg: DistillConfig
     return loss
 
 
-@torch.no_grad()
-def chunked_nll(model, ids: Tensor, mask: Tensor, chunk: int) -> tuple[float, int]:
-    """Summed next-token cross-entropy (float64) over real positions, logits formed `chunk` tokens at a time."""
-    h = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[:, :-1]
-    valid = mask[:, 1:].bool() & mask[:, :-1].bool()
-    h, target = h[valid], ids[:, 1:][valid]
-    w = model.get_output_embeddings().weight
-    total = 0.0
-    for s in range(0, h.shape[0], chunk):
-        logits = (h[s : s + chunk] @ w.T).float()
-        total += float(torch.nn.functional.cross_entropy(logits, target[s : s + chunk], reduction="sum").double())
-    return total, int(valid.sum())
-
-
 def validate(model, windows: Tensor, masks: Tensor, io: WorkerIO, cfg: DistillConfig, device: str) -> dict:
     """Cross-entropy and perplexity on the validation windows (this rank's share, summed over ranks)."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
-    mine = range(io.rank, windows.shape[0], io.world)
-    idx = list(mine)
-    for s in range(0, len(idx), cfg.eval_batch_size):
-        sel = idx[s : s + cfg.eval_batch_size]
-        t, c = chunked_nll(model, windows[sel].to(device), masks[sel].to(device), cfg.loss_chunk)
+    mine = list(range(io.rank, windows.shape[0], io.world))
+    for s in range(0, len(mine), cfg.eval_batch_size):
+        sel = mine[s : s + cfg.eval_batch_size]
+        t, c = window_nll(model, windows[sel], masks[sel], cfg.loss_chunk)
         total, count = total + t, count + c
     if io.world > 1 and dist.is_initialized():
         buf = torch.tensor([total, float(count)], dtype=torch.float64)
@@ -139,7 +125,6 @@ def validate(model, windows: Tensor, masks: Tensor, io: WorkerIO, cfg: DistillCo
 
 def validation_windows(tokenizer, spec: str, seq_len: int, max_tokens: int | None) -> tuple[Tensor, Tensor]:
     from m2d_ray.data.text import load_text, tokenize
-    from m2d_ray.evaluate.perplexity import windows
 
     return windows(tokenize(tokenizer, load_text(spec), max_tokens=max_tokens), seq_len)
 

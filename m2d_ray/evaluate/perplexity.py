@@ -50,15 +50,23 @@ def windows(ids: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
 
 
 @torch.no_grad()
-def window_nll(model, ids: Tensor, mask: Tensor) -> tuple[float, int]:
-    """Summed next-token cross-entropy (float64) and number of predicted positions of a batch."""
+def window_nll(model, ids: Tensor, mask: Tensor, chunk: int = 1024) -> tuple[float, int]:
+    """Summed next-token cross-entropy (float64) and number of predicted positions of a batch.
+
+    Logits are formed from the final hidden states `chunk` positions at a time, so a [tokens x vocab]
+    tensor is never held whole (a Qwen3 vocabulary is 151,936 wide).
+    """
     device = next(model.parameters()).device
     ids, mask = ids.to(device), mask.to(device)
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
-    target = ids[:, 1:]
-    valid = mask[:, 1:].bool()
-    nll = F.cross_entropy(logits[valid], target[valid], reduction="sum")
-    return float(nll.double()), int(valid.sum())
+    h = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[:, :-1]
+    valid = mask[:, 1:].bool() & mask[:, :-1].bool()
+    h, target = h[valid], ids[:, 1:][valid]
+    w = model.get_output_embeddings().weight
+    total = 0.0
+    for s in range(0, h.shape[0], chunk):
+        logits = (h[s : s + chunk] @ w.T).float()
+        total += float(F.cross_entropy(logits, target[s : s + chunk], reduction="sum").double())
+    return total, int(valid.sum())
 
 
 def perplexity_batches(model, ids: Tensor, seq_len: int = 256, batch_size: int = 8, progress: bool = False):

@@ -92,28 +92,20 @@ class Recorder(tune.Callback):
 
     def __init__(self, todo: dict[str, Student], ledger: Ledger, tracker: Tracker, parent: str) -> None:
         self.todo, self.ledger, self.tracker, self.parent = todo, ledger, tracker, parent
-        self.curves: dict[str, list[dict]] = {}
+        self.runs: dict[str, str] = {}  # key -> MLflow run id (looked up once per student)
         self.finished = 0
 
-    def _run(self, key: str) -> str:
-        s = self.todo[key]
-        return self.tracker.trial_run(self.parent, f"stage2/{key}", {"stage": 2, **s.params()})
-
     def on_trial_start(self, iteration, trials, trial, **info):
-        key = trial.config["student"]["key"]
-        self.curves[key] = []
-        self._run(key)
+        s = self.todo[trial.config["student"]["key"]]
+        self.runs[s.key] = self.tracker.trial_run(self.parent, f"stage2/{s.key}", {"stage": 2, **s.params()})
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         if "val_loss" not in result:
             return
-        key = trial.config["student"]["key"]
-        point = {k: result.get(k) for k in ("step", "val_ppl_initial", "resumed_from", "student_path", *CURVES)}
-        self.curves[key].append(point)
-        steps = {k: [(point["step"], point[k])] for k in CURVES}
-        if point["resumed_from"] == 0 and len(self.curves[key]) == 1:
-            steps["val_ppl"].append((0, point["val_ppl_initial"]))
-        self.tracker.log(self._run(key), steps=steps)
+        steps = {k: [(result["step"], result.get(k))] for k in CURVES}
+        if len(result["curve"]) == 2:  # the first report of a fresh run also logs the step-0 validation
+            steps["val_ppl"].insert(0, tuple(result["curve"][0]))
+        self.tracker.log(self.runs[trial.config["student"]["key"]], steps=steps)
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         last = trial.last_result or {}
@@ -126,7 +118,7 @@ class Recorder(tune.Callback):
 
     def record(self, key: str, status: str, last: dict, error: str | None = None) -> None:
         s = self.todo[key]
-        full = last.get("curve") or [[c["step"], c["val_ppl"]] for c in self.curves.get(key, [])]
+        full = last.get("curve") or []
         r = {
             **s.params(), "status": status, "error": error,
             "steps": last.get("step"), "tokens": last.get("tokens"),
@@ -243,7 +235,10 @@ def run_stage2(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None =
     for s in pending:  # a stop request nobody acted on (killed sweep): the student starts over from its checkpoint
         (run_dir / STAGE2_DIR / STOP_DIR / s.key).unlink(missing_ok=True)
     if pending:
+        from m2d_ray.pipeline import check_teacher_topk
+
         check_source(cfg.distill.train_data)
+        check_teacher_topk(model, cfg.distill.teacher_topk)
         ensure_ray(cfg.ray)
         _tune(cfg, model, run_dir, pending, Recorder({s.key: s for s in pending}, ledger, tracker, parent))
     records = ledger.records()
