@@ -62,6 +62,17 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--resume", default=None, metavar="RUN_DIR", help="finish a killed or interrupted sweep")
     w.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///RUN_DIR/mlflow.db)")
 
+    r = sub.add_parser("run", help="the whole pipeline: calibrate, stage 1, stage 2 (distil), stage 3 (lm-eval), report")
+    r.add_argument("config", nargs="?", default=None, help="YAML config (experiments/*.yaml); not needed with --resume")
+    r.add_argument("overrides", nargs="*", default=[], help="key=value overrides, e.g. distill.steps=30 stage3.limit=50")
+    r.add_argument("--out", default=None, help="run directory (default runs/<name>-<time>)")
+    r.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a killed or interrupted run, stage by stage")
+    r.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///RUN_DIR/mlflow.db)")
+
+    rp = sub.add_parser("report", help="RUN_DIR/report/index.html + tables (CSV/Markdown) + figures (PNG) of a run")
+    rp.add_argument("run_dir", help="a run directory (m2d run / m2d sweep --out)")
+    rp.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///RUN_DIR/mlflow.db)")
+
     d = sub.add_parser("distill", help="distil one dense student from its MoE teacher (Ray Train + DeepSpeed)")
     d.add_argument("--teacher", default=None, help="teacher directory or hub name (default: the embedded tiny Qwen3-MoE)")
     d.add_argument("--student", required=True, help="initial student directory (m2d convert --out), or random-ffn / random-init")
@@ -86,7 +97,7 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-KV_COMMANDS = ("sweep", "distill")  # commands whose key=value overrides may follow the options
+KV_COMMANDS = ("sweep", "run", "distill")  # commands whose key=value overrides may follow the options
 
 
 def _distill_overrides(args) -> list[str]:
@@ -102,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra  # key=value overrides may follow the options
     elif extra:
         ap.error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.command == "sweep" and args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
+    if args.command in ("sweep", "run") and args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
         args.overrides.insert(0, args.config)  # `m2d sweep --resume RUN_DIR stage=2`: no config, only overrides
         args.config = None
     try:
@@ -127,6 +138,14 @@ def main(argv: list[str] | None = None) -> int:
                 args.config, args.overrides, out=args.out, resume=args.resume, tracking_uri=args.tracking_uri,
                 model=args.model, calib_data=args.calib_data, eval_data=args.eval_data,
             )
+            print(json.dumps(result))
+        elif args.command == "run":
+            result = pipeline.run(args.config, args.overrides, out=args.out, resume=args.resume, tracking_uri=args.tracking_uri)
+            print(f"report: {result['report']}\nMLflow UI: {result['mlflow_ui']}  (then open http://127.0.0.1:5000)", file=sys.stderr)
+            print(json.dumps(result))
+        elif args.command == "report":
+            result = pipeline.report(args.run_dir, args.tracking_uri)
+            print(f"report: {result['report']}", file=sys.stderr)
             print(json.dumps(result))
         elif args.command == "eval":
             result = pipeline.evaluate_one(args.model, args.tasks, args.num_fewshot, args.limit, args.batch_size, args.device)

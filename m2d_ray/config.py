@@ -71,7 +71,7 @@ class RayConfig:
 @dataclass(frozen=True)
 class TrackConfig:
     tracking_uri: str | None = None  # default sqlite:///RUN_DIR/mlflow.db
-    experiment: str = "m2d-stage1"
+    experiment: str = "m2d"
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,21 @@ class Stage2Config:
     grace_evals: int = 2  # ASHA never stops a student before this many validations
     reduction_factor: int = 3
     max_concurrent_trials: int | None = None  # None = from the cluster's GPUs (else ray.max_concurrent_trials)
+    pairs: tuple[str, ...] = ()  # "scoring/grouping" pairs to distil; empty = every promoted pair
+
+
+@dataclass(frozen=True)
+class Stage3Config:
+    """lm-eval of the distilled students (and the teacher), one Ray task per model."""
+
+    tasks: str = "paper"  # paper | local | text:PATH | task[:shots],... (see evaluate.harness.parse_tasks)
+    num_fewshot: int | None = None  # shots for every task; None = the suite's own
+    limit: int | None = None  # examples per task (None = all)
+    batch_size: int = 16
+    teacher: bool = True  # evaluate the teacher too (the table's reference row)
+    cpus_per_task: float = 1.0
+    gpus_per_task: float | None = None  # None = 1 when the cluster has GPUs, else 0
+    threads_per_task: int = 1
 
 
 @dataclass(frozen=True)
@@ -140,6 +155,7 @@ class SweepConfig:
     mlflow: TrackConfig = field(default_factory=TrackConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     stage2: Stage2Config = field(default_factory=Stage2Config)
+    stage3: Stage3Config = field(default_factory=Stage3Config)
     faults: FaultConfig = field(default_factory=FaultConfig)
 
     def to_dict(self) -> dict:
@@ -173,6 +189,14 @@ class SweepConfig:
         for b in self.stage2.baselines:
             if b not in BASELINES:
                 raise M2DError(f"stage2.baselines: {BASELINES.unknown_message(b)}")
+        grid_pairs = [f"{s}/{g}" for s in self.grid.scoring for g in self.grid.grouping]
+        for p in self.stage2.pairs:
+            if p not in grid_pairs:
+                close = difflib.get_close_matches(p, grid_pairs, n=1, cutoff=0.5)
+                raise M2DError(f"stage2.pairs: {p!r} is not a scoring/grouping pair of the grid" + (f"; did you mean {close[0]}?" if close else ""))
+        from m2d_ray.evaluate.harness import parse_tasks
+
+        parse_tasks(self.stage3.tasks, self.stage3.num_fewshot)
 
 
 def check_distill(d: DistillConfig) -> None:

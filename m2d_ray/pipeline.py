@@ -4,10 +4,13 @@
       -> plan (score, select, group, scale) -> build dense student -> export + verify -> perplexity
     sweep (stage 1): calibrate on Ray Data -> plan the whole grid -> Ray Tune over distinct students
       -> stage1 table + promotions.json (the input of stage 2)
+    run (everything): calibrate -> stage 1 -> promote -> stage 2 (distil, ASHA) -> stage 3 (lm-eval)
+      -> report, under one MLflow parent run; each stage resumes where a killed run stopped
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -272,10 +275,80 @@ def distill_one(
 def evaluate_one(model: str, tasks: str = "local", num_fewshot: int | None = None, limit: int | None = None,
                  batch_size: int = 16, device: str | None = None) -> dict:
     """`m2d eval`: lm-eval of one saved model (the stage-3 measurement)."""
-    from m2d_ray.evaluate.harness import evaluate, parse_tasks
+    from m2d_ray.evaluate.harness import evaluate, parse_tasks, text_source
     from m2d_ray.models import load_model
 
     suite = parse_tasks(tasks, num_fewshot)  # bad task specs fail before the model loads
     device = device or device_default()
     lm, tok = load_model(model, device=device)
-    return {"model": model, **evaluate(lm, tok, suite, batch_size=batch_size, device=device, limit=limit)}
+    return {"model": model, **evaluate(lm, tok, suite, batch_size=batch_size, device=device, limit=limit, text=text_source(tasks))}
+
+
+STAGES = ("stage1", "stage2", "stage3", "report")
+
+
+def run(config: str | None, overrides: list[str], out: str | None = None, resume: str | None = None,
+        tracking_uri: str | None = None) -> dict:
+    """`m2d run`: the whole pipeline into one run directory (RUN_DIR/run.json records each stage's wall time).
+
+    A finished stage is skipped on --resume (stage 1 once promotions.json exists; stages 2 and 3 skip
+    the students and models already in their ledgers); the report is always rewritten.
+    """
+    import time
+
+    from m2d_ray.artifacts import write_json_atomic
+    from m2d_ray.config import load_config
+    from m2d_ray.sweep.stage1 import CONFIG_FILE, STATE_FILE, run_stage1
+    from m2d_ray.sweep.stage2 import run_stage2
+    from m2d_ray.sweep.stage3 import run_stage3
+
+    if resume:
+        run_dir = Path(resume).resolve()
+        if config or out:
+            raise M2DError("--resume RUN_DIR continues with the run's saved config; drop the config and --out (key=value overrides are allowed)")
+        if not (run_dir / CONFIG_FILE).exists():
+            raise M2DError(f"{run_dir} holds no run to resume (no {CONFIG_FILE}); start one with m2d run CONFIG --out {run_dir}")
+        cfg = load_config(run_dir / CONFIG_FILE, overrides)
+    else:
+        if config is None:
+            raise M2DError("give a config (e.g. experiments/tiny.yaml) or --resume RUN_DIR")
+        cfg = load_config(config, overrides)
+        run_dir = Path(out or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+        if (run_dir / STATE_FILE).exists():
+            raise M2DError(f"{run_dir} already holds a run; continue it with m2d run --resume {run_dir} or choose another --out")
+    state_file = run_dir / "run.json"
+    state = json.loads(state_file.read_text()) if state_file.exists() else {"stages": {}}
+
+    def stage(name: str, fn) -> None:
+        t0 = time.time()
+        print(f"== {name} ==", file=sys.stderr, flush=True)
+        fn()
+        state["stages"][name] = {"wall_s": round(time.time() - t0, 1), "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        write_json_atomic(state_file, state)
+
+    if not (run_dir / "promotions.json").exists():
+        stage("stage1", lambda: run_stage1(None if resume else cfg, run_dir, resume=(run_dir / STATE_FILE).exists(), tracking_uri=tracking_uri))
+    stage("stage2", lambda: run_stage2(cfg, run_dir, tracking_uri=tracking_uri))
+    stage("stage3", lambda: run_stage3(cfg, run_dir, tracking_uri=tracking_uri))
+    stage("report", lambda: report(str(run_dir), tracking_uri))
+    uri = tracking_uri or cfg.mlflow.tracking_uri or f"sqlite:///{run_dir / 'mlflow.db'}"
+    return {"run_dir": str(run_dir), "report": str(run_dir / "report" / "index.html"),
+            "stages": {k: v["wall_s"] for k, v in state["stages"].items()},
+            "mlflow_ui": f"mlflow ui --backend-store-uri {uri}"}
+
+
+def report(run_dir: str, tracking_uri: str | None = None) -> dict:
+    """`m2d report`: RUN_DIR/report/ (HTML + CSV/Markdown tables + PNG figures), also logged to the run's MLflow parent."""
+    from m2d_ray.config import load_config
+    from m2d_ray.report.run import write_report
+    from m2d_ray.track import Tracker, default_tracking_uri
+
+    index = write_report(run_dir)
+    rd = Path(run_dir).resolve()
+    cfg = load_config(rd / "config.yaml")
+    tracker = Tracker(tracking_uri or cfg.mlflow.tracking_uri or default_tracking_uri(rd), cfg.mlflow.experiment, rd / "mlartifacts")
+    sweep_id = json.loads((rd / "sweep.json").read_text())["sweep_id"]
+    parent = tracker.parent_run(sweep_id, cfg.name, params={}, tags={})
+    tracker.client.log_artifacts(parent, str(index.parent), artifact_path="report")
+    tracker.finish(parent)
+    return {"report": str(index), "files": sorted(p.name for p in index.parent.iterdir() if not p.name.startswith("."))}

@@ -7,8 +7,13 @@ import json
 import pytest
 
 from m2d_ray.errors import M2DError
-from m2d_ray.evaluate.harness import PAPER_SUITE, evaluate, parse_tasks
-from m2d_ray.evaluate.local_tasks import CONTINUATION, TASKS_DIR, continuation_rows
+from m2d_ray.evaluate.harness import PAPER_SUITE, evaluate, parse_tasks, text_source
+from m2d_ray.evaluate.local_tasks import CONTINUATION, TASKS_DIR, TEXT_CONTINUATION, continuation_rows, paragraphs, text_rows
+
+WIKI_STYLE = " = Title = \n" + "".join(
+    f" Paragraph {i} starts here . It has a second sentence with several words in it . "
+    f"The third sentence of paragraph {i} is long enough to cut somewhere inside . "
+    "A fourth one makes the line as long as a real WikiText paragraph , which is one line of the file .\n" for i in range(40))
 
 
 def test_the_shipped_task_files_are_what_build_makes():
@@ -28,6 +33,33 @@ def test_parse_tasks():
         parse_tasks("hellaswag:ten")
 
 
+def test_paragraphs_of_wikitext_lines_and_of_wrapped_blocks():
+    paras = paragraphs(WIKI_STYLE.replace("\n", "\r\n"))
+    assert len(paras) == 40 and paras[0][0] == "Paragraph 0 starts here ."  # heading dropped, one paragraph per long line
+    wrapped = "First sentence here . Second one\nwraps onto a line . Third sentence ends it .\n\nA heading-free block"
+    assert paragraphs(wrapped) == [["First sentence here .", "Second one wraps onto a line .", "Third sentence ends it ."]]
+
+
+def test_text_task_items_differ_from_the_truth_only_in_word_order(tmp_path):
+    path = tmp_path / "wiki.txt"
+    path.write_text(WIKI_STYLE)
+    rows = text_rows(path, n_test=20, n_fewshot=5)
+    assert len(rows["test"]) == 20 and len(rows["train"]) == 5
+    for r in rows["test"]:
+        truth = r["choices"][r["label"]]
+        wrong = [c for i, c in enumerate(r["choices"]) if i != r["label"]]
+        assert len(set(wrong)) == 3 and truth not in wrong
+        assert all(sorted(c.split()) == sorted(truth.split()) and c.endswith(" .") for c in wrong)
+        assert r["context"].count(" . ") <= 3  # the last three sentences at most
+    assert not {r["context"] for r in rows["test"]} & {r["context"] for r in rows["train"]}
+    assert parse_tasks(f"text:{path}") == [(TEXT_CONTINUATION, 0)] and text_source(f"text:{path}") == str(path.resolve())
+    with pytest.raises(M2DError, match="is not a file"):
+        parse_tasks(f"text:{tmp_path / 'missing.txt'}")
+    (tmp_path / "short.txt").write_text("One . Two .")
+    with pytest.raises(M2DError, match="usable paragraphs"):
+        text_rows(tmp_path / "short.txt")
+
+
 def test_teacher_beats_a_random_student_on_the_local_task():
     from m2d_ray.convert.baselines import BASELINES
     from m2d_ray.models import load_teacher
@@ -38,6 +70,20 @@ def test_teacher_beats_a_random_student_on_the_local_task():
     bad = evaluate(BASELINES["random-init"](teacher), teacher.tokenizer, suite, limit=40)
     assert good["tasks"][CONTINUATION]["n"] == 40 and good["mean"] == good["tasks"][CONTINUATION]["acc"]
     assert good["mean"] >= 0.9 and bad["mean"] <= 0.5  # chance is 0.25
+
+
+def test_text_task_through_the_harness(tmp_path):
+    """text:PATH builds its JSONL at evaluation time; the embedded teacher knows its corpus' word order."""
+    from m2d_ray.convert.baselines import BASELINES
+    from m2d_ray.data.synthetic import corpus_text
+    from m2d_ray.models import load_teacher
+
+    path = tmp_path / "corpus.txt"
+    path.write_text(corpus_text("test"))
+    teacher, suite = load_teacher(), parse_tasks(f"text:{path}")
+    good = evaluate(teacher.model, teacher.tokenizer, suite, limit=40, text=text_source(f"text:{path}"))
+    bad = evaluate(BASELINES["random-init"](teacher), teacher.tokenizer, suite, limit=40, text=str(path))
+    assert good["tasks"][TEXT_CONTINUATION]["n"] == 40 and good["mean"] > bad["mean"] + 0.2
 
 
 def test_m2d_eval_cli(capsys):

@@ -36,7 +36,7 @@ def _mlflow_runs(run_dir: Path) -> list:
 
     mlflow.set_tracking_uri(f"sqlite:///{run_dir / 'mlflow.db'}")
     try:
-        return mlflow.search_runs(experiment_names=["m2d-stage1-tiny"], output_format="list")
+        return mlflow.search_runs(experiment_names=["m2d-tiny"], output_format="list")
     finally:
         mlflow.set_tracking_uri(None)
 

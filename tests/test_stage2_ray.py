@@ -88,7 +88,7 @@ def test_stage2_sweep_asha_mlflow_and_native_students(stage1_dir):
     import ray
 
     overrides = ["stage=2", "distill.steps=12", "distill.eval_every=3", "distill.deepspeed=false", *SMALL_DISTILL,
-                 "stage2.baselines=[random-init,random-ffn]", "faults.raise_in=[baseline-random-ffn]", "stage2.grace_evals=1", "stage2.reduction_factor=2", "stage2.max_concurrent_trials=1"]
+                 "stage2.baselines=[random-init,random-ffn]", "faults.raise_in=[baseline-random-ffn]", "stage2.grace_evals=1", "stage2.reduction_factor=2", "stage2.max_concurrent_trials=1", "stage2.asha=true"]
     cfg = load_config(stage1_dir / "config.yaml", overrides)
     records = {r["key"]: r for r in run_stage2(cfg, stage1_dir)}
     promotions = json.loads((stage1_dir / "promotions.json").read_text())["pairs"]
@@ -113,7 +113,7 @@ def test_stage2_sweep_asha_mlflow_and_native_students(stage1_dir):
 
     mlflow.set_tracking_uri(f"sqlite:///{stage1_dir / 'mlflow.db'}")
     try:
-        runs = {r.data.tags["m2d.trial"]: r for r in mlflow.search_runs(experiment_names=["m2d-stage1-tiny"], output_format="list")
+        runs = {r.data.tags["m2d.trial"]: r for r in mlflow.search_runs(experiment_names=["m2d-tiny"], output_format="list")
                 if r.data.tags.get("m2d.trial", "").startswith("stage2/")}
         parent = {r.data.tags["mlflow.parentRunId"] for r in runs.values()}
         assert set(runs) == {f"stage2/{k}" for k in records} and len(parent) == 1

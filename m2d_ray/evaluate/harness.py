@@ -1,7 +1,8 @@
 """lm-eval on a model in memory or on disk: one `simple_evaluate` over a group with per-task shots.
 
 A suite is a list of (task, shots). `paper` is the paper's (Winogrande 5, HellaSwag 10, ARC-Easy 25,
-ARC-Challenge 25, MMLU 5; hub datasets); `local` is the offline task built from the embedded corpus.
+ARC-Challenge 25, MMLU 5; hub datasets); `local` is the offline task built from the embedded corpus;
+`text:PATH` the same task built from a local WikiText-style file (for teachers trained on real text).
 The per-task shots go into a generated group YAML (`simple_evaluate` takes a single num_fewshot), and
 the suite's score is the unweighted mean of the task scores (acc_norm where the paper reports it, else acc).
 """
@@ -14,19 +15,31 @@ from pathlib import Path
 import yaml
 
 from m2d_ray.errors import M2DError
-from m2d_ray.evaluate.local_tasks import CONTINUATION, write_task_yamls
+from m2d_ray.evaluate.local_tasks import CONTINUATION, TEXT_CONTINUATION, write_task_yamls
 
 PAPER_SUITE = (("winogrande", 5), ("hellaswag", 10), ("arc_easy", 25), ("arc_challenge", 25), ("mmlu", 5))
 LOCAL_SUITE = ((CONTINUATION, 0), (f"{CONTINUATION}_fewshot", 2))  # the tiny models see 256 tokens
+TEXT_SUITE = ((TEXT_CONTINUATION, 0),)
 SUITES = {"paper": PAPER_SUITE, "local": LOCAL_SUITE}
 NORMED = ("hellaswag", "arc_easy", "arc_challenge")  # scored by length-normalised accuracy
 GROUP = "m2d_suite"
 
 
+def text_source(spec: str) -> str | None:
+    """The absolute text file of a `text:PATH` suite (checked), else None."""
+    if not spec.startswith("text:"):
+        return None
+    path = Path(spec.removeprefix("text:")).expanduser()
+    if not path.is_file():
+        raise M2DError(f"tasks {spec!r}: {path} is not a file; give text:PATH to a WikiText-style text file")
+    return str(path.resolve())
+
+
 def parse_tasks(spec: str, num_fewshot: int | None = None) -> list[tuple[str, int]]:
-    """`paper`, `local`, or `task[:shots],…` (shots default to --num-fewshot, else 0)."""
-    if spec in SUITES:
-        return [(t, num_fewshot if num_fewshot is not None else s) for t, s in SUITES[spec]]
+    """`paper`, `local`, `text:PATH`, or `task[:shots],…` (shots default to --num-fewshot, else 0)."""
+    suite = TEXT_SUITE if text_source(spec) else SUITES.get(spec)
+    if suite:
+        return [(t, num_fewshot if num_fewshot is not None else s) for t, s in suite]
     out = []
     for item in filter(None, (x.strip() for x in spec.split(","))):
         name, _, shots = item.partition(":")
@@ -35,7 +48,7 @@ def parse_tasks(spec: str, num_fewshot: int | None = None) -> list[tuple[str, in
         except ValueError:
             raise M2DError(f"task {item!r}: write name or name:shots (e.g. hellaswag:10), or a suite: {', '.join(SUITES)}") from None
     if not out:
-        raise M2DError(f"no tasks in {spec!r}; give a suite ({', '.join(SUITES)}) or task[:shots],…")
+        raise M2DError(f"no tasks in {spec!r}; give a suite ({', '.join(SUITES)}, text:PATH) or task[:shots],…")
     return out
 
 
@@ -45,15 +58,18 @@ def _group_yaml(tasks: list[tuple[str, int]], dest: Path) -> None:
     (dest / f"{GROUP}.yaml").write_text(yaml.safe_dump(group, sort_keys=False))
 
 
-def evaluate(model, tokenizer, tasks: list[tuple[str, int]], batch_size: int = 16, device: str = "cpu", limit: int | None = None) -> dict:
-    """{"tasks": {name: {"acc", "acc_norm", "score", "shots", "n"}}, "mean": unweighted mean score}."""
+def evaluate(model, tokenizer, tasks: list[tuple[str, int]], batch_size: int = 16, device: str = "cpu", limit: int | None = None,
+             text: str | None = None) -> dict:
+    """{"tasks": {name: {"acc", "acc_norm", "score", "shots", "n"}}, "mean": unweighted mean score}.
+
+    `text`: the file `text_continuation` is built from (`text_source` of a `text:PATH` spec)."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
     with tempfile.TemporaryDirectory(prefix="m2d-lmeval-") as tmp:
-        include = write_task_yamls(Path(tmp))
+        include = write_task_yamls(Path(tmp), text)
         _group_yaml(tasks, include)
         try:
             out = simple_evaluate(model=lm, tasks=[GROUP], task_manager=TaskManager(include_path=str(include)), limit=limit, log_samples=False)

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 from m2d_ray.artifacts import write_text_atomic
+from m2d_ray.report.figures import pyplot, save
 
 #: how a non-ok cell reads in the table ("--" is the paper's mark for numerical instability)
 MARKS = {"diverged": "--", "pruned": "pruned", "failed": "failed"}
@@ -53,11 +54,9 @@ def write_tables(records: list[dict], order: dict[str, list], out_dir: str | Pat
 
 def heatmap(records: list[dict], order: dict[str, list], path: str | Path, title: str = "stage 1: pre-distillation perplexity") -> Path:
     """log10 perplexity per row x K; diverged / pruned / failed cells are grey and labelled."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+
+    plt = pyplot()
 
     Ks, rows = table(records, order)
     vals = np.full((len(rows), len(Ks)), np.nan)
@@ -80,9 +79,4 @@ def heatmap(records: list[dict], order: dict[str, list], path: str | Path, title
     ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, label="log10 perplexity")
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=130)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return save(fig, path)

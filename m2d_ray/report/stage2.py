@@ -7,6 +7,7 @@ import io
 from pathlib import Path
 
 from m2d_ray.artifacts import write_text_atomic
+from m2d_ray.report.figures import pyplot, save
 
 COLUMNS = ("key", "pair", "baseline", "stage1_ppl", "status", "steps", "val_ppl_initial", "val_ppl", "best_val_ppl", "tokens_per_s", "student_path")
 NOTE = "`pruned`: stopped early by ASHA on validation loss; `--`: diverged (NaN/inf)."
@@ -40,12 +41,7 @@ def write_stage2(records: list[dict], order: list[str], run_dir: str | Path) -> 
 
 def curves(records: list[dict], path: Path) -> Path:
     """Validation perplexity against training step, one line per student (log scale)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    fig, ax = pyplot().subplots(figsize=(6.4, 4.0))
     for r in records:
         pts = [(s, p) for s, p in r.get("curve", []) if p is not None]
         if pts:
@@ -56,8 +52,4 @@ def curves(records: list[dict], path: Path) -> Path:
     ax.set_ylabel("validation perplexity")
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=130)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return save(fig, path)

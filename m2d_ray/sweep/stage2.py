@@ -52,9 +52,10 @@ class Student:
         return {"key": self.key, "pair": self.pair, "baseline": self.baseline, "stage1_ppl": self.stage1_ppl}
 
 
-def students(promotions: dict, baselines: tuple[str, ...]) -> list[Student]:
-    """Promoted students best-first (ASHA meets strong students early), then the baselines."""
-    pairs = sorted(promotions["pairs"].items(), key=lambda kv: kv[1]["ppl"])
+def students(promotions: dict, baselines: tuple[str, ...], only: tuple[str, ...] = ()) -> list[Student]:
+    """Promoted students best-first (ASHA meets strong students early), then the baselines; `only`
+    keeps those (scoring/grouping) pairs."""
+    pairs = sorted(((p, v) for p, v in promotions["pairs"].items() if not only or p in only), key=lambda kv: kv[1]["ppl"])
     out = [Student(p["key"], pair, p["ppl"]) for pair, p in pairs]
     return out + [Student(f"baseline-{b}", b, None, b) for b in baselines]
 
@@ -150,6 +151,7 @@ def log_record(tracker: Tracker, parent: str, r: dict) -> None:
 
 # ---- the sweep ----------------------------------------------------------------------------------
 STAGE1_KEYS = ("model", "calib", "grid")  # what decided the promotions: stage 2 must not change them
+STAGE2_KEYS = ("distill", "stage2")  # what a started stage 2 must keep (ray, mlflow, stage3 may change)
 
 
 def stage2_config(run_dir: Path, cfg: SweepConfig) -> SweepConfig:
@@ -161,11 +163,11 @@ def stage2_config(run_dir: Path, cfg: SweepConfig) -> SweepConfig:
         raise M2DError(f"{', '.join(changed)} differ from stage 1 of {run_dir}; stage 2 distils that run's promotions: use its config")
     path = run_dir / STAGE2_DIR / STAGE2_CONFIG
     if path.exists():
-        saved2 = load_config(path)
-        if {k: v for k, v in saved2.to_dict().items() if k not in ("stage",)} != {k: v for k, v in new.items() if k not in ("stage",)}:
-            diff = [k for k in new if new[k] != saved2.to_dict()[k]]
+        saved2 = load_config(path).to_dict()
+        diff = [k for k in STAGE2_KEYS if new[k] != saved2[k]]
+        if diff:
             raise M2DError(f"stage 2 of {run_dir} was started with other settings ({', '.join(diff)}); resume it unchanged or use a new run directory")
-        return saved2
+        return cfg
     dump_config(cfg, path)
     return cfg
 
@@ -220,7 +222,7 @@ def run_stage2(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None =
     cfg = dataclasses.replace(cfg, distill=dataclasses.replace(d, train_data=absolute_spec(d.train_data), eval_data=absolute_spec(d.eval_data or cfg.eval.data)))
     promotions = json.loads(prom_file.read_text())
     model = promotions["teacher"]
-    todo_all = students(promotions, cfg.stage2.baselines)
+    todo_all = students(promotions, cfg.stage2.baselines, cfg.stage2.pairs)
     ledger = Ledger(run_dir / STAGE2_DIR)
     tracker = Tracker(tracking_uri or cfg.mlflow.tracking_uri or default_tracking_uri(run_dir), cfg.mlflow.experiment, run_dir / "mlartifacts")
     state = json.loads((run_dir / "sweep.json").read_text())

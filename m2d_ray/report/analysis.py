@@ -1,0 +1,122 @@
+"""The numbers behind the run report, read from a run directory (no plotting, no HTML).
+
+    distillation table   one row per promoted pair (+ baselines, teacher): stage-1 ppl, stage-2 outcome,
+                         per-benchmark accuracy and the unweighted mean
+    marginal effects     mean accuracy per scoring (over groupings) and per grouping (over scorings)
+    selection overlap    |S_a ∩ S_b| / K between scorings at K = k, averaged over layers
+    effective rank       of the selected experts' output Gram, per scoring and K, averaged over layers
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from m2d_ray.config import SweepConfig, load_config
+from m2d_ray.errors import M2DError
+from m2d_ray.sweep.ledger import Ledger
+
+
+@dataclass
+class RunData:
+    """Everything a finished (or partly finished) run directory holds."""
+
+    run_dir: Path
+    cfg: SweepConfig
+    stage1: list[dict]
+    plans: dict[str, dict]
+    promotions: dict
+    stage2: dict[str, dict] = field(default_factory=dict)  # key -> ledger record
+    stage3: dict[str, dict] = field(default_factory=dict)  # key -> lm-eval result ("teacher" included)
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def k(self) -> int:
+        return self.promotions["k"]
+
+    def tasks(self) -> list[str]:
+        """Benchmark names in suite order (from the first evaluated model)."""
+        for r in self.stage3.values():
+            if r.get("tasks"):
+                return list(r["tasks"])
+        return []
+
+
+def load_run(run_dir: str | Path) -> RunData:
+    run_dir = Path(run_dir).resolve()
+    if not (run_dir / "promotions.json").exists():
+        raise M2DError(f"{run_dir} holds no finished stage 1 (no promotions.json); run m2d run CONFIG --out {run_dir} first")
+    read = lambda p: json.loads((run_dir / p).read_text())  # noqa: E731
+    data = RunData(run_dir, load_config(run_dir / "config.yaml"), Ledger(run_dir).records(), read("plans.json")["plans"], read("promotions.json"))
+    if (run_dir / "stage2" / "trials").exists():
+        data.stage2 = {r["key"]: r for r in Ledger(run_dir / "stage2").records()}
+    results = run_dir / "stage3" / "results"
+    data.stage3 = {p.stem: json.loads(p.read_text()) for p in sorted(results.glob("*.json"))} if results.exists() else {}
+    data.timings = read("run.json").get("stages", {}) if (run_dir / "run.json").exists() else {}
+    return data
+
+
+def distill_rows(data: RunData) -> list[dict]:
+    """Promoted pairs in grid order, then the baselines, then the teacher; accuracies where measured."""
+    g = data.cfg.grid
+    rows = []
+    for s in g.scoring:
+        for gr in g.grouping:
+            p = data.promotions["pairs"].get(f"{s}/{gr}")
+            if p is not None:
+                rows.append({"kind": "student", "scoring": s, "grouping": gr, "K": p["K"], "scaling": p["scaling"], "stage1_ppl": p["ppl"], "key": p["key"]})
+    for b in data.cfg.stage2.baselines:
+        rows.append({"kind": "baseline", "scoring": b, "grouping": "", "K": None, "scaling": "", "stage1_ppl": None, "key": f"baseline-{b}"})
+    rows.append({"kind": "teacher", "scoring": "teacher", "grouping": "", "K": None, "scaling": "", "stage1_ppl": None, "key": "teacher"})
+    for r in rows:
+        s2 = data.stage2.get(r["key"], {})
+        s3 = data.stage3.get(r["key"], {})
+        r.update(status=s2.get("status", "-" if r["kind"] == "teacher" else "not distilled"), steps=s2.get("steps"), val_ppl=s2.get("val_ppl"),
+                 acc={t: v.get("score") for t, v in s3.get("tasks", {}).items()}, mean=s3.get("mean"))
+    return rows
+
+
+def marginal(rows: list[dict], axis: str, order: tuple[str, ...]) -> dict[str, float]:
+    """Mean accuracy per value of `axis` ("scoring" or "grouping") over the students that have one."""
+    out = {}
+    for v in order:
+        accs = [r["mean"] for r in rows if r["kind"] == "student" and r[axis] == v and r["mean"] is not None]
+        if accs:
+            out[v] = sum(accs) / len(accs)
+    return out
+
+
+def selections(data: RunData, K: int) -> dict[str, dict[str, list[int]]]:
+    """scoring -> layer -> selected experts at K (selection does not depend on grouping or scaling)."""
+    out: dict[str, dict[str, list[int]]] = {}
+    for plan in data.plans.values():
+        if plan["K"] == K and plan["scoring"] not in out:
+            out[plan["scoring"]] = {i: l["selected"] for i, l in plan["layers"].items()}
+    return {s: out[s] for s in data.cfg.grid.scoring if s in out}
+
+
+def overlap(sel: dict[str, dict[str, list[int]]], K: int) -> dict[str, dict[str, float]]:
+    """|S_a ∩ S_b| / K averaged over layers, for every pair of scorings."""
+    return {a: {b: sum(len(set(sa[i]) & set(sel[b][i])) for i in sa) / (K * len(sa)) for b in sel} for a, sa in sel.items()}
+
+
+def erank_table(data: RunData) -> tuple[list[int], dict[str, dict[int, float]]]:
+    """(K values, scoring -> K -> effective rank averaged over layers)."""
+    table: dict[str, dict[int, float]] = {}
+    for plan in data.plans.values():
+        er = [l["erank"] for l in plan["layers"].values()]
+        table.setdefault(plan["scoring"], {})[plan["K"]] = sum(er) / len(er)
+    Ks = sorted({K for t in table.values() for K in t})
+    return Ks, {s: table[s] for s in data.cfg.grid.scoring if s in table}
+
+
+def val_loss_curves(data: RunData) -> dict[str, list[tuple[int, float]]]:
+    """student label -> [(step, validation loss = ln ppl)] from the stage-2 ledger (finite points)."""
+    out = {}
+    for r in data.stage2.values():
+        pts = [(s, math.log(p)) for s, p in r.get("curve", []) if p is not None and p > 0]
+        if pts:
+            out[r["pair"] if not r.get("baseline") else f"{r['pair']} (baseline)"] = sorted(set(pts))
+    return out

@@ -1,0 +1,215 @@
+"""`m2d report RUN_DIR`: the whole run as RUN_DIR/report/ — index.html, tables (CSV + Markdown), figures (PNG).
+
+    pre-distillation perplexity grid     stage1.csv/.md + stage1_heatmap.png (the paper's layout)
+    distillation table                   distill.csv/.md: per pair (K, scaling, stage-1 ppl, val ppl, accuracies, mean)
+                                         + baseline and teacher rows
+    marginal effect of each design axis  marginal.png (mean accuracy per scoring and per grouping)
+    selection overlap at K = k           overlap.csv/.md + overlap.png
+    effective rank per scoring           erank.csv/.md + erank.png
+    validation-loss curves               curves.png
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import io
+import time
+from pathlib import Path
+
+from m2d_ray.artifacts import write_text_atomic
+from m2d_ray.report.analysis import RunData, distill_rows, erank_table, load_run, marginal, overlap, selections, val_loss_curves
+from m2d_ray.report.figures import pyplot, save
+from m2d_ray.report.stage1 import heatmap, write_tables
+
+REPORT_DIR = "report"
+
+
+class Table:
+    """A small table written three ways (CSV for tools, Markdown for READMEs, HTML for the report)."""
+
+    def __init__(self, name: str, headers: list[str], rows: list[list], note: str = "") -> None:
+        self.name, self.headers, self.rows, self.note = name, headers, rows, note
+
+    def write(self, out: Path) -> list[Path]:
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(self.headers)
+        w.writerows([["" if v is None else v for v in r] for r in self.rows])
+        md = ["| " + " | ".join(self.headers) + " |", "|" + "---|" * len(self.headers)]
+        md += ["| " + " | ".join(_fmt(v) for v in r) + " |" for r in self.rows]
+        write_text_atomic(out / f"{self.name}.csv", buf.getvalue())
+        write_text_atomic(out / f"{self.name}.md", "\n".join(md + (["", self.note] if self.note else [])) + "\n")
+        return [out / f"{self.name}.csv", out / f"{self.name}.md"]
+
+    def html(self) -> str:
+        head = "".join(f"<th>{html.escape(h)}</th>" for h in self.headers)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in r) + "</tr>" for r in self.rows)
+        note = f'<p class="note">{html.escape(self.note)}</p>' if self.note else ""
+        return f'<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{note}<p class="files">{self.name}.csv · {self.name}.md</p>'
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:,.1f}" if abs(v) >= 100 else f"{v:.3f}"
+    return str(v)
+
+
+# ---- tables ---------------------------------------------------------------------------------------
+def distill_table(data: RunData, rows: list[dict]) -> Table:
+    tasks = data.tasks()
+    headers = ["scoring", "grouping", "K", "scaling", "stage-1 ppl", "stage 2", "final val ppl", *tasks, "mean acc"]
+    body = [[r["scoring"].upper() if r["kind"] == "student" else r["scoring"], r["grouping"].upper(), r["K"], r["scaling"], r["stage1_ppl"],
+             r["status"] if r["steps"] is None else f"{r['status']} @ {r['steps']}", r["val_ppl"],
+             *[r["acc"].get(t) for t in tasks], r["mean"]] for r in rows]
+    suite = data.cfg.stage3.tasks
+    return Table("distill", headers, body, f"Accuracy on the stage-3 suite `{suite}` (acc_norm for HellaSwag/ARC, else acc), mean unweighted. "
+                 "Students stopped early by ASHA were not exported and have no accuracy.")
+
+
+def overlap_table(data: RunData) -> Table:
+    ov = overlap(selections(data, data.k), data.k)
+    names = list(ov)
+    return Table("overlap", ["scoring", *[n.upper() for n in names]], [[a.upper(), *[ov[a][b] for b in names]] for a in names],
+                 f"|S_a ∩ S_b| / K at K = k = {data.k}, averaged over layers.")
+
+
+def erank_tables(data: RunData) -> Table:
+    Ks, er = erank_table(data)
+    return Table("erank", ["scoring", *[f"K={K}" for K in Ks]], [[s.upper(), *[t.get(K) for K in Ks]] for s, t in er.items()],
+                 "Effective rank (Roy & Vetterli) of the selected experts' output Gram, averaged over layers; at most K.")
+
+
+# ---- figures --------------------------------------------------------------------------------------
+def marginal_figure(data: RunData, rows: list[dict], path: Path) -> Path | None:
+    g = data.cfg.grid
+    panels = [("scoring", marginal(rows, "scoring", g.scoring)), ("grouping", marginal(rows, "grouping", g.grouping))]
+    if not any(v for _, v in panels):
+        return None
+    refs = {r["scoring"]: r["mean"] for r in rows if r["kind"] != "student" and r["mean"] is not None}
+    fig, axes = pyplot().subplots(1, 2, figsize=(9, 3.4), sharey=True)
+    for ax, (axis, vals) in zip(axes, panels):
+        bars = ax.bar([v.upper() for v in vals], list(vals.values()), color="#4c72b0")
+        ax.bar_label(bars, fmt="%.3f", fontsize=7)  # the differences are small next to the baselines
+        for name, acc in refs.items():
+            ax.axhline(acc, linestyle="--", linewidth=1, color="#c44e52" if name == "teacher" else "#888888")
+            ax.text(len(vals) - 0.5, acc, f" {name}", va="bottom", ha="right", fontsize=7)
+        ax.set_title(f"mean accuracy per {axis}", fontsize=9)
+        ax.tick_params(axis="x", labelsize=7)
+    axes[0].set_ylabel("mean accuracy")
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def overlap_figure(t: Table, path: Path) -> Path | None:
+    if not t.rows:
+        return None
+    import numpy as np
+
+    m = np.array([r[1:] for r in t.rows], dtype=float)
+    fig, ax = pyplot().subplots(figsize=(1.6 + 0.6 * len(m), 1.2 + 0.5 * len(m)))
+    im = ax.imshow(m, vmin=0, vmax=1, cmap="Blues")
+    for i in range(len(m)):
+        for j in range(len(m)):
+            ax.text(j, i, f"{m[i, j]:.2f}", ha="center", va="center", fontsize=7, color="white" if m[i, j] > 0.6 else "black")
+    labels = [r[0] for r in t.rows]
+    ax.set_xticks(range(len(m)), labels, fontsize=7, rotation=45)
+    ax.set_yticks(range(len(m)), labels, fontsize=7)
+    ax.set_title(t.note.split(",")[0], fontsize=8)
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def erank_figure(data: RunData, path: Path) -> Path:
+    Ks, er = erank_table(data)
+    fig, ax = pyplot().subplots(figsize=(5.6, 3.6))
+    ax.plot(Ks, Ks, color="#bbbbbb", linestyle=":", label="K (upper bound)")
+    for s, t in er.items():
+        ax.plot(Ks, [t.get(K) for K in Ks], marker="o", label=s.upper())
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(Ks, [str(K) for K in Ks])
+    ax.set_xlabel("experts kept K")
+    ax.set_ylabel("effective rank of the selection")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def curves_figure(data: RunData, path: Path) -> Path | None:
+    curves = val_loss_curves(data)
+    if not curves:
+        return None
+    fig, ax = pyplot().subplots(figsize=(6.4, 4.0))
+    for label, pts in curves.items():
+        xs, ys = zip(*pts)
+        ax.plot(xs, ys, marker=".", linestyle="--" if "baseline" in label else "-", label=label)
+    ax.set_xlabel("distillation step")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+# ---- the page -------------------------------------------------------------------------------------
+CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
+h1{font-size:1.5em}h2{font-size:1.15em;margin-top:2em;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;font-size:12px;margin:.5em 0}td,th{border:1px solid #ddd;padding:3px 7px;text-align:right}
+td:first-child,th:first-child{text-align:left}tr:nth-child(even){background:#f7f7f7}
+img{max-width:100%;border:1px solid #eee}.note,.files,.meta{color:#666;font-size:12px}"""
+
+
+def write_report(run_dir: str | Path) -> Path:
+    """Write RUN_DIR/report/ and return the path of its index.html."""
+    data = load_run(run_dir)
+    out = data.run_dir / REPORT_DIR
+    out.mkdir(exist_ok=True)
+    g = data.cfg.grid
+    order = {"scoring": list(g.scoring), "grouping": list(g.grouping), "scaling": list(g.scaling)}
+    write_tables(data.stage1, order, out)
+    rows = distill_rows(data)
+    tables = {"distill": distill_table(data, rows), "overlap": overlap_table(data), "erank": erank_tables(data)}
+    for t in tables.values():
+        t.write(out)
+    figs = {
+        "grid": heatmap(data.stage1, order, out / "stage1_heatmap.png", title=f"stage 1: pre-distillation perplexity, k={data.k}"),
+        "marginal": marginal_figure(data, rows, out / "marginal.png"),
+        "overlap": overlap_figure(tables["overlap"], out / "overlap.png"),
+        "erank": erank_figure(data, out / "erank.png"),
+        "curves": curves_figure(data, out / "curves.png"),
+    }
+    write_text_atomic(out / "index.html", _page(data, tables, figs, (out / "stage1.md").read_text()))
+    return out / "index.html"
+
+
+def _img(path: Path | None, alt: str) -> str:
+    return f'<img src="{path.name}" alt="{html.escape(alt)}">' if path else f'<p class="note">no data yet for: {html.escape(alt)}</p>'
+
+
+def _page(data: RunData, tables: dict[str, Table], figs: dict[str, Path | None], stage1_md: str) -> str:
+    cfg, p = data.cfg, data.promotions
+    timing = " · ".join(f"{k} {v['wall_s']:.0f} s" for k, v in data.timings.items() if "wall_s" in v)
+    stage1 = _md_table_html(stage1_md)
+    sections = [
+        ("Stage 1: pre-distillation perplexity", f"<p class='meta'>{html.escape(p['criterion'])}</p>{stage1}{_img(figs['grid'], 'perplexity grid')}"),
+        ("Stage 2 + 3: distilled students", tables["distill"].html() + _img(figs["marginal"], "marginal effect of scoring and grouping")),
+        ("Validation loss during distillation", _img(figs["curves"], "validation-loss curves")),
+        (f"Selection overlap between scorings at K = k = {data.k}", tables["overlap"].html() + _img(figs["overlap"], "overlap matrix")),
+        ("Effective rank of the selected experts", tables["erank"].html() + _img(figs["erank"], "effective rank per scoring")),
+    ]
+    body = "".join(f"<h2>{html.escape(title)}</h2>{content}" for title, content in sections)
+    meta = (f"teacher <code>{html.escape(str(p['teacher']))}</code> · k = {p['k']}, E = {p['E']} · config <code>{html.escape(cfg.name)}</code> · "
+            f"{len(data.stage1)} stage-1 configs · {len(data.stage2)} students distilled · {len(data.stage3)} models evaluated"
+            + (f" · {timing}" if timing else "") + f" · written {time.strftime('%Y-%m-%d %H:%M')}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>m2d report: {html.escape(cfg.name)}</title><style>{CSS}</style></head>"
+            f"<body><h1>MoE → dense: {html.escape(cfg.name)}</h1><p class='meta'>{meta}</p>{body}</body></html>")
+
+
+def _md_table_html(md: str) -> str:
+    """The stage-1 Markdown table as HTML (one source for both)."""
+    lines = [ln for ln in md.splitlines() if ln.startswith("|")]
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
+    note = next((ln for ln in md.splitlines() if ln and not ln.startswith("|")), "")
+    return Table("stage1", rows[0], rows[2:], note).html() if rows else ""

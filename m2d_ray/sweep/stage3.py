@@ -1,0 +1,138 @@
+"""Stage 3 on Ray: lm-eval of every distilled student (and the teacher), one Ray task per model.
+
+    RUN_DIR/stage2/trials/*.json (stage 2)  students with a saved model (finished ones; ASHA-pruned
+                                            students were stopped before their export)
+    one Ray task per model                  1 GPU each when the cluster has GPUs, else 1 CPU / 1 thread
+    RUN_DIR/stage3/results/<key>.json       per-task accuracy + unweighted mean, written as each task ends
+    MLflow                                  one nested run `stage3/<key>` per model under the sweep's parent
+
+Resume skips models with a result. A changed suite (tasks, shots, limit) is refused: it would mix two
+suites in one table.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import ray
+
+from m2d_ray.artifacts import write_json_atomic
+from m2d_ray.config import SweepConfig, Stage3Config
+from m2d_ray.errors import M2DError
+from m2d_ray.sweep.ledger import Ledger
+from m2d_ray.sweep.ray_env import ensure_ray
+from m2d_ray.track import LOGGED_TAG, Tracker, default_tracking_uri
+
+STAGE3_DIR, SUITE_FILE, TEACHER_KEY = "stage3", "suite.json", "teacher"
+
+
+@dataclass(frozen=True)
+class EvalJob:
+    key: str  # the stage-2 key, or "teacher"
+    pair: str  # "scoring/grouping", a baseline's name, or "teacher"
+    model: str  # absolute model directory (or hub name for the teacher)
+
+
+def jobs(run_dir: Path, teacher: str, with_teacher: bool) -> list[EvalJob]:
+    """The models to evaluate: stage-2 students that were exported, then the teacher."""
+    records = Ledger(run_dir / "stage2").records() if (run_dir / "stage2" / "trials").exists() else []
+    out = [EvalJob(r["key"], r["pair"], r["student_path"]) for r in records if r.get("student_path") and Path(r["student_path"]).exists()]
+    return out + ([EvalJob(TEACHER_KEY, TEACHER_KEY, teacher)] if with_teacher else [])
+
+
+@ray.remote
+def _evaluate_task(model: str, tasks: str, c: dict, device: str) -> dict:
+    """A Ray task: load one model and run the lm-eval suite on it (1 thread on CPU: tasks run side by side)."""
+    import torch
+
+    from m2d_ray.evaluate.harness import evaluate, parse_tasks, text_source
+    from m2d_ray.models import load_model
+
+    torch.set_num_threads(c["threads_per_task"])
+    t0 = time.time()
+    lm, tok = load_model(model, device=device)
+    out = evaluate(lm, tok, parse_tasks(tasks, c["num_fewshot"]), batch_size=c["batch_size"], device=device,
+                   limit=c["limit"], text=text_source(tasks))
+    return {**out, "eval_s": round(time.time() - t0, 1)}
+
+
+def _gpus(c: Stage3Config) -> float:
+    if c.gpus_per_task is not None:
+        return c.gpus_per_task
+    return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+
+
+def _suite(c: Stage3Config) -> dict:
+    from m2d_ray.evaluate.harness import parse_tasks, text_source
+
+    return {"tasks": parse_tasks(c.tasks, c.num_fewshot), "text": text_source(c.tasks), "limit": c.limit}
+
+
+def _check_suite(base: Path, suite: dict) -> None:
+    path = base / SUITE_FILE
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved != json.loads(json.dumps(suite)):
+            raise M2DError(f"stage 3 of {base.parent} used another suite ({saved['tasks']}, limit {saved['limit']}); "
+                           "keep stage3.tasks / num_fewshot / limit unchanged or use a new run directory")
+    else:
+        base.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, suite)
+
+
+def run_stage3(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None = None) -> dict[str, dict]:
+    """Evaluate every exported student (+ the teacher) of `run_dir`; returns {key: result record}."""
+    run_dir = Path(run_dir).resolve()
+    prom = run_dir / "promotions.json"
+    if not prom.exists():
+        raise M2DError(f"{run_dir} has no promotions.json: run stages 1 and 2 first (m2d run)")
+    c = cfg.stage3
+    base = run_dir / STAGE3_DIR
+    _check_suite(base, _suite(c))
+    results = base / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    teacher = json.loads(prom.read_text())["teacher"]
+    todo = jobs(run_dir, teacher, c.teacher)
+    done = {p.stem: json.loads(p.read_text()) for p in results.glob("*.json")}
+    pending = [j for j in todo if j.key not in done]
+    print(f"stage 3: {len(todo)} models ({c.tasks}), {len(pending)} to evaluate", file=sys.stderr)
+    tracker = Tracker(tracking_uri or cfg.mlflow.tracking_uri or default_tracking_uri(run_dir), cfg.mlflow.experiment, run_dir / "mlartifacts")
+    parent = tracker.parent_run(json.loads((run_dir / "sweep.json").read_text())["sweep_id"], cfg.name, params={}, tags={})
+    logged = tracker.logged_trials(parent)
+    for key, r in done.items():  # a kill between the result file and MLflow
+        if f"stage3/{key}" not in logged:
+            _log(tracker, parent, r)
+    if pending:
+        ensure_ray(cfg.ray)
+        gpus = _gpus(c)
+        device = "cuda" if gpus > 0 else "cpu"
+        opts = {"num_cpus": c.cpus_per_task, "num_gpus": gpus, "max_retries": cfg.ray.max_failures}
+        refs = {_evaluate_task.options(**opts).remote(j.model, c.tasks, asdict(c), device): j for j in pending}
+        while refs:
+            ready, _ = ray.wait(list(refs), num_returns=1)
+            job = refs.pop(ready[0])
+            try:
+                r = {**asdict(job), "status": "ok", **ray.get(ready[0])}
+            except Exception as exc:  # one model failing does not stop the others
+                r = {**asdict(job), "status": "failed", "error": str(exc).strip().splitlines()[-1][:300], "tasks": {}, "mean": None}
+            write_json_atomic(results / f"{job.key}.json", r)
+            done[job.key] = r
+            _log(tracker, parent, r)
+            mean = f"{r['mean']:.4f}" if r.get("mean") is not None else r["status"]
+            print(f"[stage 3 {len(done)}/{len(todo)}] {job.key}: mean accuracy {mean}", file=sys.stderr, flush=True)
+    tracker.finish(parent)
+    return done
+
+
+def _log(tracker: Tracker, parent: str, r: dict) -> None:
+    run = tracker.trial_run(parent, f"stage3/{r['key']}", {"stage": 3, "pair": r["pair"], "model": r["model"]})
+    metrics = {f"acc.{name}": t["score"] for name, t in r["tasks"].items() if t.get("score") is not None}
+    if r.get("mean") is not None:
+        metrics["mean_acc"] = r["mean"]
+    tracker.log(run, metrics=metrics, tags={"status": r["status"], "error": r.get("error"), "stage": "3"})
+    tracker.finish(run, "FINISHED" if r["status"] == "ok" else "FAILED")
+    tracker.log(run, tags={LOGGED_TAG: "1"})

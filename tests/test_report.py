@@ -1,0 +1,89 @@
+"""The run report from a stored small run (tests/data/small_run: the ledgers and plans of a real `m2d run`
+with the e2e test's settings; models, statistics and MLflow store left out)."""
+
+from __future__ import annotations
+
+import csv
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from m2d_ray.errors import M2DError
+from m2d_ray.report.analysis import distill_rows, erank_table, load_run, marginal, overlap, selections
+from m2d_ray.report.run import write_report
+
+STORED = Path(__file__).resolve().parent / "data" / "small_run"
+
+
+@pytest.fixture
+def run_dir(tmp_path) -> Path:
+    return Path(shutil.copytree(STORED, tmp_path / "run"))
+
+
+def test_overlap_and_effective_rank_from_the_stage1_records(run_dir):
+    data = load_run(run_dir)
+    k = data.k
+    sel = selections(data, k)
+    ov = overlap(sel, k)
+    # brute force from the stage-1 ledger (each record keeps its own selection), not from plans.json
+    by_scoring = {r["scoring"]: r["selected"] for r in data.stage1 if r["K"] == k}
+    for a in ov:
+        assert ov[a][a] == 1.0
+        for b in ov:
+            layers = by_scoring[a]
+            expect = sum(len(set(layers[i]) & set(by_scoring[b][i])) for i in layers) / (k * len(layers))
+            assert ov[a][b] == pytest.approx(expect) == ov[b][a]
+    Ks, er = erank_table(data)
+    for s, t in er.items():
+        for K, v in t.items():
+            assert 1.0 <= v <= K + 1e-9
+            records = [r["effective_rank"] for r in data.stage1 if r["scoring"] == s and r["K"] == K]
+            assert v == pytest.approx(records[0])
+
+
+def test_distill_rows_and_marginal_effects(run_dir):
+    data = load_run(run_dir)
+    rows = distill_rows(data)
+    students = [r for r in rows if r["kind"] == "student"]
+    assert len(students) == len(data.promotions["pairs"]) and [r["kind"] for r in rows[-2:]] == ["baseline", "teacher"]
+    assert all(r["mean"] is not None and set(r["acc"]) == set(data.tasks()) for r in rows)
+    for axis in ("scoring", "grouping"):
+        m = marginal(rows, axis, getattr(data.cfg.grid, axis))
+        for v, acc in m.items():
+            accs = [r["mean"] for r in students if r[axis] == v]
+            assert acc == pytest.approx(sum(accs) / len(accs))
+
+
+def test_report_files_and_page(run_dir):
+    index = write_report(run_dir)
+    out = index.parent
+    for name in ("stage1.csv", "stage1.md", "distill.csv", "distill.md", "overlap.csv", "overlap.md", "erank.csv", "erank.md"):
+        assert (out / name).stat().st_size > 0, name
+    page = index.read_text()
+    for img in ("stage1_heatmap.png", "marginal.png", "overlap.png", "erank.png", "curves.png"):
+        assert (out / img).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f'src="{img}"' in page
+    rows = list(csv.DictReader((out / "distill.csv").open()))
+    assert rows[-1]["scoring"] == "teacher" and float(rows[-1]["mean acc"]) > float(rows[-2]["mean acc"])
+    assert not list(out.glob(".*"))  # no temp files left behind
+
+
+def test_report_needs_a_finished_stage1(tmp_path):
+    with pytest.raises(M2DError, match="no finished stage 1"):
+        write_report(tmp_path)
+
+
+def test_report_renders_in_headless_chromium(run_dir, tmp_path):
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("chromium not installed (apt install chromium)")
+    index = write_report(run_dir)
+    shot = tmp_path / "shot.png"
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1200,2400",
+                    f"--screenshot={shot}", index.as_uri()], check=True, capture_output=True, timeout=120)
+    from PIL import Image
+
+    img = Image.open(shot).convert("L")
+    colours = img.getcolors(maxcolors=1 << 16) or []
+    assert img.size == (1200, 2400) and len(colours) > 50  # text, tables and figures, not a blank page
