@@ -196,7 +196,8 @@ class SweepConfig:
                 raise M2DError(f"stage2.pairs: {p!r} is not a scoring/grouping pair of the grid" + (f"; did you mean {close[0]}?" if close else ""))
         from m2d_ray.evaluate.harness import parse_tasks
 
-        parse_tasks(self.stage3.tasks, self.stage3.num_fewshot)
+        if not self.stage3.tasks.startswith("text:"):  # a text file is checked when stage 3 starts (configs name ../shared)
+            parse_tasks(self.stage3.tasks, self.stage3.num_fewshot)
 
 
 def check_distill(d: DistillConfig) -> None:

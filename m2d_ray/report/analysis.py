@@ -59,13 +59,14 @@ def load_run(run_dir: str | Path) -> RunData:
 
 
 def distill_rows(data: RunData) -> list[dict]:
-    """Promoted pairs in grid order, then the baselines, then the teacher; accuracies where measured."""
-    g = data.cfg.grid
+    """Promoted pairs in grid order (those of `stage2.pairs` when it names some), then the baselines, then
+    the teacher; accuracies where measured."""
+    g, only = data.cfg.grid, data.cfg.stage2.pairs
     rows = []
     for s in g.scoring:
         for gr in g.grouping:
             p = data.promotions["pairs"].get(f"{s}/{gr}")
-            if p is not None:
+            if p is not None and (not only or f"{s}/{gr}" in only):
                 rows.append({"kind": "student", "scoring": s, "grouping": gr, "K": p["K"], "scaling": p["scaling"], "stage1_ppl": p["ppl"], "key": p["key"]})
     for b in data.cfg.stage2.baselines:
         rows.append({"kind": "baseline", "scoring": b, "grouping": "", "K": None, "scaling": "", "stage1_ppl": None, "key": f"baseline-{b}"})

@@ -92,7 +92,9 @@ def run_stage3(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None =
         raise M2DError(f"{run_dir} has no promotions.json: run stages 1 and 2 first (m2d run)")
     c = cfg.stage3
     base = run_dir / STAGE3_DIR
-    _check_suite(base, _suite(c))
+    suite = _suite(c)  # checks a text:PATH file on the driver
+    _check_suite(base, suite)
+    tasks = f"text:{suite['text']}" if suite["text"] else c.tasks  # Ray workers get the absolute path
     results = base / "results"
     results.mkdir(parents=True, exist_ok=True)
     teacher = json.loads(prom.read_text())["teacher"]
@@ -111,7 +113,7 @@ def run_stage3(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None =
         gpus = _gpus(c)
         device = "cuda" if gpus > 0 else "cpu"
         opts = {"num_cpus": c.cpus_per_task, "num_gpus": gpus, "max_retries": cfg.ray.max_failures}
-        refs = {_evaluate_task.options(**opts).remote(j.model, c.tasks, asdict(c), device): j for j in pending}
+        refs = {_evaluate_task.options(**opts).remote(j.model, tasks, asdict(c), device): j for j in pending}
         while refs:
             ready, _ = ray.wait(list(refs), num_returns=1)
             job = refs.pop(ready[0])
