@@ -89,7 +89,7 @@ def parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="lm-eval benchmarks of one model (a student or a teacher), offline with --tasks local")
     e.add_argument("--model", required=True, help="model directory or hub name")
-    e.add_argument("--tasks", default="local", help="local (offline, default), paper (Winogrande 5, HellaSwag 10, ARC-E 25, ARC-C 25, MMLU 5) or task[:shots],…")
+    e.add_argument("--tasks", default="local", help="local (offline, default), text:PATH (offline, from a WikiText-style file), paper (Winogrande 5, HellaSwag 10, ARC-E 25, ARC-C 25, MMLU 5) or task[:shots],…")
     e.add_argument("--num-fewshot", type=int, default=None, help="shots for every task (default: the suite's own)")
     e.add_argument("--limit", type=_positive, default=None, help="examples per task (a quick look)")
     e.add_argument("--batch-size", type=_positive, default=16)
