@@ -196,8 +196,7 @@ class SweepConfig:
                 raise M2DError(f"stage2.pairs: {p!r} is not a scoring/grouping pair of the grid" + (f"; did you mean {close[0]}?" if close else ""))
         from m2d_ray.evaluate.harness import parse_tasks
 
-        if not self.stage3.tasks.startswith("text:"):  # a text file is checked when stage 3 starts (configs name ../shared)
-            parse_tasks(self.stage3.tasks, self.stage3.num_fewshot)
+        parse_tasks(self.stage3.tasks, self.stage3.num_fewshot)  # a text:PATH file is checked when stage 3 starts
 
 
 def check_distill(d: DistillConfig) -> None:

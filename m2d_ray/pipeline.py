@@ -278,10 +278,10 @@ def evaluate_one(model: str, tasks: str = "local", num_fewshot: int | None = Non
     from m2d_ray.evaluate.harness import evaluate, parse_tasks, text_source
     from m2d_ray.models import load_model
 
-    suite = parse_tasks(tasks, num_fewshot)  # bad task specs fail before the model loads
+    suite, text = parse_tasks(tasks, num_fewshot), text_source(tasks)  # bad task specs fail before the model loads
     device = device or device_default()
     lm, tok = load_model(model, device=device)
-    return {"model": model, **evaluate(lm, tok, suite, batch_size=batch_size, device=device, limit=limit, text=text_source(tasks))}
+    return {"model": model, **evaluate(lm, tok, suite, batch_size=batch_size, device=device, limit=limit, text=text)}
 
 
 STAGES = ("stage1", "stage2", "stage3", "report")
@@ -301,6 +301,7 @@ def run(config: str | None, overrides: list[str], out: str | None = None, resume
     from m2d_ray.sweep.stage1 import CONFIG_FILE, STATE_FILE, run_stage1
     from m2d_ray.sweep.stage2 import run_stage2
     from m2d_ray.sweep.stage3 import run_stage3
+    from m2d_ray.track import run_tracking_uri
 
     if resume:
         run_dir = Path(resume).resolve()
@@ -331,7 +332,7 @@ def run(config: str | None, overrides: list[str], out: str | None = None, resume
     stage("stage2", lambda: run_stage2(cfg, run_dir, tracking_uri=tracking_uri))
     stage("stage3", lambda: run_stage3(cfg, run_dir, tracking_uri=tracking_uri))
     stage("report", lambda: report(str(run_dir), tracking_uri))
-    uri = tracking_uri or cfg.mlflow.tracking_uri or f"sqlite:///{run_dir / 'mlflow.db'}"
+    uri = run_tracking_uri(cfg, run_dir, tracking_uri)
     return {"run_dir": str(run_dir), "report": str(run_dir / "report" / "index.html"),
             "stages": {k: v["wall_s"] for k, v in state["stages"].items()},
             "mlflow_ui": f"mlflow ui --backend-store-uri {uri}"}
@@ -341,14 +342,13 @@ def report(run_dir: str, tracking_uri: str | None = None) -> dict:
     """`m2d report`: RUN_DIR/report/ (HTML + CSV/Markdown tables + PNG figures), also logged to the run's MLflow parent."""
     from m2d_ray.config import load_config
     from m2d_ray.report.run import write_report
-    from m2d_ray.track import Tracker, default_tracking_uri
+    from m2d_ray.track import run_tracker, sweep_parent
 
     index = write_report(run_dir)
     rd = Path(run_dir).resolve()
     cfg = load_config(rd / "config.yaml")
-    tracker = Tracker(tracking_uri or cfg.mlflow.tracking_uri or default_tracking_uri(rd), cfg.mlflow.experiment, rd / "mlartifacts")
-    sweep_id = json.loads((rd / "sweep.json").read_text())["sweep_id"]
-    parent = tracker.parent_run(sweep_id, cfg.name, params={}, tags={})
+    tracker = run_tracker(cfg, rd, tracking_uri)
+    parent = sweep_parent(tracker, rd, cfg.name)
     tracker.client.log_artifacts(parent, str(index.parent), artifact_path="report")
     tracker.finish(parent)
     return {"report": str(index), "files": sorted(p.name for p in index.parent.iterdir() if not p.name.startswith("."))}

@@ -54,7 +54,7 @@ def test_text_task_items_differ_from_the_truth_only_in_word_order(tmp_path):
     assert not {r["context"] for r in rows["test"]} & {r["context"] for r in rows["train"]}
     assert parse_tasks(f"text:{path}") == [(TEXT_CONTINUATION, 0)] and text_source(f"text:{path}") == str(path.resolve())
     with pytest.raises(M2DError, match="is not a file"):
-        parse_tasks(f"text:{tmp_path / 'missing.txt'}")
+        text_source(f"text:{tmp_path / 'missing.txt'}")
     (tmp_path / "short.txt").write_text("One . Two .")
     with pytest.raises(M2DError, match="usable paragraphs"):
         text_rows(tmp_path / "short.txt")
@@ -95,3 +95,5 @@ def test_m2d_eval_cli(capsys):
     assert set(out["tasks"]) == {CONTINUATION, f"{CONTINUATION}_fewshot"} and out["tasks"][f"{CONTINUATION}_fewshot"]["shots"] == 2
     assert main(["eval", "--model", default_teacher(), "--tasks", "no_such_task", "--device", "cpu"]) == 2
     assert "lm-eval failed" in capsys.readouterr().err
+    assert main(["eval", "--model", "no/such/model", "--tasks", "text:no/such/file.txt"]) == 2  # before any model loads
+    assert "is not a file" in capsys.readouterr().err

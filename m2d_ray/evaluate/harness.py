@@ -37,7 +37,7 @@ def text_source(spec: str) -> str | None:
 
 def parse_tasks(spec: str, num_fewshot: int | None = None) -> list[tuple[str, int]]:
     """`paper`, `local`, `text:PATH`, or `task[:shots],…` (shots default to --num-fewshot, else 0)."""
-    suite = TEXT_SUITE if text_source(spec) else SUITES.get(spec)
+    suite = TEXT_SUITE if spec.startswith("text:") else SUITES.get(spec)  # the file: text_source
     if suite:
         return [(t, num_fewshot if num_fewshot is not None else s) for t, s in suite]
     out = []

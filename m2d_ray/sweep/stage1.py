@@ -39,7 +39,7 @@ from m2d_ray.sweep.promote import promote, unpromoted
 from m2d_ray.sweep.ray_env import ensure_ray, trial_error
 from m2d_ray.sweep.scheduler import PairwiseStopper
 from m2d_ray.sweep.trial import InjectedFault, run_trial
-from m2d_ray.track import LOGGED_TAG, Tracker, default_tracking_uri
+from m2d_ray.track import LOGGED_TAG, Tracker, run_tracker
 
 CONFIG_FILE, STATE_FILE, PLANS_FILE, PROMOTIONS_FILE = "config.yaml", "sweep.json", "plans.json", "promotions.json"
 PROBES_FILE = "probes.json"  # first-chunk perplexity of every distinct student (the probe round)
@@ -255,7 +255,7 @@ def run_stage1(cfg: SweepConfig | None, run_dir: str | Path, resume: bool = Fals
     attempt = f"{state['sweep_id'][:8]}-{state['attempts']}"
     write_json_atomic(run_dir / STATE_FILE, state)
 
-    tracker = Tracker(tracking_uri or cfg.mlflow.tracking_uri or default_tracking_uri(run_dir), cfg.mlflow.experiment, run_dir / "mlartifacts")
+    tracker = run_tracker(cfg, run_dir, tracking_uri)
     ensure_ray(cfg.ray)
     tokenizer = AutoTokenizer.from_pretrained(model)
     art = _stats(cfg, model, run_dir, tokenizer)

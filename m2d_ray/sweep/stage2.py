@@ -33,7 +33,7 @@ from m2d_ray.errors import M2DError
 from m2d_ray.sweep.ledger import Ledger
 from m2d_ray.sweep.ray_env import ensure_ray, trial_error
 from m2d_ray.sweep.trial import InjectedFault
-from m2d_ray.track import LOGGED_TAG, Tracker, default_tracking_uri
+from m2d_ray.track import LOGGED_TAG, Tracker, run_tracker, sweep_parent
 
 STAGE2_DIR, STAGE2_CONFIG, STOP_DIR = "stage2", "config.yaml", "stop"
 CURVES = ("train_loss", "val_loss", "val_ppl", "lr", "tokens_per_s")
@@ -224,9 +224,8 @@ def run_stage2(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None =
     model = promotions["teacher"]
     todo_all = students(promotions, cfg.stage2.baselines, cfg.stage2.pairs)
     ledger = Ledger(run_dir / STAGE2_DIR)
-    tracker = Tracker(tracking_uri or cfg.mlflow.tracking_uri or default_tracking_uri(run_dir), cfg.mlflow.experiment, run_dir / "mlartifacts")
-    state = json.loads((run_dir / "sweep.json").read_text())
-    parent = tracker.parent_run(state["sweep_id"], cfg.name, params={}, tags={})
+    tracker = run_tracker(cfg, run_dir, tracking_uri)
+    parent = sweep_parent(tracker, run_dir, cfg.name)
     tracker.log(parent, params=params)
     logged = {k.removeprefix("stage2/") for k in tracker.logged_trials(parent)}
     for r in ledger.records():  # a kill between the ledger and MLflow: log it now

@@ -25,7 +25,7 @@ from m2d_ray.config import SweepConfig, Stage3Config
 from m2d_ray.errors import M2DError
 from m2d_ray.sweep.ledger import Ledger
 from m2d_ray.sweep.ray_env import ensure_ray
-from m2d_ray.track import LOGGED_TAG, Tracker, default_tracking_uri
+from m2d_ray.track import LOGGED_TAG, Tracker, run_tracker, sweep_parent
 
 STAGE3_DIR, SUITE_FILE, TEACHER_KEY = "stage3", "suite.json", "teacher"
 
@@ -102,8 +102,8 @@ def run_stage3(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None =
     done = {p.stem: json.loads(p.read_text()) for p in results.glob("*.json")}
     pending = [j for j in todo if j.key not in done]
     print(f"stage 3: {len(todo)} models ({c.tasks}), {len(pending)} to evaluate", file=sys.stderr)
-    tracker = Tracker(tracking_uri or cfg.mlflow.tracking_uri or default_tracking_uri(run_dir), cfg.mlflow.experiment, run_dir / "mlartifacts")
-    parent = tracker.parent_run(json.loads((run_dir / "sweep.json").read_text())["sweep_id"], cfg.name, params={}, tags={})
+    tracker = run_tracker(cfg, run_dir, tracking_uri)
+    parent = sweep_parent(tracker, run_dir, cfg.name)
     logged = tracker.logged_trials(parent)
     for key, r in done.items():  # a kill between the result file and MLflow
         if f"stage3/{key}" not in logged:
