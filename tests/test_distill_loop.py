@@ -118,7 +118,7 @@ def test_expanded_teacher_routing_changes_the_teacher(tiny_teacher):
 
 
 def test_teacher_topk_below_k_and_bad_settings_are_rejected(tiny_teacher_dir):
-    from m2d_ray.pipeline import check_teacher_topk
+    from m2d_ray.models import check_teacher_topk
 
     with pytest.raises(M2DError, match=r"outside \[k, E\] = \[2, 8\]"):
         check_teacher_topk(str(tiny_teacher_dir), 1)

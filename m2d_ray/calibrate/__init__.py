@@ -22,7 +22,8 @@ def data_fingerprint(spec: str, tokens: TokenSet) -> dict:
 
 
 def calibrate(
-    teacher, tokens: TokenSet, data_spec: str, out: str | Path | None = None, batch_size: int = 8, progress: bool = True
+    teacher, tokens: TokenSet, data_spec: str, out: str | Path | None = None, batch_size: int = 8, progress: bool = True,
+    overwrite: bool = False,
 ) -> tuple[StatsArtifact, bool]:
     """Statistics of `teacher` on `tokens`, saved to `out`; reuses `out` when it already matches.
 
@@ -36,4 +37,4 @@ def calibrate(
     extra = {"top_k": teacher.adapter.top_k(teacher.config)}
     if out is None:
         return StatsArtifact(layers=layers, manifest={"model": model_fp, "data": data_fp, "sha256": "", **extra}), False
-    return save_stats(out, layers, model_fp, data_fp, extra), False
+    return save_stats(out, layers, model_fp, data_fp, extra, overwrite=overwrite), False

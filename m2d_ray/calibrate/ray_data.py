@@ -85,4 +85,4 @@ def calibrate_ray(
     tensors = {name: torch.from_numpy(np.asarray(v)) for name, v in total.items()}
     layers = sorted({int(name.split(".")[0].removeprefix("layer")) for name in tensors})
     stats = {i: LayerStats.from_tensors(tensors, f"layer{i}.") for i in layers}
-    return save_stats(out, stats, model_fp, data_fp, {"top_k": adapter.top_k(config), "engine": "ray-data"}), False
+    return save_stats(out, stats, model_fp, data_fp, {"top_k": adapter.top_k(config), "engine": "ray-data"}, overwrite=True), False

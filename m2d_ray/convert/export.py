@@ -69,14 +69,16 @@ def verify_student(student: PreTrainedModel, teacher, plan: ConversionPlan, n_to
     return errors
 
 
-def export_student(student: PreTrainedModel, tokenizer, out: str | Path, teacher=None, plan: ConversionPlan | None = None, extra: dict | None = None) -> dict:
+def export_student(student: PreTrainedModel, tokenizer, out: str | Path, teacher=None, plan: ConversionPlan | None = None,
+                   extra: dict | None = None, overwrite: bool = False) -> dict:
     """save_pretrained + tokenizer into `out` atomically; with a plan, reload and verify exactness first.
 
     Returns the verification record (max relative error per layer). Raises RuntimeError — and leaves
-    `out` untouched — when the reloaded student does not reproduce the plan.
+    `out` untouched — when the reloaded student does not reproduce the plan. `out` may replace only a
+    previous student, and only with `overwrite` (artifacts.check_output).
     """
     record: dict = {}
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, "student", overwrite) as tmp:
         student.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)

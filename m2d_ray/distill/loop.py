@@ -251,7 +251,7 @@ def _export(student, tokenizer, job: DistillJob) -> None:
     from m2d_ray.convert.export import export_student
 
     module = getattr(student, "module", student)
-    export_student(module, tokenizer, job.out)
+    export_student(module, tokenizer, job.out, overwrite=True)  # a resumed last step exports again
 
 
 def _save(path: Path, engine, student, opt, sched, step: int, extra: dict, rank: int) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import threading
 from pathlib import Path
 from typing import Iterator
@@ -23,6 +22,7 @@ from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, Sc
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.v2.api.callback import UserCallback
 
+from m2d_ray import console
 from m2d_ray.distill.loop import DistillJob, WorkerIO, run_distill
 
 #: environment forwarded to the workers (DeepSpeed's compiled-ops cache: a stale lock there hangs every run)
@@ -69,21 +69,25 @@ def progress_line(m: dict, label: str = "") -> str:
 
 
 @contextlib.contextmanager
-def follow(path: str | Path, label: str = "", every_s: float = 1.0) -> Iterator[None]:
-    """Print a progress line on the driver for each line appended to a MetricsLog file while the block runs."""
+def follow(path: str | Path, label: str = "", every_s: float = 1.0, total: int | None = None) -> Iterator[None]:
+    """On the driver, while the block runs: a progress line for each line appended to a MetricsLog file,
+    and a live bar over the `total` steps when stderr is a terminal."""
     path, stop = Path(path), threading.Event()
     seen = len(path.read_text().splitlines()) if path.exists() else 0
 
     def poll() -> None:
         nonlocal seen
-        while True:
-            done = stop.wait(every_s)
-            lines = path.read_text().splitlines() if path.exists() else []
-            for line in lines[seen:]:
-                print(progress_line(json.loads(line), label), file=sys.stderr, flush=True)
-            seen = len(lines)
-            if done:
-                return
+        with console.bar(total, f"distill {label}".strip(), "step") as b:
+            while True:
+                done = stop.wait(every_s)
+                lines = path.read_text().splitlines() if path.exists() else []
+                for line in lines[seen:]:
+                    m = json.loads(line)
+                    console.say(progress_line(m, label))
+                    b.update(m["step"] - b.n)
+                seen = len(lines)
+                if done:
+                    return
 
     t = threading.Thread(target=poll, daemon=True)
     t.start()

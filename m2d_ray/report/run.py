@@ -17,7 +17,7 @@ import io
 import time
 from pathlib import Path
 
-from m2d_ray.artifacts import write_text_atomic
+from m2d_ray.artifacts import atomic_dir, write_text_atomic
 from m2d_ray.report.analysis import RunData, distill_rows, erank_table, load_run, marginal, overlap, selections, val_loss_curves
 from m2d_ray.report.figures import pyplot, save
 from m2d_ray.report.stage1 import heatmap, write_tables
@@ -162,26 +162,25 @@ img{max-width:100%;border:1px solid #eee}.note,.files,.meta{color:#666;font-size
 
 
 def write_report(run_dir: str | Path) -> Path:
-    """Write RUN_DIR/report/ and return the path of its index.html."""
+    """Write RUN_DIR/report/ (replacing the previous report as a whole) and return the path of its index.html."""
     data = load_run(run_dir)
-    out = data.run_dir / REPORT_DIR
-    out.mkdir(exist_ok=True)
-    g = data.cfg.grid
-    order = {"scoring": list(g.scoring), "grouping": list(g.grouping), "scaling": list(g.scaling)}
-    write_tables(data.stage1, order, out)
-    rows = distill_rows(data)
-    tables = {"distill": distill_table(data, rows), "overlap": overlap_table(data), "erank": erank_tables(data)}
-    for t in tables.values():
-        t.write(out)
-    figs = {
-        "grid": heatmap(data.stage1, order, out / "stage1_heatmap.png", title=f"stage 1: pre-distillation perplexity, k={data.k}"),
-        "marginal": marginal_figure(data, rows, out / "marginal.png"),
-        "overlap": overlap_figure(tables["overlap"], out / "overlap.png"),
-        "erank": erank_figure(data, out / "erank.png"),
-        "curves": curves_figure(data, out / "curves.png"),
-    }
-    write_text_atomic(out / "index.html", _page(data, tables, figs, (out / "stage1.md").read_text()))
-    return out / "index.html"
+    with atomic_dir(data.run_dir / REPORT_DIR, "report", overwrite=True, what="report directory") as out:
+        g = data.cfg.grid
+        order = {"scoring": list(g.scoring), "grouping": list(g.grouping), "scaling": list(g.scaling)}
+        write_tables(data.stage1, order, out)
+        rows = distill_rows(data)
+        tables = {"distill": distill_table(data, rows), "overlap": overlap_table(data), "erank": erank_tables(data)}
+        for t in tables.values():
+            t.write(out)
+        figs = {
+            "grid": heatmap(data.stage1, order, out / "stage1_heatmap.png", title=f"stage 1: pre-distillation perplexity, k={data.k}"),
+            "marginal": marginal_figure(data, rows, out / "marginal.png"),
+            "overlap": overlap_figure(tables["overlap"], out / "overlap.png"),
+            "erank": erank_figure(data, out / "erank.png"),
+            "curves": curves_figure(data, out / "curves.png"),
+        }
+        write_text_atomic(out / "index.html", _page(data, tables, figs, (out / "stage1.md").read_text()))
+    return data.run_dir / REPORT_DIR / "index.html"
 
 
 def _img(path: Path | None, alt: str) -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 import traceback
 import uuid
@@ -26,10 +25,12 @@ import ray
 import torch
 from ray import tune
 
-from m2d_ray.artifacts import write_json_atomic
+from m2d_ray.artifacts import write_json_atomic, write_marker
 from m2d_ray.calibrate.artifact import StatsArtifact
 from m2d_ray.calibrate.ray_data import calibrate_ray
+from m2d_ray.calibrate.tokens import calibration_tokens
 from m2d_ray.config import SweepConfig, dump_config, load_config
+from m2d_ray.console import say
 from m2d_ray.data.text import load_text, tokenize
 from m2d_ray.errors import M2DError
 from m2d_ray.report.stage1 import heatmap, write_tables
@@ -162,7 +163,7 @@ class Recorder(tune.Callback):
             if self.probe_file is not None:  # saved as they come: a killed probe round resumes where it was
                 write_json_atomic(self.probe_file, self.probes)
             self.finished += 1
-            print(f"[probe {self.finished}/{self.total}] {key}: first chunk ppl {last['ppl']:.2f}", file=sys.stderr, flush=True)
+            say(f"[probe {self.finished}/{self.total}] {key}: first chunk ppl {last['ppl']:.2f}")
         else:
             self.record(key, "pruned", last)
 
@@ -185,7 +186,7 @@ class Recorder(tune.Callback):
         self.full += status in ("ok", "diverged")
         ppl = f"{last['ppl']:.2f}" if last.get("ppl") is not None and math.isfinite(last["ppl"]) else "-"
         dup = f" (+{len(u.members) - 1} identical)" if len(u.members) > 1 else ""
-        print(f"[{self.finished}/{self.total}] {key}: {status} ppl {ppl}{dup}", file=sys.stderr, flush=True)
+        say(f"[{self.finished}/{self.total}] {key}: {status} ppl {ppl}{dup}")
 
 
 # ---- the sweep -----------------------------------------------------------------------------------
@@ -202,6 +203,7 @@ def new_run_dir(cfg: SweepConfig, run_dir: Path) -> dict:
     if (run_dir / STATE_FILE).exists():
         raise M2DError(f"{run_dir} already holds a sweep; resume it with --resume {run_dir} or choose another --out")
     run_dir.mkdir(parents=True, exist_ok=True)
+    write_marker(run_dir, "run")
     dump_config(cfg, run_dir / CONFIG_FILE)
     state = {"sweep_id": uuid.uuid4().hex, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "attempts": 0}
     write_json_atomic(run_dir / STATE_FILE, state)
@@ -209,12 +211,10 @@ def new_run_dir(cfg: SweepConfig, run_dir: Path) -> dict:
 
 
 def _stats(cfg: SweepConfig, model: str, run_dir: Path, tokenizer) -> StatsArtifact:
-    from m2d_ray.pipeline import calibration_tokens
-
     spec, tokens = calibration_tokens(tokenizer, cfg.calib.data, cfg.model, cfg.calib.seq_len, cfg.calib.max_tokens)
     art, reused = calibrate_ray(model, tokens, spec, run_dir / "stats", batch_size=cfg.calib.batch_size, actors=cfg.ray.data_actors,
                                 gpus_per_actor=cfg.ray.data_gpus_per_actor, threads=cfg.ray.threads_per_worker)
-    print(f"statistics: {'reused' if reused else 'computed'} {art.manifest['n_tokens']} tokens, sha256 {art.checksum[:12]}", file=sys.stderr)
+    say(f"statistics: {'reused' if reused else 'computed'} {art.manifest['n_tokens']} tokens, sha256 {art.checksum[:12]}")
     return art
 
 
@@ -272,7 +272,7 @@ def run_stage1(cfg: SweepConfig | None, run_dir: str | Path, resume: bool = Fals
     ledger = Ledger(run_dir)
     _reconcile(ledger, uniques, tracker, parent)
     pending = [u for u in uniques if u.canonical.key not in ledger.done()]
-    print(f"stage 1: {len(specs)} configs, {len(uniques)} distinct students, {len(pending)} to evaluate", file=sys.stderr)
+    say(f"stage 1: {len(specs)} configs, {len(uniques)} distinct students, {len(pending)} to evaluate")
 
     ids = tokenize(tokenizer, load_text(cfg.eval.data), max_chars=cfg.eval.max_chars) if pending else None
     recorder = Recorder({u.canonical.key: u for u in pending}, plans, ledger, tracker, parent, attempt)
@@ -377,5 +377,5 @@ def _finish(cfg, run_dir, records, tracker, parent, model, art, k, E) -> dict:
     tracker.log(parent, metrics={f"configs_{s}": n for s, n in counts.items()}, tags={"promotions": json.dumps({p: f"K={v['K']},{v['scaling']}" for p, v in promotions.items()})})
     tracker.artifacts(parent, outputs)
     tracker.finish(parent)
-    print(f"stage 1 done: {counts}; table {run_dir / 'stage1.md'}", file=sys.stderr)
+    say(f"stage 1 done: {counts}; table {run_dir / 'stage1.md'}")
     return promotions

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
 from m2d_ray.config import SweepConfig, dump_config, load_config
+from m2d_ray.console import say
 from m2d_ray.distill.data import absolute_spec, check_source
 from m2d_ray.errors import M2DError
 from m2d_ray.sweep.ledger import Ledger
@@ -132,7 +132,7 @@ class Recorder(tune.Callback):
         log_record(self.tracker, self.parent, r)
         self.finished += 1
         ppl = f"{r['val_ppl']:.2f}" if r["val_ppl"] is not None else "-"
-        print(f"[stage 2 {self.finished}/{len(self.todo)}] {key}: {status} at step {r['steps']}, val ppl {ppl}", file=sys.stderr, flush=True)
+        say(f"[stage 2 {self.finished}/{len(self.todo)}] {key}: {status} at step {r['steps']}, val ppl {ppl}")
 
 
 def _finite(v):
@@ -154,8 +154,8 @@ STAGE1_KEYS = ("model", "calib", "grid")  # what decided the promotions: stage 2
 STAGE2_KEYS = ("distill", "stage2")  # what a started stage 2 must keep (ray, mlflow, stage3 may change)
 
 
-def stage2_config(run_dir: Path, cfg: SweepConfig) -> SweepConfig:
-    """The stage-2 config of `run_dir`: fixed at the first stage-2 start, checked against stage 1."""
+def check_stage2_config(run_dir: Path, cfg: SweepConfig) -> None:
+    """`cfg` may run stage 2 of `run_dir`: stage 1's settings unchanged, and a started stage 2's too."""
     saved1 = load_config(run_dir / "config.yaml").to_dict()
     new = cfg.to_dict()
     changed = [k for k in STAGE1_KEYS if new[k] != saved1[k]]
@@ -167,8 +167,14 @@ def stage2_config(run_dir: Path, cfg: SweepConfig) -> SweepConfig:
         diff = [k for k in STAGE2_KEYS if new[k] != saved2[k]]
         if diff:
             raise M2DError(f"stage 2 of {run_dir} was started with other settings ({', '.join(diff)}); resume it unchanged or use a new run directory")
-        return cfg
-    dump_config(cfg, path)
+
+
+def stage2_config(run_dir: Path, cfg: SweepConfig) -> SweepConfig:
+    """The stage-2 config of `run_dir`: checked, and fixed at the first stage-2 start."""
+    check_stage2_config(run_dir, cfg)
+    path = run_dir / STAGE2_DIR / STAGE2_CONFIG
+    if not path.exists():
+        dump_config(cfg, path)
     return cfg
 
 
@@ -232,11 +238,11 @@ def run_stage2(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None =
         if r["key"] not in logged:
             log_record(tracker, parent, r)
     pending = [s for s in todo_all if s.key not in ledger.done()]
-    print(f"stage 2: {len(todo_all)} students ({len(todo_all) - len(cfg.stage2.baselines)} promoted + baselines), {len(pending)} to distil", file=sys.stderr)
+    say(f"stage 2: {len(todo_all)} students ({len(todo_all) - len(cfg.stage2.baselines)} promoted + baselines), {len(pending)} to distil")
     for s in pending:  # a stop request nobody acted on (killed sweep): the student starts over from its checkpoint
         (run_dir / STAGE2_DIR / STOP_DIR / s.key).unlink(missing_ok=True)
     if pending:
-        from m2d_ray.pipeline import check_teacher_topk
+        from m2d_ray.models import check_teacher_topk
 
         check_source(cfg.distill.train_data)
         check_teacher_topk(model, cfg.distill.teacher_topk)

@@ -13,7 +13,6 @@ suites in one table.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import ray
 
 from m2d_ray.artifacts import write_json_atomic
 from m2d_ray.config import SweepConfig, Stage3Config
+from m2d_ray.console import say
 from m2d_ray.errors import M2DError
 from m2d_ray.sweep.ledger import Ledger
 from m2d_ray.sweep.ray_env import ensure_ray
@@ -72,16 +72,16 @@ def _suite(c: Stage3Config) -> dict:
     return {"tasks": parse_tasks(c.tasks, c.num_fewshot), "text": text_source(c.tasks), "limit": c.limit}
 
 
-def _check_suite(base: Path, suite: dict) -> None:
-    path = base / SUITE_FILE
+def check_suite(run_dir: Path, c: Stage3Config) -> dict:
+    """The suite of `c`; a started stage 3 must keep its suite (two suites would mix in one table)."""
+    suite = _suite(c)
+    path = run_dir / STAGE3_DIR / SUITE_FILE
     if path.exists():
         saved = json.loads(path.read_text())
         if saved != json.loads(json.dumps(suite)):
-            raise M2DError(f"stage 3 of {base.parent} used another suite ({saved['tasks']}, limit {saved['limit']}); "
+            raise M2DError(f"stage 3 of {run_dir} used another suite ({saved['tasks']}, limit {saved['limit']}); "
                            "keep stage3.tasks / num_fewshot / limit unchanged or use a new run directory")
-    else:
-        base.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, suite)
+    return suite
 
 
 def run_stage3(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None = None) -> dict[str, dict]:
@@ -92,8 +92,9 @@ def run_stage3(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None =
         raise M2DError(f"{run_dir} has no promotions.json: run stages 1 and 2 first (m2d run)")
     c = cfg.stage3
     base = run_dir / STAGE3_DIR
-    suite = _suite(c)  # checks a text:PATH file on the driver
-    _check_suite(base, suite)
+    suite = check_suite(run_dir, c)  # checks a text:PATH file on the driver
+    if not (base / SUITE_FILE).exists():
+        write_json_atomic(base / SUITE_FILE, suite)
     tasks = f"text:{suite['text']}" if suite["text"] else c.tasks  # Ray workers get the absolute path
     results = base / "results"
     results.mkdir(parents=True, exist_ok=True)
@@ -101,7 +102,7 @@ def run_stage3(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None =
     todo = jobs(run_dir, teacher, c.teacher)
     done = {p.stem: json.loads(p.read_text()) for p in results.glob("*.json")}
     pending = [j for j in todo if j.key not in done]
-    print(f"stage 3: {len(todo)} models ({c.tasks}), {len(pending)} to evaluate", file=sys.stderr)
+    say(f"stage 3: {len(todo)} models ({c.tasks}), {len(pending)} to evaluate")
     tracker = run_tracker(cfg, run_dir, tracking_uri)
     parent = sweep_parent(tracker, run_dir, cfg.name)
     logged = tracker.logged_trials(parent)
@@ -125,7 +126,7 @@ def run_stage3(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None =
             done[job.key] = r
             _log(tracker, parent, r)
             mean = f"{r['mean']:.4f}" if r.get("mean") is not None else r["status"]
-            print(f"[stage 3 {len(done)}/{len(todo)}] {job.key}: mean accuracy {mean}", file=sys.stderr, flush=True)
+            say(f"[stage 3 {len(done)}/{len(todo)}] {job.key}: mean accuracy {mean}")
     tracker.finish(parent)
     return done
 
