@@ -128,15 +128,17 @@ def _distill_overrides(args) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args, extra = ap.parse_known_args(argv)
-    if args.command in KV_COMMANDS and all("=" in e and not e.startswith("-") for e in extra):
-        args.overrides += extra  # key=value overrides may follow the options
-    elif extra:
-        ap.error(f"unrecognized arguments: {' '.join(extra)}")
+    options = [e for e in extra if e.startswith("-")]
+    if options or (extra and args.command not in KV_COMMANDS):
+        ap.error(f"unrecognized arguments: {' '.join(options or extra)}")
+    if extra:
+        args.overrides += extra  # key=value overrides may follow the options (checked by config.load_config)
     if args.command in ("sweep", "run") and args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
         args.overrides.insert(0, args.config)  # `m2d sweep --resume RUN_DIR stage=2`: no config, only overrides
         args.config = None
     try:
         with console.session(args.command, args.verbose):
+            ray_was_up = _ray_up()
             try:
                 _dispatch(args)
             except (M2DError, RunFailed, KeyboardInterrupt):
@@ -144,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
             except Exception:
                 traceback.print_exc()  # into the log
                 raise
+            finally:
+                if not ray_was_up and _ray_up():  # a Ray this command started ends inside its session:
+                    sys.modules["ray"].shutdown()  # the workers' last lines go to the log, not the terminal
     except M2DError as exc:
         print(f"m2d: error: {_one_line(exc)}", file=sys.stderr)
         return 2
@@ -158,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
               "please attach that log to a bug report", file=sys.stderr)
         return 1
     return 0
+
+
+def _ray_up() -> bool:
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
 
 
 def _one_line(exc: BaseException) -> str:
@@ -191,7 +200,8 @@ def _dispatch(args) -> None:
         emit(json.dumps(result))
     elif args.command == "run":
         result = pipeline.run(args.config, args.overrides, out=args.out, resume=args.resume, tracking_uri=args.tracking_uri)
-        say(f"report: {result['report']}\nMLflow UI: {result['mlflow_ui']}  (then open http://127.0.0.1:5000)")
+        say(f"report: {result['report']}")
+        say(f"MLflow UI: {result['mlflow_ui']}  (then open http://127.0.0.1:5000)")
         emit(json.dumps(result))
     elif args.command == "report":
         result = pipeline.report(args.run_dir, args.tracking_uri)

@@ -236,7 +236,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> SweepConf
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise M2DError(f"override {item!r} is not key=value (e.g. grid.K=[8,16] or search.early_stop=false)")
+            raise M2DError(f"override {item!r} is not key=value: write it like grid.K=[8,16] or search.early_stop=false")
         _set_path(raw, key.strip().split("."), yaml.safe_load(value))
     cfg = _build(SweepConfig, raw, "")
     cfg.check_methods()
@@ -249,7 +249,9 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise M2DError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise M2DError(f"{path} is not valid YAML ({getattr(exc, 'problem', None) or str(exc).splitlines()[0]}{where}); fix it") from None
     if not isinstance(data, dict):
         raise M2DError(f"{path} must be a mapping of keys (name:, model:, grid: ...)")
     base = data.pop("include", None)
@@ -321,7 +323,8 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
             return float(value)
         except ValueError:
             pass
-    raise M2DError(f"{path}={value!r} should be {getattr(hint, '__name__', hint)}")
+    name = getattr(hint, "__name__", hint)
+    raise M2DError(f"{path}={value!r} should be {name}: give a{'n' * (str(name)[0] in 'aeiou')} {name}")
 
 
 def _plain(obj: Any) -> Any:

@@ -190,7 +190,6 @@ def session(command: str, verbose: bool = False) -> Iterator[None]:
         pump.join(timeout=5)
         if echo is not None:
             os.close(echo)
-        s.log.close()
         _finish(s, failed, M2DError)
 
 
@@ -212,7 +211,10 @@ def _finish(s: _Session, failed: BaseException | None, bad_input: type) -> None:
         top = "; ".join(f"{c}x {m}" if c > 1 else m for m, c in s.warnings.most_common(3))
         more = f" (+{len(s.warnings) - 3} more kinds)" if len(s.warnings) > 3 else ""
         where = f", all in {s.log_path}" if keep else ""
-        print(f"m2d: {n} library warning{'s' * (n > 1)}{where}: {top}{more}", file=s.err, flush=True)
+        line = f"m2d: {n} library warning{'s' * (n > 1)}{where}: {top}{more}"
+        print(line, file=s.err, flush=True)
+        s.write_log(f"[m2d] {line}\n".encode())
+    s.log.close()
     if not keep:
         s.log_path.unlink(missing_ok=True)
     for stream in (s.out, s.err):

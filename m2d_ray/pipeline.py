@@ -315,7 +315,7 @@ def distill_one(
     if student not in BASELINES:
         student_dir = Path(student).expanduser().resolve()
         if not (student_dir / "config.json").is_file():
-            raise M2DError(f"student {student!r} is neither a model directory nor a baseline ({', '.join(BASELINES.names())})")
+            raise M2DError(f"student {student!r} is neither a model directory nor a baseline: give a directory from m2d convert, or one of {', '.join(BASELINES.names())}")
         model_config(str(student_dir))
         check_files(str(student_dir), "student")
     eval_data = absolute_spec(eval_data)

@@ -69,9 +69,18 @@ def test_deepspeed_zero2_on_two_cpu_workers_killed_and_resumed(ray_address, ds_e
     assert {p.name for p in ckpt.glob("zero_pp_rank_*_optim_states.pt")} == {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)}
     student = AutoModelForCausalLM.from_pretrained(result["student"])
     assert type(student).__name__ == "Qwen3ForCausalLM"
-    # a finished run is not silently redone
+    # a finished run is not silently redone; --overwrite replaces it once the new student is done
     again = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "already holds a finished distillation" in again.stderr
+    assert again.stderr.count("\n") == 1  # one line
+    redo = [sys.executable, "-m", "m2d_ray.cli", "distill", "--student", "random-ffn", "--train-data", "synthetic:train", "--eval-data",
+            "synthetic:valid", "--steps", "4", "--no-deepspeed", "--out", str(out), "--overwrite", "eval_every=2", "seq_len=64", "batch_size=2",
+            "eval_max_tokens=1024", "warmup_steps=1"]
+    redo = subprocess.run(redo, env=env, capture_output=True, text=True, timeout=300)
+    assert redo.returncode == 0, redo.stderr[-3000:]
+    assert json.loads((out / "result.json").read_text())["steps"] == 4 and json.loads(redo.stdout.strip().splitlines()[-1])["student"] == str(out / "student")
+    assert [p.name for p in tmp_path.iterdir()] == ["distill"]  # the staging directory was swapped in
+    assert AutoModelForCausalLM.from_pretrained(out / "student") is not None and list((out / "logs").glob("m2d-distill-*.log"))
 
 
 @pytest.fixture(scope="module")
