@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from m2d_ray.config import DistillConfig, load_config
-from m2d_ray.distill.loop import DistillJob, WorkerIO, lr_factor, run_distill
+from m2d_ray.distill.loop import DistillJob, WorkerIO, run_distill
+from m2d_ray.distill.step import lr_factor
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.perplexity import window_nll, windows
 from m2d_ray.models import default_teacher
