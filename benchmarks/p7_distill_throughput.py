@@ -2,8 +2,8 @@
 
 A random-weight Qwen3-MoE teacher of the preset's shape and its random-FFN dense student (the `random-ffn`
 baseline: teacher attention, fresh FFN of width k x d_expert) are built in memory, nothing read or
-written. Three paths then take turns in this process on one device, one step each per round, every
-one from the same initial student and on the same batches:
+written. Three paths then take turns in this process on one device, one step each per round (each
+going first in turn), every one from the same initial student and on the same batches:
 
     platform            m2d_ray.distill.step.DistillStep, what stage 2 runs: plain torch (no DeepSpeed)
     platform_deepspeed  the same step with DeepSpeed ZeRO-2 (world of 1)

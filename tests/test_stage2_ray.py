@@ -23,19 +23,6 @@ TINY = ROOT / "experiments" / "tiny.yaml"
 SMALL_DISTILL = ["distill.seq_len=64", "distill.batch_size=4", "distill.eval_max_tokens=2048", "distill.warmup_steps=2"]
 
 
-@pytest.fixture(scope="module")
-def ds_env(tmp_path_factory):
-    """DeepSpeed's compiled ops in a directory of this session (a stale lock elsewhere would hang the run)."""
-    ext = str(tmp_path_factory.mktemp("torch_extensions"))
-    old = os.environ.get("TORCH_EXTENSIONS_DIR")
-    os.environ["TORCH_EXTENSIONS_DIR"] = ext
-    yield ext
-    if old is None:
-        os.environ.pop("TORCH_EXTENSIONS_DIR")
-    else:
-        os.environ["TORCH_EXTENSIONS_DIR"] = old
-
-
 def _steps(metrics: Path) -> list[int]:
     return [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
 

@@ -115,9 +115,8 @@ class DistillStep:
                                                                         config=ds_config(cfg, dtype))
         elif world > 1:
             cuda = torch.device(device).type == "cuda"
-            self.ddp = nn.parallel.DistributedDataParallel(
-                self.loss_module, device_ids=[torch.cuda.current_device()] if cuda else None,
-                broadcast_buffers=False, gradient_as_bucket_view=True)  # the only buffers are rotary constants
+            self.ddp = nn.parallel.DistributedDataParallel(self.loss_module, device_ids=[torch.cuda.current_device()] if cuda else None,
+                                                           gradient_as_bucket_view=True)
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self._losses = 0
 
