@@ -108,6 +108,7 @@ def test_stage2_sweep_asha_mlflow_and_native_students(stage1_dir):
         assert run.data.tags["status"] == "ok" and run.data.tags["student_path"] == first["student_path"] and run.info.status == "FINISHED"
         history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "val_ppl")
         assert sorted(m.step for m in history) == [0, 3, 6, 9, 12]
+        assert {"tokens_per_s", "mfu", "train_s", "eval_s", "ckpt_s"} <= set(run.data.metrics)  # training-only throughput + the rest
         assert runs["stage2/baseline-random-init"].info.status == "KILLED" and runs["stage2/baseline-random-ffn"].info.status == "FAILED"
     finally:
         mlflow.set_tracking_uri(None)

@@ -15,9 +15,10 @@ from torch import nn
 
 
 def matmul_params(model: nn.Module) -> int:
-    """Parameters a token is multiplied with: all but the input embedding (unless it is tied to the head)."""
+    """Weights a token is multiplied with: every matrix but the input embedding (unless it is tied to the
+    head); norm gains and biases are elementwise."""
     emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    return sum(p.numel() for p in model.parameters()) - (emb.numel() if emb is not head else 0)
+    return sum(p.numel() for p in model.parameters() if p.ndim >= 2) - (emb.numel() if emb is not head else 0)
 
 
 def attention_flops(config, seq_len: int) -> float:
