@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from m2d_ray.config import DistillConfig, load_config
-from m2d_ray.distill.loop import DistillJob, WorkerIO, lr_factor, run_distill
+from m2d_ray.distill.loop import DistillJob, WorkerIO, run_distill
+from m2d_ray.distill.step import lr_factor
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.perplexity import window_nll, windows
 from m2d_ray.models import default_teacher
@@ -128,3 +129,68 @@ def test_teacher_topk_below_k_and_bad_settings_are_rejected(tiny_teacher_dir):
     with pytest.raises(M2DError, match="distill.steps=0"):
         load_config(None, ["distill.steps=0"])
     assert load_config(None, ["distill.lr=1e-4"]).distill.lr == 1e-4  # YAML 1.1 reads 1e-4 as a string
+
+
+def test_flops_per_token_counts_what_the_models_multiply(tiny_teacher, do_acp_student):
+    """Brute force: torch's FLOP counter on real forwards (eager attention, whose QK^T and AV it counts over
+    the full square; the estimate counts the causal half), teacher forward + 3 x student forward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from m2d_ray.distill.flops import flops_per_token
+
+    student = AutoModelForCausalLM.from_pretrained(do_acp_student)
+    ids = torch.randint(0, tiny_teacher.config.vocab_size, (2, 64))
+
+    def counted(model) -> float:
+        before = model.config._attn_implementation
+        model.set_attn_implementation("eager")
+        with FlopCounterMode(display=False) as fc, torch.no_grad():
+            model(input_ids=ids)
+        model.set_attn_implementation(before)
+        attention = sum(v for op, v in fc.get_flop_counts()["Global"].items() if "bmm" in str(op))
+        return (fc.get_total_flops() - attention / 2) / ids.numel()
+
+    want = counted(tiny_teacher.model) + 3 * counted(student)
+    assert flops_per_token(tiny_teacher.model, tiny_teacher.adapter, student, 64) == pytest.approx(want, rel=1e-9)
+
+
+def test_reports_count_training_time_only(do_acp_student, tmp_path, monkeypatch):
+    """tokens_per_s is over the training time since the previous report: validation (slowed here by 0.5 s)
+    and checkpoints are reported apart (eval_s, ckpt_s), not folded into it."""
+    import time
+
+    import m2d_ray.distill.loop as loop
+
+    real = loop.validate
+
+    def slow(*args, **kwargs):
+        time.sleep(0.5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "validate", slow)
+    cfg = DistillConfig(**{**CFG.__dict__, "steps": 6, "eval_every": 3, "batch_size": 2})
+    reports, stamps = [], []
+
+    def report(metrics, ckpt):
+        reports.append(metrics)
+        stamps.append(time.perf_counter())
+
+    run_distill(DistillJob(default_teacher(), str(do_acp_student), cfg, "synthetic:valid"), WorkerIO(report=report))
+    tokens = 3 * cfg.batch_size * cfg.seq_len
+    for r in reports:
+        assert r["tokens_per_s"] == pytest.approx(tokens / r["train_s"]) and r["eval_s"] >= 0.5 and r["ckpt_s"] > 0
+        assert 0 < r["mfu"] < 1
+    # between two reports: training, then validation, then the checkpoint
+    assert reports[1]["train_s"] + reports[1]["eval_s"] + reports[1]["ckpt_s"] <= stamps[1] - stamps[0]
+    assert reports[1]["train_s"] <= stamps[1] - stamps[0] - 0.5
+
+
+def test_the_stop_file_is_polled_every_few_steps_not_every_step(do_acp_student, tmp_path, monkeypatch):
+    """Each poll is a collective and a host read: every min(eval_every, STOP_POLL_STEPS) steps."""
+    import m2d_ray.distill.loop as loop
+
+    polls = []
+    monkeypatch.setattr(loop, "stop_requested", lambda job, io: polls.append(1) and False)
+    cfg = DistillConfig(**{**CFG.__dict__, "steps": 24, "eval_every": 12, "batch_size": 1, "seq_len": 32})
+    run_distill(DistillJob(default_teacher(), str(do_acp_student), cfg, "synthetic:valid", stop_file=str(tmp_path / "stop")), WorkerIO())
+    assert len(polls) == 24 // loop.STOP_POLL_STEPS

@@ -65,7 +65,8 @@ class MetricsLog(UserCallback):
 
 def progress_line(m: dict, label: str = "") -> str:
     return (f"[distill{' ' + label if label else ''}] step {m['step']}: train loss {m['train_loss']:.4f}, "
-            f"val ppl {m['val_ppl']:.2f} (start {m['val_ppl_initial']:.2f}), {m['tokens_per_s']:,.0f} tok/s")
+            f"val ppl {m['val_ppl']:.2f} (start {m['val_ppl_initial']:.2f}), {m['tokens_per_s']:,.0f} tok/s training "
+            f"(MFU {m['mfu']:.1%}; eval {m['eval_s']:.1f} s, checkpoint {m['ckpt_s']:.1f} s)")
 
 
 @contextlib.contextmanager

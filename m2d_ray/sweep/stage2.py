@@ -36,7 +36,7 @@ from m2d_ray.sweep.trial import InjectedFault
 from m2d_ray.track import LOGGED_TAG, Tracker, run_tracker, sweep_parent
 
 STAGE2_DIR, STAGE2_CONFIG, STOP_DIR = "stage2", "config.yaml", "stop"
-CURVES = ("train_loss", "val_loss", "val_ppl", "lr", "tokens_per_s")
+CURVES = ("train_loss", "val_loss", "val_ppl", "lr", "tokens_per_s", "mfu", "train_s", "eval_s", "ckpt_s")  # throughput: training time only
 
 
 @dataclass(frozen=True)
