@@ -185,12 +185,12 @@ def test_reports_count_training_time_only(do_acp_student, tmp_path, monkeypatch)
     assert reports[1]["train_s"] <= stamps[1] - stamps[0] - 0.5
 
 
-def test_the_stop_file_is_polled_every_few_steps_not_every_step(do_acp_student, tmp_path, monkeypatch):
+def test_the_stop_request_is_polled_every_few_steps_not_every_step(do_acp_student, tmp_path, monkeypatch):
     """Each poll is a collective and a host read: every min(eval_every, STOP_POLL_STEPS) steps."""
     import m2d_ray.distill.loop as loop
 
     polls = []
     monkeypatch.setattr(loop, "stop_requested", lambda job, io: polls.append(1) and False)
     cfg = DistillConfig(**{**CFG.__dict__, "steps": 24, "eval_every": 12, "batch_size": 1, "seq_len": 32})
-    run_distill(DistillJob(default_teacher(), str(do_acp_student), cfg, "synthetic:valid", stop_file=str(tmp_path / "stop")), WorkerIO())
+    run_distill(DistillJob(default_teacher(), str(do_acp_student), cfg, "synthetic:valid", stop=lambda: False), WorkerIO())
     assert len(polls) == 24 // loop.STOP_POLL_STEPS

@@ -99,8 +99,11 @@ def follow(path: str | Path, label: str = "", every_s: float = 1.0, total: int |
         t.join()
 
 
-def fit(job: DistillJob, name: str, storage: str | Path, callbacks: list | None = None, max_failures: int = 0):
-    """Build and fit the TorchTrainer of one student; returns Ray Train's Result."""
+def fit(job: DistillJob, name: str, storage: str, callbacks: list | None = None, max_failures: int = 0):
+    """Build and fit the TorchTrainer of one student, its checkpoints under `storage` (a path or a storage
+    URL every node reaches); returns Ray Train's Result."""
+    from m2d_ray.storage import ray_storage
+
     cfg = job.cfg
     use_gpu = cfg.gpus_per_worker > 0
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
@@ -113,7 +116,7 @@ def fit(job: DistillJob, name: str, storage: str | Path, callbacks: list | None 
             resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": cfg.gpus_per_worker} if use_gpu else {})},
         ),
         run_config=RunConfig(
-            name=name, storage_path=str(Path(storage).resolve()), callbacks=callbacks or [],
+            name=name, **ray_storage(str(storage)), callbacks=callbacks or [],
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
             failure_config=FailureConfig(max_failures=max_failures),
         ),
