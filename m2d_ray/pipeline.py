@@ -233,6 +233,7 @@ def sweep(
     keep_logs(run_dir)
     res = run_stage1(cfg, run_dir, resume=bool(resume), tracking_uri=tracking_uri)
     statuses = [r["status"] for r in res.records]
+    check_promoted(run_dir)
     return {
         "run_dir": str(res.run_dir),
         "configs": len(res.records),
@@ -426,8 +427,7 @@ def run(config: str | None, overrides: list[str], out: str | None = None, resume
 
     if not (run_dir / "promotions.json").exists():
         stage("stage1", lambda: run_stage1(None if resume else cfg, run_dir, resume=(run_dir / STATE_FILE).exists(), tracking_uri=tracking_uri))
-    if not json.loads((run_dir / "promotions.json").read_text())["pairs"]:
-        raise RunFailed(f"stage 1 promoted no student: every config failed or diverged (see {run_dir / 'stage1.md'} and {run_dir / 'logs'})")
+    check_promoted(run_dir)
     stage("stage2", lambda: run_stage2(cfg, run_dir, tracking_uri=tracking_uri))
     stage("stage3", lambda: run_stage3(cfg, run_dir, tracking_uri=tracking_uri))
     stage("report", lambda: report(str(run_dir), tracking_uri))
@@ -436,6 +436,12 @@ def run(config: str | None, overrides: list[str], out: str | None = None, resume
               "mlflow_ui": f"mlflow ui --backend-store-uri {run_tracking_uri(cfg, run_dir, tracking_uri)}",
               "outcome": check_outcome(run_dir)}
     return result
+
+
+def check_promoted(run_dir: Path) -> None:
+    """Stage 1 that promoted nothing (every config failed or diverged) has failed: exit 1, the table says why."""
+    if not json.loads((run_dir / "promotions.json").read_text())["pairs"]:
+        raise RunFailed(f"stage 1 promoted no student: every config failed or diverged (see {run_dir / 'stage1.md'} and {run_dir / 'logs'})")
 
 
 def check_outcome(run_dir: Path) -> dict:

@@ -163,3 +163,12 @@ def fetch_file(url: str) -> Path:
             shutil.copyfileobj(src, dst, _COPY_BLOCK)
         os.replace(tmp, dest)
     return dest
+
+
+def delete(url: str) -> None:
+    """Remove the file at `url` (gone already is fine)."""
+    import pyarrow.fs as pafs
+
+    fs, path = filesystem(url)
+    if fs.get_file_info(path).type == pafs.FileType.File:
+        fs.delete_file(path)

@@ -25,7 +25,11 @@ def _can_simulate() -> str | None:
     try:
         import moto.server  # noqa: F401
     except ImportError:
-        return "needs moto[server] (pip install 'moto[server]')"
+        return "needs moto[server] (pip install -e '.[test]')"
+    from importlib.metadata import version
+
+    if tuple(int(x) for x in version("moto").split(".")[:3]) < (5, 2, 5):
+        return "needs moto >= 5.2.5 (5.2.1's CompleteMultipartUpload reply breaks pyarrow): pip install -e '.[test]'"
     probe = subprocess.run(["unshare", "-pf", "--mount-proc", "unshare", "-m", "sh", "-c", "mount -t tmpfs tmpfs /mnt"], capture_output=True)
     return None if probe.returncode == 0 else f"cannot make PID/mount namespaces here (root needed): {probe.stderr.decode()[:200]}"
 

@@ -140,6 +140,12 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
     batches = train_batches(tokenizer, cfg.train_data, cfg.seq_len, cfg.batch_size, io.rank, io.world, start_block=step * per_step)
     poll = min(cfg.eval_every, STOP_POLL_STEPS)
     last, resumed_from, since = {}, step, step
+    if step >= cfg.steps:  # the final checkpoint was saved but its report never reached the host (it was killed)
+        last = {"step": step, "tokens": step * per_step * cfg.seq_len, **validate(student, win, wmask, io, cfg, job.device),
+                "val_ppl_initial": initial, "lr": trainer.lr, "resumed_from": step, "final": True, "curve": curve}
+        _finish(student, tokenizer, job, io, last)
+        io.report(last, None)
+        return last
     t0 = time.perf_counter()
     while step < cfg.steps:
         trainer.step([next(batches).to(job.device) for _ in range(cfg.grad_accum)])
@@ -158,17 +164,23 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
         last.update({"lr": trainer.lr, "tokens_per_s": tokens_per_s, "mfu": flops * tokens_per_s / (peak * io.world),
                      "train_s": train_s, "eval_s": eval_s, "resumed_from": resumed_from, "final": step >= cfg.steps, "curve": list(curve)})
         t0 = time.perf_counter()
-        if last["final"] and job.out and io.rank == 0:
-            _export(student, tokenizer, job)
-            last["student_path"] = str(job.out)
-        if last["final"] and io.world > 1 and dist.is_initialized():
-            dist.barrier()  # the student is on disk before any rank reports completion
+        if last["final"]:
+            _finish(student, tokenizer, job, io, last)
         with tempfile.TemporaryDirectory(prefix="m2d-ckpt-") as tmp:
             _save(Path(tmp), trainer, step, {"val_ppl_initial": initial, "curve": curve}, io.rank)
             last["ckpt_s"] = time.perf_counter() - t0  # the checkpoint (and the exported student at the end)
             io.report(last, Path(tmp))
         t0, since = time.perf_counter(), step
     return last
+
+
+def _finish(student, tokenizer, job: DistillJob, io: WorkerIO, last: dict) -> None:
+    """After the last step: rank 0 exports the student; no rank reports completion before it is stored."""
+    if job.out and io.rank == 0:
+        _export(student, tokenizer, job)
+        last["student_path"] = str(job.out)
+    if io.world > 1 and dist.is_initialized():
+        dist.barrier()
 
 
 def _elapsed(t0: float, device: str) -> float:

@@ -9,6 +9,7 @@ is copied into the run's storage once when the run uses a Ray cluster, and read 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import uuid
@@ -34,9 +35,10 @@ def check_storage(url: str) -> None:
     try:
         storage.write_bytes(probe, b"m2d")
         ok = storage.read_bytes(probe) == b"m2d"
-        fs, path = storage.filesystem(probe)
-        fs.delete_file(path)
+        storage.delete(probe)
     except Exception as exc:  # unreachable endpoint, no bucket, no permission, a file in the way ...
+        with contextlib.suppress(Exception):
+            storage.delete(probe)
         raise M2DError(f"storage {url} cannot be written and read back ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); "
                        "give --storage a writable path every node mounts, or an s3:// / gs:// URI with credentials") from None
     if not ok:
@@ -62,7 +64,7 @@ def check_visible(url: str) -> None:
     try:
         seen = ray.get([_sees.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(probe) for n in nodes])
     finally:
-        Path(probe).unlink(missing_ok=True)
+        storage.delete(probe)
     blind = [n["NodeManagerAddress"] for n, ok in zip(nodes, seen) if not ok]
     if blind:
         raise M2DError(f"storage {url} is not visible from {len(blind)} of {len(nodes)} Ray nodes ({', '.join(blind[:3])}); "

@@ -133,10 +133,12 @@ class Recorder(tune.Callback):
         self.tracker.log(self.runs[trial.config["student"]["key"]], steps=steps)
 
     def on_trial_complete(self, iteration, trials, trial, **info):
-        last = trial.last_result or {}
-        done = bool(last.get("final"))
-        status = "diverged" if last and not math.isfinite(last.get("val_loss", math.inf)) else ("ok" if done else "pruned")
-        self.record(trial.config["student"]["key"], status, last)
+        last, key = trial.last_result or {}, trial.config["student"]["key"]
+        if "val_loss" not in last:  # ended without a single report: nothing says it trained
+            self.record(key, "failed", last, error="the student's training ended without reporting a validation")
+            return
+        status = "diverged" if not math.isfinite(last["val_loss"]) else ("ok" if last.get("final") else "pruned")
+        self.record(key, status, last)
 
     def on_trial_error(self, iteration, trials, trial, **info):
         self.record(trial.config["student"]["key"], "failed", trial.last_result or {}, error=trial_error(trial))
