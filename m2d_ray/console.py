@@ -42,11 +42,20 @@ class _Session:
         self.kept = False  # moved into a run directory (keep_logs_in): never deleted
         self.lock = threading.Lock()
         self.warnings: collections.Counter[str] = collections.Counter()
+        self.at_line_start = True
 
     def write_log(self, data: bytes) -> None:
         with self.lock:
-            if not self.log.closed:
+            if not self.log.closed and data:
                 self.log.write(data)
+                self.at_line_start = data.endswith(b"\n")
+
+    def write_line(self, line: str) -> None:
+        """A platform line on a line of its own: library output may have left a partial line in the log."""
+        with self.lock:
+            if not self.log.closed:
+                self.log.write(("" if self.at_line_start else "\n").encode() + f"[m2d] {line}\n".encode())
+                self.at_line_start = True
 
 
 _session: _Session | None = None
@@ -78,7 +87,7 @@ def say(message: str) -> None:
 
     tqdm.write(message, file=_user_err())
     if _session is not None:
-        _session.write_log(f"[m2d] {message}\n".encode())
+        _session.write_line(message)
 
 
 def emit(message: str) -> None:
@@ -213,7 +222,7 @@ def _finish(s: _Session, failed: BaseException | None, bad_input: type) -> None:
         where = f", all in {s.log_path}" if keep else ""
         line = f"m2d: {n} library warning{'s' * (n > 1)}{where}: {top}{more}"
         print(line, file=s.err, flush=True)
-        s.write_log(f"[m2d] {line}\n".encode())
+        s.write_line(line)
     s.log.close()
     if not keep:
         s.log_path.unlink(missing_ok=True)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,23 @@ import torch
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@functools.lru_cache(maxsize=1)
+def multinode_unavailable() -> str | None:
+    """Why the two-node cluster of tests/multinode.py cannot be built here (None: it can)."""
+    if shutil.which("unshare") is None or shutil.which("ray") is None:
+        return "needs unshare and the ray CLI"
+    try:
+        import moto.server  # noqa: F401
+    except ImportError:
+        return "needs moto[server] (pip install -e '.[test]')"
+    from importlib.metadata import version
+
+    if tuple(int(x) for x in version("moto").split(".")[:3]) < (5, 2, 5):
+        return "needs moto >= 5.2.5 (5.2.1's CompleteMultipartUpload reply breaks pyarrow): pip install -e '.[test]'"
+    probe = subprocess.run(["unshare", "-pf", "--mount-proc", "unshare", "-m", "sh", "-c", "mount -t tmpfs tmpfs /mnt"], capture_output=True)
+    return None if probe.returncode == 0 else f"cannot make PID/mount namespaces here (root needed): {probe.stderr.decode()[:200]}"
 
 
 def shared_path(*parts: str) -> Path:

@@ -8,7 +8,8 @@ disk fails. An S3 endpoint is served on 127.0.0.1 by moto. Node caches: M2D_CACH
 (the worker's is its own tmpfs).
 
 Scenarios (results in WORK/results.json; the run directories stay for the test to read):
-  shared  m2d run with --storage on a directory both nodes see
+  shared  m2d run with --storage on a directory both nodes see; then a resume of the finished run, and one
+          with another stage-3 suite
   s3      m2d run with --storage s3://… and the teacher on the driver's disk (copied to storage once);
           the driver is SIGKILLed after the first distilled student and the run resumed
 """
@@ -29,9 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "experiments" / "tiny.yaml"
 SMALL = [
     "calib.max_tokens=2048", "calib.seq_len=128", "eval.max_chars=12000", "eval.seq_len=128", "eval.chunks=1",
-    "grid.scoring=[sf,do-acp]", "grid.grouping=[rr]", "grid.scaling=[uniform]", "grid.K=[2,4]",
+    "grid.scoring=[sf,do-acp]", "grid.grouping=[rr]", "grid.scaling=[uniform]", "grid.K=[2]",
     "distill.steps=4", "distill.eval_every=2", "distill.seq_len=64", "distill.batch_size=4", "distill.eval_max_tokens=1024",
-    "distill.warmup_steps=1", "stage2.baselines=[random-init]", "stage3.limit=12", "ray.data_actors=1",
+    "distill.warmup_steps=1", "stage2.baselines=[]", "stage3.limit=8", "ray.data_actors=1",
 ]
 BUCKET = "m2d-test"
 
@@ -110,7 +111,12 @@ def main(work: Path) -> None:
     try:
         query = start_s3(work, env)
         env["RAY_ADDRESS"] = start_cluster(work, env)
-        results["shared"] = m2d(["run", str(TINY), "--out", str(hidden / "shared-run"), "--storage", str(shared / "run"), *SMALL], env, "shared", work)
+        shared_run = hidden / "shared-run"
+        results["shared"] = m2d(["run", str(TINY), "--out", str(shared_run), "--storage", str(shared / "run"), *SMALL], env, "shared", work)
+        stamps = lambda: {p.name: p.stat().st_mtime_ns for p in (shared_run / "stage3" / "results").glob("*.json")}  # noqa: E731
+        before = stamps()
+        results["shared_resume"] = {**m2d(["run", "--resume", str(shared_run)], env, "shared-resume", work), "redone": before != stamps()}
+        results["shared_other_suite"] = m2d(["run", "--resume", str(shared_run), "stage3.limit=6"], env, "shared-other-suite", work)
         teacher = hidden / "teacher"
         from m2d_ray.models import default_teacher
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -115,3 +116,17 @@ def test_console_script_exit_code(tmp_path):
     """The installed `m2d` entry point (argparse errors and ours both exit 2)."""
     r = subprocess.run([sys.executable, "-m", "m2d_ray.cli", "convert", "--out", str(tmp_path / "o"), "--K", "0"], capture_output=True, text=True)
     assert r.returncode == 2 and "must be positive" in r.stderr
+
+
+def test_platform_lines_start_a_line_of_their_own_in_the_log(tmp_path):
+    """Library output can leave a partial line in the log; the platform's lines still read as '[m2d] …' lines."""
+    from m2d_ray import console
+
+    with console.session("probe"):
+        console.keep_logs_in(tmp_path)
+        console._session.write_log(b"2026-11-23 INFO a library line without its newline")
+        console.say("== stage1 ==")
+        warnings.warn("a library warning", DeprecationWarning)
+    lines = next(tmp_path.glob("m2d-probe-*.log")).read_text().splitlines()
+    assert "[m2d] == stage1 ==" in lines
+    assert any(ln.startswith("[m2d] m2d: 1 library warning, all in ") for ln in lines), lines

@@ -27,10 +27,14 @@ def _steps(metrics: Path) -> list[int]:
     return [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
 
 
+@pytest.mark.slow
 def test_deepspeed_zero2_on_two_cpu_workers_killed_and_resumed(ray_address, ds_env, tmp_path):
+    """`m2d distill` on two Ray Train workers with ZeRO-2, SIGKILLed and resumed (~3 min here: slow).
+    In the default run ZeRO-2 over two ranks is checked by test_distill_ranks.py and a killed run's resume
+    by test_multinode.py (the driver of `m2d run` SIGKILLed during stage 2)."""
     out = tmp_path / "distill"
     args = [sys.executable, "-m", "m2d_ray.cli", "distill", "--student", "random-ffn", "--train-data", "synthetic:train",
-            "--eval-data", "synthetic:valid", "--steps", "40", "--workers", "2", "--deepspeed", "--out", str(out),
+            "--eval-data", "synthetic:valid", "--steps", "24", "--workers", "2", "--deepspeed", "--out", str(out),
             "lr=3e-3", "eval_every=4", "seq_len=64", "batch_size=2", "eval_max_tokens=1024", "warmup_steps=2"]
     env = {**os.environ, "RAY_ADDRESS": ray_address}
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -40,17 +44,17 @@ def test_deepspeed_zero2_on_two_cpu_workers_killed_and_resumed(ray_address, ds_e
     seen = max(_steps(out / "metrics.jsonl"), default=0)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert 8 <= seen < 40, proc.stderr.read()[-2000:]
+    assert 8 <= seen < 24, proc.stderr.read()[-2000:]
     assert not (out / "result.json").exists()
 
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["steps"] == 40 and result["resumed_from"] >= 8, result  # continued from a checkpoint, not step 0
+    assert result["steps"] == 24 and result["resumed_from"] >= 8, result  # continued from a checkpoint, not step 0
     steps = _steps(out / "metrics.jsonl")
-    assert steps[: steps.index(seen) + 1] == list(range(4, seen + 1, 4)) and steps[-1] == 40
+    assert steps[: steps.index(seen) + 1] == list(range(4, seen + 1, 4)) and steps[-1] == 24
     assert result["last_val_ppl"] < result["first_val_ppl"]
-    assert "[distill distill] step 40" in done.stderr  # progress lines reach the driver
+    assert "[distill distill] step 24" in done.stderr  # progress lines reach the driver
     # ZeRO-2 over two ranks: each rank saved its own optimizer partition into the same checkpoint
     ckpt = sorted(p for p in (out / "train").glob("checkpoint_*") if p.is_dir())[-1] / "state"
     assert {p.name for p in ckpt.glob("zero_pp_rank_*_optim_states.pt")} == {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)}
@@ -74,7 +78,7 @@ def test_deepspeed_zero2_on_two_cpu_workers_killed_and_resumed(ray_address, ds_e
 def stage1_dir(ray_address, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("stage2") / "run"
     cfg = load_config(TINY, ["calib.max_tokens=4096", "calib.seq_len=128", "eval.max_chars=20000", "eval.seq_len=128", "eval.chunks=1",
-                             "grid.scoring=[sf,do-acp]", "grid.grouping=[rr]", "grid.scaling=[uniform]", "grid.K=[2]"])
+                             "grid.scoring=[sf]", "grid.grouping=[rr]", "grid.scaling=[uniform]", "grid.K=[2]"])
     run_stage1(cfg, run_dir)
     return run_dir
 

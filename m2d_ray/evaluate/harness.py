@@ -102,7 +102,10 @@ def evaluate(model, tokenizer, tasks: list[tuple[str, int]], batch_size: int = 1
         include = write_task_yamls(Path(tmp), text)
         _group_yaml(tasks, include)
         try:
-            out = simple_evaluate(model=lm, tasks=[GROUP], task_manager=TaskManager(include_path=str(include)), limit=limit, log_samples=False)
+            # lm-eval's own index (~15 k tasks, seconds to build) only when a task is not one of ours
+            builtin = any(t not in LOCAL_TASKS + TEXT_TASKS for t, _ in tasks)
+            manager = TaskManager(include_path=str(include), include_defaults=builtin)
+            out = simple_evaluate(model=lm, tasks=[GROUP], task_manager=manager, limit=limit, log_samples=False)
         except Exception as exc:  # the names were checked (check_tasks): this is the data, mostly the hub offline
             names = ", ".join(t for t, _ in tasks if t not in LOCAL_TASKS + TEXT_TASKS)
             raise M2DError(f"lm-eval could not load the data of {names or 'the tasks'} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); "
