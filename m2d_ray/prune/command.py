@@ -45,7 +45,7 @@ def prune_dense(model: str | None, out: str | Path, target_params: int | None = 
     from m2d_ray.prune.prune import check_sizes, prune
 
     given = {k: v for k, v in (sizes or {}).items() if v is not None}
-    if sum(x is not None and x != {} for x in (target_params, match, given)) != 1:
+    if (target_params is not None) + (match is not None) + bool(given) != 1:
         raise M2DError("give exactly one of --target-params N, --match MOE_TEACHER (a search at that budget) "
                        "or sizes (--hidden/--ffn/--heads/--layers: one pruned shape)")
     check_output(out, "pruned", overwrite)

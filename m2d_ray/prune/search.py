@@ -84,7 +84,7 @@ def candidates(config, target: int) -> list[tuple[str, DenseSizes]]:
     full, g = adapter.sizes(config), adapter.group_size(config)
     teacher_params = count_params(config)
     if target >= teacher_params:
-        raise M2DError(f"--target-params {target:,} is not below the teacher's {teacher_params:,} parameters; give a smaller budget")
+        raise M2DError(f"a budget of {target:,} parameters is not below the teacher's {teacher_params:,}; give a smaller budget")
     out, seen = [], set()
     for kind, fd, fh, fl in MIXES:
         hidden = min(full.hidden, max(8, 8 * round(full.hidden * fd / 8)))
