@@ -45,6 +45,10 @@ def _add_calib(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=_positive, default=8)
 
 
+STORAGE_HELP = ("what crosses Ray nodes (students, checkpoints, Tune state): a path every node mounts, or s3://BUCKET/PATH / gs://… "
+                "(default: the run directory; overrides `storage:`)")
+
+
 def parser() -> argparse.ArgumentParser:
     common = Parser(add_help=False)
     common.add_argument("--verbose", action="store_true", help="show Ray / MLflow / DeepSpeed / transformers output live (it always goes to the log)")
@@ -91,6 +95,7 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--out", default=None, help="run directory (default runs/<name>-<time>)")
     w.add_argument("--resume", default=None, metavar="RUN_DIR", help="finish a killed or interrupted sweep")
     w.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///RUN_DIR/mlflow.db)")
+    w.add_argument("--storage", default=None, help=STORAGE_HELP)
 
     r = sub.add_parser("run", help="the whole pipeline: calibrate, stage 1, stage 2 (distil), stage 3 (lm-eval), report")
     r.add_argument("config", nargs="?", default=None, help="YAML config (experiments/*.yaml); not needed with --resume")
@@ -98,6 +103,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default=None, help="run directory (default runs/<name>-<time>)")
     r.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a killed or interrupted run, stage by stage")
     r.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///RUN_DIR/mlflow.db)")
+    r.add_argument("--storage", default=None, help=STORAGE_HELP)
 
     rp = sub.add_parser("report", help="RUN_DIR/report/index.html + tables (CSV/Markdown) + figures (PNG) of a run")
     rp.add_argument("run_dir", help="a run directory (m2d run / m2d sweep --out)")
@@ -116,6 +122,7 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--config", default=None, help="YAML whose distill: section gives the defaults (experiments/*.yaml)")
     d.add_argument("overrides", nargs="*", default=[], help="more distill settings as key=value, e.g. lr=3e-3 seq_len=256 eval_every=20")
     d.add_argument("--out", required=True, help="run directory: student/, train/ (checkpoints), metrics.jsonl, result.json, logs/")
+    d.add_argument("--storage", default=None, help="where student/, init/ and train/ (checkpoints) go: a path every node mounts, or s3:// / gs:// (default --out)")
     d.add_argument("--overwrite", action="store_true", help="replace a finished distillation at --out (kept until the new one is done)")
 
     e = sub.add_parser("eval", help="lm-eval benchmarks of one model (a student or a teacher), offline with --tasks local")
@@ -148,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("sweep", "run") and args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
         args.overrides.insert(0, args.config)  # `m2d sweep --resume RUN_DIR stage=2`: no config, only overrides
         args.config = None
+    if args.command in ("sweep", "run") and args.storage:
+        args.overrides.append(f"storage={args.storage}")
     try:
         with console.session(args.command, args.verbose):
             ray_was_up = _ray_up()
@@ -233,7 +242,7 @@ def _dispatch(args) -> None:
         emit(json.dumps(result))
     elif args.command == "distill":
         result = pipeline.distill_one(args.teacher, args.student, args.out, args.eval_data, config=args.config,
-                                      overrides=_distill_overrides(args), overwrite=args.overwrite)
+                                      overrides=_distill_overrides(args), overwrite=args.overwrite, store=args.storage)
         emit(json.dumps(result))
 
 

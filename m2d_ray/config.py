@@ -65,7 +65,6 @@ class RayConfig:
     max_concurrent_trials: int = 2
     threads_per_worker: int = 1
     max_failures: int = 0  # Tune retries of a trial (set > 0 on spot nodes, which can be reclaimed)
-    storage_path: str | None = None  # Tune storage (shared/cloud path on a cluster); default RUN_DIR/tune
 
 
 @dataclass(frozen=True)
@@ -145,7 +144,8 @@ class FaultConfig:
 class SweepConfig:
     name: str = "sweep"
     stage: int = 1  # 1 = the pre-distillation grid; 2 = distil the promotions of a finished stage 1 (--resume RUN_DIR)
-    model: str | None = None  # hub name or directory; None = the embedded tiny teacher
+    model: str | None = None  # hub name, directory or storage URL (s3://…); None = the embedded tiny teacher
+    storage: str | None = None  # what crosses nodes (students, checkpoints, Tune state): a shared path or s3:// / gs://; None = the run directory
     device: str | None = None  # per trial; None = cuda when the trial has a GPU, else cpu
     calib: CalibConfig = field(default_factory=CalibConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -238,9 +238,22 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> SweepConf
         if not sep or not key:
             raise M2DError(f"override {item!r} is not key=value: write it like grid.K=[8,16] or search.early_stop=false")
         _set_path(raw, key.strip().split("."), yaml.safe_load(value))
+    _retired(raw)
     cfg = _build(SweepConfig, raw, "")
     cfg.check_methods()
     return cfg
+
+
+#: keys of earlier versions: (section, key) -> what replaced them (a saved run's `null` is dropped)
+RETIRED = {("ray", "storage_path"): "storage: (students, checkpoints and Tune state, on a path every node mounts or s3://…)"}
+
+
+def _retired(raw: dict) -> None:
+    for (section, key), instead in RETIRED.items():
+        node = raw.get(section)
+        if isinstance(node, dict) and key in node:
+            if node.pop(key) is not None:
+                raise M2DError(f"{section}.{key} was replaced by {instead}; write that instead")
 
 
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:

@@ -37,6 +37,14 @@ class Teacher:
 
 
 def load_config(name: str):
+    """The transformers config of a directory, hub name or storage URL (only its config.json is fetched)."""
+    from m2d_ray import storage
+
+    if storage.is_remote(name):
+        try:
+            return AutoConfig.from_pretrained(str(storage.fetch_file(storage.join(name, "config.json")).parent))
+        except Exception as exc:
+            raise M2DError(f"cannot read {storage.join(name, 'config.json')} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); give a model saved there") from None
     path = Path(name).expanduser()
     if not path.exists() and (name.startswith((".", "/", "~")) or "/" not in name):
         raise M2DError(f"model {name!r} not found: give a model directory or a hub name like Qwen/Qwen3-30B-A3B")
@@ -83,8 +91,16 @@ def model_fingerprint(name: str, config) -> dict:
     }
 
 
+def _source(name: str) -> str:
+    """What from_pretrained opens: a storage URL fetched into this node's cache, a local path, a hub name."""
+    from m2d_ray.storage import local_model
+
+    name = local_model(name)
+    return str(Path(name).expanduser()) if Path(name).expanduser().exists() else name
+
+
 def load_tokenizer(name: str):
-    src = str(Path(name).expanduser()) if Path(name).expanduser().exists() else name
+    src = _source(name)
     try:
         return AutoTokenizer.from_pretrained(src)
     except Exception as exc:
@@ -100,8 +116,8 @@ def load_model(name: str, device: str = "cpu", dtype: torch.dtype | None = None,
     from m2d_ray.checkpoint import check_files, check_model_finite
 
     config = load_config(name)
-    check_files(name, what)
-    src = str(Path(name).expanduser()) if Path(name).expanduser().exists() else name
+    src = _source(name)
+    check_files(src, what)
     kwargs = {"dtype": dtype if dtype is not None else "auto"}
     if device == "cpu" and config.model_type in supported_types():
         kwargs["experts_implementation"] = "eager"  # grouped_mm rejects odd tiny shapes on CPU
@@ -110,7 +126,7 @@ def load_model(name: str, device: str = "cpu", dtype: torch.dtype | None = None,
     except Exception as exc:  # unreadable weights: name the model, not transformers' internals
         raise M2DError(f"cannot load the weights of {what} {name!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); re-download or re-export it") from None
     check_model_finite(model, what)
-    return model.to(device).eval(), load_tokenizer(name)
+    return model.to(device).eval(), load_tokenizer(src)
 
 
 def check_teacher_topk(model: str, k_prime: int | None) -> None:

@@ -189,6 +189,10 @@ def check_run_inputs(cfg, stages: tuple[int, ...] = (1,), tracking_uri: str | No
         from m2d_ray.track import Tracker
 
         Tracker(tracking_uri or cfg.mlflow.tracking_uri, cfg.mlflow.experiment)
+    if cfg.storage:
+        from m2d_ray.sweep.placement import check_storage
+
+        check_storage(cfg.storage)
     scan(model, "teacher")
 
 
@@ -229,6 +233,7 @@ def sweep(
     keep_logs(run_dir)
     res = run_stage1(cfg, run_dir, resume=bool(resume), tracking_uri=tracking_uri)
     statuses = [r["status"] for r in res.records]
+    check_promoted(run_dir)
     return {
         "run_dir": str(res.run_dir),
         "configs": len(res.records),
@@ -253,9 +258,14 @@ def keep_logs(run_dir: Path) -> None:
 
 def check_resume(run_dir: Path, cfg, tracking_uri: str | None, stages: tuple[int, ...]) -> None:
     """A resumed run keeps what its finished stages were computed with; checked before anything runs."""
+    from m2d_ray.config import load_config
+    from m2d_ray.sweep.stage1 import CONFIG_FILE
     from m2d_ray.sweep.stage2 import check_stage2_config
     from m2d_ray.sweep.stage3 import check_suite
 
+    saved = load_config(run_dir / CONFIG_FILE).storage
+    if cfg.storage != saved:
+        raise M2DError(f"{run_dir} keeps its students and checkpoints in {saved or run_dir}; resume it without changing storage")
     if 2 in stages:
         check_stage2_config(run_dir, cfg)
     if 3 in stages:
@@ -283,24 +293,28 @@ def distill_one(
     config: str | None = None,
     overrides: list[str] = (),
     overwrite: bool = False,
+    store: str | None = None,
 ) -> dict:
     """`m2d distill`: one student (a directory, or a baseline name built from the teacher) on Ray Train.
 
-    OUT/student is the exported student, OUT/train the Ray Train storage (checkpoints: running the same
-    command again resumes), OUT/metrics.jsonl the validation curve, OUT/result.json the summary, OUT/logs
-    the log. A finished OUT is replaced only with --overwrite, and only once the new student is done
-    (the new run is made in a hidden sibling directory, which a killed --overwrite run resumes from).
+    OUT/metrics.jsonl is the validation curve, OUT/result.json the summary, OUT/logs the log; the storage
+    (`--storage`, default OUT) holds student/ (the exported student), train/ (the Ray Train checkpoints:
+    running the same command again resumes) and, for a baseline, init/. A finished OUT is replaced only
+    with --overwrite, and only once the new student is done (the new run is made in a hidden sibling
+    directory, which a killed --overwrite run resumes from).
     """
     import dataclasses
 
     from m2d_ray.artifacts import replace_dir, write_marker
     from m2d_ray.checkpoint import check_files, scan
     from m2d_ray.config import RayConfig, load_config
-    from m2d_ray.convert.initial import materialize
+    from m2d_ray import storage
+    from m2d_ray.convert.initial import InitialStudent
     from m2d_ray.distill.data import absolute_spec, check_source
     from m2d_ray.distill.loop import DistillJob
     from m2d_ray.distill.trainer import MetricsLog, fit, follow
     from m2d_ray.models import check_teacher_topk
+    from m2d_ray.sweep.placement import check_storage, check_visible, teacher_for_workers
     from m2d_ray.sweep.ray_env import ensure_ray
 
     cfg = load_config(config, [f"distill.{o}" if not o.startswith("distill.") else o for o in overrides]).distill
@@ -325,23 +339,28 @@ def distill_one(
     scan(teacher, "teacher")
     if student_dir is not None:
         scan(str(student_dir), "student")
+    if store is not None:
+        check_storage(store)
 
     work = out.with_name(f".{out.name}.m2d-new") if finished else out  # --overwrite: built aside, swapped in at the end
     work.mkdir(parents=True, exist_ok=True)
     write_marker(work, "distillation")
     keep_logs(work)
-    if student_dir is None:
-        student_dir = materialize(load_teacher(teacher), work / "init", baseline=student, seed=cfg.seed)
-    device = "cuda" if cfg.gpus_per_worker > 0 else "cpu"
-    job = DistillJob(teacher, str(student_dir), cfg, eval_data, out=str(work / "student"), device=device)
+    where = store or str(work)
     ensure_ray(RayConfig())
+    check_visible(where)
+    teacher = teacher_for_workers(teacher, where)
+    init = storage.join(where, "init") if student_dir is None else str(student_dir)
+    build = InitialStudent(teacher, baseline=student, seed=cfg.seed) if student_dir is None else None
+    device = "cuda" if cfg.gpus_per_worker > 0 else "cpu"
+    job = DistillJob(teacher, init, cfg, eval_data, out=storage.join(where, "student"), device=device, build=build)
     with follow(work / "metrics.jsonl", out.name, total=cfg.steps):
-        result = fit(job, name="train", storage=work, callbacks=[MetricsLog(work / "metrics.jsonl")])
+        result = fit(job, name="train", storage=where, callbacks=[MetricsLog(work / "metrics.jsonl")])
     if result.error is not None:
         raise RunFailed(f"distillation failed: {str(result.error).splitlines()[0][:300]}; fix it and run the same command to resume")
     m = result.metrics
     summary = {
-        "student": str(out / "student"), "steps": m["step"], "tokens": m["tokens"], "resumed_from": m["resumed_from"],
+        "student": storage.join(store or str(out), "student"), "steps": m["step"], "tokens": m["tokens"], "resumed_from": m["resumed_from"],
         "first_val_ppl": m["val_ppl_initial"], "last_val_ppl": m["val_ppl"], "tokens_per_s": m["tokens_per_s"],
         "loss": cfg.loss, "teacher_topk": cfg.teacher_topk, "deepspeed": cfg.deepspeed, "workers": cfg.workers,
         "metrics": str(out / "metrics.jsonl"),
@@ -408,13 +427,36 @@ def run(config: str | None, overrides: list[str], out: str | None = None, resume
 
     if not (run_dir / "promotions.json").exists():
         stage("stage1", lambda: run_stage1(None if resume else cfg, run_dir, resume=(run_dir / STATE_FILE).exists(), tracking_uri=tracking_uri))
+    check_promoted(run_dir)
     stage("stage2", lambda: run_stage2(cfg, run_dir, tracking_uri=tracking_uri))
     stage("stage3", lambda: run_stage3(cfg, run_dir, tracking_uri=tracking_uri))
     stage("report", lambda: report(str(run_dir), tracking_uri))
-    uri = run_tracking_uri(cfg, run_dir, tracking_uri)
-    return {"run_dir": str(run_dir), "report": str(run_dir / "report" / "index.html"),
-            "stages": {k: v["wall_s"] for k, v in state["stages"].items()},
-            "mlflow_ui": f"mlflow ui --backend-store-uri {uri}"}
+    result = {"run_dir": str(run_dir), "report": str(run_dir / "report" / "index.html"),
+              "stages": {k: v["wall_s"] for k, v in state["stages"].items()},
+              "mlflow_ui": f"mlflow ui --backend-store-uri {run_tracking_uri(cfg, run_dir, tracking_uri)}",
+              "outcome": check_outcome(run_dir)}
+    return result
+
+
+def check_promoted(run_dir: Path) -> None:
+    """Stage 1 that promoted nothing (every config failed or diverged) has failed: exit 1, the table says why."""
+    if not json.loads((run_dir / "promotions.json").read_text())["pairs"]:
+        raise RunFailed(f"stage 1 promoted no student: every config failed or diverged (see {run_dir / 'stage1.md'} and {run_dir / 'logs'})")
+
+
+def check_outcome(run_dir: Path) -> dict:
+    """The run's final line (students by status, models evaluated); a run that distilled no promoted
+    student, or evaluated no student, has failed (exit 1) whatever else it did — the report says why."""
+    from m2d_ray.report.analysis import load_run, outcome, outcome_line
+
+    o = outcome(load_run(run_dir))
+    say(f"run done: {outcome_line(o)}")
+    if o["promoted"] and not o["promoted_distilled"]:
+        raise RunFailed(f"no promoted student was distilled ({o['students']['failed']} failed, {o['students']['diverged']} diverged): "
+                        f"see {run_dir / 'report' / 'index.html'} and {run_dir / 'logs'}")
+    if not o["evaluated"]:
+        raise RunFailed(f"no student was evaluated: see {run_dir / 'report' / 'index.html'} and {run_dir / 'logs'}")
+    return o
 
 
 def report(run_dir: str, tracking_uri: str | None = None) -> dict:

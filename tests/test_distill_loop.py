@@ -37,7 +37,8 @@ class Keep:
 
     def __call__(self, metrics: dict, ckpt: Path | None) -> None:
         self.reports.append(metrics)
-        self.ckpts[metrics["step"]] = shutil.copytree(ckpt, self.root / f"ckpt{metrics['step']}")
+        if ckpt is not None:
+            self.ckpts[metrics["step"]] = shutil.copytree(ckpt, self.root / f"ckpt{metrics['step']}")
 
 
 def _weights(path) -> dict[str, torch.Tensor]:
@@ -76,6 +77,13 @@ def test_resume_from_a_checkpoint_continues_exactly(do_acp_student, tmp_path):
     assert [s for s, _ in last["curve"]] == [0, 3, 6] and last["curve"][:2] == straight.reports[0]["curve"]  # history survives
     a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "resumed")
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
+    # the host died after the final checkpoint, before its report: the resumed run trains nothing and reports it again
+    again = Keep(tmp_path / "d")
+    last = run_distill(job("again"), WorkerIO(report=again, restore=straight.ckpts[6]))
+    assert [(r["step"], r["final"]) for r in again.reports] == [(6, True)] and last["curve"] == straight.reports[-1]["curve"]
+    assert last["student_path"] == str(tmp_path / "again") and last["val_loss"] == pytest.approx(straight.reports[-1]["val_loss"], rel=1e-6)
+    c = _weights(tmp_path / "again")
+    assert all(torch.equal(a[k], c[k]) for k in a)
     # and resuming is not a no-op: the step-3 weights differ from the final ones
     fresh = Keep(tmp_path / "c")
     run_distill(DistillJob(default_teacher(), str(do_acp_student), DistillConfig(**{**cfg.__dict__, "steps": 3}), "synthetic:valid", out=str(tmp_path / "s3")), WorkerIO(report=fresh))
@@ -185,12 +193,12 @@ def test_reports_count_training_time_only(do_acp_student, tmp_path, monkeypatch)
     assert reports[1]["train_s"] <= stamps[1] - stamps[0] - 0.5
 
 
-def test_the_stop_file_is_polled_every_few_steps_not_every_step(do_acp_student, tmp_path, monkeypatch):
+def test_the_stop_request_is_polled_every_few_steps_not_every_step(do_acp_student, tmp_path, monkeypatch):
     """Each poll is a collective and a host read: every min(eval_every, STOP_POLL_STEPS) steps."""
     import m2d_ray.distill.loop as loop
 
     polls = []
     monkeypatch.setattr(loop, "stop_requested", lambda job, io: polls.append(1) and False)
     cfg = DistillConfig(**{**CFG.__dict__, "steps": 24, "eval_every": 12, "batch_size": 1, "seq_len": 32})
-    run_distill(DistillJob(default_teacher(), str(do_acp_student), cfg, "synthetic:valid", stop_file=str(tmp_path / "stop")), WorkerIO())
+    run_distill(DistillJob(default_teacher(), str(do_acp_student), cfg, "synthetic:valid", stop=lambda: False), WorkerIO())
     assert len(polls) == 24 // loop.STOP_POLL_STEPS

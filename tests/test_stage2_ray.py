@@ -125,10 +125,15 @@ def test_stage2_sweep_asha_mlflow_and_native_students(stage1_dir):
     # stopped students ended their Train runs cleanly: no placement group is left holding CPUs
     time.sleep(2)
     assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]
-    # resuming a finished stage 2 distils nothing again
+    # resuming a finished stage 2 distils nothing again but retries the failed student (it fails again here)
     t0 = time.time()
     assert {r["key"]: r["status"] for r in run_stage2(cfg, stage1_dir)} == {k: r["status"] for k, r in records.items()}
     assert time.time() - t0 < 30
+    # with its fault gone, a resume distils the student that failed, and only that one
+    fixed = load_config(stage1_dir / "config.yaml", [o for o in overrides if not o.startswith("faults.")])
+    again = {r["key"]: r for r in run_stage2(fixed, stage1_dir)}
+    assert again["baseline-random-ffn"]["status"] == "ok" and again["baseline-random-ffn"]["steps"] == 12
+    assert all(again[k] == r for k, r in records.items() if k != "baseline-random-ffn")
 
 
 def test_stage2_needs_a_finished_stage1_and_the_same_recipe_grid(stage1_dir, tmp_path):

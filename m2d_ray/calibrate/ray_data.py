@@ -51,10 +51,12 @@ def calibrate_ray(
     actors: int = 2,
     gpus_per_actor: float = 0.0,
     threads: int = 1,
+    load_from: str | None = None,
 ) -> tuple[StatsArtifact, bool]:
     """Statistics of `model` on `tokens` with a Ray Data actor pool; reuses `out` when it matches.
 
-    Returns (artifact, reused). Needs a running Ray (`ray.init`). The driver never loads the weights.
+    Returns (artifact, reused). Needs a running Ray (`ray.init`). The driver never loads the weights;
+    the actors load them from `load_from` (a storage URL every node reaches), default `model`.
     """
     config = load_config(model)
     model_fp, data_fp = model_fingerprint(model, config), data_fingerprint(data_spec, tokens)
@@ -74,7 +76,7 @@ def calibrate_ray(
         compute=ray.data.ActorPoolStrategy(size=actors),
         num_gpus=gpus_per_actor,
         num_cpus=1,
-        fn_constructor_kwargs={"model": model, "device": "cuda" if gpus_per_actor > 0 else "cpu", "threads": threads},
+        fn_constructor_kwargs={"model": load_from or model, "device": "cuda" if gpus_per_actor > 0 else "cpu", "threads": threads},
         batch_format="numpy",
     )
     total: dict[str, np.ndarray] = {}

@@ -45,9 +45,10 @@ def flops_per_token(teacher: nn.Module, adapter, student: nn.Module, seq_len: in
     return t + 3.0 * s
 
 
-def matmul_rate(device: str | torch.device, dtype: torch.dtype, n: int | None = None, iters: int = 4, repeats: int = 3) -> float:
-    """Measured FLOP/s of an n x n matmul in the training dtype on this device (best of `repeats`): the MFU
-    denominator. What the device really reaches, so an MFU against it is a little above one against a data sheet."""
+def matmul_rate(device: str | torch.device, dtype: torch.dtype, n: int | None = None, iters: int = 4, repeats: int = 10) -> float:
+    """Measured FLOP/s of an n x n matmul in the training dtype on this device (best of `repeats`, so that
+    a burst of other work does not lower it): the MFU denominator. What the device really reaches, so an
+    MFU against it is a little above one against a data sheet. ~0.5 s on a CPU core, milliseconds on a GPU."""
     cuda = torch.device(device).type == "cuda"
     n = n or (8192 if cuda else 1024)
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))

@@ -14,7 +14,6 @@ checkpoint to resume from; a resumed run continues at the checkpoint's step with
 from __future__ import annotations
 
 import math
-import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -34,20 +33,22 @@ from m2d_ray.evaluate.perplexity import window_nll, windows
 STATE_FILE = "m2d_state.pt"  # plain-torch checkpoint (DeepSpeed writes its own layout next to it)
 DS_TAG = "state"
 EXTRAS = ("val_ppl_initial", "curve")  # saved with every checkpoint besides the training state
-STOP_POLL_STEPS = 10  # the stop file is looked for every this many steps (or every eval_every, if fewer)
+STOP_POLL_STEPS = 10  # the stop request is looked at every this many steps (or every eval_every, if fewer)
 
 
 @dataclass(frozen=True)
 class DistillJob:
-    """What to distil: teacher and initial student directories, hyper-parameters, where the student goes."""
+    """What to distil: teacher and initial student (directories, hub names or storage URLs), hyper-parameters,
+    where the student goes (a path or storage URL), and two hooks from the host."""
 
     teacher: str
     student: str
     cfg: DistillConfig
     eval_data: str
-    out: str | None = None  # exported student directory (written by rank 0 after the last step)
+    out: str | None = None  # exported student (written by rank 0 after the last step)
     device: str = "cpu"
-    stop_file: str | None = None  # early stop requested from outside (ASHA): the run ends cleanly at the next step
+    stop: Callable[[], bool] | None = None  # early stop requested from outside (ASHA): the run ends cleanly
+    build: Callable[[Path], object] | None = None  # writes the initial student into a directory, when `student` is missing
 
 
 @dataclass
@@ -83,10 +84,17 @@ def validation_windows(tokenizer, spec: str, seq_len: int, max_tokens: int | Non
     return windows(tokenize(tokenizer, load_text(spec), max_tokens=max_tokens), seq_len)
 
 
-def _load_models(job: DistillJob, dtype: torch.dtype):
+def _load_models(job: DistillJob, io: WorkerIO, dtype: torch.dtype):
+    """Teacher and student on this rank; rank 0 first builds the initial student into storage if it is missing."""
     from transformers import AutoModelForCausalLM
 
+    from m2d_ray import storage
     from m2d_ray.models import load_teacher
+
+    if job.build is not None and io.rank == 0 and not storage.exists(job.student):
+        storage.save_dir(job.student, job.build)
+    if io.world > 1 and dist.is_initialized():
+        dist.barrier()  # every rank reads the student rank 0 made
 
     teacher = load_teacher(job.teacher, dtype=dtype, device=job.device)
     if job.cfg.teacher_topk is not None:
@@ -98,7 +106,7 @@ def _load_models(job: DistillJob, dtype: torch.dtype):
         from m2d_ray.distill.gpu import attention_implementation
 
         kwargs["attn_implementation"] = attention_implementation()
-    student = AutoModelForCausalLM.from_pretrained(job.student, **kwargs).to(job.device)
+    student = AutoModelForCausalLM.from_pretrained(storage.local_model(job.student), **kwargs).to(job.device)
     if job.cfg.gradient_checkpointing:
         student.gradient_checkpointing_enable()
     student.config.use_cache = False
@@ -106,10 +114,10 @@ def _load_models(job: DistillJob, dtype: torch.dtype):
 
 
 def stop_requested(job: DistillJob, io: WorkerIO) -> bool:
-    """Rank 0 looks for the stop file and every rank gets its answer (ranks must stop at the same step)."""
-    if job.stop_file is None:
+    """Rank 0 asks the host whether to stop and every rank gets its answer (ranks must stop at the same step)."""
+    if job.stop is None:
         return False
-    return all_reduce_sum([float(io.rank == 0 and os.path.exists(job.stop_file))], job.device, io.world)[0] > 0
+    return all_reduce_sum([float(io.rank == 0 and job.stop())], job.device, io.world)[0] > 0
 
 
 def run_distill(job: DistillJob, io: WorkerIO) -> dict:
@@ -117,7 +125,7 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
     cfg = job.cfg
     torch.manual_seed(cfg.seed)
     dtype = torch.bfloat16 if job.device == "cuda" else torch.float32
-    teacher, student = _load_models(job, dtype)
+    teacher, student = _load_models(job, io, dtype)
     tokenizer = teacher.tokenizer
     flops = flops_per_token(teacher.model, teacher.adapter, student, cfg.seq_len, cfg.teacher_topk)
     peak = matmul_rate(job.device, dtype)
@@ -132,6 +140,12 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
     batches = train_batches(tokenizer, cfg.train_data, cfg.seq_len, cfg.batch_size, io.rank, io.world, start_block=step * per_step)
     poll = min(cfg.eval_every, STOP_POLL_STEPS)
     last, resumed_from, since = {}, step, step
+    if step >= cfg.steps:  # the final checkpoint was saved but its report never reached the host (it was killed)
+        last = {"step": step, "tokens": step * per_step * cfg.seq_len, **validate(student, win, wmask, io, cfg, job.device),
+                "val_ppl_initial": initial, "lr": trainer.lr, "resumed_from": step, "final": True, "curve": curve}
+        _finish(student, tokenizer, job, io, last)
+        io.report(last, None)
+        return last
     t0 = time.perf_counter()
     while step < cfg.steps:
         trainer.step([next(batches).to(job.device) for _ in range(cfg.grad_accum)])
@@ -150,17 +164,23 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
         last.update({"lr": trainer.lr, "tokens_per_s": tokens_per_s, "mfu": flops * tokens_per_s / (peak * io.world),
                      "train_s": train_s, "eval_s": eval_s, "resumed_from": resumed_from, "final": step >= cfg.steps, "curve": list(curve)})
         t0 = time.perf_counter()
-        if last["final"] and job.out and io.rank == 0:
-            _export(student, tokenizer, job)
-            last["student_path"] = str(job.out)
-        if last["final"] and io.world > 1 and dist.is_initialized():
-            dist.barrier()  # the student is on disk before any rank reports completion
+        if last["final"]:
+            _finish(student, tokenizer, job, io, last)
         with tempfile.TemporaryDirectory(prefix="m2d-ckpt-") as tmp:
             _save(Path(tmp), trainer, step, {"val_ppl_initial": initial, "curve": curve}, io.rank)
             last["ckpt_s"] = time.perf_counter() - t0  # the checkpoint (and the exported student at the end)
             io.report(last, Path(tmp))
         t0, since = time.perf_counter(), step
     return last
+
+
+def _finish(student, tokenizer, job: DistillJob, io: WorkerIO, last: dict) -> None:
+    """After the last step: rank 0 exports the student; no rank reports completion before it is stored."""
+    if job.out and io.rank == 0:
+        _export(student, tokenizer, job)
+        last["student_path"] = str(job.out)
+    if io.world > 1 and dist.is_initialized():
+        dist.barrier()
 
 
 def _elapsed(t0: float, device: str) -> float:
@@ -171,10 +191,12 @@ def _elapsed(t0: float, device: str) -> float:
 
 
 def _export(student, tokenizer, job: DistillJob) -> None:
+    """The distilled student, natively, at job.out (a path or a storage URL); a resumed last step exports again."""
+    from m2d_ray import storage
     from m2d_ray.convert.export import export_student
 
     module = getattr(student, "module", student)
-    export_student(module, tokenizer, job.out, overwrite=True)  # a resumed last step exports again
+    storage.save_dir(job.out, lambda path: export_student(module, tokenizer, path, overwrite=True))
 
 
 def _save(path: Path, trainer: DistillStep, step: int, extra: dict, rank: int) -> None:

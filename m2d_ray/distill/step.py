@@ -97,14 +97,14 @@ class StudentLoss(nn.Module):
 class DistillStep:
     """`step(micro_batches)` = one optimizer step over cfg.grad_accum micro-batches of [batch, seq_len] ids.
 
-    `rank`/`world` > 1 need an initialised process group (Ray Train's, or DeepSpeed's init_distributed).
+    DeepSpeed, or `world` > 1, needs an initialised process group (Ray Train's, or deepspeed.init_distributed).
     """
 
     def __init__(self, student: nn.Module, teacher: nn.Module, cfg: DistillConfig, device: str,
                  world: int = 1, dtype: torch.dtype = torch.float32) -> None:
         self.cfg, self.student, self.teacher, self.device, self.world = cfg, student, teacher, device, world
         self.loss_module = StudentLoss(student, cfg)
-        fused = torch.device(device).type in ("cpu", "cuda")  # one kernel for all tensors (P7: 3% of a CPU step)
+        fused = torch.device(device).type in ("cpu", "cuda")  # one kernel for all tensors (P7, 1 thread: -2.6% step time)
         self.opt = torch.optim.AdamW(param_groups(student, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), fused=fused)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, cfg))
         self.engine = self.ddp = None

@@ -64,8 +64,11 @@ class MetricsLog(UserCallback):
 
 
 def progress_line(m: dict, label: str = "") -> str:
-    return (f"[distill{' ' + label if label else ''}] step {m['step']}: train loss {m['train_loss']:.4f}, "
-            f"val ppl {m['val_ppl']:.2f} (start {m['val_ppl_initial']:.2f}), {m['tokens_per_s']:,.0f} tok/s training "
+    head = f"[distill{' ' + label if label else ''}] step {m['step']}: "
+    val = f"val ppl {m['val_ppl']:.2f} (start {m['val_ppl_initial']:.2f})"
+    if "train_loss" not in m:  # the final report repeated after a resume: no training in it
+        return head + val
+    return (head + f"train loss {m['train_loss']:.4f}, {val}, {m['tokens_per_s']:,.0f} tok/s training "
             f"(MFU {m['mfu']:.1%}; eval {m['eval_s']:.1f} s, checkpoint {m['ckpt_s']:.1f} s)")
 
 
@@ -99,8 +102,11 @@ def follow(path: str | Path, label: str = "", every_s: float = 1.0, total: int |
         t.join()
 
 
-def fit(job: DistillJob, name: str, storage: str | Path, callbacks: list | None = None, max_failures: int = 0):
-    """Build and fit the TorchTrainer of one student; returns Ray Train's Result."""
+def fit(job: DistillJob, name: str, storage: str, callbacks: list | None = None, max_failures: int = 0):
+    """Build and fit the TorchTrainer of one student, its checkpoints under `storage` (a path or a storage
+    URL every node reaches); returns Ray Train's Result."""
+    from m2d_ray.storage import ray_storage
+
     cfg = job.cfg
     use_gpu = cfg.gpus_per_worker > 0
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
@@ -113,7 +119,7 @@ def fit(job: DistillJob, name: str, storage: str | Path, callbacks: list | None 
             resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": cfg.gpus_per_worker} if use_gpu else {})},
         ),
         run_config=RunConfig(
-            name=name, storage_path=str(Path(storage).resolve()), callbacks=callbacks or [],
+            name=name, **ray_storage(str(storage)), callbacks=callbacks or [],
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
             failure_config=FailureConfig(max_failures=max_failures),
         ),

@@ -32,10 +32,12 @@ from m2d_ray.calibrate.tokens import calibration_tokens
 from m2d_ray.config import SweepConfig, dump_config, load_config
 from m2d_ray.console import say
 from m2d_ray.data.text import load_text, tokenize
-from m2d_ray.errors import M2DError
+from m2d_ray import storage
+from m2d_ray.errors import M2DError, RunFailed
 from m2d_ray.report.stage1 import heatmap, write_tables
 from m2d_ray.sweep.grid import TrialSpec, Unique, dedupe, expand, plan_all, plan_of
 from m2d_ray.sweep.ledger import Ledger
+from m2d_ray.sweep.placement import check_visible, run_storage, teacher_for_workers
 from m2d_ray.sweep.promote import promote, unpromoted
 from m2d_ray.sweep.ray_env import ensure_ray, trial_error
 from m2d_ray.sweep.scheduler import PairwiseStopper
@@ -210,10 +212,11 @@ def new_run_dir(cfg: SweepConfig, run_dir: Path) -> dict:
     return state
 
 
-def _stats(cfg: SweepConfig, model: str, run_dir: Path, tokenizer) -> StatsArtifact:
+def _stats(cfg: SweepConfig, model: str, remote: str, run_dir: Path, tokenizer) -> StatsArtifact:
+    """The run's statistics (driver-side artifact); the actors load the teacher from `remote`."""
     spec, tokens = calibration_tokens(tokenizer, cfg.calib.data, cfg.model, cfg.calib.seq_len, cfg.calib.max_tokens)
     art, reused = calibrate_ray(model, tokens, spec, run_dir / "stats", batch_size=cfg.calib.batch_size, actors=cfg.ray.data_actors,
-                                gpus_per_actor=cfg.ray.data_gpus_per_actor, threads=cfg.ray.threads_per_worker)
+                                gpus_per_actor=cfg.ray.data_gpus_per_actor, threads=cfg.ray.threads_per_worker, load_from=remote)
     say(f"statistics: {'reused' if reused else 'computed'} {art.manifest['n_tokens']} tokens, sha256 {art.checksum[:12]}")
     return art
 
@@ -232,10 +235,8 @@ def _plans(cfg: SweepConfig, model: str, run_dir: Path, art: StatsArtifact, spec
 
 def run_stage1(cfg: SweepConfig | None, run_dir: str | Path, resume: bool = False, tracking_uri: str | None = None) -> Stage1Result:
     """Run (or resume) the stage-1 grid of `cfg` into `run_dir`; see the module docstring."""
-    from transformers import AutoTokenizer
-
     from m2d_ray.arch import get_adapter
-    from m2d_ray.models import default_teacher
+    from m2d_ray.models import default_teacher, load_tokenizer
     from m2d_ray.models import load_config as model_config
 
     t0 = time.time()
@@ -257,9 +258,12 @@ def run_stage1(cfg: SweepConfig | None, run_dir: str | Path, resume: bool = Fals
 
     tracker = run_tracker(cfg, run_dir, tracking_uri)
     ensure_ray(cfg.ray)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    art = _stats(cfg, model, run_dir, tokenizer)
-    plans = _plans(cfg, model, run_dir, art, specs)
+    store = run_storage(cfg, run_dir)
+    check_visible(store)
+    remote = teacher_for_workers(model, store)  # what the workers load
+    tokenizer = load_tokenizer(model)
+    art = _stats(cfg, model, remote, run_dir, tokenizer)
+    plans = _plans(cfg, remote, run_dir, art, specs)
     uniques = dedupe(specs, plans, cfg.search.dedupe)
     parent = tracker.parent_run(
         state["sweep_id"], cfg.name,
@@ -277,7 +281,7 @@ def run_stage1(cfg: SweepConfig | None, run_dir: str | Path, resume: bool = Fals
     ids = tokenize(tokenizer, load_text(cfg.eval.data), max_chars=cfg.eval.max_chars) if pending else None
     recorder = Recorder({u.canonical.key: u for u in pending}, plans, ledger, tracker, parent, attempt)
     run = lambda units, phase, stopper=None, max_chunks=None: _tune(  # noqa: E731
-        cfg, model, run_dir, plans, units, ids, recorder, f"stage1-{attempt}-{phase}", stopper, max_chunks)
+        cfg, remote, store, plans, units, ids, recorder, f"stage1-{attempt}-{phase}", stopper, max_chunks)
     stopper = None
     if pending and cfg.search.early_stop:
         stopper = PairwiseStopper(cfg.search.stop_factor, cfg.search.grace_chunks, pairs={u.canonical.key: u.pairs for u in uniques})
@@ -333,7 +337,7 @@ def _reconcile(ledger: Ledger, uniques: list[Unique], tracker: Tracker, parent: 
             log_record(tracker, parent, r)
 
 
-def _tune(cfg, model, run_dir, plans, units: list[Unique], ids, recorder: Recorder, name: str,
+def _tune(cfg, model, store: str, plans, units: list[Unique], ids, recorder: Recorder, name: str,
           stopper: PairwiseStopper | None = None, max_chunks: int | None = None) -> None:
     """One Tune run over `units` (grid order = the order given); results go through `recorder`."""
     recorder.total, recorder.finished = len(units), 0
@@ -351,7 +355,7 @@ def _tune(cfg, model, run_dir, plans, units: list[Unique], ids, recorder: Record
             trial_name_creator=lambda t: t.config["key"], trial_dirname_creator=lambda t: t.config["key"],
         ),
         run_config=tune.RunConfig(
-            name=name, storage_path=cfg.ray.storage_path or str(run_dir / "tune"), callbacks=[recorder], verbose=0,
+            name=name, **storage.ray_storage(storage.join(store, "tune")), callbacks=[recorder], verbose=0,
             failure_config=tune.FailureConfig(max_failures=cfg.ray.max_failures, fail_fast=False),
         ),
     )
@@ -359,7 +363,7 @@ def _tune(cfg, model, run_dir, plans, units: list[Unique], ids, recorder: Record
         tuner.fit()
     except Exception as exc:  # Tune itself broke (not a trial): keep what the ledger has
         traceback.print_exc()
-        raise M2DError(f"Ray Tune stopped ({type(exc).__name__}); finished trials are saved: resume with --resume {run_dir}") from None
+        raise RunFailed(f"Ray Tune stopped ({type(exc).__name__}); finished trials are saved: resume with --resume {recorder.ledger.dir.parent}") from None
 
 
 def _finish(cfg, run_dir, records, tracker, parent, model, art, k, E) -> dict:
