@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from torch import Tensor
+
 from m2d_ray.arch.dense import DenseSizes, get_dense_adapter
 from m2d_ray.artifacts import check_output
 from m2d_ray.calibrate.tokens import EMBEDDED_EVAL, calibration_tokens, resolve_calib
-from m2d_ray.data.text import check_spec, load_text, tokenize
+from m2d_ray.data.text import TokenSet, check_spec, load_text, tokenize
 from m2d_ray.errors import M2DError
+from m2d_ray.models import default_dense_teacher, is_embedded
 from m2d_ray.prune import importance as imp_mod
 from m2d_ray.prune.export import export_pruned
 from m2d_ray.prune.search import candidates, count_params, moe_student_params, score, search
@@ -25,14 +28,23 @@ from m2d_ray.prune.search import candidates, count_params, moe_student_params, s
 HUB_EVAL = "wikitext2:test"
 
 
-def default_dense_teacher() -> str:
-    from m2d_ray.assets import TINY_DENSE_TEACHER_DIR
+def data_specs(name: str, calib_data: str | None, eval_data: str | None, scored: bool) -> tuple[str, str | None]:
+    """(calibration, evaluation) data of a dense teacher, checked before any weights are read: the embedded
+    twin defaults to its synthetic corpus, other teachers to WikiText; evaluation data only when scored or given."""
+    embedded = is_embedded(name)
+    calib = resolve_calib(calib_data, None if embedded else name)
+    check_spec(calib, "calibration data")
+    ev = eval_data if eval_data is not None or not scored else (EMBEDDED_EVAL if embedded else HUB_EVAL)
+    if ev:
+        check_spec(ev, "evaluation data")
+    return calib, ev
 
-    return str(TINY_DENSE_TEACHER_DIR)
 
-
-def _embedded(name: str) -> bool:
-    return Path(name).expanduser().resolve() == Path(default_dense_teacher()).resolve()
+def load_tokens(name: str, tokenizer, calib_spec: str, eval_spec: str | None, seq_len: int, max_tokens: int,
+                max_chars: int | None) -> tuple[str, TokenSet, Tensor | None]:
+    """(calibration spec, calibration tokens, evaluation ids or None) for the importance pass and the scoring."""
+    spec, calib = calibration_tokens(tokenizer, calib_spec, None if is_embedded(name) else name, seq_len, max_tokens)
+    return spec, calib, tokenize(tokenizer, load_text(eval_spec), max_chars=max_chars) if eval_spec else None
 
 
 def prune_dense(model: str | None, out: str | Path, target_params: int | None = None, match: str | None = None,
@@ -61,18 +73,9 @@ def prune_dense(model: str | None, out: str | Path, target_params: int | None = 
     else:
         one = DenseSizes(**{**adapter.sizes(config).to_json(), **given})
         check_sizes(config, one)
-    embedded = _embedded(name)
-    calib_spec = resolve_calib(calib_data, None if embedded else name)
-    check_spec(calib_spec, "calibration data")
-    eval_spec = eval_data  # a search always scores; one shape only when asked
-    if searching and eval_spec is None:
-        eval_spec = EMBEDDED_EVAL if embedded else HUB_EVAL
-    if eval_spec:
-        check_spec(eval_spec, "evaluation data")
-
+    calib_spec, eval_spec = data_specs(name, calib_data, eval_data, scored=searching)  # one shape is scored only when asked
     tokenizer = load_tokenizer(name)
-    spec, calib = calibration_tokens(tokenizer, calib_spec, None if embedded else name, seq_len, max_tokens)
-    eval_ids = tokenize(tokenizer, load_text(eval_spec), max_chars=EVAL_MAX_CHARS) if eval_spec else None
+    spec, calib, eval_ids = load_tokens(name, tokenizer, calib_spec, eval_spec, seq_len, max_tokens, EVAL_MAX_CHARS)
     teacher, _ = load_model(name, device=device or device_default(), what="teacher")
     rows = None
     if searching:

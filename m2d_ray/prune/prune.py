@@ -11,6 +11,7 @@ with the student: no randomly initialised copy is made).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -119,3 +120,12 @@ class PrunedSpec:
 
         teacher, _ = load_model(self.teacher, device=device, dtype=dtype, what="teacher")
         return prune(teacher, self.sizes, self.importance)
+
+    def __call__(self, out: Path) -> None:
+        """Build the student and save it at `out` (checked to reload natively): how a stage-2 worker
+        materialises the D2D student where it trains, instead of reading it from the driver's disk."""
+        from m2d_ray.models import load_tokenizer
+        from m2d_ray.prune.export import export_pruned
+
+        info = {"model": self.teacher, "sizes": self.sizes.to_json(), "candidate": self.name}
+        export_pruned(self.build(), load_tokenizer(self.teacher), out, self.sizes, self.importance, info)
