@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from m2d_ray.cli import main
+from m2d_ray.models import default_teacher
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "experiments" / "tiny.yaml"
@@ -167,7 +168,9 @@ CASES = {
     "truncated teacher checkpoint": (lambda w: _conv(w, "--model", str(w["trunc_teacher"])), "truncated"),
     "garbage teacher checkpoint": (lambda w: _conv(w, "--model", str(w["garbage_teacher"])), "not a whole safetensors file"),
     "shard named in the index is missing": (lambda w: _conv(w, "--model", str(w["unsharded_teacher"])), "lacks 1 weight file"),
-    "NaN teacher in a run (driver scan)": (lambda w: _run(f"model={w['nan_teacher']}"), "has 1 NaN"),
+    "NaN teacher in a run (driver scan)": (lambda w: _run(f"model={w['nan_teacher']}", "stage2.baselines=[random-init]"), "has 1 NaN"),
+    "d2d without its dense teacher": (lambda w: _run(f"model={w['nan_teacher']}"), "no stage2.d2d_teacher: give the dense model matched"),
+    "d2d teacher is an MoE model": (lambda w: _run(f"stage2.d2d_teacher={default_teacher()}"), "is a Mixture-of-Experts model"),
     "teacher-topk below k": (lambda w: ["distill", "--student", str(w["student"]), "--teacher", str(w["teacher"]), "--teacher-topk", "1", "--eval-data", "synthetic:valid", "--out", "d"], "outside [k, E]"),
     # students
     "distill student missing": (lambda w: ["distill", "--student", "/missing", "--eval-data", "synthetic:valid", "--out", "d"], "neither a model directory nor a baseline"),

@@ -2,9 +2,10 @@
 
 Workers may run on nodes that do not see the driver's disk. So a run's storage must be reachable from
 every node (checked: a probe written by the driver must be readable by a task on each node), and the
-teacher must be a hub name (each node fetches it), a storage URL (each node reads it through its
-cache) or an embedded teacher (installed with the package: the MoE one and its dense twin). A teacher directory on the driver's disk
-is copied into the run's storage once when the run uses a Ray cluster, and read from there.
+teacher must be a hub name (each node fetches it), a storage URL (each node reads it through its cache)
+or an embedded teacher (installed with the package: the MoE one and its dense twin). A teacher directory
+on the driver's disk is copied into the run's storage once when the run uses a Ray cluster, and read
+from there.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from m2d_ray.config import D2D, SweepConfig, dump_config, load_config
 from m2d_ray.console import say
 from m2d_ray.distill.data import absolute_spec, check_source
 from m2d_ray.errors import M2DError, RunFailed
+from m2d_ray.prune.prune import PrunedSpec
 from m2d_ray.sweep.d2d import check_dense_teacher, d2d_student, dense_teacher
 from m2d_ray.sweep.ledger import Ledger
 from m2d_ray.sweep.placement import check_visible, run_storage, teacher_for_workers
@@ -92,7 +93,7 @@ class StopCheck:
         return ray.get(self.board.stopped.remote(self.key))
 
 
-def stage2_trainable(config: dict, *, model: str, store: str, plans: dict, cfg: SweepConfig, board, d2d=None) -> None:
+def stage2_trainable(config: dict, *, model: str, store: str, plans: dict, cfg: SweepConfig, board, d2d: PrunedSpec | None = None) -> None:
     """One student: a TorchTrainer whose rank 0 builds the initial student into the run's storage (once)
     and whose workers read it back through their node's cache; the distilled student goes to storage too.
     The d2d baseline (`d2d`: its promoted `PrunedSpec`) is built by pruning and distilled from its dense teacher."""
@@ -297,7 +298,8 @@ def run_stage2(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None =
     return records
 
 
-def _tune(cfg: SweepConfig, model: str, store: str, plans: dict, run_dir: Path, pending: list[Student], recorder: Recorder, d2d) -> None:
+def _tune(cfg: SweepConfig, model: str, store: str, plans: dict, run_dir: Path, pending: list[Student], recorder: Recorder,
+          d2d: PrunedSpec | None) -> None:
     board = StopBoard.remote()
     trainable = tune.with_parameters(stage2_trainable, model=model, store=store, plans=plans, cfg=cfg, board=board, d2d=d2d)
     tuner = tune.Tuner(
