@@ -2,6 +2,7 @@
 """Train the embedded tiny Qwen3-MoE teacher from scratch on the synthetic multi-domain corpus (CPU, minutes).
 
     python experiments/train_tiny_teacher.py --out m2d_ray/assets/tiny_qwen3_moe
+    python experiments/train_tiny_teacher.py --dense --threads 2 --out m2d_ray/assets/tiny_qwen3_dense
 
 Model: ``Qwen3MoeForCausalLM``, 4 layers, hidden 64, 4 heads x 16 (2 KV heads), 16 routed experts of width 32,
 top-2 with renormalised routing, word-level vocabulary from ``m2d_ray.data.synthetic.build_tokenizer`` (padded to
@@ -17,6 +18,12 @@ the router probability mass on the experts assigned to the token's domain, exper
 layer), which then fades out linearly over 15% of the steps; the remaining 55% are plain training (CE + aux
 loss), and the specialisation that survives them is what ``train_info.json`` reports. The saved model is a
 standard ``Qwen3MoeForCausalLM``: nothing of the guide remains but the weights.
+
+``--dense`` trains its dense twin for the dense-to-dense (Minitron) pruning baseline at matched parameters: a
+``Qwen3ForCausalLM`` with the same attention, embeddings, norms and tokenizer and one SwiGLU FFN of width
+E x expert width = 512 per layer (555,712 parameters against the MoE's 559,808: the difference is the routers),
+trained on the same token stream in the same order with the same optimizer, schedule, clipping and seed, on
+cross-entropy alone (no router, so no aux or routing-guide loss and no routing figures).
 
 The output directory gets the model (safetensors), the tokenizer and ``train_info.json`` with the held-out
 perplexity (synthetic ``test`` split, non-overlapping 128-token windows) against uniform and unigram baselines,
@@ -47,6 +54,7 @@ if str(REPO) not in sys.path:
 from m2d_ray.data import synthetic  # noqa: E402
 
 DEFAULT_OUT = REPO / "m2d_ray" / "assets" / "tiny_qwen3_moe"
+DEFAULT_DENSE_OUT = REPO / "m2d_ray" / "assets" / "tiny_qwen3_dense"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -79,6 +87,17 @@ def make_config(vocab_size: int, seq_len: int = 128):
         pad_token_id=0,
         dtype="float32",
     )
+
+
+def make_dense_config(vocab_size: int, seq_len: int = 128):
+    """The MoE's dense twin: same attention, embeddings and norms, FFN width = E x expert width."""
+    from transformers import Qwen3Config
+
+    from m2d_ray.arch.base import copy_config
+
+    moe = make_config(vocab_size, seq_len)
+    return copy_config(Qwen3Config, moe, intermediate_size=moe.num_experts * moe.moe_intermediate_size,
+                       architectures=["Qwen3ForCausalLM"])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -116,25 +135,27 @@ def windows(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(model, ids: torch.Tensor, doms: torch.Tensor, seq_len: int = 128, batch_size: int = 32) -> dict:
     """Perplexity over non-overlapping ``seq_len`` windows (last partial window dropped; every position but the
-    first of a window is predicted) and router top-k counts per (layer, domain, expert)."""
+    first of a window is predicted) and router top-k counts per (layer, domain, expert) (none for a dense model)."""
     was_training = model.training
     model.eval()
     cfg = model.config
-    E, k, L, D = cfg.num_experts, cfg.num_experts_per_tok, cfg.num_hidden_layers, len(synthetic.DOMAINS)
+    moe = hasattr(cfg, "num_experts")
+    E, k = (cfg.num_experts, cfg.num_experts_per_tok) if moe else (0, 0)
+    L, D = cfg.num_hidden_layers, len(synthetic.DOMAINS)
     x_all, d_all = windows(ids, seq_len), windows(doms, seq_len)
     nll_sum = torch.zeros(D, dtype=torch.float64)
     nll_cnt = torch.zeros(D, dtype=torch.float64)
     counts = torch.zeros(L, D, E, dtype=torch.float64)
     for start in range(0, x_all.shape[0], batch_size):
         x, dm = x_all[start : start + batch_size], d_all[start : start + batch_size]
-        out = model(input_ids=x, output_router_logits=True, use_cache=False)
+        out = model(input_ids=x, output_router_logits=True, use_cache=False) if moe else model(input_ids=x, use_cache=False)
         logp = torch.log_softmax(out.logits[:, :-1].float(), dim=-1)
         nll = -logp.gather(-1, x[:, 1:, None])[..., 0].double()
         tgt_dom = dm[:, 1:]
         nll_sum += torch.zeros(D, dtype=torch.float64).index_add_(0, tgt_dom.reshape(-1), nll.reshape(-1))
         nll_cnt += torch.bincount(tgt_dom.reshape(-1), minlength=D).double()
         flat_dom = dm.reshape(-1)
-        for layer, logits in enumerate(out.router_logits):
+        for layer, logits in enumerate(out.router_logits if moe else ()):
             top = logits.topk(k, dim=-1).indices  # [B*T, k]
             pair = flat_dom[:, None] * E + top
             counts[layer] += torch.bincount(pair.reshape(-1), minlength=D * E).double().view(D, E)
@@ -147,7 +168,7 @@ def evaluate(model, ids: torch.Tensor, doms: torch.Tensor, seq_len: int = 128, b
         "per_domain_perplexity": {
             name: math.exp(float(nll_sum[i] / nll_cnt[i])) for i, name in enumerate(synthetic.DOMAINS)
         },
-        "counts": counts,
+        "counts": counts if moe else None,
     }
 
 
@@ -249,7 +270,11 @@ def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float) -> 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory (replaced atomically)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help=f"output directory (replaced atomically; default {DEFAULT_OUT.relative_to(REPO)}, with --dense "
+                         f"{DEFAULT_DENSE_OUT.relative_to(REPO)})")
+    ap.add_argument("--dense", action="store_true",
+                    help="train the dense twin (Qwen3, FFN width E x expert width) on cross-entropy alone")
     ap.add_argument("--steps", type=int, default=3500)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (keep 1-2 on a shared machine)")
@@ -274,6 +299,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--log-every", type=int, default=100)
     ap.add_argument("--valid-every", type=int, default=1000)
     args = ap.parse_args(argv)
+    if args.out is None:
+        args.out = DEFAULT_DENSE_OUT if args.dense else DEFAULT_OUT
+    if args.dense:
+        args.domain_warmup_steps = args.domain_warmup_decay = 0
     if args.domain_warmup_steps is None:
         args.domain_warmup_steps = round(0.3 * args.steps)
     if args.domain_warmup_decay is None:
@@ -283,7 +312,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM, Qwen3MoeForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -293,8 +322,12 @@ def main(argv=None) -> dict:
     t0 = time.time()
 
     tok = synthetic.build_tokenizer()
-    config = make_config(len(tok), args.seq_len)
-    model = Qwen3MoeForCausalLM._from_config(config, experts_implementation=args.experts_implementation)
+    if args.dense:
+        config = make_dense_config(len(tok), args.seq_len)
+        model = Qwen3ForCausalLM._from_config(config)
+    else:
+        config = make_config(len(tok), args.seq_len)
+        model = Qwen3MoeForCausalLM._from_config(config, experts_implementation=args.experts_implementation)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
 
@@ -303,7 +336,7 @@ def main(argv=None) -> dict:
     train_windows, train_dom_windows = windows(train_ids, args.seq_len), windows(train_doms, args.seq_len)
     # expert e is "assigned" to domain e % D; only used by the router's domain warm-up
     D = len(synthetic.DOMAINS)
-    group_mask = (torch.arange(config.num_experts)[None, :] % D == torch.arange(D)[:, None]).float()  # [D, E]
+    group_mask = (torch.arange(getattr(config, "num_experts", 0))[None, :] % D == torch.arange(D)[:, None]).float()  # [D, E]
     gen = torch.Generator().manual_seed(args.seed)
     order = torch.randperm(train_windows.shape[0], generator=gen)
     print(f"params {n_params:,}  vocab {len(tok)} (model {config.vocab_size})  train tokens {train_ids.numel():,} "
@@ -319,7 +352,7 @@ def main(argv=None) -> dict:
         [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
     )
-    coef = config.router_aux_loss_coef
+    coef = None if args.dense else config.router_aux_loss_coef
     history = []
     t_train = time.time()
     ce_acc = aux_acc = guide_acc = 0.0
@@ -331,7 +364,11 @@ def main(argv=None) -> dict:
         idx = order[step * args.batch_size : (step + 1) * args.batch_size]
         x = train_windows[idx]
         guide = args.domain_warmup_coef * warmup_factor(step, args.domain_warmup_steps, args.domain_warmup_decay)
-        if args.aux_per_layer:
+        if args.dense:
+            out = model(input_ids=x, labels=x, use_cache=False)
+            loss = ce = out.loss
+            aux_t = torch.zeros(())
+        elif args.aux_per_layer:
             out = model(input_ids=x, output_router_logits=True, use_cache=False)
             ce = torch.nn.functional.cross_entropy(
                 out.logits[:, :-1].reshape(-1, out.logits.shape[-1]), x[:, 1:].reshape(-1)
@@ -373,7 +410,7 @@ def main(argv=None) -> dict:
     check = tok(synthetic.corpus_text("test", args.eval_chars), add_special_tokens=False)["input_ids"]
     assert check == test_ids.tolist(), "per-document encoding differs from encoding the corpus text"
     ev = evaluate(model, test_ids, test_doms, args.seq_len)
-    spec = routing_specialisation(ev["counts"])
+    spec = None if args.dense else routing_specialisation(ev["counts"])
     uniform = len(tok)
     unigram = unigram_perplexity(train_ids, test_ids, config.vocab_size, args.seq_len)
     info = {
@@ -389,11 +426,11 @@ def main(argv=None) -> dict:
         "optimizer": {"name": "AdamW", "lr": args.lr, "betas": [0.9, 0.95], "weight_decay": args.weight_decay,
                       "schedule": f"linear warm-up {args.warmup} steps, cosine to {args.min_lr_ratio} x lr",
                       "grad_clip": 1.0},
-        "experts_implementation_for_training": args.experts_implementation,
+        "experts_implementation_for_training": None if args.dense else args.experts_implementation,
         "router_aux_loss_coef": coef,
-        "router_aux_loss": "per layer, summed over layers" if args.aux_per_layer
+        "router_aux_loss": None if args.dense else "per layer, summed over layers" if args.aux_per_layer
         else "transformers' load_balancing_loss_func (router logits of all layers pooled)",
-        "domain_warmup": {
+        "domain_warmup": None if args.dense else {
             "steps": args.domain_warmup_steps,
             "decay_steps": args.domain_warmup_decay,
             "coef": args.domain_warmup_coef,
@@ -422,7 +459,8 @@ def main(argv=None) -> dict:
     }
 
     # ---- save (temp dir, reload check, atomic rename) --------------------------------------------------------
-    model.config.output_router_logits = False
+    if not args.dense:
+        model.config.output_router_logits = False
     model.config.use_cache = True
     out_dir = args.out.resolve()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -430,7 +468,7 @@ def main(argv=None) -> dict:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        reloaded = AutoModelForCausalLM.from_pretrained(tmp, experts_implementation="eager").eval()
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp, **({} if args.dense else {"experts_implementation": "eager"})).eval()
         tok2 = AutoTokenizer.from_pretrained(tmp)
         x = test_ids[: args.seq_len][None]
         with torch.no_grad():
@@ -457,8 +495,9 @@ def main(argv=None) -> dict:
     size = sum(f.stat().st_size for f in out_dir.iterdir() if f.is_file())
     print(json.dumps({k: info[k] for k in ("heldout_perplexity", "uniform_perplexity", "unigram_perplexity",
                                            "train_wall_time_s")}))
-    print(json.dumps({"mean_nmi": spec["mean_nmi"], "mean_top_m_share": spec["mean_top_m_share"],
-                      "per_layer_nmi": [x["nmi_domain_expert"] for x in spec["layers"]]}))
+    if spec is not None:
+        print(json.dumps({"mean_nmi": spec["mean_nmi"], "mean_top_m_share": spec["mean_top_m_share"],
+                          "per_layer_nmi": [x["nmi_domain_expert"] for x in spec["layers"]]}))
     print(f"saved to {out_dir} ({size / 1e6:.2f} MB)")
     return info
 

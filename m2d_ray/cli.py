@@ -74,6 +74,18 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--out", required=True, help="directory for the dense student")
     v.add_argument("--overwrite", action="store_true", help="replace a student (and --stats) that m2d wrote there before")
 
+    pd = sub.add_parser("prune-dense", help="dense-to-dense (Minitron) baseline: prune a dense teacher to a parameter budget or to given sizes")
+    pd.add_argument("--model", default=None, help="dense teacher directory or hub name (default: the embedded tiny Qwen3, the embedded MoE's dense twin)")
+    pd.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    pd.add_argument("--target-params", type=_positive, default=None, help="search candidate shapes with this many parameters")
+    pd.add_argument("--match", default=None, metavar="MOE_TEACHER", help="search at the parameters of this MoE teacher's K = k dense student")
+    for size in ("hidden", "ffn", "heads", "layers"):
+        pd.add_argument(f"--{size}", type=_positive, default=None, help=f"one pruned shape: {size} (default: the teacher's)")
+    _add_calib(pd)
+    pd.add_argument("--eval-data", default=None, help="score candidates by perplexity on: text file, synthetic[:split] or wikitext2[:split] (default: synthetic:test for the embedded teacher, else wikitext2:test)")
+    pd.add_argument("--out", required=True, help="directory for the pruned student")
+    pd.add_argument("--overwrite", action="store_true", help="replace a pruned student that m2d wrote there before")
+
     w = sub.add_parser("sweep", help="stage 1 on Ray: the scoring x grouping x scaling x K grid by pre-distillation perplexity")
     w.add_argument("config", nargs="?", default=None, help="YAML config (experiments/*.yaml); not needed with --resume")
     w.add_argument("overrides", nargs="*", default=[], help="key=value overrides, e.g. grid.K=[2,4] grid.scoring=[sf,do-acp]")
@@ -200,6 +212,13 @@ def _dispatch(args) -> None:
         )
         for layer, sel in result.get("selected", {}).items():
             say(f"layer {layer}: experts {sel} groups {result['groups'][layer]}")
+        emit(json.dumps(result))
+    elif args.command == "prune-dense":
+        from m2d_ray.prune.command import prune_dense
+
+        result = prune_dense(args.model, args.out, target_params=args.target_params, match=args.match,
+                             sizes={k: getattr(args, k) for k in ("hidden", "ffn", "heads", "layers")}, calib_data=args.calib_data,
+                             eval_data=args.eval_data, device=args.device, overwrite=args.overwrite, **calib)
         emit(json.dumps(result))
     elif args.command == "sweep":
         result = pipeline.sweep(

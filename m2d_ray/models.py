@@ -21,12 +21,27 @@ def default_teacher() -> str:
     return str(TINY_TEACHER_DIR)
 
 
+def default_dense_teacher() -> str:
+    """The embedded MoE teacher's dense twin (same tokens and schedule): its dense-to-dense baseline's teacher."""
+    from m2d_ray.assets import TINY_DENSE_TEACHER_DIR
+
+    return str(TINY_DENSE_TEACHER_DIR)
+
+
+def is_embedded(name: str | None) -> bool:
+    """`name` is one of the teachers installed with the package (every node has them)."""
+    if name is None:
+        return True
+    path = Path(name).expanduser()
+    return path.exists() and path.resolve() in {Path(default_teacher()).resolve(), Path(default_dense_teacher()).resolve()}
+
+
 @dataclass
 class Teacher:
     name: str
     model: PreTrainedModel
     tokenizer: object
-    adapter: MoEAdapter
+    adapter: MoEAdapter | None  # None: a dense teacher (the dense-to-dense baseline distils from one)
 
     @property
     def config(self):
@@ -74,6 +89,16 @@ def load_teacher(name: str | None = None, dtype: torch.dtype | None = None, devi
     adapter = check_teacher(name)  # fails fast, before any weights are read
     model, tokenizer = load_model(name, device=device, dtype=dtype, what="teacher")
     return Teacher(name=name, model=model, tokenizer=tokenizer, adapter=adapter)
+
+
+def load_distill_teacher(name: str, dtype: torch.dtype | None = None, device: str = "cpu") -> Teacher:
+    """A distillation teacher: an MoE one (with its adapter), or a dense one (the D2D baseline's, no adapter)."""
+    from m2d_ray.arch.dense import dense_types
+
+    if load_config(name).model_type not in dense_types():
+        return load_teacher(name, dtype=dtype, device=device)
+    model, tokenizer = load_model(name, device=device, dtype=dtype, what="teacher")
+    return Teacher(name=name, model=model, tokenizer=tokenizer, adapter=None)
 
 
 def model_fingerprint(name: str, config) -> dict:

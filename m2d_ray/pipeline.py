@@ -168,6 +168,7 @@ def check_run_inputs(cfg, stages: tuple[int, ...] = (1,), tracking_uri: str | No
     that load it later need not fail one by one. A tracking server named by the user must answer.
     """
     from m2d_ray.checkpoint import scan
+    from m2d_ray.config import D2D
     from m2d_ray.distill.data import absolute_spec, check_source
     from m2d_ray.models import check_teacher_topk
     from m2d_ray.sweep.grid import expand
@@ -181,6 +182,10 @@ def check_run_inputs(cfg, stages: tuple[int, ...] = (1,), tracking_uri: str | No
         check_spec(cfg.distill.eval_data or cfg.eval.data, "distill.eval_data")
         check_teacher_topk(model, cfg.distill.teacher_topk)
         check_source(absolute_spec(cfg.distill.train_data))
+        if D2D in cfg.stage2.baselines:
+            from m2d_ray.sweep.d2d import check_dense_teacher, dense_teacher
+
+            check_dense_teacher(dense_teacher(cfg))
     if 3 in stages:
         from m2d_ray.evaluate.harness import check_tasks
 

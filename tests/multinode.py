@@ -8,7 +8,7 @@ disk fails. An S3 endpoint is served on 127.0.0.1 by moto. Node caches: M2D_CACH
 (the worker's is its own tmpfs).
 
 Scenarios (results in WORK/results.json; the run directories stay for the test to read):
-  shared  m2d run with --storage on a directory both nodes see; then a resume of the finished run, and one
+  shared  m2d run with --storage on a directory both nodes see, with the d2d baseline; then a resume of the finished run, and one
           with another stage-3 suite
   s3      m2d run with --storage s3://… and the teacher on the driver's disk (copied to storage once);
           the driver is SIGKILLed after the first distilled student and the run resumed
@@ -112,7 +112,8 @@ def main(work: Path) -> None:
         query = start_s3(work, env)
         env["RAY_ADDRESS"] = start_cluster(work, env)
         shared_run = hidden / "shared-run"
-        results["shared"] = m2d(["run", str(TINY), "--out", str(shared_run), "--storage", str(shared / "run"), *SMALL], env, "shared", work)
+        results["shared"] = m2d(["run", str(TINY), "--out", str(shared_run), "--storage", str(shared / "run"), *SMALL, "stage2.baselines=[d2d]"],
+                                env, "shared", work)
         stamps = lambda: {p.name: p.stat().st_mtime_ns for p in (shared_run / "stage3" / "results").glob("*.json")}  # noqa: E731
         before = stamps()
         results["shared_resume"] = {**m2d(["run", "--resume", str(shared_run)], env, "shared-resume", work), "redone": before != stamps()}

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from m2d_ray.cli import main
+from m2d_ray.models import default_teacher
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "experiments" / "tiny.yaml"
@@ -36,6 +37,19 @@ def _poison(path: Path, key_part: str) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
+def _dense_twin(moe_dir: Path, out: Path) -> None:
+    """A dense Qwen3 with the MoE teacher's attention and vocabulary and FFN width E x expert width."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+
+    moe = AutoConfig.from_pretrained(moe_dir)
+    cfg = Qwen3Config(vocab_size=moe.vocab_size, hidden_size=moe.hidden_size, num_hidden_layers=moe.num_hidden_layers,
+                      num_attention_heads=moe.num_attention_heads, num_key_value_heads=moe.num_key_value_heads, head_dim=moe.head_dim,
+                      intermediate_size=moe.num_experts * moe.moe_intermediate_size, max_position_embeddings=256)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    AutoTokenizer.from_pretrained(moe_dir).save_pretrained(out)
+
+
 @pytest.fixture(scope="module")
 def w(tmp_path_factory, tiny_teacher_dir):
     """One workspace: good and damaged teachers, students, statistics, texts, configs and a run."""
@@ -49,7 +63,7 @@ def w(tmp_path_factory, tiny_teacher_dir):
     root = tmp_path_factory.mktemp("bad_inputs")
     p = {name: root / name for name in ("teacher", "nan_teacher", "trunc_teacher", "garbage_teacher", "unsharded_teacher", "stats",
                                         "corrupt_stats", "nan_stats", "other_stats", "student", "nan_student", "trunc_student",
-                                        "llama", "granite", "run", "work", "tmp")}
+                                        "llama", "granite", "run", "work", "tmp", "dense", "nan_dense")}
     for name in ("teacher", "nan_teacher", "trunc_teacher", "garbage_teacher", "unsharded_teacher"):
         shutil.copytree(tiny_teacher_dir, p[name])
     _poison(p["nan_teacher"] / "model.safetensors", "experts")
@@ -57,6 +71,9 @@ def w(tmp_path_factory, tiny_teacher_dir):
     os.truncate(weights, weights.stat().st_size // 2)
     (p["garbage_teacher"] / "model.safetensors").write_bytes(b"\xff" * 64 + b"not a checkpoint")
     (p["unsharded_teacher"] / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    _dense_twin(tiny_teacher_dir, p["dense"])
+    shutil.copytree(p["dense"], p["nan_dense"])
+    _poison(p["nan_dense"] / "model.safetensors", "mlp")
     LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=32).save_pretrained(p["llama"])
     GraniteMoeConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=32).save_pretrained(p["granite"])
 
@@ -105,6 +122,10 @@ def _conv(w, *extra):
     return ["convert", "--model", str(w["teacher"]), "--stats", str(w["stats"]), "--K", "2", "--out", "student_out", *extra]
 
 
+def _prune(w, *extra):
+    return ["prune-dense", "--model", str(w["dense"]), "--calib-data", "synthetic:valid", "--out", "pruned_out", *extra]
+
+
 def _run(*extra):
     return ["run", str(TINY), "--out", "run_out", *extra]
 
@@ -147,7 +168,9 @@ CASES = {
     "truncated teacher checkpoint": (lambda w: _conv(w, "--model", str(w["trunc_teacher"])), "truncated"),
     "garbage teacher checkpoint": (lambda w: _conv(w, "--model", str(w["garbage_teacher"])), "not a whole safetensors file"),
     "shard named in the index is missing": (lambda w: _conv(w, "--model", str(w["unsharded_teacher"])), "lacks 1 weight file"),
-    "NaN teacher in a run (driver scan)": (lambda w: _run(f"model={w['nan_teacher']}"), "has 1 NaN"),
+    "NaN teacher in a run (driver scan)": (lambda w: _run(f"model={w['nan_teacher']}", "stage2.baselines=[random-init]"), "has 1 NaN"),
+    "d2d without its dense teacher": (lambda w: _run(f"model={w['nan_teacher']}"), "no stage2.d2d_teacher: give the dense model matched"),
+    "d2d teacher is an MoE model": (lambda w: _run(f"stage2.d2d_teacher={default_teacher()}"), "is a Mixture-of-Experts model"),
     "teacher-topk below k": (lambda w: ["distill", "--student", str(w["student"]), "--teacher", str(w["teacher"]), "--teacher-topk", "1", "--eval-data", "synthetic:valid", "--out", "d"], "outside [k, E]"),
     # students
     "distill student missing": (lambda w: ["distill", "--student", "/missing", "--eval-data", "synthetic:valid", "--out", "d"], "neither a model directory nor a baseline"),
@@ -179,6 +202,20 @@ CASES = {
     "sweep resume with overrides": (lambda w: ["sweep", "--resume", str(w["run"]), "grid.K=[4]"], "reuses the run's saved config"),
     "report of a directory that is no run": (lambda w: ["report", "mine"], "not an m2d run directory"),
     "stage 2 without a stage 1": (lambda w: ["sweep", str(TINY), "stage=2"], "add --resume"),
+    # dense-to-dense pruning
+    "prune-dense of an MoE teacher": (lambda w: _prune(w, "--model", str(w["teacher"]), "--target-params", "50000"), "is a Mixture-of-Experts model"),
+    "prune-dense without a budget or sizes": (lambda w: _prune(w), "give exactly one of"),
+    "prune-dense with a budget and sizes": (lambda w: _prune(w, "--target-params", "50000", "--ffn", "32"), "give exactly one of"),
+    "prune-dense heads not whole groups": (lambda w: _prune(w, "--heads", "1"), "not a multiple of 2"),
+    "prune-dense size above the teacher's": (lambda w: _prune(w, "--ffn", "4096"), "--ffn 4096 is outside [1, 128]"),
+    "prune-dense size not positive (argparse)": (lambda w: _prune(w, "--layers", "0"), "must be positive"),
+    "prune-dense budget above the teacher": (lambda w: _prune(w, "--target-params", "100000000"), "not below the teacher's"),
+    "prune-dense budget too small": (lambda w: _prune(w, "--target-params", "100"), "candidate shape"),
+    "prune-dense match is no MoE": (lambda w: _prune(w, "--match", str(w["dense"])), "'qwen3' is not a supported Mixture-of-Experts"),
+    "prune-dense out holds a student": (lambda w: [*_prune(w)[:-1], str(w["student"]), "--ffn", "32"], "holds an m2d student, not a pruned"),
+    "prune-dense calibration text too short": (lambda w: _prune(w, "--ffn", "32", "--calib-data", "short.txt"), "at least"),
+    "prune-dense eval data missing": (lambda w: _prune(w, "--ffn", "32", "--eval-data", "/missing.txt"), "neither a file"),
+    "prune-dense NaN in the teacher": (lambda w: _prune(w, "--model", str(w["nan_dense"]), "--ffn", "32"), "has 1 NaN"),
 }
 
 
@@ -222,4 +259,4 @@ def test_bad_input(case, w, capfd, monkeypatch):
 def test_the_matrix_covers_every_command():
     fake = collections.defaultdict(lambda: Path("x"))
     assert len(CASES) >= 30
-    assert {build(fake)[0] for build, _ in CASES.values()} == {"convert", "calibrate", "distill", "eval", "run", "sweep", "report"}
+    assert {build(fake)[0] for build, _ in CASES.values()} == {"convert", "calibrate", "distill", "eval", "run", "sweep", "report", "prune-dense"}

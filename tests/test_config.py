@@ -59,11 +59,24 @@ def test_auto_K_and_overrides():
         ("eval.chunks=two", "eval.chunks='two' should be int"),
         ("eval.chunks=0", "eval.chunks must be >= 1"),
         ("grid", "not key=value"),
+        ("stage2.baselines=[random-init,d2dd]", "did you mean 'd2d'"),
+        ("stage2.baselines=[randominit]", "did you mean 'random-init'"),
     ],
 )
 def test_bad_values_fail_with_one_line(override, message):
     with pytest.raises(M2DError, match=message.replace("[", r"\[").replace(".", r"\.")):
         load_config(EXPERIMENTS / "tiny.yaml", [override])
+
+
+def test_d2d_needs_a_dense_teacher_and_the_baseline():
+    cfg = load_config(EXPERIMENTS / "tiny.yaml")
+    assert "d2d" in cfg.stage2.baselines and cfg.stage2.d2d_teacher is None  # the embedded pair: the dense twin by default
+    assert load_config(EXPERIMENTS / "wiki4.yaml").stage2.d2d_teacher == "../shared/teachers/qwen3dense-wiki4"
+    with pytest.raises(M2DError, match="no stage2.d2d_teacher: give the dense model matched to ../shared/teachers/qwen3moe-wiki4"):
+        load_config(EXPERIMENTS / "wiki4.yaml", ["stage2.d2d_teacher=null"])
+    with pytest.raises(M2DError, match="d2d_teacher is set but d2d is not in stage2.baselines"):
+        load_config(EXPERIMENTS / "tiny.yaml", ["stage2.baselines=[random-init]", "stage2.d2d_teacher=some/dense"])
+    assert main(["sweep", str(EXPERIMENTS / "tiny.yaml"), "stage2.baselines=[d2]", "--out", "/nonexistent/x"]) == 2
 
 
 def test_K_outside_range():

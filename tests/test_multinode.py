@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import multinode_unavailable
+from test_run_e2e import check_d2d
 
 HERE = Path(__file__).resolve().parent
 
@@ -36,16 +37,17 @@ def _rows(run_dir: Path, name: str) -> list[dict]:
     return list(csv.DictReader((run_dir / name).open()))
 
 
-def _every_student_distilled_and_evaluated(run_dir: Path) -> set[str]:
+def _every_student_distilled_and_evaluated(run_dir: Path, baselines: tuple[str, ...] = ()) -> set[str]:
     promotions = json.loads((run_dir / "promotions.json").read_text())["pairs"]
-    keys = {p["key"] for p in promotions.values()}
+    keys = {p["key"] for p in promotions.values()} | {f"baseline-{b}" for b in baselines}
+    teachers = {"teacher"} | ({"teacher-d2d"} if "d2d" in baselines else set())
     ledger = {p.stem: json.loads(p.read_text()) for p in (run_dir / "stage2" / "trials").glob("*.json")}
     assert set(ledger) == keys and {r["status"] for r in ledger.values()} == {"ok"}, {k: (r["status"], r["error"]) for k, r in ledger.items()}
     results = {p.stem: json.loads(p.read_text()) for p in (run_dir / "stage3" / "results").glob("*.json")}
-    assert set(results) == keys | {"teacher"} and {r["status"] for r in results.values()} == {"ok"}, results
+    assert set(results) == keys | teachers and {r["status"] for r in results.values()} == {"ok"}, results
     report = _rows(run_dir / "report", "distill.csv")
-    assert {r["stage 2"] for r in report if r["scoring"] != "teacher"} == {"ok @ 4"} and all(r["mean acc"] for r in report)
-    assert len(report) == len(keys) + 1
+    assert {r["stage 2"] for r in report if "teacher" not in r["scoring"]} == {"ok @ 4"} and all(r["mean acc"] for r in report)
+    assert len(report) == len(keys) + len(teachers)
     return keys
 
 
@@ -56,7 +58,8 @@ def test_shared_storage(cluster_runs):
     r = results["shared"]
     assert r["rc"] == 0, r["stderr"][-3000:]
     run_dir = work / "hidden" / "shared-run"
-    keys = _every_student_distilled_and_evaluated(run_dir)
+    keys = _every_student_distilled_and_evaluated(run_dir, ("d2d",))
+    check_d2d(run_dir, run_dir / "report")  # searched on a worker, pruned by rank 0 into the storage, distilled from the dense twin
     for key in keys:  # the students live in the storage, not in the driver's run directory
         assert (work / "shared" / "run" / "stage2" / "students" / key / "model.safetensors").exists()
     assert not (run_dir / "stage2" / "students").exists() and not (run_dir / "stage2" / "init").exists()
@@ -127,4 +130,5 @@ def test_storage_does_not_change_the_results(cluster_runs):
     assert (shared / "stage1.csv").read_text() == (s3 / "stage1.csv").read_text()
     a = {p.stem: json.loads(p.read_text())["val_ppl"] for p in (shared / "stage2" / "trials").glob("*.json")}
     b = {p.stem: json.loads(p.read_text())["val_ppl"] for p in (s3 / "stage2" / "trials").glob("*.json")}
+    a.pop("baseline-d2d")  # the d2d baseline runs on the shared-path run only
     assert a.keys() == b.keys() and all(abs(a[k] - b[k]) <= 1e-4 * a[k] for k in a), (a, b)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from m2d_ray.errors import M2DError
-from m2d_ray.report.analysis import distill_rows, erank_table, load_run, marginal, overlap, selections
+from m2d_ray.report.analysis import distill_rows, erank_table, load_run, marginal, matched_rows, overlap, selections
 from m2d_ray.report.run import write_report
 
 STORED = Path(__file__).resolve().parent / "data" / "small_run"
@@ -48,13 +48,35 @@ def test_distill_rows_and_marginal_effects(run_dir):
     data = load_run(run_dir)
     rows = distill_rows(data)
     students = [r for r in rows if r["kind"] == "student"]
-    assert len(students) == len(data.promotions["pairs"]) and [r["kind"] for r in rows[-2:]] == ["baseline", "teacher"]
+    assert len(students) == len(data.promotions["pairs"])
+    assert [(r["kind"], r["scoring"]) for r in rows[len(students):]] == [("baseline", "random-init"), ("baseline", "d2d"), ("teacher", "teacher"),
+                                                                      ("teacher", "dense teacher")]
     assert all(r["mean"] is not None and set(r["acc"]) == set(data.tasks()) for r in rows)
     for axis in ("scoring", "grouping"):
         m = marginal(rows, axis, getattr(data.cfg.grid, axis))
         for v, acc in m.items():
             accs = [r["mean"] for r in students if r[axis] == v]
             assert acc == pytest.approx(sum(accs) / len(accs))
+
+
+def test_matched_parameters_rows(run_dir):
+    data = load_run(run_dir)
+    rows = matched_rows(data, distill_rows(data))
+    students = [r for r in distill_rows(data) if r["kind"] == "student"]
+    assert [r["label"] for r in rows] == ["best MoE-to-dense", "d2d", "random-init"]  # the run's baselines, in the table's order
+    assert rows[0]["mean"] == max(r["mean"] for r in students)
+    d = data.cfg.distill
+    for r in rows:
+        rec = data.stage2[r["key"]]
+        assert r["s_per_step"] == pytest.approx(d.batch_size * d.seq_len / rec["tokens_per_s"])
+        assert r["student_params"] == rec["student_params"] > 0 and r["val_ppl"] == rec["val_ppl"]
+    # matched: within 1% of each other; the D2D student learns from the whole dense twin, the others from k of E experts
+    assert max(r["student_params"] for r in rows) / min(r["student_params"] for r in rows) < 1.01
+    assert rows[1]["teacher_active_params"] == 555_712 > rows[0]["teacher_active_params"] == rows[2]["teacher_active_params"]
+    # without accuracies the best student is the one with the lowest final validation perplexity
+    for r in students:
+        data.stage3.pop(r["key"])
+    assert matched_rows(data, distill_rows(data))[0]["val_ppl"] == min(r["val_ppl"] for r in students)
 
 
 def test_report_files_and_page(run_dir):
@@ -66,7 +88,10 @@ def test_report_files_and_page(run_dir):
     for img in ("stage1_heatmap.png", "marginal.png", "overlap.png", "erank.png", "curves.png"):
         assert (out / img).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f'src="{img}"' in page
     rows = list(csv.DictReader((out / "distill.csv").open()))
-    assert rows[-1]["scoring"] == "teacher" and float(rows[-1]["mean acc"]) > float(rows[-2]["mean acc"])
+    assert [r["scoring"] for r in rows[-2:]] == ["teacher", "dense teacher"]
+    assert float(rows[-2]["mean acc"]) > float(next(r for r in rows if r["scoring"] == "random-init")["mean acc"])
+    for name in ("matched", "d2d_candidates"):
+        assert (out / f"{name}.csv").stat().st_size > 0 and f"{name}.csv" in page, name
     assert not list(out.glob(".*"))  # no temp files left behind
 
 
@@ -112,4 +137,4 @@ def test_a_run_that_distilled_or_evaluated_no_student_has_failed(run_dir, capsys
     with pytest.raises(RunFailed, match="no promoted student was distilled"):
         check_outcome(run_dir)
     page = (write_report(run_dir)).read_text()
-    assert "students: 1 ok, 0 pruned, 2 failed" in page  # the report says so too
+    assert "students: 1 ok, 0 pruned, 3 failed" in page  # the report says so too

@@ -25,8 +25,35 @@ SHORT = [
     "calib.max_tokens=4096", "calib.seq_len=128", "eval.max_chars=20000", "eval.seq_len=128", "eval.chunks=1",
     "grid.scoring=[sf,do-acp]", "grid.grouping=[rr]", "grid.scaling=[uniform]", "grid.K=[2,4]",
     "distill.steps=4", "distill.eval_every=2", "distill.seq_len=64", "distill.batch_size=4", "distill.eval_max_tokens=2048",
-    "distill.warmup_steps=1", "stage2.baselines=[random-init]", "stage3.limit=24",
+    "distill.warmup_steps=1", "stage2.baselines=[random-init,d2d]", "stage3.limit=24",
 ]
+
+
+def check_d2d(run_dir: Path, report: Path) -> None:
+    """The d2d baseline: the promoted candidate of the search is what was distilled, from the dense twin, and the
+    matched-parameter table compares it with the best MoE-to-dense student at (almost) the same size."""
+    from transformers import AutoConfig
+
+    from m2d_ray.models import default_dense_teacher, default_teacher
+    from m2d_ray.prune.search import moe_student_params
+
+    cands = list(csv.DictReader((report / "d2d_candidates.csv").open()))
+    assert len(cands) >= 4 and [c["promoted"] for c in cands].count("yes") == 1
+    best = next(c for c in cands if c["promoted"] == "yes")
+    assert min(float(c["ppl before distillation"]) for c in cands) == float(best["ppl before distillation"])
+    rec = json.loads(next((run_dir / "stage2" / "trials").glob("baseline-d2d*.json")).read_text())
+    assert rec["status"] == "ok" and rec["student_params"] == int(best["params"])
+    assert abs(rec["student_params"] / moe_student_params(default_teacher()) - 1) < 0.01
+    assert rec["teacher_active_params"] == 555_712  # the whole dense twin: distilled from it, not from the MoE teacher
+    cfg = AutoConfig.from_pretrained(rec["student_path"])
+    assert cfg.architectures == ["Qwen3ForCausalLM"] and (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (
+        int(best["d"]), int(best["FFN"]), int(best["layers"]))
+    assert AutoConfig.from_pretrained(default_dense_teacher()).num_hidden_layers >= cfg.num_hidden_layers
+    matched = list(csv.DictReader((report / "matched.csv").open()))
+    assert [r["student"] for r in matched][:2] == ["best MoE-to-dense", "d2d"]
+    assert all(float(r["s / training step"]) > 0 and float(r["final val ppl"]) > 0 and r["stage-3 mean acc"] for r in matched)
+    moe = next(r for r in matched if r["student"] == "best MoE-to-dense")
+    assert int(moe["teacher active params"]) < 300_000  # the MoE teacher: top-2 of its 16 experts per token
 
 
 @pytest.mark.skipif(multinode_unavailable() is None, reason="the same pipeline runs end to end in test_multinode.py")
@@ -50,11 +77,11 @@ def test_m2d_run_whole_pipeline_then_resume(ray_address, tmp_path, capfd):
     assert "Configuration for experiment" in log and "Configuration for experiment" not in captured.err
     assert set(out["stages"]) == {"stage1", "stage2", "stage3", "report"} and "mlflow ui --backend-store-uri sqlite:///" in out["mlflow_ui"]
 
-    # every promoted pair and the baseline were distilled, and every student + the teacher evaluated
+    # every promoted pair and the baselines were distilled, and every student + both teachers evaluated
     promotions = json.loads((run_dir / "promotions.json").read_text())["pairs"]
-    keys = {p["key"] for p in promotions.values()} | {"baseline-random-init"}
+    keys = {p["key"] for p in promotions.values()} | {"baseline-random-init", "baseline-d2d"}
     results = {p.stem: json.loads(p.read_text()) for p in (run_dir / "stage3" / "results").glob("*.json")}
-    assert set(results) == keys | {"teacher"}
+    assert set(results) == keys | {"teacher", "teacher-d2d"}
     for r in results.values():
         assert r["status"] == "ok" and {t["n"] for t in r["tasks"].values()} == {24}
         assert r["mean"] == sum(t["score"] for t in r["tasks"].values()) / 2
@@ -63,7 +90,8 @@ def test_m2d_run_whole_pipeline_then_resume(ray_address, tmp_path, capfd):
     # the report: tables with one row per pair + baseline + teacher, and every figure it links to
     report = run_dir / "report"
     rows = list(csv.DictReader((report / "distill.csv").open()))
-    assert [r["scoring"] for r in rows] == ["SF", "DO-ACP", "random-init", "teacher"] and all(r["mean acc"] for r in rows)
+    assert [r["scoring"] for r in rows] == ["SF", "DO-ACP", "random-init", "d2d", "teacher", "dense teacher"] and all(r["mean acc"] for r in rows)
+    check_d2d(run_dir, report)
     page = (report / "index.html").read_text()
     for name in ("stage1_heatmap.png", "marginal.png", "curves.png", "overlap.png", "erank.png"):
         assert (report / name).stat().st_size > 5000 and f'src="{name}"' in page, name

@@ -52,12 +52,12 @@ def build_student(teacher: PreTrainedModel, adapter: MoEAdapter, ffns: dict[int,
     if unexpected or missing:
         raise RuntimeError(f"student state mismatch: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     student.load_state_dict(state, strict=True, assign=True)
-    _materialise_buffers(student, teacher)
+    materialise_buffers(student, teacher)
     student.eval()
     return student
 
 
-def _materialise_buffers(student: nn.Module, teacher: nn.Module) -> None:
+def materialise_buffers(student: nn.Module, teacher: nn.Module) -> None:
     """Non-persistent buffers (rotary inv_freq …) are not in the state dict: take the teacher's."""
     teacher_buffers = dict(teacher.named_buffers())
     for name, buf in list(student.named_buffers()):

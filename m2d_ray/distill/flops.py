@@ -37,10 +37,19 @@ def inactive_expert_params(model: nn.Module, adapter, top_k: int) -> int:
     return out
 
 
+def _inactive(teacher: nn.Module, adapter, teacher_topk: int | None) -> int:
+    """Expert weights a token skips at k' (none in a dense teacher: `adapter` None)."""
+    return 0 if adapter is None else inactive_expert_params(teacher, adapter, teacher_topk or adapter.top_k(teacher.config))
+
+
+def active_params(teacher: nn.Module, adapter, teacher_topk: int | None = None) -> int:
+    """Teacher parameters a token uses (every parameter but the skipped experts): the matched-parameter table's."""
+    return sum(p.numel() for p in teacher.parameters()) - _inactive(teacher, adapter, teacher_topk)
+
+
 def flops_per_token(teacher: nn.Module, adapter, student: nn.Module, seq_len: int, teacher_topk: int | None = None) -> float:
-    """Model FLOPs of one training token: teacher forward (k' experts) + student forward and backward."""
-    k = teacher_topk or adapter.top_k(teacher.config)
-    t = 2.0 * (matmul_params(teacher) - inactive_expert_params(teacher, adapter, k)) + attention_flops(teacher.config, seq_len)
+    """Model FLOPs of one training token: teacher forward (k' experts; a dense teacher: all of it) + student forward and backward."""
+    t = 2.0 * (matmul_params(teacher) - _inactive(teacher, adapter, teacher_topk)) + attention_flops(teacher.config, seq_len)
     s = 2.0 * matmul_params(student) + attention_flops(student.config, seq_len)
     return t + 3.0 * s
 

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from m2d_ray.config import DistillConfig
 from m2d_ray.distill.data import train_batches
-from m2d_ray.distill.flops import flops_per_token, matmul_rate
+from m2d_ray.distill.flops import active_params, flops_per_token, matmul_rate
 from m2d_ray.distill.step import DistillStep, all_reduce_sum
 from m2d_ray.evaluate.perplexity import window_nll, windows
 
@@ -89,15 +89,15 @@ def _load_models(job: DistillJob, io: WorkerIO, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     from m2d_ray import storage
-    from m2d_ray.models import load_teacher
+    from m2d_ray.models import load_distill_teacher
 
     if job.build is not None and io.rank == 0 and not storage.exists(job.student):
         storage.save_dir(job.student, job.build)
     if io.world > 1 and dist.is_initialized():
         dist.barrier()  # every rank reads the student rank 0 made
 
-    teacher = load_teacher(job.teacher, dtype=dtype, device=job.device)
-    if job.cfg.teacher_topk is not None:
+    teacher = load_distill_teacher(job.teacher, dtype=dtype, device=job.device)
+    if job.cfg.teacher_topk is not None:  # (an MoE teacher: the D2D baseline's dense one runs with teacher_topk None)
         teacher.adapter.set_top_k(teacher.model, job.cfg.teacher_topk)
     for p in teacher.model.parameters():
         p.requires_grad_(False)
@@ -128,6 +128,8 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
     teacher, student = _load_models(job, io, dtype)
     tokenizer = teacher.tokenizer
     flops = flops_per_token(teacher.model, teacher.adapter, student, cfg.seq_len, cfg.teacher_topk)
+    sizes = {"student_params": sum(p.numel() for p in student.parameters()),  # for the matched-parameter table
+             "teacher_active_params": active_params(teacher.model, teacher.adapter, cfg.teacher_topk)}
     peak = matmul_rate(job.device, dtype)
     trainer = DistillStep(student, teacher.model, cfg, job.device, io.world, dtype)
     step, extra = _restore(io.restore, trainer)
@@ -142,7 +144,7 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
     last, resumed_from, since = {}, step, step
     if step >= cfg.steps:  # the final checkpoint was saved but its report never reached the host (it was killed)
         last = {"step": step, "tokens": step * per_step * cfg.seq_len, **validate(student, win, wmask, io, cfg, job.device),
-                "val_ppl_initial": initial, "lr": trainer.lr, "resumed_from": step, "final": True, "curve": curve}
+                "val_ppl_initial": initial, "lr": trainer.lr, "resumed_from": step, "final": True, "curve": curve, **sizes}
         _finish(student, tokenizer, job, io, last)
         io.report(last, None)
         return last
@@ -162,7 +164,7 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
         tokens_per_s = (step - since) * per_step * cfg.seq_len / max(train_s, 1e-9)
         curve.append([step, last["val_ppl"]])
         last.update({"lr": trainer.lr, "tokens_per_s": tokens_per_s, "mfu": flops * tokens_per_s / (peak * io.world),
-                     "train_s": train_s, "eval_s": eval_s, "resumed_from": resumed_from, "final": step >= cfg.steps, "curve": list(curve)})
+                     "train_s": train_s, "eval_s": eval_s, "resumed_from": resumed_from, "final": step >= cfg.steps, "curve": list(curve), **sizes})
         t0 = time.perf_counter()
         if last["final"]:
             _finish(student, tokenizer, job, io, last)

@@ -3,6 +3,7 @@
     distillation table   one row per promoted pair (+ baselines, teacher): stage-1 ppl, stage-2 outcome,
                          per-benchmark accuracy and the unweighted mean
     marginal effects     mean accuracy per scoring (over groupings) and per grouping (over scorings)
+    matched parameters   best MoE-to-dense student vs the d2d / random-FFN / random-init baselines
     selection overlap    |S_a ∩ S_b| / K between scorings at K = k, averaged over layers
     effective rank       of the selected experts' output Gram, per scoring and K, averaged over layers
 """
@@ -14,8 +15,10 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from m2d_ray.config import SweepConfig, load_config
+from m2d_ray.config import D2D, SweepConfig, load_config
 from m2d_ray.errors import M2DError
+from m2d_ray.sweep.d2d import TEACHER_KEY as D2D_TEACHER
+from m2d_ray.sweep.d2d import search_record
 from m2d_ray.sweep.ledger import Ledger
 
 
@@ -31,6 +34,7 @@ class RunData:
     stage2: dict[str, dict] = field(default_factory=dict)  # key -> ledger record
     stage3: dict[str, dict] = field(default_factory=dict)  # key -> lm-eval result ("teacher" included)
     timings: dict = field(default_factory=dict)
+    d2d: dict | None = None  # RUN_DIR/stage2/d2d/search.json: the D2D candidate search
 
     @property
     def k(self) -> int:
@@ -55,12 +59,13 @@ def load_run(run_dir: str | Path) -> RunData:
     results = run_dir / "stage3" / "results"
     data.stage3 = {p.stem: json.loads(p.read_text()) for p in sorted(results.glob("*.json"))} if results.exists() else {}
     data.timings = read("run.json").get("stages", {}) if (run_dir / "run.json").exists() else {}
+    data.d2d = search_record(run_dir)
     return data
 
 
 def distill_rows(data: RunData) -> list[dict]:
     """Promoted pairs in grid order (those of `stage2.pairs` when it names some), then the baselines, then
-    the teacher; accuracies where measured."""
+    the teacher (and the d2d baseline's dense teacher); accuracies where measured."""
     g, only = data.cfg.grid, data.cfg.stage2.pairs
     rows = []
     for s in g.scoring:
@@ -70,13 +75,35 @@ def distill_rows(data: RunData) -> list[dict]:
                 rows.append({"kind": "student", "scoring": s, "grouping": gr, "K": p["K"], "scaling": p["scaling"], "stage1_ppl": p["ppl"], "key": p["key"]})
     for b in data.cfg.stage2.baselines:
         rows.append({"kind": "baseline", "scoring": b, "grouping": "", "K": None, "scaling": "", "stage1_ppl": None, "key": f"baseline-{b}"})
-    rows.append({"kind": "teacher", "scoring": "teacher", "grouping": "", "K": None, "scaling": "", "stage1_ppl": None, "key": "teacher"})
+    teachers = [("teacher", "teacher")] + ([("dense teacher", D2D_TEACHER)] if D2D in data.cfg.stage2.baselines else [])
+    rows += [{"kind": "teacher", "scoring": name, "grouping": "", "K": None, "scaling": "", "stage1_ppl": None, "key": key} for name, key in teachers]
     for r in rows:
         s2 = data.stage2.get(r["key"], {})
         s3 = data.stage3.get(r["key"], {})
         r.update(status=s2.get("status", "-" if r["kind"] == "teacher" else "not distilled"), steps=s2.get("steps"), val_ppl=s2.get("val_ppl"),
+                 student_params=s2.get("student_params"), teacher_active_params=s2.get("teacher_active_params"), tokens_per_s=s2.get("tokens_per_s"),
                  acc={t: v.get("score") for t, v in s3.get("tasks", {}).items()}, mean=s3.get("mean"), eval=s3.get("status", "-"))
     return rows
+
+
+MATCHED_BASELINES = (D2D, "random-ffn", "random-init")
+
+
+def matched_rows(data: RunData, rows: list[dict]) -> list[dict]:
+    """The matched-parameter comparison: the best MoE-to-dense student (highest stage-3 mean accuracy; without
+    accuracies, lowest final validation perplexity), then the d2d, random-FFN and random-init baselines of the run;
+    each with its seconds per training step (tokens per step / the last interval's tokens/s)."""
+    def rank(r: dict) -> tuple:
+        return (r["mean"] is not None, r["mean"] or 0.0, -(r["val_ppl"] or math.inf))
+
+    students = [r for r in rows if r["kind"] == "student" and r["status"] in ("ok", "pruned")]
+    picked = ([{**max(students, key=rank), "label": "best MoE-to-dense"}] if students else [])
+    picked += [{**r, "label": r["scoring"]} for b in MATCHED_BASELINES for r in rows if r["kind"] == "baseline" and r["scoring"] == b]
+    d = data.cfg.distill
+    per_step = d.batch_size * d.grad_accum * d.workers * d.seq_len
+    for r in picked:
+        r["s_per_step"] = per_step / r["tokens_per_s"] if r.get("tokens_per_s") else None
+    return picked
 
 
 def outcome(data: RunData) -> dict:

@@ -2,7 +2,9 @@
 
     pre-distillation perplexity grid     stage1.csv/.md + stage1_heatmap.png (the paper's layout)
     distillation table                   distill.csv/.md: per pair (K, scaling, stage-1 ppl, val ppl, accuracies, mean)
-                                         + baseline and teacher rows
+                                         + baseline and teacher rows (+ the d2d baseline's dense teacher)
+    matched parameters                   matched.csv/.md: best MoE-to-dense student vs d2d / random FFN / random init
+    D2D candidate search                 d2d_candidates.csv/.md (with the d2d baseline): the paper's D2D table
     marginal effect of each design axis  marginal.png (mean accuracy per scoring and per grouping)
     selection overlap at K = k           overlap.csv/.md + overlap.png
     effective rank per scoring           erank.csv/.md + erank.png
@@ -18,8 +20,8 @@ import time
 from pathlib import Path
 
 from m2d_ray.artifacts import atomic_dir, write_text_atomic
-from m2d_ray.report.analysis import (RunData, distill_rows, erank_table, load_run, marginal, outcome, outcome_line, overlap, selections,
-                                     val_loss_curves)
+from m2d_ray.report.analysis import (RunData, distill_rows, erank_table, load_run, marginal, matched_rows, outcome, outcome_line, overlap,
+                                     selections, val_loss_curves)
 from m2d_ray.report.figures import pyplot, save
 from m2d_ray.report.stage1 import heatmap, write_tables
 
@@ -70,6 +72,30 @@ def distill_table(data: RunData, rows: list[dict]) -> Table:
                  "Students stopped early by ASHA were not exported and have no accuracy.")
 
 
+def matched_table(data: RunData, rows: list[dict]) -> Table:
+    body = [[r["label"], r["key"], r["student_params"], r["teacher_active_params"], r["s_per_step"], r["tokens_per_s"], r["val_ppl"], r["mean"]]
+            for r in matched_rows(data, rows)]
+    return Table("matched", ["student", "key", "student params", "teacher active params", "s / training step", "tokens/s",
+                             "final val ppl", "stage-3 mean acc"], body,
+                 "Every student distilled with the same budget (distill.*); d2d from its dense teacher, the others from the MoE teacher. "
+                 "Best MoE-to-dense: highest stage-3 mean accuracy (else lowest final val ppl). Parameters: model.parameters() "
+                 "(tied embeddings once); teacher active: all but the experts a token skips. s / step and tokens/s: the last "
+                 "validation interval's training time only.")
+
+
+def d2d_table(data: RunData) -> Table:
+    """The D2D candidate search in the paper's layout: one row per pruned shape at the budget, the promoted one marked."""
+    rows = (data.d2d or {}).get("rows", [])
+    body = [[r["candidate"], r["kind"], r["hidden"], r["ffn"], f"{r['heads']} ({r['kv_heads']})", r["layers"], r["params"],
+             f"{r['params_vs_target']:+.2%}", r["ppl"], "yes" if r["best"] else ""] for r in rows]
+    d = data.d2d or {}
+    note = (f"Minitron pruning of {d.get('teacher')} to {d.get('target', 0):,} parameters (the MoE teacher's K = k student); "
+            f"importance on {d.get('calib_tokens', 0):,} tokens of {d.get('calib_data')}, perplexity before distillation on "
+            f"{d.get('eval_data')}; the lowest is promoted and distilled.") if rows else ""
+    return Table("d2d_candidates", ["candidate", "kind", "d", "FFN", "heads (KV)", "layers", "params", "vs budget", "ppl before distillation",
+                                    "promoted"], body, note)
+
+
 def overlap_table(data: RunData) -> Table:
     ov = overlap(selections(data, data.k), data.k)
     names = list(ov)
@@ -95,7 +121,7 @@ def marginal_figure(data: RunData, rows: list[dict], path: Path) -> Path | None:
         bars = ax.bar([v.upper() for v in vals], list(vals.values()), color="#4c72b0")
         ax.bar_label(bars, fmt="%.3f", fontsize=7)  # the differences are small next to the baselines
         for name, acc in refs.items():
-            ax.axhline(acc, linestyle="--", linewidth=1, color="#c44e52" if name == "teacher" else "#888888")
+            ax.axhline(acc, linestyle="--", linewidth=1, color="#c44e52" if "teacher" in name else "#888888")
             ax.text(len(vals) - 0.5, acc, f" {name}", va="bottom", ha="right", fontsize=7)
         ax.set_title(f"mean accuracy per {axis}", fontsize=9)
         ax.tick_params(axis="x", labelsize=7)
@@ -170,9 +196,11 @@ def write_report(run_dir: str | Path) -> Path:
         order = {"scoring": list(g.scoring), "grouping": list(g.grouping), "scaling": list(g.scaling)}
         write_tables(data.stage1, order, out)
         rows = distill_rows(data)
-        tables = {"distill": distill_table(data, rows), "overlap": overlap_table(data), "erank": erank_tables(data)}
-        for t in tables.values():
-            t.write(out)
+        tables = {"distill": distill_table(data, rows), "matched": matched_table(data, rows), "d2d": d2d_table(data),
+                  "overlap": overlap_table(data), "erank": erank_tables(data)}
+        for name, t in tables.items():
+            if t.rows or name != "d2d":  # the candidate table only in a run with the d2d baseline
+                t.write(out)
         figs = {
             "grid": heatmap(data.stage1, order, out / "stage1_heatmap.png", title=f"stage 1: pre-distillation perplexity, k={data.k}"),
             "marginal": marginal_figure(data, rows, out / "marginal.png"),
@@ -195,6 +223,8 @@ def _page(data: RunData, tables: dict[str, Table], figs: dict[str, Path | None],
     sections = [
         ("Stage 1: pre-distillation perplexity", f"<p class='meta'>{html.escape(p['criterion'])}</p>{stage1}{_img(figs['grid'], 'perplexity grid')}"),
         ("Stage 2 + 3: distilled students", tables["distill"].html() + _img(figs["marginal"], "marginal effect of scoring and grouping")),
+        ("Matched parameters: MoE-to-dense against the baselines", tables["matched"].html()),
+        *([("Dense-to-dense (Minitron) candidate search", tables["d2d"].html())] if tables["d2d"].rows else []),
         ("Validation loss during distillation", _img(figs["curves"], "validation-loss curves")),
         (f"Selection overlap between scorings at K = k = {data.k}", tables["overlap"].html() + _img(figs["overlap"], "overlap matrix")),
         ("Effective rank of the selected experts", tables["erank"].html() + _img(figs["erank"], "effective rank per scoring")),

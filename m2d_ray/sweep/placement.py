@@ -2,9 +2,10 @@
 
 Workers may run on nodes that do not see the driver's disk. So a run's storage must be reachable from
 every node (checked: a probe written by the driver must be readable by a task on each node), and the
-teacher must be a hub name (each node fetches it), a storage URL (each node reads it through its
-cache) or the embedded teacher (installed with the package). A teacher directory on the driver's disk
-is copied into the run's storage once when the run uses a Ray cluster, and read from there.
+teacher must be a hub name (each node fetches it), a storage URL (each node reads it through its cache)
+or an embedded teacher (installed with the package: the MoE one and its dense twin). A teacher directory
+on the driver's disk is copied into the run's storage once when the run uses a Ray cluster, and read
+from there.
 """
 
 from __future__ import annotations
@@ -74,10 +75,10 @@ def check_visible(url: str) -> None:
 def teacher_for_workers(model: str, url: str) -> str:
     """How Ray workers reach the teacher: a hub name, a storage URL or the embedded teacher as they are; a
     directory on the driver's disk as is on a one-machine Ray, else copied into the storage once."""
-    from m2d_ray.models import default_teacher
+    from m2d_ray.models import is_embedded
 
     path = Path(model).expanduser()
-    if storage.is_remote(model) or not path.exists() or model == default_teacher() or not on_cluster():
+    if storage.is_remote(model) or not path.exists() or is_embedded(model) or not on_cluster():
         return model
     if not storage.is_remote(url) and storage.filesystem(url)[1] in (str(path.resolve()), *map(str, path.resolve().parents)):
         return model  # already inside the (shared) storage

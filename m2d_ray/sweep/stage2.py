@@ -9,7 +9,8 @@
     storage (every node reaches it)         STORAGE/stage2/{init,students,train,tune}/ (default STORAGE = RUN_DIR)
 
 Nothing a worker reads comes from the driver's disk: plans travel with the trial (object store), the
-teacher is a hub name, a storage URL or the embedded one (placement.teacher_for_workers). Resume (`m2d
+teacher is a hub name, a storage URL or the embedded one (placement.teacher_for_workers). The d2d
+baseline (sweep/d2d.py) is searched by a Ray task first; its promoted spec travels with its trial. Resume (`m2d
 run --resume`) skips students in the ledger and retries failed ones; an unfinished or failed student
 continues from its last checkpoint (same Train run name and storage).
 """
@@ -29,10 +30,12 @@ from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
 from m2d_ray import storage
-from m2d_ray.config import SweepConfig, dump_config, load_config
+from m2d_ray.config import D2D, SweepConfig, dump_config, load_config
 from m2d_ray.console import say
 from m2d_ray.distill.data import absolute_spec, check_source
 from m2d_ray.errors import M2DError, RunFailed
+from m2d_ray.prune.prune import PrunedSpec
+from m2d_ray.sweep.d2d import check_dense_teacher, d2d_student, dense_teacher
 from m2d_ray.sweep.ledger import Ledger
 from m2d_ray.sweep.placement import check_visible, run_storage, teacher_for_workers
 from m2d_ray.sweep.ray_env import ensure_ray, trial_error
@@ -90,9 +93,10 @@ class StopCheck:
         return ray.get(self.board.stopped.remote(self.key))
 
 
-def stage2_trainable(config: dict, *, model: str, store: str, plans: dict, cfg: SweepConfig, board) -> None:
+def stage2_trainable(config: dict, *, model: str, store: str, plans: dict, cfg: SweepConfig, board, d2d: PrunedSpec | None = None) -> None:
     """One student: a TorchTrainer whose rank 0 builds the initial student into the run's storage (once)
-    and whose workers read it back through their node's cache; the distilled student goes to storage too."""
+    and whose workers read it back through their node's cache; the distilled student goes to storage too.
+    The d2d baseline (`d2d`: its promoted `PrunedSpec`) is built by pruning and distilled from its dense teacher."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     from m2d_ray.convert.initial import InitialStudent
@@ -104,9 +108,13 @@ def stage2_trainable(config: dict, *, model: str, store: str, plans: dict, cfg: 
     if s.key in cfg.faults.raise_in:
         raise InjectedFault(f"injected failure in {s.key} (faults.raise_in)")
     base = storage.join(store, STAGE2_DIR)
-    build = InitialStudent(model, None if s.baseline else plan_of(plans, s.key), s.baseline, cfg.distill.seed)
+    teacher, distill = model, cfg.distill
+    if s.baseline == D2D:  # same budget; a dense teacher has no routing to expand
+        teacher, distill, build = d2d.teacher, dataclasses.replace(cfg.distill, teacher_topk=None), d2d
+    else:
+        build = InitialStudent(model, None if s.baseline else plan_of(plans, s.key), s.baseline, cfg.distill.seed)
     device = "cuda" if cfg.distill.gpus_per_worker > 0 else "cpu"
-    job = DistillJob(model, storage.join(base, "init", s.key), cfg.distill, cfg.distill.eval_data or cfg.eval.data,
+    job = DistillJob(teacher, storage.join(base, "init", s.key), distill, cfg.distill.eval_data or cfg.eval.data,
                      out=storage.join(base, "students", s.key), device=device, stop=StopCheck(board, s.key), build=build)
     fit(job, name=s.key, storage=storage.join(base, "train"), callbacks=[TuneReportCallback()], max_failures=cfg.ray.max_failures)
 
@@ -152,6 +160,7 @@ class Recorder(tune.Callback):
             "val_ppl_initial": last.get("val_ppl_initial"), "val_ppl": _finite(last.get("val_ppl")),
             "best_val_ppl": min((p for _, p in full[1:] if _finite(p) is not None), default=None),
             "tokens_per_s": last.get("tokens_per_s"), "student_path": last.get("student_path"),
+            "student_params": last.get("student_params"), "teacher_active_params": last.get("teacher_active_params"),
             "curve": [[s, _finite(p)] for s, p in full],  # from step 0, across resumes
         }
         self.ledger.write(r)
@@ -270,11 +279,16 @@ def run_stage2(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None =
 
         check_source(cfg.distill.train_data)
         check_teacher_topk(model, cfg.distill.teacher_topk)
+        with_d2d = any(s.baseline == D2D for s in pending)
+        if with_d2d:
+            check_dense_teacher(dense_teacher(cfg))
         ensure_ray(cfg.ray)
         store = run_storage(cfg, run_dir)
         check_visible(store)
         plans = {} if all(s.baseline for s in pending) else json.loads((run_dir / "plans.json").read_text())["plans"]
-        _tune(cfg, teacher_for_workers(model, store), store, plans, run_dir, pending, Recorder({s.key: s for s in pending}, ledger, tracker, parent))
+        workers_model = teacher_for_workers(model, store)
+        d2d = d2d_student(cfg, run_dir, workers_model, teacher_for_workers(dense_teacher(cfg), store)) if with_d2d else None
+        _tune(cfg, workers_model, store, plans, run_dir, pending, Recorder({s.key: s for s in pending}, ledger, tracker, parent), d2d)
     records = ledger.records()
     from m2d_ray.report.stage2 import write_stage2
 
@@ -284,9 +298,10 @@ def run_stage2(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None =
     return records
 
 
-def _tune(cfg: SweepConfig, model: str, store: str, plans: dict, run_dir: Path, pending: list[Student], recorder: Recorder) -> None:
+def _tune(cfg: SweepConfig, model: str, store: str, plans: dict, run_dir: Path, pending: list[Student], recorder: Recorder,
+          d2d: PrunedSpec | None) -> None:
     board = StopBoard.remote()
-    trainable = tune.with_parameters(stage2_trainable, model=model, store=store, plans=plans, cfg=cfg, board=board)
+    trainable = tune.with_parameters(stage2_trainable, model=model, store=store, plans=plans, cfg=cfg, board=board, d2d=d2d)
     tuner = tune.Tuner(
         tune.with_resources(trainable, {"cpu": 0.5}),
         param_space={"student": tune.grid_search([s.params() for s in pending])},

@@ -20,10 +20,12 @@ from pathlib import Path
 import ray
 
 from m2d_ray.artifacts import write_json_atomic
-from m2d_ray.config import SweepConfig, Stage3Config
+from m2d_ray.config import D2D, SweepConfig, Stage3Config
 from m2d_ray.console import say
 from m2d_ray.errors import M2DError
 from m2d_ray import storage
+from m2d_ray.sweep.d2d import TEACHER_KEY as D2D_TEACHER
+from m2d_ray.sweep.d2d import dense_teacher
 from m2d_ray.sweep.ledger import Ledger
 from m2d_ray.sweep.placement import run_storage, teacher_for_workers
 from m2d_ray.sweep.ray_env import ensure_ray
@@ -34,16 +36,18 @@ STAGE3_DIR, SUITE_FILE, TEACHER_KEY = "stage3", "suite.json", "teacher"
 
 @dataclass(frozen=True)
 class EvalJob:
-    key: str  # the stage-2 key, or "teacher"
+    key: str  # the stage-2 key, "teacher", or "teacher-d2d" (the d2d baseline's dense teacher)
     pair: str  # "scoring/grouping", a baseline's name, or "teacher"
     model: str  # absolute model directory (or hub name for the teacher)
 
 
-def jobs(run_dir: Path, teacher: str, with_teacher: bool) -> list[EvalJob]:
-    """The models to evaluate: stage-2 students that were exported (to the run's storage), then the teacher."""
+def jobs(run_dir: Path, teacher: str, with_teacher: bool, dense: str | None = None) -> list[EvalJob]:
+    """The models to evaluate: stage-2 students that were exported (to the run's storage), then the teacher
+    and, with the d2d baseline, its dense teacher (`dense`)."""
     records = Ledger(run_dir / "stage2").records() if (run_dir / "stage2" / "trials").exists() else []
     out = [EvalJob(r["key"], r["pair"], r["student_path"]) for r in records if r.get("student_path") and storage.exists(r["student_path"])]
-    return out + ([EvalJob(TEACHER_KEY, TEACHER_KEY, teacher)] if with_teacher else [])
+    teachers = [EvalJob(TEACHER_KEY, TEACHER_KEY, teacher)] + ([EvalJob(D2D_TEACHER, D2D_TEACHER, dense)] if dense else [])
+    return out + (teachers if with_teacher else [])
 
 
 @ray.remote
@@ -112,7 +116,7 @@ def run_stage3(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None =
     results = base / "results"
     results.mkdir(parents=True, exist_ok=True)
     teacher = json.loads(prom.read_text())["teacher"]
-    todo = jobs(run_dir, teacher, c.teacher)
+    todo = jobs(run_dir, teacher, c.teacher, dense_teacher(cfg) if D2D in cfg.stage2.baselines else None)
     done = {p.stem: json.loads(p.read_text()) for p in results.glob("*.json")}
     pending = [j for j in todo if done.get(j.key, {}).get("status") != "ok"]  # a failed model is tried again
     retried = sum(j.key in done for j in pending)
@@ -126,12 +130,12 @@ def run_stage3(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None =
     if pending:
         ensure_ray(cfg.ray)
         store = run_storage(cfg, run_dir)
-        teacher_ref = teacher_for_workers(teacher, store)
         gpus = _gpus(cfg)
         device = "cuda" if gpus > 0 else "cpu"
         opts = {"num_cpus": c.cpus_per_task, "num_gpus": gpus, "max_retries": cfg.ray.max_failures}
         text = Path(suite["text"]).read_bytes() if suite["text"] else None
-        refs = {_evaluate_task.options(**opts).remote(teacher_ref if j.key == TEACHER_KEY else j.model, suite["tasks"], asdict(c), device, text): j
+        teachers = {j.key: teacher_for_workers(j.model, store) for j in pending if j.key in (TEACHER_KEY, D2D_TEACHER)}
+        refs = {_evaluate_task.options(**opts).remote(teachers.get(j.key, j.model), suite["tasks"], asdict(c), device, text): j
                 for j in pending}
         while refs:
             ready, _ = ray.wait(list(refs), num_returns=1)

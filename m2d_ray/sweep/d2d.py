@@ -1,0 +1,110 @@
+"""The dense-to-dense (Minitron) baseline of stage 2 (`stage2.baselines: [..., d2d]`).
+
+    driver                      checks the dense teacher (config, family, files) before any work
+    one Ray task (any node)     importance on the run's calibration data, the candidate search at the
+                                K = k student's parameter count, scored by pre-distillation perplexity on
+                                the run's evaluation data (prune/search.py); returns the candidate rows and
+                                the promoted candidate as a `PrunedSpec` (sizes + importance: small)
+    driver                      RUN_DIR/stage2/d2d/: search.json, importance.safetensors, candidates.csv/.md
+                                (the paper's D2D table; resume reuses them instead of searching again)
+    the stage-2 trial           rank 0 builds the promoted student from the spec into the run's storage,
+                                and it is distilled from the dense teacher with the same budget as every
+                                other student (distill.teacher_topk does not apply: a dense teacher has no routing)
+
+Nothing crosses nodes through the driver's disk: the teacher goes as `placement.teacher_for_workers`
+gives it, the spec travels with the trial (object store).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import ray
+
+from m2d_ray.arch.dense import DenseSizes
+from m2d_ray.artifacts import write_json_atomic, write_text_atomic
+from m2d_ray.config import CalibConfig, EvalConfig, SweepConfig
+from m2d_ray.console import say
+from m2d_ray.distill.data import absolute_spec
+from m2d_ray.errors import M2DError, RunFailed
+from m2d_ray.prune.export import IMPORTANCE_FILE, candidates_table
+from m2d_ray.prune.importance import Importance
+from m2d_ray.prune.prune import PrunedSpec
+
+D2D_DIR, SEARCH_FILE = "d2d", "search.json"
+TEACHER_KEY = "teacher-d2d"  # stage 3's key of the dense teacher (the D2D row's reference)
+
+
+def dense_teacher(cfg: SweepConfig) -> str:
+    """The D2D baseline's teacher: `stage2.d2d_teacher`, else the embedded MoE teacher's dense twin."""
+    from m2d_ray.models import default_dense_teacher
+
+    return cfg.stage2.d2d_teacher or default_dense_teacher()
+
+
+def check_dense_teacher(name: str) -> None:
+    """From its config and files alone: a dense model the pruning supports."""
+    from m2d_ray.arch.dense import get_dense_adapter
+    from m2d_ray.checkpoint import check_files
+    from m2d_ray.models import load_config
+
+    get_dense_adapter(load_config(name))
+    check_files(name, "teacher")
+
+
+@ray.remote
+def _search_task(dense: str, moe: str, calib: CalibConfig, ev: EvalConfig, device: str, threads: int) -> dict:
+    """On any node: the candidate search of `dense` at the parameters of `moe`'s K = k student."""
+    import torch
+
+    from m2d_ray.models import load_model
+    from m2d_ray.prune.command import data_specs, load_tokens
+    from m2d_ray.prune.search import moe_student_params, search
+
+    torch.set_num_threads(threads)
+    target = moe_student_params(moe)
+    calib_spec, eval_spec = data_specs(dense, calib.data, ev.data, scored=True)
+    model, tokenizer = load_model(dense, device=device, what="teacher")
+    spec, tokens, eval_ids = load_tokens(dense, tokenizer, calib_spec, eval_spec, calib.seq_len, calib.max_tokens, ev.max_chars)
+    res = search(dense, tokens, target, eval_ids, model=model, seq_len=ev.seq_len, batch_size=ev.batch_size, device=device)
+    return {"rows": res.rows, "spec": res.best, "target": target, "calib_data": spec, "calib_tokens": tokens.n_tokens, "eval_data": eval_spec}
+
+
+def d2d_student(cfg: SweepConfig, run_dir: Path, moe: str, dense: str) -> PrunedSpec:
+    """The promoted D2D candidate of this run (`moe`, `dense`: the teachers as workers reach them): searched
+    once on Ray, its record kept in RUN_DIR/stage2/d2d/ and reused on resume."""
+    base = run_dir / "stage2" / D2D_DIR
+    if (base / SEARCH_FILE).exists():
+        saved = json.loads((base / SEARCH_FILE).read_text())
+        return PrunedSpec(dense, DenseSizes(**saved["sizes"]), Importance.load(base / IMPORTANCE_FILE), saved["candidate"])
+    say(f"stage 2: d2d: pruning {dense_teacher(cfg)} to the K = k student's parameter count (candidate search)")
+    gpus = 1.0 if cfg.distill.gpus_per_worker > 0 else 0.0
+    task = _search_task.options(num_cpus=cfg.distill.cpus_per_worker, num_gpus=gpus, max_retries=cfg.ray.max_failures)
+    calib, ev = replace(cfg.calib, data=absolute_spec(cfg.calib.data)), replace(cfg.eval, data=absolute_spec(cfg.eval.data))
+    try:
+        out = ray.get(task.remote(dense, moe, calib, ev, "cuda" if gpus else "cpu", cfg.distill.threads_per_worker))
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, M2DError):
+            raise exc.cause from None
+        raise RunFailed(f"the d2d candidate search failed ({type(exc.cause).__name__}: {str(exc.cause).splitlines()[0][:200]}); "
+                        f"fix it and resume: m2d run --resume {run_dir}") from None
+    spec: PrunedSpec = out["spec"]
+    for r in out["rows"]:
+        say(f"stage 2: d2d candidate {r['candidate']} ({r['kind']}): {r['params']:,} parameters, pre-distillation ppl "
+            + ("diverged" if r["diverged"] else f"{r['ppl']:.3f}") + (" <- promoted" if r["best"] else ""))
+    base.mkdir(parents=True, exist_ok=True)
+    spec.importance.save(base / IMPORTANCE_FILE)
+    table_csv, table_md = candidates_table(out["rows"])
+    write_text_atomic(base / "candidates.csv", table_csv)
+    write_text_atomic(base / "candidates.md", table_md)
+    record = {k: out[k] for k in ("rows", "target", "calib_data", "calib_tokens", "eval_data")}
+    write_json_atomic(base / SEARCH_FILE, {**record, "teacher": dense_teacher(cfg), "candidate": spec.name, "sizes": spec.sizes.to_json()})  # last
+    return spec
+
+
+def search_record(run_dir: Path) -> dict | None:
+    """RUN_DIR/stage2/d2d/search.json (for the report), or None before the search."""
+    path = Path(run_dir) / "stage2" / D2D_DIR / SEARCH_FILE
+    return json.loads(path.read_text()) if path.exists() else None
