@@ -258,9 +258,13 @@ class MoEAdapter:
         for block in self.moe_blocks(model).values():
             self.router(block).top_k = k
 
+    def expert_module(self, block: nn.Module) -> nn.Module:
+        """The submodule holding the block's fused expert tensors (every one has leading dimension E)."""
+        return block.experts
+
     def experts(self, block: nn.Module) -> ExpertWeights:
         """Fused transformers-5 layout: gate_up_proj [E, 2I, d] (gate first), down_proj [E, d, I]."""
-        ex = block.experts
+        ex = self.expert_module(block)
         gate, up = ex.gate_up_proj.detach().chunk(2, dim=1)
         return ExpertWeights(gate=gate, up=up, down=ex.down_proj.detach(), act=self.activation(block))
 
@@ -278,6 +282,19 @@ class MoEAdapter:
         """The model's own MoE block output for hidden states [B, S, d] (parity tests)."""
         out = block(h)
         return out[0] if isinstance(out, tuple) else out
+
+    # ---- checkpoint layout (read lazily by m2d_ray/weights.py) ----------------------------
+    #: per-expert checkpoint keys of each fused expert tensor, relative to the experts module (`{e}` =
+    #: expert id): stacked over experts, then concatenated along dim 1, as transformers fuses them on
+    #: load. transformers-5 `save_pretrained` and the hub store experts this way for most families.
+    per_expert_keys: ClassVar[dict[str, tuple[str, ...]]] = {
+        "gate_up_proj": ("{e}.gate_proj.weight", "{e}.up_proj.weight"),
+        "down_proj": ("{e}.down_proj.weight",),
+    }
+
+    def checkpoint_names(self, name: str) -> tuple[str, ...]:
+        """Names the in-memory tensor `name` may have in a checkpoint (the first one present is read)."""
+        return (name,)
 
     # ---- student -----------------------------------------------------------------------
     def student_config(self, config, width: int):
