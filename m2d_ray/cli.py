@@ -29,6 +29,10 @@ def _add_calib(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=_positive, default=32768, help="calibration tokens (default 32768)")
     p.add_argument("--seq-len", type=_positive, default=256, help="calibration sequence length (default 256)")
     p.add_argument("--batch-size", type=_positive, default=8)
+    p.add_argument("--max-memory", default=None, help="memory the teacher may take on the device, e.g. 40GB; a bigger teacher is "
+                   "streamed layer by layer (default: the device's free memory)")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="force (--stream) or forbid (--no-stream) layer-streamed calibration")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from m2d_ray import pipeline
 
-        calib = {k: getattr(args, k) for k in ("max_tokens", "seq_len", "batch_size") if hasattr(args, k)}
+        calib = {k: getattr(args, k) for k in ("max_tokens", "seq_len", "batch_size", "max_memory", "stream") if hasattr(args, k)}
         if args.command == "calibrate":
             _, art, reused = pipeline.run_calibrate(args.model, args.calib_data, args.out, device=args.device, **calib)
             m = art.manifest

@@ -26,6 +26,8 @@ class CalibConfig:
     max_tokens: int = 32768
     seq_len: int = 256
     batch_size: int = 8
+    stream: bool | None = None  # layer-streamed calibration; None = when the teacher does not fit max_memory
+    max_memory: str | None = None  # e.g. 40GB per calibration actor's device (default: its free memory)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ from m2d_ray.convert.plan import check_K, check_methods
 from m2d_ray.data.text import calibration_set, load_text, tokenize
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.perplexity import Perplexity, perplexity
-from m2d_ray.models import Teacher, default_teacher, load_teacher
+from m2d_ray.models import Teacher, default_teacher
+from m2d_ray.weights import LazyTeacher, open_teacher
 
 #: defaults of the embedded teacher's corpus; other teachers calibrate on WikiText (as the paper)
 EMBEDDED_CALIB, EMBEDDED_EVAL = "synthetic:valid", "synthetic:test"
@@ -69,16 +70,20 @@ def run_calibrate(
     seq_len: int = 256,
     batch_size: int = 8,
     device: str | None = None,
-    teacher: Teacher | None = None,
-) -> tuple[Teacher, StatsArtifact, bool]:
-    """Stage 0: the statistics artifact (reused when `out` already matches)."""
-    teacher = teacher or load_teacher(model, device=device or device_default())
+    teacher: Teacher | LazyTeacher | None = None,
+    stream: bool | None = None,
+    max_memory: str | None = None,
+) -> tuple[Teacher | LazyTeacher, StatsArtifact, bool]:
+    """Stage 0: the statistics artifact (reused when `out` already matches); the teacher is streamed layer
+    by layer when `stream` is set or it does not fit `max_memory` (default: the device's free memory)."""
+    device = device or device_default()
+    teacher = teacher or open_teacher(model, device=device)
     spec, tokens = calibration_tokens(teacher.tokenizer, calib_data, model, seq_len, max_tokens)
-    art, reused = calibrate(teacher, tokens, spec, out=out, batch_size=batch_size)
+    art, reused = calibrate(teacher, tokens, spec, out=out, batch_size=batch_size, device=device, stream=stream, max_memory=max_memory)
     return teacher, art, reused
 
 
-def load_or_calibrate(teacher: Teacher, stats: str | None, calib_data: str | None, model: str | None, **kw) -> StatsArtifact:
+def load_or_calibrate(teacher: Teacher | LazyTeacher, stats: str | None, calib_data: str | None, model: str | None, **kw) -> StatsArtifact:
     """--stats DIR alone loads it; with --calib-data it is (re)computed into DIR when it doesn't match."""
     if stats and not calib_data:
         art = load_stats(stats)
@@ -112,7 +117,7 @@ def convert_one(
         BASELINES.check(baseline)
     else:
         check_methods(scoring, grouping, scaling)
-    teacher = load_teacher(model, device=device or device_default())
+    teacher = open_teacher(model, device=device or device_default())  # weights read as the student needs them
     adapter, config = teacher.adapter, teacher.config
     k, E = adapter.top_k(config), adapter.num_experts(config)
     K = k if K is None else K
@@ -139,7 +144,7 @@ def convert_one(
         )
     result.update(dense_class=type(student).__name__, out=str(out))
     if eval_data:
-        result["perplexity"] = evaluate_ppl(student, teacher.tokenizer, eval_data).to_json()
+        result["perplexity"] = evaluate_ppl(student.to(device or device_default()), teacher.tokenizer, eval_data).to_json()
     return result
 
 
@@ -247,7 +252,7 @@ def distill_one(
         raise M2DError(f"{out} already holds a finished distillation ({out / 'result.json'}); choose another --out")
     teacher = str(Path(teacher).expanduser().resolve()) if teacher and Path(teacher).expanduser().exists() else (teacher or default_teacher())
     if student in BASELINES:
-        student_dir = materialize(load_teacher(teacher), out / "init", baseline=student, seed=cfg.seed)
+        student_dir = materialize(open_teacher(teacher), out / "init", baseline=student, seed=cfg.seed)
     else:
         student_dir = Path(student).expanduser().resolve()
         if not (student_dir / "config.json").exists():

@@ -128,6 +128,10 @@ class LazyTeacher:
     def dtype(self) -> torch.dtype:
         return next(self.skeleton.parameters()).dtype
 
+    def nbytes(self) -> int:
+        """Bytes of the whole teacher in its model dtype (from the checkpoint headers; nothing is read)."""
+        return sum(t.numel() * t.element_size() for t in {id(t): t for t in self._targets.values()}.values())
+
     def fingerprint(self) -> dict:
         return model_fingerprint(self.name, self.config)
 
@@ -229,6 +233,10 @@ class LazyTeacher:
             if at != out.shape[1]:
                 raise M2DError(f"checkpoint {self.checkpoint.dir}: per-expert tensors {parts} of expert {e} do not fill {list(target.shape)}")
         return out
+
+    def name_of(self, module: nn.Module) -> str:
+        """Qualified name of a skeleton module (what `module` materialises)."""
+        return self._names[module]
 
     def _relative(self, module: nn.Module, parent: nn.Module) -> str:
         return self._names[module].removeprefix(self._names[parent] + ".") + "."

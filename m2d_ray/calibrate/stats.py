@@ -111,7 +111,7 @@ def layer_stats(adapter: MoEAdapter, block: torch.nn.Module, h: Tensor, weights:
     st = routing_stats(adapter.route(block, h), weights.num_experts)
     shared = adapter.shared(block)
     if shared is not None and shared.gate is not None:
-        st.shared_gate += shared.scale(h.float()).double().sum()
+        st.shared_gate += shared.scale(h.double()).sum()  # float64: a sum of T gates
     st.gram += output_gram(weights, h)
     return st
 

@@ -67,8 +67,8 @@ def stage2_trainable(config: dict, *, run_dir: str, model: str, cfg: SweepConfig
     from m2d_ray.convert.initial import materialize
     from m2d_ray.distill.loop import DistillJob
     from m2d_ray.distill.trainer import fit
-    from m2d_ray.models import load_teacher
     from m2d_ray.sweep.grid import plan_of
+    from m2d_ray.weights import open_teacher
 
     torch.set_num_threads(cfg.ray.threads_per_worker)
     s = Student(**config["student"])
@@ -77,7 +77,7 @@ def stage2_trainable(config: dict, *, run_dir: str, model: str, cfg: SweepConfig
     base = Path(run_dir) / STAGE2_DIR
     init = base / "init" / s.key
     if not (init / "config.json").exists():
-        teacher = load_teacher(model)
+        teacher = open_teacher(model)  # reads only what the initial student is made of
         plan = None if s.baseline else plan_of(json.loads((Path(run_dir) / "plans.json").read_text())["plans"], s.key)
         materialize(teacher, init, plan=plan, baseline=s.baseline, seed=cfg.distill.seed)
         del teacher
