@@ -93,7 +93,7 @@ class Shard:
 
 
 class Checkpoint:
-    """Every tensor of a model directory's safetensors shards, by name (shards opened on first use)."""
+    """Every tensor of a model directory's safetensors shards, by name (every shard's header checked on open)."""
 
     def __init__(self, directory: str | Path) -> None:
         self.dir = Path(directory)
@@ -110,6 +110,8 @@ class Checkpoint:
             if not files:
                 raise M2DError(f"{self.dir} holds no *.safetensors weights; save the model with save_pretrained (safetensors) first")
             self._file_of = {name: f.name for f in files for name in self._shard(f.name).entries}
+        for file in sorted(set(self._file_of.values())):  # fail now, naming the file, not in the middle of a build
+            self._shard(file)
 
     def _shard(self, file: str) -> Shard:
         if file not in self._shards:
