@@ -93,14 +93,22 @@ def expert_hidden(w: ExpertWeights, h: Tensor) -> Tensor:
     single large one, which is what makes all-expert calibration fast.
     """
     E, I, d = w.gate.shape
-    w1 = torch.cat([w.gate, w.up], dim=1).reshape(E * 2 * I, d)
-    x = F.linear(h, w1).view(h.shape[0], E, 2, I)
+    x = F.linear(h, stacked_gate_up(w)).view(h.shape[0], E, 2, I)
     g, u = x[:, :, 0], x[:, :, 1]
     if w.gate_bias is not None:
         g = g + w.gate_bias
     if w.up_bias is not None:
         u = u + w.up_bias
     return w.act(g, u).transpose(0, 1)
+
+
+def stacked_gate_up(w: ExpertWeights) -> Tensor:
+    """[E*2I, d]: each expert's gate rows, then its up rows. A view, not a copy, when gate and up are the two
+    halves of one fused [E, 2I, d] tensor (the transformers layout of most families)."""
+    E, I, d = w.gate.shape
+    g, u = w.gate, w.up
+    fused = g.stride() == u.stride() == (2 * I * d, d, 1) and u.data_ptr() == g.data_ptr() + I * d * g.element_size()
+    return g.as_strided((E * 2 * I, d), (d, 1)) if fused and g.dtype == u.dtype else torch.cat([g, u], dim=1).reshape(E * 2 * I, d)
 
 
 def expert_outputs(w: ExpertWeights, h: Tensor) -> Tensor:
