@@ -124,14 +124,12 @@ def convert_one(
     check_K(K, k, E)
     result: dict = {"model": teacher.name, "k": k, "E": E}
     if baseline:
-        student = BASELINES[baseline](teacher)
-        export_student(student, teacher.tokenizer, out)
+        export_student(BASELINES[baseline](teacher), teacher.tokenizer, out)
         result.update(baseline=baseline)
     else:
         art = load_or_calibrate(teacher, stats, calib_data, model, device=device, **(calib_kwargs or {}))
         plan = make_plan(teacher, art.layers, scoring, grouping, scaling, K)
-        student = build_from_plan(teacher, plan)
-        check = export_student(student, teacher.tokenizer, out, teacher=teacher, plan=plan, extra={"stats_sha256": art.checksum})
+        check = export_student(build_from_plan(teacher, plan), teacher.tokenizer, out, teacher=teacher, plan=plan, extra={"stats_sha256": art.checksum})
         result.update(
             scoring=scoring, grouping=grouping, scaling=scaling, K=K,
             selected={str(i): p.selected for i, p in plan.layers.items()},
@@ -142,9 +140,12 @@ def convert_one(
             max_rel_error=check["max_rel_error"],
             stats_sha256=art.checksum,
         )
-    result.update(dense_class=type(student).__name__, out=str(out))
+    result.update(dense_class=json.loads((Path(out) / "config.json").read_text())["architectures"][0], out=str(out))
     if eval_data:
-        result["perplexity"] = evaluate_ppl(student.to(device or device_default()), teacher.tokenizer, eval_data).to_json()
+        from m2d_ray.models import load_model
+
+        student, _ = load_model(str(out), device=device or device_default())  # the exported student, as users load it
+        result["perplexity"] = evaluate_ppl(student, teacher.tokenizer, eval_data).to_json()
     return result
 
 

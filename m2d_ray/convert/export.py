@@ -70,17 +70,21 @@ def export_student(student: PreTrainedModel, tokenizer, out: str | Path, teacher
     """save_pretrained + tokenizer into `out` atomically; with a plan, reload and verify exactness first.
 
     Returns the verification record (max relative error per layer). Raises RuntimeError — and leaves
-    `out` untouched — when the reloaded student does not reproduce the plan.
+    `out` untouched — when the reloaded student does not reproduce the plan. The in-memory student is
+    let go before the reload: a caller that passes it without keeping a reference
+    (`export_student(build_from_plan(...), ...)`) holds one student at a time, not two.
     """
     record: dict = {}
+    dtype, cls = next(student.parameters()).dtype, type(student).__name__
     with atomic_dir(out) as tmp:
         student.save_pretrained(tmp)
+        del student
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if plan is not None and teacher is not None:
-            reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=next(student.parameters()).dtype)
-            if type(reloaded).__name__ != type(student).__name__:
-                raise RuntimeError(f"reloaded as {type(reloaded).__name__}, expected {type(student).__name__}")
+            reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype)
+            if type(reloaded).__name__ != cls:
+                raise RuntimeError(f"reloaded as {type(reloaded).__name__}, expected {cls}")
             errors = verify_student(reloaded, teacher, plan)
             worst = max(errors.values(), default=0.0)
             if not worst < EXACT_TOL:
