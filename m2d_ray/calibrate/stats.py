@@ -117,12 +117,13 @@ def layer_stats(adapter: MoEAdapter, block: torch.nn.Module, h: Tensor, weights:
 
 
 def gram_chunk(weights: ExpertWeights, act: torch.dtype, gdt: torch.dtype) -> int:
-    """Tokens per chunk of all-expert outputs: the chunk's working set (gate/up activations, outputs and
-    their Gram-precision copy) stays within the bytes of the experts themselves, so the statistics of a
-    layer never need more memory than its weights (at least `_MIN_CHUNK` tokens, for GEMM efficiency)."""
+    """Tokens per chunk of all-expert outputs: the chunk's working set (gate/up products 2I, the activation
+    and its temporary and contiguous copy 3I, outputs d, their Gram-precision copy d) stays within the
+    bytes of the experts themselves, so the statistics of a layer never need more memory than its
+    weights (at least `_MIN_CHUNK` tokens, for GEMM efficiency)."""
     E, I, d = weights.num_experts, weights.width, weights.down.shape[1]
     size = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
-    per_token = E * ((3 * I + d) * size(act) + d * size(gdt))
+    per_token = E * ((5 * I + d) * size(act) + d * size(gdt))
     return max(_MIN_CHUNK, 3 * E * I * d * weights.gate.element_size() // per_token)
 
 
