@@ -96,7 +96,7 @@ def main() -> None:
     if a.distill_steps:
         m = distill_throughput(a.distill_steps, a.threads)
         print(f"\ndistillation, embedded teacher (vocab 880, 4 layers, d 64), {a.threads} threads: {m['tokens_per_s']:,.0f} tokens/s "
-              f"over {m['tokens']:,} tokens (validation included); val ppl {m['val_ppl_initial']:.1f} -> {m['val_ppl']:.1f}")
+              f"over {m['tokens']:,} tokens (training time only); val ppl {m['val_ppl_initial']:.1f} -> {m['val_ppl']:.1f}")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,16 @@
-"""Tensors read by name from a checkpoint's safetensors shards, without loading the model.
+"""Model checkpoints: checked before they are used, and read tensor by tensor without loading the model.
 
-A shard is `u64 header length | JSON header | raw data`; the header gives each tensor's dtype, shape
-and byte range. Each shard is memory-mapped once; a read copies only the bytes of the tensor (or of
-the requested rows along its first dimension, e.g. a few experts of a fused [E, ...] tensor) and then
-releases those pages from the process (`madvise(MADV_DONTNEED)`), so resident memory holds the copies
-the caller keeps and nothing else. Headers are validated when a shard is opened: a truncated or
-corrupt file fails with one line naming it.
+Checks: the files are whole, the values are finite. A truncated download or a NaN in one expert
+otherwise surfaces much later as a safetensors traceback or as "exported student is not exact: error
+inf". These checks name the file or the tensor instead (one line, exit 2). Reading is streamed: one
+tensor at a time, so checking a teacher never holds it.
+
+Reading (`Checkpoint`, `Shard`): a safetensors shard is `u64 header length | JSON header | raw data`;
+the header gives each tensor's dtype, shape and byte range. Each shard is memory-mapped once; a read
+copies only the bytes of the tensor (or of the requested rows along its first dimension, e.g. a few
+experts of a fused [E, ...] tensor) and then releases those pages from the process
+(`madvise(MADV_DONTNEED)`), so resident memory holds the copies the caller keeps and nothing else.
+Headers are validated when a shard is opened, with the same one-line messages as `check_files`.
 """
 
 from __future__ import annotations
@@ -13,9 +18,9 @@ from __future__ import annotations
 import json
 import math
 import mmap
-import struct
+import re
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -23,38 +28,149 @@ from torch import Tensor
 
 from m2d_ray.errors import M2DError
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 INDEX_FILE = "model.safetensors.index.json"
+_MAX_HEADER = 100 << 20  # a safetensors header larger than this is garbage, not a header
+_CHUNK = 1 << 24  # elements per isfinite pass (bounds the temporary mask)
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _PAGE = mmap.PAGESIZE
+_FIX = "re-download or re-export the model"
 
 
+def local_dir(name: str) -> Path | None:
+    """The model directory `name` refers to, or None for a hub name."""
+    p = Path(name).expanduser()
+    return p if p.exists() else None
+
+
+def check_files(name: str, what: str = "model") -> None:
+    """A local model directory has weights, every shard its index names, and whole safetensors files."""
+    d = local_dir(name)
+    if d is None:
+        return  # a hub name: transformers resolves and verifies the download
+    if not d.is_dir():
+        raise M2DError(f"{what} {name!r} is a file; give the model directory (config.json + weights)")
+    for index in d.glob("*.index.json"):
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError):
+            raise M2DError(f"{index} is not a weight index (no weight_map); re-download or re-export the model") from None
+        missing = sorted(s for s in shards if not (d / s).is_file())
+        if missing:
+            raise M2DError(f"{what} {d} lacks {len(missing)} weight file(s) named in {index.name}, e.g. {missing[0]}; re-download or re-export it")
+    files = [p for p in d.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()]
+    if not files:
+        raise M2DError(f"{what} {d} holds no weights (*.safetensors); give a saved model directory")
+    for f in files:
+        if f.suffix == ".safetensors":
+            _check_safetensors(f)
+
+
+def _read_header(path: Path) -> tuple[int, dict, int]:
+    """(header length, header, file size) of a safetensors file whose header fits and whose tensors end
+    inside the file; otherwise an M2DError naming the file."""
+    size = path.stat().st_size
+    bad = f"{path} is not a whole safetensors file"
+    with path.open("rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or n > min(size - 8, _MAX_HEADER):
+            raise M2DError(f"{bad} (unreadable header; truncated or corrupt): {_FIX}")
+        try:
+            header = json.loads(f.read(n))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            raise M2DError(f"{bad} (corrupt header): {_FIX}") from None
+    if 8 + n + end > size:
+        raise M2DError(f"{bad}: its header needs {8 + n + end:,} bytes but it has {size:,} (truncated): {_FIX}")
+    return n, header, size
+
+
+def _check_safetensors(path: Path) -> None:
+    _read_header(path)
+
+
+def nonfinite(t: torch.Tensor) -> tuple[int, int]:
+    """(NaN count, inf count) of a tensor, in bounded memory."""
+    if not (t.is_floating_point() or t.is_complex()):
+        return 0, 0
+    nan = inf = 0
+    for part in t.detach().reshape(-1).split(_CHUNK):
+        nan += int(part.isnan().sum())
+        inf += int(part.isinf().sum())
+    return nan, inf
+
+
+def _where(key: str, t: torch.Tensor, experts: Sequence[int] | None = None) -> str:
+    """'layer 3, expert 5' for an expert tensor (per-expert key or fused [E, ...] parameter; `experts`
+    maps the rows of a fused tensor holding only some experts to their ids)."""
+    layer = re.search(r"layers\.(\d+)\.", key)
+    expert = re.search(r"experts\.(\d+)\.", key)
+    parts = [f"layer {layer.group(1)}"] if layer else []
+    if expert:
+        parts.append(f"expert {expert.group(1)}")
+    elif "experts" in key and t.dim() == 3:
+        bad = (~torch.isfinite(t.detach())).flatten(1).any(1).nonzero().flatten().tolist()
+        if experts is not None:
+            bad = [experts[r] for r in bad]
+        parts.append(f"expert{'s' * (len(bad) > 1)} {', '.join(map(str, bad[:8]))}{' …' * (len(bad) > 8)}")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def check_finite(tensors: Iterable[tuple[str, torch.Tensor]], what: str, fix: str, experts: Sequence[int] | None = None) -> None:
+    """Raise on the first tensor with NaN/inf: '<what> <key> (layer 3, expert 5) has 1 NaN; <fix>'."""
+    for key, t in tensors:
+        nan, inf = nonfinite(t)
+        if nan or inf:
+            counts = " and ".join(f"{n:,} {w}" for n, w in ((nan, "NaN"), (inf, "inf")) if n)
+            raise M2DError(f"{what} {key}{_where(key, t, experts)} has {counts}; {fix}")
+
+
+def scan(name: str, what: str = "model") -> None:
+    """Whole files and finite values of a local model, read one tensor at a time (no-op for hub names)."""
+    d = local_dir(name)
+    if d is None:
+        return
+    check_files(name, what)
+    from safetensors import safe_open
+
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            check_finite(((k, st.get_tensor(k)) for k in st.keys()), f"{what} weight", f"{f.name} is damaged: re-download or re-export the model")
+
+
+def check_model_finite(model: torch.nn.Module, what: str = "model") -> None:
+    """Finite parameters of a loaded model (one pass over memory, no copy)."""
+    check_finite(model.named_parameters(), f"{what} weight", "the checkpoint is damaged: re-download or re-export the model")
+
+
+# ---- reading tensors by name ----------------------------------------------------------------------
 class Shard:
     """One safetensors file: its validated header and a read-only memory map."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            size = path.stat().st_size
-            with open(path, "rb") as f:
-                head = f.read(8)
-                n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-                if not 0 < n <= size - 8:
-                    raise ValueError(f"header length {n} does not fit a {size}-byte file")
-                header = json.loads(f.read(n))
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size > 8 + n else None
-            self.entries = {k: v for k, v in header.items() if k != "__metadata__"}
-            data = size - 8 - n
-            for name, e in self.entries.items():
+            n, header, size = _read_header(path)
+        except OSError as exc:
+            raise M2DError(f"{path} cannot be read ({exc.strerror or exc}); {_FIX}") from None
+        self.entries = {k: v for k, v in header.items() if k != "__metadata__"}
+        data = size - 8 - n
+        for name, e in self.entries.items():
+            try:
                 start, end = e["data_offsets"]
                 expected = math.prod(e["shape"]) * torch.empty((), dtype=_DTYPES[e["dtype"]]).element_size()
-                if not (0 <= start <= end <= data and end - start == expected):
-                    raise ValueError(f"tensor {name} spans bytes {start}..{end} of {data} (needs {expected})")
-        except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-            raise M2DError(f"checkpoint file {path} is truncated or corrupt ({exc}); download or save it again") from None
+            except (KeyError, TypeError, ValueError):
+                raise M2DError(f"{path} is not a whole safetensors file (corrupt header entry {name}): {_FIX}") from None
+            if not (0 <= start <= end <= data and end - start == expected):
+                raise M2DError(f"{path} is not a whole safetensors file (corrupt header: tensor {name} spans bytes {start}..{end} "
+                               f"of {data}, needs {expected}): {_FIX}")
+        with open(path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size > 8 + n else None
         self._base = 8 + n
 
     def dtype(self, name: str) -> torch.dtype:
@@ -102,13 +218,13 @@ class Checkpoint:
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as exc:
-                raise M2DError(f"checkpoint index {index} is corrupt ({exc}); download or save it again") from None
-            self._file_of = dict(weight_map)
+                self._file_of = dict(weight_map)
+            except (ValueError, KeyError, TypeError):
+                raise M2DError(f"{index} is not a weight index (no weight_map); {_FIX}") from None
         else:
             files = sorted(self.dir.glob("*.safetensors"))
             if not files:
-                raise M2DError(f"{self.dir} holds no *.safetensors weights; save the model with save_pretrained (safetensors) first")
+                raise M2DError(f"{self.dir} holds no weights (*.safetensors); save the model with save_pretrained (safetensors) first")
             self._file_of = {name: f.name for f in files for name in self._shard(f.name).entries}
         for file in sorted(set(self._file_of.values())):  # fail now, naming the file, not in the middle of a build
             self._shard(file)
@@ -116,8 +232,8 @@ class Checkpoint:
     def _shard(self, file: str) -> Shard:
         if file not in self._shards:
             path = self.dir / file
-            if not path.exists():
-                raise M2DError(f"checkpoint file {path} is missing (named by {INDEX_FILE}); download it again")
+            if not path.is_file():
+                raise M2DError(f"{self.dir} lacks the weight file {file} named in {INDEX_FILE} ({path} is missing); {_FIX}")
             self._shards[file] = Shard(path)
         return self._shards[file]
 

@@ -1,12 +1,26 @@
-"""`m2d` command line: parsing only; the work is in pipeline.py."""
+"""`m2d` command line: parsing only; the work is in pipeline.py.
+
+Exit codes: 0 done, 2 bad input (one line on stderr, nothing written), 1 the work failed (one line; the
+log keeps the details), 130 interrupted. Library output goes to the command's log (console.py).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import traceback
 
-from m2d_ray.errors import M2DError
+from m2d_ray import console
+from m2d_ray.errors import M2DError, RunFailed
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (usage stays in --help), like every other bad input."""
+
+    def error(self, message: str):
+        print(f"m2d: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
 
 
 def _positive(v: str) -> int:
@@ -19,6 +33,17 @@ def _positive(v: str) -> int:
     return n
 
 
+def _size(v: str) -> str:
+    """A memory size ('40GB', '512MiB', bytes), checked here and passed on as written."""
+    from m2d_ray.calibrate.stream import parse_size
+
+    try:
+        parse_size(v)
+    except M2DError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return v
+
+
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="teacher directory or hub name (default: the embedded tiny Qwen3-MoE)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -29,20 +54,27 @@ def _add_calib(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=_positive, default=32768, help="calibration tokens (default 32768)")
     p.add_argument("--seq-len", type=_positive, default=256, help="calibration sequence length (default 256)")
     p.add_argument("--batch-size", type=_positive, default=8)
-    p.add_argument("--max-memory", default=None, help="memory the teacher may take on the device, e.g. 40GB; a bigger teacher is "
+    p.add_argument("--max-memory", type=_size, default=None, help="memory the teacher may take on the device, e.g. 40GB; a bigger teacher is "
                    "streamed layer by layer (default: the device's free memory)")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                    help="force (--stream) or forbid (--no-stream) layer-streamed calibration")
 
 
+STORAGE_HELP = ("what crosses Ray nodes (students, checkpoints, Tune state): a path every node mounts, or s3://BUCKET/PATH / gs://… "
+                "(default: the run directory; overrides `storage:`)")
+
+
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="m2d", description="Turn a Mixture-of-Experts LM into a dense one.")
-    sub = ap.add_subparsers(dest="command", required=True)
+    common = Parser(add_help=False)
+    common.add_argument("--verbose", action="store_true", help="show Ray / MLflow / DeepSpeed / transformers output live (it always goes to the log)")
+    ap = Parser(prog="m2d", description="Turn a Mixture-of-Experts LM into a dense one.")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=lambda **kw: Parser(parents=[common], **kw))
 
     c = sub.add_parser("calibrate", help="one pass of calibration statistics -> a stats artifact")
     _add_model(c)
     _add_calib(c)
     c.add_argument("--out", required=True, help="statistics directory to write")
+    c.add_argument("--overwrite", action="store_true", help="replace other statistics that m2d wrote at --out")
 
     v = sub.add_parser("convert", help="score, select, group, merge and export a dense student")
     _add_model(v)
@@ -55,6 +87,7 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--baseline", default=None, help="random-ffn or random-init instead of a conversion")
     v.add_argument("--eval-data", default=None, help="measure perplexity on: text file, synthetic[:split] or wikitext2[:split]")
     v.add_argument("--out", required=True, help="directory for the dense student")
+    v.add_argument("--overwrite", action="store_true", help="replace a student (and --stats) that m2d wrote there before")
 
     w = sub.add_parser("sweep", help="stage 1 on Ray: the scoring x grouping x scaling x K grid by pre-distillation perplexity")
     w.add_argument("config", nargs="?", default=None, help="YAML config (experiments/*.yaml); not needed with --resume")
@@ -65,6 +98,7 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--out", default=None, help="run directory (default runs/<name>-<time>)")
     w.add_argument("--resume", default=None, metavar="RUN_DIR", help="finish a killed or interrupted sweep")
     w.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///RUN_DIR/mlflow.db)")
+    w.add_argument("--storage", default=None, help=STORAGE_HELP)
 
     r = sub.add_parser("run", help="the whole pipeline: calibrate, stage 1, stage 2 (distil), stage 3 (lm-eval), report")
     r.add_argument("config", nargs="?", default=None, help="YAML config (experiments/*.yaml); not needed with --resume")
@@ -72,6 +106,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default=None, help="run directory (default runs/<name>-<time>)")
     r.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a killed or interrupted run, stage by stage")
     r.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///RUN_DIR/mlflow.db)")
+    r.add_argument("--storage", default=None, help=STORAGE_HELP)
 
     rp = sub.add_parser("report", help="RUN_DIR/report/index.html + tables (CSV/Markdown) + figures (PNG) of a run")
     rp.add_argument("run_dir", help="a run directory (m2d run / m2d sweep --out)")
@@ -89,7 +124,9 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--workers", type=_positive, default=None, help="Ray Train workers")
     d.add_argument("--config", default=None, help="YAML whose distill: section gives the defaults (experiments/*.yaml)")
     d.add_argument("overrides", nargs="*", default=[], help="more distill settings as key=value, e.g. lr=3e-3 seq_len=256 eval_every=20")
-    d.add_argument("--out", required=True, help="run directory: student/, train/ (checkpoints), metrics.jsonl, result.json")
+    d.add_argument("--out", required=True, help="run directory: student/, train/ (checkpoints), metrics.jsonl, result.json, logs/")
+    d.add_argument("--storage", default=None, help="where student/, init/ and train/ (checkpoints) go: a path every node mounts, or s3:// / gs:// (default --out)")
+    d.add_argument("--overwrite", action="store_true", help="replace a finished distillation at --out (kept until the new one is done)")
 
     e = sub.add_parser("eval", help="lm-eval benchmarks of one model (a student or a teacher), offline with --tasks local")
     e.add_argument("--model", required=True, help="model directory or hub name")
@@ -113,59 +150,96 @@ def _distill_overrides(args) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args, extra = ap.parse_known_args(argv)
-    if args.command in KV_COMMANDS and all("=" in e and not e.startswith("-") for e in extra):
-        args.overrides += extra  # key=value overrides may follow the options
-    elif extra:
-        ap.error(f"unrecognized arguments: {' '.join(extra)}")
+    options = [e for e in extra if e.startswith("-")]
+    if options or (extra and args.command not in KV_COMMANDS):
+        ap.error(f"unrecognized arguments: {' '.join(options or extra)}")
+    if extra:
+        args.overrides += extra  # key=value overrides may follow the options (checked by config.load_config)
     if args.command in ("sweep", "run") and args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
         args.overrides.insert(0, args.config)  # `m2d sweep --resume RUN_DIR stage=2`: no config, only overrides
         args.config = None
+    if args.command in ("sweep", "run") and args.storage:
+        args.overrides.append(f"storage={args.storage}")
     try:
-        from m2d_ray import pipeline
-
-        calib = {k: getattr(args, k) for k in ("max_tokens", "seq_len", "batch_size", "max_memory", "stream") if hasattr(args, k)}
-        if args.command == "calibrate":
-            _, art, reused = pipeline.run_calibrate(args.model, args.calib_data, args.out, device=args.device, **calib)
-            m = art.manifest
-            print(json.dumps({"out": args.out, "reused": reused, "n_tokens": m["n_tokens"], "layers": m["layers"], "num_experts": m["num_experts"], "sha256": m["sha256"]}))
-        elif args.command == "convert":
-            result = pipeline.convert_one(
-                args.model, args.scoring, args.grouping, args.scaling, args.K, args.out,
-                stats=args.stats, calib_data=args.calib_data, eval_data=args.eval_data,
-                baseline=args.baseline, device=args.device, calib_kwargs=calib,
-            )
-            for layer, sel in result.get("selected", {}).items():
-                print(f"layer {layer}: experts {sel} groups {result['groups'][layer]}", file=sys.stderr)
-            print(json.dumps(result))
-        elif args.command == "sweep":
-            result = pipeline.sweep(
-                args.config, args.overrides, out=args.out, resume=args.resume, tracking_uri=args.tracking_uri,
-                model=args.model, calib_data=args.calib_data, eval_data=args.eval_data,
-            )
-            print(json.dumps(result))
-        elif args.command == "run":
-            result = pipeline.run(args.config, args.overrides, out=args.out, resume=args.resume, tracking_uri=args.tracking_uri)
-            print(f"report: {result['report']}\nMLflow UI: {result['mlflow_ui']}  (then open http://127.0.0.1:5000)", file=sys.stderr)
-            print(json.dumps(result))
-        elif args.command == "report":
-            result = pipeline.report(args.run_dir, args.tracking_uri)
-            print(f"report: {result['report']}", file=sys.stderr)
-            print(json.dumps(result))
-        elif args.command == "eval":
-            result = pipeline.evaluate_one(args.model, args.tasks, args.num_fewshot, args.limit, args.batch_size, args.device)
-            for name, r in result["tasks"].items():
-                print(f"{name} ({r['shots']}-shot): {r['score']}", file=sys.stderr)
-            print(json.dumps(result))
-        elif args.command == "distill":
-            result = pipeline.distill_one(args.teacher, args.student, args.out, args.eval_data, config=args.config, overrides=_distill_overrides(args))
-            print(json.dumps(result))
+        with console.session(args.command, args.verbose):
+            ray_was_up = _ray_up()
+            try:
+                _dispatch(args)
+            except (M2DError, RunFailed, KeyboardInterrupt):
+                raise
+            except Exception:
+                traceback.print_exc()  # into the log
+                raise
+            finally:
+                if not ray_was_up and _ray_up():  # a Ray this command started ends inside its session:
+                    sys.modules["ray"].shutdown()  # the workers' last lines go to the log, not the terminal
     except M2DError as exc:
-        print(f"m2d: error: {exc}", file=sys.stderr)
+        print(f"m2d: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except RunFailed as exc:
+        print(f"m2d: failed: {_one_line(exc)}" + (f" (log: {console.last_log})" if console.last_log else ""), file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("m2d: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        print(f"m2d: internal error: {type(exc).__name__}: {_one_line(exc)} — the traceback is in {console.last_log}; "
+              "please attach that log to a bug report", file=sys.stderr)
+        return 1
     return 0
+
+
+def _ray_up() -> bool:
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+    return lines[0][:500] if lines else type(exc).__name__
+
+
+def _dispatch(args) -> None:
+    from m2d_ray import pipeline
+
+    say, emit = console.say, console.emit
+    calib = {k: getattr(args, k) for k in ("max_tokens", "seq_len", "batch_size", "max_memory", "stream") if hasattr(args, k)}
+    if args.command == "calibrate":
+        _, art, reused = pipeline.run_calibrate(args.model, args.calib_data, args.out, device=args.device, overwrite=args.overwrite, **calib)
+        m = art.manifest
+        emit(json.dumps({"out": args.out, "reused": reused, "n_tokens": m["n_tokens"], "layers": m["layers"], "num_experts": m["num_experts"], "sha256": m["sha256"]}))
+    elif args.command == "convert":
+        result = pipeline.convert_one(
+            args.model, args.scoring, args.grouping, args.scaling, args.K, args.out,
+            stats=args.stats, calib_data=args.calib_data, eval_data=args.eval_data,
+            baseline=args.baseline, device=args.device, calib_kwargs=calib, overwrite=args.overwrite,
+        )
+        for layer, sel in result.get("selected", {}).items():
+            say(f"layer {layer}: experts {sel} groups {result['groups'][layer]}")
+        emit(json.dumps(result))
+    elif args.command == "sweep":
+        result = pipeline.sweep(
+            args.config, args.overrides, out=args.out, resume=args.resume, tracking_uri=args.tracking_uri,
+            model=args.model, calib_data=args.calib_data, eval_data=args.eval_data,
+        )
+        emit(json.dumps(result))
+    elif args.command == "run":
+        result = pipeline.run(args.config, args.overrides, out=args.out, resume=args.resume, tracking_uri=args.tracking_uri)
+        say(f"report: {result['report']}")
+        say(f"MLflow UI: {result['mlflow_ui']}  (then open http://127.0.0.1:5000)")
+        emit(json.dumps(result))
+    elif args.command == "report":
+        result = pipeline.report(args.run_dir, args.tracking_uri)
+        say(f"report: {result['report']}")
+        emit(json.dumps(result))
+    elif args.command == "eval":
+        result = pipeline.evaluate_one(args.model, args.tasks, args.num_fewshot, args.limit, args.batch_size, args.device)
+        for name, r in result["tasks"].items():
+            say(f"{name} ({r['shots']}-shot): {r['score']}")
+        emit(json.dumps(result))
+    elif args.command == "distill":
+        result = pipeline.distill_one(args.teacher, args.student, args.out, args.eval_data, config=args.config,
+                                      overrides=_distill_overrides(args), overwrite=args.overwrite, store=args.storage)
+        emit(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -67,7 +67,6 @@ class RayConfig:
     max_concurrent_trials: int = 2
     threads_per_worker: int = 1
     max_failures: int = 0  # Tune retries of a trial (set > 0 on spot nodes, which can be reclaimed)
-    storage_path: str | None = None  # Tune storage (shared/cloud path on a cluster); default RUN_DIR/tune
 
 
 @dataclass(frozen=True)
@@ -147,7 +146,8 @@ class FaultConfig:
 class SweepConfig:
     name: str = "sweep"
     stage: int = 1  # 1 = the pre-distillation grid; 2 = distil the promotions of a finished stage 1 (--resume RUN_DIR)
-    model: str | None = None  # hub name or directory; None = the embedded tiny teacher
+    model: str | None = None  # hub name, directory or storage URL (s3://…); None = the embedded tiny teacher
+    storage: str | None = None  # what crosses nodes (students, checkpoints, Tune state): a shared path or s3:// / gs://; None = the run directory
     device: str | None = None  # per trial; None = cuda when the trial has a GPU, else cpu
     calib: CalibConfig = field(default_factory=CalibConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -183,6 +183,13 @@ class SweepConfig:
             raise M2DError("grid.K is empty; give a list such as [8, 16] or auto (k, 2k, 4k ... E)")
         if self.eval.chunks < 1 or self.search.stop_factor <= 1.0:
             raise M2DError("eval.chunks must be >= 1 and search.stop_factor > 1")
+        if self.calib.max_memory is not None:
+            from m2d_ray.calibrate.stream import parse_size
+
+            try:
+                parse_size(self.calib.max_memory)
+            except M2DError as exc:
+                raise M2DError(f"calib.max_memory: {exc}") from None
         if self.stage not in (1, 2):
             raise M2DError(f"stage={self.stage}: write stage=1 (pre-distillation grid) or stage=2 (distil the promotions)")
         check_distill(self.distill)
@@ -238,11 +245,24 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> SweepConf
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise M2DError(f"override {item!r} is not key=value (e.g. grid.K=[8,16] or search.early_stop=false)")
+            raise M2DError(f"override {item!r} is not key=value: write it like grid.K=[8,16] or search.early_stop=false")
         _set_path(raw, key.strip().split("."), yaml.safe_load(value))
+    _retired(raw)
     cfg = _build(SweepConfig, raw, "")
     cfg.check_methods()
     return cfg
+
+
+#: keys of earlier versions: (section, key) -> what replaced them (a saved run's `null` is dropped)
+RETIRED = {("ray", "storage_path"): "storage: (students, checkpoints and Tune state, on a path every node mounts or s3://…)"}
+
+
+def _retired(raw: dict) -> None:
+    for (section, key), instead in RETIRED.items():
+        node = raw.get(section)
+        if isinstance(node, dict) and key in node:
+            if node.pop(key) is not None:
+                raise M2DError(f"{section}.{key} was replaced by {instead}; write that instead")
 
 
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
@@ -251,7 +271,9 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise M2DError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise M2DError(f"{path} is not valid YAML ({getattr(exc, 'problem', None) or str(exc).splitlines()[0]}{where}); fix it") from None
     if not isinstance(data, dict):
         raise M2DError(f"{path} must be a mapping of keys (name:, model:, grid: ...)")
     base = data.pop("include", None)
@@ -323,7 +345,8 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
             return float(value)
         except ValueError:
             pass
-    raise M2DError(f"{path}={value!r} should be {getattr(hint, '__name__', hint)}")
+    name = getattr(hint, "__name__", hint)
+    raise M2DError(f"{path}={value!r} should be {name}: give a{'n' * (str(name)[0] in 'aeiou')} {name}")
 
 
 def _plain(obj: Any) -> Any:

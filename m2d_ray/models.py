@@ -74,20 +74,42 @@ class Teacher:
 
 
 def load_config(name: str):
+    """The transformers config of a directory, hub name or storage URL (only its config.json is fetched)."""
+    from m2d_ray import storage
+
+    if storage.is_remote(name):
+        try:
+            return AutoConfig.from_pretrained(str(storage.fetch_file(storage.join(name, "config.json")).parent))
+        except Exception as exc:
+            raise M2DError(f"cannot read {storage.join(name, 'config.json')} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); give a model saved there") from None
     path = Path(name).expanduser()
     if not path.exists() and (name.startswith((".", "/", "~")) or "/" not in name):
         raise M2DError(f"model {name!r} not found: give a model directory or a hub name like Qwen/Qwen3-30B-A3B")
+    if path.exists() and not path.is_dir():
+        raise M2DError(f"model {name!r} is a file; give the model directory (config.json + weights)")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise M2DError(f"model directory {name!r} has no config.json; give a saved model directory (save_pretrained)")
     try:
         return AutoConfig.from_pretrained(str(path) if path.exists() else name)
     except Exception as exc:
         raise M2DError(f"cannot read a model config from {name!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
 
 
+def check_teacher(name: str | None) -> MoEAdapter:
+    """Everything about a teacher that can be checked without reading its weights: config, family, files."""
+    from m2d_ray.checkpoint import check_files
+
+    name = name or default_teacher()
+    adapter = get_adapter(load_config(name))
+    check_files(name, "teacher")
+    return adapter
+
+
 def load_teacher(name: str | None = None, dtype: torch.dtype | None = None, device: str = "cpu") -> Teacher:
     """Load a MoE teacher and its tokenizer; a non-MoE or unsupported model fails with one line."""
     name = name or default_teacher()
-    adapter = get_adapter(load_config(name))  # fails fast, before any weights are read
-    model, tokenizer = load_model(name, device=device, dtype=dtype)
+    adapter = check_teacher(name)  # fails fast, before any weights are read
+    model, tokenizer = load_model(name, device=device, dtype=dtype, what="teacher")
     return Teacher(name=name, model=model, tokenizer=tokenizer, adapter=adapter)
 
 
@@ -106,14 +128,46 @@ def model_fingerprint(name: str, config) -> dict:
     }
 
 
-def load_model(name: str, device: str = "cpu", dtype: torch.dtype | None = None):
-    """(model, tokenizer) of any causal LM directory or hub name: a dense student or an MoE teacher."""
+def _source(name: str) -> str:
+    """What from_pretrained opens: a storage URL fetched into this node's cache, a local path, a hub name."""
+    from m2d_ray.storage import local_model
+
+    name = local_model(name)
+    return str(Path(name).expanduser()) if Path(name).expanduser().exists() else name
+
+
+def load_tokenizer(name: str):
+    src = _source(name)
+    try:
+        return AutoTokenizer.from_pretrained(src)
+    except Exception as exc:
+        raise M2DError(f"cannot load a tokenizer from {name!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
+
+
+def load_model(name: str, device: str = "cpu", dtype: torch.dtype | None = None, what: str = "model"):
+    """(model, tokenizer) of any causal LM directory or hub name: a dense student or an MoE teacher.
+
+    Damaged checkpoints (a truncated file, NaN/inf weights) fail with one line naming the file or tensor.
+    """
     from m2d_ray.arch import supported_types
+    from m2d_ray.checkpoint import check_files, check_model_finite
 
     config = load_config(name)
-    src = str(Path(name).expanduser()) if Path(name).expanduser().exists() else name
+    src = _source(name)
+    check_files(src, what)
     kwargs = {"dtype": dtype if dtype is not None else "auto"}
     if device == "cpu" and config.model_type in supported_types():
         kwargs["experts_implementation"] = "eager"  # grouped_mm rejects odd tiny shapes on CPU
-    model = AutoModelForCausalLM.from_pretrained(src, **kwargs).to(device).eval()
-    return model, AutoTokenizer.from_pretrained(src)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
+    except Exception as exc:  # unreadable weights: name the model, not transformers' internals
+        raise M2DError(f"cannot load the weights of {what} {name!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); re-download or re-export it") from None
+    check_model_finite(model, what)
+    return model.to(device).eval(), load_tokenizer(src)
+
+
+def check_teacher_topk(model: str, k_prime: int | None) -> None:
+    """From the config alone: expanded teacher routing needs k <= k' <= E."""
+    if k_prime is not None:
+        config = load_config(model)
+        get_adapter(config).check_top_k(config, k_prime)

@@ -17,7 +17,6 @@ concatenate along dim 1), so the values are bitwise those of `from_pretrained`.
 from __future__ import annotations
 
 import copy
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -28,34 +27,29 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from m2d_ray.arch import get_adapter, supported_types
 from m2d_ray.arch.base import DenseFFN, ExpertWeights, MoEAdapter, SharedExpert, dense_from_mlp
-from m2d_ray.checkpoint import Checkpoint
+from m2d_ray import checkpoint
+from m2d_ray.checkpoint import Checkpoint, check_files
 from m2d_ray.errors import M2DError
 from m2d_ray.models import default_teacher, load_config, model_fingerprint
 
 
 def check_finite(name: str, t: Tensor, experts: Sequence[int] | None = None) -> Tensor:
-    """`t` itself, or an M2DError naming the tensor (and its layer and expert) when it holds NaN or inf.
+    """`t` itself, or an M2DError naming the tensor (and its layer and expert) when it holds NaN or inf,
+    worded as `checkpoint.check_model_finite` words it for a loaded teacher.
 
     `experts` maps the rows of a fused [E, ...] expert tensor to expert ids (default: row = id).
     """
-    if not t.is_floating_point() or bool(torch.isfinite(t).all()):
-        return t
-    bad = ~torch.isfinite(t)
-    nan = int(torch.isnan(t).sum())
-    inf = int(bad.sum()) - nan
-    where = [f"layer {m[1]}"] if (m := re.search(r"layers\.(\d+)\.", name)) else []
-    if m := re.search(r"\.experts\.(\d+)\.", name):
-        where.append(f"expert {m[1]}")
-    elif re.search(r"\.experts\.[a-z_]", name) and t.dim() > 1:
-        row = int(bad.reshape(t.shape[0], -1).any(1).nonzero()[0, 0])
-        where.append(f"expert {experts[row] if experts is not None else row}")
-    counts = " and ".join(f"{n} {w}" for n, w in ((nan, "NaN"), (inf, "inf")) if n)
-    place = f" ({', '.join(where)})" if where else ""
-    raise M2DError(f"teacher weight {name}{place} has {counts}; the checkpoint is damaged: download or export it again")
+    checkpoint.check_finite([(name, t)], "teacher weight", "the checkpoint is damaged: re-download or re-export the model", experts)
+    return t
 
 
 def checkpoint_dir(name: str) -> Path:
-    """The local directory of a model: itself, or the hub snapshot (downloaded once into the hub cache)."""
+    """The local directory of a model: itself, a storage URL's copy in this node's cache (`storage.fetch_dir`),
+    or the hub snapshot (downloaded once into the hub cache)."""
+    from m2d_ray import storage
+
+    if storage.is_remote(name):
+        return storage.fetch_dir(name)
     path = Path(name).expanduser()
     if path.is_dir():
         return path
@@ -243,12 +237,13 @@ class LazyTeacher:
 
 
 def open_teacher(name: str | None = None, device: str = "cpu") -> LazyTeacher:
-    """A teacher by directory or hub name with no weights loaded; fails with one line when the model is
-    not a supported MoE or its checkpoint is not safetensors."""
+    """A teacher by directory, hub name or storage URL with no weights loaded; fails with one line when
+    the model is not a supported MoE, or its files are missing, truncated or not safetensors."""
     name = name or default_teacher()
     config = load_config(name)
     adapter = get_adapter(config)
     directory = checkpoint_dir(name)
+    check_files(str(directory), "teacher")  # the same checks (and messages) as loading it whole
     ckpt = Checkpoint(directory)
     return LazyTeacher(
         name=name, config=config, tokenizer=AutoTokenizer.from_pretrained(str(directory)), adapter=adapter,

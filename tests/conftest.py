@@ -65,6 +65,20 @@ def tiny_teacher(tiny_teacher_dir):
 
 
 @pytest.fixture(scope="session")
+def ds_env(tmp_path_factory):
+    """DeepSpeed's compiled ops in a directory of this session, built once for every test that needs them
+    (a stale lock in the default directory would hang the run)."""
+    ext = str(tmp_path_factory.mktemp("torch_extensions"))
+    old = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = ext
+    yield ext
+    if old is None:
+        os.environ.pop("TORCH_EXTENSIONS_DIR")
+    else:
+        os.environ["TORCH_EXTENSIONS_DIR"] = old
+
+
+@pytest.fixture(scope="session")
 def ray_address():
     """One local Ray for the whole session (num_cpus=4, token auth off); yields its GCS address."""
     import ray

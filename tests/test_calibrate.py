@@ -105,10 +105,13 @@ def test_artifact_roundtrip_reuse_and_corruption(tiny_teacher, tmp_path):
     loaded = load_stats(out)
     for i in art.layers:
         assert torch.equal(loaded.layers[i].gram, art.layers[i].gram)
-    # other tokens -> recomputed, not reused
+    # other tokens -> recomputed, not reused; replacing the old artifact needs overwrite
     other = tokens_for(tiny_teacher, 3000)
-    _, reused = calibrate(tiny_teacher, other, "synthetic:valid", out=out, progress=False)
-    assert not reused
+    with pytest.raises(M2DError, match="pass --overwrite"):
+        calibrate(tiny_teacher, other, "synthetic:valid", out=out, progress=False)
+    assert load_stats(out).checksum == art.checksum  # untouched
+    _, reused = calibrate(tiny_teacher, other, "synthetic:valid", out=out, progress=False, overwrite=True)
+    assert not reused and load_stats(out).checksum != art.checksum
     # a flipped byte is caught by the checksum
     raw = bytearray((out / STATS_FILE).read_bytes())
     raw[-1] ^= 0xFF

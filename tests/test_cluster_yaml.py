@@ -101,6 +101,13 @@ def test_gpu_worker_types_scale_from_zero(raw, prepared):
     assert max(n["resources"]["GPU"] for n in workers.values()) >= 8  # a distillation node
 
 
+def test_every_worker_reaches_s3_storage(raw):
+    """A run's storage (--storage s3://...) is read and written by the workers: each needs the S3 role."""
+    for name, node in raw["available_node_types"].items():
+        if name != raw["head_node_type"]:
+            assert node["node_config"]["IamInstanceProfile"] == {"Name": "ray-autoscaler-v1"}, name
+
+
 def test_spot_worker_type_and_on_demand_fallback(prepared):
     def market(node):
         return node["node_config"].get("InstanceMarketOptions", {}).get("MarketType")

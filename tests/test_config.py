@@ -92,4 +92,4 @@ def test_cli_sweep_rejects_bad_config_before_writing(capsys, tmp_path):
     err = capsys.readouterr().err
     assert code == 2 and "outside [k, E] = [2, 16]" in err
     assert not out.exists()
-    assert main(["sweep", "--resume", str(out)]) == 2 and "no sweep to resume" in capsys.readouterr().err
+    assert main(["sweep", "--resume", str(out)]) == 2 and "is not an m2d run directory" in capsys.readouterr().err

@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from m2d_ray.config import DistillConfig, load_config
-from m2d_ray.distill.loop import DistillJob, WorkerIO, lr_factor, run_distill
+from m2d_ray.distill.loop import DistillJob, WorkerIO, run_distill
+from m2d_ray.distill.step import lr_factor
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.perplexity import window_nll, windows
 from m2d_ray.models import default_teacher
@@ -36,7 +37,8 @@ class Keep:
 
     def __call__(self, metrics: dict, ckpt: Path | None) -> None:
         self.reports.append(metrics)
-        self.ckpts[metrics["step"]] = shutil.copytree(ckpt, self.root / f"ckpt{metrics['step']}")
+        if ckpt is not None:
+            self.ckpts[metrics["step"]] = shutil.copytree(ckpt, self.root / f"ckpt{metrics['step']}")
 
 
 def _weights(path) -> dict[str, torch.Tensor]:
@@ -75,6 +77,13 @@ def test_resume_from_a_checkpoint_continues_exactly(do_acp_student, tmp_path):
     assert [s for s, _ in last["curve"]] == [0, 3, 6] and last["curve"][:2] == straight.reports[0]["curve"]  # history survives
     a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "resumed")
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
+    # the host died after the final checkpoint, before its report: the resumed run trains nothing and reports it again
+    again = Keep(tmp_path / "d")
+    last = run_distill(job("again"), WorkerIO(report=again, restore=straight.ckpts[6]))
+    assert [(r["step"], r["final"]) for r in again.reports] == [(6, True)] and last["curve"] == straight.reports[-1]["curve"]
+    assert last["student_path"] == str(tmp_path / "again") and last["val_loss"] == pytest.approx(straight.reports[-1]["val_loss"], rel=1e-6)
+    c = _weights(tmp_path / "again")
+    assert all(torch.equal(a[k], c[k]) for k in a)
     # and resuming is not a no-op: the step-3 weights differ from the final ones
     fresh = Keep(tmp_path / "c")
     run_distill(DistillJob(default_teacher(), str(do_acp_student), DistillConfig(**{**cfg.__dict__, "steps": 3}), "synthetic:valid", out=str(tmp_path / "s3")), WorkerIO(report=fresh))
@@ -118,7 +127,7 @@ def test_expanded_teacher_routing_changes_the_teacher(tiny_teacher):
 
 
 def test_teacher_topk_below_k_and_bad_settings_are_rejected(tiny_teacher_dir):
-    from m2d_ray.pipeline import check_teacher_topk
+    from m2d_ray.models import check_teacher_topk
 
     with pytest.raises(M2DError, match=r"outside \[k, E\] = \[2, 8\]"):
         check_teacher_topk(str(tiny_teacher_dir), 1)
@@ -128,3 +137,68 @@ def test_teacher_topk_below_k_and_bad_settings_are_rejected(tiny_teacher_dir):
     with pytest.raises(M2DError, match="distill.steps=0"):
         load_config(None, ["distill.steps=0"])
     assert load_config(None, ["distill.lr=1e-4"]).distill.lr == 1e-4  # YAML 1.1 reads 1e-4 as a string
+
+
+def test_flops_per_token_counts_what_the_models_multiply(tiny_teacher, do_acp_student):
+    """Brute force: torch's FLOP counter on real forwards (eager attention, whose QK^T and AV it counts over
+    the full square; the estimate counts the causal half), teacher forward + 3 x student forward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from m2d_ray.distill.flops import flops_per_token
+
+    student = AutoModelForCausalLM.from_pretrained(do_acp_student)
+    ids = torch.randint(0, tiny_teacher.config.vocab_size, (2, 64))
+
+    def counted(model) -> float:
+        before = model.config._attn_implementation
+        model.set_attn_implementation("eager")
+        with FlopCounterMode(display=False) as fc, torch.no_grad():
+            model(input_ids=ids)
+        model.set_attn_implementation(before)
+        attention = sum(v for op, v in fc.get_flop_counts()["Global"].items() if "bmm" in str(op))
+        return (fc.get_total_flops() - attention / 2) / ids.numel()
+
+    want = counted(tiny_teacher.model) + 3 * counted(student)
+    assert flops_per_token(tiny_teacher.model, tiny_teacher.adapter, student, 64) == pytest.approx(want, rel=1e-9)
+
+
+def test_reports_count_training_time_only(do_acp_student, tmp_path, monkeypatch):
+    """tokens_per_s is over the training time since the previous report: validation (slowed here by 0.5 s)
+    and checkpoints are reported apart (eval_s, ckpt_s), not folded into it."""
+    import time
+
+    import m2d_ray.distill.loop as loop
+
+    real = loop.validate
+
+    def slow(*args, **kwargs):
+        time.sleep(0.5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "validate", slow)
+    cfg = DistillConfig(**{**CFG.__dict__, "steps": 6, "eval_every": 3, "batch_size": 2})
+    reports, stamps = [], []
+
+    def report(metrics, ckpt):
+        reports.append(metrics)
+        stamps.append(time.perf_counter())
+
+    run_distill(DistillJob(default_teacher(), str(do_acp_student), cfg, "synthetic:valid"), WorkerIO(report=report))
+    tokens = 3 * cfg.batch_size * cfg.seq_len
+    for r in reports:
+        assert r["tokens_per_s"] == pytest.approx(tokens / r["train_s"]) and r["eval_s"] >= 0.5 and r["ckpt_s"] > 0
+        assert 0 < r["mfu"] < 1
+    # between two reports: training, then validation, then the checkpoint
+    assert reports[1]["train_s"] + reports[1]["eval_s"] + reports[1]["ckpt_s"] <= stamps[1] - stamps[0]
+    assert reports[1]["train_s"] <= stamps[1] - stamps[0] - 0.5
+
+
+def test_the_stop_request_is_polled_every_few_steps_not_every_step(do_acp_student, tmp_path, monkeypatch):
+    """Each poll is a collective and a host read: every min(eval_every, STOP_POLL_STEPS) steps."""
+    import m2d_ray.distill.loop as loop
+
+    polls = []
+    monkeypatch.setattr(loop, "stop_requested", lambda job, io: polls.append(1) and False)
+    cfg = DistillConfig(**{**CFG.__dict__, "steps": 24, "eval_every": 12, "batch_size": 1, "seq_len": 32})
+    run_distill(DistillJob(default_teacher(), str(do_acp_student), cfg, "synthetic:valid", stop=lambda: False), WorkerIO())
+    assert len(polls) == 24 // loop.STOP_POLL_STEPS

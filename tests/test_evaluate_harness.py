@@ -94,6 +94,6 @@ def test_m2d_eval_cli(capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(out["tasks"]) == {CONTINUATION, f"{CONTINUATION}_fewshot"} and out["tasks"][f"{CONTINUATION}_fewshot"]["shots"] == 2
     assert main(["eval", "--model", default_teacher(), "--tasks", "no_such_task", "--device", "cpu"]) == 2
-    assert "lm-eval failed" in capsys.readouterr().err
+    assert "unknown lm-eval task 'no_such_task'" in capsys.readouterr().err
     assert main(["eval", "--model", "no/such/model", "--tasks", "text:no/such/file.txt"]) == 2  # before any model loads
     assert "is not a file" in capsys.readouterr().err

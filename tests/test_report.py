@@ -4,6 +4,7 @@ with the e2e test's settings; models, statistics and MLflow store left out)."""
 from __future__ import annotations
 
 import csv
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -87,3 +88,28 @@ def test_report_renders_in_headless_chromium(run_dir, tmp_path):
     img = Image.open(shot).convert("L")
     colours = img.getcolors(maxcolors=1 << 16) or []
     assert img.size == (1200, 2400) and len(colours) > 50  # text, tables and figures, not a blank page
+
+
+def _set_status(run_dir: Path, stage_dir: str, status: str, keep: tuple[str, ...] = ()) -> None:
+    for p in (run_dir / stage_dir).glob("*.json"):
+        r = json.loads(p.read_text())
+        if r["key"] not in keep:
+            r["status"] = status
+            p.write_text(json.dumps(r))
+
+
+def test_a_run_that_distilled_or_evaluated_no_student_has_failed(run_dir, capsys):
+    from m2d_ray.errors import RunFailed
+    from m2d_ray.pipeline import check_outcome
+
+    ok = check_outcome(run_dir)
+    assert ok["promoted_distilled"] == ok["promoted"] > 0 and ok["evaluated"] > 0
+    assert capsys.readouterr().err.startswith(f"run done: students: {ok['students']['ok']} ok")
+    _set_status(run_dir, "stage3/results", "failed", keep=("teacher",))  # every student's evaluation failed
+    with pytest.raises(RunFailed, match="no student was evaluated"):
+        check_outcome(run_dir)
+    _set_status(run_dir, "stage2/trials", "failed", keep=("baseline-random-init",))  # only a baseline was distilled
+    with pytest.raises(RunFailed, match="no promoted student was distilled"):
+        check_outcome(run_dir)
+    page = (write_report(run_dir)).read_text()
+    assert "students: 1 ok, 0 pruned, 2 failed" in page  # the report says so too

@@ -23,12 +23,24 @@ SHORT = [
 ]
 
 
-def test_m2d_run_whole_pipeline_then_resume(ray_address, tmp_path, capsys):
+def test_m2d_run_whole_pipeline_then_resume(ray_address, tmp_path, capfd):
     import mlflow
 
     run_dir = tmp_path / "demo"
     assert main(["run", str(TINY), "--out", str(run_dir), *SHORT]) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capfd.readouterr()
+    out = json.loads(captured.out.strip().splitlines()[-1])
+    assert len(captured.out.strip().splitlines()) == 1  # stdout: the result line only
+
+    # the console shows the platform's own lines only; Ray/Tune/MLflow output is in RUN_DIR/logs/
+    logs = list((run_dir / "logs").glob("m2d-run-*.log"))
+    assert len(logs) == 1
+    log = logs[0].read_text()
+    ours = {ln.removeprefix("[m2d] ") for ln in log.splitlines() if ln.startswith("[m2d] ")}
+    shown = captured.err.strip().splitlines()
+    assert shown and set(shown) <= ours, [ln for ln in shown if ln not in ours]
+    assert "== stage3 ==" in shown and any(ln.startswith("[stage 2 ") for ln in shown)
+    assert "Configuration for experiment" in log and "Configuration for experiment" not in captured.err
     assert set(out["stages"]) == {"stage1", "stage2", "stage3", "report"} and "mlflow ui --backend-store-uri sqlite:///" in out["mlflow_ui"]
 
     # every promoted pair and the baseline were distilled, and every student + the teacher evaluated
@@ -70,4 +82,4 @@ def test_m2d_run_whole_pipeline_then_resume(ray_address, tmp_path, capsys):
     assert {p.name: p.stat().st_mtime for p in (run_dir / "stage3" / "results").iterdir()} == before
     # a changed suite on resume is refused (it would mix two suites in one table)
     assert main(["run", "--resume", str(run_dir), "stage3.limit=10"]) == 2
-    assert "another suite" in capsys.readouterr().err
+    assert "another suite" in capfd.readouterr().err

@@ -133,8 +133,8 @@ def test_failed_and_diverged_trials_are_recorded_and_the_sweep_goes_on(pruned_ru
     assert res.promotions["sf/rr"]["K"] == 2
 
 
-def test_resume_after_sigkill(pruned_run, ray_address, tmp_path):
-    run_dir = _with_stats(pruned_run.run_dir, tmp_path / "killed")
+def test_resume_after_sigkill(ray_address, tmp_path):
+    run_dir = tmp_path / "killed"  # a new run: `--out` refuses a directory m2d did not make
     args = [sys.executable, "-m", "m2d_ray.cli", "sweep", str(TINY), "--out", str(run_dir), *SMALL, "ray.max_concurrent_trials=1"]
     env = {**os.environ, "RAY_ADDRESS": ray_address}
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -23,19 +23,6 @@ TINY = ROOT / "experiments" / "tiny.yaml"
 SMALL_DISTILL = ["distill.seq_len=64", "distill.batch_size=4", "distill.eval_max_tokens=2048", "distill.warmup_steps=2"]
 
 
-@pytest.fixture(scope="module")
-def ds_env(tmp_path_factory):
-    """DeepSpeed's compiled ops in a directory of this session (a stale lock elsewhere would hang the run)."""
-    ext = str(tmp_path_factory.mktemp("torch_extensions"))
-    old = os.environ.get("TORCH_EXTENSIONS_DIR")
-    os.environ["TORCH_EXTENSIONS_DIR"] = ext
-    yield ext
-    if old is None:
-        os.environ.pop("TORCH_EXTENSIONS_DIR")
-    else:
-        os.environ["TORCH_EXTENSIONS_DIR"] = old
-
-
 def _steps(metrics: Path) -> list[int]:
     return [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
 
@@ -69,9 +56,18 @@ def test_deepspeed_zero2_on_two_cpu_workers_killed_and_resumed(ray_address, ds_e
     assert {p.name for p in ckpt.glob("zero_pp_rank_*_optim_states.pt")} == {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)}
     student = AutoModelForCausalLM.from_pretrained(result["student"])
     assert type(student).__name__ == "Qwen3ForCausalLM"
-    # a finished run is not silently redone
+    # a finished run is not silently redone; --overwrite replaces it once the new student is done
     again = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "already holds a finished distillation" in again.stderr
+    assert again.stderr.count("\n") == 1  # one line
+    redo = [sys.executable, "-m", "m2d_ray.cli", "distill", "--student", "random-ffn", "--train-data", "synthetic:train", "--eval-data",
+            "synthetic:valid", "--steps", "4", "--no-deepspeed", "--out", str(out), "--overwrite", "eval_every=2", "seq_len=64", "batch_size=2",
+            "eval_max_tokens=1024", "warmup_steps=1"]
+    redo = subprocess.run(redo, env=env, capture_output=True, text=True, timeout=300)
+    assert redo.returncode == 0, redo.stderr[-3000:]
+    assert json.loads((out / "result.json").read_text())["steps"] == 4 and json.loads(redo.stdout.strip().splitlines()[-1])["student"] == str(out / "student")
+    assert [p.name for p in tmp_path.iterdir()] == ["distill"]  # the staging directory was swapped in
+    assert AutoModelForCausalLM.from_pretrained(out / "student") is not None and list((out / "logs").glob("m2d-distill-*.log"))
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +117,7 @@ def test_stage2_sweep_asha_mlflow_and_native_students(stage1_dir):
         assert run.data.tags["status"] == "ok" and run.data.tags["student_path"] == first["student_path"] and run.info.status == "FINISHED"
         history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "val_ppl")
         assert sorted(m.step for m in history) == [0, 3, 6, 9, 12]
+        assert {"tokens_per_s", "mfu", "train_s", "eval_s", "ckpt_s"} <= set(run.data.metrics)  # training-only throughput + the rest
         assert runs["stage2/baseline-random-init"].info.status == "KILLED" and runs["stage2/baseline-random-ffn"].info.status == "FAILED"
     finally:
         mlflow.set_tracking_uri(None)
@@ -128,10 +125,15 @@ def test_stage2_sweep_asha_mlflow_and_native_students(stage1_dir):
     # stopped students ended their Train runs cleanly: no placement group is left holding CPUs
     time.sleep(2)
     assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]
-    # resuming a finished stage 2 distils nothing again
+    # resuming a finished stage 2 distils nothing again but retries the failed student (it fails again here)
     t0 = time.time()
     assert {r["key"]: r["status"] for r in run_stage2(cfg, stage1_dir)} == {k: r["status"] for k, r in records.items()}
     assert time.time() - t0 < 30
+    # with its fault gone, a resume distils the student that failed, and only that one
+    fixed = load_config(stage1_dir / "config.yaml", [o for o in overrides if not o.startswith("faults.")])
+    again = {r["key"]: r for r in run_stage2(fixed, stage1_dir)}
+    assert again["baseline-random-ffn"]["status"] == "ok" and again["baseline-random-ffn"]["steps"] == 12
+    assert all(again[k] == r for k, r in records.items() if k != "baseline-random-ffn")
 
 
 def test_stage2_needs_a_finished_stage1_and_the_same_recipe_grid(stage1_dir, tmp_path):

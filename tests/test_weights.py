@@ -175,12 +175,16 @@ def test_truncated_or_corrupt_checkpoint_names_the_file(tmp_path):
     weights = out / "model.safetensors"
     raw = weights.read_bytes()
     weights.write_bytes(raw[: len(raw) - 100])
-    with pytest.raises(M2DError, match=f"{weights}.*truncated or corrupt"):
+    with pytest.raises(M2DError, match=f"{weights} is not a whole safetensors file.*truncated"):
         open_teacher(str(out))
+    with pytest.raises(M2DError, match=f"{weights} is not a whole safetensors file.*truncated"):
+        Checkpoint(out)  # the reader's own check says the same
     weights.write_bytes(b"\xff" * 64)
     with pytest.raises(M2DError, match=f"{weights}.*truncated or corrupt"):
         open_teacher(str(out))
     weights.unlink()
     (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": "model-1.safetensors"}}))
-    with pytest.raises(M2DError, match="model-1.safetensors is missing"):
+    with pytest.raises(M2DError, match="lacks 1 weight file.*model-1.safetensors"):
         open_teacher(str(out))
+    with pytest.raises(M2DError, match="lacks the weight file model-1.safetensors"):
+        Checkpoint(out)

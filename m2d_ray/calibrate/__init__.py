@@ -24,6 +24,7 @@ def data_fingerprint(spec: str, tokens: TokenSet) -> dict:
 def calibrate(
     teacher, tokens: TokenSet, data_spec: str, out: str | Path | None = None, batch_size: int = 8, progress: bool = True,
     device: str = "cpu", stream: bool | None = None, max_memory: str | int | None = None, spill_above: int | None = None,
+    overwrite: bool = False,
 ) -> tuple[StatsArtifact, bool]:
     """Statistics of `teacher` on `tokens`, saved to `out`; reuses `out` when it already matches.
 
@@ -51,4 +52,4 @@ def calibrate(
     extra = {"top_k": teacher.adapter.top_k(teacher.config), "engine": "streamed" if streamed else "whole"}
     if out is None:
         return StatsArtifact(layers=layers, manifest={"model": model_fp, "data": data_fp, "sha256": "", **extra}), False
-    return save_stats(out, layers, model_fp, data_fp, extra), False
+    return save_stats(out, layers, model_fp, data_fp, extra, overwrite=overwrite), False

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from m2d_ray.artifacts import atomic_dir, sha256_file
 from m2d_ray.calibrate.stats import LayerStats
+from m2d_ray.checkpoint import check_finite
 from m2d_ray.errors import M2DError
 
 FORMAT = "m2d-calibration-stats"
@@ -37,11 +38,14 @@ def _prefix(layer: int) -> str:
     return f"layer{layer}."
 
 
-def save_stats(out: str | Path, layers: dict[int, LayerStats], model: dict, data: dict, extra: dict | None = None) -> StatsArtifact:
+def save_stats(out: str | Path, layers: dict[int, LayerStats], model: dict, data: dict, extra: dict | None = None,
+               overwrite: bool = False) -> StatsArtifact:
+    """Write the artifact atomically; statistics with NaN/inf are refused (the teacher overflowed on the data)."""
     tensors = {}
     for i, st in layers.items():
         tensors.update(st.to_tensors(_prefix(i)))
-    with atomic_dir(out) as tmp:
+    check_finite(tensors.items(), "statistic", "the teacher's outputs overflow on this data; check the teacher and the calibration text")
+    with atomic_dir(out, "statistics", overwrite) as tmp:
         save_file(tensors, str(tmp / STATS_FILE))
         first = next(iter(layers.values()))
         manifest = {
@@ -65,12 +69,16 @@ def load_stats(path: str | Path) -> StatsArtifact:
     mf = path / MANIFEST_FILE
     if not mf.exists():
         raise M2DError(f"{path} is not a statistics directory (no {MANIFEST_FILE}); run `m2d calibrate --out {path}` first")
-    manifest = json.loads(mf.read_text())
+    try:
+        manifest = json.loads(mf.read_text())
+    except ValueError:
+        raise M2DError(f"{mf} is not valid JSON (corrupted?); recalibrate") from None
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise M2DError(f"{path} holds {manifest.get('format')} v{manifest.get('version')}; expected {FORMAT} v{VERSION}: recalibrate")
-    if sha256_file(path / STATS_FILE) != manifest["sha256"]:
+    if not (path / STATS_FILE).is_file() or sha256_file(path / STATS_FILE) != manifest["sha256"]:
         raise M2DError(f"{path / STATS_FILE} does not match its manifest checksum (corrupted?); recalibrate")
     tensors = load_file(str(path / STATS_FILE))
+    check_finite(tensors.items(), f"statistic in {path / STATS_FILE}:", "recalibrate (m2d calibrate --overwrite)")
     layers = {i: LayerStats.from_tensors(tensors, _prefix(i)) for i in manifest["layers"]}
     return StatsArtifact(layers=layers, manifest=manifest)
 

@@ -11,8 +11,8 @@ from typing import Iterable
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
-from tqdm.auto import tqdm
 
+from m2d_ray import console
 from m2d_ray.arch.base import MoEAdapter
 from m2d_ray.calibrate.stats import LayerStats, layer_stats
 
@@ -52,9 +52,8 @@ def collect_stats(
     handles = [observe(adapter, b, stats[i], current) for i, b in blocks.items()]
     try:
         n_batches = -(-ids.shape[0] // batch_size)
-        for b_ids, b_mask in tqdm(
-            token_batches(ids, mask, batch_size), total=n_batches, desc="calibrate", unit="batch", disable=None if progress else True
-        ):
+        batches = token_batches(ids, mask, batch_size)
+        for b_ids, b_mask in console.progress(batches, n_batches, "calibrate", "batch") if progress else batches:
             current["mask"] = b_mask.to(device)
             model(input_ids=b_ids.to(device), attention_mask=b_mask.to(device), use_cache=False)
     finally:

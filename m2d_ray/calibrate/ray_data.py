@@ -65,11 +65,13 @@ def calibrate_ray(
     threads: int = 1,
     stream: bool | None = None,
     max_memory: str | None = None,
+    load_from: str | None = None,
 ) -> tuple[StatsArtifact, bool]:
     """Statistics of `model` on `tokens` with a Ray Data actor pool; reuses `out` when it matches.
 
     Returns (artifact, reused). Needs a running Ray (`ray.init`). The driver never loads the weights;
-    each actor streams the teacher layer by layer when `stream` is set or it does not fit `max_memory`.
+    the actors read them from `load_from` (a storage URL every node reaches), default `model`. Each actor
+    streams the teacher layer by layer when `stream` is set or it does not fit `max_memory`.
     """
     config = load_config(model)
     model_fp, data_fp = model_fingerprint(model, config), data_fingerprint(data_spec, tokens)
@@ -89,7 +91,7 @@ def calibrate_ray(
         compute=ray.data.ActorPoolStrategy(size=actors),
         num_gpus=gpus_per_actor,
         num_cpus=1,
-        fn_constructor_kwargs={"model": model, "device": "cuda" if gpus_per_actor > 0 else "cpu", "threads": threads,
+        fn_constructor_kwargs={"model": load_from or model, "device": "cuda" if gpus_per_actor > 0 else "cpu", "threads": threads,
                                "batch_size": batch_size, "stream": stream, "max_memory": max_memory},
         batch_format="numpy",
     )
@@ -101,4 +103,4 @@ def calibrate_ray(
     tensors = {name: torch.from_numpy(np.asarray(v)) for name, v in total.items()}
     layers = sorted({int(name.split(".")[0].removeprefix("layer")) for name in tensors})
     stats = {i: LayerStats.from_tensors(tensors, f"layer{i}.") for i in layers}
-    return save_stats(out, stats, model_fp, data_fp, {"top_k": adapter.top_k(config), "engine": "ray-data"}), False
+    return save_stats(out, stats, model_fp, data_fp, {"top_k": adapter.top_k(config), "engine": "ray-data"}, overwrite=True), False

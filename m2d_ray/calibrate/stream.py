@@ -19,8 +19,10 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+
 from tqdm.auto import tqdm
 
+from m2d_ray import console
 from m2d_ray.calibrate.collect import observe, token_batches
 from m2d_ray.calibrate.stats import LayerStats
 from m2d_ray.errors import M2DError
@@ -167,7 +169,8 @@ def collect_stats_streamed(
     spill = spill_above if spill_above is not None else free_memory("cpu") // 2
     store = HiddenStates(shapes, teacher.dtype, spill, spill_dir)
     stats = {i: LayerStats.zeros(adapter.num_experts(teacher.config), device=device) for i in moe}
-    bar = tqdm(total=(moe[-1] + 2) * len(batches), desc="calibrate (streamed)", unit="batch", disable=None if progress else True)
+    total = (moe[-1] + 2) * len(batches)
+    bar = console.bar(total, "calibrate (streamed)", "batch") if progress else tqdm(disable=True)
     try:
         embed = skel.get_input_embeddings()
         skel.set_input_embeddings(teacher.module(teacher.name_of(embed)).to(device))

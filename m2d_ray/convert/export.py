@@ -66,17 +66,19 @@ def verify_student(student: PreTrainedModel, teacher, plan: ConversionPlan, n_to
     return errors
 
 
-def export_student(student: PreTrainedModel, tokenizer, out: str | Path, teacher=None, plan: ConversionPlan | None = None, extra: dict | None = None) -> dict:
+def export_student(student: PreTrainedModel, tokenizer, out: str | Path, teacher=None, plan: ConversionPlan | None = None,
+                   extra: dict | None = None, overwrite: bool = False) -> dict:
     """save_pretrained + tokenizer into `out` atomically; with a plan, reload and verify exactness first.
 
     Returns the verification record (max relative error per layer). Raises RuntimeError — and leaves
-    `out` untouched — when the reloaded student does not reproduce the plan. The in-memory student is
-    let go before the reload: a caller that passes it without keeping a reference
+    `out` untouched — when the reloaded student does not reproduce the plan. `out` may replace only a
+    previous student, and only with `overwrite` (artifacts.check_output). The in-memory student is let go
+    before the reload: a caller that passes it without keeping a reference
     (`export_student(build_from_plan(...), ...)`) holds one student at a time, not two.
     """
     record: dict = {}
     dtype, cls = next(student.parameters()).dtype, type(student).__name__
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, "student", overwrite) as tmp:
         student.save_pretrained(tmp)
         del student
         if tokenizer is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from m2d_ray.convert.plan import ConversionPlan
@@ -23,3 +24,20 @@ def materialize(teacher, out: str | Path, plan: ConversionPlan | None = None, ba
     else:
         raise ValueError("materialize needs a plan or a baseline")
     return out
+
+
+@dataclass(frozen=True)
+class InitialStudent:
+    """A student to materialise where it is needed (a distillation worker), from its plan or a baseline:
+    picklable, so it travels with the job instead of the student travelling through a shared disk."""
+
+    teacher: str
+    plan: ConversionPlan | None = None
+    baseline: str | None = None
+    seed: int = 0
+
+    def __call__(self, out: Path) -> None:
+        from m2d_ray.weights import open_teacher
+
+        # lazy: the builder reads only the tensors the student is made of, never the whole teacher
+        materialize(open_teacher(self.teacher), out, plan=self.plan, baseline=self.baseline, seed=self.seed)

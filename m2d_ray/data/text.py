@@ -23,8 +23,43 @@ MIN_CALIB_TOKENS = 64
 DATASET_SPECS = ("wikitext2", "synthetic")
 
 
+WIKITEXT_SPLITS = ("train", "validation", "test")
+_SNIFF = 8192  # bytes read to tell text from binary
+
+
+def check_spec(spec: str, what: str = "data") -> None:
+    """Validate a data spec without loading it: a known dataset split, or a readable text file."""
+    from m2d_ray.data.synthetic import SPLITS
+
+    name, sep, split = str(spec).partition(":")
+    for dataset, splits in (("synthetic", SPLITS), ("wikitext2", WIKITEXT_SPLITS)):
+        if name == dataset:
+            if sep and split not in splits:
+                raise M2DError(f"{what} {spec!r}: unknown split {split!r}; use {dataset}:" + f" or {dataset}:".join(splits))
+            return
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise M2DError(f"{what} {spec!r} is neither a file nor one of {', '.join(DATASET_SPECS)}; give an existing text file")
+    if path.is_dir():
+        raise M2DError(f"{what} {spec!r} is a directory; give a text file")
+    try:
+        with path.open("rb") as f:
+            head = f.read(_SNIFF)
+    except OSError as exc:
+        raise M2DError(f"{what} {spec!r} cannot be read ({exc.strerror}); give a readable text file") from None
+    if b"\0" in head or _undecodable(head):
+        raise M2DError(f"{what} {spec!r} is not a UTF-8 text file (binary content); give plain text")
+
+
+def _undecodable(head: bytes) -> bool:
+    """More than 1% of the first bytes not UTF-8 (a cut multi-byte character at the end is fine)."""
+    text = head.decode("utf-8", errors="replace")
+    return text.count("\ufffd") > max(3, len(text) // 100)
+
+
 def load_text(spec: str) -> str:
     """Resolve a data spec to raw text (see module docstring)."""
+    check_spec(spec)
     name, _, split = str(spec).partition(":")
     if name == "synthetic":
         from m2d_ray.data.synthetic import corpus_text
@@ -32,12 +67,7 @@ def load_text(spec: str) -> str:
         return corpus_text(split or "test")
     if name == "wikitext2":
         return _wikitext2(split or "test")
-    path = Path(spec).expanduser()
-    if not path.exists():
-        raise M2DError(f"data {spec!r} is neither a file nor one of {', '.join(DATASET_SPECS)}; give an existing text file")
-    if path.is_dir():
-        raise M2DError(f"data {spec!r} is a directory; give a text file")
-    return path.read_text(encoding="utf-8", errors="replace")
+    return Path(spec).expanduser().read_text(encoding="utf-8", errors="replace")
 
 
 def _wikitext2(split: str) -> str:

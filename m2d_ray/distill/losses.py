@@ -29,20 +29,28 @@ LOSSES.register("fkl+mse")(("fkl", True))
 
 
 def _fkl(ls: Tensor, lt: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-token KL(t || s) and its gradient w.r.t. the student logits (p_s - p_t)."""
+    """Per-token KL(t || s) and its gradient w.r.t. the student logits (p_s - p_t); overwrites ls and lt."""
     pt = lt.exp()
-    return (pt * (lt - ls)).sum(-1), ls.exp() - pt
+    kl = (pt * lt.sub_(ls)).sum(-1)
+    return kl, ls.exp_().sub_(pt)
 
 
 def _rkl(ls: Tensor, lt: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-token KL(s || t) and its gradient w.r.t. the student logits p_s * (log p_s - log p_t - KL)."""
+    """Per-token KL(s || t) and its gradient w.r.t. the student logits p_s * (log p_s - log p_t - KL);
+    overwrites ls."""
     ps = ls.exp()
-    diff = ls - lt
+    diff = ls.sub_(lt)
     kl = (ps * diff).sum(-1)
-    return kl, ps * (diff - kl[:, None])
+    return kl, diff.sub_(kl[:, None]).mul_(ps)
 
 
 DIVERGENCES: dict[str, Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]] = {"fkl": _fkl, "rkl": _rkl}
+
+
+def _log_probs(h: Tensor, w: Tensor, t: float) -> Tensor:
+    """float32 log-softmax of the logits h @ w.T at temperature t (the division skipped at t = 1)."""
+    z = (h @ w.T).float()
+    return torch.log_softmax(z if t == 1.0 else z.div_(t), dim=-1)
 
 
 class _ChunkedKL(torch.autograd.Function):
@@ -56,11 +64,10 @@ class _ChunkedKL(torch.autograd.Function):
         t = float(temperature)
         for s in range(0, n, chunk):
             hs, ht = h_s[s : s + chunk], h_t[s : s + chunk]
-            ls = torch.log_softmax((hs @ w_s.T).float() / t, dim=-1)
-            lt = torch.log_softmax((ht @ w_t.T).float() / t, dim=-1)
+            ls, lt = _log_probs(hs, w_s, t), _log_probs(ht, w_t, t)
             kl, g = div(ls, lt)
             total += kl.double().sum()
-            g = g * (t / n)  # d(t^2 * mean KL(z / t)) / dz = t / n * dKL
+            g.mul_(t / n)  # d(t^2 * mean KL(z / t)) / dz = t / n * dKL
             grad_h[s : s + chunk] = (g @ w_s.float()).to(h_s.dtype)
             if grad_w is not None:
                 grad_w.addmm_(g.T, hs.float())
@@ -96,9 +103,10 @@ def naive_kl(logits_s: Tensor, logits_t: Tensor, kind: str = "fkl", temperature:
     return temperature**2 * F.kl_div(b, a, log_target=True, reduction="batchmean")
 
 
-def hidden_mse(student_states: tuple[Tensor, ...], teacher_states: tuple[Tensor, ...], mask: Tensor) -> Tensor:
-    """Mean squared error between the hidden states of every layer (the embeddings excluded), over real tokens."""
+def hidden_mse(student_states: tuple[Tensor, ...], teacher_states: tuple[Tensor, ...], mask: Tensor | None = None) -> Tensor:
+    """Mean squared error between the hidden states of every layer (the embeddings excluded), over real
+    tokens (`mask`; None = every position, as in packed training blocks)."""
     pairs = list(zip(student_states[1:], teacher_states[1:]))
-    valid = mask.bool()
-    per_layer = [F.mse_loss(s[valid].float(), t[valid].float().detach()) for s, t in pairs]
+    pick = (lambda x: x) if mask is None else (lambda x: x[mask.bool()])  # noqa: E731
+    per_layer = [F.mse_loss(pick(s).float(), pick(t).float().detach()) for s, t in pairs]
     return torch.stack(per_layer).mean()

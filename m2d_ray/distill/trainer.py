@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import threading
 from pathlib import Path
 from typing import Iterator
@@ -23,6 +22,7 @@ from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, Sc
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.v2.api.callback import UserCallback
 
+from m2d_ray import console
 from m2d_ray.distill.loop import DistillJob, WorkerIO, run_distill
 
 #: environment forwarded to the workers (DeepSpeed's compiled-ops cache: a stale lock there hangs every run)
@@ -64,26 +64,34 @@ class MetricsLog(UserCallback):
 
 
 def progress_line(m: dict, label: str = "") -> str:
-    return (f"[distill{' ' + label if label else ''}] step {m['step']}: train loss {m['train_loss']:.4f}, "
-            f"val ppl {m['val_ppl']:.2f} (start {m['val_ppl_initial']:.2f}), {m['tokens_per_s']:,.0f} tok/s")
+    head = f"[distill{' ' + label if label else ''}] step {m['step']}: "
+    val = f"val ppl {m['val_ppl']:.2f} (start {m['val_ppl_initial']:.2f})"
+    if "train_loss" not in m:  # the final report repeated after a resume: no training in it
+        return head + val
+    return (head + f"train loss {m['train_loss']:.4f}, {val}, {m['tokens_per_s']:,.0f} tok/s training "
+            f"(MFU {m['mfu']:.1%}; eval {m['eval_s']:.1f} s, checkpoint {m['ckpt_s']:.1f} s)")
 
 
 @contextlib.contextmanager
-def follow(path: str | Path, label: str = "", every_s: float = 1.0) -> Iterator[None]:
-    """Print a progress line on the driver for each line appended to a MetricsLog file while the block runs."""
+def follow(path: str | Path, label: str = "", every_s: float = 1.0, total: int | None = None) -> Iterator[None]:
+    """On the driver, while the block runs: a progress line for each line appended to a MetricsLog file,
+    and a live bar over the `total` steps when stderr is a terminal."""
     path, stop = Path(path), threading.Event()
     seen = len(path.read_text().splitlines()) if path.exists() else 0
 
     def poll() -> None:
         nonlocal seen
-        while True:
-            done = stop.wait(every_s)
-            lines = path.read_text().splitlines() if path.exists() else []
-            for line in lines[seen:]:
-                print(progress_line(json.loads(line), label), file=sys.stderr, flush=True)
-            seen = len(lines)
-            if done:
-                return
+        with console.bar(total, f"distill {label}".strip(), "step") as b:
+            while True:
+                done = stop.wait(every_s)
+                lines = path.read_text().splitlines() if path.exists() else []
+                for line in lines[seen:]:
+                    m = json.loads(line)
+                    console.say(progress_line(m, label))
+                    b.update(m["step"] - b.n)
+                seen = len(lines)
+                if done:
+                    return
 
     t = threading.Thread(target=poll, daemon=True)
     t.start()
@@ -94,8 +102,11 @@ def follow(path: str | Path, label: str = "", every_s: float = 1.0) -> Iterator[
         t.join()
 
 
-def fit(job: DistillJob, name: str, storage: str | Path, callbacks: list | None = None, max_failures: int = 0):
-    """Build and fit the TorchTrainer of one student; returns Ray Train's Result."""
+def fit(job: DistillJob, name: str, storage: str, callbacks: list | None = None, max_failures: int = 0):
+    """Build and fit the TorchTrainer of one student, its checkpoints under `storage` (a path or a storage
+    URL every node reaches); returns Ray Train's Result."""
+    from m2d_ray.storage import ray_storage
+
     cfg = job.cfg
     use_gpu = cfg.gpus_per_worker > 0
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
@@ -108,7 +119,7 @@ def fit(job: DistillJob, name: str, storage: str | Path, callbacks: list | None 
             resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": cfg.gpus_per_worker} if use_gpu else {})},
         ),
         run_config=RunConfig(
-            name=name, storage_path=str(Path(storage).resolve()), callbacks=callbacks or [],
+            name=name, **ray_storage(str(storage)), callbacks=callbacks or [],
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
             failure_config=FailureConfig(max_failures=max_failures),
         ),

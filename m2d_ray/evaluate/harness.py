@@ -9,6 +9,8 @@ the suite's score is the unweighted mean of the task scores (acc_norm where the 
 
 from __future__ import annotations
 
+import difflib
+import functools
 import tempfile
 from pathlib import Path
 
@@ -52,6 +54,34 @@ def parse_tasks(spec: str, num_fewshot: int | None = None) -> list[tuple[str, in
     return out
 
 
+LOCAL_TASKS = (CONTINUATION, f"{CONTINUATION}_fewshot")
+TEXT_TASKS = (TEXT_CONTINUATION, f"{TEXT_CONTINUATION}_fewshot")
+
+
+def check_tasks(spec: str, num_fewshot: int | None = None) -> tuple[list[tuple[str, int]], str | None]:
+    """(suite, text file) of a task spec, checked before any model loads: every task is ours or in
+    lm-eval's own index (an unknown one fails with a suggestion), a text:PATH file exists."""
+    suite, text = parse_tasks(spec, num_fewshot), text_source(spec)
+    ours = LOCAL_TASKS + (TEXT_TASKS if text else ())
+    for name, _ in suite:
+        if name in ours:
+            continue
+        known = lm_eval_tasks()
+        if name not in known:
+            close = difflib.get_close_matches(name, [*known, *LOCAL_TASKS], n=2, cutoff=0.75)
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            raise M2DError(f"unknown lm-eval task {name!r}{hint} (`lm-eval ls tasks` lists them; offline suites: local, text:PATH)")
+    return suite, text
+
+
+@functools.lru_cache(maxsize=1)
+def lm_eval_tasks() -> frozenset[str]:
+    """Every task, group and tag name lm-eval knows (its index takes seconds to build: once per process)."""
+    from lm_eval.tasks import TaskManager
+
+    return frozenset(TaskManager().all_tasks)
+
+
 def _group_yaml(tasks: list[tuple[str, int]], dest: Path) -> None:
     group = {"group": GROUP, "task": [{"task": name, "num_fewshot": shots} for name, shots in tasks],
              "aggregate_metric_list": [{"metric": "acc", "aggregation": "mean", "weight_by_size": False}], "metadata": {"version": 1.0}}
@@ -73,8 +103,10 @@ def evaluate(model, tokenizer, tasks: list[tuple[str, int]], batch_size: int = 1
         _group_yaml(tasks, include)
         try:
             out = simple_evaluate(model=lm, tasks=[GROUP], task_manager=TaskManager(include_path=str(include)), limit=limit, log_samples=False)
-        except Exception as exc:  # unknown task, dataset not reachable offline ...
-            raise M2DError(f"lm-eval failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); offline? use --tasks local") from None
+        except Exception as exc:  # the names were checked (check_tasks): this is the data, mostly the hub offline
+            names = ", ".join(t for t, _ in tasks if t not in LOCAL_TASKS + TEXT_TASKS)
+            raise M2DError(f"lm-eval could not load the data of {names or 'the tasks'} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); "
+                           "these datasets come from the Hugging Face hub: offline? use --tasks local or text:PATH") from None
     by_alias = {v.get("alias", k).strip(" -"): v for k, v in out["results"].items() if k != GROUP}
     results = {}
     for name, shots in tasks:

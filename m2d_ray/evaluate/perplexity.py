@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from tqdm.auto import tqdm
 
+from m2d_ray import console
 from m2d_ray.errors import M2DError
 
 
@@ -73,7 +73,8 @@ def perplexity_batches(model, ids: Tensor, seq_len: int = 256, batch_size: int =
     """Yield the running Perplexity after each batch of windows (for chunked early stopping)."""
     w, m = windows(ids, seq_len)
     total, count = 0.0, 0
-    for start in tqdm(range(0, w.shape[0], batch_size), desc="perplexity", unit="batch", disable=None if progress else True):
+    starts = range(0, w.shape[0], batch_size)
+    for start in console.progress(starts, len(starts), "perplexity", "batch") if progress else starts:
         s, c = window_nll(model, w[start : start + batch_size], m[start : start + batch_size])
         total, count = total + s, count + c
         yield _result(total, count, min(start + batch_size, w.shape[0]))

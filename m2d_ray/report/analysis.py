@@ -75,8 +75,32 @@ def distill_rows(data: RunData) -> list[dict]:
         s2 = data.stage2.get(r["key"], {})
         s3 = data.stage3.get(r["key"], {})
         r.update(status=s2.get("status", "-" if r["kind"] == "teacher" else "not distilled"), steps=s2.get("steps"), val_ppl=s2.get("val_ppl"),
-                 acc={t: v.get("score") for t, v in s3.get("tasks", {}).items()}, mean=s3.get("mean"))
+                 acc={t: v.get("score") for t, v in s3.get("tasks", {}).items()}, mean=s3.get("mean"), eval=s3.get("status", "-"))
     return rows
+
+
+def outcome(data: RunData) -> dict:
+    """What the run produced, from the driver's records: students by stage-2 status, models evaluated."""
+    rows = [r for r in distill_rows(data) if r["kind"] != "teacher"]
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "pruned", "failed", "diverged", "not distilled")}
+    students = [r for r in rows if r["eval"] != "-"]
+    return {
+        "students": counts,
+        "promoted": sum(r["kind"] == "student" for r in rows),
+        "promoted_distilled": sum(r["kind"] == "student" and r["status"] in ("ok", "pruned") for r in rows),
+        "evaluated": sum(r["eval"] == "ok" for r in students),
+        "eval_failed": sum(r["eval"] == "failed" for r in students),
+        "teacher_evaluated": data.stage3.get("teacher", {}).get("status") == "ok",
+    }
+
+
+def outcome_line(o: dict) -> str:
+    s = o["students"]
+    line = f"students: {s['ok']} ok, {s['pruned']} pruned, {s['failed']} failed, {s['diverged']} diverged"
+    if s["not distilled"]:
+        line += f", {s['not distilled']} not distilled"
+    line += f"; {o['evaluated']} students evaluated" + (f", {o['eval_failed']} failed to evaluate" if o["eval_failed"] else "")
+    return line + ("; teacher evaluated" if o["teacher_evaluated"] else "")
 
 
 def marginal(rows: list[dict], axis: str, order: tuple[str, ...]) -> dict[str, float]:

@@ -17,8 +17,9 @@ import io
 import time
 from pathlib import Path
 
-from m2d_ray.artifacts import write_text_atomic
-from m2d_ray.report.analysis import RunData, distill_rows, erank_table, load_run, marginal, overlap, selections, val_loss_curves
+from m2d_ray.artifacts import atomic_dir, write_text_atomic
+from m2d_ray.report.analysis import (RunData, distill_rows, erank_table, load_run, marginal, outcome, outcome_line, overlap, selections,
+                                     val_loss_curves)
 from m2d_ray.report.figures import pyplot, save
 from m2d_ray.report.stage1 import heatmap, write_tables
 
@@ -60,9 +61,9 @@ def _fmt(v) -> str:
 # ---- tables ---------------------------------------------------------------------------------------
 def distill_table(data: RunData, rows: list[dict]) -> Table:
     tasks = data.tasks()
-    headers = ["scoring", "grouping", "K", "scaling", "stage-1 ppl", "stage 2", "final val ppl", *tasks, "mean acc"]
+    headers = ["scoring", "grouping", "K", "scaling", "stage-1 ppl", "stage 2", "final val ppl", "stage 3", *tasks, "mean acc"]
     body = [[r["scoring"].upper() if r["kind"] == "student" else r["scoring"], r["grouping"].upper(), r["K"], r["scaling"], r["stage1_ppl"],
-             r["status"] if r["steps"] is None else f"{r['status']} @ {r['steps']}", r["val_ppl"],
+             r["status"] if r["steps"] is None else f"{r['status']} @ {r['steps']}", r["val_ppl"], r["eval"],
              *[r["acc"].get(t) for t in tasks], r["mean"]] for r in rows]
     suite = data.cfg.stage3.tasks
     return Table("distill", headers, body, f"Accuracy on the stage-3 suite `{suite}` (acc_norm for HellaSwag/ARC, else acc), mean unweighted. "
@@ -162,26 +163,25 @@ img{max-width:100%;border:1px solid #eee}.note,.files,.meta{color:#666;font-size
 
 
 def write_report(run_dir: str | Path) -> Path:
-    """Write RUN_DIR/report/ and return the path of its index.html."""
+    """Write RUN_DIR/report/ (replacing the previous report as a whole) and return the path of its index.html."""
     data = load_run(run_dir)
-    out = data.run_dir / REPORT_DIR
-    out.mkdir(exist_ok=True)
-    g = data.cfg.grid
-    order = {"scoring": list(g.scoring), "grouping": list(g.grouping), "scaling": list(g.scaling)}
-    write_tables(data.stage1, order, out)
-    rows = distill_rows(data)
-    tables = {"distill": distill_table(data, rows), "overlap": overlap_table(data), "erank": erank_tables(data)}
-    for t in tables.values():
-        t.write(out)
-    figs = {
-        "grid": heatmap(data.stage1, order, out / "stage1_heatmap.png", title=f"stage 1: pre-distillation perplexity, k={data.k}"),
-        "marginal": marginal_figure(data, rows, out / "marginal.png"),
-        "overlap": overlap_figure(tables["overlap"], out / "overlap.png"),
-        "erank": erank_figure(data, out / "erank.png"),
-        "curves": curves_figure(data, out / "curves.png"),
-    }
-    write_text_atomic(out / "index.html", _page(data, tables, figs, (out / "stage1.md").read_text()))
-    return out / "index.html"
+    with atomic_dir(data.run_dir / REPORT_DIR, "report", overwrite=True, what="report directory") as out:
+        g = data.cfg.grid
+        order = {"scoring": list(g.scoring), "grouping": list(g.grouping), "scaling": list(g.scaling)}
+        write_tables(data.stage1, order, out)
+        rows = distill_rows(data)
+        tables = {"distill": distill_table(data, rows), "overlap": overlap_table(data), "erank": erank_tables(data)}
+        for t in tables.values():
+            t.write(out)
+        figs = {
+            "grid": heatmap(data.stage1, order, out / "stage1_heatmap.png", title=f"stage 1: pre-distillation perplexity, k={data.k}"),
+            "marginal": marginal_figure(data, rows, out / "marginal.png"),
+            "overlap": overlap_figure(tables["overlap"], out / "overlap.png"),
+            "erank": erank_figure(data, out / "erank.png"),
+            "curves": curves_figure(data, out / "curves.png"),
+        }
+        write_text_atomic(out / "index.html", _page(data, tables, figs, (out / "stage1.md").read_text()))
+    return data.run_dir / REPORT_DIR / "index.html"
 
 
 def _img(path: Path | None, alt: str) -> str:
@@ -201,7 +201,7 @@ def _page(data: RunData, tables: dict[str, Table], figs: dict[str, Path | None],
     ]
     body = "".join(f"<h2>{html.escape(title)}</h2>{content}" for title, content in sections)
     meta = (f"teacher <code>{html.escape(str(p['teacher']))}</code> · k = {p['k']}, E = {p['E']} · config <code>{html.escape(cfg.name)}</code> · "
-            f"{len(data.stage1)} stage-1 configs · {len(data.stage2)} students distilled · {len(data.stage3)} models evaluated"
+            f"{len(data.stage1)} stage-1 configs · {html.escape(outcome_line(outcome(data)))}"
             + (f" · {timing}" if timing else "") + f" · written {time.strftime('%Y-%m-%d %H:%M')}")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>m2d report: {html.escape(cfg.name)}</title><style>{CSS}</style></head>"
             f"<body><h1>MoE → dense: {html.escape(cfg.name)}</h1><p class='meta'>{meta}</p>{body}</body></html>")

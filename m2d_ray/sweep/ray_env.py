@@ -7,7 +7,19 @@ from pathlib import Path
 
 import ray
 
+from m2d_ray import console
 from m2d_ray.config import RayConfig
+
+
+_CONNECTED: bool | None = None  # whether ensure_ray joined an existing cluster (None: Ray was up already)
+
+
+def on_cluster() -> bool:
+    """Whether this run's Ray is a cluster (an address was given, or it has several nodes) rather than a
+    local instance: then nothing may be passed through the driver's disk."""
+    if _CONNECTED is not None:
+        return _CONNECTED
+    return ray.is_initialized() and sum(n["Alive"] for n in ray.nodes()) > 1
 
 
 def ensure_ray(cfg: RayConfig) -> None:
@@ -15,16 +27,21 @@ def ensure_ray(cfg: RayConfig) -> None:
 
     A local Ray gets more logical CPUs than cores (`num_cpus`, default 4): with as many as the
     cores a Tune trial that starts workers deadlocked here (stack-notes). Token auth, on by default
-    for local clusters since Ray 2.59, is turned off for a local instance only.
+    for local clusters since Ray 2.59, is turned off for a local instance only. Under a command's
+    console session the workers' output is forwarded to the driver, i.e. into the command's log.
     """
+    global _CONNECTED
     if ray.is_initialized():
         return
     address = cfg.address or os.environ.get("RAY_ADDRESS")
+    logs = console.active()
     if address:
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, log_to_driver=logs)
+        _CONNECTED = True
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=logs)
+    _CONNECTED = False
 
 
 def trial_error(trial) -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 import traceback
 import uuid
@@ -26,15 +25,19 @@ import ray
 import torch
 from ray import tune
 
-from m2d_ray.artifacts import write_json_atomic
+from m2d_ray.artifacts import write_json_atomic, write_marker
 from m2d_ray.calibrate.artifact import StatsArtifact
 from m2d_ray.calibrate.ray_data import calibrate_ray
+from m2d_ray.calibrate.tokens import calibration_tokens
 from m2d_ray.config import SweepConfig, dump_config, load_config
+from m2d_ray.console import say
 from m2d_ray.data.text import load_text, tokenize
-from m2d_ray.errors import M2DError
+from m2d_ray import storage
+from m2d_ray.errors import M2DError, RunFailed
 from m2d_ray.report.stage1 import heatmap, write_tables
 from m2d_ray.sweep.grid import TrialSpec, Unique, dedupe, expand, plan_all, plan_of
 from m2d_ray.sweep.ledger import Ledger
+from m2d_ray.sweep.placement import check_visible, run_storage, teacher_for_workers
 from m2d_ray.sweep.promote import promote, unpromoted
 from m2d_ray.sweep.ray_env import ensure_ray, trial_error
 from m2d_ray.sweep.scheduler import PairwiseStopper
@@ -163,7 +166,7 @@ class Recorder(tune.Callback):
             if self.probe_file is not None:  # saved as they come: a killed probe round resumes where it was
                 write_json_atomic(self.probe_file, self.probes)
             self.finished += 1
-            print(f"[probe {self.finished}/{self.total}] {key}: first chunk ppl {last['ppl']:.2f}", file=sys.stderr, flush=True)
+            say(f"[probe {self.finished}/{self.total}] {key}: first chunk ppl {last['ppl']:.2f}")
         else:
             self.record(key, "pruned", last)
 
@@ -186,7 +189,7 @@ class Recorder(tune.Callback):
         self.full += status in ("ok", "diverged")
         ppl = f"{last['ppl']:.2f}" if last.get("ppl") is not None and math.isfinite(last["ppl"]) else "-"
         dup = f" (+{len(u.members) - 1} identical)" if len(u.members) > 1 else ""
-        print(f"[{self.finished}/{self.total}] {key}: {status} ppl {ppl}{dup}", file=sys.stderr, flush=True)
+        say(f"[{self.finished}/{self.total}] {key}: {status} ppl {ppl}{dup}")
 
 
 # ---- the sweep -----------------------------------------------------------------------------------
@@ -203,20 +206,20 @@ def new_run_dir(cfg: SweepConfig, run_dir: Path) -> dict:
     if (run_dir / STATE_FILE).exists():
         raise M2DError(f"{run_dir} already holds a sweep; resume it with --resume {run_dir} or choose another --out")
     run_dir.mkdir(parents=True, exist_ok=True)
+    write_marker(run_dir, "run")
     dump_config(cfg, run_dir / CONFIG_FILE)
     state = {"sweep_id": uuid.uuid4().hex, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "attempts": 0}
     write_json_atomic(run_dir / STATE_FILE, state)
     return state
 
 
-def _stats(cfg: SweepConfig, model: str, run_dir: Path, tokenizer) -> StatsArtifact:
-    from m2d_ray.pipeline import calibration_tokens
-
+def _stats(cfg: SweepConfig, model: str, remote: str, run_dir: Path, tokenizer) -> StatsArtifact:
+    """The run's statistics (driver-side artifact); the actors load the teacher from `remote`."""
     spec, tokens = calibration_tokens(tokenizer, cfg.calib.data, cfg.model, cfg.calib.seq_len, cfg.calib.max_tokens)
     art, reused = calibrate_ray(model, tokens, spec, run_dir / "stats", batch_size=cfg.calib.batch_size, actors=cfg.ray.data_actors,
-                                gpus_per_actor=cfg.ray.data_gpus_per_actor, threads=cfg.ray.threads_per_worker,
+                                gpus_per_actor=cfg.ray.data_gpus_per_actor, threads=cfg.ray.threads_per_worker, load_from=remote,
                                 stream=cfg.calib.stream, max_memory=cfg.calib.max_memory)
-    print(f"statistics: {'reused' if reused else 'computed'} {art.manifest['n_tokens']} tokens, sha256 {art.checksum[:12]}", file=sys.stderr)
+    say(f"statistics: {'reused' if reused else 'computed'} {art.manifest['n_tokens']} tokens, sha256 {art.checksum[:12]}")
     return art
 
 
@@ -234,10 +237,8 @@ def _plans(cfg: SweepConfig, model: str, run_dir: Path, art: StatsArtifact, spec
 
 def run_stage1(cfg: SweepConfig | None, run_dir: str | Path, resume: bool = False, tracking_uri: str | None = None) -> Stage1Result:
     """Run (or resume) the stage-1 grid of `cfg` into `run_dir`; see the module docstring."""
-    from transformers import AutoTokenizer
-
     from m2d_ray.arch import get_adapter
-    from m2d_ray.models import default_teacher
+    from m2d_ray.models import default_teacher, load_tokenizer
     from m2d_ray.models import load_config as model_config
 
     t0 = time.time()
@@ -259,9 +260,12 @@ def run_stage1(cfg: SweepConfig | None, run_dir: str | Path, resume: bool = Fals
 
     tracker = run_tracker(cfg, run_dir, tracking_uri)
     ensure_ray(cfg.ray)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    art = _stats(cfg, model, run_dir, tokenizer)
-    plans = _plans(cfg, model, run_dir, art, specs)
+    store = run_storage(cfg, run_dir)
+    check_visible(store)
+    remote = teacher_for_workers(model, store)  # what the workers load
+    tokenizer = load_tokenizer(model)
+    art = _stats(cfg, model, remote, run_dir, tokenizer)
+    plans = _plans(cfg, remote, run_dir, art, specs)
     uniques = dedupe(specs, plans, cfg.search.dedupe)
     parent = tracker.parent_run(
         state["sweep_id"], cfg.name,
@@ -274,12 +278,12 @@ def run_stage1(cfg: SweepConfig | None, run_dir: str | Path, resume: bool = Fals
     ledger = Ledger(run_dir)
     _reconcile(ledger, uniques, tracker, parent)
     pending = [u for u in uniques if u.canonical.key not in ledger.done()]
-    print(f"stage 1: {len(specs)} configs, {len(uniques)} distinct students, {len(pending)} to evaluate", file=sys.stderr)
+    say(f"stage 1: {len(specs)} configs, {len(uniques)} distinct students, {len(pending)} to evaluate")
 
     ids = tokenize(tokenizer, load_text(cfg.eval.data), max_chars=cfg.eval.max_chars) if pending else None
     recorder = Recorder({u.canonical.key: u for u in pending}, plans, ledger, tracker, parent, attempt)
     run = lambda units, phase, stopper=None, max_chunks=None: _tune(  # noqa: E731
-        cfg, model, run_dir, plans, units, ids, recorder, f"stage1-{attempt}-{phase}", stopper, max_chunks)
+        cfg, remote, store, plans, units, ids, recorder, f"stage1-{attempt}-{phase}", stopper, max_chunks)
     stopper = None
     if pending and cfg.search.early_stop:
         stopper = PairwiseStopper(cfg.search.stop_factor, cfg.search.grace_chunks, pairs={u.canonical.key: u.pairs for u in uniques})
@@ -335,7 +339,7 @@ def _reconcile(ledger: Ledger, uniques: list[Unique], tracker: Tracker, parent: 
             log_record(tracker, parent, r)
 
 
-def _tune(cfg, model, run_dir, plans, units: list[Unique], ids, recorder: Recorder, name: str,
+def _tune(cfg, model, store: str, plans, units: list[Unique], ids, recorder: Recorder, name: str,
           stopper: PairwiseStopper | None = None, max_chunks: int | None = None) -> None:
     """One Tune run over `units` (grid order = the order given); results go through `recorder`."""
     recorder.total, recorder.finished = len(units), 0
@@ -353,7 +357,7 @@ def _tune(cfg, model, run_dir, plans, units: list[Unique], ids, recorder: Record
             trial_name_creator=lambda t: t.config["key"], trial_dirname_creator=lambda t: t.config["key"],
         ),
         run_config=tune.RunConfig(
-            name=name, storage_path=cfg.ray.storage_path or str(run_dir / "tune"), callbacks=[recorder], verbose=0,
+            name=name, **storage.ray_storage(storage.join(store, "tune")), callbacks=[recorder], verbose=0,
             failure_config=tune.FailureConfig(max_failures=cfg.ray.max_failures, fail_fast=False),
         ),
     )
@@ -361,7 +365,7 @@ def _tune(cfg, model, run_dir, plans, units: list[Unique], ids, recorder: Record
         tuner.fit()
     except Exception as exc:  # Tune itself broke (not a trial): keep what the ledger has
         traceback.print_exc()
-        raise M2DError(f"Ray Tune stopped ({type(exc).__name__}); finished trials are saved: resume with --resume {run_dir}") from None
+        raise RunFailed(f"Ray Tune stopped ({type(exc).__name__}); finished trials are saved: resume with --resume {recorder.ledger.dir.parent}") from None
 
 
 def _finish(cfg, run_dir, records, tracker, parent, model, art, k, E) -> dict:
@@ -379,5 +383,5 @@ def _finish(cfg, run_dir, records, tracker, parent, model, art, k, E) -> dict:
     tracker.log(parent, metrics={f"configs_{s}": n for s, n in counts.items()}, tags={"promotions": json.dumps({p: f"K={v['K']},{v['scaling']}" for p, v in promotions.items()})})
     tracker.artifacts(parent, outputs)
     tracker.finish(parent)
-    print(f"stage 1 done: {counts}; table {run_dir / 'stage1.md'}", file=sys.stderr)
+    say(f"stage 1 done: {counts}; table {run_dir / 'stage1.md'}")
     return promotions

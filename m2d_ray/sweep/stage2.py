@@ -1,13 +1,16 @@
 """Stage 2 on Ray: distil the promoted student of every (scoring, grouping) pair, plus the baselines.
 
     RUN_DIR/promotions.json (stage 1)      the best (K, scaling) per pair, best pre-distillation ppl first
-    one Tune trial per student              builds the initial student (verified) and fits a TorchTrainer
-                                            (DeepSpeed ZeRO-2 workers; TuneReportCallback forwards rank 0)
-    ASHA on validation loss                 poor students stop early
+    one Tune trial per student              fits a TorchTrainer whose rank 0 first builds the initial student
+                                            (verified) into the run's storage; every rank reads it from there
+    ASHA on validation loss                 poor students stop early (decisions on a StopBoard actor)
     ledger + MLflow (driver callback)       RUN_DIR/stage2/trials/*.json; nested runs with loss curves
-    table                                   RUN_DIR/stage2.csv, stage2.md; students in RUN_DIR/stage2/students/
+    table                                   RUN_DIR/stage2.csv, stage2.md
+    storage (every node reaches it)         STORAGE/stage2/{init,students,train,tune}/ (default STORAGE = RUN_DIR)
 
-Resume (`m2d sweep --resume RUN_DIR stage=2`) skips students in the ledger; an unfinished one
+Nothing a worker reads comes from the driver's disk: plans travel with the trial (object store), the
+teacher is a hub name, a storage URL or the embedded one (placement.teacher_for_workers). Resume (`m2d
+run --resume`) skips students in the ledger and retries failed ones; an unfinished or failed student
 continues from its last checkpoint (same Train run name and storage).
 """
 
@@ -16,27 +19,28 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-import torch
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
+from m2d_ray import storage
 from m2d_ray.config import SweepConfig, dump_config, load_config
+from m2d_ray.console import say
 from m2d_ray.distill.data import absolute_spec, check_source
-from m2d_ray.errors import M2DError
+from m2d_ray.errors import M2DError, RunFailed
 from m2d_ray.sweep.ledger import Ledger
+from m2d_ray.sweep.placement import check_visible, run_storage, teacher_for_workers
 from m2d_ray.sweep.ray_env import ensure_ray, trial_error
 from m2d_ray.sweep.trial import InjectedFault
 from m2d_ray.track import LOGGED_TAG, Tracker, run_tracker, sweep_parent
 
-STAGE2_DIR, STAGE2_CONFIG, STOP_DIR = "stage2", "config.yaml", "stop"
-CURVES = ("train_loss", "val_loss", "val_ppl", "lr", "tokens_per_s")
+STAGE2_DIR, STAGE2_CONFIG = "stage2", "config.yaml"
+CURVES = ("train_loss", "val_loss", "val_ppl", "lr", "tokens_per_s", "mfu", "train_s", "eval_s", "ckpt_s")  # throughput: training time only
 
 
 @dataclass(frozen=True)
@@ -61,30 +65,50 @@ def students(promotions: dict, baselines: tuple[str, ...], only: tuple[str, ...]
 
 
 # ---- the trial (a Tune worker; it builds and fits a TorchTrainer) -------------------------------
-def stage2_trainable(config: dict, *, run_dir: str, model: str, cfg: SweepConfig) -> None:
+@ray.remote(num_cpus=0)
+class StopBoard:
+    """ASHA's stop decisions where every node can read them (a file on the driver's disk is not)."""
+
+    def __init__(self) -> None:
+        self.keys: set[str] = set()
+
+    def stop(self, key: str) -> None:
+        self.keys.add(key)
+
+    def stopped(self, key: str) -> bool:
+        return key in self.keys
+
+
+@dataclass(frozen=True)
+class StopCheck:
+    """`DistillJob.stop` of one student: asks the run's StopBoard (the actor handle travels with the job)."""
+
+    board: object
+    key: str
+
+    def __call__(self) -> bool:
+        return ray.get(self.board.stopped.remote(self.key))
+
+
+def stage2_trainable(config: dict, *, model: str, store: str, plans: dict, cfg: SweepConfig, board) -> None:
+    """One student: a TorchTrainer whose rank 0 builds the initial student into the run's storage (once)
+    and whose workers read it back through their node's cache; the distilled student goes to storage too."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from m2d_ray.convert.initial import materialize
+    from m2d_ray.convert.initial import InitialStudent
     from m2d_ray.distill.loop import DistillJob
     from m2d_ray.distill.trainer import fit
     from m2d_ray.sweep.grid import plan_of
-    from m2d_ray.weights import open_teacher
 
-    torch.set_num_threads(cfg.ray.threads_per_worker)
     s = Student(**config["student"])
     if s.key in cfg.faults.raise_in:
         raise InjectedFault(f"injected failure in {s.key} (faults.raise_in)")
-    base = Path(run_dir) / STAGE2_DIR
-    init = base / "init" / s.key
-    if not (init / "config.json").exists():
-        teacher = open_teacher(model)  # reads only what the initial student is made of
-        plan = None if s.baseline else plan_of(json.loads((Path(run_dir) / "plans.json").read_text())["plans"], s.key)
-        materialize(teacher, init, plan=plan, baseline=s.baseline, seed=cfg.distill.seed)
-        del teacher
+    base = storage.join(store, STAGE2_DIR)
+    build = InitialStudent(model, None if s.baseline else plan_of(plans, s.key), s.baseline, cfg.distill.seed)
     device = "cuda" if cfg.distill.gpus_per_worker > 0 else "cpu"
-    job = DistillJob(model, str(init), cfg.distill, cfg.distill.eval_data or cfg.eval.data, out=str(base / "students" / s.key),
-                     device=device, stop_file=str(base / STOP_DIR / s.key))
-    fit(job, name=s.key, storage=base / "train", callbacks=[TuneReportCallback()], max_failures=cfg.ray.max_failures)
+    job = DistillJob(model, storage.join(base, "init", s.key), cfg.distill, cfg.distill.eval_data or cfg.eval.data,
+                     out=storage.join(base, "students", s.key), device=device, stop=StopCheck(board, s.key), build=build)
+    fit(job, name=s.key, storage=storage.join(base, "train"), callbacks=[TuneReportCallback()], max_failures=cfg.ray.max_failures)
 
 
 # ---- records ------------------------------------------------------------------------------------
@@ -109,10 +133,12 @@ class Recorder(tune.Callback):
         self.tracker.log(self.runs[trial.config["student"]["key"]], steps=steps)
 
     def on_trial_complete(self, iteration, trials, trial, **info):
-        last = trial.last_result or {}
-        done = bool(last.get("final"))
-        status = "diverged" if last and not math.isfinite(last.get("val_loss", math.inf)) else ("ok" if done else "pruned")
-        self.record(trial.config["student"]["key"], status, last)
+        last, key = trial.last_result or {}, trial.config["student"]["key"]
+        if "val_loss" not in last:  # ended without a single report: nothing says it trained
+            self.record(key, "failed", last, error="the student's training ended without reporting a validation")
+            return
+        status = "diverged" if not math.isfinite(last["val_loss"]) else ("ok" if last.get("final") else "pruned")
+        self.record(key, status, last)
 
     def on_trial_error(self, iteration, trials, trial, **info):
         self.record(trial.config["student"]["key"], "failed", trial.last_result or {}, error=trial_error(trial))
@@ -132,7 +158,7 @@ class Recorder(tune.Callback):
         log_record(self.tracker, self.parent, r)
         self.finished += 1
         ppl = f"{r['val_ppl']:.2f}" if r["val_ppl"] is not None else "-"
-        print(f"[stage 2 {self.finished}/{len(self.todo)}] {key}: {status} at step {r['steps']}, val ppl {ppl}", file=sys.stderr, flush=True)
+        say(f"[stage 2 {self.finished}/{len(self.todo)}] {key}: {status} at step {r['steps']}, val ppl {ppl}")
 
 
 def _finite(v):
@@ -154,8 +180,8 @@ STAGE1_KEYS = ("model", "calib", "grid")  # what decided the promotions: stage 2
 STAGE2_KEYS = ("distill", "stage2")  # what a started stage 2 must keep (ray, mlflow, stage3 may change)
 
 
-def stage2_config(run_dir: Path, cfg: SweepConfig) -> SweepConfig:
-    """The stage-2 config of `run_dir`: fixed at the first stage-2 start, checked against stage 1."""
+def check_stage2_config(run_dir: Path, cfg: SweepConfig) -> None:
+    """`cfg` may run stage 2 of `run_dir`: stage 1's settings unchanged, and a started stage 2's too."""
     saved1 = load_config(run_dir / "config.yaml").to_dict()
     new = cfg.to_dict()
     changed = [k for k in STAGE1_KEYS if new[k] != saved1[k]]
@@ -167,46 +193,49 @@ def stage2_config(run_dir: Path, cfg: SweepConfig) -> SweepConfig:
         diff = [k for k in STAGE2_KEYS if new[k] != saved2[k]]
         if diff:
             raise M2DError(f"stage 2 of {run_dir} was started with other settings ({', '.join(diff)}); resume it unchanged or use a new run directory")
-        return cfg
-    dump_config(cfg, path)
+
+
+def stage2_config(run_dir: Path, cfg: SweepConfig) -> SweepConfig:
+    """The stage-2 config of `run_dir`: checked, and fixed at the first stage-2 start."""
+    check_stage2_config(run_dir, cfg)
+    path = run_dir / STAGE2_DIR / STAGE2_CONFIG
+    if not path.exists():
+        dump_config(cfg, path)
     return cfg
 
 
-def _concurrency(cfg: SweepConfig) -> int:
+def _concurrency(cfg: SweepConfig) -> int | None:
+    """Students at a time: as set, else all of them on GPUs (Ray queues their worker groups and an
+    autoscaler starts nodes for them), else `ray.max_concurrent_trials` on CPUs."""
     if cfg.stage2.max_concurrent_trials:
         return cfg.stage2.max_concurrent_trials
-    d = cfg.distill
-    gpus = ray.cluster_resources().get("GPU", 0)
-    if d.gpus_per_worker > 0 and gpus > 0:
-        return max(1, int(gpus // (d.workers * d.gpus_per_worker)))
-    return cfg.ray.max_concurrent_trials
+    return None if cfg.distill.gpus_per_worker > 0 else cfg.ray.max_concurrent_trials
 
 
 class CooperativeASHA(ASHAScheduler):
-    """ASHA whose decisions the trials carry out themselves: STOP becomes a stop file the workers poll.
+    """ASHA whose decisions the trials carry out themselves: STOP goes to a StopBoard the ranks poll.
 
     Killing a Tune trial kills the Train controller it started, and Train V2 then leaks its workers'
     placement group unless the Ray state API (dashboard) is up to notice: on a local Ray the next
     students would wait for CPUs forever. Stopping from inside ends the Train run cleanly instead.
     """
 
-    def __init__(self, stop_dir: Path, **kwargs) -> None:
+    def __init__(self, board, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.stop_dir = stop_dir
-        self.stop_dir.mkdir(parents=True, exist_ok=True)
+        self.board = board
 
     def on_trial_result(self, tune_controller, trial, result: dict) -> str:
         action = super().on_trial_result(tune_controller, trial, result)
         if action == self.STOP and not result.get("final"):
-            (self.stop_dir / trial.config["student"]["key"]).touch()
+            self.board.stop.remote(trial.config["student"]["key"])
         return self.CONTINUE  # a finished student ends by itself too
 
 
-def _scheduler(cfg: SweepConfig, stop_dir: Path):
+def _scheduler(cfg: SweepConfig, board):
     if not cfg.stage2.asha:
         return FIFOScheduler()
     evals = math.ceil(cfg.distill.steps / cfg.distill.eval_every)
-    return CooperativeASHA(stop_dir, time_attr="training_iteration", metric="val_loss", mode="min", max_t=evals,
+    return CooperativeASHA(board, time_attr="training_iteration", metric="val_loss", mode="min", max_t=evals,
                            grace_period=min(cfg.stage2.grace_evals, evals), reduction_factor=cfg.stage2.reduction_factor)
 
 
@@ -231,17 +260,21 @@ def run_stage2(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None =
     for r in ledger.records():  # a kill between the ledger and MLflow: log it now
         if r["key"] not in logged:
             log_record(tracker, parent, r)
-    pending = [s for s in todo_all if s.key not in ledger.done()]
-    print(f"stage 2: {len(todo_all)} students ({len(todo_all) - len(cfg.stage2.baselines)} promoted + baselines), {len(pending)} to distil", file=sys.stderr)
-    for s in pending:  # a stop request nobody acted on (killed sweep): the student starts over from its checkpoint
-        (run_dir / STAGE2_DIR / STOP_DIR / s.key).unlink(missing_ok=True)
+    done = {r["key"]: r["status"] for r in ledger.records()}
+    pending = [s for s in todo_all if done.get(s.key, "failed") == "failed"]  # a failed student is tried again
+    retried = sum(s.key in done for s in pending)
+    say(f"stage 2: {len(todo_all)} students ({len(todo_all) - len(cfg.stage2.baselines)} promoted + baselines), {len(pending)} to distil"
+        + (f" ({retried} failed before: retried from their last checkpoint)" if retried else ""))
     if pending:
-        from m2d_ray.pipeline import check_teacher_topk
+        from m2d_ray.models import check_teacher_topk
 
         check_source(cfg.distill.train_data)
         check_teacher_topk(model, cfg.distill.teacher_topk)
         ensure_ray(cfg.ray)
-        _tune(cfg, model, run_dir, pending, Recorder({s.key: s for s in pending}, ledger, tracker, parent))
+        store = run_storage(cfg, run_dir)
+        check_visible(store)
+        plans = {} if all(s.baseline for s in pending) else json.loads((run_dir / "plans.json").read_text())["plans"]
+        _tune(cfg, teacher_for_workers(model, store), store, plans, run_dir, pending, Recorder({s.key: s for s in pending}, ledger, tracker, parent))
     records = ledger.records()
     from m2d_ray.report.stage2 import write_stage2
 
@@ -251,17 +284,18 @@ def run_stage2(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None =
     return records
 
 
-def _tune(cfg: SweepConfig, model: str, run_dir: Path, pending: list[Student], recorder: Recorder) -> None:
-    trainable = tune.with_resources(tune.with_parameters(stage2_trainable, run_dir=str(run_dir), model=model, cfg=cfg), {"cpu": 0.5})
+def _tune(cfg: SweepConfig, model: str, store: str, plans: dict, run_dir: Path, pending: list[Student], recorder: Recorder) -> None:
+    board = StopBoard.remote()
+    trainable = tune.with_parameters(stage2_trainable, model=model, store=store, plans=plans, cfg=cfg, board=board)
     tuner = tune.Tuner(
-        trainable,
+        tune.with_resources(trainable, {"cpu": 0.5}),
         param_space={"student": tune.grid_search([s.params() for s in pending])},
         tune_config=tune.TuneConfig(
-            scheduler=_scheduler(cfg, run_dir / STAGE2_DIR / STOP_DIR), max_concurrent_trials=_concurrency(cfg),
+            scheduler=_scheduler(cfg, board), max_concurrent_trials=_concurrency(cfg),
             trial_name_creator=lambda t: t.config["student"]["key"], trial_dirname_creator=lambda t: t.config["student"]["key"],
         ),
         run_config=tune.RunConfig(
-            name=f"stage2-{time.strftime('%Y%m%d-%H%M%S')}", storage_path=cfg.ray.storage_path or str(run_dir / STAGE2_DIR / "tune"),
+            name=f"stage2-{time.strftime('%Y%m%d-%H%M%S')}", **storage.ray_storage(storage.join(store, STAGE2_DIR, "tune")),
             callbacks=[recorder], verbose=0, failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
         ),
     )
@@ -269,4 +303,6 @@ def _tune(cfg: SweepConfig, model: str, run_dir: Path, pending: list[Student], r
         tuner.fit()
     except Exception as exc:
         traceback.print_exc()
-        raise M2DError(f"Ray Tune stopped ({type(exc).__name__}); finished students are saved: resume with m2d sweep --resume {run_dir} stage=2") from None
+        raise RunFailed(f"Ray Tune stopped ({type(exc).__name__}); finished students are saved: resume with m2d run --resume {run_dir}") from None
+    finally:
+        ray.kill(board)

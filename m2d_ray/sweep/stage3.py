@@ -13,7 +13,6 @@ suites in one table.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,8 +21,11 @@ import ray
 
 from m2d_ray.artifacts import write_json_atomic
 from m2d_ray.config import SweepConfig, Stage3Config
+from m2d_ray.console import say
 from m2d_ray.errors import M2DError
+from m2d_ray import storage
 from m2d_ray.sweep.ledger import Ledger
+from m2d_ray.sweep.placement import run_storage, teacher_for_workers
 from m2d_ray.sweep.ray_env import ensure_ray
 from m2d_ray.track import LOGGED_TAG, Tracker, run_tracker, sweep_parent
 
@@ -38,32 +40,44 @@ class EvalJob:
 
 
 def jobs(run_dir: Path, teacher: str, with_teacher: bool) -> list[EvalJob]:
-    """The models to evaluate: stage-2 students that were exported, then the teacher."""
+    """The models to evaluate: stage-2 students that were exported (to the run's storage), then the teacher."""
     records = Ledger(run_dir / "stage2").records() if (run_dir / "stage2" / "trials").exists() else []
-    out = [EvalJob(r["key"], r["pair"], r["student_path"]) for r in records if r.get("student_path") and Path(r["student_path"]).exists()]
+    out = [EvalJob(r["key"], r["pair"], r["student_path"]) for r in records if r.get("student_path") and storage.exists(r["student_path"])]
     return out + ([EvalJob(TEACHER_KEY, TEACHER_KEY, teacher)] if with_teacher else [])
 
 
 @ray.remote
-def _evaluate_task(model: str, tasks: str, c: dict, device: str) -> dict:
-    """A Ray task: load one model and run the lm-eval suite on it (1 thread on CPU: tasks run side by side)."""
+def _evaluate_task(model: str, suite: list, c: dict, device: str, text: bytes | None) -> dict:
+    """A Ray task on any node: fetch and load one model, run the lm-eval suite on it (1 thread on CPU:
+    tasks run side by side). A text:PATH task's file arrives as bytes (the node need not see the driver's disk)."""
+    import tempfile
+
     import torch
 
-    from m2d_ray.evaluate.harness import evaluate, parse_tasks, text_source
+    from m2d_ray.evaluate.harness import evaluate
     from m2d_ray.models import load_model
 
     torch.set_num_threads(c["threads_per_task"])
     t0 = time.time()
     lm, tok = load_model(model, device=device)
-    out = evaluate(lm, tok, parse_tasks(tasks, c["num_fewshot"]), batch_size=c["batch_size"], device=device,
-                   limit=c["limit"], text=text_source(tasks))
+    with tempfile.TemporaryDirectory(prefix="m2d-text-") as tmp:
+        path = None
+        if text is not None:
+            path = Path(tmp) / "text.txt"
+            path.write_bytes(text)
+        out = evaluate(lm, tok, [tuple(t) for t in suite], batch_size=c["batch_size"], device=device, limit=c["limit"], text=path)
     return {**out, "eval_s": round(time.time() - t0, 1)}
 
 
-def _gpus(c: Stage3Config) -> float:
-    if c.gpus_per_task is not None:
-        return c.gpus_per_task
-    return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+def uses_gpus(cfg: SweepConfig) -> bool:
+    """Whether the run asks for GPUs: decided from the config, not from the GPUs up right now (a cluster
+    scaling from zero GPU nodes has none until someone asks)."""
+    return cfg.distill.gpus_per_worker > 0 or cfg.ray.gpus_per_trial > 0 or cfg.ray.data_gpus_per_actor > 0
+
+
+def _gpus(cfg: SweepConfig) -> float:
+    c = cfg.stage3
+    return c.gpus_per_task if c.gpus_per_task is not None else float(uses_gpus(cfg))
 
 
 def _suite(c: Stage3Config) -> dict:
@@ -72,16 +86,16 @@ def _suite(c: Stage3Config) -> dict:
     return {"tasks": parse_tasks(c.tasks, c.num_fewshot), "text": text_source(c.tasks), "limit": c.limit}
 
 
-def _check_suite(base: Path, suite: dict) -> None:
-    path = base / SUITE_FILE
+def check_suite(run_dir: Path, c: Stage3Config) -> dict:
+    """The suite of `c`; a started stage 3 must keep its suite (two suites would mix in one table)."""
+    suite = _suite(c)
+    path = run_dir / STAGE3_DIR / SUITE_FILE
     if path.exists():
         saved = json.loads(path.read_text())
         if saved != json.loads(json.dumps(suite)):
-            raise M2DError(f"stage 3 of {base.parent} used another suite ({saved['tasks']}, limit {saved['limit']}); "
+            raise M2DError(f"stage 3 of {run_dir} used another suite ({saved['tasks']}, limit {saved['limit']}); "
                            "keep stage3.tasks / num_fewshot / limit unchanged or use a new run directory")
-    else:
-        base.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, suite)
+    return suite
 
 
 def run_stage3(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None = None) -> dict[str, dict]:
@@ -92,16 +106,17 @@ def run_stage3(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None =
         raise M2DError(f"{run_dir} has no promotions.json: run stages 1 and 2 first (m2d run)")
     c = cfg.stage3
     base = run_dir / STAGE3_DIR
-    suite = _suite(c)  # checks a text:PATH file on the driver
-    _check_suite(base, suite)
-    tasks = f"text:{suite['text']}" if suite["text"] else c.tasks  # Ray workers get the absolute path
+    suite = check_suite(run_dir, c)  # checks a text:PATH file on the driver
+    if not (base / SUITE_FILE).exists():
+        write_json_atomic(base / SUITE_FILE, suite)
     results = base / "results"
     results.mkdir(parents=True, exist_ok=True)
     teacher = json.loads(prom.read_text())["teacher"]
     todo = jobs(run_dir, teacher, c.teacher)
     done = {p.stem: json.loads(p.read_text()) for p in results.glob("*.json")}
-    pending = [j for j in todo if j.key not in done]
-    print(f"stage 3: {len(todo)} models ({c.tasks}), {len(pending)} to evaluate", file=sys.stderr)
+    pending = [j for j in todo if done.get(j.key, {}).get("status") != "ok"]  # a failed model is tried again
+    retried = sum(j.key in done for j in pending)
+    say(f"stage 3: {len(todo)} models ({c.tasks}), {len(pending)} to evaluate" + (f" ({retried} failed before: retried)" if retried else ""))
     tracker = run_tracker(cfg, run_dir, tracking_uri)
     parent = sweep_parent(tracker, run_dir, cfg.name)
     logged = tracker.logged_trials(parent)
@@ -110,10 +125,14 @@ def run_stage3(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None =
             _log(tracker, parent, r)
     if pending:
         ensure_ray(cfg.ray)
-        gpus = _gpus(c)
+        store = run_storage(cfg, run_dir)
+        teacher_ref = teacher_for_workers(teacher, store)
+        gpus = _gpus(cfg)
         device = "cuda" if gpus > 0 else "cpu"
         opts = {"num_cpus": c.cpus_per_task, "num_gpus": gpus, "max_retries": cfg.ray.max_failures}
-        refs = {_evaluate_task.options(**opts).remote(j.model, tasks, asdict(c), device): j for j in pending}
+        text = Path(suite["text"]).read_bytes() if suite["text"] else None
+        refs = {_evaluate_task.options(**opts).remote(teacher_ref if j.key == TEACHER_KEY else j.model, suite["tasks"], asdict(c), device, text): j
+                for j in pending}
         while refs:
             ready, _ = ray.wait(list(refs), num_returns=1)
             job = refs.pop(ready[0])
@@ -125,7 +144,7 @@ def run_stage3(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None =
             done[job.key] = r
             _log(tracker, parent, r)
             mean = f"{r['mean']:.4f}" if r.get("mean") is not None else r["status"]
-            print(f"[stage 3 {len(done)}/{len(todo)}] {job.key}: mean accuracy {mean}", file=sys.stderr, flush=True)
+            say(f"[stage 3 {len(done)}/{len(todo)}] {job.key}: mean accuracy {mean}")
     tracker.finish(parent)
     return done
 

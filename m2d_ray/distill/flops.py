@@ -1,0 +1,65 @@
+"""Model FLOPs per training token of a distillation step, and the device's measured matmul rate: MFU.
+
+FLOPs count matrix products (2 per multiply-add) over every weight a token passes through (the input
+embedding is a lookup, not a product) plus causal attention (QK^T and AV over half the sequence on
+average): the teacher's forward with only its k' active experts, plus the student's forward and
+backward (3x its forward). Recomputation under gradient checkpointing is not counted (the usual MFU).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+
+def matmul_params(model: nn.Module) -> int:
+    """Weights a token is multiplied with: every matrix but the input embedding (unless it is tied to the
+    head); norm gains and biases are elementwise."""
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    return sum(p.numel() for p in model.parameters() if p.ndim >= 2) - (emb.numel() if emb is not head else 0)
+
+
+def attention_flops(config, seq_len: int) -> float:
+    """Forward FLOPs per token of causal attention over `seq_len` positions, all layers."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2.0 * seq_len * heads * head_dim * config.num_hidden_layers
+
+
+def inactive_expert_params(model: nn.Module, adapter, top_k: int) -> int:
+    """Expert weights a token skips: (E - k') experts in every MoE layer."""
+    out = 0
+    for block in adapter.moe_blocks(model).values():
+        w = adapter.experts(block)
+        out += (w.num_experts - top_k) * sum(t[0].numel() for t in (w.gate, w.up, w.down))
+    return out
+
+
+def flops_per_token(teacher: nn.Module, adapter, student: nn.Module, seq_len: int, teacher_topk: int | None = None) -> float:
+    """Model FLOPs of one training token: teacher forward (k' experts) + student forward and backward."""
+    k = teacher_topk or adapter.top_k(teacher.config)
+    t = 2.0 * (matmul_params(teacher) - inactive_expert_params(teacher, adapter, k)) + attention_flops(teacher.config, seq_len)
+    s = 2.0 * matmul_params(student) + attention_flops(student.config, seq_len)
+    return t + 3.0 * s
+
+
+def matmul_rate(device: str | torch.device, dtype: torch.dtype, n: int | None = None, iters: int = 4, repeats: int = 10) -> float:
+    """Measured FLOP/s of an n x n matmul in the training dtype on this device (best of `repeats`, so that
+    a burst of other work does not lower it): the MFU denominator. What the device really reaches, so an
+    MFU against it is a little above one against a data sheet. ~0.5 s on a CPU core, milliseconds on a GPU."""
+    cuda = torch.device(device).type == "cuda"
+    n = n or (8192 if cuda else 1024)
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            a @ b
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return iters * 2.0 * n**3 / best

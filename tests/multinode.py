@@ -1,0 +1,133 @@
+"""A two-node Ray cluster on one machine, and `m2d run` on it (driven by tests/test_multinode.py).
+
+Run as `unshare -pf --mount-proc python tests/multinode.py WORK`: in a private PID namespace, so every
+Ray process ends with it. The head node has no CPUs (the driver's node: nothing runs there); the worker
+node is started in its own mount namespace with an empty tmpfs over WORK/hidden, where the runs' driver
+directories and the driver's copy of a teacher live, so any worker that reads or writes the driver's
+disk fails. An S3 endpoint is served on 127.0.0.1 by moto. Node caches: M2D_CACHE under WORK/hidden
+(the worker's is its own tmpfs).
+
+Scenarios (results in WORK/results.json; the run directories stay for the test to read):
+  shared  m2d run with --storage on a directory both nodes see
+  s3      m2d run with --storage s3://… and the teacher on the driver's disk (copied to storage once);
+          the driver is SIGKILLed after the first distilled student and the run resumed
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "experiments" / "tiny.yaml"
+SMALL = [
+    "calib.max_tokens=2048", "calib.seq_len=128", "eval.max_chars=12000", "eval.seq_len=128", "eval.chunks=1",
+    "grid.scoring=[sf,do-acp]", "grid.grouping=[rr]", "grid.scaling=[uniform]", "grid.K=[2,4]",
+    "distill.steps=4", "distill.eval_every=2", "distill.seq_len=64", "distill.batch_size=4", "distill.eval_max_tokens=1024",
+    "distill.warmup_steps=1", "stage2.baselines=[random-init]", "stage3.limit=12", "ray.data_actors=1",
+]
+BUCKET = "m2d-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sh(cmd: list[str], env: dict, log: Path, timeout: float = 300) -> None:
+    with log.open("a") as f:
+        subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, check=True, timeout=timeout)
+
+
+def start_cluster(work: Path, env: dict) -> str:
+    port = free_port()
+    common = ["--node-ip-address=127.0.0.1", "--object-store-memory=300000000", "--disable-usage-stats"]
+    sh(["ray", "start", "--head", f"--port={port}", "--num-cpus=0", "--include-dashboard=false", *common], env, work / "head.log")
+    hidden = work / "hidden"
+    worker = f"mount -t tmpfs tmpfs {hidden} && exec ray start --address=127.0.0.1:{port} --num-cpus=4 {' '.join(common)}"
+    sh(["unshare", "-m", "sh", "-c", worker], env, work / "worker.log")
+    return f"127.0.0.1:{port}"
+
+
+def start_s3(work: Path, env: dict) -> str:
+    port = free_port()
+    log = (work / "moto.log").open("w")
+    subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1")
+    for attempt in range(100):  # until the server answers
+        try:
+            s3.create_bucket(Bucket=BUCKET)
+            break
+        except Exception:
+            if attempt == 99:
+                raise
+            time.sleep(0.2)
+    return f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
+
+
+def m2d(args: list[str], env: dict, name: str, work: Path, timeout: float = 900) -> dict:
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-m", "m2d_ray.cli", *args], env=env, capture_output=True, text=True, timeout=timeout)
+    (work / f"{name}.stderr").write_text(r.stderr)
+    return {"rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr, "wall_s": round(time.time() - t0, 1)}
+
+
+def killed_then_resumed(args: list[str], env: dict, run_dir: Path, work: Path) -> dict:
+    """Start `m2d run`, SIGKILL it once a first student is in the stage-2 ledger, then resume it."""
+    log = (work / "s3-killed.stderr").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "m2d_ray.cli", *args], env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+    ledger = run_dir / "stage2" / "trials"
+    deadline = time.time() + 900
+    while proc.poll() is None and time.time() < deadline and not (ledger.exists() and any(ledger.glob("*.json"))):
+        time.sleep(0.2)
+    killed_at = sorted(p.stem for p in ledger.glob("*.json")) if ledger.exists() else []
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    resumed = m2d(["run", "--resume", str(run_dir)], env, "s3-resumed", work)
+    return {**resumed, "killed_after": killed_at, "first_rc": proc.returncode}
+
+
+def main(work: Path) -> None:
+    work = work.resolve()
+    hidden, shared = work / "hidden", work / "shared"
+    for d in (hidden, shared):
+        d.mkdir(parents=True, exist_ok=True)
+    os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"})  # moto's
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "M2D_CACHE": str(hidden / "cache"), "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    results: dict = {}
+    try:
+        query = start_s3(work, env)
+        env["RAY_ADDRESS"] = start_cluster(work, env)
+        results["shared"] = m2d(["run", str(TINY), "--out", str(hidden / "shared-run"), "--storage", str(shared / "run"), *SMALL], env, "shared", work)
+        teacher = hidden / "teacher"
+        from m2d_ray.models import default_teacher
+
+        shutil.copytree(default_teacher(), teacher)
+        args = ["run", str(TINY), "--out", str(hidden / "s3-run"), "--storage", f"s3://{BUCKET}/run?{query}", f"model={teacher}", *SMALL]
+        results["s3"] = killed_then_resumed(args, env, hidden / "s3-run", work)
+        results["s3"]["storage"] = f"s3://{BUCKET}/run?{query}"
+        import boto3
+
+        port = query.split(":")[1].split("&")[0]
+        s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1")
+        keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET) for o in page.get("Contents", [])]
+        results["s3"]["objects"] = keys
+    finally:
+        (work / "results.json").write_text(json.dumps(results))
+        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,225 @@
+"""Every command on bad input: exit code 2, exactly one line on stderr that names the problem and what to do,
+and the file system exactly as it was (temp files included: they are gone).
+
+The cases run the real CLI entry point in-process (`m2d_ray.cli.main`) with file-descriptor capture, so
+whatever a library would print — from Python or not — counts against the one line.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from m2d_ray.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "experiments" / "tiny.yaml"
+#: words that tell the user what to do next; every error line has one
+ACTIONS = ("give", "choose", "pass", "use", "resume", "recalibrate", "re-download", "did you mean", "write", "drop", "add",
+           "start", "check", "move", "keep", "see", "list", "make", "finish", "fix", "run `")
+
+
+def _poison(path: Path, key_part: str) -> None:
+    """One NaN in the first tensor whose name contains `key_part`."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    key = next(k for k in tensors if key_part in k)
+    tensors[key].view(-1)[3] = float("nan")
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def w(tmp_path_factory, tiny_teacher_dir):
+    """One workspace: good and damaged teachers, students, statistics, texts, configs and a run."""
+    from transformers import GraniteMoeConfig, LlamaConfig
+
+    from m2d_ray.artifacts import write_marker
+    from m2d_ray.calibrate.artifact import MANIFEST_FILE, STATS_FILE
+    from m2d_ray.config import dump_config, load_config
+    from m2d_ray.pipeline import convert_one, run_calibrate
+
+    root = tmp_path_factory.mktemp("bad_inputs")
+    p = {name: root / name for name in ("teacher", "nan_teacher", "trunc_teacher", "garbage_teacher", "unsharded_teacher", "stats",
+                                        "corrupt_stats", "nan_stats", "other_stats", "student", "nan_student", "trunc_student",
+                                        "llama", "granite", "run", "work", "tmp")}
+    for name in ("teacher", "nan_teacher", "trunc_teacher", "garbage_teacher", "unsharded_teacher"):
+        shutil.copytree(tiny_teacher_dir, p[name])
+    _poison(p["nan_teacher"] / "model.safetensors", "experts")
+    weights = p["trunc_teacher"] / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    (p["garbage_teacher"] / "model.safetensors").write_bytes(b"\xff" * 64 + b"not a checkpoint")
+    (p["unsharded_teacher"] / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=32).save_pretrained(p["llama"])
+    GraniteMoeConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=32).save_pretrained(p["granite"])
+
+    run_calibrate(str(p["teacher"]), "synthetic:valid", p["stats"], max_tokens=2048, seq_len=64)
+    for name in ("corrupt_stats", "nan_stats", "other_stats"):
+        shutil.copytree(p["stats"], p[name])
+    raw = bytearray((p["corrupt_stats"] / STATS_FILE).read_bytes())
+    raw[-1] ^= 0xFF
+    (p["corrupt_stats"] / STATS_FILE).write_bytes(bytes(raw))
+    _poison(p["nan_stats"] / STATS_FILE, "gram")
+    from m2d_ray.artifacts import sha256_file
+
+    for name, edit in (("nan_stats", lambda m: m.update(sha256=sha256_file(p["nan_stats"] / STATS_FILE))),
+                       ("other_stats", lambda m: m["model"].update(name="some/other-moe", config_sha256="0" * 64))):
+        manifest = json.loads((p[name] / MANIFEST_FILE).read_text())
+        edit(manifest)
+        (p[name] / MANIFEST_FILE).write_text(json.dumps(manifest))
+
+    convert_one(str(p["teacher"]), "sf", "rr", "uniform", 2, p["student"], stats=str(p["stats"]))
+    for name in ("nan_student", "trunc_student"):
+        shutil.copytree(p["student"], p[name])
+    _poison(p["nan_student"] / "model.safetensors", "mlp")
+    weights = p["trunc_student"] / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size - 100)
+
+    p["run"].mkdir()
+    write_marker(p["run"], "run")
+    dump_config(load_config(TINY, ["stage2.baselines=[random-init]"]), p["run"] / "config.yaml")
+    (p["run"] / "sweep.json").write_text(json.dumps({"sweep_id": "0" * 32, "attempts": 1}))
+
+    p["work"].mkdir()
+    p["tmp"].mkdir()
+    texts = {"empty.txt": b"", "short.txt": b"the court", "binary.bin": bytes(range(256)) * 64, "notes.txt": b"my notes\n",
+             "bad.yaml": b"grid: [sf, pp\nname: x\n", "typo.yaml": b"include: " + str(TINY).encode() + b"\ngrid:\n  scorng: [sf]\n"}
+    for name, data in texts.items():
+        (p["work"] / name).write_bytes(data)
+    (p["work"] / "mine").mkdir()
+    (p["work"] / "mine" / "thesis.tex").write_text("do not delete\n")
+    (p["work"] / "textdir").mkdir()
+    (p["work"] / "textdir" / "a.txt").write_text("text\n")
+    p["root"] = root
+    return p
+
+
+def _conv(w, *extra):
+    return ["convert", "--model", str(w["teacher"]), "--stats", str(w["stats"]), "--K", "2", "--out", "student_out", *extra]
+
+
+def _run(*extra):
+    return ["run", str(TINY), "--out", "run_out", *extra]
+
+
+# name -> (argv builder given the workspace, fragment of the error line)
+CASES = {
+    # output paths
+    "convert out is a file": (lambda w: _conv(w)[:-1] + ["notes.txt"], "is an existing file"),
+    "convert out is a foreign dir": (lambda w: _conv(w)[:-1] + ["mine"], "m2d did not write"),
+    "convert out is under a file": (lambda w: _conv(w)[:-1] + ["notes.txt/student"], "which is a file"),
+    "convert out holds a student, no --overwrite": (lambda w: _conv(w)[:-1] + [str(w["student"])], "pass --overwrite"),
+    "calibrate out holds a student": (lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "synthetic:valid", "--out", str(w["student"])], "holds an m2d student, not a statistics"),
+    "calibrate out holds other stats": (lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "synthetic:valid", "--max-tokens", "1024", "--seq-len", "64", "--out", str(w["stats"])], "pass --overwrite"),
+    "distill out is a file": (lambda w: ["distill", "--student", str(w["student"]), "--eval-data", "synthetic:valid", "--out", "notes.txt"], "is an existing file"),
+    "run out is a foreign dir": (lambda w: ["run", str(TINY), "--out", "mine"], "m2d did not write"),
+    "run out is an existing run": (lambda w: ["run", str(TINY), "--out", str(w["run"])], "--resume"),
+    # methods, K, keys, overrides, YAML
+    "K below k": (lambda w: _conv(w, "--K", "1"), "outside [k, E]"),
+    "K above E": (lambda w: _conv(w, "--K", "9"), "outside [k, E]"),
+    "K not positive (argparse)": (lambda w: _conv(w, "--K", "0"), "must be positive"),
+    "unknown scoring": (lambda w: _conv(w, "--scoring", "do_acp"), "did you mean 'do-acp'"),
+    "unknown grouping": (lambda w: _conv(w, "--grouping", "kmeans"), "unknown grouping"),
+    "unknown scaling": (lambda w: _conv(w, "--scaling", "proportionl"), "did you mean 'proportional'"),
+    "unknown baseline": (lambda w: ["convert", "--model", str(w["teacher"]), "--baseline", "random", "--out", "b"], "unknown baseline"),
+    "unknown option": (lambda w: _conv(w, "--scorings", "sf"), "unrecognized arguments"),
+    "bad YAML": (lambda w: ["run", "bad.yaml"], "not valid YAML"),
+    "unknown config key": (lambda w: ["run", "typo.yaml"], "did you mean grid.scoring"),
+    "override without =": (lambda w: _run("grid.K"), "is not key=value"),
+    "override of a wrong type": (lambda w: _run("distill.steps=many"), "should be int"),
+    "empty grid list": (lambda w: _run("grid.scoring=[]"), "grid.scoring is empty"),
+    "grid K outside [k, E]": (lambda w: _run("grid.K=[1,2]"), "outside [k, E]"),
+    "unknown distill key": (lambda w: ["distill", "--student", str(w["student"]), "--eval-data", "synthetic:valid", "--out", "d", "lrr=1"], "did you mean distill.lr"),
+    "config file missing": (lambda w: ["run", "missing.yaml"], "not found"),
+    # models
+    "model missing": (lambda w: _conv(w, "--model", "/nonexistent/model"), "not found"),
+    "model is a file": (lambda w: _conv(w, "--model", "notes.txt"), "is a file"),
+    "non-MoE model": (lambda w: _conv(w, "--model", str(w["llama"])), "'llama' is not a supported"),
+    "unsupported MoE family": (lambda w: _conv(w, "--model", str(w["granite"])), "'granitemoe' is not a supported"),
+    "NaN in a teacher expert": (lambda w: ["convert", "--model", str(w["nan_teacher"]), "--calib-data", "synthetic:valid", "--out", "s"], "expert 0) has 1 NaN"),
+    "truncated teacher checkpoint": (lambda w: _conv(w, "--model", str(w["trunc_teacher"])), "truncated"),
+    "garbage teacher checkpoint": (lambda w: _conv(w, "--model", str(w["garbage_teacher"])), "not a whole safetensors file"),
+    "shard named in the index is missing": (lambda w: _conv(w, "--model", str(w["unsharded_teacher"])), "lacks 1 weight file"),
+    "NaN teacher in a run (driver scan)": (lambda w: _run(f"model={w['nan_teacher']}"), "has 1 NaN"),
+    "teacher-topk below k": (lambda w: ["distill", "--student", str(w["student"]), "--teacher", str(w["teacher"]), "--teacher-topk", "1", "--eval-data", "synthetic:valid", "--out", "d"], "outside [k, E]"),
+    # students
+    "distill student missing": (lambda w: ["distill", "--student", "/missing", "--eval-data", "synthetic:valid", "--out", "d"], "neither a model directory nor a baseline"),
+    "distill student truncated": (lambda w: ["distill", "--student", str(w["trunc_student"]), "--eval-data", "synthetic:valid", "--out", "d"], "truncated"),
+    "eval model with a NaN weight": (lambda w: ["eval", "--model", str(w["nan_student"]), "--tasks", "local"], "has 1 NaN"),
+    # statistics
+    "stats dir missing": (lambda w: _conv(w, "--stats", "/nonexistent/stats"), "not a statistics directory"),
+    "stats corrupted": (lambda w: _conv(w, "--stats", str(w["corrupt_stats"])), "checksum"),
+    "stats with NaN": (lambda w: _conv(w, "--stats", str(w["nan_stats"])), "has 1 NaN"),
+    "stats of another teacher": (lambda w: _conv(w, "--stats", str(w["other_stats"])), "computed for some/other-moe"),
+    # data
+    "calibration text empty": (lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "empty.txt", "--out", "s"], "empty"),
+    "calibration text too short": (lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "short.txt", "--out", "s"], "at least"),
+    "calibration text binary": (lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "binary.bin", "--out", "s"], "not a UTF-8 text file"),
+    "calibration data is a directory": (lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "textdir", "--out", "s"], "is a directory"),
+    "calibration split unknown": (lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "synthetic:dev", "--out", "s"], "unknown split"),
+    "convert eval data missing (before any work)": (lambda w: _conv(w, "--eval-data", "/missing.txt"), "neither a file"),
+    "distill eval data missing": (lambda w: ["distill", "--student", str(w["student"]), "--eval-data", "/missing.txt", "--out", "d"], "neither a file"),
+    "distill train data missing": (lambda w: ["distill", "--student", str(w["student"]), "--eval-data", "synthetic:valid", "--train-data", "/missing.jsonl", "--out", "d"], "neither a file"),
+    "run train data missing": (lambda w: _run("distill.train_data=/missing.txt"), "neither a file"),
+    # tasks
+    "unknown lm-eval task": (lambda w: ["eval", "--model", str(w["student"]), "--tasks", "hellaswagg"], "did you mean hellaswag"),
+    "bad task spec": (lambda w: ["eval", "--model", str(w["student"]), "--tasks", "hellaswag:ten"], "name:shots"),
+    "text task file missing": (lambda w: ["eval", "--model", str(w["student"]), "--tasks", "text:/missing.txt"], "is not a file"),
+    "unknown task in a run config": (lambda w: _run("stage3.tasks=arc_easyy"), "did you mean arc_easy"),
+    # runs
+    "resume of a directory that is no run": (lambda w: ["run", "--resume", "mine"], "not an m2d run directory"),
+    "resume with a changed grid": (lambda w: ["run", "--resume", str(w["run"]), "grid.K=[4]"], "grid differ from stage 1"),
+    "sweep resume with overrides": (lambda w: ["sweep", "--resume", str(w["run"]), "grid.K=[4]"], "reuses the run's saved config"),
+    "report of a directory that is no run": (lambda w: ["report", "mine"], "not an m2d run directory"),
+    "stage 2 without a stage 1": (lambda w: ["sweep", str(TINY), "stage=2"], "add --resume"),
+}
+
+
+def _snapshot(root: Path) -> dict[str, tuple]:
+    """Every path under `root` with its mode, size and mtime (the temp directory itself excepted: checked empty)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            st = path.lstat()
+            out[str(path.relative_to(root))] = (st.st_mode, st.st_size, st.st_mtime_ns)
+    out.pop("tmp")
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_bad_input(case, w, capfd, monkeypatch):
+    argv, fragment = CASES[case]
+    args = argv(w)
+    monkeypatch.chdir(w["work"])
+    monkeypatch.setattr(tempfile, "tempdir", str(w["tmp"]))  # the command's temp files must be gone afterwards
+    torch.manual_seed(0)
+    capfd.readouterr()
+    before = _snapshot(w["root"])
+    try:
+        code = main(args)
+    except SystemExit as exc:  # argparse
+        code = exc.code
+    out, err = capfd.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2, (case, err[-2000:])
+    assert len(lines) == 1, f"{case}: expected one line on stderr, got:\n{err[-3000:]}"
+    line = lines[0]
+    assert line.startswith("m2d: error: ") and fragment in line, line
+    assert any(a in line.lower() for a in ACTIONS), f"the line does not say what to do: {line}"
+    assert out == "", out
+    assert _snapshot(w["root"]) == before, f"{case} changed the file system"
+    assert not any(w["tmp"].iterdir()), list(w["tmp"].iterdir())
+
+
+def test_the_matrix_covers_every_command():
+    fake = collections.defaultdict(lambda: Path("x"))
+    assert len(CASES) >= 30
+    assert {build(fake)[0] for build, _ in CASES.values()} == {"convert", "calibrate", "distill", "eval", "run", "sweep", "report"}
