@@ -59,7 +59,8 @@ def case_convert(a, eager: bool) -> dict:
     if not eager:
         from m2d_ray.cli import main
 
-        main(["convert", "--model", a.teacher, "--stats", a.stats, "--K", "4", "--out", a.out])
+        if main(["convert", "--model", a.teacher, "--stats", a.stats, "--K", "4", "--out", a.out]):
+            raise SystemExit("m2d convert failed (its line is above)")
     else:
         from m2d_ray.calibrate.artifact import load_stats
         from m2d_ray.convert import build_from_plan, make_plan
@@ -124,8 +125,9 @@ def case_stage2(a, eager: bool) -> dict:
 def case_calibrate(a, eager: bool) -> dict:
     from m2d_ray.cli import main
 
-    main(["calibrate", "--model", a.teacher, "--calib-data", "synthetic:valid", "--max-tokens", str(a.calib_tokens),
-          "--out", a.out, "--no-stream" if eager else "--stream"])
+    if main(["calibrate", "--model", a.teacher, "--calib-data", "synthetic:valid", "--max-tokens", str(a.calib_tokens),
+             "--out", a.out, "--no-stream" if eager else "--stream"]):
+        raise SystemExit("m2d calibrate failed (its line is above)")
     return {"sha256": json.loads((Path(a.out) / "manifest.json").read_text())["sha256"]}
 
 
