@@ -188,3 +188,47 @@ def test_truncated_or_corrupt_checkpoint_names_the_file(tmp_path):
         open_teacher(str(out))
     with pytest.raises(M2DError, match="lacks the weight file model-1.safetensors"):
         Checkpoint(out)
+
+
+def test_a_header_that_does_not_match_its_tensors_names_the_file(tmp_path):
+    """A header whose byte range disagrees with a tensor's dtype x shape is refused by the reader (one line)."""
+    out = save(tiny_model(FAMILIES[0], seed=0), tmp_path / "t", "hub")
+    weights = out / "model.safetensors"
+    raw = weights.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    name = next(k for k in sorted(header) if k != "__metadata__")
+    header[name]["shape"] = [*header[name]["shape"][:-1], header[name]["shape"][-1] * 2]  # claims twice its bytes
+    text = json.dumps(header).encode()  # data offsets are relative to the data: only the length prefix changes
+    weights.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])
+    with pytest.raises(M2DError, match=f"{weights} is not a whole safetensors file.*{re.escape(name)}"):
+        Checkpoint(out)
+
+
+def test_initial_student_of_a_distillation_reads_the_teacher_lazily(tiny_teacher_dir, tiny_teacher, tmp_path, monkeypatch):
+    """The stage-2 initial student (built by rank 0 from `InitialStudent`) never loads the teacher whole and
+    is bitwise the student `materialize` makes from the loaded teacher (plan and baseline)."""
+    import m2d_ray.models as models
+    from m2d_ray.calibrate.collect import collect_stats as collect
+    from m2d_ray.convert.initial import InitialStudent, materialize
+    from m2d_ray.data.text import calibration_set, load_text
+
+    tokens = calibration_set(tiny_teacher.tokenizer, load_text("synthetic:valid")[:3000], seq_len=64, max_tokens=None)
+    stats = collect(tiny_teacher.model, tiny_teacher.adapter, tokens.ids, tokens.mask, progress=False)
+    plan = make_plan(tiny_teacher, stats, "do-acp", "rr", "uniform", 4)
+    materialize(tiny_teacher, tmp_path / "eager", plan=plan)
+    materialize(tiny_teacher, tmp_path / "eager-base", baseline="random-ffn", seed=3)
+
+    def no_whole_teacher(*a, **k):
+        raise AssertionError("the initial student loaded the whole teacher")
+
+    monkeypatch.setattr(models, "load_teacher", no_whole_teacher)
+    monkeypatch.setattr(models, "load_model", no_whole_teacher)
+    InitialStudent(str(tiny_teacher_dir), plan=plan)(tmp_path / "lazy")
+    InitialStudent(str(tiny_teacher_dir), baseline="random-ffn", seed=3)(tmp_path / "lazy-base")
+    from safetensors.torch import load_file
+
+    for a, b in (("eager", "lazy"), ("eager-base", "lazy-base")):
+        x, y = load_file(str(tmp_path / a / "model.safetensors")), load_file(str(tmp_path / b / "model.safetensors"))
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), (a, b)
+    assert json.loads((tmp_path / "lazy" / "m2d_plan.json").read_text())["verification"]["max_rel_error"] < 1e-10
