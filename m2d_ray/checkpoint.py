@@ -1,24 +1,44 @@
-"""Checks of model checkpoints before they are used: the files are whole, the values are finite.
+"""Model checkpoints: checked before they are used, and read tensor by tensor without loading the model.
 
-A truncated download or a NaN in one expert otherwise surfaces much later as a safetensors traceback
-or as "exported student is not exact: error inf". These checks name the file or the tensor instead
-(one line, exit 2). Reading is streamed: one tensor at a time, so checking a teacher never holds it.
+Checks: the files are whole, the values are finite. A truncated download or a NaN in one expert
+otherwise surfaces much later as a safetensors traceback or as "exported student is not exact: error
+inf". These checks name the file or the tensor instead (one line, exit 2). Reading is streamed: one
+tensor at a time, so checking a teacher never holds it.
+
+Reading (`Checkpoint`, `Shard`): a safetensors shard is `u64 header length | JSON header | raw data`;
+the header gives each tensor's dtype, shape and byte range. Each shard is memory-mapped once; a read
+copies only the bytes of the tensor (or of the requested rows along its first dimension, e.g. a few
+experts of a fused [E, ...] tensor) and then releases those pages from the process
+(`madvise(MADV_DONTNEED)`), so resident memory holds the copies the caller keeps and nothing else.
+Headers are validated when a shard is opened, with the same one-line messages as `check_files`.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import mmap
 import re
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
+import numpy as np
 import torch
+from torch import Tensor
 
 from m2d_ray.errors import M2DError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER = 100 << 20  # a safetensors header larger than this is garbage, not a header
 _CHUNK = 1 << 24  # elements per isfinite pass (bounds the temporary mask)
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+_PAGE = mmap.PAGESIZE
+_FIX = "re-download or re-export the model"
 
 
 def local_dir(name: str) -> Path | None:
@@ -50,21 +70,28 @@ def check_files(name: str, what: str = "model") -> None:
             _check_safetensors(f)
 
 
-def _check_safetensors(path: Path) -> None:
+def _read_header(path: Path) -> tuple[int, dict, int]:
+    """(header length, header, file size) of a safetensors file whose header fits and whose tensors end
+    inside the file; otherwise an M2DError naming the file."""
     size = path.stat().st_size
     bad = f"{path} is not a whole safetensors file"
     with path.open("rb") as f:
         head = f.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else -1
         if n < 2 or n > min(size - 8, _MAX_HEADER):
-            raise M2DError(f"{bad} (unreadable header; truncated or corrupt): re-download or re-export the model")
+            raise M2DError(f"{bad} (unreadable header; truncated or corrupt): {_FIX}")
         try:
             header = json.loads(f.read(n))
             end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        except (ValueError, KeyError, TypeError, IndexError):
-            raise M2DError(f"{bad} (corrupt header): re-download or re-export the model") from None
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            raise M2DError(f"{bad} (corrupt header): {_FIX}") from None
     if 8 + n + end > size:
-        raise M2DError(f"{bad}: its header needs {8 + n + end:,} bytes but it has {size:,} (truncated): re-download or re-export the model")
+        raise M2DError(f"{bad}: its header needs {8 + n + end:,} bytes but it has {size:,} (truncated): {_FIX}")
+    return n, header, size
+
+
+def _check_safetensors(path: Path) -> None:
+    _read_header(path)
 
 
 def nonfinite(t: torch.Tensor) -> tuple[int, int]:
@@ -78,8 +105,9 @@ def nonfinite(t: torch.Tensor) -> tuple[int, int]:
     return nan, inf
 
 
-def _where(key: str, t: torch.Tensor) -> str:
-    """'layer 3, expert 5' for an expert tensor (per-expert key or fused [E, ...] parameter)."""
+def _where(key: str, t: torch.Tensor, experts: Sequence[int] | None = None) -> str:
+    """'layer 3, expert 5' for an expert tensor (per-expert key or fused [E, ...] parameter; `experts`
+    maps the rows of a fused tensor holding only some experts to their ids)."""
     layer = re.search(r"layers\.(\d+)\.", key)
     expert = re.search(r"experts\.(\d+)\.", key)
     parts = [f"layer {layer.group(1)}"] if layer else []
@@ -87,17 +115,19 @@ def _where(key: str, t: torch.Tensor) -> str:
         parts.append(f"expert {expert.group(1)}")
     elif "experts" in key and t.dim() == 3:
         bad = (~torch.isfinite(t.detach())).flatten(1).any(1).nonzero().flatten().tolist()
+        if experts is not None:
+            bad = [experts[r] for r in bad]
         parts.append(f"expert{'s' * (len(bad) > 1)} {', '.join(map(str, bad[:8]))}{' …' * (len(bad) > 8)}")
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def check_finite(tensors: Iterable[tuple[str, torch.Tensor]], what: str, fix: str) -> None:
+def check_finite(tensors: Iterable[tuple[str, torch.Tensor]], what: str, fix: str, experts: Sequence[int] | None = None) -> None:
     """Raise on the first tensor with NaN/inf: '<what> <key> (layer 3, expert 5) has 1 NaN; <fix>'."""
     for key, t in tensors:
         nan, inf = nonfinite(t)
         if nan or inf:
             counts = " and ".join(f"{n:,} {w}" for n, w in ((nan, "NaN"), (inf, "inf")) if n)
-            raise M2DError(f"{what} {key}{_where(key, t)} has {counts}; {fix}")
+            raise M2DError(f"{what} {key}{_where(key, t, experts)} has {counts}; {fix}")
 
 
 def scan(name: str, what: str = "model") -> None:
@@ -116,3 +146,109 @@ def scan(name: str, what: str = "model") -> None:
 def check_model_finite(model: torch.nn.Module, what: str = "model") -> None:
     """Finite parameters of a loaded model (one pass over memory, no copy)."""
     check_finite(model.named_parameters(), f"{what} weight", "the checkpoint is damaged: re-download or re-export the model")
+
+
+# ---- reading tensors by name ----------------------------------------------------------------------
+class Shard:
+    """One safetensors file: its validated header and a read-only memory map."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            n, header, size = _read_header(path)
+        except OSError as exc:
+            raise M2DError(f"{path} cannot be read ({exc.strerror or exc}); {_FIX}") from None
+        self.entries = {k: v for k, v in header.items() if k != "__metadata__"}
+        data = size - 8 - n
+        for name, e in self.entries.items():
+            try:
+                start, end = e["data_offsets"]
+                expected = math.prod(e["shape"]) * torch.empty((), dtype=_DTYPES[e["dtype"]]).element_size()
+            except (KeyError, TypeError, ValueError):
+                raise M2DError(f"{path} is not a whole safetensors file (corrupt header entry {name}): {_FIX}") from None
+            if not (0 <= start <= end <= data and end - start == expected):
+                raise M2DError(f"{path} is not a whole safetensors file (corrupt header: tensor {name} spans bytes {start}..{end} "
+                               f"of {data}, needs {expected}): {_FIX}")
+        with open(path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size > 8 + n else None
+        self._base = 8 + n
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _DTYPES[self.entries[name]["dtype"]]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.entries[name]["shape"])
+
+    def nbytes(self, name: str) -> int:
+        start, end = self.entries[name]["data_offsets"]
+        return end - start
+
+    def read(self, name: str, rows: Sequence[int] | None = None) -> Tensor:
+        """The tensor `name`, or only `rows` of its first dimension (in that order), as a new CPU tensor."""
+        shape, dtype = self.shape(name), self.dtype(name)
+        start = self._base + self.entries[name]["data_offsets"][0]
+        if rows is None:
+            buf = torch.empty(self.nbytes(name), dtype=torch.uint8)
+            self._fill(buf.numpy(), start)
+            return buf.view(dtype).reshape(shape)
+        row = self.nbytes(name) // max(shape[0], 1)
+        buf = torch.empty(len(rows), row, dtype=torch.uint8)
+        for j, r in enumerate(rows):
+            if not 0 <= r < shape[0]:
+                raise IndexError(f"row {r} of {name} (first dimension {shape[0]})")
+            self._fill(buf[j].numpy(), start + r * row)
+        return buf.view(dtype).reshape(len(rows), *shape[1:])
+
+    def _fill(self, dst: np.ndarray, offset: int) -> None:
+        """Copy dst.size bytes at `offset` of the file into dst, then give the mapped pages back."""
+        if dst.size == 0:
+            return
+        dst[:] = np.frombuffer(self._map, dtype=np.uint8, count=dst.size, offset=offset)
+        lo = offset // _PAGE * _PAGE
+        self._map.madvise(mmap.MADV_DONTNEED, lo, offset + dst.size - lo)
+
+
+class Checkpoint:
+    """Every tensor of a model directory's safetensors shards, by name (every shard's header checked on open)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.dir = Path(directory)
+        self._shards: dict[str, Shard] = {}
+        index = self.dir / INDEX_FILE
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                self._file_of = dict(weight_map)
+            except (ValueError, KeyError, TypeError):
+                raise M2DError(f"{index} is not a weight index (no weight_map); {_FIX}") from None
+        else:
+            files = sorted(self.dir.glob("*.safetensors"))
+            if not files:
+                raise M2DError(f"{self.dir} holds no weights (*.safetensors); save the model with save_pretrained (safetensors) first")
+            self._file_of = {name: f.name for f in files for name in self._shard(f.name).entries}
+        for file in sorted(set(self._file_of.values())):  # fail now, naming the file, not in the middle of a build
+            self._shard(file)
+
+    def _shard(self, file: str) -> Shard:
+        if file not in self._shards:
+            path = self.dir / file
+            if not path.is_file():
+                raise M2DError(f"{self.dir} lacks the weight file {file} named in {INDEX_FILE} ({path} is missing); {_FIX}")
+            self._shards[file] = Shard(path)
+        return self._shards[file]
+
+    def names(self) -> set[str]:
+        return set(self._file_of)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def shard(self, name: str) -> Shard:
+        return self._shard(self._file_of[name])
+
+    def read(self, name: str, rows: Sequence[int] | None = None) -> Tensor:
+        return self.shard(name).read(name, rows)
+
+    def nbytes(self) -> int:
+        """Bytes of all tensors (as stored)."""
+        return sum(self.shard(n).nbytes(n) for n in self._file_of)

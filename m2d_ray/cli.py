@@ -33,16 +33,34 @@ def _positive(v: str) -> int:
     return n
 
 
+def _size(v: str) -> str:
+    """A memory size ('40GB', '512MiB', bytes), checked here and passed on as written."""
+    from m2d_ray.calibrate.stream import parse_size
+
+    try:
+        parse_size(v)
+    except M2DError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return v
+
+
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="teacher directory or hub name (default: the embedded tiny Qwen3-MoE)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
 
-def _add_calib(p: argparse.ArgumentParser) -> None:
+def _add_calib(p: argparse.ArgumentParser, streamed: bool = True) -> None:
+    """Calibration-data options; `streamed`: also the memory options of MoE statistics (not dense pruning's)."""
     p.add_argument("--calib-data", default=None, help="text file, synthetic[:split] or wikitext2[:split] (default: the embedded corpus for the embedded teacher, else wikitext2:train)")
     p.add_argument("--max-tokens", type=_positive, default=32768, help="calibration tokens (default 32768)")
     p.add_argument("--seq-len", type=_positive, default=256, help="calibration sequence length (default 256)")
     p.add_argument("--batch-size", type=_positive, default=8)
+    if not streamed:
+        return
+    p.add_argument("--max-memory", type=_size, default=None, help="memory the teacher may take on the device, e.g. 40GB; a bigger teacher is "
+                   "streamed layer by layer (default: the device's free memory)")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="force (--stream) or forbid (--no-stream) layer-streamed calibration")
 
 
 STORAGE_HELP = ("what crosses Ray nodes (students, checkpoints, Tune state): a path every node mounts, or s3://BUCKET/PATH / gs://… "
@@ -81,7 +99,7 @@ def parser() -> argparse.ArgumentParser:
     pd.add_argument("--match", default=None, metavar="MOE_TEACHER", help="search at the parameters of this MoE teacher's K = k dense student")
     for size in ("hidden", "ffn", "heads", "layers"):
         pd.add_argument(f"--{size}", type=_positive, default=None, help=f"one pruned shape: {size} (default: the teacher's)")
-    _add_calib(pd)
+    _add_calib(pd, streamed=False)
     pd.add_argument("--eval-data", default=None, help="score candidates by perplexity on: text file, synthetic[:split] or wikitext2[:split] (default: synthetic:test for the embedded teacher, else wikitext2:test)")
     pd.add_argument("--out", required=True, help="directory for the pruned student")
     pd.add_argument("--overwrite", action="store_true", help="replace a pruned student that m2d wrote there before")
@@ -199,7 +217,7 @@ def _dispatch(args) -> None:
     from m2d_ray import pipeline
 
     say, emit = console.say, console.emit
-    calib = {k: getattr(args, k) for k in ("max_tokens", "seq_len", "batch_size") if hasattr(args, k)}
+    calib = {k: getattr(args, k) for k in ("max_tokens", "seq_len", "batch_size", "max_memory", "stream") if hasattr(args, k)}
     if args.command == "calibrate":
         _, art, reused = pipeline.run_calibrate(args.model, args.calib_data, args.out, device=args.device, overwrite=args.overwrite, **calib)
         m = art.manifest

@@ -26,6 +26,8 @@ class CalibConfig:
     max_tokens: int = 32768
     seq_len: int = 256
     batch_size: int = 8
+    stream: bool | None = None  # layer-streamed calibration; None = when the teacher does not fit max_memory
+    max_memory: str | None = None  # e.g. 40GB per calibration actor's device (default: its free memory)
 
 
 @dataclass(frozen=True)
@@ -185,6 +187,13 @@ class SweepConfig:
             raise M2DError("grid.K is empty; give a list such as [8, 16] or auto (k, 2k, 4k ... E)")
         if self.eval.chunks < 1 or self.search.stop_factor <= 1.0:
             raise M2DError("eval.chunks must be >= 1 and search.stop_factor > 1")
+        if self.calib.max_memory is not None:
+            from m2d_ray.calibrate.stream import parse_size
+
+            try:
+                parse_size(self.calib.max_memory)
+            except M2DError as exc:
+                raise M2DError(f"calib.max_memory: {exc}") from None
         if self.stage not in (1, 2):
             raise M2DError(f"stage={self.stage}: write stage=1 (pre-distillation grid) or stage=2 (distil the promotions)")
         check_distill(self.distill)

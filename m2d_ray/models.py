@@ -1,4 +1,8 @@
-"""Loading teachers (hub name or local directory) and fingerprinting them for artifact reuse."""
+"""Loading teachers (hub name or local directory) and fingerprinting them for artifact reuse.
+
+`load_teacher` loads the whole model: what calibration's whole-model pass, perplexity and distillation
+need. Building students only needs some tensors: `m2d_ray.weights.open_teacher` reads them lazily.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,14 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
+from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from m2d_ray.arch import get_adapter
-from m2d_ray.arch.base import MoEAdapter
+from m2d_ray.arch.base import DenseFFN, ExpertWeights, MoEAdapter, SharedExpert, dense_from_mlp
 from m2d_ray.errors import M2DError
 
 
@@ -38,6 +44,8 @@ def is_embedded(name: str | None) -> bool:
 
 @dataclass
 class Teacher:
+    """A loaded teacher. Conversion reads it through the same methods as `weights.LazyTeacher`."""
+
     name: str
     model: PreTrainedModel
     tokenizer: object
@@ -47,8 +55,37 @@ class Teacher:
     def config(self):
         return self.model.config
 
+    @property
+    def skeleton(self) -> PreTrainedModel:
+        """The module tree conversion inspects (here the model itself)."""
+        return self.model
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
     def fingerprint(self) -> dict:
         return model_fingerprint(self.name, self.model.config)
+
+    def moe_layers(self) -> list[int]:
+        return sorted(self.adapter.moe_blocks(self.model))
+
+    def experts(self, layer: int, ids: Sequence[int] | None = None) -> ExpertWeights:
+        w = self.adapter.experts(self.adapter.moe_blocks(self.model)[layer])
+        return w if ids is None else w.select(list(ids))
+
+    def router_weight(self, layer: int) -> Tensor:
+        return self.adapter.router_weight(self.adapter.moe_blocks(self.model)[layer])
+
+    def shared(self, layer: int) -> SharedExpert | None:
+        return self.adapter.shared(self.adapter.moe_blocks(self.model)[layer])
+
+    def dense_ffn(self, layer: int) -> DenseFFN:
+        return dense_from_mlp(self.adapter.layers(self.model)[layer].mlp)
+
+    def state(self, names: Sequence[str]) -> dict[str, Tensor]:
+        sd = self.model.state_dict()
+        return {n: sd[n] for n in names}
 
 
 def load_config(name: str):

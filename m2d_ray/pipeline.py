@@ -28,7 +28,8 @@ from m2d_ray.convert.plan import check_K, check_methods
 from m2d_ray.data.text import check_spec, load_text, tokenize
 from m2d_ray.errors import M2DError, RunFailed
 from m2d_ray.evaluate.perplexity import Perplexity, perplexity
-from m2d_ray.models import Teacher, check_teacher, default_teacher, load_config as model_config, load_teacher, load_tokenizer, model_fingerprint
+from m2d_ray.models import Teacher, check_teacher, default_teacher, load_config as model_config, load_tokenizer, model_fingerprint
+from m2d_ray.weights import LazyTeacher, open_teacher
 
 EVAL_MAX_CHARS = 300_000
 
@@ -45,16 +46,23 @@ def run_calibrate(
     seq_len: int = 256,
     batch_size: int = 8,
     device: str | None = None,
-    teacher: Teacher | None = None,
+    teacher: Teacher | LazyTeacher | None = None,
     overwrite: bool = False,
     what: str = "--out",
-) -> tuple[Teacher | None, StatsArtifact, bool]:
+    stream: bool | None = None,
+    max_memory: str | None = None,
+) -> tuple[Teacher | LazyTeacher | None, StatsArtifact, bool]:
     """Stage 0: the statistics artifact; `out` is reused when it matches (teacher None then, unless given).
 
-    Everything but the weights is checked first: the teacher's config and files, the data, the output.
+    Everything but the weights is checked first: the teacher's config and files, the data, the output,
+    the memory budget. The teacher is opened lazily; it is streamed layer by layer when `stream` is set
+    or it does not fit `max_memory` (default: the device's free memory), else loaded whole.
     """
+    from m2d_ray.calibrate.stream import parse_size
+
     name = model or default_teacher()
     check_teacher(name)
+    parse_size(max_memory)
     check_spec(resolve_calib(calib_data, model), "calibration data")
     if out is not None:
         check_output(out, "statistics", overwrite=True, what=what)  # never a file or a foreign directory
@@ -65,8 +73,10 @@ def run_calibrate(
         if found is not None:
             return teacher, found, True
         check_output(out, "statistics", overwrite, what)  # other statistics: replaced only on --overwrite
-    teacher = teacher or load_teacher(name, device=device or device_default())
-    art, _ = calibrate(teacher, tokens, spec, out=out, batch_size=batch_size, overwrite=overwrite)
+    device = device or device_default()
+    teacher = teacher or open_teacher(name, device=device)
+    art, _ = calibrate(teacher, tokens, spec, out=out, batch_size=batch_size, device=device, stream=stream, max_memory=max_memory,
+                       overwrite=overwrite)
     return teacher, art, False
 
 
@@ -93,7 +103,8 @@ def convert_one(
     """Stages 0-2 for one recipe: statistics -> plan -> dense student -> verified export (-> ppl).
 
     Every input (methods, output path, teacher files, K, statistics, data) is checked before the
-    teacher's weights are read.
+    teacher's weights are read. The teacher is opened lazily: the student reads only the tensors it is
+    made of (calibration may still load it whole when it fits, see run_calibrate).
     """
     if baseline:
         BASELINES.check(baseline)
@@ -115,16 +126,15 @@ def convert_one(
     teacher = None
     if not baseline and art is None:
         teacher, art, _ = run_calibrate(model, calib_data, stats, device=device, overwrite=overwrite, what="--stats", **(calib_kwargs or {}))
-    teacher = teacher or load_teacher(name, device=device or device_default())
+    teacher = teacher or open_teacher(name, device=device or device_default())  # weights read as the student needs them
     result: dict = {"model": teacher.name, "k": k, "E": E}
     if baseline:
-        student = BASELINES[baseline](teacher)
-        export_student(student, teacher.tokenizer, out, overwrite=overwrite)
+        export_student(BASELINES[baseline](teacher), teacher.tokenizer, out, overwrite=overwrite)
         result.update(baseline=baseline)
     else:
         plan = make_plan(teacher, art.layers, scoring, grouping, scaling, K)
-        student = build_from_plan(teacher, plan)
-        check = export_student(student, teacher.tokenizer, out, teacher=teacher, plan=plan, extra={"stats_sha256": art.checksum}, overwrite=overwrite)
+        check = export_student(build_from_plan(teacher, plan), teacher.tokenizer, out, teacher=teacher, plan=plan,
+                               extra={"stats_sha256": art.checksum}, overwrite=overwrite)  # one student in memory at a time
         result.update(
             scoring=scoring, grouping=grouping, scaling=scaling, K=K,
             selected={str(i): p.selected for i, p in plan.layers.items()},
@@ -135,8 +145,11 @@ def convert_one(
             max_rel_error=check["max_rel_error"],
             stats_sha256=art.checksum,
         )
-    result.update(dense_class=type(student).__name__, out=str(out))
+    result.update(dense_class=json.loads((Path(out) / "config.json").read_text())["architectures"][0], out=str(out))
     if eval_data:
+        from m2d_ray.models import load_model
+
+        student, _ = load_model(str(out), device=device or device_default())  # the exported student, as users load it
         result["perplexity"] = evaluate_ppl(student, teacher.tokenizer, eval_data).to_json()
     return result
 

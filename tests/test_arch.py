@@ -21,6 +21,7 @@ from m2d_ray.arch.base import dense_from_mlp, expert_outputs, rel_error
 from m2d_ray.convert.merge import append_shared, cast_ffn, concat_groups, merge_group
 from m2d_ray.convert.student import build_student
 from m2d_ray.errors import M2DError
+from m2d_ray.models import Teacher
 
 TOL = 1e-5
 
@@ -121,7 +122,7 @@ def student(family):
     k = adapter.top_k(teacher.config)
     ffns = {i: _first_k_ffn(adapter, b, k) for i, b in adapter.moe_blocks(teacher).items()}
     with torch.no_grad():
-        return build_student(teacher, adapter, ffns), ffns
+        return build_student(Teacher(name=spec.id, model=teacher, tokenizer=None, adapter=adapter), ffns), ffns
 
 
 @torch.no_grad()

@@ -26,7 +26,7 @@ def cluster_runs(tmp_path_factory):
     if why:
         pytest.skip(why)
     work = tmp_path_factory.mktemp("multinode")
-    proc = subprocess.run(["unshare", "-pf", "--mount-proc", sys.executable, str(HERE / "multinode.py"), str(work)],
+    proc = subprocess.run(["unshare", "-pf", "--kill-child", "--mount-proc", sys.executable, str(HERE / "multinode.py"), str(work)],
                           capture_output=True, text=True, timeout=2400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads((work / "results.json").read_text())

@@ -52,13 +52,14 @@ def _with_stats(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_ray_data_statistics_equal_single_process(ray_address, tiny_teacher_dir, tiny_teacher, tmp_path):
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_ray_data_statistics_equal_single_process(ray_address, tiny_teacher_dir, tiny_teacher, tmp_path, stream):
     from m2d_ray.calibrate.ray_data import calibrate_ray
 
     tokens = calibration_set(tiny_teacher.tokenizer, corpus_text("valid", max_chars=30_000), seq_len=64, max_tokens=3000)
     tokens.mask[-1, 40:] = 0  # padding inside the last sequence must be masked alike
     single, _ = calibrate(tiny_teacher, tokens, "x", out=tmp_path / "single", batch_size=4, progress=False)
-    dist, reused = calibrate_ray(str(tiny_teacher_dir), tokens, "x", tmp_path / "ray", batch_size=4, actors=2)
+    dist, reused = calibrate_ray(str(tiny_teacher_dir), tokens, "x", tmp_path / "ray", batch_size=4, actors=2, stream=stream)
     assert not reused and dist.manifest["model"] == single.manifest["model"] and dist.manifest["data"] == single.manifest["data"]
     for i, st in single.layers.items():
         for name, a in st.to_tensors("").items():

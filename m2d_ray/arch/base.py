@@ -93,14 +93,22 @@ def expert_hidden(w: ExpertWeights, h: Tensor) -> Tensor:
     single large one, which is what makes all-expert calibration fast.
     """
     E, I, d = w.gate.shape
-    w1 = torch.cat([w.gate, w.up], dim=1).reshape(E * 2 * I, d)
-    x = F.linear(h, w1).view(h.shape[0], E, 2, I)
+    x = F.linear(h, stacked_gate_up(w)).view(h.shape[0], E, 2, I)
     g, u = x[:, :, 0], x[:, :, 1]
     if w.gate_bias is not None:
         g = g + w.gate_bias
     if w.up_bias is not None:
         u = u + w.up_bias
     return w.act(g, u).transpose(0, 1)
+
+
+def stacked_gate_up(w: ExpertWeights) -> Tensor:
+    """[E*2I, d]: each expert's gate rows, then its up rows. A view, not a copy, when gate and up are the two
+    halves of one fused [E, 2I, d] tensor (the transformers layout of most families)."""
+    E, I, d = w.gate.shape
+    g, u = w.gate, w.up
+    fused = g.stride() == u.stride() == (2 * I * d, d, 1) and u.data_ptr() == g.data_ptr() + I * d * g.element_size()
+    return g.as_strided((E * 2 * I, d), (d, 1)) if fused and g.dtype == u.dtype else torch.cat([g, u], dim=1).reshape(E * 2 * I, d)
 
 
 def expert_outputs(w: ExpertWeights, h: Tensor) -> Tensor:
@@ -258,9 +266,13 @@ class MoEAdapter:
         for block in self.moe_blocks(model).values():
             self.router(block).top_k = k
 
+    def expert_module(self, block: nn.Module) -> nn.Module:
+        """The submodule holding the block's fused expert tensors (every one has leading dimension E)."""
+        return block.experts
+
     def experts(self, block: nn.Module) -> ExpertWeights:
         """Fused transformers-5 layout: gate_up_proj [E, 2I, d] (gate first), down_proj [E, d, I]."""
-        ex = block.experts
+        ex = self.expert_module(block)
         gate, up = ex.gate_up_proj.detach().chunk(2, dim=1)
         return ExpertWeights(gate=gate, up=up, down=ex.down_proj.detach(), act=self.activation(block))
 
@@ -278,6 +290,19 @@ class MoEAdapter:
         """The model's own MoE block output for hidden states [B, S, d] (parity tests)."""
         out = block(h)
         return out[0] if isinstance(out, tuple) else out
+
+    # ---- checkpoint layout (read lazily by m2d_ray/weights.py) ----------------------------
+    #: per-expert checkpoint keys of each fused expert tensor, relative to the experts module (`{e}` =
+    #: expert id): stacked over experts, then concatenated along dim 1, as transformers fuses them on
+    #: load. transformers-5 `save_pretrained` and the hub store experts this way for most families.
+    per_expert_keys: ClassVar[dict[str, tuple[str, ...]]] = {
+        "gate_up_proj": ("{e}.gate_proj.weight", "{e}.up_proj.weight"),
+        "down_proj": ("{e}.down_proj.weight",),
+    }
+
+    def checkpoint_names(self, name: str) -> tuple[str, ...]:
+        """Names the in-memory tensor `name` may have in a checkpoint (the first one present is read)."""
+        return (name,)
 
     # ---- student -----------------------------------------------------------------------
     def student_config(self, config, width: int):

@@ -4,6 +4,7 @@ logits (so they sum to 1); experts with biases and a clamped SwiGLU.
 Layout (transformers 5), transposed and interleaved unlike the other families:
 `experts.gate_up_proj` [E, d, 2I] with gate = [..., ::2], up = [..., 1::2]; `experts.gate_up_proj_bias`
 [E, 2I] interleaved the same way; `experts.down_proj` [E, I, d]; `experts.down_proj_bias` [E, d].
+Checkpoints store these fused tensors as they are (no per-expert keys).
 Activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = clamp(gate, max=limit), with
 alpha = `swiglu_alpha`, limit = `swiglu_limit`. The block returns (hidden, router_scores).
 
@@ -30,6 +31,7 @@ from m2d_ray.arch.base import DenseFFN, ExpertWeights, MoEAdapter, clamped_swigl
 class GptOssAdapter(MoEAdapter):
     model_types = ("gpt_oss",)
     student_model_type = "gpt_oss"
+    per_expert_keys = {}  # fused in checkpoints too
 
     def num_experts(self, config) -> int:
         return int(config.num_local_experts)

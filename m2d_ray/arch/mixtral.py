@@ -1,5 +1,6 @@
 """Mixtral: softmax router with renormalised top-k, fused SwiGLU experts of width `intermediate_size`
 (`experts.gate_up_proj` [E, 2I, d], gate first; `experts.down_proj` [E, d, I]), E = `num_local_experts`.
+Checkpoints keep Mistral's names: `block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.w1/w3/w2` (gate/up/down).
 Dense student = Mistral (`MistralForCausalLM`), same attention, sliding window copied (usually None).
 """
 
@@ -15,6 +16,11 @@ from m2d_ray.arch.base import MoEAdapter, copy_config
 class MixtralAdapter(MoEAdapter):
     model_types = ("mixtral",)
     student_model_type = "mistral"
+
+    per_expert_keys = {"gate_up_proj": ("{e}.w1.weight", "{e}.w3.weight"), "down_proj": ("{e}.w2.weight",)}
+
+    def checkpoint_names(self, name: str) -> tuple[str, ...]:
+        return (name, name.replace(".mlp.", ".block_sparse_moe.", 1))
 
     def num_experts(self, config) -> int:
         return int(config.num_local_experts)

@@ -10,6 +10,7 @@ from typing import Iterable
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from m2d_ray import console
 from m2d_ray.arch.base import MoEAdapter
@@ -19,6 +20,19 @@ from m2d_ray.calibrate.stats import LayerStats, layer_stats
 def token_batches(ids: Tensor, mask: Tensor, batch_size: int) -> Iterable[tuple[Tensor, Tensor]]:
     for start in range(0, ids.shape[0], batch_size):
         yield ids[start : start + batch_size], mask[start : start + batch_size]
+
+
+def observe(adapter: MoEAdapter, block: nn.Module, stats: LayerStats, current: dict[str, Tensor]) -> RemovableHandle:
+    """Forward pre-hook on a MoE block adding its statistics on the current batch's non-padding tokens
+    (`current["mask"]`, set by the caller before each forward) to `stats`."""
+    weights = adapter.experts(block)
+
+    def fn(module: nn.Module, args: tuple) -> None:
+        h = args[0]
+        keep = current["mask"].reshape(-1).bool()
+        stats.add_(layer_stats(adapter, module, h.reshape(-1, h.shape[-1])[keep], weights))
+
+    return block.register_forward_pre_hook(fn)
 
 
 @torch.no_grad()
@@ -34,18 +48,8 @@ def collect_stats(
     blocks = adapter.moe_blocks(model)
     device = next(model.parameters()).device
     stats = {i: LayerStats.zeros(adapter.num_experts(model.config), device=device) for i in blocks}
-    weights = {i: adapter.experts(b) for i, b in blocks.items()}
     current: dict[str, Tensor] = {}
-
-    def hook(layer: int):
-        def fn(module: nn.Module, args: tuple) -> None:
-            h = args[0]
-            keep = current["mask"].reshape(-1).bool()
-            stats[layer].add_(layer_stats(adapter, module, h.reshape(-1, h.shape[-1])[keep], weights[layer]))
-
-        return fn
-
-    handles = [b.register_forward_pre_hook(hook(i)) for i, b in blocks.items()]
+    handles = [observe(adapter, b, stats[i], current) for i, b in blocks.items()]
     try:
         n_batches = -(-ids.shape[0] // batch_size)
         batches = token_batches(ids, mask, batch_size)

@@ -23,19 +23,31 @@ from m2d_ray.models import load_config, model_fingerprint
 
 
 class StatsActor:
-    """Holds one teacher; called with a batch of sequences, returns that batch's partial sums."""
+    """Holds one teacher (loaded whole, or streamed layer by layer when it does not fit the actor's device);
+    called with a block of sequences, returns that block's partial sums, computed `batch_size` sequences
+    at a time exactly as the single-process pass batches them."""
 
-    def __init__(self, model: str, device: str, threads: int) -> None:
+    def __init__(self, model: str, device: str, threads: int, batch_size: int, stream: bool | None, max_memory: str | None) -> None:
+        from m2d_ray.calibrate.stream import should_stream
         from m2d_ray.models import load_teacher
+        from m2d_ray.weights import open_teacher
 
         torch.set_num_threads(threads)
-        self.teacher = load_teacher(model, device=device)
+        self.device, self.batch_size = device, batch_size
+        lazy = open_teacher(model, device=device)
+        self.streamed = should_stream(lazy, device, stream, max_memory)
+        self.teacher = lazy if self.streamed else load_teacher(model, device=device)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from m2d_ray.calibrate.stream import collect_stats_streamed
+
         t = self.teacher
         seqs = torch.from_numpy(np.ascontiguousarray(batch["data"]))  # [B, 2, L]: ids, mask
         ids, mask = seqs[:, 0], seqs[:, 1]
-        stats = collect_stats(t.model, t.adapter, ids, mask, batch_size=ids.shape[0], progress=False)
+        if self.streamed:
+            stats = collect_stats_streamed(t, ids, mask, batch_size=self.batch_size, device=self.device, progress=False)
+        else:
+            stats = collect_stats(t.model, t.adapter, ids, mask, batch_size=self.batch_size, progress=False)
         out = {}
         for i, st in stats.items():
             out.update({name: v.numpy()[None] for name, v in st.to_tensors(f"layer{i}.").items()})
@@ -51,12 +63,15 @@ def calibrate_ray(
     actors: int = 2,
     gpus_per_actor: float = 0.0,
     threads: int = 1,
+    stream: bool | None = None,
+    max_memory: str | None = None,
     load_from: str | None = None,
 ) -> tuple[StatsArtifact, bool]:
     """Statistics of `model` on `tokens` with a Ray Data actor pool; reuses `out` when it matches.
 
     Returns (artifact, reused). Needs a running Ray (`ray.init`). The driver never loads the weights;
-    the actors load them from `load_from` (a storage URL every node reaches), default `model`.
+    the actors read them from `load_from` (a storage URL every node reaches), default `model`. Each actor
+    streams the teacher layer by layer when `stream` is set or it does not fit `max_memory`.
     """
     config = load_config(model)
     model_fp, data_fp = model_fingerprint(model, config), data_fingerprint(data_spec, tokens)
@@ -72,11 +87,12 @@ def calibrate_ray(
     ds = ray.data.from_numpy([seqs[i : i + per_block] for i in range(0, len(seqs), per_block)])
     partials = ds.map_batches(
         StatsActor,
-        batch_size=batch_size,
+        batch_size=per_block,  # a streaming actor reads each layer once per block
         compute=ray.data.ActorPoolStrategy(size=actors),
         num_gpus=gpus_per_actor,
         num_cpus=1,
-        fn_constructor_kwargs={"model": load_from or model, "device": "cuda" if gpus_per_actor > 0 else "cpu", "threads": threads},
+        fn_constructor_kwargs={"model": load_from or model, "device": "cuda" if gpus_per_actor > 0 else "cpu", "threads": threads,
+                               "batch_size": batch_size, "stream": stream, "max_memory": max_memory},
         batch_format="numpy",
     )
     total: dict[str, np.ndarray] = {}

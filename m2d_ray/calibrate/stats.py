@@ -15,8 +15,8 @@ from torch import Tensor
 
 from m2d_ray.arch.base import ExpertWeights, MoEAdapter, Routing, expert_outputs
 
-#: target size of one [E, chunk, d] output block, in elements (bounds memory on big layers)
-_CHUNK_ELEMENTS = 1 << 25
+#: fewest tokens per chunk of all-expert outputs
+_MIN_CHUNK = 64
 
 
 @dataclass
@@ -111,16 +111,27 @@ def layer_stats(adapter: MoEAdapter, block: torch.nn.Module, h: Tensor, weights:
     st = routing_stats(adapter.route(block, h), weights.num_experts)
     shared = adapter.shared(block)
     if shared is not None and shared.gate is not None:
-        st.shared_gate += shared.scale(h.float()).double().sum()
+        st.shared_gate += shared.scale(h.double()).sum()  # float64: a sum of T gates
     st.gram += output_gram(weights, h)
     return st
 
 
+def gram_chunk(weights: ExpertWeights, act: torch.dtype, gdt: torch.dtype) -> int:
+    """Tokens per chunk of all-expert outputs: the chunk's working set (gate/up products 2I, the activation
+    and its temporary and contiguous copy 3I, outputs d, their Gram-precision copy d) stays within the
+    bytes of the experts themselves, so the statistics of a layer never need more memory than its
+    weights (at least `_MIN_CHUNK` tokens, for GEMM efficiency)."""
+    E, I, d = weights.num_experts, weights.width, weights.down.shape[1]
+    size = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
+    per_token = E * ((5 * I + d) * size(act) + d * size(gdt))
+    return max(_MIN_CHUNK, 3 * E * I * d * weights.gate.element_size() // per_token)
+
+
 def output_gram(weights: ExpertWeights, h: Tensor) -> Tensor:
     """sum_t <f_i(t), f_j(t)> over tokens h [T, d]: expert outputs in chunks, one GEMM per chunk."""
-    E, d = weights.num_experts, weights.down.shape[1]
-    chunk = max(1, _CHUNK_ELEMENTS // (E * max(d, 2 * weights.width)))
+    E = weights.num_experts
     gdt = gram_dtype(h.device)
+    chunk = gram_chunk(weights, h.dtype, gdt)
     gram = torch.zeros(E, E, dtype=torch.float64, device=h.device)
     w = weights.to(h.dtype) if weights.gate.dtype != h.dtype else weights
     for start in range(0, h.shape[0], chunk):

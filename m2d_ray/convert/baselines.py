@@ -18,7 +18,7 @@ BASELINES: Registry[Callable[..., PreTrainedModel]] = Registry("baseline")
 def dense_width(teacher) -> int:
     """k * d_expert plus the width of the shared experts: the converted student's MoE-layer width."""
     adapter = teacher.adapter
-    block = next(iter(adapter.moe_blocks(teacher.model).values()))
+    block = next(iter(adapter.moe_blocks(teacher.skeleton).values()))  # shapes only
     shared = adapter.shared(block)
     return adapter.top_k(teacher.config) * adapter.experts(block).width + (shared.weights.width if shared else 0)
 
@@ -26,12 +26,10 @@ def dense_width(teacher) -> int:
 def _random_ffn(teacher, width: int, gen: torch.Generator) -> DenseFFN:
     d = teacher.config.hidden_size
     std = float(getattr(teacher.config, "initializer_range", 0.02))
-    block = next(iter(teacher.adapter.moe_blocks(teacher.model).values()))
-    act = teacher.adapter.experts(block).act
-    biased = teacher.adapter.experts(block).gate_bias is not None
+    layout = teacher.adapter.experts(next(iter(teacher.adapter.moe_blocks(teacher.skeleton).values())))
     rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64) * std  # noqa: E731
-    zeros = lambda n: torch.zeros(n, dtype=torch.float64) if biased else None  # noqa: E731
-    return DenseFFN(gate=rnd(width, d), up=rnd(width, d), down=rnd(d, width), act=act,
+    zeros = lambda n: torch.zeros(n, dtype=torch.float64) if layout.gate_bias is not None else None  # noqa: E731
+    return DenseFFN(gate=rnd(width, d), up=rnd(width, d), down=rnd(d, width), act=layout.act,
                     gate_bias=zeros(width), up_bias=zeros(width), down_bias=zeros(d))
 
 
@@ -40,15 +38,14 @@ def random_ffn_student(teacher, seed: int = 0) -> PreTrainedModel:
     """Teacher attention, embeddings, norms and head; every MoE FFN freshly initialised."""
     gen = torch.Generator().manual_seed(seed)
     width = dense_width(teacher)
-    ffns = {i: _random_ffn(teacher, width, gen) for i in teacher.adapter.moe_blocks(teacher.model)}
-    return build_student(teacher.model, teacher.adapter, ffns)
+    ffns = {i: _random_ffn(teacher, width, gen) for i in teacher.moe_layers()}
+    return build_student(teacher, ffns)
 
 
 @BASELINES.register("random-init")
 def random_init_student(teacher, seed: int = 0) -> PreTrainedModel:
     """The student architecture with every weight freshly initialised (transformers' own init)."""
-    width = student_width(teacher.model, teacher.adapter, dense_width(teacher))
+    width = student_width(teacher.skeleton, teacher.adapter, dense_width(teacher))
     config = teacher.adapter.student_config(teacher.config, width)
     torch.manual_seed(seed)
-    dtype = next(teacher.model.parameters()).dtype
-    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_config(config, dtype=teacher.dtype).eval()

@@ -2,7 +2,8 @@
 
 The saved directory is reloaded with `AutoModelForCausalLM.from_pretrained` (no custom code) and,
 for every MoE layer, the reloaded dense FFN is compared in float64 on random inputs with
-sum_g alpha_g f_g(h) (+ the shared experts), computed expert by expert from the teacher's weights.
+sum_g alpha_g f_g(h) (+ the shared experts), computed group by group from the teacher's weights (a
+lazy teacher reads each layer's grouped experts when that layer is checked).
 Only the storage rounding of the stored blocks is modelled, so the bound is 1e-10 relative.
 """
 
@@ -18,7 +19,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from m2d_ray.arch.base import ExpertWeights, expert_outputs, rel_error
 from m2d_ray.artifacts import atomic_dir
-from m2d_ray.convert.merge import merge_group
+from m2d_ray.convert import merged_groups
 from m2d_ray.convert.plan import ConversionPlan
 
 EXACT_TOL = 1e-10
@@ -27,22 +28,18 @@ PLAN_FILE = "m2d_plan.json"
 
 def reference_output(teacher, layer: int, plan: ConversionPlan, h: Tensor, dtype: torch.dtype) -> Tensor:
     """sum_g alpha_g f_g(h) (+ shared) in float64, group by group, blocks rounded to `dtype` as stored."""
-    adapter = teacher.adapter
-    block = adapter.moe_blocks(teacher.model)[layer]
     lp = plan.layers[layer]
-    experts = adapter.experts(block)
     rnd = lambda t: None if t is None else t.to(dtype).double()  # noqa: E731
     out = torch.zeros(h.shape[0], h.shape[1], dtype=torch.float64)
     bias = None
-    for g, c, a in zip(lp.groups, lp.coefs, lp.alphas):
-        m = merge_group(experts, g, torch.tensor(c, dtype=torch.float64))
+    for m, a in zip(merged_groups(teacher, layer, lp), lp.alphas):
         w = ExpertWeights(gate=rnd(m.gate), up=rnd(m.up), down=rnd(a * m.down), act=m.act, gate_bias=rnd(m.gate_bias), up_bias=rnd(m.up_bias))
         out += expert_outputs(w, h)[0]
         if m.down_bias is not None:
             bias = a * m.down_bias[0] if bias is None else bias + a * m.down_bias[0]
     if bias is not None:
         out += rnd(bias)
-    shared = adapter.shared(block)
+    shared = teacher.shared(layer)
     if shared is not None:
         s = shared.weights.to(torch.float64)
         w = ExpertWeights(gate=rnd(s.gate), up=rnd(s.up), down=rnd(lp.shared_scale * s.down), act=s.act)
@@ -75,17 +72,21 @@ def export_student(student: PreTrainedModel, tokenizer, out: str | Path, teacher
 
     Returns the verification record (max relative error per layer). Raises RuntimeError — and leaves
     `out` untouched — when the reloaded student does not reproduce the plan. `out` may replace only a
-    previous student, and only with `overwrite` (artifacts.check_output).
+    previous student, and only with `overwrite` (artifacts.check_output). The in-memory student is let go
+    before the reload: a caller that passes it without keeping a reference
+    (`export_student(build_from_plan(...), ...)`) holds one student at a time, not two.
     """
     record: dict = {}
+    dtype, cls = next(student.parameters()).dtype, type(student).__name__
     with atomic_dir(out, "student", overwrite) as tmp:
         student.save_pretrained(tmp)
+        del student
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if plan is not None and teacher is not None:
-            reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=next(student.parameters()).dtype)
-            if type(reloaded).__name__ != type(student).__name__:
-                raise RuntimeError(f"reloaded as {type(reloaded).__name__}, expected {type(student).__name__}")
+            reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype)
+            if type(reloaded).__name__ != cls:
+                raise RuntimeError(f"reloaded as {type(reloaded).__name__}, expected {cls}")
             errors = verify_student(reloaded, teacher, plan)
             worst = max(errors.values(), default=0.0)
             if not worst < EXACT_TOL:

@@ -37,6 +37,7 @@ class InitialStudent:
     seed: int = 0
 
     def __call__(self, out: Path) -> None:
-        from m2d_ray.models import load_teacher
+        from m2d_ray.weights import open_teacher
 
-        materialize(load_teacher(self.teacher), out, plan=self.plan, baseline=self.baseline, seed=self.seed)
+        # lazy: the builder reads only the tensors the student is made of, never the whole teacher
+        materialize(open_teacher(self.teacher), out, plan=self.plan, baseline=self.baseline, seed=self.seed)

@@ -6,9 +6,11 @@ logged, compared (two configs with the same plan build the very same student) an
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from typing import Sequence
 
 from m2d_ray.calibrate.stats import LayerStats
 from m2d_ray.convert.merge import merge_weights
@@ -95,31 +97,38 @@ def plan_layer(
     )
 
 
-def make_plan(teacher, stats: dict[int, LayerStats], scoring: str, grouping: str, scaling: str, K: int) -> ConversionPlan:
-    """Plan every MoE layer of `teacher` (a models.Teacher) from its calibration statistics."""
-    check_methods(scoring, grouping, scaling)
+def make_plans(teacher, stats: dict[int, LayerStats], recipes: Sequence[tuple[str, str, str, int]]) -> list[ConversionPlan]:
+    """Plans of several (scoring, grouping, scaling, K) recipes of `teacher` (a `models.Teacher` or a
+    `weights.LazyTeacher`), layer by layer: a layer's router rows, and all its experts when a grouping
+    clusters weights, are read once for every recipe and dropped before the next layer, so planning
+    holds one teacher layer at a time."""
     adapter, config = teacher.adapter, teacher.config
     k, E = adapter.top_k(config), adapter.num_experts(config)
-    check_K(K, k, E)
-    blocks = adapter.moe_blocks(teacher.model)
+    for scoring, grouping, scaling, K in recipes:
+        check_methods(scoring, grouping, scaling)
+        check_K(K, k, E)
+    blocks = adapter.moe_blocks(teacher.skeleton)
     if sorted(blocks) != sorted(stats):
         raise M2DError(f"statistics cover layers {sorted(stats)} but the model's MoE layers are {sorted(blocks)}; recalibrate")
-    layers = {}
+    layers: list[dict[int, LayerPlan]] = [{} for _ in recipes]
     for i, block in blocks.items():
-        shared = adapter.shared(block)
+        shared = adapter.shared(block)  # structure only: whether the layer has a (gated) shared expert
+        router = functools.cache(lambda i=i: teacher.router_weight(i))
+        experts = functools.cache(lambda i=i: teacher.experts(i))
 
-        def inputs_for(selected, scores, block=block, st=stats[i]):
-            return GroupingInputs(
-                selected=selected,
-                scores=scores,
-                gram=st.gram_mean,
-                router=lambda: adapter.router_weight(block),
-                experts=lambda: adapter.experts(block),
+        def inputs_for(selected, scores, st=stats[i], router=router, experts=experts):
+            return GroupingInputs(selected=selected, scores=scores, gram=st.gram_mean, router=router,
+                                  experts=lambda: experts().select(selected))
+
+        for plans, (scoring, grouping, scaling, K) in zip(layers, recipes):
+            plans[i] = plan_layer(
+                stats[i], inputs_for, scoring, grouping, scaling, K, k,
+                has_shared=shared is not None, gated_shared=shared is not None and shared.gate is not None,
+                routed_scale=adapter.routed_scale(config),
             )
+    return [ConversionPlan(scoring=s, grouping=g, scaling=c, K=K, k=k, layers=p) for (s, g, c, K), p in zip(recipes, layers)]
 
-        layers[i] = plan_layer(
-            stats[i], inputs_for, scoring, grouping, scaling, K, k,
-            has_shared=shared is not None, gated_shared=shared is not None and shared.gate is not None,
-            routed_scale=adapter.routed_scale(config),
-        )
-    return ConversionPlan(scoring=scoring, grouping=grouping, scaling=scaling, K=K, k=k, layers=layers)
+
+def make_plan(teacher, stats: dict[int, LayerStats], scoring: str, grouping: str, scaling: str, K: int) -> ConversionPlan:
+    """Plan every MoE layer of `teacher` from its calibration statistics."""
+    return make_plans(teacher, stats, [(scoring, grouping, scaling, K)])[0]

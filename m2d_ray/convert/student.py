@@ -19,26 +19,27 @@ def teacher_ffn_keys(model: nn.Module, adapter: MoEAdapter) -> set[str]:
 
 
 def student_width(teacher: nn.Module, adapter: MoEAdapter, moe_width: int) -> int:
-    """One intermediate size for the whole student: the widest of the MoE-derived and dense layers."""
+    """One intermediate size for the whole student: the widest of the MoE-derived and dense layers
+    (`teacher` may be a meta-device skeleton: only shapes are read)."""
     dense = [dense_from_mlp(layer.mlp).width for layer in adapter.layers(teacher) if not adapter.is_moe(layer.mlp)]
     return max([moe_width, *dense])
 
 
-def build_student(teacher: PreTrainedModel, adapter: MoEAdapter, ffns: dict[int, DenseFFN]) -> PreTrainedModel:
+def build_student(teacher, ffns: dict[int, DenseFFN]) -> PreTrainedModel:
     """Dense student: the teacher's attention/embeddings/norms/head plus the given FFNs.
 
-    Layers without an entry in `ffns` are the teacher's dense layers; every FFN is zero-padded to
-    the widest one so the student has a single intermediate size.
+    `teacher` is a `models.Teacher` or a `weights.LazyTeacher`: only the non-FFN tensors and the dense
+    layers' FFNs are read from it. Layers without an entry in `ffns` are the teacher's dense layers;
+    every FFN is zero-padded to the widest one so the student has a single intermediate size.
     """
-    layers = adapter.layers(teacher)
-    all_ffns: dict[int, DenseFFN] = {}
-    for i, layer in enumerate(layers):
-        all_ffns[i] = ffns[i] if i in ffns else dense_from_mlp(layer.mlp)
+    adapter, skeleton = teacher.adapter, teacher.skeleton
+    layers = adapter.layers(skeleton)
+    all_ffns = {i: ffns[i] if i in ffns else teacher.dense_ffn(i) for i in range(len(layers))}
     width = max(f.width for f in all_ffns.values())
-    dtype = next(teacher.parameters()).dtype
+    dtype = teacher.dtype
 
-    ffn_keys = teacher_ffn_keys(teacher, adapter)
-    state = {k: v for k, v in teacher.state_dict().items() if k not in ffn_keys}
+    ffn_keys = teacher_ffn_keys(skeleton, adapter)
+    state = teacher.state([k for k in skeleton.state_dict() if k not in ffn_keys])
     for i, ffn in all_ffns.items():
         padded = ffn.pad_to(width)
         state.update({k: v.to(dtype) for k, v in adapter.student_ffn_state(adapter.ffn_prefix(i), padded).items()})
@@ -52,7 +53,7 @@ def build_student(teacher: PreTrainedModel, adapter: MoEAdapter, ffns: dict[int,
     if unexpected or missing:
         raise RuntimeError(f"student state mismatch: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     student.load_state_dict(state, strict=True, assign=True)
-    materialise_buffers(student, teacher)
+    materialise_buffers(student, skeleton)
     student.eval()
     return student
 

@@ -28,7 +28,7 @@ class GroupingInputs:
     scores: Tensor  # [E]
     gram: Tensor  # [E, E] mean output Gram
     router: Callable[[], Tensor]  # -> [E, d]
-    experts: Callable[[], ExpertWeights]
+    experts: Callable[[], ExpertWeights]  # -> the selected experts, in `selected` order
 
     def ranked(self) -> list[int]:
         return sorted(self.selected, key=lambda e: (-float(self.scores[e]), e))
@@ -55,7 +55,7 @@ def round_robin(inp: GroupingInputs, k: int) -> list[list[int]]:
 @GROUPINGS.register("wc")
 def weight_clustering(inp: GroupingInputs, k: int) -> list[list[int]]:
     """Average-linkage on cosine distance of the flattened concat(gate, up, down)."""
-    w = inp.experts().select(inp.selected)
+    w = inp.experts()
     flat = torch.cat([w.gate.flatten(1), w.up.flatten(1), w.down.flatten(1)], dim=1)
     return _clusters_to_ids(inp, average_linkage(cosine_distance(flat), k))
 

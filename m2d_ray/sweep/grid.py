@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from m2d_ray.config import GridConfig, k_values
-from m2d_ray.convert.plan import ConversionPlan, make_plan
+from m2d_ray.convert.plan import ConversionPlan, make_plans
 
 
 @dataclass(frozen=True, order=True)
@@ -40,8 +40,9 @@ def expand(grid: GridConfig, k: int, E: int) -> list[TrialSpec]:
 
 
 def plan_all(teacher, stats, specs: list[TrialSpec]) -> dict[str, dict]:
-    """Plan (as JSON) of every spec; pure CPU work on the statistics and router/expert weights."""
-    return {s.key: make_plan(teacher, stats, s.scoring, s.grouping, s.scaling, s.K).to_json() for s in specs}
+    """Plan (as JSON) of every spec; CPU work on the statistics and router/expert weights, read layer by layer."""
+    plans = make_plans(teacher, stats, [(s.scoring, s.grouping, s.scaling, s.K) for s in specs])
+    return {s.key: p.to_json() for s, p in zip(specs, plans)}
 
 
 @dataclass(frozen=True)

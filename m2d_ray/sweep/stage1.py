@@ -65,11 +65,12 @@ _TEACHERS: dict[tuple[str, str], object] = {}
 
 
 def _teacher(model: str, device: str):
-    """One teacher per worker process (Tune reuses actors across trials)."""
-    from m2d_ray.models import load_teacher
+    """One lazy teacher per worker process (Tune reuses actors across trials): no weights are held, each
+    student reads the tensors it is made of."""
+    from m2d_ray.weights import open_teacher
 
     if (model, device) not in _TEACHERS:
-        _TEACHERS[(model, device)] = load_teacher(model, device=device)
+        _TEACHERS[(model, device)] = open_teacher(model, device=device)
     return _TEACHERS[(model, device)]
 
 
@@ -89,10 +90,10 @@ def stage1_trainable(config: dict, *, model: str, plans: dict, eval_ids, cfg: Sw
 @ray.remote(num_cpus=1)
 def _plan_task(model: str, stats: dict[str, torch.Tensor], layers: list[int], specs: list[TrialSpec], threads: int) -> dict:
     from m2d_ray.calibrate.stats import LayerStats
-    from m2d_ray.models import load_teacher
+    from m2d_ray.weights import open_teacher
 
     torch.set_num_threads(threads)
-    teacher = load_teacher(model)
+    teacher = open_teacher(model)  # plan_all reads one layer's router and experts at a time
     return plan_all(teacher, {i: LayerStats.from_tensors(stats, f"layer{i}.") for i in layers}, specs)
 
 
@@ -216,7 +217,8 @@ def _stats(cfg: SweepConfig, model: str, remote: str, run_dir: Path, tokenizer) 
     """The run's statistics (driver-side artifact); the actors load the teacher from `remote`."""
     spec, tokens = calibration_tokens(tokenizer, cfg.calib.data, cfg.model, cfg.calib.seq_len, cfg.calib.max_tokens)
     art, reused = calibrate_ray(model, tokens, spec, run_dir / "stats", batch_size=cfg.calib.batch_size, actors=cfg.ray.data_actors,
-                                gpus_per_actor=cfg.ray.data_gpus_per_actor, threads=cfg.ray.threads_per_worker, load_from=remote)
+                                gpus_per_actor=cfg.ray.data_gpus_per_actor, threads=cfg.ray.threads_per_worker, load_from=remote,
+                                stream=cfg.calib.stream, max_memory=cfg.calib.max_memory)
     say(f"statistics: {'reused' if reused else 'computed'} {art.manifest['n_tokens']} tokens, sha256 {art.checksum[:12]}")
     return art
 

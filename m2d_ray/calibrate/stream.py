@@ -1,0 +1,205 @@
+"""Layer-streamed calibration: the teacher's decoder layers go to the device one at a time.
+
+The calibration hidden states stay on the host (in a temporary file once they exceed a byte budget)
+and are carried from layer to layer: layer i is materialised from the checkpoint
+(`LazyTeacher.module`), run on every batch, and dropped before layer i + 1 is read. Each layer runs
+inside the model's own forward, with the layers before it passing hidden states through and the
+pass stopped right after it, so attention masks, sliding windows and rotary embeddings are the
+model's own and the statistics equal the whole-model pass (`collect_stats`) to float64 round-off.
+Peak memory: one decoder layer (plus the embedding table while the first states are made), one
+batch of hidden states on the device, and all hidden states on the host or on disk.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from tqdm.auto import tqdm
+
+from m2d_ray import console
+from m2d_ray.calibrate.collect import observe, token_batches
+from m2d_ray.calibrate.stats import LayerStats
+from m2d_ray.errors import M2DError
+
+#: room left beside the weights for activations and the statistics' working set
+RESERVE_BYTES = 1 << 30
+
+
+def parse_size(text: str | int | None) -> int | None:
+    """Bytes of '24GB', '512MiB', '2e9' or an int (None stays None)."""
+    if text is None or isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgt]?)(i?)b?\s*", str(text).lower())
+    if not m:
+        raise M2DError(f"memory size {text!r} not understood; write e.g. 24GB, 512MiB or a number of bytes")
+    base = 1024 if m[3] or not m[2] else 1000
+    return int(float(m[1]) * base ** "_kmgt".index(m[2] or "_"))
+
+
+def free_memory(device: str) -> int:
+    """Free bytes of the device: CUDA's free memory, or the host's available memory."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def should_stream(teacher, device: str, stream: bool | None = None, max_memory: str | int | None = None) -> bool:
+    """`stream` when given; else whether the whole teacher plus one layer and RESERVE_BYTES exceeds
+    `max_memory` (default: the device's free memory)."""
+    if stream is not None:
+        return stream
+    budget = parse_size(max_memory) if max_memory is not None else free_memory(device)
+    weights = teacher.nbytes()
+    return weights + weights // max(teacher.config.num_hidden_layers, 1) + RESERVE_BYTES > budget
+
+
+class HiddenStates:
+    """Per-batch hidden states [B, L, d] on the host: in memory, or in one temporary file when their total
+    exceeds `spill_above` bytes (read and written a batch at a time, so the file costs no resident memory)."""
+
+    def __init__(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, spill_above: int, spill_dir: str | None = None) -> None:
+        self.shapes, self.dtype = shapes, dtype
+        item = torch.empty((), dtype=dtype).element_size()
+        self.sizes = [int(torch.Size(s).numel()) * item for s in shapes]
+        self.offsets = [sum(self.sizes[:b]) for b in range(len(shapes))]
+        self.spilled = sum(self.sizes) > spill_above
+        self._mem: list[Tensor | None] = [None] * len(shapes)
+        self._fd = None
+        if self.spilled:
+            fd, path = tempfile.mkstemp(prefix="m2d-hidden-", suffix=".bin", dir=spill_dir)
+            os.unlink(path)  # the open descriptor keeps the data; nothing is left behind on a crash
+            self._fd = fd
+
+    def put(self, b: int, t: Tensor) -> None:
+        t = t.detach().to("cpu", self.dtype).contiguous()
+        if not self.spilled:
+            self._mem[b] = t
+            return
+        view = memoryview(t.view(-1).view(torch.uint8).numpy())
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self._fd, view[done:], self.offsets[b] + done)
+
+    def get(self, b: int) -> Tensor:
+        if not self.spilled:
+            return self._mem[b]
+        buf = torch.empty(self.sizes[b], dtype=torch.uint8)
+        view, done = memoryview(buf.numpy()), 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done:]], self.offsets[b] + done)
+            if n <= 0:
+                raise OSError(f"short read from the hidden-state file at batch {b}")
+            done += n
+        return buf.view(self.dtype).reshape(self.shapes[b])
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._mem = [None] * len(self.shapes)
+
+
+class _Stop(Exception):
+    def __init__(self, value: Tensor) -> None:
+        self.value = value
+
+
+class _PassThrough(nn.Module):
+    def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+        return hidden_states
+
+
+class _StopBefore(nn.Module):
+    def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+        raise _Stop(hidden_states)
+
+
+class _StopAfter(nn.Module):
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args, **kwargs) -> Tensor:
+        out = self.layer(*args, **kwargs)
+        raise _Stop(out[0] if isinstance(out, tuple) else out)
+
+
+def run_until(teacher, index: int, stop: nn.Module, **inputs) -> Tensor:
+    """The model's own forward of one batch with layer `index` replaced by `stop` (which ends the pass with
+    its result) and the layers before it passing the hidden states through unchanged."""
+    layers = teacher.adapter.layers(teacher.skeleton)
+    saved = list(layers)
+    try:
+        for j in range(index):
+            layers[j] = _PassThrough()
+        layers[index] = stop
+        teacher.skeleton.base_model(**inputs, use_cache=False)
+    except _Stop as s:
+        return s.value
+    finally:
+        for j, m in enumerate(saved):
+            layers[j] = m
+    raise RuntimeError(f"the forward pass of {type(teacher.skeleton).__name__} never reached layer {index}")
+
+
+@torch.no_grad()
+def collect_stats_streamed(
+    teacher, ids: Tensor, mask: Tensor, batch_size: int = 8, device: str = "cpu", progress: bool = True,
+    spill_above: int | None = None, spill_dir: str | None = None,
+) -> dict[int, LayerStats]:
+    """`collect_stats` of a `LazyTeacher` with one decoder layer on `device` at a time (see module doc).
+    Hidden states go to a temporary file in `spill_dir` above `spill_above` bytes (default: half the
+    host's available memory)."""
+    adapter, skel = teacher.adapter, teacher.skeleton
+    moe, layers = teacher.moe_layers(), adapter.layers(skel)
+    batches = list(token_batches(ids, mask, batch_size))
+    shapes = [(b.shape[0], b.shape[1], teacher.config.hidden_size) for b, _ in batches]
+    spill = spill_above if spill_above is not None else free_memory("cpu") // 2
+    store = HiddenStates(shapes, teacher.dtype, spill, spill_dir)
+    stats = {i: LayerStats.zeros(adapter.num_experts(teacher.config), device=device) for i in moe}
+    total = (moe[-1] + 2) * len(batches)
+    bar = console.bar(total, "calibrate (streamed)", "batch") if progress else tqdm(disable=True)
+    try:
+        embed = skel.get_input_embeddings()
+        skel.set_input_embeddings(teacher.module(teacher.name_of(embed)).to(device))
+        try:
+            for b, (b_ids, b_mask) in enumerate(batches):
+                store.put(b, run_until(teacher, 0, _StopBefore(), input_ids=b_ids.to(device), attention_mask=b_mask.to(device)))
+                bar.update()
+        finally:
+            skel.set_input_embeddings(embed)
+        for i in range(moe[-1] + 1):
+            layer = teacher.module(teacher.name_of(layers[i])).to(device)
+            current: dict[str, Tensor] = {}
+            hooks = []
+            if i in stats:
+                block = adapter.moe_blocks(skel)[i]
+                rel = teacher.name_of(block).removeprefix(teacher.name_of(layers[i]) + ".")
+                hooks.append(observe(adapter, layer.get_submodule(rel), stats[i], current))
+            try:
+                for b, (_, b_mask) in enumerate(batches):
+                    current["mask"] = b_mask.to(device)
+                    h = run_until(teacher, i, _StopAfter(layer), inputs_embeds=store.get(b).to(device), attention_mask=current["mask"])
+                    if i < moe[-1]:
+                        store.put(b, h)
+                    bar.update()
+            finally:
+                for hk in hooks:
+                    hk.remove()
+            del layer
+    finally:
+        bar.close()
+        store.close()
+    return stats

@@ -1,0 +1,251 @@
+"""The teacher as tensors read on demand, so that building a student never loads the whole teacher.
+
+`LazyTeacher` holds the teacher's config, tokenizer and architecture adapter, a *skeleton* (the model
+built on the meta device: module tree, names, shapes, dtypes and the computed rotary buffers, no
+weights) and the checkpoint (`m2d_ray.checkpoint`). Sub-modules are materialised from the checkpoint
+when asked for: a MoE block holding only the experts a plan merges, a dense layer's FFN, one decoder
+layer for streamed calibration. The eager `models.Teacher` answers the same questions (`experts`,
+`router_weight`, `shared`, `dense_ffn`, `state`, `skeleton`, `dtype`) from a loaded model, so every
+conversion step takes either.
+
+Checkpoint names are the adapter's business (`checkpoint_names`, `per_expert_keys`): a fused
+in-memory expert tensor is read from the fused checkpoint tensor (rows = the wanted experts) or
+assembled from per-expert keys exactly as transformers fuses them on load (stack over experts,
+concatenate along dim 1), so the values are bitwise those of `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from m2d_ray.arch import get_adapter, supported_types
+from m2d_ray.arch.base import DenseFFN, ExpertWeights, MoEAdapter, SharedExpert, dense_from_mlp
+from m2d_ray import checkpoint
+from m2d_ray.checkpoint import Checkpoint, check_files
+from m2d_ray.errors import M2DError
+from m2d_ray.models import default_teacher, load_config, model_fingerprint
+
+
+def check_finite(name: str, t: Tensor, experts: Sequence[int] | None = None) -> Tensor:
+    """`t` itself, or an M2DError naming the tensor (and its layer and expert) when it holds NaN or inf,
+    worded as `checkpoint.check_model_finite` words it for a loaded teacher.
+
+    `experts` maps the rows of a fused [E, ...] expert tensor to expert ids (default: row = id).
+    """
+    checkpoint.check_finite([(name, t)], "teacher weight", "the checkpoint is damaged: re-download or re-export the model", experts)
+    return t
+
+
+def checkpoint_dir(name: str) -> Path:
+    """The local directory of a model: itself, a storage URL's copy in this node's cache (`storage.fetch_dir`),
+    or the hub snapshot (downloaded once into the hub cache)."""
+    from m2d_ray import storage
+
+    if storage.is_remote(name):
+        return storage.fetch_dir(name)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]))
+    except Exception as exc:
+        raise M2DError(f"cannot fetch the weights of {name!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
+
+
+def skeleton(config, dtype: torch.dtype, device: str = "cpu") -> PreTrainedModel:
+    """The model on the meta device (no weights), with its non-persistent buffers (rotary frequencies)
+    computed as `from_pretrained` computes them."""
+    kwargs = {"dtype": dtype}
+    if device == "cpu" and config.model_type in supported_types():
+        kwargs["experts_implementation"] = "eager"  # grouped_mm rejects odd tiny shapes on CPU
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), **kwargs)
+    for module in model.modules():
+        lost = [n for n in module._non_persistent_buffers_set if module._buffers.get(n) is not None and module._buffers[n].is_meta]
+        for n in lost:
+            module._buffers[n] = torch.empty_like(module._buffers[n], device="cpu")
+        if lost:
+            model._init_weights(module)
+    return model.eval()
+
+
+def _checkpoint_dtype(config, ckpt: Checkpoint) -> torch.dtype:
+    """What from_pretrained(dtype="auto") picks: the config's dtype, else the first floating tensor's."""
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    floats = (ckpt.shard(n).dtype(n) for n in sorted(ckpt.names()))
+    return next((d for d in floats if d.is_floating_point), torch.get_default_dtype())
+
+
+@dataclass
+class LazyTeacher:
+    """A teacher whose weights stay in its checkpoint until a sub-module is asked for (see module doc)."""
+
+    name: str
+    config: object
+    tokenizer: object
+    adapter: MoEAdapter
+    skeleton: PreTrainedModel
+    checkpoint: Checkpoint
+    _names: dict[nn.Module, str] = field(init=False, repr=False)
+    _expert_tensors: set[str] = field(init=False, repr=False)
+    _ties: dict[str, list[str]] = field(init=False, repr=False)
+    _targets: dict[str, Tensor] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._targets = self.skeleton.state_dict(keep_vars=True)
+        self._names = {m: n for n, m in self.skeleton.named_modules(remove_duplicate=False)}
+        self._expert_tensors = {
+            f"{self._names[self.adapter.expert_module(b)]}.{n}"
+            for b in self.adapter.moe_blocks(self.skeleton).values()
+            for n, _ in self.adapter.expert_module(b).named_parameters()
+        }
+        by_object: dict[int, list[str]] = {}
+        for n, t in self._targets.items():
+            by_object.setdefault(id(t), []).append(n)
+        self._ties = {n: [o for o in group if o != n] for group in by_object.values() for n in group if len(group) > 1}
+
+    # ---- what conversion reads (the same methods as models.Teacher) ----------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.skeleton.parameters()).dtype
+
+    def nbytes(self) -> int:
+        """Bytes of the whole teacher in its model dtype (from the checkpoint headers; nothing is read)."""
+        return sum(t.numel() * t.element_size() for t in {id(t): t for t in self._targets.values()}.values())
+
+    def fingerprint(self) -> dict:
+        return model_fingerprint(self.name, self.config)
+
+    def moe_layers(self) -> list[int]:
+        return sorted(self.adapter.moe_blocks(self.skeleton))
+
+    def experts(self, layer: int, ids: Sequence[int] | None = None) -> ExpertWeights:
+        """Experts `ids` (all when None) of a MoE layer, in that order; only their bytes are read."""
+        block = self.adapter.moe_blocks(self.skeleton)[layer]
+        only = self._relative(self.adapter.expert_module(block), block)
+        return self.adapter.experts(self.module(self._names[block], experts=ids, only=only))
+
+    def router_weight(self, layer: int) -> Tensor:
+        block = self.adapter.moe_blocks(self.skeleton)[layer]
+        only = self._relative(self.adapter.router(block), block)
+        return self.adapter.router_weight(self.module(self._names[block], only=only))
+
+    def shared(self, layer: int) -> SharedExpert | None:
+        block = self.adapter.moe_blocks(self.skeleton)[layer]
+        if self.adapter.shared(block) is None:  # known from the structure: nothing to read
+            return None
+        return self.adapter.shared(self.module(self._names[block], experts=[]))
+
+    def dense_ffn(self, layer: int) -> DenseFFN:
+        """A dense (non-MoE) layer's FFN."""
+        return dense_from_mlp(self.module(self._names[self.adapter.layers(self.skeleton)[layer].mlp]))
+
+    def state(self, names: Sequence[str]) -> dict[str, Tensor]:
+        """Tensors by in-memory name, in the model dtype (tied names share one tensor)."""
+        out: dict[str, Tensor] = {}
+        for n in names:
+            tied = next((out[o] for o in self._ties.get(n, ()) if o in out), None)
+            out[n] = tied if tied is not None else self.tensor(n)
+        return out
+
+    # ---- reading ---------------------------------------------------------------------------
+    def module(self, prefix: str, experts: Sequence[int] | None = None, only: str | None = None) -> nn.Module:
+        """A real copy of the skeleton's sub-module `prefix`, parameters and persistent buffers read from
+        the checkpoint. Fused expert tensors hold only `experts` (all when None), in that order. With
+        `only` (a relative name prefix), just those tensors are read; the others stay on the meta device."""
+        skel = self.skeleton.get_submodule(prefix)
+        mod = copy.deepcopy(skel)
+        done: dict[int, Tensor] = {}
+        for rel, target in skel.state_dict(keep_vars=True).items():
+            if only is not None and not rel.startswith(only):
+                continue
+            full = f"{prefix}.{rel}" if prefix else rel
+            if id(target) not in done:
+                done[id(target)] = self.tensor(full, experts if full in self._expert_tensors else None)
+            owner, _, attr = rel.rpartition(".")
+            sub = mod.get_submodule(owner)
+            value = done[id(target)]
+            if attr in sub._parameters:
+                sub._parameters[attr] = nn.Parameter(value, requires_grad=False)
+            else:
+                sub._buffers[attr] = value
+        return mod
+
+    def tensor(self, name: str, rows: Sequence[int] | None = None) -> Tensor:
+        """The in-memory tensor `name` (a key of the skeleton's state dict) in its model dtype; for a fused
+        expert tensor `rows` picks experts. Every value read is checked for NaN/inf."""
+        target = self._targets[name]
+        ckpt = self.checkpoint
+        for key in self.adapter.checkpoint_names(name):
+            if key in ckpt:
+                return check_finite(key, ckpt.read(key, rows), rows).to(target.dtype)
+        if name in self._expert_tensors and (parts := self._per_expert(name)):
+            return self._assemble(parts, target, rows)
+        for other in self._ties.get(name, ()):
+            if any(k in ckpt for k in self.adapter.checkpoint_names(other)):
+                return self.tensor(other, rows)
+        quantized = any(f"{k}_blocks" in ckpt for k in self.adapter.checkpoint_names(name))
+        hint = "it is stored quantized: dequantize the checkpoint first" if quantized else "is it a checkpoint of this model?"
+        raise M2DError(f"checkpoint {ckpt.dir} has no tensor {name} ({hint})")
+
+    def _per_expert(self, name: str) -> list[str]:
+        """Templates ('{e}' = expert) of the per-expert checkpoint keys that make up a fused expert tensor."""
+        module, _, param = name.rpartition(".")
+        parts = []
+        for tmpl in self.adapter.per_expert_keys.get(param, ()):
+            names = self.adapter.checkpoint_names(f"{module}.{tmpl}")
+            found = next((n for n in names if n.format(e=0) in self.checkpoint), None)
+            if found is None:
+                return []
+            parts.append(found)
+        return parts
+
+    def _assemble(self, parts: list[str], target: Tensor, rows: Sequence[int] | None) -> Tensor:
+        """Stack the experts' per-expert tensors, concatenating the parts along dim 1 (transformers' fusion)."""
+        ids = list(range(target.shape[0])) if rows is None else list(rows)
+        out = torch.empty((len(ids), *target.shape[1:]), dtype=target.dtype)
+        for j, e in enumerate(ids):
+            at = 0
+            for tmpl in parts:
+                key = tmpl.format(e=e)
+                t = check_finite(key, self.checkpoint.read(key))
+                out[j, at : at + t.shape[0]] = t
+                at += t.shape[0]
+            if at != out.shape[1]:
+                raise M2DError(f"checkpoint {self.checkpoint.dir}: per-expert tensors {parts} of expert {e} do not fill {list(target.shape)}")
+        return out
+
+    def name_of(self, module: nn.Module) -> str:
+        """Qualified name of a skeleton module (what `module` materialises)."""
+        return self._names[module]
+
+    def _relative(self, module: nn.Module, parent: nn.Module) -> str:
+        return self._names[module].removeprefix(self._names[parent] + ".") + "."
+
+
+def open_teacher(name: str | None = None, device: str = "cpu") -> LazyTeacher:
+    """A teacher by directory, hub name or storage URL with no weights loaded; fails with one line when
+    the model is not a supported MoE, or its files are missing, truncated or not safetensors."""
+    name = name or default_teacher()
+    config = load_config(name)
+    adapter = get_adapter(config)
+    directory = checkpoint_dir(name)
+    check_files(str(directory), "teacher")  # the same checks (and messages) as loading it whole
+    ckpt = Checkpoint(directory)
+    return LazyTeacher(
+        name=name, config=config, tokenizer=AutoTokenizer.from_pretrained(str(directory)), adapter=adapter,
+        skeleton=skeleton(config, _checkpoint_dtype(config, ckpt), device), checkpoint=ckpt,
+    )
