@@ -10,6 +10,8 @@ teacher with Qwen3-30B-A3B's full layer shapes (d 2048, expert width 768, E 128,
     stage1         m2d sweep: Ray Data calibration on GPU actors, Tune trials on fractional GPUs
     distill        m2d distill: Ray Train, DeepSpeed ZeRO-2, bf16               s, GPU peak, tokens/s
     stage3         m2d eval --tasks local (lm-eval, offline)                    s, GPU peak
+    distill-2gpu   m2d distill --workers 2 (one student on two GPUs, NCCL), when two GPUs are present
+    run-1gpu       m2d run experiments/tiny.yaml (the demo, short budgets) on one GPU: fractional trials
     P7             benchmarks/p7_distill_throughput.py --preset h100, when that file exists
 
 Statistics TFLOP/s counts what P1 counts (every expert on every token, 2*T*E*3*I*d, plus the Gram
@@ -232,6 +234,24 @@ def main(argv=None) -> None:
           lambda r, s: r["tokens_per_s"])
     stage("stage3", lambda: json.loads(sh(m2d + ["eval", "--model", dist / "student", "--tasks", "local", "--limit", 100,
                                                  "--device", "cuda" if cuda else "cpu"], logs / "stage3.log")) | {"note": "lm-eval, local task"})
+    # ---- issue 17: one student on two GPUs (collectives on CUDA tensors), the whole run on one GPU -----------
+    if cuda and torch.cuda.device_count() >= 2:
+        dist2 = work / "distill-2gpu"
+        shutil.rmtree(dist2, ignore_errors=True)
+        stage("distill-2gpu", lambda: json.loads(sh(m2d + ["distill", "--teacher", teacher, "--student", student, "--train-data",
+                                                           "synthetic:train", "--eval-data", "synthetic:valid", "--steps", a.steps,
+                                                           "--workers", 2, "--deepspeed", "--out", dist2, f"eval_every={a.steps}",
+                                                           "eval_max_tokens=16384", *gpu_kw], logs / "distill-2gpu.log"))
+              | {"note": "2 Ray Train workers x 1 GPU, DeepSpeed ZeRO-2, NCCL"}, lambda r, s: r["tokens_per_s"])
+    elif cuda:
+        rows.append(("distill-2gpu", 0.0, "-", "-", f"skipped: {torch.cuda.device_count()} GPU (needs 2)"))
+    run = work / "run-1gpu"
+    shutil.rmtree(run, ignore_errors=True)
+    short = ["calib.max_tokens=8192", "grid.K=[2,4]", "distill.steps=20", "distill.eval_every=10", "stage3.limit=100"]
+    if not cuda:  # the smoke: a few students
+        short += ["grid.scoring=[sf,do-acp]", "grid.grouping=[rr]", "grid.scaling=[uniform]", "stage2.baselines=[random-init]"]
+    stage("run-1gpu" if cuda else "run-cpu", lambda: json.loads(sh(m2d + ["run", REPO / "experiments" / "tiny.yaml", "--out", run, *short],
+                                                                    logs / "run.log")) | {"note": "m2d run, the demo config, short budgets"})
     # ---- P7 (issue 17: stage-2 throughput): run when benchmarks/p7_distill_throughput.py exists -------------
     p7 = HERE / "p7_distill_throughput.py"
     if p7.exists() and cuda:
