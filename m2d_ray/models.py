@@ -34,6 +34,12 @@ def default_dense_teacher() -> str:
     return str(TINY_DENSE_TEACHER_DIR)
 
 
+def absolute(name: str) -> str:
+    """A local model path made absolute (Ray runs trials and tasks in their own directories); a hub name as is."""
+    path = Path(name).expanduser()
+    return str(path.resolve()) if path.exists() else name
+
+
 def is_embedded(name: str | None) -> bool:
     """`name` is one of the teachers installed with the package (every node has them)."""
     if name is None:

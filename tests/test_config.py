@@ -106,3 +106,18 @@ def test_cli_sweep_rejects_bad_config_before_writing(capsys, tmp_path):
     assert code == 2 and "outside [k, E] = [2, 16]" in err
     assert not out.exists()
     assert main(["sweep", "--resume", str(out)]) == 2 and "is not an m2d run directory" in capsys.readouterr().err
+
+
+def test_a_relative_d2d_teacher_reaches_ray_workers_as_an_absolute_path(tmp_path, monkeypatch):
+    """Ray Train runs trials in their own directories: `d2d_teacher: ../shared/…` relative to where m2d was started
+    failed there ("model … not found") until the driver made it absolute."""
+    import os
+
+    from m2d_ray.models import default_dense_teacher
+    from m2d_ray.sweep.d2d import dense_teacher
+
+    monkeypatch.chdir(tmp_path)
+    rel = os.path.relpath(default_dense_teacher(), tmp_path)
+    cfg = load_config(EXPERIMENTS / "tiny.yaml", [f"stage2.d2d_teacher={rel}"])
+    assert not Path(cfg.stage2.d2d_teacher).is_absolute()
+    assert dense_teacher(cfg) == str(Path(default_dense_teacher()).resolve())

@@ -39,9 +39,9 @@ TEACHER_KEY = "teacher-d2d"  # stage 3's key of the dense teacher (the D2D row's
 
 def dense_teacher(cfg: SweepConfig) -> str:
     """The D2D baseline's teacher: `stage2.d2d_teacher`, else the embedded MoE teacher's dense twin."""
-    from m2d_ray.models import default_dense_teacher
+    from m2d_ray.models import absolute, default_dense_teacher
 
-    return cfg.stage2.d2d_teacher or default_dense_teacher()
+    return absolute(cfg.stage2.d2d_teacher or default_dense_teacher())
 
 
 def check_dense_teacher(name: str) -> None:

@@ -238,16 +238,14 @@ def _plans(cfg: SweepConfig, model: str, run_dir: Path, art: StatsArtifact, spec
 def run_stage1(cfg: SweepConfig | None, run_dir: str | Path, resume: bool = False, tracking_uri: str | None = None) -> Stage1Result:
     """Run (or resume) the stage-1 grid of `cfg` into `run_dir`; see the module docstring."""
     from m2d_ray.arch import get_adapter
-    from m2d_ray.models import default_teacher, load_tokenizer
+    from m2d_ray.models import absolute, default_teacher, load_tokenizer
     from m2d_ray.models import load_config as model_config
 
     t0 = time.time()
     run_dir = Path(run_dir).resolve()
     if resume:
         cfg, state = read_run_dir(run_dir)
-    model = cfg.model or default_teacher()
-    if Path(model).expanduser().exists():  # Tune runs trials in their own directories: pass absolute paths
-        model = str(Path(model).expanduser().resolve())
+    model = absolute(cfg.model or default_teacher())
     mcfg = model_config(model)
     adapter = get_adapter(mcfg)
     k, E = adapter.top_k(mcfg), adapter.num_experts(mcfg)
