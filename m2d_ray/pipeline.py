@@ -331,7 +331,7 @@ def distill_one(
     from m2d_ray.distill.data import absolute_spec, check_source
     from m2d_ray.distill.loop import DistillJob
     from m2d_ray.distill.trainer import MetricsLog, fit, follow
-    from m2d_ray.models import check_teacher_topk
+    from m2d_ray.models import absolute, check_teacher_topk
     from m2d_ray.sweep.placement import check_storage, check_visible, teacher_for_workers
     from m2d_ray.sweep.ray_env import ensure_ray
 
@@ -340,7 +340,7 @@ def distill_one(
     finished = (out / "result.json").exists()
     if finished and not overwrite:
         raise M2DError(f"--out {out} already holds a finished distillation; pass --overwrite to replace it, or choose a new path")
-    teacher = str(Path(teacher).expanduser().resolve()) if teacher and Path(teacher).expanduser().exists() else (teacher or default_teacher())
+    teacher = absolute(teacher or default_teacher())  # Ray Train workers run in their own directories
     check_teacher(teacher)
     check_teacher_topk(teacher, cfg.teacher_topk)
     student_dir = None
