@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
+import os
 import re
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -37,7 +37,6 @@ _DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
-_PAGE = mmap.PAGESIZE
 _FIX = "re-download or re-export the model"
 
 
@@ -169,8 +168,7 @@ class Shard:
             if not (0 <= start <= end <= data and end - start == expected):
                 raise M2DError(f"{path} is not a whole safetensors file (corrupt header: tensor {name} spans bytes {start}..{end} "
                                f"of {data}, needs {expected}): {_FIX}")
-        with open(path, "rb") as f:
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size > 8 + n else None
+        self._file = open(path, "rb", buffering=0)  # closed with the shard
         self._base = 8 + n
 
     def dtype(self, name: str) -> torch.dtype:
@@ -183,10 +181,16 @@ class Shard:
         start, end = self.entries[name]["data_offsets"]
         return end - start
 
-    def read(self, name: str, rows: Sequence[int] | None = None) -> Tensor:
-        """The tensor `name`, or only `rows` of its first dimension (in that order), as a new CPU tensor."""
+    def read(self, name: str, rows: Sequence[int] | None = None, out: Tensor | None = None) -> Tensor:
+        """The tensor `name`, or only `rows` of its first dimension (in that order), as a new CPU tensor, or
+        written into `out` (contiguous, of its dtype and element count: no second copy of the bytes)."""
         shape, dtype = self.shape(name), self.dtype(name)
         start = self._base + self.entries[name]["data_offsets"][0]
+        if out is not None and rows is None:
+            if not out.is_contiguous() or out.dtype != dtype or out.numel() != math.prod(shape):
+                raise ValueError(f"{name}: cannot read {dtype} {list(shape)} into {out.dtype} {list(out.shape)}")
+            self._fill(out.view(-1).view(torch.uint8).numpy(), start)
+            return out
         if rows is None:
             buf = torch.empty(self.nbytes(name), dtype=torch.uint8)
             self._fill(buf.numpy(), start)
@@ -200,12 +204,15 @@ class Shard:
         return buf.view(dtype).reshape(len(rows), *shape[1:])
 
     def _fill(self, dst: np.ndarray, offset: int) -> None:
-        """Copy dst.size bytes at `offset` of the file into dst, then give the mapped pages back."""
-        if dst.size == 0:
-            return
-        dst[:] = np.frombuffer(self._map, dtype=np.uint8, count=dst.size, offset=offset)
-        lo = offset // _PAGE * _PAGE
-        self._map.madvise(mmap.MADV_DONTNEED, lo, offset + dst.size - lo)
+        """Read dst.size bytes at `offset` of the file into dst. Positional reads, not a memory map: a mapped
+        file keeps the pages around every read resident (the kernel maps neighbours on each fault), and a
+        process reading a teacher layer by layer grew by megabytes per layer."""
+        view, done = memoryview(dst).cast("B"), 0
+        while done < dst.size:
+            n = os.preadv(self._file.fileno(), [view[done:]], offset + done)
+            if n <= 0:
+                raise M2DError(f"{self.path} ended early (reading byte {offset + done}); {_FIX}")
+            done += n
 
 
 class Checkpoint:
@@ -246,8 +253,8 @@ class Checkpoint:
     def shard(self, name: str) -> Shard:
         return self._shard(self._file_of[name])
 
-    def read(self, name: str, rows: Sequence[int] | None = None) -> Tensor:
-        return self.shard(name).read(name, rows)
+    def read(self, name: str, rows: Sequence[int] | None = None, out: Tensor | None = None) -> Tensor:
+        return self.shard(name).read(name, rows, out)
 
     def nbytes(self) -> int:
         """Bytes of all tensors (as stored)."""

@@ -221,9 +221,14 @@ class LazyTeacher:
             at = 0
             for tmpl in parts:
                 key = tmpl.format(e=e)
-                t = check_finite(key, self.checkpoint.read(key))
-                out[j, at : at + t.shape[0]] = t
-                at += t.shape[0]
+                shard = self.checkpoint.shard(key)
+                rows_e = shard.shape(key)[0]
+                dst = out[j, at : at + rows_e]
+                if shard.dtype(key) == out.dtype and dst.shape == shard.shape(key):  # straight into place, no temporary
+                    check_finite(key, shard.read(key, out=dst))
+                else:
+                    dst.copy_(check_finite(key, shard.read(key)))
+                at += rows_e
             if at != out.shape[1]:
                 raise M2DError(f"checkpoint {self.checkpoint.dir}: per-expert tensors {parts} of expert {e} do not fill {list(target.shape)}")
         return out

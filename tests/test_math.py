@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from m2d_ray.arch.base import ExpertWeights, Routing, clamped_swiglu, expert_outputs, swiglu
+from m2d_ray.arch.base import ExpertWeights, Routing, clamped_swiglu, expert_outputs, rel_error, swiglu
 from m2d_ray.calibrate.stats import LayerStats, routing_stats
 from m2d_ray.convert.merge import concat_groups, merge_group, merge_weights
 from m2d_ray.convert.scaling import SCALINGS
@@ -235,3 +235,26 @@ def test_unknown_method_suggests():
         SCORINGS["do_acp"]
     with pytest.raises(M2DError, match="did you mean 'oc'"):
         GROUPINGS["ocx"]
+
+
+def test_cosine_distance_of_concatenated_parts_equals_the_definition(monkeypatch):
+    """1 - <x_i, x_j> / (|x_i| |x_j|) of the rows of concat(parts), zero rows at distance 1; the parts are
+    summed block by block (never concatenated or copied to float64 whole), so blocks must not matter."""
+    from m2d_ray.grouping import cluster
+
+    g = torch.Generator().manual_seed(3)
+    parts = [torch.randn(6, 3, 50, generator=g), torch.randn(6, 70, generator=g)]
+    parts[0][4] = 0
+    parts[1][4] = 0  # an all-zero row
+    x = torch.cat([p.reshape(6, -1) for p in parts], dim=1).double()
+    n = x.norm(dim=1)
+    want = torch.ones(6, 6, dtype=torch.float64)
+    for i in range(6):
+        for j in range(6):
+            if n[i] > 0 and n[j] > 0:
+                want[i, j] = 1 - float(x[i] @ x[j]) / float(n[i] * n[j])
+    want.fill_diagonal_(0.0)
+    got = cluster.cosine_distance(*parts)
+    assert got.dtype == torch.float64 and rel_error(got, want.clamp(min=0)) < 1e-12
+    monkeypatch.setattr(cluster, "_COLS", 7)  # many column blocks
+    assert rel_error(cluster.cosine_distance(*parts), got) < 1e-12

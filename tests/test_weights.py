@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +24,9 @@ from m2d_ray.arch.base import rel_error
 from m2d_ray.calibrate import calibrate
 from m2d_ray.calibrate.collect import collect_stats
 from m2d_ray.calibrate.stream import HiddenStates, collect_stats_streamed, parse_size, should_stream
-from m2d_ray.checkpoint import Checkpoint
+from m2d_ray.checkpoint import Checkpoint, Shard
 from m2d_ray.convert import build_from_plan, make_plan
+from m2d_ray.convert.plan import make_plans
 from m2d_ray.convert.baselines import BASELINES
 from m2d_ray.convert.export import export_student
 from m2d_ray.data.synthetic import build_tokenizer
@@ -90,8 +92,8 @@ def test_only_the_planned_experts_are_read(family, monkeypatch):
     lazy = open_teacher(str(hub))
     plan = make_plan(eager, stats, "sf", "rr", "uniform", 2 * eager.adapter.top_k(eager.config))
     read: list[tuple[str, list[int] | None]] = []
-    original = Checkpoint.read
-    monkeypatch.setattr(Checkpoint, "read", lambda self, name, rows=None: read.append((name, rows)) or original(self, name, rows))
+    original = Shard.read
+    monkeypatch.setattr(Shard, "read", lambda self, name, rows=None, out=None: read.append((name, rows)) or original(self, name, rows, out))
     build_from_plan(lazy, plan)
     for i, p in plan.layers.items():
         got = set()
@@ -102,6 +104,44 @@ def test_only_the_planned_experts_are_read(family, monkeypatch):
             assert per_expert or rows is not None, f"{name} read whole"
             got.update([int(per_expert[1])] if per_expert else rows)
         assert got == set(p.selected), (i, sorted(got), sorted(p.selected))
+
+
+def test_planning_reads_only_the_experts_a_recipe_selects(family, monkeypatch):
+    """Weight clustering reads the selected experts of a layer, not all E (planning memory)."""
+    spec, eager, stats, _, _, hub = family
+    lazy = open_teacher(str(hub))
+    k, E = eager.adapter.top_k(eager.config), eager.adapter.num_experts(eager.config)
+    if 2 * k >= E:
+        pytest.skip("every expert is selected at K = 2k")
+    recipes = [("acp", "wc", "proportional", 2 * k), ("sf", "wc", "uniform", 2 * k)]
+    read: list[tuple[str, list[int] | None]] = []
+    original = Shard.read
+    monkeypatch.setattr(Shard, "read", lambda self, name, rows=None, out=None: read.append((name, rows)) or original(self, name, rows, out))
+    plans = make_plans(lazy, stats, recipes)
+    assert [p.to_json() for p in plans] == [p.to_json() for p in make_plans(eager, stats, recipes)]
+    for i in stats:
+        got = set()
+        for name, rows in read:
+            if f"layers.{i}." in name and ".experts." in name:
+                per_expert = re.search(r"\.experts\.(\d+)\.", name)
+                got.update([int(per_expert[1])] if per_expert else rows)
+        assert got == {e for p in plans for e in p.layers[i].selected}, i
+
+
+def test_reading_a_checkpoint_maps_none_of_its_files(tiny_teacher_dir):
+    """Positional reads, not a memory map: a mapped shard keeps pages around every read resident."""
+    ck = Checkpoint(tiny_teacher_dir)
+    for name in sorted(ck.names()):
+        t = ck.read(name)
+        dst = torch.empty_like(t)
+        assert ck.read(name, out=dst) is dst and torch.equal(dst, t)
+        assert torch.equal(ck.read(name, rows=[0]), t[:1])
+    maps = Path("/proc/self/maps")
+    if maps.exists():
+        assert not any(str(f.resolve()) in maps.read_text() for f in Path(tiny_teacher_dir).glob("*.safetensors"))
+    name = next(n for n in sorted(ck.names()) if ck.shard(n).dtype(n).is_floating_point)
+    with pytest.raises(ValueError, match="cannot read"):
+        ck.read(name, out=torch.empty(ck.shard(name).shape(name), dtype=torch.float64))
 
 
 def test_streamed_calibration_equals_whole_model(family):
@@ -143,6 +183,10 @@ def test_hidden_states_spill_to_a_file_exactly(dtype):
         for b, v in enumerate(values):
             store.put(b, v)
         assert all(torch.equal(store.get(b), v) and store.get(b).dtype == dtype for b, v in enumerate(values))
+        if not on_disk:  # written in place: one buffer, no new host tensor per batch and layer
+            ptr = store.get(0).data_ptr()
+            store.put(0, values[0] * 2)
+            assert store.get(0).data_ptr() == ptr and torch.equal(store.get(0), values[0] * 2)
         store.close()
 
 

@@ -17,6 +17,8 @@ from m2d_ray.arch.base import ExpertWeights, MoEAdapter, Routing, expert_outputs
 
 #: fewest tokens per chunk of all-expert outputs
 _MIN_CHUNK = 64
+#: a chunk's outputs are converted to the Gram's precision in this many column blocks
+_GRAM_PARTS = 4
 
 
 @dataclass
@@ -116,25 +118,31 @@ def layer_stats(adapter: MoEAdapter, block: torch.nn.Module, h: Tensor, weights:
     return st
 
 
-def gram_chunk(weights: ExpertWeights, act: torch.dtype, gdt: torch.dtype) -> int:
-    """Tokens per chunk of all-expert outputs: the chunk's working set (gate/up products 2I, the activation
-    and its temporary and contiguous copy 3I, outputs d, their Gram-precision copy d) stays within the
-    bytes of the experts themselves, so the statistics of a layer never need more memory than its
-    weights (at least `_MIN_CHUNK` tokens, for GEMM efficiency)."""
+def gram_chunk(weights: ExpertWeights, act: torch.dtype, gdt: torch.dtype, device: torch.device) -> int:
+    """Tokens per chunk of all-expert outputs. The chunk's working set (gate/up products 2I, the activation
+    and its temporary and contiguous copy 3I, outputs d, a quarter of them in Gram precision) stays within the
+    bytes of the experts themselves on an accelerator, and within a quarter of them on the CPU, where the
+    weights, the host's hidden states and this working set share one memory and GEMMs are already efficient
+    at a few dozen rows (at least `_MIN_CHUNK` tokens either way)."""
     E, I, d = weights.num_experts, weights.width, weights.down.shape[1]
     size = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
-    per_token = E * ((5 * I + d) * size(act) + d * size(gdt))
-    return max(_MIN_CHUNK, 3 * E * I * d * weights.gate.element_size() // per_token)
+    per_token = E * ((5 * I + d) * size(act) + d * size(gdt) // _GRAM_PARTS)
+    budget = 3 * E * I * d * weights.gate.element_size() // (4 if device.type == "cpu" else 1)
+    return max(_MIN_CHUNK, budget // per_token)
 
 
 def output_gram(weights: ExpertWeights, h: Tensor) -> Tensor:
-    """sum_t <f_i(t), f_j(t)> over tokens h [T, d]: expert outputs in chunks, one GEMM per chunk."""
+    """sum_t <f_i(t), f_j(t)> over tokens h [T, d]: expert outputs in chunks of tokens, the Gram of each chunk
+    in `_GRAM_PARTS` GEMMs (no Python loop over experts)."""
     E = weights.num_experts
     gdt = gram_dtype(h.device)
-    chunk = gram_chunk(weights, h.dtype, gdt)
+    chunk = gram_chunk(weights, h.dtype, gdt, h.device)
     gram = torch.zeros(E, E, dtype=torch.float64, device=h.device)
     w = weights.to(h.dtype) if weights.gate.dtype != h.dtype else weights
     for start in range(0, h.shape[0], chunk):
-        y = expert_outputs(w, h[start : start + chunk]).reshape(E, -1).to(gdt)
-        gram += (y @ y.T).double()
+        y = expert_outputs(w, h[start : start + chunk]).reshape(E, -1)
+        for part in y.tensor_split(_GRAM_PARTS, dim=1):  # a quarter at a time in Gram precision
+            part = part.to(gdt)
+            gram += (part @ part.T).double()
+        del y, part  # not alive beside the next chunk's working set
     return gram

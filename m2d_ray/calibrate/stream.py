@@ -12,6 +12,7 @@ batch of hidden states on the device, and all hidden states on the host or on di
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import tempfile
@@ -29,6 +30,16 @@ from m2d_ray.errors import M2DError
 
 #: room left beside the weights for activations and the statistics' working set
 RESERVE_BYTES = 1 << 30
+
+
+def give_back_freed_memory() -> None:
+    """Return the C heap's free pages to the system (glibc's malloc_trim; nothing elsewhere). Called between
+    layers: the freed layer and its activations otherwise stay resident as heap the next layer cannot
+    always reuse, and the process drifts above its one-layer footprint."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def parse_size(text: str | int | None) -> int | None:
@@ -66,8 +77,10 @@ def should_stream(teacher, device: str, stream: bool | None = None, max_memory: 
 
 
 class HiddenStates:
-    """Per-batch hidden states [B, L, d] on the host: in memory, or in one temporary file when their total
-    exceeds `spill_above` bytes (read and written a batch at a time, so the file costs no resident memory)."""
+    """Per-batch hidden states [B, L, d] on the host: in one buffer allocated up front, or in one temporary
+    file when their total exceeds `spill_above` bytes (read and written a batch at a time, so the file costs
+    no resident memory). Writing in place matters: a new host tensor per batch and layer, interleaved with
+    the layer's short-lived buffers, fragments the heap and the process keeps growing layer after layer."""
 
     def __init__(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, spill_above: int, spill_dir: str | None = None) -> None:
         self.shapes, self.dtype = shapes, dtype
@@ -75,26 +88,32 @@ class HiddenStates:
         self.sizes = [int(torch.Size(s).numel()) * item for s in shapes]
         self.offsets = [sum(self.sizes[:b]) for b in range(len(shapes))]
         self.spilled = sum(self.sizes) > spill_above
-        self._mem: list[Tensor | None] = [None] * len(shapes)
         self._fd = None
+        self._mem: Tensor | None = None
         if self.spilled:
             fd, path = tempfile.mkstemp(prefix="m2d-hidden-", suffix=".bin", dir=spill_dir)
             os.unlink(path)  # the open descriptor keeps the data; nothing is left behind on a crash
             self._fd = fd
+        else:
+            self._mem = torch.empty(sum(self.sizes), dtype=torch.uint8)
+
+    def _slot(self, b: int) -> Tensor:
+        return self._mem[self.offsets[b] : self.offsets[b] + self.sizes[b]].view(self.dtype).view(self.shapes[b])
 
     def put(self, b: int, t: Tensor) -> None:
-        t = t.detach().to("cpu", self.dtype).contiguous()
         if not self.spilled:
-            self._mem[b] = t
+            self._slot(b).copy_(t.detach())
             return
+        t = t.detach().to("cpu", self.dtype).contiguous()
         view = memoryview(t.view(-1).view(torch.uint8).numpy())
         done = 0
         while done < len(view):
             done += os.pwrite(self._fd, view[done:], self.offsets[b] + done)
 
     def get(self, b: int) -> Tensor:
+        """Batch b's states: a view of the buffer (overwritten by the next `put(b)`), or read from the file."""
         if not self.spilled:
-            return self._mem[b]
+            return self._slot(b)
         buf = torch.empty(self.sizes[b], dtype=torch.uint8)
         view, done = memoryview(buf.numpy()), 0
         while done < len(view):
@@ -108,7 +127,7 @@ class HiddenStates:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        self._mem = [None] * len(self.shapes)
+        self._mem = None
 
 
 class _Stop(Exception):
@@ -199,6 +218,7 @@ def collect_stats_streamed(
                 for hk in hooks:
                     hk.remove()
             del layer
+            give_back_freed_memory()
     finally:
         bar.close()
         store.close()

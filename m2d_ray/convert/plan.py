@@ -99,9 +99,9 @@ def plan_layer(
 
 def make_plans(teacher, stats: dict[int, LayerStats], recipes: Sequence[tuple[str, str, str, int]]) -> list[ConversionPlan]:
     """Plans of several (scoring, grouping, scaling, K) recipes of `teacher` (a `models.Teacher` or a
-    `weights.LazyTeacher`), layer by layer: a layer's router rows, and all its experts when a grouping
-    clusters weights, are read once for every recipe and dropped before the next layer, so planning
-    holds one teacher layer at a time."""
+    `weights.LazyTeacher`), layer by layer: a layer's router rows, and the experts any recipe selects when a
+    grouping clusters weights, are read once for every recipe and dropped before the next layer, so
+    planning holds at most one teacher layer at a time."""
     adapter, config = teacher.adapter, teacher.config
     k, E = adapter.top_k(config), adapter.num_experts(config)
     for scoring, grouping, scaling, K in recipes:
@@ -114,11 +114,14 @@ def make_plans(teacher, stats: dict[int, LayerStats], recipes: Sequence[tuple[st
     for i, block in blocks.items():
         shared = adapter.shared(block)  # structure only: whether the layer has a (gated) shared expert
         router = functools.cache(lambda i=i: teacher.router_weight(i))
-        experts = functools.cache(lambda i=i: teacher.experts(i))
+        # only experts some recipe selects, read when a grouping first looks at weights
+        needed = sorted({e for s, _, _, K in recipes for e in select(s, stats[i], K).experts})
+        at = {e: j for j, e in enumerate(needed)}
+        experts = functools.cache(lambda i=i, needed=needed: teacher.experts(i, needed))
 
-        def inputs_for(selected, scores, st=stats[i], router=router, experts=experts):
+        def inputs_for(selected, scores, st=stats[i], router=router, experts=experts, at=at):
             return GroupingInputs(selected=selected, scores=scores, gram=st.gram_mean, router=router,
-                                  experts=lambda: experts().select(selected))
+                                  experts=lambda: experts().select([at[e] for e in selected]))
 
         for plans, (scoring, grouping, scaling, K) in zip(layers, recipes):
             plans[i] = plan_layer(

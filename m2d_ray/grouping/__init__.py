@@ -56,8 +56,7 @@ def round_robin(inp: GroupingInputs, k: int) -> list[list[int]]:
 def weight_clustering(inp: GroupingInputs, k: int) -> list[list[int]]:
     """Average-linkage on cosine distance of the flattened concat(gate, up, down)."""
     w = inp.experts()
-    flat = torch.cat([w.gate.flatten(1), w.up.flatten(1), w.down.flatten(1)], dim=1)
-    return _clusters_to_ids(inp, average_linkage(cosine_distance(flat), k))
+    return _clusters_to_ids(inp, average_linkage(cosine_distance(w.gate, w.up, w.down), k))
 
 
 @GROUPINGS.register("rc")

@@ -6,12 +6,23 @@ import torch
 from torch import Tensor
 
 
-def cosine_distance(x: Tensor) -> Tensor:
-    """1 - cosine similarity between the rows of x (float64); zero rows are at distance 1."""
-    x = x.double().reshape(x.shape[0], -1)
-    n = x.norm(dim=1, keepdim=True)
-    u = torch.where(n > 0, x / n.clamp(min=1e-300), torch.zeros_like(x))
-    d = 1.0 - u @ u.T
+#: columns converted to float64 at a time: distances of long rows (flattened experts) never need a
+#: float64 copy of all of them
+_COLS = 1 << 16
+
+
+def cosine_distance(*parts: Tensor) -> Tensor:
+    """1 - cosine similarity between the rows of the column-wise concatenation of `parts` (float64, from
+    their Gram matrix summed over column blocks, so the rows are never copied); zero rows are at distance 1."""
+    n = parts[0].shape[0]
+    G = torch.zeros(n, n, dtype=torch.float64, device=parts[0].device)
+    for part in parts:
+        for block in part.reshape(n, -1).split(_COLS, dim=1):
+            b = block.double()
+            G += b @ b.T
+    norm = G.diagonal().sqrt()
+    both = (norm[:, None] > 0) & (norm[None, :] > 0)
+    d = 1.0 - torch.where(both, G / (norm[:, None] * norm[None, :]).clamp(min=1e-300), torch.zeros_like(G))
     d.fill_diagonal_(0.0)
     return d.clamp(min=0.0)
 
