@@ -209,6 +209,9 @@ def measure(E: int, a) -> list[tuple]:
     t_bytes = sum(f.stat().st_size for f in teacher.glob("*.safetensors"))
     L = layer_bytes(teacher)
     common = {"teacher": teacher}
+    for old in ("stats-whole", "stats-streamed"):  # a reused output would measure nothing
+        if (work / old).exists():
+            subprocess.run(["rm", "-rf", str(work / old)], check=True)
     cal = {eager: run_case("calibrate", eager, out=work / f"stats-{'whole' if eager else 'streamed'}", calib_tokens=a.calib_tokens, **common)
            for eager in (True, False)}
     stats = work / "stats-whole"

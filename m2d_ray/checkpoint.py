@@ -6,10 +6,10 @@ inf". These checks name the file or the tensor instead (one line, exit 2). Readi
 tensor at a time, so checking a teacher never holds it.
 
 Reading (`Checkpoint`, `Shard`): a safetensors shard is `u64 header length | JSON header | raw data`;
-the header gives each tensor's dtype, shape and byte range. Each shard is memory-mapped once; a read
-copies only the bytes of the tensor (or of the requested rows along its first dimension, e.g. a few
-experts of a fused [E, ...] tensor) and then releases those pages from the process
-(`madvise(MADV_DONTNEED)`), so resident memory holds the copies the caller keeps and nothing else.
+the header gives each tensor's dtype, shape and byte range. Each shard is opened once; a read copies
+only the bytes of the tensor (or of the requested rows along its first dimension, e.g. a few experts of
+a fused [E, ...] tensor) with positional reads into the caller's tensor (no memory map), so resident
+memory holds the copies the caller keeps and nothing else.
 Headers are validated when a shard is opened, with the same one-line messages as `check_files`.
 """
 
@@ -149,7 +149,7 @@ def check_model_finite(model: torch.nn.Module, what: str = "model") -> None:
 
 # ---- reading tensors by name ----------------------------------------------------------------------
 class Shard:
-    """One safetensors file: its validated header and a read-only memory map."""
+    """One safetensors file: its validated header and an open descriptor for positional reads."""
 
     def __init__(self, path: Path) -> None:
         self.path = path

@@ -128,9 +128,12 @@ def test_planning_reads_only_the_experts_a_recipe_selects(family, monkeypatch):
         assert got == {e for p in plans for e in p.layers[i].selected}, i
 
 
-def test_reading_a_checkpoint_maps_none_of_its_files(tiny_teacher_dir):
+def test_reading_a_checkpoint_maps_none_of_its_files(tiny_teacher_dir, tmp_path):
     """Positional reads, not a memory map: a mapped shard keeps pages around every read resident."""
-    ck = Checkpoint(tiny_teacher_dir)
+    import shutil
+
+    copy = Path(shutil.copytree(tiny_teacher_dir, tmp_path / "teacher"))  # files no other test's loaded model maps
+    ck = Checkpoint(copy)
     for name in sorted(ck.names()):
         t = ck.read(name)
         dst = torch.empty_like(t)
@@ -138,7 +141,7 @@ def test_reading_a_checkpoint_maps_none_of_its_files(tiny_teacher_dir):
         assert torch.equal(ck.read(name, rows=[0]), t[:1])
     maps = Path("/proc/self/maps")
     if maps.exists():
-        assert not any(str(f.resolve()) in maps.read_text() for f in Path(tiny_teacher_dir).glob("*.safetensors"))
+        assert not any(str(f.resolve()) in maps.read_text() for f in copy.glob("*.safetensors"))
     name = next(n for n in sorted(ck.names()) if ck.shard(n).dtype(n).is_floating_point)
     with pytest.raises(ValueError, match="cannot read"):
         ck.read(name, out=torch.empty(ck.shard(name).shape(name), dtype=torch.float64))
