@@ -148,6 +148,18 @@ def check_model_finite(model: torch.nn.Module, what: str = "model") -> None:
 
 
 # ---- reading tensors by name ----------------------------------------------------------------------
+def read_at(fd: int, dst: memoryview, offset: int) -> bool:
+    """Fill the byte view `dst` from `offset` of the open file `fd` with positional reads; False when the
+    file ends first."""
+    done = 0
+    while done < len(dst):
+        n = os.preadv(fd, [dst[done:]], offset + done)
+        if n <= 0:
+            return False
+        done += n
+    return True
+
+
 class Shard:
     """One safetensors file: its validated header and an open descriptor for positional reads."""
 
@@ -207,12 +219,8 @@ class Shard:
         """Read dst.size bytes at `offset` of the file into dst. Positional reads, not a memory map: a mapped
         file keeps the pages around every read resident (the kernel maps neighbours on each fault), and a
         process reading a teacher layer by layer grew by megabytes per layer."""
-        view, done = memoryview(dst).cast("B"), 0
-        while done < dst.size:
-            n = os.preadv(self._file.fileno(), [view[done:]], offset + done)
-            if n <= 0:
-                raise M2DError(f"{self.path} ended early (reading byte {offset + done}); {_FIX}")
-            done += n
+        if not read_at(self._file.fileno(), memoryview(dst).cast("B"), offset):
+            raise M2DError(f"{self.path} ended before byte {offset + dst.size}; {_FIX}")
 
 
 class Checkpoint:

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from m2d_ray import console
 from m2d_ray.calibrate.collect import observe, token_batches
 from m2d_ray.calibrate.stats import LayerStats
+from m2d_ray.checkpoint import read_at
 from m2d_ray.errors import M2DError
 
 #: room left beside the weights for activations and the statistics' working set
@@ -115,12 +116,8 @@ class HiddenStates:
         if not self.spilled:
             return self._slot(b)
         buf = torch.empty(self.sizes[b], dtype=torch.uint8)
-        view, done = memoryview(buf.numpy()), 0
-        while done < len(view):
-            n = os.preadv(self._fd, [view[done:]], self.offsets[b] + done)
-            if n <= 0:
-                raise OSError(f"short read from the hidden-state file at batch {b}")
-            done += n
+        if not read_at(self._fd, memoryview(buf.numpy()), self.offsets[b]):
+            raise OSError(f"short read from the hidden-state file at batch {b}")
         return buf.view(self.dtype).reshape(self.shapes[b])
 
     def close(self) -> None:
