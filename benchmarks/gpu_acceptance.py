@@ -91,7 +91,7 @@ def child_calibrate(a) -> None:
 
     from m2d_ray.calibrate import calibrate
     from m2d_ray.models import load_teacher
-    from m2d_ray.pipeline import calibration_tokens
+    from m2d_ray.calibrate.tokens import calibration_tokens
     from m2d_ray.weights import open_teacher
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -29,7 +29,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
 
     from m2d_ray.config import load_config
-    from m2d_ray.sweep.stage1 import run_stage1
+    from m2d_ray.stages.stage1 import run_stage1
 
     out = Path(a.out)
     if out.exists():

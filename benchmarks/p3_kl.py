@@ -56,7 +56,7 @@ def distill_throughput(steps: int, threads: int) -> dict:
     from m2d_ray.config import DistillConfig
     from m2d_ray.distill.loop import DistillJob, WorkerIO, run_distill
     from m2d_ray.models import default_teacher
-    from m2d_ray.pipeline import convert_one
+    from m2d_ray.commands.convert import convert_one
 
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:

@@ -75,7 +75,7 @@ def case_convert(a, eager: bool) -> dict:
 def case_plan(a, eager: bool) -> dict:
     """The planning task: every recipe's plan, layer by layer (WC reads a whole layer's experts)."""
     from m2d_ray.calibrate.artifact import load_stats
-    from m2d_ray.sweep.grid import TrialSpec, plan_all
+    from m2d_ray.stages.grid import TrialSpec, plan_all
 
     plans = plan_all(_teacher(a.teacher, eager), load_stats(a.stats).layers, [TrialSpec(*r) for r in RECIPES])
     Path(a.out).write_text(json.dumps(plans))
@@ -87,8 +87,8 @@ def case_trial(a, eager: bool) -> dict:
     from m2d_ray.config import EvalConfig
     from m2d_ray.convert import build_from_plan
     from m2d_ray.data.text import load_text, tokenize
-    from m2d_ray.sweep.grid import plan_of
-    from m2d_ray.sweep.trial import run_trial
+    from m2d_ray.stages.grid import plan_of
+    from m2d_ray.stages.trial import run_trial
 
     t0 = time.perf_counter()
     teacher = _teacher(a.teacher, eager)
@@ -133,7 +133,7 @@ def case_calibrate(a, eager: bool) -> dict:
 
 CASES = {"convert": case_convert, "plan": case_plan, "trial": case_trial, "stage2": case_stage2, "calibrate": case_calibrate}
 WARM = ("transformers.modeling_utils", "transformers.models.qwen3_moe.modeling_qwen3_moe", "transformers.models.qwen3.modeling_qwen3",
-        "m2d_ray.cli", "m2d_ray.pipeline", "m2d_ray.weights", "m2d_ray.sweep.trial", "m2d_ray.calibrate.stream",
+        "m2d_ray.cli", "m2d_ray.weights", "m2d_ray.stages.trial", "m2d_ray.calibrate.stream",
         "m2d_ray.convert.initial", "deepspeed")
 
 

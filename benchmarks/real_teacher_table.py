@@ -1,9 +1,9 @@
 """Pre-distillation perplexity of every scoring on the real-text teacher ../shared/teachers/qwen3moe-wiki4.
 
-Calibrate once (`pipeline.run_calibrate` on wiki.valid.tokens; the statistics are cached under
+Calibrate once (`commands.calibrate.run_calibrate` on wiki.valid.tokens; the statistics are cached under
 --cache so reruns reuse them), then for each of the 7 scorings at K = k and K = 2k, grouping rr, scaling
 uniform, build the dense student (`make_plan` + `build_from_plan`, no export) and measure its perplexity
-on wiki.test.raw with `pipeline.evaluate_ppl` (first 300,000 characters, non-overlapping 256-token
+on wiki.test.raw with `commands.convert.evaluate_ppl` (first 300,000 characters, non-overlapping 256-token
 windows: the protocol of the teacher's eval.json). Also the teacher itself and the two baselines
 (random FFN with the teacher's attention, random init). Prints a Markdown table and the mean effective
 rank of the selected experts per scoring at K = k. Skips with a message when the teacher is absent.
@@ -53,7 +53,8 @@ def main(argv=None) -> None:
 
     from m2d_ray.convert import build_from_plan, make_plan
     from m2d_ray.convert.baselines import BASELINES
-    from m2d_ray.pipeline import evaluate_ppl, run_calibrate
+    from m2d_ray.commands.calibrate import run_calibrate
+    from m2d_ray.commands.convert import evaluate_ppl
 
     t0 = time.perf_counter()
     teacher, art, reused = run_calibrate(

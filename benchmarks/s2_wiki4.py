@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "runs" / "s2-wiki4"))
     args = ap.parse_args()
     out = Path(args.out)
-    from m2d_ray.pipeline import convert_one
+    from m2d_ray.commands.convert import convert_one
 
     stats = ROOT / "runs" / "wiki4" / "stats"
     prom = ROOT / "runs" / "wiki4" / "promotions.json"

@@ -1,6 +1,29 @@
 """m2d_ray: convert a trained Mixture-of-Experts language model into a dense one.
 
-Data flow: calibrate/ -> stats -> scoring/ -> grouping/ -> convert/ -> evaluate/ (see pipeline.py).
+Data flow: calibrate/ -> scoring/ -> grouping/ -> convert/ -> distill/ -> evaluate/ -> report/, the Ray
+stages above them (stages/), one module per command on top (commands/, cli.py).
+
+Layers, lowest first. A module imports only from its own layer or a lower one, and there are no import
+cycles, except that arch/ registers its families by importing them (tests/unit/test_imports.py checks
+this list against the code):
+
+    1. errors, console, registry, artifacts, storage, checkpoint, assets
+    2. arch
+    3. models, weights, data
+    4. calibrate
+    5. scoring
+    6. grouping
+    7. convert
+    8. evaluate
+    9. prune
+    10. distill
+    11. config
+    12. run_dir
+    13. track
+    14. report
+    15. stages
+    16. commands
+    17. cli
 """
 
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""`m2d` command line: parsing only; the work is in pipeline.py.
+"""`m2d` command line: parsing only; each command's work is in its module of `m2d_ray/commands/`.
 
 Exit codes: 0 done, 2 bad input (one line on stderr, nothing written), 1 the work failed (one line; the
 log keeps the details), 130 interrupted. Library output goes to the command's log (console.py).
@@ -68,6 +68,12 @@ STORAGE_HELP = ("what crosses Ray nodes (students, checkpoints, Tune state): a p
 
 
 def parser() -> argparse.ArgumentParser:
+    from m2d_ray.convert.baselines import BASELINES
+    from m2d_ray.convert.scaling import SCALINGS
+    from m2d_ray.distill.losses import LOSSES
+    from m2d_ray.grouping import GROUPINGS
+    from m2d_ray.scoring import SCORINGS
+
     common = Parser(add_help=False)
     common.add_argument("--verbose", action="store_true", help="show Ray / MLflow / DeepSpeed / transformers output live (it always goes to the log)")
     ap = Parser(prog="m2d", description="Turn a Mixture-of-Experts LM into a dense one.")
@@ -83,11 +89,11 @@ def parser() -> argparse.ArgumentParser:
     _add_model(v)
     _add_calib(v)
     v.add_argument("--stats", default=None, help="statistics directory (read; written when --calib-data is also given)")
-    v.add_argument("--scoring", default="do-acp", help="sf pp ps cp acp do-cp do-acp (default do-acp)")
-    v.add_argument("--grouping", default="rr", help="rr wc rc ab oc (default rr)")
-    v.add_argument("--scaling", default="uniform", help="uniform proportional avg-cp (default uniform)")
+    v.add_argument("--scoring", default="do-acp", help=f"{' '.join(SCORINGS)} (default do-acp)")
+    v.add_argument("--grouping", default="rr", help=f"{' '.join(GROUPINGS)} (default rr)")
+    v.add_argument("--scaling", default="uniform", help=f"{' '.join(SCALINGS)} (default uniform)")
     v.add_argument("--K", type=_positive, default=None, help="experts kept per layer, k <= K <= E (default k)")
-    v.add_argument("--baseline", default=None, help="random-ffn or random-init instead of a conversion")
+    v.add_argument("--baseline", default=None, help=f"{' or '.join(BASELINES)} instead of a conversion")
     v.add_argument("--eval-data", default=None, help="measure perplexity on: text file, synthetic[:split] or wikitext2[:split]")
     v.add_argument("--out", required=True, help="directory for the dense student")
     v.add_argument("--overwrite", action="store_true", help="replace a student (and --stats) that m2d wrote there before")
@@ -133,7 +139,7 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--train-data", default=None, help="fineweb-edu (streamed), hf:NAME[:CONFIG[:SPLIT]], a text / .jsonl / .parquet file, synthetic:train")
     d.add_argument("--eval-data", required=True, help="validation text: a file, synthetic[:split] or wikitext2[:split]")
     d.add_argument("--steps", type=_positive, default=None)
-    d.add_argument("--loss", default=None, help="fkl (default), rkl or fkl+mse")
+    d.add_argument("--loss", default=None, help=f"{', '.join(LOSSES)} (default fkl)")
     d.add_argument("--teacher-topk", type=_positive, default=None, help="expanded teacher routing k' (k <= k' <= E)")
     d.add_argument("--deepspeed", action=argparse.BooleanOptionalAction, default=None, help="DeepSpeed ZeRO-2 (default on)")
     d.add_argument("--workers", type=_positive, default=None, help="Ray Train workers")
@@ -154,12 +160,21 @@ def parser() -> argparse.ArgumentParser:
 
 
 KV_COMMANDS = ("sweep", "run", "distill")  # commands whose key=value overrides may follow the options
+#: the flags that are config overrides: command -> {option's dest: config key} (the one way from flags to overrides)
+OVERRIDE_FLAGS = {
+    "sweep": {"model": "model", "calib_data": "calib.data", "eval_data": "eval.data", "storage": "storage"},
+    "run": {"storage": "storage"},
+    "distill": {k: f"distill.{k}" for k in ("train_data", "steps", "loss", "teacher_topk", "deepspeed", "workers")},
+}
+PREFIX = {"distill": "distill."}  # `m2d distill lr=3e-3`: its bare keys are the distill section's
 
 
-def _distill_overrides(args) -> list[str]:
-    flags = {"train_data": args.train_data, "steps": args.steps, "loss": args.loss, "teacher_topk": args.teacher_topk,
-             "deepspeed": args.deepspeed, "workers": args.workers}
-    return [*args.overrides, *(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in flags.items() if v is not None)]
+def config_overrides(args) -> list[str]:
+    """key=value overrides of a command: the positional ones, then its flags (a flag given wins)."""
+    prefix = PREFIX.get(args.command, "")
+    given = [o if o.startswith(prefix) else prefix + o for o in args.overrides]
+    flags = {key: getattr(args, dest) for dest, key in OVERRIDE_FLAGS.get(args.command, {}).items()}
+    return given + [f"{key}={str(v).lower() if isinstance(v, bool) else v}" for key, v in flags.items() if v is not None]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("sweep", "run") and args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
         args.overrides.insert(0, args.config)  # `m2d sweep --resume RUN_DIR stage=2`: no config, only overrides
         args.config = None
-    if args.command in ("sweep", "run") and args.storage:
-        args.overrides.append(f"storage={args.storage}")
+    if args.command in KV_COMMANDS:
+        args.overrides = config_overrides(args)
     try:
         with console.session(args.command, args.verbose):
             ray_was_up = _ray_up()
@@ -214,54 +229,9 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _dispatch(args) -> None:
-    from m2d_ray import pipeline
+    import importlib
 
-    say, emit = console.say, console.emit
-    calib = {k: getattr(args, k) for k in ("max_tokens", "seq_len", "batch_size", "max_memory", "stream") if hasattr(args, k)}
-    if args.command == "calibrate":
-        _, art, reused = pipeline.run_calibrate(args.model, args.calib_data, args.out, device=args.device, overwrite=args.overwrite, **calib)
-        m = art.manifest
-        emit(json.dumps({"out": args.out, "reused": reused, "n_tokens": m["n_tokens"], "layers": m["layers"], "num_experts": m["num_experts"], "sha256": m["sha256"]}))
-    elif args.command == "convert":
-        result = pipeline.convert_one(
-            args.model, args.scoring, args.grouping, args.scaling, args.K, args.out,
-            stats=args.stats, calib_data=args.calib_data, eval_data=args.eval_data,
-            baseline=args.baseline, device=args.device, calib_kwargs=calib, overwrite=args.overwrite,
-        )
-        for layer, sel in result.get("selected", {}).items():
-            say(f"layer {layer}: experts {sel} groups {result['groups'][layer]}")
-        emit(json.dumps(result))
-    elif args.command == "prune-dense":
-        from m2d_ray.prune.command import prune_dense
-
-        result = prune_dense(args.model, args.out, target_params=args.target_params, match=args.match,
-                             sizes={k: getattr(args, k) for k in ("hidden", "ffn", "heads", "layers")}, calib_data=args.calib_data,
-                             eval_data=args.eval_data, device=args.device, overwrite=args.overwrite, **calib)
-        emit(json.dumps(result))
-    elif args.command == "sweep":
-        result = pipeline.sweep(
-            args.config, args.overrides, out=args.out, resume=args.resume, tracking_uri=args.tracking_uri,
-            model=args.model, calib_data=args.calib_data, eval_data=args.eval_data,
-        )
-        emit(json.dumps(result))
-    elif args.command == "run":
-        result = pipeline.run(args.config, args.overrides, out=args.out, resume=args.resume, tracking_uri=args.tracking_uri)
-        say(f"report: {result['report']}")
-        say(f"MLflow UI: {result['mlflow_ui']}  (then open http://127.0.0.1:5000)")
-        emit(json.dumps(result))
-    elif args.command == "report":
-        result = pipeline.report(args.run_dir, args.tracking_uri)
-        say(f"report: {result['report']}")
-        emit(json.dumps(result))
-    elif args.command == "eval":
-        result = pipeline.evaluate_one(args.model, args.tasks, args.num_fewshot, args.limit, args.batch_size, args.device)
-        for name, r in result["tasks"].items():
-            say(f"{name} ({r['shots']}-shot): {r['score']}")
-        emit(json.dumps(result))
-    elif args.command == "distill":
-        result = pipeline.distill_one(args.teacher, args.student, args.out, args.eval_data, config=args.config,
-                                      overrides=_distill_overrides(args), overwrite=args.overwrite, store=args.storage)
-        emit(json.dumps(result))
+    importlib.import_module(f"m2d_ray.commands.{args.command.replace('-', '_')}").main(args)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,10 @@ from typing import Any, Union
 
 import yaml
 
+from m2d_ray.distill.config import DistillConfig, check_distill
 from m2d_ray.errors import M2DError
+from m2d_ray.grouping import GROUPINGS
+from m2d_ray.scoring import SCORINGS
 
 
 @dataclass(frozen=True)
@@ -41,8 +44,8 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class GridConfig:
-    scoring: tuple[str, ...] = ("sf", "pp", "ps", "cp", "acp", "do-cp", "do-acp")
-    grouping: tuple[str, ...] = ("rr", "wc", "rc", "ab", "oc")
+    scoring: tuple[str, ...] = tuple(SCORINGS)  # every registered method
+    grouping: tuple[str, ...] = tuple(GROUPINGS)
     scaling: tuple[str, ...] = ("uniform", "proportional")
     K: Union[str, tuple[int, ...]] = "auto"  # "auto" = k, 2k, 4k, ..., E
 
@@ -73,41 +76,6 @@ class RayConfig:
 class TrackConfig:
     tracking_uri: str | None = None  # default sqlite:///RUN_DIR/mlflow.db
     experiment: str = "m2d"
-
-
-@dataclass(frozen=True)
-class DistillConfig:
-    """Stage 2 training of one student (the paper's values are the defaults; tiny configs shrink them)."""
-
-    train_data: str = "fineweb-edu"  # streamed through datasets; or a local text / .jsonl / .parquet file, synthetic[:split]
-    eval_data: str | None = None  # validation text; None = the sweep's eval.data
-    eval_max_tokens: int | None = 65536
-    loss: str = "fkl"  # fkl | rkl | fkl+mse
-    temperature: float = 1.0
-    mse_weight: float = 1.0  # fkl+mse: weight of the hidden-state MSE
-    teacher_topk: int | None = None  # expanded teacher routing k' >= k (None = the teacher's own k)
-    steps: int = 200
-    lr: float = 1e-4
-    min_lr: float = 1e-5
-    warmup_steps: int = 20
-    weight_decay: float = 0.01
-    betas: tuple[float, ...] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    batch_size: int = 4  # sequences per worker per micro-batch
-    grad_accum: int = 1
-    seq_len: int = 4096
-    eval_every: int = 50  # steps between validations (each one is a report, a checkpoint and an ASHA rung step)
-    eval_batch_size: int = 4
-    loss_chunk: int = 1024  # tokens per vocabulary chunk of the KL
-    deepspeed: bool = True  # ZeRO-2 (bf16 on GPU, fp32 + gloo on CPU); false = plain torch
-    zero_stage: int = 2
-    workers: int = 1  # Ray Train workers per student
-    gpus_per_worker: float = 0.0
-    cpus_per_worker: float = 1.0
-    threads_per_worker: int = 1
-    gradient_checkpointing: bool = False
-    keep_checkpoints: int = 2
-    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -170,8 +138,6 @@ class SweepConfig:
     def check_methods(self) -> None:
         """Method names, non-empty axes and a well-formed K list (K's range needs the model: check_k_range)."""
         from m2d_ray.convert.scaling import SCALINGS
-        from m2d_ray.grouping import GROUPINGS
-        from m2d_ray.scoring import SCORINGS
 
         for axis, registry in (("scoring", SCORINGS), ("grouping", GROUPINGS), ("scaling", SCALINGS)):
             names = getattr(self.grid, axis)
@@ -228,22 +194,6 @@ class SweepConfig:
 
 #: the dense-to-dense (Minitron) baseline's name in stage2.baselines (built in sweep/d2d.py, not convert/)
 D2D = "d2d"
-
-
-def check_distill(d: DistillConfig) -> None:
-    """One-line errors for a distillation config that cannot run."""
-    from m2d_ray.distill.losses import LOSSES
-
-    if d.loss not in LOSSES:
-        raise M2DError(f"distill.loss: {LOSSES.unknown_message(d.loss)}")
-    positive = {k: getattr(d, k) for k in ("steps", "batch_size", "grad_accum", "seq_len", "eval_every", "eval_batch_size", "loss_chunk", "workers", "threads_per_worker")}
-    bad = [f"distill.{k}={v}" for k, v in positive.items() if v < 1]
-    if bad:
-        raise M2DError(f"{', '.join(bad)}: must be >= 1")
-    if not (d.lr > 0 and 0 <= d.min_lr <= d.lr and d.temperature > 0 and len(d.betas) == 2):
-        raise M2DError("distill: need lr > 0, 0 <= min_lr <= lr, temperature > 0 and betas = [beta1, beta2]")
-    if d.zero_stage not in (0, 1, 2):
-        raise M2DError(f"distill.zero_stage={d.zero_stage}: use 2 (ZeRO-2), 1 or 0; ZeRO-3 would shard the weights the loss reads")
 
 
 def k_values(K: Union[str, tuple[int, ...]], k: int, E: int) -> list[int]:

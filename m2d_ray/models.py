@@ -21,6 +21,11 @@ from m2d_ray.arch.base import DenseFFN, ExpertWeights, MoEAdapter, SharedExpert,
 from m2d_ray.errors import M2DError
 
 
+def device_default() -> str:
+    """cuda when this process sees a GPU, else cpu (the one-off commands' --device default)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def default_teacher() -> str:
     from m2d_ray.assets import TINY_TEACHER_DIR
 

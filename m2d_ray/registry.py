@@ -11,14 +11,21 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    """A small ordered mapping from method names to callables.
+    """A small ordered mapping from names to implementations: every method family (scorings, groupings,
+    scalings, baselines, losses) and the architecture adapters (by `config.model_type`).
 
     Lookup of an unknown name raises `M2DError` with the closest known names, so a typo on the
     command line or in a YAML file gets an actionable one-line message.
+
+    To add one: write the function (or adapter class) next to its kind and decorate it,
+    ``@SCORINGS.register("my-score")``; nothing else lists the names (configs, the CLI's help and the
+    error messages read them from the registry), and tests that loop over a registry pick it up.
     """
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, message: str | None = None) -> None:
+        """`message`: the unknown-name line, formatted with name, kind, hint (" (did you mean 'x'?)") and names."""
         self.kind = kind
+        self.message = message
         self._items: dict[str, T] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
@@ -38,6 +45,9 @@ class Registry(Generic[T]):
 
     def unknown_message(self, name: str) -> str:
         close = difflib.get_close_matches(str(name), self._items, n=2, cutoff=0.4)
+        if self.message is not None:
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            return self.message.format(name=name, kind=self.kind, hint=hint, names=", ".join(sorted(self._items)))
         hint = f" did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         return f"unknown {self.kind} {name!r};{hint} choose from: {', '.join(self._items)}"
 

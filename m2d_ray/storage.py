@@ -79,6 +79,19 @@ def put_dir(local: Path, url: str) -> str:
     return url
 
 
+def put_file(local: Path, url: str) -> str:
+    """Copy file `local` to `url`, complete or not at all (a local target is written aside and renamed;
+    an object store shows an object only once its upload is complete)."""
+    fs, path = filesystem(url)
+    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    target = path if is_remote(url) else f"{path}.m2d-tmp-{os.getpid()}"
+    with Path(local).open("rb") as src, fs.open_output_stream(target) as dst:
+        shutil.copyfileobj(src, dst, _COPY_BLOCK)
+    if target != path:
+        os.replace(target, path)
+    return url
+
+
 def save_dir(url: str, build: Callable[[Path], object]) -> str:
     """Store the directory that `build(path)` writes at `url` and return `url`.
 

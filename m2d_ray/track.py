@@ -8,35 +8,30 @@ callbacks on the driver can log from any thread.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
 
 from m2d_ray.errors import M2DError
+from m2d_ray.run_dir import RunDir
 
 PARENT_TAG, TRIAL_TAG, LOGGED_TAG = "m2d.sweep_id", "m2d.trial", "m2d.logged"
 
 
-def default_tracking_uri(run_dir: str | Path) -> str:
-    """sqlite store inside the run directory (plain-folder stores raise in MLflow 3.x)."""
-    return f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
+def run_tracking_uri(cfg, rd: RunDir, override: str | None = None) -> str:
+    """--tracking-uri, else the config's mlflow.tracking_uri, else the run directory's sqlite store
+    (plain-folder stores raise in MLflow 3.x)."""
+    return override or cfg.mlflow.tracking_uri or f"sqlite:///{rd.mlflow_db}"
 
 
-def run_tracking_uri(cfg, run_dir: str | Path, override: str | None = None) -> str:
-    """--tracking-uri, else the config's mlflow.tracking_uri, else the run directory's sqlite store."""
-    return override or cfg.mlflow.tracking_uri or default_tracking_uri(run_dir)
-
-
-def run_tracker(cfg, run_dir: str | Path, override: str | None = None) -> "Tracker":
+def run_tracker(cfg, rd: RunDir, override: str | None = None) -> "Tracker":
     """The tracker of a run directory (artifacts under RUN_DIR/mlartifacts for a sqlite store)."""
-    return Tracker(run_tracking_uri(cfg, run_dir, override), cfg.mlflow.experiment, Path(run_dir) / "mlartifacts")
+    return Tracker(run_tracking_uri(cfg, rd, override), cfg.mlflow.experiment, rd.mlartifacts)
 
 
-def sweep_parent(tracker: "Tracker", run_dir: str | Path, name: str) -> str:
-    """The run's parent MLflow run, created by stage 1 and found by the sweep id in RUN_DIR/sweep.json."""
-    sweep_id = json.loads((Path(run_dir) / "sweep.json").read_text())["sweep_id"]
-    return tracker.parent_run(sweep_id, name, params={}, tags={})
+def sweep_parent(tracker: "Tracker", rd: RunDir, name: str) -> str:
+    """The run's parent MLflow run, created by stage 1 and found by the run's id."""
+    return tracker.parent_run(rd.sweep_id(), name, params={}, tags={})
 
 
 class Tracker:

@@ -7,6 +7,9 @@ directories and the driver's copy of a teacher live, so any worker that reads or
 disk fails. An S3 endpoint is served on 127.0.0.1 by moto. Node caches: M2D_CACHE under WORK/hidden
 (the worker's is its own tmpfs).
 
+Every text file of the runs (calibration, evaluation, distillation) lies under WORK/hidden/data, where only
+the head sees it: the workers get it through the run's storage.
+
 Scenarios (results in WORK/results.json; the run directories stay for the test to read):
   shared  m2d run with --storage on a directory both nodes see, with the d2d baseline; then a resume of the finished run, and one
           with another stage-3 suite
@@ -99,11 +102,24 @@ def killed_then_resumed(args: list[str], env: dict, run_dir: Path, work: Path) -
     return {**resumed, "killed_after": killed_at, "first_rc": proc.returncode}
 
 
+def head_only_data(hidden: Path) -> list[str]:
+    """The embedded corpus' splits as the user's own text files, where only the head sees them."""
+    from m2d_ray.data.synthetic import corpus_text
+
+    data = hidden / "data"
+    data.mkdir()
+    for split in ("train", "valid", "test"):
+        (data / f"{split}.txt").write_text(corpus_text(split))
+    return [f"calib.data={data / 'valid.txt'}", f"eval.data={data / 'test.txt'}", f"distill.train_data={data / 'train.txt'}",
+            f"distill.eval_data={data / 'valid.txt'}"]
+
+
 def main(work: Path) -> None:
     work = work.resolve()
     hidden, shared = work / "hidden", work / "shared"
     for d in (hidden, shared):
         d.mkdir(parents=True, exist_ok=True)
+    texts = head_only_data(hidden)
     os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"})  # moto's
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "M2D_CACHE": str(hidden / "cache"), "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)
@@ -112,7 +128,7 @@ def main(work: Path) -> None:
         query = start_s3(work, env)
         env["RAY_ADDRESS"] = start_cluster(work, env)
         shared_run = hidden / "shared-run"
-        results["shared"] = m2d(["run", str(TINY), "--out", str(shared_run), "--storage", str(shared / "run"), *SMALL, "stage2.baselines=[d2d]"],
+        results["shared"] = m2d(["run", str(TINY), "--out", str(shared_run), "--storage", str(shared / "run"), *SMALL, *texts, "stage2.baselines=[d2d]"],
                                 env, "shared", work)
         stamps = lambda: {p.name: p.stat().st_mtime_ns for p in (shared_run / "stage3" / "results").glob("*.json")}  # noqa: E731
         before = stamps()
@@ -122,7 +138,7 @@ def main(work: Path) -> None:
         from m2d_ray.models import default_teacher
 
         shutil.copytree(default_teacher(), teacher)
-        args = ["run", str(TINY), "--out", str(hidden / "s3-run"), "--storage", f"s3://{BUCKET}/run?{query}", f"model={teacher}", *SMALL]
+        args = ["run", str(TINY), "--out", str(hidden / "s3-run"), "--storage", f"s3://{BUCKET}/run?{query}", f"model={teacher}", *SMALL, *texts]
         results["s3"] = killed_then_resumed(args, env, hidden / "s3-run", work)
         results["s3"]["storage"] = f"s3://{BUCKET}/run?{query}"
         import boto3

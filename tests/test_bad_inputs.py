@@ -58,7 +58,8 @@ def w(tmp_path_factory, tiny_teacher_dir):
     from m2d_ray.artifacts import write_marker
     from m2d_ray.calibrate.artifact import MANIFEST_FILE, STATS_FILE
     from m2d_ray.config import dump_config, load_config
-    from m2d_ray.pipeline import convert_one, run_calibrate
+    from m2d_ray.commands.calibrate import run_calibrate
+    from m2d_ray.commands.convert import convert_one
 
     root = tmp_path_factory.mktemp("bad_inputs")
     p = {name: root / name for name in ("teacher", "nan_teacher", "trunc_teacher", "garbage_teacher", "unsharded_teacher", "stats",

@@ -114,7 +114,7 @@ def test_a_relative_d2d_teacher_reaches_ray_workers_as_an_absolute_path(tmp_path
     import os
 
     from m2d_ray.models import default_dense_teacher
-    from m2d_ray.sweep.d2d import dense_teacher
+    from m2d_ray.stages.d2d import dense_teacher
 
     monkeypatch.chdir(tmp_path)
     rel = os.path.relpath(default_dense_teacher(), tmp_path)

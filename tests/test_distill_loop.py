@@ -22,7 +22,7 @@ CFG = DistillConfig(train_data="synthetic:train", steps=24, lr=3e-3, min_lr=3e-4
 
 @pytest.fixture(scope="module")
 def do_acp_student(tmp_path_factory) -> Path:
-    from m2d_ray.pipeline import convert_one
+    from m2d_ray.commands.convert import convert_one
 
     out = tmp_path_factory.mktemp("init") / "do-acp"
     convert_one(None, "do-acp", "rr", "uniform", None, out, calib_kwargs={"max_tokens": 4096, "seq_len": 128})

@@ -63,6 +63,8 @@ def test_shared_storage(cluster_runs):
     for key in keys:  # the students live in the storage, not in the driver's run directory
         assert (work / "shared" / "run" / "stage2" / "students" / key / "model.safetensors").exists()
     assert not (run_dir / "stage2" / "students").exists() and not (run_dir / "stage2" / "init").exists()
+    stored = {p.name for p in (work / "shared" / "run" / "data").rglob("*.txt")}  # the head's text files, through the storage
+    assert stored == {"train.txt", "valid.txt", "test.txt"}, stored  # distillation, validation, and the d2d search's calibration/evaluation
     last = r["stderr"].strip().splitlines()[-3:]
     assert any(line.startswith(f"run done: students: {len(keys)} ok, 0 pruned, 0 failed, 0 diverged; {len(keys)} students evaluated") for line in last), last
 
@@ -111,6 +113,7 @@ def test_s3_storage_teacher_from_the_driver_and_resume_after_sigkill(cluster_run
     for key in keys:
         assert f"run/stage2/students/{key}/model.safetensors" in objects and f"run/stage2/init/{key}/model.safetensors" in objects
     assert any(o.startswith("run/teacher/teacher-") and o.endswith("model.safetensors") for o in objects)  # copied once for the workers
+    assert {o.rsplit("/", 1)[1] for o in objects if o.startswith("run/data/")} == {"train.txt", "valid.txt"}  # the head's text, once each
     assert any(o.startswith("run/stage2/train/") for o in objects) and any(o.startswith("run/tune/") for o in objects)
     assert not (run_dir / "stage2" / "students").exists() and not (run_dir / "tune").exists()
     # one MLflow run per student and model across the kill and the resume

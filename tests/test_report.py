@@ -125,7 +125,7 @@ def _set_status(run_dir: Path, stage_dir: str, status: str, keep: tuple[str, ...
 
 def test_a_run_that_distilled_or_evaluated_no_student_has_failed(run_dir, capsys):
     from m2d_ray.errors import RunFailed
-    from m2d_ray.pipeline import check_outcome
+    from m2d_ray.commands.runs import check_outcome
 
     ok = check_outcome(run_dir)
     assert ok["promoted_distilled"] == ok["promoted"] > 0 and ok["evaluated"] > 0

@@ -19,7 +19,7 @@ from m2d_ray.calibrate import calibrate
 from m2d_ray.config import load_config
 from m2d_ray.data.synthetic import corpus_text
 from m2d_ray.data.text import calibration_set
-from m2d_ray.sweep.stage1 import run_stage1
+from m2d_ray.stages.stage1 import run_stage1
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "experiments" / "tiny.yaml"

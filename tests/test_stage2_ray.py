@@ -15,8 +15,8 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from m2d_ray.config import load_config
-from m2d_ray.sweep.stage1 import run_stage1
-from m2d_ray.sweep.stage2 import run_stage2
+from m2d_ray.stages.stage1 import run_stage1
+from m2d_ray.stages.stage2 import run_stage2
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "experiments" / "tiny.yaml"
@@ -149,3 +149,15 @@ def test_stage2_needs_a_finished_stage1_and_the_same_recipe_grid(stage1_dir, tmp
     assert main(["sweep", "--resume", str(half), "stage=2"]) == 2
     assert main(["sweep", "--resume", str(stage1_dir), "stage=2", "grid.K=[4]"]) == 2
     assert main(["sweep", str(TINY), "stage=2"]) == 2
+
+
+def test_a_failed_d2d_search_is_that_students_failure_not_the_runs(stage1_dir):
+    """A worker's failure (here the d2d search's data) is recorded against its student with its cause; it is
+    not reported as the user's bad input and the run goes on (the other students are done already)."""
+    cfg = load_config(stage1_dir / "config.yaml", ["stage=2", "calib.data=synthetic:nosuchsplit", "stage2.baselines=[random-init,random-ffn,d2d]",
+                                                    *SMALL_DISTILL])
+    records = {r["key"]: r for r in run_stage2(cfg, stage1_dir)}
+    failed = records["baseline-d2d"]
+    assert failed["status"] == "failed" and "d2d candidate search failed" in failed["error"] and "nosuchsplit" in failed["error"], failed
+    assert not (stage1_dir / "stage2" / "d2d" / "search.json").exists()
+    assert "baseline-d2d" in (stage1_dir / "stage2.csv").read_text()

@@ -15,10 +15,10 @@ from m2d_ray.data.synthetic import corpus_text
 from m2d_ray.data.text import calibration_set, tokenize
 from m2d_ray.evaluate.perplexity import perplexity
 from m2d_ray.report.stage1 import heatmap, write_tables
-from m2d_ray.sweep.grid import dedupe, expand, plan_all, plan_of
-from m2d_ray.sweep.promote import promote, unpromoted
-from m2d_ray.sweep.scheduler import hopeless
-from m2d_ray.sweep.trial import chunk_ends, run_trial
+from m2d_ray.stages.grid import dedupe, expand, plan_all, plan_of
+from m2d_ray.stages.promote import promote, unpromoted
+from m2d_ray.stages.scheduler import hopeless
+from m2d_ray.stages.trial import chunk_ends, run_trial
 
 GRID = GridConfig(scoring=("sf", "cp", "do-acp"), grouping=("rr", "ab", "oc"), scaling=("uniform", "proportional"), K="auto")
 
@@ -147,7 +147,7 @@ def test_gpu_use_is_decided_by_the_config_not_by_the_gpus_up_now(monkeypatch):
     import ray
 
     from m2d_ray.config import load_config
-    from m2d_ray.sweep import stage2, stage3
+    from m2d_ray.stages import stage2, stage3
 
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": 0.0})
     gpu = load_config(None, ["distill.gpus_per_worker=1"])

@@ -2,35 +2,27 @@
 
 from __future__ import annotations
 
-import difflib
-
 from m2d_ray.arch.base import MoEAdapter
-from m2d_ray.errors import M2DError
+from m2d_ray.registry import Registry
 
-_ADAPTERS: dict[str, MoEAdapter] = {}
+ADAPTERS: Registry[MoEAdapter] = Registry(
+    "Mixture-of-Experts model", "model_type {name!r} is not a supported {kind}{hint}; supported: {names}")
 
 
 def register(cls: type[MoEAdapter]) -> type[MoEAdapter]:
+    """Class decorator of a family module: one adapter instance under each of its `model_types`."""
     for model_type in cls.model_types:
-        _ADAPTERS[model_type] = cls()
+        ADAPTERS.register(model_type)(cls())
     return cls
 
 
 def supported_types() -> list[str]:
-    return sorted(_ADAPTERS)
+    return sorted(ADAPTERS)
 
 
 def get_adapter(config) -> MoEAdapter:
     """The adapter for a transformers config; a one-line error lists the supported types."""
-    model_type = getattr(config, "model_type", None)
-    if model_type in _ADAPTERS:
-        return _ADAPTERS[model_type]
-    close = difflib.get_close_matches(str(model_type), _ADAPTERS, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise M2DError(
-        f"model_type {model_type!r} is not a supported Mixture-of-Experts model{hint}; "
-        f"supported: {', '.join(supported_types())}"
-    )
+    return ADAPTERS[getattr(config, "model_type", None)]
 
 
 # Importing the family modules registers them.

@@ -13,7 +13,6 @@ embeddings and the per-head q/k norms of Qwen3 stay as they are.
 
 from __future__ import annotations
 
-import difflib
 import re
 from dataclasses import asdict, dataclass
 from typing import ClassVar
@@ -21,6 +20,7 @@ from typing import ClassVar
 from torch import nn
 
 from m2d_ray.errors import M2DError
+from m2d_ray.registry import Registry
 
 #: axis kinds: the residual-stream channels, FFN neurons, query-head rows (heads x head_dim) and
 #: key/value-head rows (kv_heads x head_dim); None = an axis that pruning never changes
@@ -132,11 +132,13 @@ class DenseAdapter:
                        f"{'/'.join(self.model_types)} decoder: use one of those")
 
 
-_DENSE: dict[str, DenseAdapter] = {t: DenseAdapter() for t in DenseAdapter.model_types}
+DENSE_ADAPTERS: Registry[DenseAdapter] = Registry("dense model", "model_type {name!r} is not a supported {kind}{hint}; use one of: {names}")
+for _type in DenseAdapter.model_types:
+    DENSE_ADAPTERS.register(_type)(DenseAdapter())
 
 
 def dense_types() -> list[str]:
-    return sorted(_DENSE)
+    return sorted(DENSE_ADAPTERS)
 
 
 def get_dense_adapter(config) -> DenseAdapter:
@@ -144,11 +146,7 @@ def get_dense_adapter(config) -> DenseAdapter:
     from m2d_ray.arch import supported_types
 
     model_type = getattr(config, "model_type", None)
-    if model_type in _DENSE:
-        return _DENSE[model_type]
     if model_type in supported_types():
         raise M2DError(f"model_type {model_type!r} is a Mixture-of-Experts model; dense-to-dense pruning takes a dense "
                        f"teacher ({', '.join(dense_types())}): give its dense twin, e.g. m2d_ray/assets/tiny_qwen3_dense")
-    close = difflib.get_close_matches(str(model_type), _DENSE, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise M2DError(f"model_type {model_type!r} is not a supported dense model{hint}; use one of: {', '.join(dense_types())}")
+    return DENSE_ADAPTERS[model_type]

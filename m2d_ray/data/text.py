@@ -4,7 +4,8 @@ A data spec is one of:
 * ``wikitext2[:split]`` – WikiText-2 raw through `datasets.load_dataset("wikitext", "wikitext-2-raw-v1")`
   (split defaults to ``test``), the paper's perplexity set; needs the hub or a datasets cache.
 * ``synthetic[:split]`` – the embedded multi-domain corpus (train / valid / test), always offline.
-* a path to a local text file.
+* a path to a local text file, or a storage URL (``s3://…``) of one: what Ray workers get
+  (`stages.run_storage.RunStorage.put_data`), read through the node's cache.
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ _SNIFF = 8192  # bytes read to tell text from binary
 
 def check_spec(spec: str, what: str = "data") -> None:
     """Validate a data spec without loading it: a known dataset split, or a readable text file."""
+    from m2d_ray import storage
     from m2d_ray.data.synthetic import SPLITS
 
+    if storage.is_remote(spec):
+        return  # a file the driver checked and put in the run's storage
     name, sep, split = str(spec).partition(":")
     for dataset, splits in (("synthetic", SPLITS), ("wikitext2", WIKITEXT_SPLITS)):
         if name == dataset:
@@ -57,8 +61,16 @@ def _undecodable(head: bytes) -> bool:
     return text.count("\ufffd") > max(3, len(text) // 100)
 
 
+def local_spec(spec: str) -> str:
+    """A spec this process can open: a storage URL becomes its copy in the node's cache."""
+    from m2d_ray import storage
+
+    return str(storage.fetch_file(spec)) if storage.is_remote(spec) else spec
+
+
 def load_text(spec: str) -> str:
     """Resolve a data spec to raw text (see module docstring)."""
+    spec = local_spec(spec)
     check_spec(spec)
     name, _, split = str(spec).partition(":")
     if name == "synthetic":

@@ -25,13 +25,6 @@ from m2d_ray.errors import M2DError
 FINEWEB = ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train")
 
 
-def absolute_spec(spec: str | None) -> str | None:
-    """A local path made absolute (Ray runs trials and workers in their own directories); names unchanged."""
-    if spec is None or not Path(spec).expanduser().exists():
-        return spec
-    return str(Path(spec).expanduser().resolve())
-
-
 def check_source(spec: str) -> None:
     """Fail on the driver, with the data module's one-line message, before any worker starts."""
     if next(documents(spec), None) is None:
@@ -47,7 +40,9 @@ def documents(spec: str) -> Iterator[str]:
         name, config, split = (spec[3:].split(":") + [None, None])[:3]
         yield from _hub(name, config, split or "train")
         return
-    path = Path(spec).expanduser()
+    from m2d_ray.data.text import load_text, local_spec
+
+    path = Path(local_spec(spec)).expanduser()
     if path.suffix in (".jsonl", ".json") and path.is_file():
         with path.open(encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
@@ -66,8 +61,6 @@ def documents(spec: str) -> Iterator[str]:
         for batch in pf.iter_batches(columns=["text"], batch_size=1024):
             yield from (t for t in batch.column(0).to_pylist() if t)
         return
-    from m2d_ray.data.text import load_text
-
     yield load_text(spec)
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from m2d_ray.config import DistillConfig
+from m2d_ray.distill.config import DistillConfig
 from m2d_ray.distill.data import train_batches
 from m2d_ray.distill.flops import active_params, flops_per_token, matmul_rate
 from m2d_ray.distill.step import DistillStep, all_reduce_sum

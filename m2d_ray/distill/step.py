@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from m2d_ray.config import DistillConfig
+from m2d_ray.distill.config import DistillConfig
 from m2d_ray.distill.losses import LOSSES, chunked_kl, hidden_mse
 
 

@@ -20,6 +20,8 @@ from torch import Tensor
 from m2d_ray import console
 from m2d_ray.errors import M2DError
 
+EVAL_MAX_CHARS = 300_000  # the protocol: the first 300,000 characters of the evaluation text
+
 
 @dataclass(frozen=True)
 class Perplexity:

@@ -10,16 +10,12 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from m2d_ray.config import D2D, SweepConfig, load_config
-from m2d_ray.errors import M2DError
-from m2d_ray.sweep.d2d import TEACHER_KEY as D2D_TEACHER
-from m2d_ray.sweep.d2d import search_record
-from m2d_ray.sweep.ledger import Ledger
+from m2d_ray.run_dir import D2D_TEACHER_KEY, TEACHER_KEY, RunDir
 
 
 @dataclass
@@ -49,18 +45,11 @@ class RunData:
 
 
 def load_run(run_dir: str | Path) -> RunData:
-    run_dir = Path(run_dir).resolve()
-    if not (run_dir / "promotions.json").exists():
-        raise M2DError(f"{run_dir} holds no finished stage 1 (no promotions.json); run m2d run CONFIG --out {run_dir} first")
-    read = lambda p: json.loads((run_dir / p).read_text())  # noqa: E731
-    data = RunData(run_dir, load_config(run_dir / "config.yaml"), Ledger(run_dir).records(), read("plans.json")["plans"], read("promotions.json"))
-    if (run_dir / "stage2" / "trials").exists():
-        data.stage2 = {r["key"]: r for r in Ledger(run_dir / "stage2").records()}
-    results = run_dir / "stage3" / "results"
-    data.stage3 = {p.stem: json.loads(p.read_text()) for p in sorted(results.glob("*.json"))} if results.exists() else {}
-    data.timings = read("run.json").get("stages", {}) if (run_dir / "run.json").exists() else {}
-    data.d2d = search_record(run_dir)
-    return data
+    rd = RunDir(run_dir)
+    promotions = rd.read_promotions()
+    return RunData(rd.path, load_config(rd.config), rd.stage1_ledger().records(), rd.read_plans()["plans"], promotions,
+                   stage2={r["key"]: r for r in rd.stage2_records()}, stage3=rd.read_stage3(), timings=rd.stage_times(),
+                   d2d=rd.read_d2d_search())
 
 
 def distill_rows(data: RunData) -> list[dict]:
@@ -75,7 +64,7 @@ def distill_rows(data: RunData) -> list[dict]:
                 rows.append({"kind": "student", "scoring": s, "grouping": gr, "K": p["K"], "scaling": p["scaling"], "stage1_ppl": p["ppl"], "key": p["key"]})
     for b in data.cfg.stage2.baselines:
         rows.append({"kind": "baseline", "scoring": b, "grouping": "", "K": None, "scaling": "", "stage1_ppl": None, "key": f"baseline-{b}"})
-    teachers = [("teacher", "teacher")] + ([("dense teacher", D2D_TEACHER)] if D2D in data.cfg.stage2.baselines else [])
+    teachers = [("teacher", TEACHER_KEY)] + ([("dense teacher", D2D_TEACHER_KEY)] if D2D in data.cfg.stage2.baselines else [])
     rows += [{"kind": "teacher", "scoring": name, "grouping": "", "K": None, "scaling": "", "stage1_ppl": None, "key": key} for name, key in teachers]
     for r in rows:
         s2 = data.stage2.get(r["key"], {})
@@ -117,7 +106,7 @@ def outcome(data: RunData) -> dict:
         "promoted_distilled": sum(r["kind"] == "student" and r["status"] in ("ok", "pruned") for r in rows),
         "evaluated": sum(r["eval"] == "ok" for r in students),
         "eval_failed": sum(r["eval"] == "failed" for r in students),
-        "teacher_evaluated": data.stage3.get("teacher", {}).get("status") == "ok",
+        "teacher_evaluated": data.stage3.get(TEACHER_KEY, {}).get("status") == "ok",
     }
 
 

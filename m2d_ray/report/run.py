@@ -24,8 +24,8 @@ from m2d_ray.report.analysis import (RunData, distill_rows, erank_table, load_ru
                                      selections, val_loss_curves)
 from m2d_ray.report.figures import pyplot, save
 from m2d_ray.report.stage1 import heatmap, write_tables
+from m2d_ray.run_dir import STAGE1_HEATMAP, STAGE1_MD, RunDir
 
-REPORT_DIR = "report"
 
 
 class Table:
@@ -191,7 +191,7 @@ img{max-width:100%;border:1px solid #eee}.note,.files,.meta{color:#666;font-size
 def write_report(run_dir: str | Path) -> Path:
     """Write RUN_DIR/report/ (replacing the previous report as a whole) and return the path of its index.html."""
     data = load_run(run_dir)
-    with atomic_dir(data.run_dir / REPORT_DIR, "report", overwrite=True, what="report directory") as out:
+    with atomic_dir(RunDir(data.run_dir).report, "report", overwrite=True, what="report directory") as out:
         g = data.cfg.grid
         order = {"scoring": list(g.scoring), "grouping": list(g.grouping), "scaling": list(g.scaling)}
         write_tables(data.stage1, order, out)
@@ -202,14 +202,14 @@ def write_report(run_dir: str | Path) -> Path:
             if t.rows or name != "d2d":  # the candidate table only in a run with the d2d baseline
                 t.write(out)
         figs = {
-            "grid": heatmap(data.stage1, order, out / "stage1_heatmap.png", title=f"stage 1: pre-distillation perplexity, k={data.k}"),
+            "grid": heatmap(data.stage1, order, out / STAGE1_HEATMAP, title=f"stage 1: pre-distillation perplexity, k={data.k}"),
             "marginal": marginal_figure(data, rows, out / "marginal.png"),
             "overlap": overlap_figure(tables["overlap"], out / "overlap.png"),
             "erank": erank_figure(data, out / "erank.png"),
             "curves": curves_figure(data, out / "curves.png"),
         }
-        write_text_atomic(out / "index.html", _page(data, tables, figs, (out / "stage1.md").read_text()))
-    return data.run_dir / REPORT_DIR / "index.html"
+        write_text_atomic(out / "index.html", _page(data, tables, figs, (out / STAGE1_MD).read_text()))
+    return RunDir(data.run_dir).report / "index.html"
 
 
 def _img(path: Path | None, alt: str) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from m2d_ray.artifacts import write_text_atomic
 from m2d_ray.report.figures import pyplot, save
+from m2d_ray.run_dir import STAGE1_CSV, STAGE1_MD
 
 #: how a non-ok cell reads in the table ("--" is the paper's mark for numerical instability)
 MARKS = {"diverged": "--", "pruned": "pruned", "failed": "failed"}
@@ -34,7 +35,7 @@ def cell(r: dict | None, fmt: str = "{:.2f}", marks: dict[str, str] = MARKS) -> 
 
 
 def write_tables(records: list[dict], order: dict[str, list], out_dir: str | Path) -> list[Path]:
-    """stage1.csv and stage1.md in `out_dir` (atomic writes); returns the paths."""
+    """The table as CSV and Markdown in `out_dir` (the run directory, or its report; atomic writes); returns the paths."""
     Ks, rows = table(records, order)
     buf = io.StringIO()
     w = csv.writer(buf)
@@ -46,10 +47,10 @@ def write_tables(records: list[dict], order: dict[str, list], out_dir: str | Pat
         md.append(f"| {s.upper()} | {g.upper()} | {c} | " + " | ".join(cell(cells.get(K), "{:,.1f}") for K in Ks) + " |")
     md.append("")
     md.append("Pre-distillation perplexity. `--` diverged (NaN/inf), `pruned` stopped early (far worse than its pair's best).")
-    out = Path(out_dir)
-    write_text_atomic(out / "stage1.csv", buf.getvalue())
-    write_text_atomic(out / "stage1.md", "\n".join(md) + "\n")
-    return [out / "stage1.csv", out / "stage1.md"]
+    csv_path, md_path = Path(out_dir) / STAGE1_CSV, Path(out_dir) / STAGE1_MD
+    write_text_atomic(csv_path, buf.getvalue())
+    write_text_atomic(md_path, "\n".join(md) + "\n")
+    return [csv_path, md_path]
 
 
 def heatmap(records: list[dict], order: dict[str, list], path: str | Path, title: str = "stage 1: pre-distillation perplexity") -> Path:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from m2d_ray.artifacts import write_text_atomic
 from m2d_ray.report.figures import pyplot, save
+from m2d_ray.run_dir import RunDir
 
 COLUMNS = ("key", "pair", "baseline", "stage1_ppl", "status", "steps", "val_ppl_initial", "val_ppl", "best_val_ppl", "tokens_per_s", "student_path")
 NOTE = "`pruned`: stopped early by ASHA on validation loss; `--`: diverged (NaN/inf)."
@@ -18,7 +19,8 @@ def _fmt(v, spec: str = "{:,.2f}") -> str:
 
 
 def write_stage2(records: list[dict], order: list[str], run_dir: str | Path) -> list[Path]:
-    """stage2.csv, stage2.md and stage2_curves.png in `run_dir`, rows in `order` (promotion order, then baselines)."""
+    """The run's stage-2 table (CSV, Markdown) and curves, rows in `order` (promotion order, then baselines)."""
+    rd = RunDir(run_dir)
     pos = {k: i for i, k in enumerate(order)}
     rows = sorted(records, key=lambda r: pos.get(r["key"], len(pos)))
     buf = io.StringIO()
@@ -33,10 +35,9 @@ def write_stage2(records: list[dict], order: list[str], run_dir: str | Path) -> 
         md.append(f"| {r['pair']} ({r['key']}) | {_fmt(r.get('stage1_ppl'), '{:,.1f}')} | {r['status']} | {_fmt(r.get('steps'), '{}')} | "
                   f"{_fmt(r.get('val_ppl_initial'))} | {final} | {_fmt(r.get('best_val_ppl'))} | {_fmt(r.get('tokens_per_s'), '{:,.0f}')} |")
     md += ["", NOTE]
-    out = Path(run_dir)
-    write_text_atomic(out / "stage2.csv", buf.getvalue())
-    write_text_atomic(out / "stage2.md", "\n".join(md) + "\n")
-    return [out / "stage2.csv", out / "stage2.md", curves(rows, out / "stage2_curves.png")]
+    write_text_atomic(rd.stage2_csv, buf.getvalue())
+    write_text_atomic(rd.stage2_md, "\n".join(md) + "\n")
+    return [rd.stage2_csv, rd.stage2_md, curves(rows, rd.stage2_curves)]
 
 
 def curves(records: list[dict], path: Path) -> Path:

@@ -6,22 +6,21 @@
     ASHA on validation loss                 poor students stop early (decisions on a StopBoard actor)
     ledger + MLflow (driver callback)       RUN_DIR/stage2/trials/*.json; nested runs with loss curves
     table                                   RUN_DIR/stage2.csv, stage2.md
-    storage (every node reaches it)         STORAGE/stage2/{init,students,train,tune}/ (default STORAGE = RUN_DIR)
+    storage (every node reaches it)         `RunStorage`: students, checkpoints, Tune state, the text files
 
 Nothing a worker reads comes from the driver's disk: plans travel with the trial (object store), the
-teacher is a hub name, a storage URL or the embedded one (placement.teacher_for_workers). The d2d
-baseline (sweep/d2d.py) is searched by a Ray task first; its promoted spec travels with its trial. Resume (`m2d
-run --resume`) skips students in the ledger and retries failed ones; an unfinished or failed student
-continues from its last checkpoint (same Train run name and storage).
+teacher and the training and validation text through the run's storage (`RunStorage.put_model`,
+`put_data`). The d2d baseline (stages/d2d.py) is searched by a Ray task first; its promoted spec travels
+with its trial, and a failed search is that student's failure, not the run's. Resume (`m2d run --resume`)
+skips students in the ledger and retries failed ones; an unfinished or failed student continues from its
+last checkpoint (same Train run name and storage).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,17 +31,16 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from m2d_ray import storage
 from m2d_ray.config import D2D, SweepConfig, dump_config, load_config
 from m2d_ray.console import say
-from m2d_ray.distill.data import absolute_spec, check_source
-from m2d_ray.errors import M2DError, RunFailed
+from m2d_ray.errors import M2DError
 from m2d_ray.prune.prune import PrunedSpec
-from m2d_ray.sweep.d2d import check_dense_teacher, d2d_student, dense_teacher
-from m2d_ray.sweep.ledger import Ledger
-from m2d_ray.sweep.placement import check_visible, run_storage, teacher_for_workers
-from m2d_ray.sweep.ray_env import ensure_ray, trial_error
-from m2d_ray.sweep.trial import InjectedFault
-from m2d_ray.track import LOGGED_TAG, Tracker, run_tracker, sweep_parent
+from m2d_ray.run_dir import RunDir
+from m2d_ray.stages.d2d import SearchFailed, d2d_student, dense_teacher
+from m2d_ray.stages.ray_env import ensure_ray, trial_error
+from m2d_ray.stages.record import Logged, StageRecorder, fit_tuner
+from m2d_ray.stages.run_storage import RunStorage
+from m2d_ray.stages.trial import InjectedFault
+from m2d_ray.track import run_tracker, sweep_parent
 
-STAGE2_DIR, STAGE2_CONFIG = "stage2", "config.yaml"
 CURVES = ("train_loss", "val_loss", "val_ppl", "lr", "tokens_per_s", "mfu", "train_s", "eval_s", "ckpt_s")  # throughput: training time only
 
 
@@ -93,44 +91,41 @@ class StopCheck:
         return ray.get(self.board.stopped.remote(self.key))
 
 
-def stage2_trainable(config: dict, *, model: str, store: str, plans: dict, cfg: SweepConfig, board, d2d: PrunedSpec | None = None) -> None:
-    """One student: a TorchTrainer whose rank 0 builds the initial student into the run's storage (once)
-    and whose workers read it back through their node's cache; the distilled student goes to storage too.
-    The d2d baseline (`d2d`: its promoted `PrunedSpec`) is built by pruning and distilled from its dense teacher."""
+def stage2_trainable(config: dict, *, model: str, store: RunStorage, plans: dict, cfg: SweepConfig, eval_data: str, board,
+                     d2d: PrunedSpec | None = None) -> None:
+    """One student (`fit_student`): rank 0 builds its initial student into the run's storage once, every
+    rank reads it back; the d2d baseline (`d2d`: its promoted `PrunedSpec`) is pruned and distilled from
+    its dense teacher with the same budget (a dense teacher has no routing to expand)."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     from m2d_ray.convert.initial import InitialStudent
-    from m2d_ray.distill.loop import DistillJob
-    from m2d_ray.distill.trainer import fit
-    from m2d_ray.sweep.grid import plan_of
+    from m2d_ray.stages.grid import plan_of
+    from m2d_ray.stages.student import fit_student
 
     s = Student(**config["student"])
     if s.key in cfg.faults.raise_in:
         raise InjectedFault(f"injected failure in {s.key} (faults.raise_in)")
-    base = storage.join(store, STAGE2_DIR)
     teacher, distill = model, cfg.distill
-    if s.baseline == D2D:  # same budget; a dense teacher has no routing to expand
+    if s.baseline == D2D:
         teacher, distill, build = d2d.teacher, dataclasses.replace(cfg.distill, teacher_topk=None), d2d
     else:
         build = InitialStudent(model, None if s.baseline else plan_of(plans, s.key), s.baseline, cfg.distill.seed)
-    device = "cuda" if cfg.distill.gpus_per_worker > 0 else "cpu"
-    job = DistillJob(teacher, storage.join(base, "init", s.key), distill, cfg.distill.eval_data or cfg.eval.data,
-                     out=storage.join(base, "students", s.key), device=device, stop=StopCheck(board, s.key), build=build)
-    fit(job, name=s.key, storage=storage.join(base, "train"), callbacks=[TuneReportCallback()], max_failures=cfg.ray.max_failures)
+    fit_student(store, s.key, teacher, distill, eval_data, build=build, stop=StopCheck(board, s.key),
+                callbacks=[TuneReportCallback()], max_failures=cfg.ray.max_failures)
 
 
 # ---- records ------------------------------------------------------------------------------------
 class Recorder(tune.Callback):
     """Driver side: loss curves to each student's nested MLflow run as they come; ledger + run status at the end."""
 
-    def __init__(self, todo: dict[str, Student], ledger: Ledger, tracker: Tracker, parent: str) -> None:
-        self.todo, self.ledger, self.tracker, self.parent = todo, ledger, tracker, parent
+    def __init__(self, todo: dict[str, Student], out: StageRecorder) -> None:
+        self.todo, self.out = todo, out
         self.runs: dict[str, str] = {}  # key -> MLflow run id (looked up once per student)
         self.finished = 0
 
     def on_trial_start(self, iteration, trials, trial, **info):
         s = self.todo[trial.config["student"]["key"]]
-        self.runs[s.key] = self.tracker.trial_run(self.parent, f"stage2/{s.key}", {"stage": 2, **s.params()})
+        self.runs[s.key] = self.out.tracker.trial_run(self.out.parent, f"stage2/{s.key}", {"stage": 2, **s.params()})
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         if "val_loss" not in result:
@@ -138,7 +133,7 @@ class Recorder(tune.Callback):
         steps = {k: [(result["step"], result.get(k))] for k in CURVES}
         if len(result["curve"]) == 2:  # the first report of a fresh run also logs the step-0 validation
             steps["val_ppl"].insert(0, tuple(result["curve"][0]))
-        self.tracker.log(self.runs[trial.config["student"]["key"]], steps=steps)
+        self.out.tracker.log(self.runs[trial.config["student"]["key"]], steps=steps)
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         last, key = trial.last_result or {}, trial.config["student"]["key"]
@@ -163,8 +158,7 @@ class Recorder(tune.Callback):
             "student_params": last.get("student_params"), "teacher_active_params": last.get("teacher_active_params"),
             "curve": [[s, _finite(p)] for s, p in full],  # from step 0, across resumes
         }
-        self.ledger.write(r)
-        log_record(self.tracker, self.parent, r)
+        self.out.write(r)
         self.finished += 1
         ppl = f"{r['val_ppl']:.2f}" if r["val_ppl"] is not None else "-"
         say(f"[stage 2 {self.finished}/{len(self.todo)}] {key}: {status} at step {r['steps']}, val ppl {ppl}")
@@ -174,14 +168,11 @@ def _finite(v):
     return v if isinstance(v, (int, float)) and math.isfinite(v) else None
 
 
-def log_record(tracker: Tracker, parent: str, r: dict) -> None:
-    """Idempotent final logging of one student (tag m2d.logged last, as in stage 1)."""
-    run = tracker.trial_run(parent, f"stage2/{r['key']}", {"stage": 2, **{k: r[k] for k in ("key", "pair", "baseline", "stage1_ppl")}})
+def mlflow_fields(r: dict) -> Logged:
+    """A student's final MLflow values (its curves were logged as they came; they keep the plain names)."""
     names = {"val_ppl": "final_val_ppl", "best_val_ppl": "best_val_ppl", "val_ppl_initial": "initial_val_ppl", "tokens_per_s": "mean_tokens_per_s"}
-    metrics = {names[k]: r[k] for k in names if r.get(k) is not None}  # the curves keep the plain names
-    tracker.log(run, metrics=metrics, tags={"status": r["status"], "student_path": r["student_path"], "error": r["error"], "stage": "2"})
-    tracker.finish(run, {"ok": "FINISHED", "diverged": "FINISHED", "pruned": "KILLED", "failed": "FAILED"}[r["status"]])
-    tracker.log(run, tags={LOGGED_TAG: "1"})
+    return Logged({"stage": 2, **{k: r[k] for k in ("key", "pair", "baseline", "stage1_ppl")}},
+                  {names[k]: r[k] for k in names if r.get(k) is not None}, {"student_path": r["student_path"], "stage": "2"})
 
 
 # ---- the sweep ----------------------------------------------------------------------------------
@@ -189,28 +180,19 @@ STAGE1_KEYS = ("model", "calib", "grid")  # what decided the promotions: stage 2
 STAGE2_KEYS = ("distill", "stage2")  # what a started stage 2 must keep (ray, mlflow, stage3 may change)
 
 
-def check_stage2_config(run_dir: Path, cfg: SweepConfig) -> None:
-    """`cfg` may run stage 2 of `run_dir`: stage 1's settings unchanged, and a started stage 2's too."""
-    saved1 = load_config(run_dir / "config.yaml").to_dict()
+def check_stage2_config(rd: RunDir, cfg: SweepConfig) -> None:
+    """`cfg` may run stage 2 of `rd` (checked once, before a command's work): stage 1's settings unchanged,
+    and a started stage 2's too."""
+    saved1 = load_config(rd.config).to_dict()
     new = cfg.to_dict()
     changed = [k for k in STAGE1_KEYS if new[k] != saved1[k]]
     if changed:
-        raise M2DError(f"{', '.join(changed)} differ from stage 1 of {run_dir}; stage 2 distils that run's promotions: use its config")
-    path = run_dir / STAGE2_DIR / STAGE2_CONFIG
-    if path.exists():
-        saved2 = load_config(path).to_dict()
+        raise M2DError(f"{', '.join(changed)} differ from stage 1 of {rd}; stage 2 distils that run's promotions: use its config")
+    if rd.stage2_config.exists():
+        saved2 = load_config(rd.stage2_config).to_dict()
         diff = [k for k in STAGE2_KEYS if new[k] != saved2[k]]
         if diff:
-            raise M2DError(f"stage 2 of {run_dir} was started with other settings ({', '.join(diff)}); resume it unchanged or use a new run directory")
-
-
-def stage2_config(run_dir: Path, cfg: SweepConfig) -> SweepConfig:
-    """The stage-2 config of `run_dir`: checked, and fixed at the first stage-2 start."""
-    check_stage2_config(run_dir, cfg)
-    path = run_dir / STAGE2_DIR / STAGE2_CONFIG
-    if not path.exists():
-        dump_config(cfg, path)
-    return cfg
+            raise M2DError(f"stage 2 of {rd} was started with other settings ({', '.join(diff)}); resume it unchanged or use a new run directory")
 
 
 def _concurrency(cfg: SweepConfig) -> int | None:
@@ -248,60 +230,59 @@ def _scheduler(cfg: SweepConfig, board):
                            grace_period=min(cfg.stage2.grace_evals, evals), reduction_factor=cfg.stage2.reduction_factor)
 
 
-def run_stage2(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None = None) -> list[dict]:
-    """Distil every promotion of the finished stage 1 in `run_dir` (+ baselines); returns the ledger records."""
-    run_dir = Path(run_dir).resolve()
-    prom_file = run_dir / "promotions.json"
-    if not prom_file.exists():
-        raise M2DError(f"{run_dir} has no promotions.json: finish stage 1 first (m2d sweep --resume {run_dir})")
-    cfg = stage2_config(run_dir, cfg)
+def run_stage2(cfg: SweepConfig, run_dir: str | Path | RunDir, tracking_uri: str | None = None, store: RunStorage | None = None) -> list[dict]:
+    """Distil every promotion of the finished stage 1 in `run_dir` (+ baselines), workers reading and
+    writing `store` (default: the config's storage, else the run directory); returns the ledger records."""
+    rd = RunDir(run_dir.path if isinstance(run_dir, RunDir) else run_dir)
+    if not rd.promotions.exists():
+        raise M2DError(f"{rd} has no {rd.promotions.name}: finish stage 1 first (m2d sweep --resume {rd})")
+    if not rd.stage2_config.exists():  # the settings a resumed stage 2 must keep
+        dump_config(cfg, rd.stage2_config)
     params = {f"stage2.{k}": v for k, v in cfg.to_dict()["distill"].items()}  # as written (MLflow params never change)
-    d = cfg.distill  # trials run in their own directories: local data paths made absolute
-    cfg = dataclasses.replace(cfg, distill=dataclasses.replace(d, train_data=absolute_spec(d.train_data), eval_data=absolute_spec(d.eval_data or cfg.eval.data)))
-    promotions = json.loads(prom_file.read_text())
+    promotions = rd.read_promotions()
     model = promotions["teacher"]
     todo_all = students(promotions, cfg.stage2.baselines, cfg.stage2.pairs)
-    ledger = Ledger(run_dir / STAGE2_DIR)
-    tracker = run_tracker(cfg, run_dir, tracking_uri)
-    parent = sweep_parent(tracker, run_dir, cfg.name)
+    tracker = run_tracker(cfg, rd, tracking_uri)
+    parent = sweep_parent(tracker, rd, cfg.name)
     tracker.log(parent, params=params)
-    logged = {k.removeprefix("stage2/") for k in tracker.logged_trials(parent)}
-    for r in ledger.records():  # a kill between the ledger and MLflow: log it now
-        if r["key"] not in logged:
-            log_record(tracker, parent, r)
-    done = {r["key"]: r["status"] for r in ledger.records()}
+    out = StageRecorder(rd.stage2_ledger(), tracker, parent, mlflow_fields, prefix="stage2/")
+    out.reconcile()  # a kill between the ledger and MLflow: logged now
+    done = {r["key"]: r["status"] for r in out.ledger.records()}
     pending = [s for s in todo_all if done.get(s.key, "failed") == "failed"]  # a failed student is tried again
     retried = sum(s.key in done for s in pending)
     say(f"stage 2: {len(todo_all)} students ({len(todo_all) - len(cfg.stage2.baselines)} promoted + baselines), {len(pending)} to distil"
         + (f" ({retried} failed before: retried from their last checkpoint)" if retried else ""))
     if pending:
-        from m2d_ray.models import check_teacher_topk
-
-        check_source(cfg.distill.train_data)
-        check_teacher_topk(model, cfg.distill.teacher_topk)
-        with_d2d = any(s.baseline == D2D for s in pending)
-        if with_d2d:
-            check_dense_teacher(dense_teacher(cfg))
         ensure_ray(cfg.ray)
-        store = run_storage(cfg, run_dir)
-        check_visible(store)
-        plans = {} if all(s.baseline for s in pending) else json.loads((run_dir / "plans.json").read_text())["plans"]
-        workers_model = teacher_for_workers(model, store)
-        d2d = d2d_student(cfg, run_dir, workers_model, teacher_for_workers(dense_teacher(cfg), store)) if with_d2d else None
-        _tune(cfg, workers_model, store, plans, run_dir, pending, Recorder({s.key: s for s in pending}, ledger, tracker, parent), d2d)
-    records = ledger.records()
+        store = store or RunStorage(cfg.storage or str(rd.path))
+        store.check_visible()
+        recorder = Recorder({s.key: s for s in pending}, out)
+        workers_model = store.put_model(model)
+        eval_data = store.put_data(cfg.distill.eval_data or cfg.eval.data)
+        distill = dataclasses.replace(cfg.distill, train_data=store.put_data(cfg.distill.train_data), eval_data=eval_data)
+        d2d = None
+        if any(s.baseline == D2D for s in pending):
+            try:
+                d2d = d2d_student(cfg, rd, store, workers_model, store.put_model(dense_teacher(cfg)))
+            except SearchFailed as exc:  # that student's failure: recorded, and the others go on
+                recorder.record(f"baseline-{D2D}", "failed", {}, error=str(exc))
+                pending = [s for s in pending if s.baseline != D2D]
+        plans = {} if all(s.baseline for s in pending) else rd.read_plans()["plans"]
+        if pending:
+            _tune(dataclasses.replace(cfg, distill=distill), workers_model, store, plans, eval_data, rd, pending, recorder, d2d)
+    records = out.ledger.records()
     from m2d_ray.report.stage2 import write_stage2
 
-    outputs = write_stage2(records, [s.key for s in todo_all], run_dir)
+    outputs = write_stage2(records, [s.key for s in todo_all], rd.path)
     tracker.artifacts(parent, outputs)
     tracker.finish(parent)
     return records
 
 
-def _tune(cfg: SweepConfig, model: str, store: str, plans: dict, run_dir: Path, pending: list[Student], recorder: Recorder,
-          d2d: PrunedSpec | None) -> None:
+def _tune(cfg: SweepConfig, model: str, store: RunStorage, plans: dict, eval_data: str, rd: RunDir, pending: list[Student],
+          recorder: Recorder, d2d: PrunedSpec | None) -> None:
     board = StopBoard.remote()
-    trainable = tune.with_parameters(stage2_trainable, model=model, store=store, plans=plans, cfg=cfg, board=board, d2d=d2d)
+    trainable = tune.with_parameters(stage2_trainable, model=model, store=store, plans=plans, cfg=cfg, eval_data=eval_data, board=board, d2d=d2d)
     tuner = tune.Tuner(
         tune.with_resources(trainable, {"cpu": 0.5}),
         param_space={"student": tune.grid_search([s.params() for s in pending])},
@@ -310,14 +291,11 @@ def _tune(cfg: SweepConfig, model: str, store: str, plans: dict, run_dir: Path, 
             trial_name_creator=lambda t: t.config["student"]["key"], trial_dirname_creator=lambda t: t.config["student"]["key"],
         ),
         run_config=tune.RunConfig(
-            name=f"stage2-{time.strftime('%Y%m%d-%H%M%S')}", **storage.ray_storage(storage.join(store, STAGE2_DIR, "tune")),
+            name=f"stage2-{time.strftime('%Y%m%d-%H%M%S')}", **storage.ray_storage(store.tune(2)),
             callbacks=[recorder], verbose=0, failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
         ),
     )
     try:
-        tuner.fit()
-    except Exception as exc:
-        traceback.print_exc()
-        raise RunFailed(f"Ray Tune stopped ({type(exc).__name__}); finished students are saved: resume with m2d run --resume {run_dir}") from None
+        fit_tuner(tuner, f"m2d run --resume {rd}")
     finally:
         ray.kill(board)

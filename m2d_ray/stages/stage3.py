@@ -19,19 +19,17 @@ from pathlib import Path
 
 import ray
 
+from m2d_ray import storage
 from m2d_ray.artifacts import write_json_atomic
 from m2d_ray.config import D2D, SweepConfig, Stage3Config
 from m2d_ray.console import say
 from m2d_ray.errors import M2DError
-from m2d_ray import storage
-from m2d_ray.sweep.d2d import TEACHER_KEY as D2D_TEACHER
-from m2d_ray.sweep.d2d import dense_teacher
-from m2d_ray.sweep.ledger import Ledger
-from m2d_ray.sweep.placement import run_storage, teacher_for_workers
-from m2d_ray.sweep.ray_env import ensure_ray
-from m2d_ray.track import LOGGED_TAG, Tracker, run_tracker, sweep_parent
-
-STAGE3_DIR, SUITE_FILE, TEACHER_KEY = "stage3", "suite.json", "teacher"
+from m2d_ray.run_dir import D2D_TEACHER_KEY, TEACHER_KEY, Ledger, RunDir
+from m2d_ray.stages.d2d import dense_teacher
+from m2d_ray.stages.ray_env import ensure_ray
+from m2d_ray.stages.record import Logged, StageRecorder
+from m2d_ray.stages.run_storage import RunStorage
+from m2d_ray.track import run_tracker, sweep_parent
 
 
 @dataclass(frozen=True)
@@ -41,12 +39,11 @@ class EvalJob:
     model: str  # absolute model directory (or hub name for the teacher)
 
 
-def jobs(run_dir: Path, teacher: str, with_teacher: bool, dense: str | None = None) -> list[EvalJob]:
+def jobs(rd: RunDir, teacher: str, with_teacher: bool, dense: str | None = None) -> list[EvalJob]:
     """The models to evaluate: stage-2 students that were exported (to the run's storage), then the teacher
     and, with the d2d baseline, its dense teacher (`dense`)."""
-    records = Ledger(run_dir / "stage2").records() if (run_dir / "stage2" / "trials").exists() else []
-    out = [EvalJob(r["key"], r["pair"], r["student_path"]) for r in records if r.get("student_path") and storage.exists(r["student_path"])]
-    teachers = [EvalJob(TEACHER_KEY, TEACHER_KEY, teacher)] + ([EvalJob(D2D_TEACHER, D2D_TEACHER, dense)] if dense else [])
+    out = [EvalJob(r["key"], r["pair"], r["student_path"]) for r in rd.stage2_records() if r.get("student_path") and storage.exists(r["student_path"])]
+    teachers = [EvalJob(TEACHER_KEY, TEACHER_KEY, teacher)] + ([EvalJob(D2D_TEACHER_KEY, D2D_TEACHER_KEY, dense)] if dense else [])
     return out + (teachers if with_teacher else [])
 
 
@@ -90,51 +87,51 @@ def _suite(c: Stage3Config) -> dict:
     return {"tasks": parse_tasks(c.tasks, c.num_fewshot), "text": text_source(c.tasks), "limit": c.limit}
 
 
-def check_suite(run_dir: Path, c: Stage3Config) -> dict:
+def check_suite(rd: RunDir, c: Stage3Config) -> dict:
     """The suite of `c`; a started stage 3 must keep its suite (two suites would mix in one table)."""
     suite = _suite(c)
-    path = run_dir / STAGE3_DIR / SUITE_FILE
-    if path.exists():
-        saved = json.loads(path.read_text())
+    if rd.suite.exists():
+        saved = json.loads(rd.suite.read_text())
         if saved != json.loads(json.dumps(suite)):
-            raise M2DError(f"stage 3 of {run_dir} used another suite ({saved['tasks']}, limit {saved['limit']}); "
+            raise M2DError(f"stage 3 of {rd} used another suite ({saved['tasks']}, limit {saved['limit']}); "
                            "keep stage3.tasks / num_fewshot / limit unchanged or use a new run directory")
     return suite
 
 
-def run_stage3(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None = None) -> dict[str, dict]:
+def mlflow_fields(r: dict) -> Logged:
+    metrics = {f"acc.{name}": t["score"] for name, t in r["tasks"].items() if t.get("score") is not None}
+    if r.get("mean") is not None:
+        metrics["mean_acc"] = r["mean"]
+    return Logged({"stage": 3, "pair": r["pair"], "model": r["model"]}, metrics, {"stage": "3"})
+
+
+def run_stage3(cfg: SweepConfig, run_dir: str | Path | RunDir, tracking_uri: str | None = None, store: RunStorage | None = None) -> dict[str, dict]:
     """Evaluate every exported student (+ the teacher) of `run_dir`; returns {key: result record}."""
-    run_dir = Path(run_dir).resolve()
-    prom = run_dir / "promotions.json"
-    if not prom.exists():
-        raise M2DError(f"{run_dir} has no promotions.json: run stages 1 and 2 first (m2d run)")
+    rd = RunDir(run_dir.path if isinstance(run_dir, RunDir) else run_dir)
+    if not rd.promotions.exists():
+        raise M2DError(f"{rd} has no {rd.promotions.name}: run stages 1 and 2 first (m2d run)")
     c = cfg.stage3
-    base = run_dir / STAGE3_DIR
-    suite = check_suite(run_dir, c)  # checks a text:PATH file on the driver
-    if not (base / SUITE_FILE).exists():
-        write_json_atomic(base / SUITE_FILE, suite)
-    results = base / "results"
-    results.mkdir(parents=True, exist_ok=True)
-    teacher = json.loads(prom.read_text())["teacher"]
-    todo = jobs(run_dir, teacher, c.teacher, dense_teacher(cfg) if D2D in cfg.stage2.baselines else None)
-    done = {p.stem: json.loads(p.read_text()) for p in results.glob("*.json")}
+    suite = check_suite(rd, c)  # checks a text:PATH file on the driver
+    if not rd.suite.exists():
+        write_json_atomic(rd.suite, suite)
+    teacher = rd.read_promotions()["teacher"]
+    todo = jobs(rd, teacher, c.teacher, dense_teacher(cfg) if D2D in cfg.stage2.baselines else None)
+    tracker = run_tracker(cfg, rd, tracking_uri)
+    parent = sweep_parent(tracker, rd, cfg.name)
+    out = StageRecorder(Ledger(rd.stage3_results), tracker, parent, mlflow_fields, prefix="stage3/")
+    out.reconcile()  # a kill between the result file and MLflow
+    done = {r["key"]: r for r in out.ledger.records()}
     pending = [j for j in todo if done.get(j.key, {}).get("status") != "ok"]  # a failed model is tried again
     retried = sum(j.key in done for j in pending)
     say(f"stage 3: {len(todo)} models ({c.tasks}), {len(pending)} to evaluate" + (f" ({retried} failed before: retried)" if retried else ""))
-    tracker = run_tracker(cfg, run_dir, tracking_uri)
-    parent = sweep_parent(tracker, run_dir, cfg.name)
-    logged = tracker.logged_trials(parent)
-    for key, r in done.items():  # a kill between the result file and MLflow
-        if f"stage3/{key}" not in logged:
-            _log(tracker, parent, r)
     if pending:
         ensure_ray(cfg.ray)
-        store = run_storage(cfg, run_dir)
+        store = store or RunStorage(cfg.storage or str(rd.path))
         gpus = _gpus(cfg)
         device = "cuda" if gpus > 0 else "cpu"
         opts = {"num_cpus": c.cpus_per_task, "num_gpus": gpus, "max_retries": cfg.ray.max_failures}
         text = Path(suite["text"]).read_bytes() if suite["text"] else None
-        teachers = {j.key: teacher_for_workers(j.model, store) for j in pending if j.key in (TEACHER_KEY, D2D_TEACHER)}
+        teachers = {j.key: store.put_model(j.model) for j in pending if j.key in (TEACHER_KEY, D2D_TEACHER_KEY)}
         refs = {_evaluate_task.options(**opts).remote(teachers.get(j.key, j.model), suite["tasks"], asdict(c), device, text): j
                 for j in pending}
         while refs:
@@ -144,20 +141,9 @@ def run_stage3(cfg: SweepConfig, run_dir: str | Path, tracking_uri: str | None =
                 r = {**asdict(job), "status": "ok", **ray.get(ready[0])}
             except Exception as exc:  # one model failing does not stop the others
                 r = {**asdict(job), "status": "failed", "error": str(exc).strip().splitlines()[-1][:300], "tasks": {}, "mean": None}
-            write_json_atomic(results / f"{job.key}.json", r)
+            out.write(r)
             done[job.key] = r
-            _log(tracker, parent, r)
             mean = f"{r['mean']:.4f}" if r.get("mean") is not None else r["status"]
             say(f"[stage 3 {len(done)}/{len(todo)}] {job.key}: mean accuracy {mean}")
     tracker.finish(parent)
     return done
-
-
-def _log(tracker: Tracker, parent: str, r: dict) -> None:
-    run = tracker.trial_run(parent, f"stage3/{r['key']}", {"stage": 3, "pair": r["pair"], "model": r["model"]})
-    metrics = {f"acc.{name}": t["score"] for name, t in r["tasks"].items() if t.get("score") is not None}
-    if r.get("mean") is not None:
-        metrics["mean_acc"] = r["mean"]
-    tracker.log(run, metrics=metrics, tags={"status": r["status"], "error": r.get("error"), "stage": "3"})
-    tracker.finish(run, "FINISHED" if r["status"] == "ok" else "FAILED")
-    tracker.log(run, tags={LOGGED_TAG: "1"})

@@ -11,15 +11,15 @@
                                 and it is distilled from the dense teacher with the same budget as every
                                 other student (distill.teacher_topk does not apply: a dense teacher has no routing)
 
-Nothing crosses nodes through the driver's disk: the teacher goes as `placement.teacher_for_workers`
-gives it, the spec travels with the trial (object store).
+Nothing crosses nodes through the driver's disk: the teachers and the calibration and evaluation text go
+through the run's storage (`RunStorage`), the spec travels with the trial (object store). A search that
+fails (on the worker: its data, its memory, a lost node) is that baseline's failure (`SearchFailed`), not
+the run's: stage 2 records it and distils the other students.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
-from pathlib import Path
 
 import ray
 
@@ -27,14 +27,15 @@ from m2d_ray.arch.dense import DenseSizes
 from m2d_ray.artifacts import write_json_atomic, write_text_atomic
 from m2d_ray.config import CalibConfig, EvalConfig, SweepConfig
 from m2d_ray.console import say
-from m2d_ray.distill.data import absolute_spec
-from m2d_ray.errors import M2DError, RunFailed
-from m2d_ray.prune.export import IMPORTANCE_FILE, candidates_table
+from m2d_ray.prune.export import candidates_table
 from m2d_ray.prune.importance import Importance
 from m2d_ray.prune.prune import PrunedSpec
+from m2d_ray.run_dir import RunDir
+from m2d_ray.stages.run_storage import RunStorage
 
-D2D_DIR, SEARCH_FILE = "d2d", "search.json"
-TEACHER_KEY = "teacher-d2d"  # stage 3's key of the dense teacher (the D2D row's reference)
+
+class SearchFailed(RuntimeError):
+    """The d2d candidate search failed on its worker (the message says why, in one line)."""
 
 
 def dense_teacher(cfg: SweepConfig) -> str:
@@ -60,7 +61,7 @@ def _search_task(dense: str, moe: str, calib: CalibConfig, ev: EvalConfig, devic
     import torch
 
     from m2d_ray.models import load_model
-    from m2d_ray.prune.command import data_specs, load_tokens
+    from m2d_ray.prune.data import data_specs, load_tokens
     from m2d_ray.prune.search import moe_student_params, search
 
     torch.set_num_threads(threads)
@@ -72,39 +73,30 @@ def _search_task(dense: str, moe: str, calib: CalibConfig, ev: EvalConfig, devic
     return {"rows": res.rows, "spec": res.best, "target": target, "calib_data": spec, "calib_tokens": tokens.n_tokens, "eval_data": eval_spec}
 
 
-def d2d_student(cfg: SweepConfig, run_dir: Path, moe: str, dense: str) -> PrunedSpec:
+def d2d_student(cfg: SweepConfig, rd: RunDir, store: RunStorage, moe: str, dense: str) -> PrunedSpec:
     """The promoted D2D candidate of this run (`moe`, `dense`: the teachers as workers reach them): searched
-    once on Ray, its record kept in RUN_DIR/stage2/d2d/ and reused on resume."""
-    base = run_dir / "stage2" / D2D_DIR
-    if (base / SEARCH_FILE).exists():
-        saved = json.loads((base / SEARCH_FILE).read_text())
-        return PrunedSpec(dense, DenseSizes(**saved["sizes"]), Importance.load(base / IMPORTANCE_FILE), saved["candidate"])
+    once on Ray, its record kept in RUN_DIR/stage2/d2d/ and reused on resume; `SearchFailed` if the search fails."""
+    saved = rd.read_d2d_search()
+    if saved is not None:
+        return PrunedSpec(dense, DenseSizes(**saved["sizes"]), Importance.load(rd.d2d_importance), saved["candidate"])
     say(f"stage 2: d2d: pruning {dense_teacher(cfg)} to the K = k student's parameter count (candidate search)")
     gpus = 1.0 if cfg.distill.gpus_per_worker > 0 else 0.0
     task = _search_task.options(num_cpus=cfg.distill.cpus_per_worker, num_gpus=gpus, max_retries=cfg.ray.max_failures)
-    calib, ev = replace(cfg.calib, data=absolute_spec(cfg.calib.data)), replace(cfg.eval, data=absolute_spec(cfg.eval.data))
+    calib, ev = replace(cfg.calib, data=store.put_data(cfg.calib.data)), replace(cfg.eval, data=store.put_data(cfg.eval.data))
     try:
         out = ray.get(task.remote(dense, moe, calib, ev, "cuda" if gpus else "cpu", cfg.distill.threads_per_worker))
-    except ray.exceptions.RayTaskError as exc:
-        if isinstance(exc.cause, M2DError):
-            raise exc.cause from None
-        raise RunFailed(f"the d2d candidate search failed ({type(exc.cause).__name__}: {str(exc.cause).splitlines()[0][:200]}); "
-                        f"fix it and resume: m2d run --resume {run_dir}") from None
+    except (ray.exceptions.RayTaskError, ray.exceptions.RayError) as exc:
+        cause = getattr(exc, "cause", None) or exc
+        raise SearchFailed(f"the d2d candidate search failed ({type(cause).__name__}: {str(cause).strip().splitlines()[0][:200]})") from None
     spec: PrunedSpec = out["spec"]
     for r in out["rows"]:
         say(f"stage 2: d2d candidate {r['candidate']} ({r['kind']}): {r['params']:,} parameters, pre-distillation ppl "
             + ("diverged" if r["diverged"] else f"{r['ppl']:.3f}") + (" <- promoted" if r["best"] else ""))
-    base.mkdir(parents=True, exist_ok=True)
-    spec.importance.save(base / IMPORTANCE_FILE)
+    rd.d2d.mkdir(parents=True, exist_ok=True)
+    spec.importance.save(rd.d2d_importance)
     table_csv, table_md = candidates_table(out["rows"])
-    write_text_atomic(base / "candidates.csv", table_csv)
-    write_text_atomic(base / "candidates.md", table_md)
+    write_text_atomic(rd.d2d_candidates_csv, table_csv)
+    write_text_atomic(rd.d2d_candidates_md, table_md)
     record = {k: out[k] for k in ("rows", "target", "calib_data", "calib_tokens", "eval_data")}
-    write_json_atomic(base / SEARCH_FILE, {**record, "teacher": dense_teacher(cfg), "candidate": spec.name, "sizes": spec.sizes.to_json()})  # last
+    write_json_atomic(rd.d2d_search, {**record, "teacher": dense_teacher(cfg), "candidate": spec.name, "sizes": spec.sizes.to_json()})  # last
     return spec
-
-
-def search_record(run_dir: Path) -> dict | None:
-    """RUN_DIR/stage2/d2d/search.json (for the report), or None before the search."""
-    path = Path(run_dir) / "stage2" / D2D_DIR / SEARCH_FILE
-    return json.loads(path.read_text()) if path.exists() else None

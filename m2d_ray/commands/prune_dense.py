@@ -11,40 +11,19 @@ family and files, the budget or sizes (from the config alone), the data specs an
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-
-from torch import Tensor
 
 from m2d_ray.arch.dense import DenseSizes, get_dense_adapter
 from m2d_ray.artifacts import check_output
-from m2d_ray.calibrate.tokens import EMBEDDED_EVAL, calibration_tokens, resolve_calib
-from m2d_ray.data.text import TokenSet, check_spec, load_text, tokenize
+from m2d_ray.console import emit
 from m2d_ray.errors import M2DError
-from m2d_ray.models import default_dense_teacher, is_embedded
+from m2d_ray.evaluate.perplexity import EVAL_MAX_CHARS
+from m2d_ray.models import default_dense_teacher, device_default
 from m2d_ray.prune import importance as imp_mod
+from m2d_ray.prune.data import data_specs, load_tokens
 from m2d_ray.prune.export import export_pruned
 from m2d_ray.prune.search import candidates, count_params, moe_student_params, score, search
-
-HUB_EVAL = "wikitext2:test"
-
-
-def data_specs(name: str, calib_data: str | None, eval_data: str | None, scored: bool) -> tuple[str, str | None]:
-    """(calibration, evaluation) data of a dense teacher, checked before any weights are read: the embedded
-    twin defaults to its synthetic corpus, other teachers to WikiText; evaluation data only when scored or given."""
-    embedded = is_embedded(name)
-    calib = resolve_calib(calib_data, None if embedded else name)
-    check_spec(calib, "calibration data")
-    ev = eval_data if eval_data is not None or not scored else (EMBEDDED_EVAL if embedded else HUB_EVAL)
-    if ev:
-        check_spec(ev, "evaluation data")
-    return calib, ev
-
-
-def load_tokens(name: str, tokenizer, calib_spec: str, eval_spec: str | None, seq_len: int, max_tokens: int,
-                max_chars: int | None) -> tuple[str, TokenSet, Tensor | None]:
-    """(calibration spec, calibration tokens, evaluation ids or None) for the importance pass and the scoring."""
-    spec, calib = calibration_tokens(tokenizer, calib_spec, None if is_embedded(name) else name, seq_len, max_tokens)
-    return spec, calib, tokenize(tokenizer, load_text(eval_spec), max_chars=max_chars) if eval_spec else None
 
 
 def prune_dense(model: str | None, out: str | Path, target_params: int | None = None, match: str | None = None,
@@ -53,7 +32,6 @@ def prune_dense(model: str | None, out: str | Path, target_params: int | None = 
                 overwrite: bool = False) -> dict:
     from m2d_ray.checkpoint import check_files
     from m2d_ray.models import load_config, load_model, load_tokenizer
-    from m2d_ray.pipeline import EVAL_MAX_CHARS, device_default
     from m2d_ray.prune.prune import check_sizes, prune
 
     given = {k: v for k, v in (sizes or {}).items() if v is not None}
@@ -97,3 +75,11 @@ def prune_dense(model: str | None, out: str | Path, target_params: int | None = 
     info = {**result, "importance": imp_mod.CHOICES, "params_counted": "sum of model.parameters(): tied embeddings once"}
     export_pruned(student, tokenizer, out, chosen, imp, info, rows=rows, overwrite=overwrite)
     return result
+
+
+def main(args) -> None:
+    from m2d_ray.commands.calibrate import calib_options
+
+    emit(json.dumps(prune_dense(args.model, args.out, target_params=args.target_params, match=args.match,
+                                sizes={k: getattr(args, k) for k in ("hidden", "ffn", "heads", "layers")}, calib_data=args.calib_data,
+                                eval_data=args.eval_data, device=args.device, overwrite=args.overwrite, **calib_options(args))))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import time
-import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ import ray
 import torch
 from ray import tune
 
+from m2d_ray import storage
 from m2d_ray.artifacts import write_json_atomic, write_marker
 from m2d_ray.calibrate.artifact import StatsArtifact
 from m2d_ray.calibrate.ray_data import calibrate_ray
@@ -32,20 +32,17 @@ from m2d_ray.calibrate.tokens import calibration_tokens
 from m2d_ray.config import SweepConfig, dump_config, load_config
 from m2d_ray.console import say
 from m2d_ray.data.text import load_text, tokenize
-from m2d_ray import storage
-from m2d_ray.errors import M2DError, RunFailed
+from m2d_ray.errors import M2DError
 from m2d_ray.report.stage1 import heatmap, write_tables
-from m2d_ray.sweep.grid import TrialSpec, Unique, dedupe, expand, plan_all, plan_of
-from m2d_ray.sweep.ledger import Ledger
-from m2d_ray.sweep.placement import check_visible, run_storage, teacher_for_workers
-from m2d_ray.sweep.promote import promote, unpromoted
-from m2d_ray.sweep.ray_env import ensure_ray, trial_error
-from m2d_ray.sweep.scheduler import PairwiseStopper
-from m2d_ray.sweep.trial import InjectedFault, run_trial
-from m2d_ray.track import LOGGED_TAG, Tracker, run_tracker
-
-CONFIG_FILE, STATE_FILE, PLANS_FILE, PROMOTIONS_FILE = "config.yaml", "sweep.json", "plans.json", "promotions.json"
-PROBES_FILE = "probes.json"  # first-chunk perplexity of every distinct student (the probe round)
+from m2d_ray.run_dir import RunDir
+from m2d_ray.stages.grid import TrialSpec, Unique, dedupe, expand, plan_all, plan_of
+from m2d_ray.stages.promote import promote, unpromoted
+from m2d_ray.stages.ray_env import ensure_ray, trial_error
+from m2d_ray.stages.record import Logged, StageRecorder, fit_tuner
+from m2d_ray.stages.run_storage import RunStorage
+from m2d_ray.stages.scheduler import PairwiseStopper
+from m2d_ray.stages.trial import InjectedFault, run_trial
+from m2d_ray.track import run_tracker
 
 
 @dataclass
@@ -118,29 +115,21 @@ def make_record(spec: TrialSpec, plan: dict, status: str, partials: list[tuple[i
     }
 
 
-def log_record(tracker: Tracker, parent: str, r: dict) -> None:
-    """Idempotent: the config's nested run (found or created) gets the record and is terminated.
-
-    The `m2d.logged` tag is set last, so a kill anywhere before it leaves the run to be redone by
-    `_reconcile` on resume (a kill after the metrics but before termination would otherwise leave
-    the run RUNNING forever).
-    """
-    run = tracker.trial_run(parent, r["key"], {k: r[k] for k in ("scoring", "grouping", "scaling", "K")})
+def mlflow_fields(r: dict) -> Logged:
+    """A config's nested MLflow run: its recipe, perplexity (and the partial ones), selection and status."""
     metrics = {"effective_rank": r["effective_rank"]}
     if r["ppl"] is not None:
         metrics["perplexity"] = r["ppl"]
-    tags = {"status": r["status"], "signature": r["signature"], "duplicate_of": r["duplicate_of"], "error": r["error"],
-            "selected": json.dumps(r["selected"])}
-    tracker.log(run, metrics=metrics, tags=tags, steps={"partial_perplexity": [tuple(p) for p in r["partials"]]})
-    tracker.finish(run, {"ok": "FINISHED", "diverged": "FINISHED", "pruned": "KILLED", "failed": "FAILED"}[r["status"]])
-    tracker.log(run, tags={LOGGED_TAG: "1"})
+    tags = {"signature": r["signature"], "duplicate_of": r["duplicate_of"], "selected": json.dumps(r["selected"])}
+    return Logged({k: r[k] for k in ("scoring", "grouping", "scaling", "K")}, metrics, tags,
+                  {"partial_perplexity": [tuple(p) for p in r["partials"]]})
 
 
 class Recorder(tune.Callback):
     """Driver side: on each finished Tune trial, write the ledger for every config of its student, then MLflow."""
 
-    def __init__(self, uniques: dict[str, Unique], plans: dict, ledger: Ledger, tracker: Tracker, parent: str, attempt: str) -> None:
-        self.uniques, self.plans, self.ledger, self.tracker, self.parent = uniques, plans, ledger, tracker, parent
+    def __init__(self, uniques: dict[str, Unique], plans: dict, out: StageRecorder, attempt: str) -> None:
+        self.uniques, self.plans, self.out = uniques, plans, out
         self.attempt = attempt
         self.partials: dict[str, list[tuple[int, float]]] = {}
         self.probes: dict[str, float] = {}  # probe round: key -> first-chunk perplexity
@@ -150,7 +139,7 @@ class Recorder(tune.Callback):
     def on_trial_start(self, iteration, trials, trial, **info):
         key = trial.config["key"]
         self.partials[key] = []
-        self.tracker.trial_run(self.parent, key, self.uniques[key].canonical.params())
+        self.out.tracker.trial_run(self.out.parent, key, self.uniques[key].canonical.params())
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         if "chunk" in result:
@@ -182,9 +171,9 @@ class Recorder(tune.Callback):
             for m in u.members
         ]
         for r in records:  # ledger first (source of truth), then MLflow (reconciled on resume)
-            self.ledger.write(r)
+            self.out.ledger.write(r)
         for r in records:
-            log_record(self.tracker, self.parent, r)
+            self.out.log(r)
         self.finished += 1
         self.full += status in ("ok", "diverged")
         ppl = f"{last['ppl']:.2f}" if last.get("ppl") is not None and math.isfinite(last["ppl"]) else "-"
@@ -193,77 +182,77 @@ class Recorder(tune.Callback):
 
 
 # ---- the sweep -----------------------------------------------------------------------------------
-def read_run_dir(run_dir: Path) -> tuple[SweepConfig, dict]:
+def read_run_dir(rd: RunDir) -> tuple[SweepConfig, dict]:
     """The saved config and state of a sweep to resume."""
-    state_file = run_dir / STATE_FILE
-    if not state_file.exists():
-        raise M2DError(f"{run_dir} holds no sweep to resume (no {STATE_FILE}); start one with m2d sweep CONFIG --out {run_dir}")
-    return load_config(run_dir / CONFIG_FILE), json.loads(state_file.read_text())
+    if not rd.state.exists():
+        raise M2DError(f"{rd} holds no sweep to resume (no {rd.state.name}); start one with m2d sweep CONFIG --out {rd}")
+    return load_config(rd.config), json.loads(rd.state.read_text())
 
 
-def new_run_dir(cfg: SweepConfig, run_dir: Path) -> dict:
+def new_run_dir(cfg: SweepConfig, rd: RunDir) -> dict:
     """Refuse a directory that holds a sweep; save the config and a fresh state."""
-    if (run_dir / STATE_FILE).exists():
-        raise M2DError(f"{run_dir} already holds a sweep; resume it with --resume {run_dir} or choose another --out")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_marker(run_dir, "run")
-    dump_config(cfg, run_dir / CONFIG_FILE)
+    if rd.state.exists():
+        raise M2DError(f"{rd} already holds a sweep; resume it with --resume {rd} or choose another --out")
+    rd.path.mkdir(parents=True, exist_ok=True)
+    write_marker(rd.path, "run")
+    dump_config(cfg, rd.config)
     state = {"sweep_id": uuid.uuid4().hex, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "attempts": 0}
-    write_json_atomic(run_dir / STATE_FILE, state)
+    write_json_atomic(rd.state, state)
     return state
 
 
-def _stats(cfg: SweepConfig, model: str, remote: str, run_dir: Path, tokenizer) -> StatsArtifact:
+def _stats(cfg: SweepConfig, model: str, remote: str, rd: RunDir, tokenizer) -> StatsArtifact:
     """The run's statistics (driver-side artifact); the actors load the teacher from `remote`."""
     spec, tokens = calibration_tokens(tokenizer, cfg.calib.data, cfg.model, cfg.calib.seq_len, cfg.calib.max_tokens)
-    art, reused = calibrate_ray(model, tokens, spec, run_dir / "stats", batch_size=cfg.calib.batch_size, actors=cfg.ray.data_actors,
+    art, reused = calibrate_ray(model, tokens, spec, rd.stats, batch_size=cfg.calib.batch_size, actors=cfg.ray.data_actors,
                                 gpus_per_actor=cfg.ray.data_gpus_per_actor, threads=cfg.ray.threads_per_worker, load_from=remote,
                                 stream=cfg.calib.stream, max_memory=cfg.calib.max_memory)
     say(f"statistics: {'reused' if reused else 'computed'} {art.manifest['n_tokens']} tokens, sha256 {art.checksum[:12]}")
     return art
 
 
-def _plans(cfg: SweepConfig, model: str, run_dir: Path, art: StatsArtifact, specs: list[TrialSpec]) -> dict:
-    path = run_dir / PLANS_FILE
-    if path.exists():
-        saved = json.loads(path.read_text())
+def _plans(cfg: SweepConfig, model: str, rd: RunDir, art: StatsArtifact, specs: list[TrialSpec]) -> dict:
+    if rd.plans.exists():
+        saved = rd.read_plans()
         if saved["stats_sha256"] == art.checksum and set(saved["plans"]) >= {s.key for s in specs}:
             return saved["plans"]
     tensors = {k: v for i, st in art.layers.items() for k, v in st.to_tensors(f"layer{i}.").items()}
     plans = ray.get(_plan_task.remote(model, tensors, sorted(art.layers), specs, cfg.ray.threads_per_worker))
-    write_json_atomic(path, {"stats_sha256": art.checksum, "plans": plans})
+    write_json_atomic(rd.plans, {"stats_sha256": art.checksum, "plans": plans})
     return plans
 
 
-def run_stage1(cfg: SweepConfig | None, run_dir: str | Path, resume: bool = False, tracking_uri: str | None = None) -> Stage1Result:
-    """Run (or resume) the stage-1 grid of `cfg` into `run_dir`; see the module docstring."""
+def run_stage1(cfg: SweepConfig | None, run_dir: str | Path | RunDir, resume: bool = False, tracking_uri: str | None = None,
+               store: RunStorage | None = None) -> Stage1Result:
+    """Run (or resume: `cfg` None, the saved one) the stage-1 grid into `run_dir`, workers reading and
+    writing `store` (default: the config's storage, else the run directory); see the module docstring."""
     from m2d_ray.arch import get_adapter
     from m2d_ray.models import absolute, default_teacher, load_tokenizer
     from m2d_ray.models import load_config as model_config
 
     t0 = time.time()
-    run_dir = Path(run_dir).resolve()
+    rd = RunDir(run_dir.path if isinstance(run_dir, RunDir) else run_dir)
     if resume:
-        cfg, state = read_run_dir(run_dir)
+        cfg, state = read_run_dir(rd)
     model = absolute(cfg.model or default_teacher())
     mcfg = model_config(model)
     adapter = get_adapter(mcfg)
     k, E = adapter.top_k(mcfg), adapter.num_experts(mcfg)
     specs = expand(cfg.grid, k, E)  # validates K against [k, E] before anything is written
     if not resume:
-        state = new_run_dir(cfg, run_dir)
+        state = new_run_dir(cfg, rd)
     state["attempts"] += 1
     attempt = f"{state['sweep_id'][:8]}-{state['attempts']}"
-    write_json_atomic(run_dir / STATE_FILE, state)
+    write_json_atomic(rd.state, state)
 
-    tracker = run_tracker(cfg, run_dir, tracking_uri)
+    tracker = run_tracker(cfg, rd, tracking_uri)
     ensure_ray(cfg.ray)
-    store = run_storage(cfg, run_dir)
-    check_visible(store)
-    remote = teacher_for_workers(model, store)  # what the workers load
+    store = store or RunStorage(cfg.storage or str(rd.path))
+    store.check_visible()
+    remote = store.put_model(model)  # what the workers load
     tokenizer = load_tokenizer(model)
-    art = _stats(cfg, model, remote, run_dir, tokenizer)
-    plans = _plans(cfg, remote, run_dir, art, specs)
+    art = _stats(cfg, model, remote, rd, tokenizer)
+    plans = _plans(cfg, remote, rd, art, specs)
     uniques = dedupe(specs, plans, cfg.search.dedupe)
     parent = tracker.parent_run(
         state["sweep_id"], cfg.name,
@@ -271,24 +260,26 @@ def run_stage1(cfg: SweepConfig | None, run_dir: str | Path, resume: bool = Fals
                 "stats_sha256": art.checksum, "calib_tokens": art.manifest["n_tokens"], "eval_data": cfg.eval.data,
                 "grid.K": ",".join(map(str, sorted({s.K for s in specs}))), "early_stop": cfg.search.early_stop,
                 "stop_factor": cfg.search.stop_factor, "dedupe": cfg.search.dedupe},
-        tags={"run_dir": str(run_dir), "teacher": model},
+        tags={"run_dir": str(rd), "teacher": model},
     )
-    ledger = Ledger(run_dir)
-    _reconcile(ledger, uniques, tracker, parent)
+    out = StageRecorder(rd.stage1_ledger(), tracker, parent, mlflow_fields)
+    _copy_to_identical(out, uniques)
+    out.reconcile()
+    ledger = out.ledger
     pending = [u for u in uniques if u.canonical.key not in ledger.done()]
     say(f"stage 1: {len(specs)} configs, {len(uniques)} distinct students, {len(pending)} to evaluate")
 
     ids = tokenize(tokenizer, load_text(cfg.eval.data), max_chars=cfg.eval.max_chars) if pending else None
-    recorder = Recorder({u.canonical.key: u for u in pending}, plans, ledger, tracker, parent, attempt)
+    recorder = Recorder({u.canonical.key: u for u in pending}, plans, out, attempt)
     run = lambda units, phase, stopper=None, max_chunks=None: _tune(  # noqa: E731
-        cfg, remote, store, plans, units, ids, recorder, f"stage1-{attempt}-{phase}", stopper, max_chunks)
+        cfg, remote, store, plans, units, ids, recorder, f"stage1-{attempt}-{phase}", rd, stopper, max_chunks)
     stopper = None
     if pending and cfg.search.early_stop:
         stopper = PairwiseStopper(cfg.search.stop_factor, cfg.search.grace_chunks, pairs={u.canonical.key: u.pairs for u in uniques})
         stopper.seed(ledger.records())
     probed = 0
     if stopper and cfg.search.probe and cfg.eval.chunks > 1:
-        recorder.probes, recorder.probe_file = _load_probes(run_dir), run_dir / PROBES_FILE
+        recorder.probes, recorder.probe_file = _load_probes(rd), rd.probes
         todo = [u for u in pending if u.canonical.key not in recorder.probes]
         if todo:
             run(todo, "probe", max_chunks=1)
@@ -298,13 +289,12 @@ def run_stage1(cfg: SweepConfig | None, run_dir: str | Path, resume: bool = Fals
     if pending:
         run(pending, "eval", stopper)
     records = ledger.records()
-    promotions = _finish(cfg, run_dir, records, tracker, parent, model, art, k, E)
-    return Stage1Result(run_dir, records, promotions, probed, recorder.trials, recorder.full, recorder.chunks, time.time() - t0)
+    promotions = _finish(cfg, rd, records, tracker, parent, model, art, k, E)
+    return Stage1Result(rd.path, records, promotions, probed, recorder.trials, recorder.full, recorder.chunks, time.time() - t0)
 
 
-def _load_probes(run_dir: Path) -> dict[str, float]:
-    path = run_dir / PROBES_FILE
-    return json.loads(path.read_text()) if path.exists() else {}
+def _load_probes(rd: RunDir) -> dict[str, float]:
+    return json.loads(rd.probes.read_text()) if rd.probes.exists() else {}
 
 
 def _after_probes(pending: list[Unique], probes: dict[str, float], stopper: PairwiseStopper, recorder: Recorder) -> list[Unique]:
@@ -322,22 +312,18 @@ def _after_probes(pending: list[Unique], probes: dict[str, float], stopper: Pair
     return survivors
 
 
-def _reconcile(ledger: Ledger, uniques: list[Unique], tracker: Tracker, parent: str) -> None:
-    """After a kill: copy finished results to identical configs missing a record; log unlogged records."""
-    done = ledger.done()
+def _copy_to_identical(out: StageRecorder, uniques: list[Unique]) -> None:
+    """After a kill: copy finished results to identical configs missing a record."""
+    done = out.ledger.done()
     for u in uniques:
         if u.canonical.key in done:
-            src = ledger.read(u.canonical.key)
+            src = out.ledger.read(u.canonical.key)
             for m in u.members[1:]:
                 if m.key not in done:
-                    ledger.write({**src, **m.params(), "key": m.key, "duplicate_of": u.canonical.key})
-    logged = tracker.logged_trials(parent)
-    for r in ledger.records():
-        if r["key"] not in logged:
-            log_record(tracker, parent, r)
+                    out.ledger.write({**src, **m.params(), "key": m.key, "duplicate_of": u.canonical.key})
 
 
-def _tune(cfg, model, store: str, plans, units: list[Unique], ids, recorder: Recorder, name: str,
+def _tune(cfg, model, store: RunStorage, plans, units: list[Unique], ids, recorder: Recorder, name: str, rd: RunDir,
           stopper: PairwiseStopper | None = None, max_chunks: int | None = None) -> None:
     """One Tune run over `units` (grid order = the order given); results go through `recorder`."""
     recorder.total, recorder.finished = len(units), 0
@@ -355,31 +341,27 @@ def _tune(cfg, model, store: str, plans, units: list[Unique], ids, recorder: Rec
             trial_name_creator=lambda t: t.config["key"], trial_dirname_creator=lambda t: t.config["key"],
         ),
         run_config=tune.RunConfig(
-            name=name, **storage.ray_storage(storage.join(store, "tune")), callbacks=[recorder], verbose=0,
+            name=name, **storage.ray_storage(store.tune(1)), callbacks=[recorder], verbose=0,
             failure_config=tune.FailureConfig(max_failures=cfg.ray.max_failures, fail_fast=False),
         ),
     )
-    try:
-        tuner.fit()
-    except Exception as exc:  # Tune itself broke (not a trial): keep what the ledger has
-        traceback.print_exc()
-        raise RunFailed(f"Ray Tune stopped ({type(exc).__name__}); finished trials are saved: resume with --resume {recorder.ledger.dir.parent}") from None
+    fit_tuner(tuner, f"--resume {rd}")
 
 
-def _finish(cfg, run_dir, records, tracker, parent, model, art, k, E) -> dict:
+def _finish(cfg, rd: RunDir, records, tracker, parent, model, art, k, E) -> dict:
     order = {"scoring": list(cfg.grid.scoring), "grouping": list(cfg.grid.grouping), "scaling": list(cfg.grid.scaling)}
-    outputs = write_tables(records, order, run_dir)
-    outputs.append(heatmap(records, order, run_dir / "stage1_heatmap.png", title=f"stage 1: {Path(model).name}, k={k}, E={E}"))
+    outputs = write_tables(records, order, rd.path)
+    outputs.append(heatmap(records, order, rd.stage1_heatmap, title=f"stage 1: {Path(model).name}, k={k}, E={E}"))
     promotions = promote(records, list(cfg.grid.scaling))
-    write_json_atomic(run_dir / PROMOTIONS_FILE, {
+    write_json_atomic(rd.promotions, {
         "teacher": model, "stats_sha256": art.checksum, "k": k, "E": E,
         "criterion": f"lowest pre-distillation perplexity on {cfg.eval.data}",
         "pairs": promotions, "unpromoted": unpromoted(records),
     })
-    outputs.append(run_dir / PROMOTIONS_FILE)
+    outputs.append(rd.promotions)
     counts = {s: sum(r["status"] == s for r in records) for s in ("ok", "pruned", "diverged", "failed")}
     tracker.log(parent, metrics={f"configs_{s}": n for s, n in counts.items()}, tags={"promotions": json.dumps({p: f"K={v['K']},{v['scaling']}" for p, v in promotions.items()})})
     tracker.artifacts(parent, outputs)
     tracker.finish(parent)
-    say(f"stage 1 done: {counts}; table {run_dir / 'stage1.md'}")
+    say(f"stage 1 done: {counts}; table {rd.stage1_md}")
     return promotions

@@ -1,0 +1,92 @@
+"""`m2d distill`: one student (a directory, or a baseline name built from the teacher) on Ray Train.
+
+OUT/metrics.jsonl is the validation curve, OUT/result.json the summary, OUT/logs the log; the storage
+(`--storage`, default OUT) holds student/ (the exported student), train/ (the Ray Train checkpoints:
+running the same command again resumes), init/ for a baseline, and what the workers read (the text
+files, and a student directory or teacher on the driver's disk when Ray is a cluster). A finished OUT is
+replaced only with --overwrite, and only once the new student is done (the new run is made in a hidden
+sibling directory, which a killed --overwrite run resumes from).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from m2d_ray.artifacts import check_output, replace_dir, write_json_atomic, write_marker
+from m2d_ray.checkpoint import check_files, scan
+from m2d_ray.commands.runs import keep_logs
+from m2d_ray.config import RayConfig, load_config
+from m2d_ray.console import emit
+from m2d_ray.convert.baselines import BASELINES
+from m2d_ray.data.text import check_spec
+from m2d_ray.distill.data import check_source
+from m2d_ray.errors import M2DError, RunFailed
+from m2d_ray.models import absolute, check_teacher, check_teacher_topk, default_teacher
+from m2d_ray.models import load_config as model_config
+from m2d_ray.stages.run_storage import RunStorage
+
+
+def distill_one(teacher: str | None, student: str, out: str | Path, eval_data: str, config: str | None = None,
+                overrides: list[str] = (), overwrite: bool = False, store: str | None = None) -> dict:
+    from m2d_ray.convert.initial import InitialStudent
+    from m2d_ray.distill.trainer import MetricsLog, follow
+    from m2d_ray.stages.ray_env import ensure_ray
+    from m2d_ray.stages.student import fit_student
+
+    cfg = load_config(config, overrides).distill
+    out = check_output(out, "distillation", overwrite=True).resolve()  # never a file or a foreign directory
+    finished = (out / "result.json").exists()
+    if finished and not overwrite:
+        raise M2DError(f"--out {out} already holds a finished distillation; pass --overwrite to replace it, or choose a new path")
+    teacher = absolute(teacher or default_teacher())
+    check_teacher(teacher)
+    check_teacher_topk(teacher, cfg.teacher_topk)
+    student_dir = None
+    if student not in BASELINES:
+        student_dir = Path(student).expanduser().resolve()
+        if not (student_dir / "config.json").is_file():
+            raise M2DError(f"student {student!r} is neither a model directory nor a baseline: give a directory from m2d convert, or one of {', '.join(BASELINES.names())}")
+        model_config(str(student_dir))
+        check_files(str(student_dir), "student")
+    check_spec(eval_data, "--eval-data")
+    check_source(cfg.train_data)
+    scan(teacher, "teacher")
+    if student_dir is not None:
+        scan(str(student_dir), "student")
+    if store is not None:
+        RunStorage(store).check()
+
+    work = out.with_name(f".{out.name}.m2d-new") if finished else out  # --overwrite: built aside, swapped in at the end
+    work.mkdir(parents=True, exist_ok=True)
+    write_marker(work, "distillation")
+    keep_logs(work)
+    storage = RunStorage(store or str(work))
+    ensure_ray(RayConfig())
+    storage.check_visible()
+    teacher = storage.put_model(teacher)
+    init = storage.put_model(str(student_dir), "student") if student_dir is not None else None
+    build = InitialStudent(teacher, baseline=student, seed=cfg.seed) if student_dir is None else None
+    cfg = dataclasses.replace(cfg, train_data=storage.put_data(cfg.train_data))
+    with follow(work / "metrics.jsonl", out.name, total=cfg.steps):
+        result = fit_student(storage, None, teacher, cfg, storage.put_data(eval_data), build=build, init=init,
+                             callbacks=[MetricsLog(work / "metrics.jsonl")])
+    if result.error is not None:
+        raise RunFailed(f"distillation failed: {str(result.error).splitlines()[0][:300]}; fix it and run the same command to resume")
+    m = result.metrics
+    summary = {
+        "student": RunStorage(store or str(out)).student(), "steps": m["step"], "tokens": m["tokens"], "resumed_from": m["resumed_from"],
+        "first_val_ppl": m["val_ppl_initial"], "last_val_ppl": m["val_ppl"], "tokens_per_s": m["tokens_per_s"],
+        "loss": cfg.loss, "teacher_topk": cfg.teacher_topk, "deepspeed": cfg.deepspeed, "workers": cfg.workers,
+        "metrics": str(out / "metrics.jsonl"),
+    }
+    write_json_atomic(work / "result.json", summary)
+    if work != out:
+        replace_dir(out, work)
+    return summary
+
+
+def main(args) -> None:
+    emit(json.dumps(distill_one(args.teacher, args.student, args.out, args.eval_data, config=args.config, overrides=args.overrides,
+                                overwrite=args.overwrite, store=args.storage)))

@@ -1,0 +1,221 @@
+"""The run directory on the driver: the one owner of its file names, and the readers of what is in it.
+
+    RUN_DIR/
+      m2d_output.json  config.yaml  sweep.json (id, attempts)  run.json (stage wall times)
+      stats/           the statistics artifact                 plans.json  probes.json  promotions.json
+      trials/          stage-1 ledger                          stage1.csv  stage1.md  stage1_heatmap.png
+      stage2/          config.yaml  trials/ (ledger)  d2d/ (search.json, candidates, importance)
+      stage2.csv  stage2.md  stage2_curves.png
+      stage3/          suite.json  results/<key>.json
+      report/  logs/  mlflow.db  mlartifacts/
+
+Only the driver touches it; what Ray workers read or write lives in the run's storage (stages.run_storage).
+A ledger, not Tune's experiment state, is the source of truth for resume: a record file exists only once
+its trial's result is complete, so after a SIGKILL every key with a file is done and every other is run again.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from m2d_ray.artifacts import output_kind, write_json_atomic
+from m2d_ray.errors import M2DError
+from m2d_ray.prune.export import IMPORTANCE_FILE
+
+#: trial outcomes: ok (finished), pruned (early-stopped), diverged (NaN/inf), failed (raised)
+STATUSES = ("ok", "pruned", "diverged", "failed")
+TEACHER_KEY = "teacher"  # stage 3's key of the MoE teacher (the table's reference row)
+D2D_TEACHER_KEY = "teacher-d2d"  # stage 3's key of the d2d baseline's dense teacher
+STAGE1_CSV, STAGE1_MD, STAGE1_HEATMAP = "stage1.csv", "stage1.md", "stage1_heatmap.png"  # in the run directory and its report
+
+
+class Ledger:
+    """One JSON file per finished key, written atomically."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def path(self, key: str) -> Path:
+        return self.dir / f"{key}.json"
+
+    def done(self) -> set[str]:
+        return {p.stem for p in self.dir.glob("*.json")}
+
+    def write(self, record: dict) -> None:
+        assert record["status"] in STATUSES, record["status"]
+        write_json_atomic(self.path(record["key"]), record)
+
+    def read(self, key: str) -> dict:
+        return json.loads(self.path(key).read_text())
+
+    def records(self) -> list[dict]:
+        return [json.loads(p.read_text()) for p in sorted(self.dir.glob("*.json"))]
+
+
+class RunDir:
+    """Paths and readers of one run directory (`RunDir(path)`; nothing is created until written)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).expanduser().resolve()
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    # ---- the run ---------------------------------------------------------------------------
+    @property
+    def config(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def state(self) -> Path:
+        """sweep.json: the run's id (its MLflow parent) and stage-1 attempts."""
+        return self.path / "sweep.json"
+
+    @property
+    def timings(self) -> Path:
+        """run.json: each stage's wall time (m2d run)."""
+        return self.path / "run.json"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    @property
+    def report(self) -> Path:
+        return self.path / "report"
+
+    @property
+    def mlflow_db(self) -> Path:
+        return self.path / "mlflow.db"
+
+    @property
+    def mlartifacts(self) -> Path:
+        return self.path / "mlartifacts"
+
+    def is_run(self) -> bool:
+        """Made by m2d run / sweep: its marker, or an older run's config and state."""
+        return output_kind(self.path) == "run" or (self.config.is_file() and self.state.is_file())
+
+    def sweep_id(self) -> str:
+        return json.loads(self.state.read_text())["sweep_id"]
+
+    def stage_times(self) -> dict:
+        return json.loads(self.timings.read_text()).get("stages", {}) if self.timings.exists() else {}
+
+    # ---- stage 1 ---------------------------------------------------------------------------
+    @property
+    def stats(self) -> Path:
+        return self.path / "stats"
+
+    @property
+    def plans(self) -> Path:
+        return self.path / "plans.json"
+
+    @property
+    def probes(self) -> Path:
+        """First-chunk perplexity of every distinct student (the probe round), saved as they come."""
+        return self.path / "probes.json"
+
+    @property
+    def promotions(self) -> Path:
+        return self.path / "promotions.json"
+
+    @property
+    def stage1_csv(self) -> Path:
+        return self.path / STAGE1_CSV
+
+    @property
+    def stage1_md(self) -> Path:
+        return self.path / STAGE1_MD
+
+    @property
+    def stage1_heatmap(self) -> Path:
+        return self.path / STAGE1_HEATMAP
+
+    def stage1_ledger(self) -> Ledger:
+        return Ledger(self.path / "trials")
+
+    def read_plans(self) -> dict:
+        return json.loads(self.plans.read_text())
+
+    def read_promotions(self) -> dict:
+        if not self.promotions.exists():
+            raise M2DError(f"{self.path} holds no finished stage 1 (no {self.promotions.name}); run m2d run CONFIG --out {self.path} first")
+        return json.loads(self.promotions.read_text())
+
+    # ---- stage 2 ---------------------------------------------------------------------------
+    @property
+    def stage2(self) -> Path:
+        return self.path / "stage2"
+
+    @property
+    def stage2_config(self) -> Path:
+        """The distillation settings fixed at the first stage-2 start."""
+        return self.stage2 / "config.yaml"
+
+    @property
+    def stage2_csv(self) -> Path:
+        return self.path / "stage2.csv"
+
+    @property
+    def stage2_md(self) -> Path:
+        return self.path / "stage2.md"
+
+    @property
+    def stage2_curves(self) -> Path:
+        return self.path / "stage2_curves.png"
+
+    def stage2_ledger(self) -> Ledger:
+        return Ledger(self.stage2 / "trials")
+
+    def stage2_records(self) -> list[dict]:
+        return self.stage2_ledger().records() if (self.stage2 / "trials").exists() else []
+
+    @property
+    def d2d(self) -> Path:
+        """The d2d baseline's candidate search: search.json (written last), importance, candidates table."""
+        return self.stage2 / "d2d"
+
+    @property
+    def d2d_search(self) -> Path:
+        return self.d2d / "search.json"
+
+    @property
+    def d2d_importance(self) -> Path:
+        return self.d2d / IMPORTANCE_FILE
+
+    @property
+    def d2d_candidates_csv(self) -> Path:
+        return self.d2d / "candidates.csv"
+
+    @property
+    def d2d_candidates_md(self) -> Path:
+        return self.d2d / "candidates.md"
+
+    def read_d2d_search(self) -> dict | None:
+        """The d2d search record (for the report and resume), or None before the search."""
+        return json.loads(self.d2d_search.read_text()) if self.d2d_search.exists() else None
+
+    # ---- stage 3 ---------------------------------------------------------------------------
+    @property
+    def stage3(self) -> Path:
+        return self.path / "stage3"
+
+    @property
+    def suite(self) -> Path:
+        """The lm-eval suite a started stage 3 keeps."""
+        return self.stage3 / "suite.json"
+
+    @property
+    def stage3_results(self) -> Path:
+        return self.stage3 / "results"
+
+    def stage3_result(self, key: str) -> Path:
+        return self.stage3_results / f"{key}.json"
+
+    def read_stage3(self) -> dict[str, dict]:
+        """key -> lm-eval result record of every model evaluated so far."""
+        d = self.stage3_results
+        return {p.stem: json.loads(p.read_text()) for p in sorted(d.glob("*.json"))} if d.exists() else {}

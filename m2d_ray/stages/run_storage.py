@@ -1,0 +1,161 @@
+"""The contract between the driver and its Ray workers: `RunStorage`, the one object that names every
+place a worker reads or writes, built once on the driver and passed to every stage and worker.
+
+Workers may run on nodes that do not see the driver's disk, so nothing reaches them as a driver-side
+path. The storage (a local path, a path every node mounts, or ``s3://`` / ``gs://``) must be reachable
+from every node (checked: a probe the driver writes is read by a task on each node). What workers read
+is put there once: the user's text files (content-addressed: the same file is stored once) and, on a
+cluster, a teacher directory from the driver's disk. Hub names, storage URLs and the embedded teacher
+and corpus travel as they are.
+
+    STORAGE/                        (a run: `storage:` / --storage, default the run directory)
+      data/<sha>/<file>             text files the workers read (distillation, validation, d2d search)
+      teacher/<name>-<digest>/      a driver-side teacher copied for the workers (on a cluster; student/ likewise)
+      tune/                         stage-1 Tune state
+      stage2/{init,students}/KEY    initial and distilled students
+      stage2/train/KEY  stage2/tune Ray Train checkpoints, stage-2 Tune state
+    STORAGE/{init,student,train}    (`m2d distill`: one student, no key)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+
+from m2d_ray import storage
+from m2d_ray.console import say
+from m2d_ray.errors import M2DError
+from m2d_ray.stages.ray_env import on_cluster
+
+_HASH_BLOCK = 8 << 20
+
+
+@dataclass(frozen=True)
+class RunStorage:
+    """Where a run's workers read and write (`root`: a storage URL). Every path below it is a method here."""
+
+    root: str
+
+    # ---- layout ------------------------------------------------------------------------------
+    def tune(self, stage: int) -> str:
+        """Ray Tune's state of stage 1 or 2."""
+        return storage.join(self.root, "tune") if stage == 1 else storage.join(self.root, "stage2", "tune")
+
+    def initial(self, key: str | None = None) -> str:
+        """The initial student of a stage-2 trial (KEY), or of `m2d distill` (no key)."""
+        return storage.join(self.root, "stage2", "init", key) if key else storage.join(self.root, "init")
+
+    def student(self, key: str | None = None) -> str:
+        """The distilled student of a stage-2 trial (KEY), or of `m2d distill` (no key)."""
+        return storage.join(self.root, "stage2", "students", key) if key else storage.join(self.root, "student")
+
+    def checkpoints(self, key: str | None = None) -> tuple[str, str]:
+        """(storage path, run name) of a student's Ray Train run: checkpoints land in PATH/NAME."""
+        return (storage.join(self.root, "stage2", "train"), key) if key else (self.root, "train")
+
+    def _data(self, digest: str, name: str) -> str:
+        return storage.join(self.root, "data", digest, name)
+
+    # ---- checks (driver, before any work) -------------------------------------------------------
+    def check(self) -> None:
+        """The storage can be written and read back (credentials, endpoint, permissions), and is not a file."""
+        probe = storage.join(self.root, f".m2d-probe-{uuid.uuid4().hex[:8]}")
+        try:
+            storage.write_bytes(probe, b"m2d")
+            ok = storage.read_bytes(probe) == b"m2d"
+            storage.delete(probe)
+        except Exception as exc:  # unreachable endpoint, no bucket, no permission, a file in the way ...
+            with contextlib.suppress(Exception):
+                storage.delete(probe)
+            raise M2DError(f"storage {self.root} cannot be written and read back ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); "
+                           "give --storage a writable path every node mounts, or an s3:// / gs:// URI with credentials") from None
+        if not ok:
+            raise M2DError(f"storage {self.root} does not read back what was written; give another --storage")
+
+    def check_visible(self) -> None:
+        """Every alive Ray node reads a probe the driver wrote (a local path must be shared)."""
+        if storage.is_remote(self.root):
+            return
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+        if len(nodes) < 2:
+            return
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        probe = storage.join(self.root, f".m2d-visible-{uuid.uuid4().hex[:8]}")
+        storage.write_bytes(probe, b"m2d")
+        try:
+            seen = ray.get([_sees.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(probe)
+                            for n in nodes])
+        finally:
+            storage.delete(probe)
+        blind = [n["NodeManagerAddress"] for n, ok in zip(nodes, seen) if not ok]
+        if blind:
+            raise M2DError(f"storage {self.root} is not visible from {len(blind)} of {len(nodes)} Ray nodes ({', '.join(blind[:3])}); "
+                           "give --storage a path every node mounts (NFS/EFS) or an s3:// / gs:// URI")
+
+    # ---- what workers read ------------------------------------------------------------------------
+    def put_model(self, model: str, kind: str = "teacher") -> str:
+        """How workers reach a model (a teacher, or a student given by directory): a hub name, a storage URL
+        or an embedded teacher as they are; a directory on the driver's disk as is on a one-machine Ray,
+        else copied into the storage once (STORAGE/KIND/NAME-DIGEST)."""
+        from m2d_ray.models import is_embedded
+
+        path = Path(model).expanduser()
+        if storage.is_remote(model) or not path.exists() or is_embedded(model) or not on_cluster():
+            return model
+        if self._holds(path):
+            return model  # already inside the (shared) storage
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        digest = hashlib.sha256(json.dumps([(str(p.relative_to(path)), p.stat().st_size) for p in files]).encode()).hexdigest()[:12]
+        target = storage.join(self.root, kind, f"{path.name}-{digest}")
+        if not storage.exists(target):
+            size = sum(p.stat().st_size for p in files)
+            say(f"{kind}: copying {path} ({size / 1e6:,.1f} MB) into the run's storage once, so that every node reads it")
+            from m2d_ray.artifacts import write_marker
+
+            def build(dest: Path) -> None:
+                import shutil
+
+                shutil.copytree(path, dest, dirs_exist_ok=True)
+                write_marker(dest, "teacher" if kind == "teacher" else "student")  # last: the copy is complete or absent
+
+            storage.save_dir(target, build)
+        return target
+
+    def put_data(self, spec: str | None) -> str | None:
+        """A data spec as workers read it: a local file is put in the storage once (named by its content's
+        sha256, so the same text is stored once) and given by its storage URL; dataset names (synthetic,
+        wikitext2, hf:…, fineweb-edu) and storage URLs are kept."""
+        if spec is None or storage.is_remote(spec):
+            return spec
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            return spec
+        if self._holds(path):
+            return str(path.resolve())
+        h = hashlib.sha256()
+        with path.open("rb") as f:
+            while block := f.read(_HASH_BLOCK):
+                h.update(block)
+        target = self._data(h.hexdigest()[:16], path.name)
+        if not storage.exists(target):
+            storage.put_file(path, target)
+        return target
+
+    def _holds(self, path: Path) -> bool:
+        """`path` lies inside this (local or mounted) storage already."""
+        if storage.is_remote(self.root):
+            return False
+        root = Path(storage.filesystem(self.root)[1])
+        return root == path.resolve() or root in path.resolve().parents
+
+
+@ray.remote(num_cpus=0)
+def _sees(url: str) -> bool:
+    return storage.exists(url)
