@@ -11,14 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+ROOT = Path(__file__).resolve().parents[1]  # the repository
+SHARED = ROOT.parent / "shared"
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
 @functools.lru_cache(maxsize=1)
 def multinode_unavailable() -> str | None:
-    """Why the two-node cluster of tests/multinode.py cannot be built here (None: it can)."""
+    """Why the two-node cluster of tests/ray/multinode.py cannot be built here (None: it can)."""
     if shutil.which("unshare") is None or shutil.which("ray") is None:
         return "needs unshare and the ray CLI"
     try:

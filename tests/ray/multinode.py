@@ -1,6 +1,6 @@
-"""A two-node Ray cluster on one machine, and `m2d run` on it (driven by tests/test_multinode.py).
+"""A two-node Ray cluster on one machine, and `m2d run` on it (driven by tests/ray/test_multinode.py).
 
-Run as `unshare -pf --mount-proc python tests/multinode.py WORK`: in a private PID namespace, so every
+Run as `unshare -pf --mount-proc python tests/ray/multinode.py WORK`: in a private PID namespace, so every
 Ray process ends with it. The head node has no CPUs (the driver's node: nothing runs there); the worker
 node is started in its own mount namespace with an empty tmpfs over WORK/hidden, where the runs' driver
 directories and the driver's copy of a teacher live, so any worker that reads or writes the driver's
@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "experiments" / "tiny.yaml"
 SMALL = [
     "calib.max_tokens=2048", "calib.seq_len=128", "eval.max_chars=12000", "eval.seq_len=128", "eval.chunks=1",

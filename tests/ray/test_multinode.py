@@ -1,4 +1,4 @@
-"""`m2d run` on a two-node Ray cluster whose worker node cannot see the driver's disk (tests/multinode.py).
+"""`m2d run` on a two-node Ray cluster whose worker node cannot see the driver's disk (tests/ray/multinode.py).
 
 One cluster for the module, in a private PID namespace: a head with no CPUs and a worker in its own
 mount namespace with the runs' driver directories hidden under a tmpfs. Storage on a shared directory,

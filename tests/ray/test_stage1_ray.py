@@ -20,8 +20,8 @@ from m2d_ray.config import load_config
 from m2d_ray.data.synthetic import corpus_text
 from m2d_ray.data.text import calibration_set
 from m2d_ray.stages.stage1 import run_stage1
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "experiments" / "tiny.yaml"
 #: a small, fast version of experiments/tiny.yaml: 2 x 2 x 2 x K in {2, 4, 8, 16} = 32 configs
 SMALL = [

@@ -19,8 +19,8 @@ import torch
 
 from m2d_ray.cli import main
 from m2d_ray.models import default_teacher
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "experiments" / "tiny.yaml"
 #: words that tell the user what to do next; every error line has one
 ACTIONS = ("give", "choose", "pass", "use", "resume", "recalibrate", "re-download", "did you mean", "write", "drop", "add",

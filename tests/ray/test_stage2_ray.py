@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 from m2d_ray.config import load_config
 from m2d_ray.stages.stage1 import run_stage1
 from m2d_ray.stages.stage2 import run_stage2
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "experiments" / "tiny.yaml"
 SMALL_DISTILL = ["distill.seq_len=64", "distill.batch_size=4", "distill.eval_max_tokens=2048", "distill.warmup_steps=2"]
 

@@ -14,8 +14,9 @@ import pytest
 from m2d_ray.errors import M2DError
 from m2d_ray.report.analysis import distill_rows, erank_table, load_run, marginal, matched_rows, overlap, selections
 from m2d_ray.report.run import write_report
+from conftest import ROOT
 
-STORED = Path(__file__).resolve().parent / "data" / "small_run"
+STORED = ROOT / "tests" / "data" / "small_run"
 
 
 @pytest.fixture

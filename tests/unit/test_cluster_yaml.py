@@ -18,8 +18,9 @@ import pytest
 import ray
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
+from conftest import ROOT
 
-CLUSTER_YAML = Path(__file__).resolve().parents[1] / "cluster.yaml"
+CLUSTER_YAML = ROOT / "cluster.yaml"
 
 COMMAND_LISTS = (
     "initialization_commands",

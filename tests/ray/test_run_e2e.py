@@ -3,7 +3,7 @@
 calibrate (Ray Data) -> stage 1 (Tune) -> promote -> stage 2 (Train) -> stage 3 (lm-eval as Ray tasks)
 -> report, under one MLflow parent run; then a resume that redoes nothing.
 
-Where the machine can build tests/multinode.py's two-node cluster, test_multinode.py runs this same
+Where the machine can build tests/ray/multinode.py's two-node cluster, test_multinode.py runs this same
 pipeline end to end (and checks all of this) there instead: the suite's time is spent once.
 """
 
@@ -15,11 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import multinode_unavailable
+from conftest import ROOT, multinode_unavailable
 
 from m2d_ray.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "experiments" / "tiny.yaml"
 SHORT = [
     "calib.max_tokens=4096", "calib.seq_len=128", "eval.max_chars=20000", "eval.seq_len=128", "eval.chunks=1",

@@ -9,8 +9,9 @@ import pytest
 from m2d_ray.cli import main
 from m2d_ray.config import SweepConfig, k_values, load_config
 from m2d_ray.errors import M2DError
+from conftest import ROOT
 
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+EXPERIMENTS = ROOT / "experiments"
 #: (top-k, experts) of the paper's teachers (method.md), checked offline against each YAML's K list
 TEACHERS = {
     None: (2, 16),  # the embedded tiny teacher
