@@ -53,25 +53,30 @@ def _log_probs(h: Tensor, w: Tensor, t: float) -> Tensor:
     return torch.log_softmax(z if t == 1.0 else z.div_(t), dim=-1)
 
 
-class _ChunkedKL(torch.autograd.Function):
+class _Chunked(torch.autograd.Function):
+    """t^2 x the mean over tokens of a per-token loss of the student log-probs, chunk by chunk.
+
+    `per_chunk(start, ls)` gets the student's log-probs of tokens start.. (a [chunk, V] float32 tensor it
+    may overwrite) and returns their losses [chunk] and the gradients w.r.t. the logits at temperature t.
+    """
+
     @staticmethod
-    def forward(ctx, h_s: Tensor, w_s: Tensor, h_t: Tensor, w_t: Tensor, kind: str, temperature: float, chunk: int) -> Tensor:
+    def forward(ctx, h_s: Tensor, w_s: Tensor, per_chunk: Callable[[int, Tensor], tuple[Tensor, Tensor]],
+                temperature: float, chunk: int) -> Tensor:
         n = h_s.shape[0]
-        div = DIVERGENCES[kind]
         grad_h = torch.empty_like(h_s)
         grad_w = torch.zeros(w_s.shape, dtype=torch.float32, device=w_s.device) if ctx.needs_input_grad[1] else None
         total = torch.zeros((), dtype=torch.float64, device=h_s.device)
         t = float(temperature)
         for s in range(0, n, chunk):
-            hs, ht = h_s[s : s + chunk], h_t[s : s + chunk]
-            ls, lt = _log_probs(hs, w_s, t), _log_probs(ht, w_t, t)
-            kl, g = div(ls, lt)
+            hs = h_s[s : s + chunk]
+            kl, g = per_chunk(s, _log_probs(hs, w_s, t))
             total += kl.double().sum()
             g.mul_(t / n)  # d(t^2 * mean KL(z / t)) / dz = t / n * dKL
             grad_h[s : s + chunk] = (g @ w_s.float()).to(h_s.dtype)
             if grad_w is not None:
                 grad_w.addmm_(g.T, hs.float())
-            del ls, lt, kl, g
+            del kl, g
         ctx.save_for_backward(grad_h, grad_w if grad_w is not None else torch.empty(0))
         ctx.w_dtype = w_s.dtype
         return (total * (t * t) / max(n, 1)).to(torch.float32)
@@ -81,7 +86,7 @@ class _ChunkedKL(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         gh = grad_h * grad_out.to(grad_h.dtype)
         gw = (grad_w * grad_out).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None, None, None, None
+        return gh, gw, None, None, None
 
 
 def chunked_kl(h_s: Tensor, w_s: Tensor, h_t: Tensor, w_t: Tensor, kind: str = "fkl", temperature: float = 1.0, chunk: int = 1024) -> Tensor:
@@ -92,7 +97,8 @@ def chunked_kl(h_s: Tensor, w_s: Tensor, h_t: Tensor, w_t: Tensor, kind: str = "
     """
     if kind not in DIVERGENCES:
         raise ValueError(f"unknown divergence {kind!r}")
-    return _ChunkedKL.apply(h_s, w_s, h_t.detach(), w_t.detach(), kind, temperature, max(1, int(chunk)))
+    div, h_t, w_t, t = DIVERGENCES[kind], h_t.detach(), w_t.detach(), float(temperature)
+    return _Chunked.apply(h_s, w_s, lambda s, ls: div(ls, _log_probs(h_t[s : s + ls.shape[0]], w_t, t)), t, max(1, int(chunk)))
 
 
 def naive_kl(logits_s: Tensor, logits_t: Tensor, kind: str = "fkl", temperature: float = 1.0) -> Tensor:
