@@ -18,6 +18,7 @@ from typing import Any, Union
 import yaml
 
 from m2d_ray.distill.config import DistillConfig, check_distill
+from m2d_ray.distill.targets import check_targets_loss, parse_targets
 from m2d_ray.errors import M2DError
 from m2d_ray.grouping import GROUPINGS
 from m2d_ray.scoring import SCORINGS
@@ -90,6 +91,9 @@ class Stage2Config:
     reduction_factor: int = 3
     max_concurrent_trials: int | None = None  # None = from the cluster's GPUs (else ray.max_concurrent_trials)
     pairs: tuple[str, ...] = ()  # "scoring/grouping" pairs to distil; empty = every promoted pair
+    # the teacher's outputs: online (the teacher runs beside every student) | topk[:K] | sampled[:N] (computed
+    # once over the run's tokens and cached in its storage; students then load no teacher weights)
+    targets: str = "online"
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,7 @@ class SweepConfig:
         if self.stage not in (1, 2):
             raise M2DError(f"stage={self.stage}: write stage=1 (pre-distillation grid) or stage=2 (distil the promotions)")
         check_distill(self.distill)
+        check_targets_loss(self.distill.loss, parse_targets(self.stage2.targets, self.distill.temperature))
         self.check_baselines()
         grid_pairs = [f"{s}/{g}" for s in self.grid.scoring for g in self.grid.grouping]
         for p in self.stage2.pairs:
@@ -173,6 +178,10 @@ class SweepConfig:
 
         parse_tasks(self.stage3.tasks, self.stage3.num_fewshot)  # a text:PATH file is checked when stage 3 starts
 
+
+    def target_spec(self):
+        """stage2.targets as a TargetSpec (None: online), at the distillation temperature and seed."""
+        return parse_targets(self.stage2.targets, self.distill.temperature, self.distill.seed)
 
     def check_baselines(self) -> None:
         """Known baseline names; d2d has a dense teacher (given, or the embedded twin of the embedded MoE teacher)."""

@@ -178,6 +178,15 @@ def fetch_file(url: str) -> Path:
     return dest
 
 
+def list_names(url: str) -> list[str]:
+    """Names of the files directly in the directory at `url` (none when it does not exist)."""
+    import pyarrow.fs as pafs
+
+    fs, path = filesystem(url)
+    infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    return sorted(i.base_name for i in infos if i.type == pafs.FileType.File)
+
+
 def delete(url: str) -> None:
     """Remove the file at `url` (gone already is fine)."""
     import pyarrow.fs as pafs

@@ -222,6 +222,10 @@ class MoEAdapter:
     def layers(self, model: nn.Module) -> nn.ModuleList:
         return model.model.layers
 
+    def final_norm(self, model: nn.Module) -> nn.Module:
+        """The norm after the last decoder layer (what the output projection reads)."""
+        return model.model.norm
+
     def moe_blocks(self, model: nn.Module) -> dict[int, nn.Module]:
         """Layer index -> MoE block (the module whose input is the post-attention hidden state)."""
         return {i: layer.mlp for i, layer in enumerate(self.layers(model)) if self.is_moe(layer.mlp)}

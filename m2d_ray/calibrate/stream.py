@@ -171,6 +171,45 @@ def run_until(teacher, index: int, stop: nn.Module, **inputs) -> Tensor:
 
 
 @torch.no_grad()
+def stream_layers(teacher, batches: list[tuple[Tensor, Tensor]], upto: int, device: str, bar, hook=None,
+                  spill_above: int | None = None, spill_dir: str | None = None) -> HiddenStates:
+    """Decoder layers 0..`upto` of every batch, one layer on `device` at a time; returns the host store of
+    the hidden states after layer `upto` (the caller closes it). `hook(i, layer, masks)` may observe layer i
+    (returns handles to remove, and sees the current batch's mask in `masks["mask"]`)."""
+    skel, layers = teacher.skeleton, teacher.adapter.layers(teacher.skeleton)
+    shapes = [(b.shape[0], b.shape[1], teacher.config.hidden_size) for b, _ in batches]
+    spill = spill_above if spill_above is not None else free_memory("cpu") // 2
+    store = HiddenStates(shapes, teacher.dtype, spill, spill_dir)
+    try:
+        embed = skel.get_input_embeddings()
+        skel.set_input_embeddings(teacher.module(teacher.name_of(embed)).to(device))
+        try:
+            for b, (b_ids, b_mask) in enumerate(batches):
+                store.put(b, run_until(teacher, 0, _StopBefore(), input_ids=b_ids.to(device), attention_mask=b_mask.to(device)))
+                bar.update()
+        finally:
+            skel.set_input_embeddings(embed)
+        for i in range(upto + 1):
+            layer = teacher.module(teacher.name_of(layers[i])).to(device)
+            current: dict[str, Tensor] = {}
+            handles = hook(i, layer, current) if hook is not None else []
+            try:
+                for b, (_, b_mask) in enumerate(batches):
+                    current["mask"] = b_mask.to(device)
+                    store.put(b, run_until(teacher, i, _StopAfter(layer), inputs_embeds=store.get(b).to(device), attention_mask=current["mask"]))
+                    bar.update()
+            finally:
+                for h in handles:
+                    h.remove()
+            del layer
+            give_back_freed_memory()
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
+@torch.no_grad()
 def collect_stats_streamed(
     teacher, ids: Tensor, mask: Tensor, batch_size: int = 8, device: str = "cpu", progress: bool = True,
     spill_above: int | None = None, spill_dir: str | None = None,
@@ -181,42 +220,37 @@ def collect_stats_streamed(
     adapter, skel = teacher.adapter, teacher.skeleton
     moe, layers = teacher.moe_layers(), adapter.layers(skel)
     batches = list(token_batches(ids, mask, batch_size))
-    shapes = [(b.shape[0], b.shape[1], teacher.config.hidden_size) for b, _ in batches]
-    spill = spill_above if spill_above is not None else free_memory("cpu") // 2
-    store = HiddenStates(shapes, teacher.dtype, spill, spill_dir)
     stats = {i: LayerStats.zeros(adapter.num_experts(teacher.config), device=device) for i in moe}
-    total = (moe[-1] + 2) * len(batches)
-    bar = console.bar(total, "calibrate (streamed)", "batch") if progress else tqdm(disable=True)
+
+    def observe_moe(i: int, layer: nn.Module, current: dict[str, Tensor]) -> list:
+        if i not in stats:
+            return []
+        block = adapter.moe_blocks(skel)[i]
+        rel = teacher.name_of(block).removeprefix(teacher.name_of(layers[i]) + ".")
+        return [observe(adapter, layer.get_submodule(rel), stats[i], current)]
+
+    bar = console.bar((moe[-1] + 2) * len(batches), "calibrate (streamed)", "batch") if progress else tqdm(disable=True)
     try:
-        embed = skel.get_input_embeddings()
-        skel.set_input_embeddings(teacher.module(teacher.name_of(embed)).to(device))
-        try:
-            for b, (b_ids, b_mask) in enumerate(batches):
-                store.put(b, run_until(teacher, 0, _StopBefore(), input_ids=b_ids.to(device), attention_mask=b_mask.to(device)))
-                bar.update()
-        finally:
-            skel.set_input_embeddings(embed)
-        for i in range(moe[-1] + 1):
-            layer = teacher.module(teacher.name_of(layers[i])).to(device)
-            current: dict[str, Tensor] = {}
-            hooks = []
-            if i in stats:
-                block = adapter.moe_blocks(skel)[i]
-                rel = teacher.name_of(block).removeprefix(teacher.name_of(layers[i]) + ".")
-                hooks.append(observe(adapter, layer.get_submodule(rel), stats[i], current))
-            try:
-                for b, (_, b_mask) in enumerate(batches):
-                    current["mask"] = b_mask.to(device)
-                    h = run_until(teacher, i, _StopAfter(layer), inputs_embeds=store.get(b).to(device), attention_mask=current["mask"])
-                    if i < moe[-1]:
-                        store.put(b, h)
-                    bar.update()
-            finally:
-                for hk in hooks:
-                    hk.remove()
-            del layer
-            give_back_freed_memory()
+        stream_layers(teacher, batches, moe[-1], device, bar, observe_moe, spill_above, spill_dir).close()
     finally:
         bar.close()
-        store.close()
     return stats
+
+
+@torch.no_grad()
+def final_hidden_streamed(teacher, ids: Tensor, batch_size: int, device: str, progress: bool = False) -> Tensor:
+    """The teacher's final hidden states [n, L, d] (after its last norm) of the packed blocks `ids` [n, L],
+    one decoder layer on `device` at a time: the targets pass of a teacher larger than its device."""
+    mask = torch.ones_like(ids)
+    batches = list(token_batches(ids, mask, batch_size))
+    last = teacher.config.num_hidden_layers - 1
+    bar = console.bar((last + 2) * len(batches), "teacher (streamed)", "batch") if progress else tqdm(disable=True)
+    norm = teacher.module(teacher.name_of(teacher.adapter.final_norm(teacher.skeleton))).to(device)
+    try:
+        store = stream_layers(teacher, batches, last, device, bar)
+        try:
+            return torch.cat([norm(store.get(b).to(device)).cpu() for b in range(len(batches))])
+        finally:
+            store.close()
+    finally:
+        bar.close()

@@ -23,7 +23,7 @@ from m2d_ray.convert.baselines import BASELINES
 from m2d_ray.data.text import check_spec
 from m2d_ray.distill.data import check_source
 from m2d_ray.errors import M2DError, RunFailed
-from m2d_ray.models import absolute, check_teacher, check_teacher_topk, default_teacher
+from m2d_ray.models import absolute, check_teacher, check_teacher_topk, default_teacher, load_tokenizer
 from m2d_ray.models import load_config as model_config
 from m2d_ray.stages.run_storage import RunStorage
 
@@ -33,9 +33,11 @@ def distill_one(teacher: str | None, student: str, out: str | Path, eval_data: s
     from m2d_ray.convert.initial import InitialStudent
     from m2d_ray.distill.trainer import MetricsLog, follow
     from m2d_ray.stages.ray_env import ensure_ray
+    from m2d_ray.stages.shards import targets, tokens
     from m2d_ray.stages.student import fit_student
 
-    cfg = load_config(config, overrides).distill
+    full = load_config(config, overrides)
+    cfg, spec = full.distill, full.target_spec()
     out = check_output(out, "distillation", overwrite=True).resolve()  # never a file or a foreign directory
     finished = (out / "result.json").exists()
     if finished and not overwrite:
@@ -65,13 +67,16 @@ def distill_one(teacher: str | None, student: str, out: str | Path, eval_data: s
     storage = RunStorage(store or str(work))
     ensure_ray(RayConfig())
     storage.check_visible()
-    teacher = storage.put_model(teacher)
+    local_teacher, teacher = teacher, storage.put_model(teacher)
     init = storage.put_model(str(student_dir), "student") if student_dir is not None else None
     build = InitialStudent(teacher, baseline=student, seed=cfg.seed) if student_dir is None else None
     cfg = dataclasses.replace(cfg, train_data=storage.put_data(cfg.train_data))
+    eval_data = storage.put_data(eval_data)
+    toks = tokens(storage, teacher, load_tokenizer(local_teacher), cfg, eval_data)
+    targ = targets(storage, teacher, toks, spec, cfg, full.calib, full.ray) if spec else None
     with follow(work / "metrics.jsonl", out.name, total=cfg.steps):
-        result = fit_student(storage, None, teacher, cfg, storage.put_data(eval_data), build=build, init=init,
-                             callbacks=[MetricsLog(work / "metrics.jsonl")])
+        result = fit_student(storage, None, teacher, cfg, eval_data, build=build, init=init,
+                             callbacks=[MetricsLog(work / "metrics.jsonl")], tokens=toks, targets=targ, target_spec=spec)
     if result.error is not None:
         raise RunFailed(f"distillation failed: {str(result.error).splitlines()[0][:300]}; fix it and run the same command to resume")
     m = result.metrics
@@ -79,6 +84,7 @@ def distill_one(teacher: str | None, student: str, out: str | Path, eval_data: s
         "student": RunStorage(store or str(out)).student(), "steps": m["step"], "tokens": m["tokens"], "resumed_from": m["resumed_from"],
         "first_val_ppl": m["val_ppl_initial"], "last_val_ppl": m["val_ppl"], "tokens_per_s": m["tokens_per_s"],
         "loss": cfg.loss, "teacher_topk": cfg.teacher_topk, "deepspeed": cfg.deepspeed, "workers": cfg.workers,
+        "targets": str(spec or "online"), "peak_rss_bytes": m.get("peak_rss_bytes"), "peak_cuda_bytes": m.get("peak_cuda_bytes"),
         "metrics": str(out / "metrics.jsonl"),
     }
     write_json_atomic(work / "result.json", summary)

@@ -97,20 +97,23 @@ def packed_blocks(tokenizer, docs: Iterable[str], seq_len: int) -> Iterator[Tens
             del buf[:seq_len]
 
 
+def global_blocks(tokenizer, spec: str, seq_len: int) -> Iterator[Tensor]:
+    """The global block stream of a train-data spec, forever: finite sources are cycled (epochs)."""
+    while True:
+        n = 0
+        for block in packed_blocks(tokenizer, documents(spec), seq_len):
+            n += 1
+            yield block
+        if n == 0:
+            raise M2DError(f"training data {spec!r} has fewer than seq_len={seq_len} tokens; give more text or a shorter seq_len")
+
+
 def train_batches(tokenizer, spec: str, seq_len: int, batch_size: int, rank: int = 0, world: int = 1,
                   start_block: int = 0) -> Iterator[Tensor]:
-    """[batch_size, seq_len] batches of this rank's blocks, from global block `start_block` on, forever."""
-    def cycled() -> Iterator[Tensor]:
-        while True:
-            n = 0
-            for block in packed_blocks(tokenizer, documents(spec), seq_len):
-                n += 1
-                yield block
-            if n == 0:
-                raise M2DError(f"training data {spec!r} has fewer than seq_len={seq_len} tokens; give more text or a shorter seq_len")
-
+    """[batch_size, seq_len] batches of this rank's blocks, from global block `start_block` on, forever
+    (tokenised here; a run reads the same batches from its token shards, distill/tokens.py)."""
     batch: list[Tensor] = []
-    for g, block in enumerate(cycled()):
+    for g, block in enumerate(global_blocks(tokenizer, spec, seq_len)):
         if g < start_block or g % world != rank:
             continue
         batch.append(block)

@@ -47,9 +47,12 @@ def active_params(teacher: nn.Module, adapter, teacher_topk: int | None = None) 
     return sum(p.numel() for p in teacher.parameters()) - _inactive(teacher, adapter, teacher_topk)
 
 
-def flops_per_token(teacher: nn.Module, adapter, student: nn.Module, seq_len: int, teacher_topk: int | None = None) -> float:
-    """Model FLOPs of one training token: teacher forward (k' experts; a dense teacher: all of it) + student forward and backward."""
+def flops_per_token(teacher: nn.Module, adapter, student: nn.Module, seq_len: int, teacher_topk: int | None = None,
+                    teacher_forward: bool = True) -> float:
+    """Model FLOPs of one training token: teacher forward (k' experts; a dense teacher: all of it; none when
+    its targets were cached) + student forward and backward."""
     t = 2.0 * (matmul_params(teacher) - _inactive(teacher, adapter, teacher_topk)) + attention_flops(teacher.config, seq_len)
+    t = t if teacher_forward else 0.0
     s = 2.0 * matmul_params(student) + attention_flops(student.config, seq_len)
     return t + 3.0 * s
 

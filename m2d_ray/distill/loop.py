@@ -18,16 +18,17 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from m2d_ray.distill.config import DistillConfig
+from m2d_ray.distill.targets import TargetSpec
 from m2d_ray.distill.data import train_batches
 from m2d_ray.distill.flops import active_params, flops_per_token, matmul_rate
-from m2d_ray.distill.step import DistillStep, all_reduce_sum
+from m2d_ray.distill.step import DistillStep, all_reduce_max, all_reduce_sum
 from m2d_ray.evaluate.perplexity import window_nll, windows
 
 STATE_FILE = "m2d_state.pt"  # plain-torch checkpoint (DeepSpeed writes its own layout next to it)
@@ -49,6 +50,9 @@ class DistillJob:
     device: str = "cpu"
     stop: Callable[[], bool] | None = None  # early stop requested from outside (ASHA): the run ends cleanly
     build: Callable[[Path], object] | None = None  # writes the initial student into a directory, when `student` is missing
+    tokens: str | None = None  # the stream tokenised once (distill/tokens.py; a path or storage URL); None = tokenise here
+    targets: str | None = None  # the teacher's cached targets over `tokens` (distill/targets.py): then no teacher weights are loaded
+    target_spec: TargetSpec | None = None
 
 
 @dataclass
@@ -84,8 +88,50 @@ def validation_windows(tokenizer, spec: str, seq_len: int, max_tokens: int | Non
     return windows(tokenize(tokenizer, load_text(spec), max_tokens=max_tokens), seq_len)
 
 
+def data(job: DistillJob, io: WorkerIO, tokenizer, start_block: int) -> tuple[Iterator[Tensor], tuple[Tensor, Tensor]]:
+    """(this rank's training batches from `start_block` on, the validation windows): read from the run's
+    token shards, or tokenised here when the job has none (the same batches either way)."""
+    cfg = job.cfg
+    if job.tokens is None:
+        return (train_batches(tokenizer, cfg.train_data, cfg.seq_len, cfg.batch_size, io.rank, io.world, start_block),
+                validation_windows(tokenizer, job.eval_data, cfg.seq_len, cfg.eval_max_tokens))
+    from m2d_ray import storage
+    from m2d_ray.distill.tokens import TokenShards
+
+    shards = TokenShards(storage.fetch_dir(job.tokens))
+    shards.check(tokenizer, cfg.seq_len, cfg.train_data)
+    pin = torch.device(job.device).type == "cuda"
+    valid = windows(shards.valid_ids(), cfg.seq_len)
+    if job.targets is None:
+        return shards.batches(cfg.batch_size, io.rank, io.world, start_block, pin=pin), valid
+    from m2d_ray.distill.targets import TargetsManifest, read_shard
+    from m2d_ray.distill.tokens import manifest_sha256, rank_batches
+
+    where = storage.fetch_dir(job.targets)
+    manifest = TargetsManifest.load(where, where=job.targets)
+    manifest.check_matches({**manifest.fingerprint, "tokens": manifest_sha256(shards.manifest)}, job.target_spec)
+    ids = shards.batches(cfg.batch_size, io.rank, io.world, start_block, pin=pin)
+    targets = rank_batches(manifest.shards, lambda e: read_shard(where, e), cfg.batch_size, io.rank, io.world, start_block, pin)
+    return ({"tokens": i, **t} for i, t in zip(ids, targets)), valid
+
+
+def _teacher_shape(name: str):
+    """A teacher with no weights (cached targets): its tokenizer, and a meta-device model and adapter for
+    counting FLOPs and active parameters."""
+    from transformers import AutoModelForCausalLM
+
+    from m2d_ray.arch import ADAPTERS
+    from m2d_ray.models import Teacher, load_config, load_tokenizer
+
+    config = load_config(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return Teacher(name=name, model=model, tokenizer=load_tokenizer(name), adapter=ADAPTERS[config.model_type] if config.model_type in ADAPTERS else None)
+
+
 def _load_models(job: DistillJob, io: WorkerIO, dtype: torch.dtype):
-    """Teacher and student on this rank; rank 0 first builds the initial student into storage if it is missing."""
+    """Teacher and student on this rank (with cached targets the teacher has no weights: `_teacher_shape`);
+    rank 0 first builds the initial student into storage if it is missing."""
     from transformers import AutoModelForCausalLM
 
     from m2d_ray import storage
@@ -96,8 +142,8 @@ def _load_models(job: DistillJob, io: WorkerIO, dtype: torch.dtype):
     if io.world > 1 and dist.is_initialized():
         dist.barrier()  # every rank reads the student rank 0 made
 
-    teacher = load_distill_teacher(job.teacher, dtype=dtype, device=job.device)
-    if job.cfg.teacher_topk is not None:  # (an MoE teacher: the D2D baseline's dense one runs with teacher_topk None)
+    teacher = _teacher_shape(job.teacher) if job.targets else load_distill_teacher(job.teacher, dtype=dtype, device=job.device)
+    if job.cfg.teacher_topk is not None and teacher.adapter is not None:  # (an MoE teacher: the D2D baseline's dense one runs with teacher_topk None)
         teacher.adapter.set_top_k(teacher.model, job.cfg.teacher_topk)
     for p in teacher.model.parameters():
         p.requires_grad_(False)
@@ -127,30 +173,30 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
     dtype = torch.bfloat16 if job.device == "cuda" else torch.float32
     teacher, student = _load_models(job, io, dtype)
     tokenizer = teacher.tokenizer
-    flops = flops_per_token(teacher.model, teacher.adapter, student, cfg.seq_len, cfg.teacher_topk)
+    flops = flops_per_token(teacher.model, teacher.adapter, student, cfg.seq_len, cfg.teacher_topk, teacher_forward=job.targets is None)
     sizes = {"student_params": sum(p.numel() for p in student.parameters()),  # for the matched-parameter table
              "teacher_active_params": active_params(teacher.model, teacher.adapter, cfg.teacher_topk)}
     peak = matmul_rate(job.device, dtype)
-    trainer = DistillStep(student, teacher.model, cfg, job.device, io.world, dtype)
+    trainer = DistillStep(student, None if job.targets else teacher.model, cfg, job.device, io.world, dtype, job.target_spec)
     step, extra = _restore(io.restore, trainer)
-    win, wmask = validation_windows(tokenizer, job.eval_data, cfg.seq_len, cfg.eval_max_tokens)
+    per_step = cfg.batch_size * cfg.grad_accum * io.world
+    batches, (win, wmask) = data(job, io, tokenizer, start_block=step * per_step)
     initial = extra.get("val_ppl_initial")
     if initial is None:
         initial = validate(student, win, wmask, io, cfg, job.device)["val_ppl"]
     curve = list(extra.get("curve") or [[0, initial]])  # (step, val ppl) since step 0, carried across resumes
-    per_step = cfg.batch_size * cfg.grad_accum * io.world
-    batches = train_batches(tokenizer, cfg.train_data, cfg.seq_len, cfg.batch_size, io.rank, io.world, start_block=step * per_step)
     poll = min(cfg.eval_every, STOP_POLL_STEPS)
     last, resumed_from, since = {}, step, step
     if step >= cfg.steps:  # the final checkpoint was saved but its report never reached the host (it was killed)
         last = {"step": step, "tokens": step * per_step * cfg.seq_len, **validate(student, win, wmask, io, cfg, job.device),
-                "val_ppl_initial": initial, "lr": trainer.lr, "resumed_from": step, "final": True, "curve": curve, **sizes}
+                "val_ppl_initial": initial, "lr": trainer.lr, "resumed_from": step, "final": True, "curve": curve, **sizes,
+                **peak_memory(job.device, io.world)}
         _finish(student, tokenizer, job, io, last)
         io.report(last, None)
         return last
     t0 = time.perf_counter()
     while step < cfg.steps:
-        trainer.step([next(batches).to(job.device) for _ in range(cfg.grad_accum)])
+        trainer.step([_to(next(batches), job.device) for _ in range(cfg.grad_accum)])
         step += 1
         if step % poll == 0 and stop_requested(job, io):
             break
@@ -164,7 +210,8 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
         tokens_per_s = (step - since) * per_step * cfg.seq_len / max(train_s, 1e-9)
         curve.append([step, last["val_ppl"]])
         last.update({"lr": trainer.lr, "tokens_per_s": tokens_per_s, "mfu": flops * tokens_per_s / (peak * io.world),
-                     "train_s": train_s, "eval_s": eval_s, "resumed_from": resumed_from, "final": step >= cfg.steps, "curve": list(curve), **sizes})
+                     "train_s": train_s, "eval_s": eval_s, "resumed_from": resumed_from, "final": step >= cfg.steps, "curve": list(curve), **sizes,
+                     **peak_memory(job.device, io.world)})
         t0 = time.perf_counter()
         if last["final"]:
             _finish(student, tokenizer, job, io, last)
@@ -183,6 +230,23 @@ def _finish(student, tokenizer, job: DistillJob, io: WorkerIO, last: dict) -> No
         last["student_path"] = str(job.out)
     if io.world > 1 and dist.is_initialized():
         dist.barrier()
+
+
+def _to(batch: Tensor | dict[str, Tensor], device: str) -> Tensor | dict[str, Tensor]:
+    if isinstance(batch, dict):
+        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    return batch.to(device, non_blocking=True)
+
+
+def peak_memory(device: str, world: int) -> dict:
+    """This process's peak resident memory and, on CUDA, peak allocated device memory, each the max over
+    ranks (what a memory plan is checked against; one small collective per report)."""
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    cuda = torch.cuda.max_memory_allocated() if torch.device(device).type == "cuda" else 0
+    rss, cuda = all_reduce_max([rss, cuda], device, world)
+    return {"peak_rss_bytes": int(rss), **({"peak_cuda_bytes": int(cuda)} if cuda else {})}
 
 
 def _elapsed(t0: float, device: str) -> float:

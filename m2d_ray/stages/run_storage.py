@@ -10,6 +10,8 @@ and corpus travel as they are.
 
     STORAGE/                        (a run: `storage:` / --storage, default the run directory)
       data/<sha>/<file>             text files the workers read (distillation, validation, d2d search)
+      tokens/<digest>/              the distillation stream tokenised once (shards + validation ids)
+      targets/<digest>/             the teacher's cached targets over those tokens (stage2.targets)
       teacher/<name>-<digest>/      a driver-side teacher copied for the workers (on a cluster; student/ likewise)
       tune/                         stage-1 Tune state
       stage2/{init,students}/KEY    initial and distilled students
@@ -58,6 +60,14 @@ class RunStorage:
     def checkpoints(self, key: str | None = None) -> tuple[str, str]:
         """(storage path, run name) of a student's Ray Train run: checkpoints land in PATH/NAME."""
         return (storage.join(self.root, "stage2", "train"), key) if key else (self.root, "train")
+
+    def tokens(self, digest: str) -> str:
+        """A tokenised distillation stream (distill/tokens.py), shared by every student that reads it."""
+        return storage.join(self.root, "tokens", digest)
+
+    def targets(self, digest: str) -> str:
+        """The teacher's cached targets over a token stream (distill/targets.py)."""
+        return storage.join(self.root, "targets", digest)
 
     def _data(self, digest: str, name: str) -> str:
         return storage.join(self.root, "data", digest, name)

@@ -37,7 +37,10 @@ from m2d_ray.run_dir import RunDir
 from m2d_ray.stages.d2d import SearchFailed, d2d_student, dense_teacher
 from m2d_ray.stages.ray_env import ensure_ray, trial_error
 from m2d_ray.stages.record import Logged, StageRecorder, fit_tuner
+from m2d_ray.models import load_tokenizer
 from m2d_ray.stages.run_storage import RunStorage
+from m2d_ray.stages.shards import targets as shard_targets
+from m2d_ray.stages.shards import tokens
 from m2d_ray.stages.trial import InjectedFault
 from m2d_ray.track import run_tracker, sweep_parent
 
@@ -63,6 +66,30 @@ def students(promotions: dict, baselines: tuple[str, ...], only: tuple[str, ...]
     pairs = sorted(((p, v) for p, v in promotions["pairs"].items() if not only or p in only), key=lambda kv: kv[1]["ppl"])
     out = [Student(p["key"], pair, p["ppl"]) for pair, p in pairs]
     return out + [Student(f"baseline-{b}", b, None, b) for b in baselines]
+
+
+def duplicates(todo: list[Student], plans: dict) -> dict[str, str]:
+    """Promoted students whose plan repeats a better-ranked one's (at K = k every grouping builds the same
+    student): their key -> the key of the student distilled for both."""
+    first: dict[str, str] = {}
+    out = {}
+    for s in todo:
+        if s.baseline is None:
+            sig = plans[s.key]["signature"]
+            out.update({s.key: first[sig]} if sig in first else {})
+            first.setdefault(sig, s.key)
+    return out
+
+
+def copy_duplicates(out: StageRecorder, todo: list[Student], dups: dict[str, str]) -> None:
+    """Each duplicate gets its distilled twin's record (ledger and MLflow), under its own key and pair."""
+    done = out.ledger.done()
+    by_key = {s.key: s for s in todo}
+    for key, twin in dups.items():
+        if twin in done:
+            r = {**out.ledger.read(twin), **by_key[key].params(), "key": key, "duplicate_of": twin}
+            if key not in done or out.ledger.read(key) != r:
+                out.write(r)
 
 
 # ---- the trial (a Tune worker; it builds and fits a TorchTrainer) -------------------------------
@@ -91,11 +118,13 @@ class StopCheck:
         return ray.get(self.board.stopped.remote(self.key))
 
 
-def stage2_trainable(config: dict, *, model: str, store: RunStorage, plans: dict, cfg: SweepConfig, eval_data: str, board,
-                     d2d: PrunedSpec | None = None) -> None:
+def stage2_trainable(config: dict, *, model: str, store: RunStorage, plans: dict, cfg: SweepConfig, eval_data: str,
+                     tokens: dict[str, str], targets: dict[str, str], board, d2d: PrunedSpec | None = None) -> None:
     """One student (`fit_student`): rank 0 builds its initial student into the run's storage once, every
     rank reads it back; the d2d baseline (`d2d`: its promoted `PrunedSpec`) is pruned and distilled from
-    its dense teacher with the same budget (a dense teacher has no routing to expand)."""
+    its dense teacher with the same budget (a dense teacher has no routing to expand). `tokens`: each
+    teacher's token shards (the same directory when their tokenizers agree); `targets`: each teacher's
+    cached targets (stage2.targets; empty when online)."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     from m2d_ray.convert.initial import InitialStudent
@@ -111,15 +140,16 @@ def stage2_trainable(config: dict, *, model: str, store: RunStorage, plans: dict
     else:
         build = InitialStudent(model, None if s.baseline else plan_of(plans, s.key), s.baseline, cfg.distill.seed)
     fit_student(store, s.key, teacher, distill, eval_data, build=build, stop=StopCheck(board, s.key),
-                callbacks=[TuneReportCallback()], max_failures=cfg.ray.max_failures)
+                callbacks=[TuneReportCallback()], max_failures=cfg.ray.max_failures, tokens=tokens[teacher], targets=targets.get(teacher),
+                target_spec=cfg.target_spec())
 
 
 # ---- records ------------------------------------------------------------------------------------
 class Recorder(tune.Callback):
     """Driver side: loss curves to each student's nested MLflow run as they come; ledger + run status at the end."""
 
-    def __init__(self, todo: dict[str, Student], out: StageRecorder) -> None:
-        self.todo, self.out = todo, out
+    def __init__(self, todo: dict[str, Student], out: StageRecorder, targets: str = "online") -> None:
+        self.todo, self.out, self.targets = todo, out, targets
         self.runs: dict[str, str] = {}  # key -> MLflow run id (looked up once per student)
         self.finished = 0
 
@@ -156,6 +186,7 @@ class Recorder(tune.Callback):
             "best_val_ppl": min((p for _, p in full[1:] if _finite(p) is not None), default=None),
             "tokens_per_s": last.get("tokens_per_s"), "student_path": last.get("student_path"),
             "student_params": last.get("student_params"), "teacher_active_params": last.get("teacher_active_params"),
+            "peak_rss_bytes": last.get("peak_rss_bytes"), "peak_cuda_bytes": last.get("peak_cuda_bytes"), "targets": self.targets,
             "curve": [[s, _finite(p)] for s, p in full],  # from step 0, across resumes
         }
         self.out.write(r)
@@ -170,9 +201,11 @@ def _finite(v):
 
 def mlflow_fields(r: dict) -> Logged:
     """A student's final MLflow values (its curves were logged as they came; they keep the plain names)."""
-    names = {"val_ppl": "final_val_ppl", "best_val_ppl": "best_val_ppl", "val_ppl_initial": "initial_val_ppl", "tokens_per_s": "mean_tokens_per_s"}
+    names = {"val_ppl": "final_val_ppl", "best_val_ppl": "best_val_ppl", "val_ppl_initial": "initial_val_ppl", "tokens_per_s": "mean_tokens_per_s",
+             "peak_rss_bytes": "peak_rss_bytes", "peak_cuda_bytes": "peak_cuda_bytes"}
     return Logged({"stage": 2, **{k: r[k] for k in ("key", "pair", "baseline", "stage1_ppl")}},
-                  {names[k]: r[k] for k in names if r.get(k) is not None}, {"student_path": r["student_path"], "stage": "2"})
+                  {names[k]: r[k] for k in names if r.get(k) is not None},
+                  {"student_path": r["student_path"], "stage": "2", "targets": r.get("targets"), "duplicate_of": r.get("duplicate_of")})
 
 
 # ---- the sweep ----------------------------------------------------------------------------------
@@ -247,16 +280,19 @@ def run_stage2(cfg: SweepConfig, run_dir: str | Path | RunDir, tracking_uri: str
     tracker.log(parent, params=params)
     out = StageRecorder(rd.stage2_ledger(), tracker, parent, mlflow_fields, prefix="stage2/")
     out.reconcile()  # a kill between the ledger and MLflow: logged now
+    plans = rd.read_plans()["plans"] if any(s.baseline is None for s in todo_all) else {}
+    dups = duplicates(todo_all, plans)
     done = {r["key"]: r["status"] for r in out.ledger.records()}
-    pending = [s for s in todo_all if done.get(s.key, "failed") == "failed"]  # a failed student is tried again
+    pending = [s for s in todo_all if done.get(s.key, "failed") == "failed" and s.key not in dups]  # a failed student is tried again
     retried = sum(s.key in done for s in pending)
     say(f"stage 2: {len(todo_all)} students ({len(todo_all) - len(cfg.stage2.baselines)} promoted + baselines), {len(pending)} to distil"
+        + (f", {len(dups)} repeating another's plan (distilled once)" if dups else "")
         + (f" ({retried} failed before: retried from their last checkpoint)" if retried else ""))
     if pending:
         ensure_ray(cfg.ray)
         store = store or RunStorage(cfg.storage or str(rd.path))
         store.check_visible()
-        recorder = Recorder({s.key: s for s in pending}, out)
+        recorder = Recorder({s.key: s for s in pending}, out, str(cfg.target_spec() or "online"))
         workers_model = store.put_model(model)
         eval_data = store.put_data(cfg.distill.eval_data or cfg.eval.data)
         distill = dataclasses.replace(cfg.distill, train_data=store.put_data(cfg.distill.train_data), eval_data=eval_data)
@@ -267,9 +303,14 @@ def run_stage2(cfg: SweepConfig, run_dir: str | Path | RunDir, tracking_uri: str
             except SearchFailed as exc:  # that student's failure: recorded, and the others go on
                 recorder.record(f"baseline-{D2D}", "failed", {}, error=str(exc))
                 pending = [s for s in pending if s.baseline != D2D]
-        plans = {} if all(s.baseline for s in pending) else rd.read_plans()["plans"]
         if pending:
-            _tune(dataclasses.replace(cfg, distill=distill), workers_model, store, plans, eval_data, rd, pending, recorder, d2d)
+            teachers = {workers_model: model, **({d2d.teacher: dense_teacher(cfg)} if d2d else {})}  # as workers reach them: local names
+            toks = {t: tokens(store, t, load_tokenizer(name), distill, eval_data) for t, name in teachers.items()}
+            spec = cfg.target_spec()  # the teacher once: its targets cached for every student (a dense teacher has no routing)
+            targ = {t: shard_targets(store, t, toks[t], spec, distill if t == workers_model else dataclasses.replace(distill, teacher_topk=None),
+                                     cfg.calib, cfg.ray) for t in teachers} if spec else {}
+            _tune(dataclasses.replace(cfg, distill=distill), workers_model, store, plans, eval_data, toks, targ, rd, pending, recorder, d2d)
+    copy_duplicates(out, todo_all, dups)
     records = out.ledger.records()
     from m2d_ray.report.stage2 import write_stage2
 
@@ -279,10 +320,11 @@ def run_stage2(cfg: SweepConfig, run_dir: str | Path | RunDir, tracking_uri: str
     return records
 
 
-def _tune(cfg: SweepConfig, model: str, store: RunStorage, plans: dict, eval_data: str, rd: RunDir, pending: list[Student],
-          recorder: Recorder, d2d: PrunedSpec | None) -> None:
+def _tune(cfg: SweepConfig, model: str, store: RunStorage, plans: dict, eval_data: str, toks: dict[str, str], targ: dict[str, str],
+          rd: RunDir, pending: list[Student], recorder: Recorder, d2d: PrunedSpec | None) -> None:
     board = StopBoard.remote()
-    trainable = tune.with_parameters(stage2_trainable, model=model, store=store, plans=plans, cfg=cfg, eval_data=eval_data, board=board, d2d=d2d)
+    trainable = tune.with_parameters(stage2_trainable, model=model, store=store, plans=plans, cfg=cfg, eval_data=eval_data, tokens=toks,
+                                     targets=targ, board=board, d2d=d2d)
     tuner = tune.Tuner(
         tune.with_resources(trainable, {"cpu": 0.5}),
         param_space={"student": tune.grid_search([s.params() for s in pending])},

@@ -42,7 +42,8 @@ class EvalJob:
 def jobs(rd: RunDir, teacher: str, with_teacher: bool, dense: str | None = None) -> list[EvalJob]:
     """The models to evaluate: stage-2 students that were exported (to the run's storage), then the teacher
     and, with the d2d baseline, its dense teacher (`dense`)."""
-    out = [EvalJob(r["key"], r["pair"], r["student_path"]) for r in rd.stage2_records() if r.get("student_path") and storage.exists(r["student_path"])]
+    out = [EvalJob(r["key"], r["pair"], r["student_path"]) for r in rd.stage2_records()
+           if r.get("student_path") and not r.get("duplicate_of") and storage.exists(r["student_path"])]
     teachers = [EvalJob(TEACHER_KEY, TEACHER_KEY, teacher)] + ([EvalJob(D2D_TEACHER_KEY, D2D_TEACHER_KEY, dense)] if dense else [])
     return out + (teachers if with_teacher else [])
 
@@ -145,5 +146,10 @@ def run_stage3(cfg: SweepConfig, run_dir: str | Path | RunDir, tracking_uri: str
             done[job.key] = r
             mean = f"{r['mean']:.4f}" if r.get("mean") is not None else r["status"]
             say(f"[stage 3 {len(done)}/{len(todo)}] {job.key}: mean accuracy {mean}")
+    for r in rd.stage2_records():  # a student distilled for two pairs is evaluated once, reported under both
+        twin = done.get(r.get("duplicate_of") or "")
+        if twin is not None and done.get(r["key"], {}).get("status") != twin["status"]:
+            done[r["key"]] = {**twin, "key": r["key"], "pair": r["pair"], "duplicate_of": twin["key"]}
+            out.write(done[r["key"]])
     tracker.finish(parent)
     return done

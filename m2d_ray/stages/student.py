@@ -18,10 +18,13 @@ from m2d_ray.stages.run_storage import RunStorage
 
 def fit_student(store: RunStorage, key: str | None, teacher: str, cfg: DistillConfig, eval_data: str, *,
                 build: Callable | None = None, init: str | None = None, stop: Callable[[], bool] | None = None,
-                callbacks: list | None = None, max_failures: int = 0):
-    """Ray Train's Result of distilling student `key` from `teacher` (names and URLs the workers reach)."""
+                callbacks: list | None = None, max_failures: int = 0, tokens: str | None = None, targets: str | None = None,
+                target_spec=None):
+    """Ray Train's Result of distilling student `key` from `teacher` (names and URLs the workers reach),
+    reading the run's token shards `tokens` and, when cached, the teacher's `targets` of `target_spec`
+    (stages/shards.py; then the workers load no teacher weights)."""
     device = "cuda" if cfg.gpus_per_worker > 0 else "cpu"
     job = DistillJob(teacher, init or store.initial(key), cfg, eval_data, out=store.student(key), device=device, stop=stop,
-                     build=None if init else build)
+                     build=None if init else build, tokens=tokens, targets=targets, target_spec=target_spec)
     path, name = store.checkpoints(key)
     return fit(job, name=name, storage=path, callbacks=callbacks, max_failures=max_failures)

@@ -13,8 +13,9 @@ the head sees it: the workers get it through the run's storage.
 Scenarios (results in WORK/results.json; the run directories stay for the test to read):
   shared  m2d run with --storage on a directory both nodes see, with the d2d baseline; then a resume of the finished run, and one
           with another stage-3 suite
-  s3      m2d run with --storage s3://… and the teacher on the driver's disk (copied to storage once);
-          the driver is SIGKILLed after the first distilled student and the run resumed
+  (both distil from cached teacher targets, stage2.targets=topk:16: made once in the storage, for each teacher)
+  s3      m2d run with --storage s3://… and the teacher on the driver's disk (copied to storage once); the driver
+          is SIGKILLed after the first distilled student and the run resumed
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ SMALL = [
     "grid.scoring=[sf,do-acp]", "grid.grouping=[rr]", "grid.scaling=[uniform]", "grid.K=[2]",
     "distill.steps=4", "distill.eval_every=2", "distill.seq_len=64", "distill.batch_size=4", "distill.eval_max_tokens=1024",
     "distill.warmup_steps=1", "stage2.baselines=[]", "stage3.limit=8", "ray.data_actors=1",
+    "stage2.targets=topk:16",  # the teacher once: its top-16 targets cached in the storage, no teacher weights on the students
 ]
 BUCKET = "m2d-test"
 

@@ -63,6 +63,8 @@ def test_shared_storage(cluster_runs):
     for key in keys:  # the students live in the storage, not in the driver's run directory
         assert (work / "shared" / "run" / "stage2" / "students" / key / "model.safetensors").exists()
     assert not (run_dir / "stage2" / "students").exists() and not (run_dir / "stage2" / "init").exists()
+    targets = [p for p in (work / "shared" / "run" / "targets").glob("*") if (p / "manifest.json").exists()]
+    assert len(targets) == 2  # one targets pass per teacher (the MoE teacher, and the d2d baseline's dense teacher)
     stored = {p.name for p in (work / "shared" / "run" / "data").rglob("*.txt")}  # the head's text files, through the storage
     assert stored == {"train.txt", "valid.txt", "test.txt"}, stored  # distillation, validation, and the d2d search's calibration/evaluation
     last = r["stderr"].strip().splitlines()[-3:]
@@ -113,7 +115,13 @@ def test_s3_storage_teacher_from_the_driver_and_resume_after_sigkill(cluster_run
     for key in keys:
         assert f"run/stage2/students/{key}/model.safetensors" in objects and f"run/stage2/init/{key}/model.safetensors" in objects
     assert any(o.startswith("run/teacher/teacher-") and o.endswith("model.safetensors") for o in objects)  # copied once for the workers
-    assert {o.rsplit("/", 1)[1] for o in objects if o.startswith("run/data/")} == {"train.txt", "valid.txt"}  # the head's text, once each
+    assert {o.rsplit("/", 1)[1] for o in objects if o.startswith("run/data/") and not o.endswith("/")} == {"train.txt", "valid.txt"}  # the head's text, once each
+    # the stream tokenised once and the teacher's top-16 targets computed once, in S3; the students read them from there
+    assert sum(o.startswith("run/tokens/") and o.endswith("manifest.json") for o in objects) == 1
+    assert sum(o.startswith("run/targets/") and o.endswith("manifest.json") for o in objects) == 1
+    assert any(o.startswith("run/targets/") and o.endswith(".safetensors") for o in objects)
+    records = [json.loads(p.read_text()) for p in (run_dir / "stage2" / "trials").glob("*.json")]
+    assert {r["targets"] for r in records} == {"topk:16"} and all(r["peak_rss_bytes"] > 0 for r in records)
     assert any(o.startswith("run/stage2/train/") for o in objects) and any(o.startswith("run/tune/") for o in objects)
     assert not (run_dir / "stage2" / "students").exists() and not (run_dir / "tune").exists()
     # one MLflow run per student and model across the kill and the resume

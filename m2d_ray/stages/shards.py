@@ -1,0 +1,215 @@
+"""What every student of a run reads, made once into the run's storage: the tokenised distillation stream
+(and validation ids), and with `stage2.targets` a cached mode, the teacher's targets over it.
+
+Both are content-addressed (STORAGE/tokens/<digest>, STORAGE/targets/<digest>): a second student, a
+resumed run or another run on the same storage reuses them; a copy that exists is complete (its marker
+is written last).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from pathlib import Path
+
+import ray
+
+from m2d_ray import storage
+from m2d_ray.console import say
+from m2d_ray.distill.config import DistillConfig
+from m2d_ray.errors import RunFailed
+from m2d_ray.stages.run_storage import RunStorage
+
+
+def _whole_stage(fn, what: str):
+    """`fn()`; a worker's failure there stops stage 2 (every student needs it) with one line, not a traceback;
+    what was written stays for the resume."""
+    try:
+        return fn()
+    except Exception as exc:
+        cause = getattr(exc, "cause", None) or exc
+        raise RunFailed(f"{what} failed on a Ray worker ({type(cause).__name__}: {str(cause).strip().splitlines()[-1][:200]}); "
+                        "fix it and resume the run") from None
+
+
+def blocks_needed(cfg: DistillConfig) -> int:
+    """Global blocks the run reads: steps x batch x accumulation x workers."""
+    return cfg.steps * cfg.batch_size * cfg.grad_accum * cfg.workers
+
+
+@ray.remote(num_cpus=1)
+def _tokenize_task(url: str, teacher: str, source: str, seq_len: int, blocks: int, valid: str, valid_max_tokens: int | None) -> str:
+    """On any node: tokenise the stream and the validation text into `url` (a storage URL)."""
+    import torch
+
+    from m2d_ray.artifacts import write_marker
+    from m2d_ray.distill.tokens import write_tokens
+    from m2d_ray.models import load_tokenizer
+
+    torch.set_num_threads(1)
+    tokenizer = load_tokenizer(storage.local_model(teacher))
+
+    def build(dest: Path) -> None:
+        write_tokens(dest, tokenizer, source, seq_len, blocks, valid, valid_max_tokens)
+        write_marker(dest, "tokens")  # last: complete or absent
+
+    if not storage.is_remote(url):
+        parent = Path(storage.filesystem(url)[1]).parent
+        parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".m2d-tokens-", dir=str(parent)) as tmp:
+            build(Path(tmp) / "t")
+            Path(tmp, "t").rename(storage.filesystem(url)[1])
+        return url
+    return storage.save_dir(url, build)
+
+
+def tokens(store: RunStorage, teacher: str, tokenizer, cfg: DistillConfig, eval_data: str) -> str:
+    """The run's token directory (storage URL) for `cfg`'s stream and validation text, made once on Ray by
+    `teacher`'s tokenizer (`tokenizer`: the same, on the driver, for its fingerprint). `teacher`,
+    `cfg.train_data` and `eval_data` are as the workers reach them (RunStorage.put_*)."""
+    from m2d_ray.distill.tokens import tokenizer_fingerprint
+
+    key = {"tokenizer": tokenizer_fingerprint(tokenizer), "source": cfg.train_data, "seq_len": cfg.seq_len, "blocks": blocks_needed(cfg),
+           "valid": eval_data, "valid_max_tokens": cfg.eval_max_tokens}
+    url = store.tokens(hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16])
+    if not storage.exists(url):
+        say(f"stage 2: tokenising {key['blocks']:,} blocks of {cfg.seq_len} tokens of {cfg.train_data} once, for every student")
+        _whole_stage(lambda: ray.get(_tokenize_task.remote(url, teacher, cfg.train_data, cfg.seq_len, key["blocks"], eval_data, cfg.eval_max_tokens)),
+                     "tokenising the distillation data")
+    return url
+
+
+# ---- the teacher once: cached targets (stage2.targets topk / sampled) ------------------------------
+TARGET_SHARD_BYTES = 128 << 20  # one target shard (topk:64 at seq_len 4096: 80 blocks)
+
+
+class TargetsActor:
+    """A Ray Data actor: the teacher (whole when it fits the device, else one decoder layer at a time, as
+    streamed calibration) over ranges of token blocks, writing one target shard per range to the storage."""
+
+    def __init__(self, teacher: str, tokens_url: str, targets_url: str, spec, teacher_topk: int | None, device: str, threads: int,
+                 batch_size: int, stream: bool | None, max_memory: str | None) -> None:
+        import torch
+
+        from m2d_ray.distill.tokens import TokenShards
+
+        torch.set_num_threads(threads)
+        self.tokens = TokenShards(storage.fetch_dir(tokens_url))
+        self.url, self.spec = targets_url, spec
+        self.hidden, self.head = _teacher_forward(teacher, teacher_topk, device, batch_size, stream, max_memory)
+
+    def __call__(self, batch: dict) -> dict:
+        import numpy as np
+        import torch
+
+        from m2d_ray.distill.targets import teacher_targets, write_shard
+        from m2d_ray.distill.tokens import rank_batches
+
+        entries = []
+        shards = [_entry(e) for e in self.tokens.manifest["shards"]]
+        for first, n in zip(batch["first_block"].tolist(), batch["blocks"].tolist()):
+            ids = next(rank_batches(shards, lambda e: {"ids": self.tokens.rows(e)}, n, start_block=first))["ids"]
+            parts, done = [], 0
+            for h in self.hidden(ids):  # a batch of blocks at a time, in order
+                parts.append({k: v.cpu() for k, v in teacher_targets(h, self.head, self.spec, first_block=first + done).items()})
+                done += h.shape[0]
+            targets = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+            with tempfile.TemporaryDirectory(prefix="m2d-targets-") as tmp:
+                local = tmp if storage.is_remote(self.url) else storage.filesystem(self.url)[1]
+                entry = write_shard(local, first, targets)
+                if local == tmp:
+                    storage.put_file(Path(tmp) / entry.file, storage.join(self.url, entry.file))
+            storage.write_bytes(storage.join(self.url, f"{entry.file}.entry.json"), json.dumps(vars(entry)).encode())  # after the shard
+            entries.append(json.dumps(vars(entry)))
+        return {"entry": np.array(entries, dtype=object)}
+
+
+def _entry(d: dict):
+    from m2d_ray.distill.targets import ShardEntry
+
+    return ShardEntry(**d)
+
+
+def _teacher_forward(name: str, teacher_topk: int | None, device: str, batch_size: int, stream: bool | None, max_memory: str | None):
+    """(ids [n, L] -> the final hidden states of `batch_size` blocks at a time on `device`, in order; the output
+    projection [V, d]) of a teacher: an MoE teacher that does not fit its budget is streamed one decoder
+    layer at a time over all n blocks (calibrate/stream.py), any other is loaded whole."""
+    import torch
+
+    from m2d_ray.arch.dense import dense_types
+    from m2d_ray.calibrate.stream import final_hidden_streamed, should_stream
+    from m2d_ray.models import load_config, load_distill_teacher
+    from m2d_ray.weights import open_teacher
+
+    if load_config(name).model_type not in dense_types():
+        lazy = open_teacher(name, device=device)
+        if teacher_topk is not None:
+            lazy.adapter.set_top_k(lazy.skeleton, teacher_topk)
+        if should_stream(lazy, device, stream, max_memory):
+            head = lazy.module(lazy.name_of(lazy.skeleton.get_output_embeddings())).weight.to(device)
+
+            def streamed(ids):
+                h = final_hidden_streamed(lazy, ids, batch_size, device)
+                return (h[i : i + batch_size].to(device) for i in range(0, h.shape[0], batch_size))
+
+            return streamed, head
+    teacher = load_distill_teacher(name, dtype=torch.bfloat16 if device == "cuda" else torch.float32, device=device)
+    if teacher_topk is not None:
+        teacher.adapter.set_top_k(teacher.model, teacher_topk)
+    base = teacher.model.base_model
+
+    @torch.no_grad()
+    def whole(ids):
+        for i in range(0, ids.shape[0], batch_size):
+            yield base(input_ids=ids[i : i + batch_size].to(device), use_cache=False).last_hidden_state
+
+    return whole, teacher.model.get_output_embeddings().weight.detach()
+
+
+def targets(store: RunStorage, teacher: str, tokens_url: str, spec, cfg: DistillConfig, calib, ray_cfg) -> str:
+    """The teacher's targets over the run's tokens (storage URL), computed once by a Ray Data pass of the
+    teacher (`calib` gives its device budget and batch; `ray_cfg` the actors); a killed pass resumes at the
+    first shard it had not written. Targets of another teacher, tokenizer, tokens, k' or temperature
+    live in another directory (the digest of their fingerprint) and are never mixed."""
+    import ray.data
+
+    from m2d_ray.distill.targets import TargetsManifest, bytes_per_token, fingerprint
+    from m2d_ray.distill.tokens import TokenShards, manifest_sha256
+
+    tok_manifest = TokenShards(storage.fetch_dir(tokens_url)).manifest
+    fp = fingerprint(teacher, tok_manifest["tokenizer"], manifest_sha256(tok_manifest), cfg.teacher_topk, spec.temperature)
+    url = store.targets(hashlib.sha256(json.dumps({**fp, "spec": str(spec), "seed": spec.seed}, sort_keys=True).encode()).hexdigest()[:16])
+    if storage.exists(url):
+        TargetsManifest.load(storage.fetch_dir(url), where=url).check_matches(fp, spec)
+        return url
+    per = max(1, TARGET_SHARD_BYTES // (tok_manifest["seq_len"] * bytes_per_token(spec)))
+    have = {json.loads(storage.read_bytes(storage.join(url, n)))["first_block"]: json.loads(storage.read_bytes(storage.join(url, n)))
+            for n in storage.list_names(url) if n.endswith(".entry.json")}
+    ranges = [(f, min(per, tok_manifest["blocks"] - f)) for f in range(0, tok_manifest["blocks"], per)]
+    todo = [(f, n) for f, n in ranges if f not in have]
+    say(f"stage 2: teacher targets {spec} over {tok_manifest['blocks']:,} blocks ({len(todo)} of {len(ranges)} shards to compute, "
+        f"{bytes_per_token(spec)} B/token)")
+    if todo:
+        gpus = ray_cfg.data_gpus_per_actor
+        ds = ray.data.from_items([{"first_block": f, "blocks": n} for f, n in todo])
+        out = ds.map_batches(
+            TargetsActor, batch_size=1, compute=ray.data.ActorPoolStrategy(size=max(1, min(ray_cfg.data_actors, len(todo)))),
+            num_gpus=gpus, num_cpus=1,
+            fn_constructor_kwargs={"teacher": teacher, "tokens_url": tokens_url, "targets_url": url, "spec": spec,
+                                   "teacher_topk": cfg.teacher_topk, "device": "cuda" if gpus > 0 else "cpu",
+                                   "threads": ray_cfg.threads_per_worker, "batch_size": calib.batch_size, "stream": calib.stream,
+                                   "max_memory": calib.max_memory})
+        for row in _whole_stage(lambda: list(out.iter_rows()), f"the teacher's {spec} targets pass"):
+            e = json.loads(row["entry"])
+            have[e["first_block"]] = e
+    from m2d_ray.artifacts import MARKER, write_marker
+    from m2d_ray.distill.targets import MANIFEST
+
+    manifest = TargetsManifest(spec, fp, tok_manifest["seq_len"], tuple(_entry(have[f]) for f, _ in ranges), where=url)
+    with tempfile.TemporaryDirectory(prefix="m2d-targets-") as tmp:
+        manifest.save(tmp)
+        write_marker(Path(tmp), "targets")
+        for name in (MANIFEST, MARKER):  # the marker last: the directory is complete
+            storage.put_file(Path(tmp) / name, storage.join(url, name))
+    return url

@@ -1,0 +1,123 @@
+"""Stage 2's teacher-once data path without Ray: token shards read back in train_batches' order, the
+teacher's targets computed over them, and students trained from cached targets without teacher weights."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from m2d_ray.config import DistillConfig
+from m2d_ray.data.synthetic import build_tokenizer
+from m2d_ray.distill.data import train_batches
+from m2d_ray.distill.loop import DistillJob, WorkerIO, run_distill
+from m2d_ray.distill.targets import ShardEntry, TargetsManifest, fingerprint, parse_targets
+from m2d_ray.distill.tokens import TokenShards, manifest_sha256, write_tokens
+from m2d_ray.errors import M2DError
+from m2d_ray.models import default_teacher
+
+CFG = DistillConfig(train_data="synthetic:train", steps=6, lr=3e-3, min_lr=3e-4, warmup_steps=1, batch_size=4, seq_len=64,
+                    eval_every=3, eval_max_tokens=1024, deepspeed=False)
+BLOCKS = CFG.steps * CFG.batch_size
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    from m2d_ray.models import load_tokenizer
+
+    d = tmp_path_factory.mktemp("tokens")
+    write_tokens(d, load_tokenizer(default_teacher()), CFG.train_data, CFG.seq_len, BLOCKS, "synthetic:valid", CFG.eval_max_tokens, shard_blocks=10)
+    return d
+
+
+@pytest.fixture(scope="module")
+def student(tmp_path_factory):
+    from m2d_ray.commands.convert import convert_one
+
+    out = tmp_path_factory.mktemp("init") / "random-ffn"
+    convert_one(None, "sf", "rr", "uniform", None, out, baseline="random-ffn")
+    return out
+
+
+def make_targets(out, tokens, text: str):
+    """The targets pass of one actor (stages/shards.TargetsActor, here without Ray) over two block ranges."""
+    from m2d_ray.stages.shards import TargetsActor
+
+    spec = parse_targets(text)
+    actor = TargetsActor(default_teacher(), str(tokens), str(out), spec, None, "cpu", 1, 4, None, None)
+    rows = actor({"first_block": np.array([0, 14]), "blocks": np.array([14, BLOCKS - 14])})
+    shards = tuple(ShardEntry(**json.loads(e)) for e in rows["entry"])
+    fp = fingerprint(default_teacher(), "tok", manifest_sha256(TokenShards(tokens).manifest), None, spec.temperature)
+    TargetsManifest(spec, fp, CFG.seq_len, shards).save(out)
+    return spec
+
+
+def test_token_shards_give_train_batches_batches_for_every_rank_and_resume(tmp_path):
+    tok = build_tokenizer()
+    write_tokens(tmp_path, tok, "synthetic:train", 32, 50, "synthetic:valid", 500, shard_blocks=7)
+    shards = TokenShards(tmp_path)
+    for world, bs, start in [(1, 1, 0), (2, 3, 0), (3, 2, 5), (2, 4, 9)]:
+        for rank in range(world):
+            n = (50 - start) // (world * bs)
+            want = list(itertools.islice(train_batches(tok, "synthetic:train", 32, bs, rank, world, start), n))
+            got = list(itertools.islice(shards.batches(bs, rank, world, start), n))
+            assert len(got) == n and all(torch.equal(a, b) for a, b in zip(want, got)), (world, bs, start, rank)
+    assert shards.valid_ids().numel() == 500
+
+
+def test_a_damaged_token_shard_is_named_and_another_tokenizer_refused(tmp_path):
+    tok = build_tokenizer()
+    write_tokens(tmp_path, tok, "synthetic:train", 32, 20, "synthetic:valid", 100, shard_blocks=7)
+    shards = TokenShards(tmp_path)
+    with pytest.raises(M2DError, match="seq_len"):
+        shards.check(tok, 64, "synthetic:train")
+    path = tmp_path / "tokens-00001.safetensors"
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(M2DError, match="tokens-00001.safetensors is damaged"):
+        list(itertools.islice(shards.batches(4), 3))
+
+
+def _train(student, out, tokens, targets=None, spec=None):
+    reports = []
+    job = DistillJob(default_teacher(), str(student), CFG, "synthetic:valid", out=str(out), tokens=str(tokens), targets=targets, target_spec=spec)
+    run_distill(job, WorkerIO(report=lambda m, ckpt: reports.append(m)))
+    return reports
+
+
+def test_cached_topk_over_the_whole_vocabulary_trains_as_the_online_teacher(student, tokens, tmp_path, monkeypatch):
+    """K = vocabulary: the cached loss is the online loss (up to the fp16 log-probs), and no teacher weights load."""
+    from m2d_ray import models
+
+    online = _train(student, tmp_path / "online", tokens)
+    vocab = models.load_config(default_teacher()).vocab_size
+    spec = make_targets(tmp_path / "targets", tokens, f"topk:{vocab}")
+
+    def no_teacher(*a, **k):
+        raise AssertionError("a student with cached targets loaded teacher weights")
+
+    monkeypatch.setattr(models, "load_distill_teacher", no_teacher)
+    monkeypatch.setattr(models, "load_teacher", no_teacher)
+    cached = _train(student, tmp_path / "cached", tokens, str(tmp_path / "targets"), spec)
+    assert [r["step"] for r in cached] == [r["step"] for r in online] == [3, 6]
+    for a, b in zip(online, cached):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=2e-3) and b["val_ppl"] == pytest.approx(a["val_ppl"], rel=2e-3)
+    assert cached[-1]["peak_rss_bytes"] > 0
+
+
+@pytest.mark.parametrize("text", ["topk:8", "sampled:8"])
+def test_sparse_targets_distil(student, tokens, tmp_path, text):
+    spec = make_targets(tmp_path / "t", tokens, text)
+    reports = _train(student, tmp_path / "s", tokens, str(tmp_path / "t"), spec)
+    assert reports[-1]["val_ppl"] < reports[-1]["val_ppl_initial"] and all(np.isfinite(r["train_loss"]) for r in reports)
+
+
+def test_targets_of_another_token_stream_are_refused(student, tokens, tmp_path):
+    spec = make_targets(tmp_path / "t", tokens, "topk:4")
+    m = json.loads((tmp_path / "t" / "manifest.json").read_text())
+    m["fingerprint"]["tokens"] = "0" * 64
+    (tmp_path / "t" / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(M2DError, match="tokens"):
+        _train(student, tmp_path / "s", tokens, str(tmp_path / "t"), spec)
