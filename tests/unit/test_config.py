@@ -62,11 +62,20 @@ def test_auto_K_and_overrides():
         ("grid", "not key=value"),
         ("stage2.baselines=[random-init,d2dd]", "did you mean 'd2d'"),
         ("stage2.baselines=[randominit]", "did you mean 'random-init'"),
+        ("stage2.targets=top:16", "unknown mode 'top'"),
+        ("stage2.targets=sampled:300", "sampled"),
     ],
 )
 def test_bad_values_fail_with_one_line(override, message):
     with pytest.raises(M2DError, match=message.replace("[", r"\[").replace(".", r"\.")):
         load_config(EXPERIMENTS / "tiny.yaml", [override])
+
+
+@pytest.mark.parametrize("loss", ["rkl", "fkl+mse"])
+def test_losses_that_need_the_whole_teacher_refuse_cached_targets(loss):
+    assert load_config(EXPERIMENTS / "tiny.yaml", [f"distill.loss={loss}"]).target_spec() is None  # online: every loss works
+    with pytest.raises(M2DError, match=f"distill.loss={loss.replace('+', '.')}"):
+        load_config(EXPERIMENTS / "tiny.yaml", [f"distill.loss={loss}", "stage2.targets=topk:16"])
 
 
 def test_d2d_needs_a_dense_teacher_and_the_baseline():

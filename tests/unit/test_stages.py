@@ -157,3 +157,13 @@ def test_gpu_use_is_decided_by_the_config_not_by_the_gpus_up_now(monkeypatch):
     assert stage3._gpus(cpu) == 0.0 and stage2._concurrency(cpu) == cpu.ray.max_concurrent_trials
     assert stage3._gpus(load_config(None, ["stage3.gpus_per_task=0.5"])) == 0.5
     assert stage2._concurrency(load_config(None, ["distill.gpus_per_worker=1", "stage2.max_concurrent_trials=3"])) == 3
+
+
+def test_a_promoted_plan_repeated_by_another_pair_is_distilled_once():
+    """Stage 2 distils the better-ranked of two promotions with one plan signature; the other gets its record."""
+    from m2d_ray.stages.stage2 import Student, duplicates
+
+    todo = [Student("a", "sf/rr", 1.0), Student("b", "sf/oc", 1.0), Student("c", "cp/rr", 2.0), Student("baseline-random-ffn", "random-ffn", None, "random-ffn")]
+    plans = {"a": {"signature": "s1"}, "b": {"signature": "s1"}, "c": {"signature": "s2"}}
+    assert duplicates(todo, plans) == {"b": "a"}
+    assert duplicates(todo[2:], plans) == {}
