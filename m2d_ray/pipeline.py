@@ -203,6 +203,9 @@ def check_run_inputs(cfg, stages: tuple[int, ...] = (1,), tracking_uri: str | No
         from m2d_ray.evaluate.harness import check_tasks
 
         check_tasks(cfg.stage3.tasks, cfg.stage3.num_fewshot)
+        from m2d_ray.evaluate.runner import check_teacher_fits
+
+        check_teacher_fits(cfg, model)  # with stage3.gpu_memory set: a teacher no node can hold fails now
     if tracking_uri or cfg.mlflow.tracking_uri:
         from m2d_ray.track import Tracker
 
@@ -393,15 +396,15 @@ def evaluate_one(model: str, tasks: str = "local", num_fewshot: int | None = Non
                  batch_size: int = 16, device: str | None = None) -> dict:
     """`m2d eval`: lm-eval of one saved model (the stage-3 measurement)."""
     from m2d_ray.checkpoint import check_files
-    from m2d_ray.evaluate.harness import check_tasks, evaluate
-    from m2d_ray.models import load_model
+    from m2d_ray.evaluate.harness import check_tasks
+    from m2d_ray.evaluate.runner import evaluate_model, local_placement
 
     suite, text = check_tasks(tasks, num_fewshot)  # bad task names fail before the model loads
     model_config(model)
     check_files(model)
     device = device or device_default()
-    lm, tok = load_model(model, device=device)
-    return {"model": model, **evaluate(lm, tok, suite, batch_size=batch_size, device=device, limit=limit, text=text)}
+    place = local_placement(model, device, batch_size)  # sharded over this machine's GPUs if it needs them; else one line
+    return {"model": model, "placement": place.describe(), **evaluate_model(model, suite, place, device, limit=limit, text=text)}
 
 
 STAGES = ("stage1", "stage2", "stage3", "report")

