@@ -7,11 +7,12 @@ so besides the weights every sequence of a batch costs about
     key/value cache (HF models keep one)             2 × layers × seq × kv_heads × head_dim × b
     activations of one layer                         seq × (8·hidden + 3·max(ffn, k·d_expert)) × b
 
-(b = bytes per weight, 2 in bf16). Qwen3-30B-A3B at 4,096 tokens: 4.6 GiB a sequence, beside 56.9 GiB of
-weights — batch 16 on one 80 GB GPU is ~130 GiB, which is why stage 3 used to fail there.
+(b = bytes per weight, 2 in bf16). Qwen3-30B-A3B at 4,096 tokens: 5.3 GiB a sequence, beside 56.9 GiB of
+weights — batch 16 on one 80 GB GPU is ~140 GiB, which is why stage 3 used to fail there. It gets two
+80 GB GPUs (sharded) and batch 6.
 
 `plan_eval` picks the fewest GPUs of a node on which the weights (spread evenly by an accelerate device map)
-plus one sequence fit, and the batch that fits beside them; a model that fits on no number of the node's
+plus a batch of MIN_BATCH sequences fit (else plus one sequence), and the batch that fits beside them; a model that fits on no number of the node's
 GPUs fails with one line before anything is loaded. A model that fits a fraction of a GPU keeps the
 configured fraction (small students share GPUs). On CPU (no GPU) nothing is sharded.
 """
@@ -27,6 +28,7 @@ GiB = 1 << 30
 RESERVE = 1 * GiB  # CUDA context, allocator slack
 UTILISATION = 0.9  # of a GPU's memory given to weights + batch
 MAX_BATCH = 64  # lm-eval's own default max_batch_size
+MIN_BATCH = 4  # GPUs are added (sharding) until this many sequences fit beside the weights, when a node allows
 DEFAULT_SEQ = 4096  # the longest sequence planned for (lm-eval's max_length for the run; longer contexts are left-truncated)
 
 
@@ -108,16 +110,18 @@ def plan_eval(size: ModelSize, gpu_bytes: int | None, gpus_per_node: int = 1, ba
         batch = fit if batch_size == "auto" else min(int(batch_size), fit)
         return EvalPlacement(0, False, batch, fit, max_length, None, size.weights, seq)
     usable = gpu_bytes * UTILISATION - RESERVE
+    least = min(MIN_BATCH, MAX_BATCH if batch_size == "auto" else int(batch_size))
     if gpu_fraction is not None and 0 < gpu_fraction < 1:
         share = gpu_bytes * gpu_fraction * UTILISATION - RESERVE
-        if size.weights + seq <= share:
+        if size.weights + least * seq <= share:
             return _batch(size, seq, gpu_fraction, False, share - size.weights, None, batch_size, batch_memory, max_length)
-    for g in range(1, max(1, gpus_per_node) + 1):
-        per_gpu = size.weights / g * (1.05 if g > 1 else 1.0)  # a device map is not perfectly even
-        free = usable - per_gpu
-        if free >= seq:
-            cap = math.ceil(per_gpu) if g > 1 else None
-            return _batch(size, seq, g, g > 1, free, cap, batch_size, batch_memory, max_length)
+    for need in (least, 1):  # the fewest GPUs that hold a useful batch; else the fewest that hold one sequence
+        for g in range(1, max(1, gpus_per_node) + 1):
+            per_gpu = size.weights / g * (1.05 if g > 1 else 1.0)  # a device map is not perfectly even
+            free = usable - per_gpu
+            if free >= need * seq:
+                cap = math.ceil(per_gpu) if g > 1 else None
+                return _batch(size, seq, g, g > 1, free, cap, batch_size, batch_memory, max_length)
     raise M2DError(f"{what} does not fit: {size.weights / GiB:.1f} GiB of weights + {seq / GiB:.2f} GiB for one {max_length}-token "
                    f"sequence need more than {gpus_per_node} GPU(s) of {gpu_bytes / GiB:.0f} GiB (usable {usable / GiB:.1f} GiB each); "
                    "use nodes with more or bigger GPUs, or a shorter stage3.max_length")
