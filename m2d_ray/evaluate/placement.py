@@ -68,8 +68,12 @@ class EvalPlacement:
 
     def describe(self) -> str:
         where = f"{self.gpus:g} GPU" + ("s, sharded" if self.shard else "") if self.gpus else "CPU"
-        return (f"{where}; weights {self.weights / GiB:.1f} GiB, {self.sequence / GiB:.2f} GiB per {self.max_length}-token sequence, "
+        return (f"{where}; weights {_gib(self.weights)}, {_gib(self.sequence)} per {self.max_length}-token sequence, "
                 f"batch {self.batch_size}" + (f" (at most {self.max_batch_size})" if self.batch_size == "auto" else ""))
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB"
 
 
 def model_size(config, dtype_bytes: int | None = None) -> ModelSize:

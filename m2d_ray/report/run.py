@@ -64,8 +64,7 @@ def _fmt(v) -> str:
 def distill_table(data: RunData, rows: list[dict]) -> Table:
     from m2d_ray.evaluate.paper_tasks import table_columns
 
-    tasks = data.tasks()
-    columns, mean_col, note = table_columns(tasks, data.cfg.stage3.tasks)  # the paper suite: Wino … MMLU, Avg
+    tasks, columns, mean_col, note = table_columns(data.tasks(), data.cfg.stage3.tasks)  # the paper suite: Wino … MMLU, Avg
     headers = ["scoring", "grouping", "K", "scaling", "stage-1 ppl", "stage 2", "final val ppl", "stage 3", *columns, mean_col]
     body = [[r["scoring"].upper() if r["kind"] == "student" else r["scoring"], r["grouping"].upper(), r["K"], r["scaling"], r["stage1_ppl"],
              r["status"] if r["steps"] is None else f"{r['status']} @ {r['steps']}", r["val_ppl"], r["eval"],
