@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from m2d_ray.evaluate.placement import DEFAULT_SEQ, EvalPlacement, hflm_kwargs, model_size, plan_eval
 
 
@@ -49,13 +51,24 @@ def host_available() -> int | None:
         return None
 
 
+@functools.lru_cache(maxsize=64)
+def _size(config_json: str):
+    """model_size of a config given as JSON (students of one K share it: counted once per process)."""
+    import json
+
+    from transformers import AutoConfig
+
+    d = json.loads(config_json)
+    return model_size(AutoConfig.for_model(d.pop("model_type"), **d))
+
+
 def plan(model: str, gpu_bytes: int | None, gpus_per_node: int, batch_size: int | str = 16, batch_memory: int | None = None,
          gpu_fraction: float | None = None, seq_cap: int = DEFAULT_SEQ, what: str | None = None) -> EvalPlacement:
     """The placement of `model` (a directory, storage URL or hub name) from its config."""
     from m2d_ray.models import load_config
 
     config = load_config(model)
-    return plan_eval(model_size(config), gpu_bytes, gpus_per_node, batch_size, batch_memory, gpu_fraction,
+    return plan_eval(_size(config.to_json_string()), gpu_bytes, gpus_per_node, batch_size, batch_memory, gpu_fraction,
                      max_length(config, seq_cap), host_available() if gpu_bytes is None else None, what or f"model {model!r}")
 
 
