@@ -242,25 +242,19 @@ def test_fetch_unpacks_checks_and_is_atomic(data_root, tmp_path, monkeypatch):
     assert not paper_data.data_dir(tmp_path / "other").exists()
 
 
-def test_pack_and_ensure_carry_the_data_to_another_node(pinned, tmp_path):
+def test_pack_and_ensure_carry_the_data_to_another_node(pinned, tmp_path, ray_address):
+    """Stage 3 puts the driver's checked copy in the object store; a node without it unpacks it once."""
     import ray
 
-    from m2d_ray.sweep.ray_env import ensure_ray  # noqa: F401  (a Ray of the session, as stage 3 has)
-
-    blob = paper_data.pack()
-    if not ray.is_initialized():
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-        started = True
-    else:
-        started = False
-    try:
-        ref = [ray.put(blob)]
-        other = tmp_path / "node2"
-        assert paper_data.ensure(ref, other) == paper_data.data_dir(other)
-        assert paper_data.ensure(None, other) == paper_data.data_dir(other)  # present now: no transfer
-    finally:
-        if started:
-            ray.shutdown()
+    ref = [ray.put(paper_data.pack())]
+    other = tmp_path / "node2"
+    assert paper_data.ensure(ref, other) == paper_data.data_dir(other)
+    assert paper_data.ensure(None, other) == paper_data.data_dir(other)  # present now: no transfer
+    victim = next(paper_data.data_dir(other).glob("winogrande/**/*.arrow"))
+    victim.write_bytes(b"damaged")
+    with pytest.raises(paper_data.M2DError, match="corrupted"):
+        paper_data.ensure(None, other)
+    assert paper_data.ensure(ref, other) == paper_data.data_dir(other)  # damaged: replaced from the driver's copy
 
 
 # ---- bad input: one line, exit 2, nothing written ------------------------------------------------
