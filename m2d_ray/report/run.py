@@ -62,14 +62,16 @@ def _fmt(v) -> str:
 
 # ---- tables ---------------------------------------------------------------------------------------
 def distill_table(data: RunData, rows: list[dict]) -> Table:
-    tasks = data.tasks()
-    headers = ["scoring", "grouping", "K", "scaling", "stage-1 ppl", "stage 2", "final val ppl", "stage 3", *tasks, "mean acc"]
+    from m2d_ray.evaluate.paper_tasks import table_columns
+
+    tasks, columns, mean_col, note = table_columns(data.tasks(), data.cfg.stage3.tasks)  # the paper suite: Wino … MMLU, Avg
+    headers = ["scoring", "grouping", "K", "scaling", "stage-1 ppl", "stage 2", "final val ppl", "stage 3", *columns, mean_col]
     body = [[r["scoring"].upper() if r["kind"] == "student" else r["scoring"], r["grouping"].upper(), r["K"], r["scaling"], r["stage1_ppl"],
              r["status"] if r["steps"] is None else f"{r['status']} @ {r['steps']}", r["val_ppl"], r["eval"],
              *[r["acc"].get(t) for t in tasks], r["mean"]] for r in rows]
     suite = data.cfg.stage3.tasks
     return Table("distill", headers, body, f"Accuracy on the stage-3 suite `{suite}` (acc_norm for HellaSwag/ARC, else acc), mean unweighted. "
-                 "Students stopped early by ASHA were not exported and have no accuracy.")
+                 "Students stopped early by ASHA were not exported and have no accuracy." + note)
 
 
 def matched_table(data: RunData, rows: list[dict]) -> Table:

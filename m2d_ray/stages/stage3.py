@@ -49,26 +49,28 @@ def jobs(rd: RunDir, teacher: str, with_teacher: bool, dense: str | None = None)
 
 
 @ray.remote
-def _evaluate_task(model: str, suite: list, c: dict, device: str, text: bytes | None) -> dict:
-    """A Ray task on any node: fetch and load one model, run the lm-eval suite on it (1 thread on CPU:
-    tasks run side by side). A text:PATH task's file arrives as bytes (the node need not see the driver's disk)."""
+def _evaluate_task(model: str, suite: list, c: dict, device: str, text: bytes | None, placement=None, data=None) -> dict:
+    """A Ray task on any node: fetch and load one model (sharded over its GPUs when its placement says so),
+    run the lm-eval suite on it (1 thread on CPU: tasks run side by side). A text:PATH task's file arrives
+    as bytes and the paper suite's data as a Ray object (the node need not see the driver's disk)."""
     import tempfile
 
     import torch
 
-    from m2d_ray.evaluate.harness import evaluate
-    from m2d_ray.models import load_model
+    from m2d_ray.evaluate.paper_data import ensure
+    from m2d_ray.evaluate.runner import evaluate_model
 
     torch.set_num_threads(c["threads_per_task"])
     t0 = time.time()
-    lm, tok = load_model(model, device=device)
+    if data is not None:
+        ensure(data)
     with tempfile.TemporaryDirectory(prefix="m2d-text-") as tmp:
         path = None
         if text is not None:
             path = Path(tmp) / "text.txt"
             path.write_bytes(text)
-        out = evaluate(lm, tok, [tuple(t) for t in suite], batch_size=c["batch_size"], device=device, limit=c["limit"], text=path)
-    return {**out, "eval_s": round(time.time() - t0, 1)}
+        out = evaluate_model(model, [tuple(t) for t in suite], placement, device, limit=c["limit"], text=path)
+    return {**out, "eval_s": round(time.time() - t0, 1), "placement": placement.describe()}
 
 
 def uses_gpus(cfg: SweepConfig) -> bool:
@@ -133,8 +135,12 @@ def run_stage3(cfg: SweepConfig, run_dir: str | Path | RunDir, tracking_uri: str
         opts = {"num_cpus": c.cpus_per_task, "num_gpus": gpus, "max_retries": cfg.ray.max_failures}
         text = Path(suite["text"]).read_bytes() if suite["text"] else None
         teachers = {j.key: store.put_model(j.model) for j in pending if j.key in (TEACHER_KEY, D2D_TEACHER_KEY)}
-        refs = {_evaluate_task.options(**opts).remote(teachers.get(j.key, j.model), suite["tasks"], asdict(c), device, text): j
-                for j in pending}
+        from m2d_ray.evaluate.runner import data_ref, stage3_placements  # GPUs and batch per model, from memory
+
+        places = stage3_placements({j.key: teachers.get(j.key, j.model) for j in pending}, c, gpus)
+        data = data_ref(suite["tasks"])
+        refs = {_evaluate_task.options(**{**opts, "num_gpus": places[j.key].gpus}).remote(
+                    teachers.get(j.key, j.model), suite["tasks"], asdict(c), device, text, places[j.key], data): j for j in pending}
         while refs:
             ready, _ = ray.wait(list(refs), num_returns=1)
             job = refs.pop(ready[0])
