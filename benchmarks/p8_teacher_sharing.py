@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -24,6 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, machine_line  # noqa: E402
 
 SEQ, BATCH = 128, 4
+
+
+def vm(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
 
 
 def child(args) -> None:
@@ -38,7 +44,7 @@ def child(args) -> None:
     from m2d_ray.distill.tokens import TokenShards, manifest_sha256
 
     work, spec = Path(args.work), parse_targets(args.targets)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base = vm("VmRSS")  # after the imports
     t0 = time.perf_counter()
     if args.piece == "pass":
         from m2d_ray.stages.shards import TargetsActor
@@ -56,7 +62,7 @@ def child(args) -> None:
         job = DistillJob(str(work / "teacher"), str(work / "student"), cfg, "synthetic:valid", tokens=str(work / "tokens"),
                          targets=str(work / "targets") if cached else None, target_spec=spec if cached else None)
         run_distill(job, WorkerIO())
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = vm("VmHWM")  # this process's own peak (ru_maxrss would carry the parent's across exec)
     print(json.dumps({"wall_s": time.perf_counter() - t0, "peak_rss": peak, "import_rss": base}))
 
 

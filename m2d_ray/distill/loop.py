@@ -241,12 +241,22 @@ def _to(batch: Tensor | dict[str, Tensor], device: str) -> Tensor | dict[str, Te
 def peak_memory(device: str, world: int) -> dict:
     """This process's peak resident memory and, on CUDA, peak allocated device memory, each the max over
     ranks (what a memory plan is checked against; one small collective per report)."""
+    cuda = torch.cuda.max_memory_allocated() if torch.device(device).type == "cuda" else 0
+    rss, cuda = all_reduce_max([peak_rss(), cuda], device, world)
+    return {"peak_rss_bytes": int(rss), **({"peak_cuda_bytes": int(cuda)} if cuda else {})}
+
+
+def peak_rss() -> int:
+    """VmHWM: this process's own peak (ru_maxrss, the fallback off Linux, can carry a parent's across exec)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
 
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    cuda = torch.cuda.max_memory_allocated() if torch.device(device).type == "cuda" else 0
-    rss, cuda = all_reduce_max([rss, cuda], device, world)
-    return {"peak_rss_bytes": int(rss), **({"peak_cuda_bytes": int(cuda)} if cuda else {})}
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _elapsed(t0: float, device: str) -> float:
