@@ -184,8 +184,8 @@ def targets(store: RunStorage, teacher: str, tokens_url: str, spec, cfg: Distill
         TargetsManifest.load(storage.fetch_dir(url), where=url).check_matches(fp, spec)
         return url
     per = max(1, TARGET_SHARD_BYTES // (tok_manifest["seq_len"] * bytes_per_token(spec)))
-    have = {json.loads(storage.read_bytes(storage.join(url, n)))["first_block"]: json.loads(storage.read_bytes(storage.join(url, n)))
-            for n in storage.list_names(url) if n.endswith(".entry.json")}
+    done = [json.loads(storage.read_bytes(storage.join(url, n))) for n in storage.list_names(url) if n.endswith(".entry.json")]
+    have = {e["first_block"]: e for e in done}  # shards a killed pass wrote (each entry file follows its shard)
     ranges = [(f, min(per, tok_manifest["blocks"] - f)) for f in range(0, tok_manifest["blocks"], per)]
     todo = [(f, n) for f, n in ranges if f not in have]
     say(f"stage 2: teacher targets {spec} over {tok_manifest['blocks']:,} blocks ({len(todo)} of {len(ranges)} shards to compute, "

@@ -161,3 +161,28 @@ def test_a_failed_d2d_search_is_that_students_failure_not_the_runs(stage1_dir):
     assert failed["status"] == "failed" and "d2d candidate search failed" in failed["error"] and "nosuchsplit" in failed["error"], failed
     assert not (stage1_dir / "stage2" / "d2d" / "search.json").exists()
     assert "baseline-d2d" in (stage1_dir / "stage2.csv").read_text()
+
+
+def test_the_targets_pass_resumes_at_its_first_missing_shard(ray_address, tmp_path, monkeypatch):
+    """A pass killed after some shards computes only the others; the finished targets are the same."""
+    from m2d_ray import storage
+    from m2d_ray.distill.targets import MANIFEST, TargetsManifest
+    from m2d_ray.models import default_teacher, load_tokenizer
+    from m2d_ray.stages import shards
+    from m2d_ray.stages.run_storage import RunStorage
+
+    store = RunStorage(str(tmp_path))
+    cfg = load_config(TINY, ["distill.steps=4", "distill.batch_size=4", "distill.seq_len=64", "distill.eval_max_tokens=512",
+                             "stage2.targets=topk:16"])
+    toks = shards.tokens(store, default_teacher(), load_tokenizer(default_teacher()), cfg.distill, "synthetic:valid")
+    monkeypatch.setattr(shards, "TARGET_SHARD_BYTES", 4 * 64 * 100)  # 4 blocks a shard: 4 shards
+    url = shards.targets(store, default_teacher(), toks, cfg.target_spec(), cfg.distill, cfg.calib, cfg.ray)
+    first = TargetsManifest.load(url)
+    assert first.blocks == 16 and len(first.shards) == 4
+    d = Path(storage.filesystem(url)[1])
+    kept = {e.file: (d / e.file).stat().st_mtime_ns for e in first.shards[:2]}
+    for name in (MANIFEST, "m2d_output.json", first.shards[3].file, f"{first.shards[3].file}.entry.json"):  # killed mid-pass
+        (d / name).unlink()
+    assert shards.targets(store, default_teacher(), toks, cfg.target_spec(), cfg.distill, cfg.calib, cfg.ray) == url
+    again = TargetsManifest.load(url)
+    assert again.shards == first.shards and all((d / f).stat().st_mtime_ns == t for f, t in kept.items())
