@@ -14,19 +14,23 @@ from m2d_ray.data.text import TokenSet, calibration_set, load_text
 from m2d_ray.errors import M2DError
 
 
-def oracle_stats(teacher, ids: torch.Tensor, mask: torch.Tensor) -> dict[int, dict[str, torch.Tensor]]:
-    """Per-token, per-expert loops in float64 on hidden states captured from the model."""
+def oracle_stats(teacher, ids: torch.Tensor, mask: torch.Tensor, batch_size: int) -> dict[int, dict[str, torch.Tensor]]:
+    """Per-token, per-expert loops in float64 on hidden states captured from the model, run in the same
+    batches as the code under test (float32 hidden states depend on the batch shape in the last bits, and
+    this random teacher's large expert outputs turn that into more than the tolerance)."""
     adapter, model = teacher.adapter, teacher.model
     blocks = adapter.moe_blocks(model)
     captured: dict[int, list[torch.Tensor]] = {i: [] for i in blocks}
     hooks = [b.register_forward_pre_hook(lambda m, a, i=i: captured[i].append(a[0].detach())) for i, b in blocks.items()]
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask)
+        for s in range(0, ids.shape[0], batch_size):
+            model(input_ids=ids[s : s + batch_size], attention_mask=mask[s : s + batch_size])
     for h in hooks:
         h.remove()
     out = {}
     for i, block in blocks.items():
-        h = captured[i][0].reshape(-1, captured[i][0].shape[-1])[mask.reshape(-1).bool()]
+        states = torch.cat([c.reshape(-1, c.shape[-1]) for c in captured[i]])
+        h = states[mask.reshape(-1).bool()]
         w = adapter.experts(block).to(torch.float64)
         E = w.num_experts
         logits = h.double() @ block.gate.weight.double().T
@@ -57,12 +61,15 @@ def test_stats_match_bruteforce_oracle_and_padding_is_masked(tiny_teacher):
     mask[2, 5:] = 0
     ids = torch.where(mask.bool(), ids, torch.zeros_like(ids))
     got = collect_stats(tiny_teacher.model, tiny_teacher.adapter, ids, mask, batch_size=2, progress=False)
-    ref = oracle_stats(tiny_teacher, ids, mask)
+    ref = oracle_stats(tiny_teacher, ids, mask, batch_size=2)
     for i in ref:
         assert float(got[i].tokens) == int(mask.sum())
         for key in ("count", "psum", "psel"):
             assert torch.allclose(getattr(got[i], key), ref[i][key], rtol=1e-6, atol=1e-9), key
-        assert torch.allclose(got[i].gram, ref[i]["gram"], rtol=1e-5, atol=1e-8)
+        # expert outputs are float32 (accumulated in float64): an entry that cancels to near zero carries the
+        # round-off of the large ones, so the error is measured against the Gram's scale, not entrywise
+        scale = ref[i]["gram"].abs().max()
+        assert (got[i].gram - ref[i]["gram"]).abs().max() <= 1e-6 * scale
         assert got[i].count.sum() == 2 * int(mask.sum())  # top-2
         assert got[i].gram.dtype == torch.float64
     # changing what sits in padded positions changes nothing
