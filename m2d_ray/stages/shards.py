@@ -74,7 +74,7 @@ def tokens(store: RunStorage, teacher: str, tokenizer, cfg: DistillConfig, eval_
            "valid": eval_data, "valid_max_tokens": cfg.eval_max_tokens}
     url = store.tokens(hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16])
     if not storage.exists(url):
-        say(f"stage 2: tokenising {key['blocks']:,} blocks of {cfg.seq_len} tokens of {cfg.train_data} once, for every student")
+        say(f"tokenising {key['blocks']:,} blocks of {cfg.seq_len} tokens of {cfg.train_data} once, for every student")
         _whole_stage(lambda: ray.get(_tokenize_task.remote(url, teacher, cfg.train_data, cfg.seq_len, key["blocks"], eval_data, cfg.eval_max_tokens)),
                      "tokenising the distillation data")
     return url
@@ -188,7 +188,7 @@ def targets(store: RunStorage, teacher: str, tokens_url: str, spec, cfg: Distill
     have = {e["first_block"]: e for e in done}  # shards a killed pass wrote (each entry file follows its shard)
     ranges = [(f, min(per, tok_manifest["blocks"] - f)) for f in range(0, tok_manifest["blocks"], per)]
     todo = [(f, n) for f, n in ranges if f not in have]
-    say(f"stage 2: teacher targets {spec} over {tok_manifest['blocks']:,} blocks ({len(todo)} of {len(ranges)} shards to compute, "
+    say(f"teacher targets {spec} over {tok_manifest['blocks']:,} blocks ({len(todo)} of {len(ranges)} shards to compute, "
         f"{bytes_per_token(spec)} B/token)")
     if todo:
         gpus = ray_cfg.data_gpus_per_actor
