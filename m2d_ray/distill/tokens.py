@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -23,9 +22,10 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import Tensor
 
+from m2d_ray.artifacts import sha256_bytes, sha256_file, write_json_atomic, write_text_atomic
 from m2d_ray.distill.data import global_blocks
 from m2d_ray.distill.targets import ShardEntry
 from m2d_ray.errors import M2DError
@@ -42,21 +42,11 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps([vocab, special]).encode()).hexdigest()
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(8 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _save(tensors: dict[str, Tensor], path: Path) -> str:
-    """Write a safetensors file aside and rename it into place; returns its sha256."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file(tensors, str(tmp))
-    digest = file_sha256(tmp)
-    os.replace(tmp, path)
-    return digest
+    """Write a safetensors file atomically; returns its sha256."""
+    data = save(tensors)
+    write_text_atomic(path, data)
+    return sha256_bytes(data)
 
 
 def write_tokens(out: Path, tokenizer, source: str, seq_len: int, blocks: int, valid: str, valid_max_tokens: int | None,
@@ -77,9 +67,7 @@ def write_tokens(out: Path, tokenizer, source: str, seq_len: int, blocks: int, v
         "tokenizer": tokenizer_fingerprint(tokenizer), "source": source, "valid_source": valid, "seq_len": seq_len, "blocks": blocks,
         "shards": shards, "valid": {"file": VALID_FILE, "tokens": int(ids.numel()), "sha256": _save({"ids": ids}, out / VALID_FILE)},
     }
-    tmp = out / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, out / MANIFEST)
+    write_json_atomic(out / MANIFEST, manifest)
     return manifest
 
 
@@ -100,7 +88,7 @@ class TokenShards:
 
     def _read(self, entry: dict, key: str) -> Tensor:
         path = self.dir / entry["file"]
-        actual = file_sha256(path) if path.exists() else "missing"
+        actual = sha256_file(path) if path.exists() else "missing"
         if actual != entry["sha256"]:
             raise M2DError(f"token shard {path} is damaged (sha256 {actual[:16]}, expected {entry['sha256'][:16]}); "
                            "delete the token directory to tokenise again")

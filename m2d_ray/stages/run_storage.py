@@ -31,12 +31,10 @@ from pathlib import Path
 import ray
 
 from m2d_ray import storage
+from m2d_ray.artifacts import sha256_file
 from m2d_ray.console import say
 from m2d_ray.errors import M2DError
 from m2d_ray.stages.ray_env import on_cluster
-
-_HASH_BLOCK = 8 << 20
-
 
 @dataclass(frozen=True)
 class RunStorage:
@@ -149,11 +147,7 @@ class RunStorage:
             return spec
         if self._holds(path):
             return str(path.resolve())
-        h = hashlib.sha256()
-        with path.open("rb") as f:
-            while block := f.read(_HASH_BLOCK):
-                h.update(block)
-        target = self._data(h.hexdigest()[:16], path.name)
+        target = self._data(sha256_file(path)[:16], path.name)
         if not storage.exists(target):
             storage.put_file(path, target)
         return target

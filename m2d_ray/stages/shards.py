@@ -43,24 +43,17 @@ def _tokenize_task(url: str, teacher: str, source: str, seq_len: int, blocks: in
     """On any node: tokenise the stream and the validation text into `url` (a storage URL)."""
     import torch
 
-    from m2d_ray.artifacts import write_marker
+    from m2d_ray.artifacts import atomic_dir
     from m2d_ray.distill.tokens import write_tokens
     from m2d_ray.models import load_tokenizer
 
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(storage.local_model(teacher))
 
-    def build(dest: Path) -> None:
-        write_tokens(dest, tokenizer, source, seq_len, blocks, valid, valid_max_tokens)
-        write_marker(dest, "tokens")  # last: complete or absent
+    def build(dest: Path) -> None:  # built aside and renamed in, its marker last: complete or absent
+        with atomic_dir(dest, "tokens", overwrite=True, what="token directory") as tmp:
+            write_tokens(tmp, tokenizer, source, seq_len, blocks, valid, valid_max_tokens)
 
-    if not storage.is_remote(url):
-        parent = Path(storage.filesystem(url)[1]).parent
-        parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix=".m2d-tokens-", dir=str(parent)) as tmp:
-            build(Path(tmp) / "t")
-            Path(tmp, "t").rename(storage.filesystem(url)[1])
-        return url
     return storage.save_dir(url, build)
 
 

