@@ -3,13 +3,14 @@
 lm-eval scores a batch by one forward over padded sequences and a log-softmax over the whole vocabulary,
 so besides the weights every sequence of a batch costs about
 
-    logits + their log-softmax + an fp32 transient   seq × vocab × (2·b + 4)
+    logits, their log-softmax, and the previous   seq × vocab × 3·b
+    batch's log-softmax (lm-eval keeps it bound while the next batch runs)
     key/value cache (HF models keep one)             2 × layers × seq × kv_heads × head_dim × b
     activations of one layer                         seq × (8·hidden + 3·max(ffn, k·d_expert)) × b
 
-(b = bytes per weight, 2 in bf16). Qwen3-30B-A3B at 4,096 tokens: 5.3 GiB a sequence, beside 56.9 GiB of
-weights — batch 16 on one 80 GB GPU is ~140 GiB, which is why stage 3 used to fail there. It gets two
-80 GB GPUs (sharded) and batch 6.
+(b = bytes per weight, 2 in bf16; benchmarks/plan_measured.py holds this to the measured peak). Qwen3-30B-A3B at 4,096 tokens: 4.1 GiB a sequence, beside 56.9 GiB of
+weights — batch 16 on one 80 GB GPU is ~123 GiB, which is why stage 3 used to fail there. It gets two
+80 GB GPUs (sharded) and batch 8.
 
 `plan_eval` picks the fewest GPUs of a node on which the weights (spread evenly by an accelerate device map)
 plus a batch of MIN_BATCH sequences fit (else plus one sequence), and the batch that fits beside them; a model that fits on no number of the node's
@@ -49,7 +50,7 @@ class ModelSize:
 
     def sequence_bytes(self, seq: int) -> int:
         b = self.bytes_per_param
-        logits = seq * self.vocab * (2 * b + 4)
+        logits = 3 * seq * self.vocab * b  # no fp32 upcast: transformers 5 returns logits in the weights' dtype
         kv = 2 * self.layers * seq * self.kv_heads * self.head_dim * b
         act = seq * (8 * self.hidden + 3 * self.ffn) * b
         return logits + kv + act

@@ -44,16 +44,16 @@ def test_sizes_from_the_config_alone(teacher, student):
     assert teacher.weights / GiB == pytest.approx(56.9, abs=0.1)
     assert student.params == pytest.approx(3.34e9, rel=0.01) and student.bytes_per_param == 2
     assert teacher.ffn == 8 * 768 and student.ffn == 6144
-    # a 4096-token sequence of lm-eval: logits + log-softmax dominate (151,936 x 4,096 x 8 bytes = 4.6 of 5.3 GiB)
-    assert 5.0 < teacher.sequence_bytes(4096) / GiB < 5.5
+    # a 4096-token sequence of lm-eval: logits, log-softmax and the previous batch's (151,936 x 4,096 x 3 x 2 bytes = 3.5 of 4.1 GiB)
+    assert 4.0 < teacher.sequence_bytes(4096) / GiB < 4.2
 
 
 def test_the_30b_teacher_is_sharded_over_two_80gb_gpus(teacher):
     p = plan_eval(teacher, GB80, gpus_per_node=8, batch_size=16)
     assert (p.gpus, p.shard) == (2, True)  # on one: 56.9 GiB leave room for one 4,096-token sequence only
-    assert p.batch_size == p.max_batch_size == 6  # what fits beside half the weights (16 would not)
+    assert p.batch_size == p.max_batch_size == 8  # what fits beside half the weights (16 would not)
     one = plan_eval(teacher, GB80, gpus_per_node=1, batch_size=16)  # a node of one GPU: batch 1 there
-    assert (one.gpus, one.shard, one.batch_size) == (1, False, 1)
+    assert (one.gpus, one.shard, one.batch_size) == (1, False, 2)
     assert p.max_memory_per_gpu == pytest.approx(teacher.weights / 2 * 1.05, rel=1e-6)
     kw = hflm_kwargs(p)
     assert kw["parallelize"] is True and kw["max_memory_per_gpu"] == p.max_memory_per_gpu and kw["max_length"] == 4096
@@ -68,16 +68,17 @@ def test_the_30b_teacher_on_one_141gb_gpu_is_not_sharded(teacher):
 def test_a_node_too_small_fails_with_one_line(teacher):
     with pytest.raises(M2DError, match=r"does not fit: 56\.9 GiB of weights .* 1 GPU\(s\) of 37 GiB.*use nodes with more or bigger GPUs"):
         plan_eval(teacher, 40 * 10**9, gpus_per_node=1, what="teacher")
-    p = plan_eval(teacher, 40 * 10**9, gpus_per_node=4)  # 4 x 40 GB: no 4 sequences on any; 3 GPUs hold 2
-    assert (p.gpus, p.shard, p.batch_size) == (3, True, 2)
-    assert plan_eval(teacher, 40 * 10**9, gpus_per_node=8).gpus == 6  # with 8, the fewest that hold 4 sequences
+    p = plan_eval(teacher, 40 * 10**9, gpus_per_node=4)  # 4 x 40 GB: 4 GPUs hold the 4 sequences of MIN_BATCH
+    assert (p.gpus, p.shard, p.batch_size) == (4, True, 4)
+    assert plan_eval(teacher, 40 * 10**9, gpus_per_node=3).batch_size == 3  # with 3, the most sequences that fit (fewer than 4)
+    assert plan_eval(teacher, 40 * 10**9, gpus_per_node=8).gpus == 4  # with 8, the fewest that hold 4 sequences
 
 
 def test_the_student_fits_one_gpu_and_keeps_a_configured_fraction(student):
     p = plan_eval(student, GB80, gpus_per_node=8, batch_size=16)
-    assert (p.gpus, p.shard, p.batch_size) == (1, False, 11)  # 16 asked, 11 fit beside 6.2 GiB at 4,096 tokens
+    assert (p.gpus, p.shard, p.batch_size) == (1, False, 14)  # 16 asked, 14 fit beside 6.2 GiB at 4,096 tokens
     shared = plan_eval(student, GB80, gpus_per_node=8, batch_size=4, gpu_fraction=0.5)
-    assert (shared.gpus, shared.shard, shared.batch_size) == (0.5, False, 4)  # 26 GiB left in half a GPU
+    assert (shared.gpus, shared.shard, shared.batch_size) == (0.5, False, 4)  # 26 GiB left in half a GPU (6 sequences)
     whole = plan_eval(student, GB80, gpus_per_node=8, batch_size=4, gpu_fraction=0.25)  # a quarter holds 1 sequence, not 4
     assert (whole.gpus, whole.batch_size) == (1, 4)
 
@@ -87,7 +88,7 @@ def test_batch_from_a_budget_and_from_the_sequence_length(student):
     p = plan_eval(student, GB80, gpus_per_node=1, batch_size="auto", batch_memory=3 * seq)
     assert p.batch_size == "auto" and p.max_batch_size == 3
     short = plan_eval(student, GB80, gpus_per_node=1, batch_size=64, max_length=1024)
-    assert short.batch_size == 45 > plan_eval(student, GB80, gpus_per_node=1, batch_size=64).batch_size
+    assert short.batch_size == 58 > plan_eval(student, GB80, gpus_per_node=1, batch_size=64).batch_size
 
 
 def test_cpu_never_shards_and_auto_uses_host_memory():

@@ -1,0 +1,206 @@
+"""The memory plan against measurement: `m2d plan`'s per-device estimate of a stage vs the peak it reaches.
+
+Each case runs in a fresh process that builds (or loads) the models the way the stage's code does and
+samples its anonymous resident memory (RssAnon, every 2 ms) from after the imports to the end; the
+measured figure is the peak growth. Anonymous memory, not VmRSS: transformers keeps a loaded
+checkpoint's file mapped, and those clean file pages are page cache the kernel drops under pressure
+(they would count the weights twice on CPU). The estimate is `m2d_ray.plan.memory`'s, on CPU (fp32).
+
+    train     one student's DistillStep (plain torch, one rank): online teacher or cached topk:64 targets,
+              with and without gradient checkpointing
+    calibrate collect_stats of a Qwen3-MoE teacher loaded by models.load_teacher
+    eval      lm-eval's HFLM on loglikelihood requests longer than max_length (every sequence is full)
+
+    python benchmarks/plan_measured.py [--small]       # --small: the sizes tests/unit/test_plan_measured.py uses
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# (hidden, layers, ffn, vocab): a mid-size student / teacher on this 2-core machine, and a small one for the test
+SIZES = {"mid": (512, 8, 1536, 32000), "small": (256, 4, 768, 16000)}
+CASES = [
+    ("train", {"targets": "online", "ckpt": False, "batch": 4, "seq": 512}),
+    ("train", {"targets": "online", "ckpt": True, "batch": 8, "seq": 512}),
+    ("train", {"targets": "topk:64", "ckpt": False, "batch": 4, "seq": 512}),
+    ("train", {"targets": "topk:64", "ckpt": True, "batch": 16, "seq": 256}),
+    ("calibrate", {"experts": 32, "batch": 4, "seq": 512}),
+    ("calibrate", {"experts": 128, "batch": 2, "seq": 1024}),
+    ("eval", {"batch": 8, "seq": 512}),
+    ("eval", {"batch": 32, "seq": 256}),
+]
+
+
+class AnonPeak:
+    """The peak of this process's RssAnon above its value at start, sampled by a thread."""
+
+    def __init__(self, every: float = 0.002) -> None:
+        self.base = self.peak = self.read()
+        self.every, self.done = every, False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def read() -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no RssAnon in /proc/self/status (Linux only)")
+
+    def _run(self) -> None:
+        while not self.done:
+            self.peak = max(self.peak, self.read())
+            time.sleep(self.every)
+
+    def stop(self) -> int:
+        self.done = True
+        self.thread.join()
+        return max(self.peak, self.read()) - self.base
+
+
+def _configs(size: str, experts: int = 32):
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    h, n, f, v = SIZES[size]
+    common = dict(vocab_size=v, hidden_size=h, num_hidden_layers=n, num_attention_heads=h // 64, num_key_value_heads=max(1, h // 128),
+                  head_dim=64, tie_word_embeddings=False, dtype="float32")
+    return (Qwen3Config(intermediate_size=f, **common),
+            Qwen3MoeConfig(intermediate_size=f, moe_intermediate_size=f // 8, num_experts=experts, num_experts_per_tok=8, **common))
+
+
+def _save(config, path: Path) -> str:
+    """A random-weight model with the embedded teacher's tokenizer (its ids fit any vocabulary here)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from m2d_ray.models import default_teacher, load_tokenizer
+
+    if not (path / "config.json").exists():
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+        load_tokenizer(default_teacher()).save_pretrained(path)
+    return str(path)
+
+
+def child(case: str, size: str, kw: dict, work: Path) -> dict:
+    """Build the case's models on disk (unmeasured), then load and run them as the stage does."""
+    import torch
+
+    torch.set_num_threads(1)
+    from m2d_ray.plan import memory
+    from m2d_ray.plan.shapes import shape_of
+
+    dense, moe = _configs(size, kw.get("experts", 32))
+    student = _save(dense, work / f"dense-{size}")
+    teacher = _save(moe, work / f"moe{kw.get('experts', 32)}-{size}")
+    if case == "train":
+        from transformers import AutoModelForCausalLM
+
+        from m2d_ray.distill.config import DistillConfig
+        from m2d_ray.distill.step import DistillStep
+        from m2d_ray.distill.targets import bytes_per_token, parse_targets
+        from m2d_ray.models import load_distill_teacher
+
+        B, L, online = kw["batch"], kw["seq"], kw["targets"] == "online"
+        spec = None if online else parse_targets(kw["targets"])
+        cfg = DistillConfig(deepspeed=False, batch_size=B, seq_len=L, gradient_checkpointing=kw["ckpt"])
+        V = dense.vocab_size
+        batch = lambda: torch.randint(0, V, (B, L)) if online else {  # noqa: E731
+            "tokens": torch.randint(0, V, (B, L)), "ids": torch.randint(0, V, (B, L, spec.k), dtype=torch.int32),
+            "logp": torch.log_softmax(torch.randn(B, L, spec.k), -1).half(), "tail": torch.full((B, L), -5.0)}
+        peak = AnonPeak()
+        t = load_distill_teacher(teacher, dtype=torch.float32).model if online else None
+        s = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32).train()
+        if kw["ckpt"]:
+            s.gradient_checkpointing_enable()
+        s.config.use_cache = False
+        step = DistillStep(s, t, cfg, "cpu", 1, torch.float32, spec)
+        for _ in range(2):
+            step.step([batch()])
+        measured = peak.stop()
+        parts = memory.training(shape_of(dense), B * L, 4, 1, False, 2, kw["ckpt"], cfg.loss_chunk, cached=not online)
+        parts.update(memory.online_teacher(shape_of(moe), B * L, 4) if online else memory.cached_targets(B * L, bytes_per_token(spec)))
+    elif case == "calibrate":
+        from m2d_ray.calibrate.collect import collect_stats
+        from m2d_ray.models import load_teacher
+
+        B, L = kw["batch"], kw["seq"]
+        ids = torch.randint(0, moe.vocab_size, (2 * B, L))
+        peak = AnonPeak()
+        t = load_teacher(teacher)
+        collect_stats(t.model, t.adapter, ids, torch.ones_like(ids), batch_size=B, progress=False)
+        measured = peak.stop()
+        parts = memory.calibration(shape_of(moe), B, L, 4, streamed=False, gpu=False)
+    else:
+        from lm_eval.api.instance import Instance
+        from lm_eval.models.huggingface import HFLM
+
+        from m2d_ray.evaluate.placement import plan_eval
+        from m2d_ray.models import load_model, load_tokenizer
+
+        B, L = kw["batch"], kw["seq"]
+        # random contexts longer than max_length (every sequence is truncated to it; lm-eval merges equal ones), three
+        # full batches (lm-eval keeps a batch's log-probs while the next one runs)
+        tok, g = load_tokenizer(student), torch.Generator().manual_seed(0)
+        reqs = [Instance("loglikelihood", {}, (tok.decode(torch.randint(0, len(tok), (2 * L,), generator=g).tolist()), " end"), i)
+                for i in range(3 * B)]
+        peak = AnonPeak()
+        model, tok = load_model(student)
+        HFLM(pretrained=model, tokenizer=tok, batch_size=B, max_length=L, device="cpu").loglikelihood(reqs, disable_tqdm=True)
+        measured = peak.stop()
+        p = plan_eval(_eval_size(dense), None, 0, B, max_length=L)
+        parts = {"weights": p.weights, "batch": p.batch_size * p.sequence}
+    est = memory.total(parts)
+    return {"case": case, **kw, "size": size, "measured": measured, "estimate": est, "ratio": round(est / measured, 3),
+            "parts_mib": {k: round(v / 2**20) for k, v in parts.items()}}
+
+
+def _eval_size(config):
+    from m2d_ray.evaluate.placement import model_size
+
+    return model_size(config, 4)
+
+
+def measure(case: str, kw: dict, size: str = "mid", work: Path | None = None) -> dict:
+    """One case in a fresh Python (its own peak), models cached under `work`."""
+    work = work or Path(tempfile.gettempdir()) / "m2d-plan-measured"
+    work.mkdir(parents=True, exist_ok=True)
+    out = subprocess.run([sys.executable, __file__, "--child", json.dumps([case, size, kw, str(work)])], capture_output=True, text=True,
+                         env={**__import__("os").environ, "PYTHONPATH": str(REPO)}, check=False)
+    if out.returncode:
+        raise RuntimeError(f"{case} {kw}: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--child")
+    a = ap.parse_args(argv)
+    if a.child:
+        case, size, kw, work = json.loads(a.child)
+        print(json.dumps(child(case, size, kw, Path(work))))
+        return
+    size = "small" if a.small else "mid"
+    print(f"| case | settings | estimate | measured | estimate / measured |\n|---|---|---|---|---|")
+    worst = 0.0
+    for case, kw in CASES:
+        r = measure(case, kw, size)
+        worst = max(worst, abs(r["ratio"] - 1))
+        settings = ", ".join(f"{k} {v}" for k, v in kw.items())
+        print(f"| {case} | {settings} | {r['estimate'] / 2**20:.0f} MiB | {r['measured'] / 2**20:.0f} MiB | {r['ratio']:.2f} |", flush=True)
+    print(f"\nlargest deviation: {worst:.0%} (bound: 25%)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Bytes per device of each stage, part by part: the arithmetic behind `m2d plan`.
+
+Every function returns {part: bytes} for ONE device (a GPU, or on CPU the process's host memory), the
+way the stage's code holds it (b = bytes per weight: the checkpoint's dtype for inference, bf16 for
+training on a GPU and fp32 on CPU; T = tokens of a micro-batch):
+
+    weights              params x b (a layer-streamed calibration: one layer + embeddings and head)
+    ZeRO-2 (DeepSpeed)   gradients: b x P / W + an fp32 partition 4P / W + one reduce bucket;
+                         optimizer: fp32 master copy (when b < 4) + Adam moments = (4 + 8) P / W
+    plain torch          gradients b P; AdamW moments 2 b P (DDP's buckets are views of the gradients)
+    activations          a decoder layer keeps per token (norms 4h, q/k 3 x q + 4 x kv, attention output q,
+                         SwiGLU 4f) x b for backward: all layers, or with gradient checkpointing each
+                         layer's input h plus one layer recomputed
+    KL buffers           the chunked loss keeps grad_h (T h b) and grad_W (V h, fp32) and forms 5 fp32
+                         [chunk x V] tensors per chunk (3 from cached targets) (distill/losses.py)
+    a forward            no-grad: logits T V b (calibration's full forward) or one chunk of them (the chunked
+                         losses), plus a layer's transient T (4h + 2 ffn) b
+    calibration Gram     all-expert outputs of a token chunk: the working set calibrate/stats.gram_chunk
+                         bounds to 3 (CPU: 3/4) x one layer's expert bytes
+    lm-eval              evaluate/placement.py (weights per GPU + batch x per-sequence bytes)
+    CUDA                 context and allocator slack (placement.RESERVE) on a GPU; none on CPU
+
+The constants are the tensors the code forms, not fits: tests/unit/test_plan_measured.py and
+benchmarks/plan_measured.py hold each estimate to within 25% of a measured peak.
+"""
+
+from __future__ import annotations
+
+from m2d_ray.plan.shapes import Shape
+
+FP32 = 4
+KL_TENSORS = {"online": 5, "cached": 3}  # fp32 [chunk x V] tensors alive in one chunk of the KL: the student's logits, log-probs
+# and gradient, and online also the teacher's logits and log-probs (cached targets are [chunk x K])
+DS_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements)
+CPU_GRAM_SHARE = 4  # calibrate/stats.gram_chunk: the CPU working set is a quarter of the GPU one
+
+
+def layer_activation(s: Shape) -> int:
+    """Elements per token a decoder layer keeps for its backward (see the module docstring)."""
+    return 4 * s.hidden + 4 * s.q_width + 4 * s.kv_width + 4 * s.ffn
+
+
+def forward_transient(s: Shape, tokens: int, b: int) -> int:
+    """A no-grad forward's largest live set besides the weights: the hidden states and one layer's
+    intermediates (norm, q/k/v, and the widest FFN activation twice)."""
+    return tokens * (4 * s.hidden + s.q_width + 2 * s.kv_width + 2 * s.ffn) * b
+
+
+def training(student: Shape, tokens: int, b: int, world: int, deepspeed: bool, zero_stage: int,
+             checkpointing: bool, chunk: int, cached: bool = False) -> dict[str, int]:
+    """One rank's student: weights, gradients, optimizer state, activations and the KL's buffers."""
+    P = student.params
+    out = {"student": P * b}
+    if deepspeed and zero_stage >= 1:
+        out["grads"] = P * b // (world if zero_stage >= 2 else 1) + FP32 * P // world + min(P, DS_BUCKET) * b
+        out["optimizer"] = (8 + (FP32 if b < FP32 else 0)) * P // world
+    else:
+        out["grads"] = P * b
+        out["optimizer"] = 2 * P * b + (FP32 * P if deepspeed and b < FP32 else 0)  # ZeRO-0 keeps an fp32 master
+    per_layer = tokens * layer_activation(student) * b
+    out["activations"] = (student.layers * tokens * student.hidden * b + per_layer) if checkpointing else student.layers * per_layer
+    c = min(chunk, tokens)
+    out["kl"] = tokens * student.hidden * b + student.vocab * student.hidden * FP32 + KL_TENSORS['cached' if cached else 'online'] * c * student.vocab * FP32
+    return out
+
+
+def online_teacher(teacher: Shape, tokens: int, b: int) -> dict[str, int]:
+    """The teacher beside a student (stage2.targets=online): its weights and its no-grad forward."""
+    return {"teacher": teacher.params * b, "teacher forward": forward_transient(teacher, tokens, b) + tokens * teacher.hidden * b}
+
+
+def cached_targets(tokens: int, per_token: int) -> dict[str, int]:
+    """One micro-batch of cached targets, and the next one prefetched."""
+    return {"targets": 2 * tokens * per_token}
+
+
+def calibration(teacher: Shape, batch: int, seq: int, b: int, streamed: bool, gpu: bool) -> dict[str, int]:
+    """One calibration actor: the teacher (or one layer of it), its forward with full logits, the
+    all-expert Gram working set and the float64 statistics."""
+    T = batch * seq
+    weights = (teacher.outer_params + teacher.layer_params) * b if streamed else teacher.params * b
+    out = {"teacher": weights, "forward": forward_transient(teacher, T, b) + (0 if streamed else T * teacher.vocab * b)}
+    if streamed:  # the batch's hidden states stay between layers
+        out["hidden states"] = T * teacher.hidden * b
+    if teacher.experts:
+        E, I, d = teacher.experts, teacher.expert_width, teacher.hidden
+        gram_b = FP32 if gpu else 8
+        per_token = E * ((5 * I + d) * b + d * gram_b // 4)
+        budget = 3 * E * I * d * b // (1 if gpu else CPU_GRAM_SHARE)
+        out["gram"] = min(T, max(64, budget // per_token)) * per_token
+        out["statistics"] = teacher.layers * (teacher.experts ** 2 + 4 * teacher.experts) * 8 * 2
+    return out
+
+
+def trial(student: Shape, batch: int, seq: int, b: int) -> dict[str, int]:
+    """One stage-1 trial: the student (built a layer at a time in float64) and its perplexity batch
+    (hidden states, one layer's forward, one 1,024-token chunk of logits in fp32)."""
+    T = batch * seq
+    return {"student": student.params * b, "build": 3 * student.ffn * student.hidden * 8 * 2,
+            "forward": forward_transient(student, T, b) + min(T, 1024) * student.vocab * (b + 2 * FP32)}
+
+
+def targets_pass(teacher: Shape, batch: int, seq: int, b: int, streamed: bool, per_token: int) -> dict[str, int]:
+    """The teacher-once pass of cached targets: a calibration-sized forward without the Gram, and the
+    chunked log-softmax over the vocabulary."""
+    T = batch * seq
+    weights = (teacher.outer_params + teacher.layer_params) * b if streamed else teacher.params * b
+    return {"teacher": weights, "forward": forward_transient(teacher, T, b) + T * teacher.hidden * b,
+            "log-softmax": 3 * min(T, 1024) * teacher.vocab * FP32, "targets": T * per_token}
+
+
+def total(parts: dict[str, int]) -> int:
+    return int(sum(parts.values()))
+
+
+def gib(n: float) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= (1 << 30) else f"{n / (1 << 20):.0f} MiB"

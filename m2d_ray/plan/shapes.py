@@ -1,0 +1,97 @@
+"""The sizes a memory plan needs, read from a model's config on the meta device (no weights are read)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One model's sizes. `ffn` is the widest FFN activation of a token: a dense width, or k x d_expert
+    (+ shared experts) for an MoE; `experts`/`expert_width` are 0 for a dense model."""
+
+    params: int
+    layer_params: int  # the largest decoder layer (what a layer-streamed pass holds)
+    dtype_bytes: int  # of the checkpoint
+    vocab: int
+    hidden: int
+    layers: int
+    q_width: int  # heads x head_dim
+    kv_width: int  # key/value heads x head_dim
+    ffn: int
+    experts: int = 0
+    top_k: int = 0
+    expert_width: int = 0
+
+    @property
+    def weights(self) -> int:
+        return self.params * self.dtype_bytes
+
+    @property
+    def outer_params(self) -> int:
+        """Embeddings, final norm and head: what a streamed pass holds besides one layer."""
+        return max(0, self.params - self.layers * self.layer_params)
+
+
+def _dtype_bytes(config) -> int:
+    dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return 4 if str(dt).endswith("float32") else 2
+
+
+def shape_of(config) -> Shape:
+    """A model's Shape from its transformers config (an MoE's expert sizes through its arch adapter)."""
+    import torch
+
+    from m2d_ray.arch import ADAPTERS
+    from m2d_ray.weights import skeleton
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model = skeleton(config, torch.bfloat16, device="meta")
+    params = sum(p.numel() for p in model.parameters())
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    adapter = ADAPTERS[config.model_type] if config.model_type in ADAPTERS else None
+    layers = adapter.layers(model) if adapter is not None else model.base_model.layers
+    layer_params = max(sum(p.numel() for p in layer.parameters()) for layer in layers)
+    E = k = I = 0
+    ffn = getattr(text, "intermediate_size", 0) or 0
+    if adapter is not None and adapter.moe_blocks(model):
+        block = next(iter(adapter.moe_blocks(model).values()))
+        E, k, I = adapter.num_experts(config), adapter.top_k(config), adapter.experts(block).width
+        shared = adapter.shared(block)
+        ffn = max(ffn, k * I + (shared.weights.width if shared else 0))
+    return Shape(params, layer_params, _dtype_bytes(config), text.vocab_size, text.hidden_size, len(layers), heads * head_dim,
+                 kv * head_dim, ffn, E, k, I)
+
+
+@dataclass(frozen=True)
+class Models:
+    """The shapes a run plans for: its MoE teacher and the dense student every stage-1 config builds
+    (K only chooses which experts are merged: every student has width k x d_expert + shared)."""
+
+    teacher: Shape
+    student: Shape
+    teacher_config: object
+    student_config: object
+
+
+def models_of(config) -> Models:
+    """Teacher and student shapes from the teacher's config (the student's config as convert/ makes it)."""
+    import torch
+
+    from m2d_ray.arch import ADAPTERS
+    from m2d_ray.convert.baselines import dense_width
+    from m2d_ray.convert.student import student_width
+    from m2d_ray.weights import skeleton
+
+    adapter = ADAPTERS[config.model_type]
+    model = skeleton(config, torch.bfloat16, device="meta")
+
+    width = student_width(model, adapter, dense_width(SimpleNamespace(adapter=adapter, skeleton=model, config=config)))
+    student = adapter.student_config(config, width)
+    student.dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return Models(shape_of(config), shape_of(student), config, student)
