@@ -1,13 +1,14 @@
 """m2d_ray: convert a trained Mixture-of-Experts language model into a dense one.
 
 Data flow: calibrate/ -> scoring/ -> grouping/ -> convert/ -> distill/ -> evaluate/ -> report/, the Ray
-stages above them (stages/), one module per command on top (commands/, cli.py).
+stages above them (stages/), one module per command on top (commands/, cli.py); plan/ is the memory and
+storage arithmetic of a whole run, read from configs before any of it runs.
 
 Layers, lowest first. A module imports only from its own layer or a lower one, and there are no import
 cycles, except that arch/ registers its families by importing them (tests/unit/test_imports.py checks
 this list against the code):
 
-    1. errors, console, registry, artifacts, storage, checkpoint, assets
+    1. errors, console, registry, artifacts, storage, checkpoint, assets, accelerators
     2. arch
     3. models, weights, data
     4. calibrate
@@ -18,12 +19,13 @@ this list against the code):
     9. prune
     10. distill
     11. config
-    12. run_dir
-    13. track
-    14. report
-    15. stages
-    16. commands
-    17. cli
+    12. plan
+    13. run_dir
+    14. track
+    15. report
+    16. stages
+    17. commands
+    18. cli
 """
 
 __version__ = "0.1.0"

@@ -132,6 +132,15 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///RUN_DIR/mlflow.db)")
     r.add_argument("--storage", default=None, help=STORAGE_HELP)
 
+    pl = sub.add_parser("plan", help="memory per GPU, GPUs and storage of every stage of a run, from configs alone (no weights); exit 2 if it cannot fit")
+    pl.add_argument("config", help="YAML config (experiments/*.yaml)")
+    pl.add_argument("overrides", nargs="*", default=[], help="key=value overrides, e.g. stage2.targets=sampled:64 distill.workers=8")
+    pl.add_argument("--model", default=None, help="read the teacher's config.json from this directory instead of the config's model "
+                    "(e.g. experiments/configs/Qwen--Qwen3-30B-A3B offline)")
+    pl.add_argument("--gpu-memory", type=_size, default=None, help="one GPU's memory for every GPU stage, e.g. 80GB (default: each node type's GPU)")
+    pl.add_argument("--gpus-per-node", type=_positive, default=None, help="most GPUs of one node (stage 3 shards a model over them; default: the node types', else 8)")
+    pl.add_argument("--cluster", default=None, metavar="CLUSTER_YAML", help="check every stage's Ray request against this cluster config's node types")
+
     rp = sub.add_parser("report", help="RUN_DIR/report/index.html + tables (CSV/Markdown) + figures (PNG) of a run")
     rp.add_argument("run_dir", help="a run directory (m2d run / m2d sweep --out)")
     rp.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///RUN_DIR/mlflow.db)")
@@ -168,7 +177,7 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-KV_COMMANDS = ("sweep", "run", "distill")  # commands whose key=value overrides may follow the options
+KV_COMMANDS = ("sweep", "run", "distill", "plan")  # commands whose key=value overrides may follow the options
 #: the flags that are config overrides: command -> {option's dest: config key} (the one way from flags to overrides)
 OVERRIDE_FLAGS = {
     "sweep": {"model": "model", "calib_data": "calib.data", "eval_data": "eval.data", "storage": "storage"},

@@ -66,8 +66,10 @@ class RayConfig:
     num_cpus: int = 4  # logical CPUs of a local Ray (more than the cores: see stack-notes)
     data_actors: int = 2  # Ray Data actor pool for calibration
     data_gpus_per_actor: float = 0.0
+    data_accelerator: str | None = None  # pin calibration and the targets pass to a GPU type (Ray's accelerator_type, e.g. H100)
     cpus_per_trial: float = 1.0
     gpus_per_trial: float = 0.0  # fractional GPUs share one device between trials
+    trial_accelerator: str | None = None  # pin stage-1 trials to a GPU type (e.g. A10G)
     max_concurrent_trials: int = 2
     threads_per_worker: int = 1
     max_failures: int = 0  # Tune retries of a trial (set > 0 on spot nodes, which can be reclaimed)
@@ -112,6 +114,7 @@ class Stage3Config:
     gpus_per_node: int | None = None  # most GPUs one node has (None = from the Ray cluster's nodes)
     batch_memory: str | None = None  # memory budget for a batch's activations (e.g. from a memory plan); None = what is left
     max_length: int = 4096  # longest sequence planned for (longer contexts are left-truncated by lm-eval)
+    accelerator: str | None = None  # pin stage-3 tasks to a GPU type (e.g. H100)
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,11 @@ class SweepConfig:
         if self.stage not in (1, 2):
             raise M2DError(f"stage={self.stage}: write stage=1 (pre-distillation grid) or stage=2 (distil the promotions)")
         check_distill(self.distill)
+        from m2d_ray.accelerators import check_accelerator
+
+        for key, value in (("ray.data_accelerator", self.ray.data_accelerator), ("ray.trial_accelerator", self.ray.trial_accelerator),
+                           ("distill.accelerator", self.distill.accelerator), ("stage3.accelerator", self.stage3.accelerator)):
+            check_accelerator(value, key)
         check_targets_loss(self.distill.loss, parse_targets(self.stage2.targets, self.distill.temperature))
         self.check_baselines()
         grid_pairs = [f"{s}/{g}" for s in self.grid.scoring for g in self.grid.grouping]
@@ -185,6 +193,10 @@ class SweepConfig:
 
         check_stage3(self.stage3)
 
+    def uses_gpus(self) -> bool:
+        """Whether the run asks for GPUs: decided from the config, not from the GPUs up right now (a cluster
+        scaling from zero GPU nodes has none until someone asks)."""
+        return self.distill.gpus_per_worker > 0 or self.ray.gpus_per_trial > 0 or self.ray.data_gpus_per_actor > 0
 
     def target_spec(self):
         """stage2.targets as a TargetSpec (None: online), at the distillation temperature and seed."""

@@ -14,6 +14,7 @@ import numpy as np
 import ray
 import torch
 
+from m2d_ray.accelerators import pin
 from m2d_ray.calibrate import data_fingerprint
 from m2d_ray.calibrate.artifact import StatsArtifact, load_matching, save_stats
 from m2d_ray.calibrate.collect import collect_stats
@@ -62,6 +63,7 @@ def calibrate_ray(
     batch_size: int = 8,
     actors: int = 2,
     gpus_per_actor: float = 0.0,
+    accelerator: str | None = None,
     threads: int = 1,
     stream: bool | None = None,
     max_memory: str | None = None,
@@ -71,7 +73,8 @@ def calibrate_ray(
 
     Returns (artifact, reused). Needs a running Ray (`ray.init`). The driver never loads the weights;
     the actors read them from `load_from` (a storage URL every node reaches), default `model`. Each actor
-    streams the teacher layer by layer when `stream` is set or it does not fit `max_memory`.
+    streams the teacher layer by layer when `stream` is set or it does not fit `max_memory`; `accelerator` pins the
+    actors to nodes with that GPU type.
     """
     config = load_config(model)
     model_fp, data_fp = model_fingerprint(model, config), data_fingerprint(data_spec, tokens)
@@ -91,6 +94,7 @@ def calibrate_ray(
         compute=ray.data.ActorPoolStrategy(size=actors),
         num_gpus=gpus_per_actor,
         num_cpus=1,
+        **({"resources": pin(accelerator)} if gpus_per_actor > 0 and accelerator else {}),
         fn_constructor_kwargs={"model": load_from or model, "device": "cuda" if gpus_per_actor > 0 else "cpu", "threads": threads,
                                "batch_size": batch_size, "stream": stream, "max_memory": max_memory},
         batch_format="numpy",

@@ -36,6 +36,7 @@ class DistillConfig:
     zero_stage: int = 2
     workers: int = 1  # Ray Train workers per student
     gpus_per_worker: float = 0.0
+    accelerator: str | None = None  # pin the workers to a GPU type (Ray's accelerator_type, e.g. H100)
     cpus_per_worker: float = 1.0
     threads_per_worker: int = 1
     gradient_checkpointing: bool = False

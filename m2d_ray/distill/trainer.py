@@ -115,7 +115,7 @@ def fit(job: DistillJob, name: str, storage: str, callbacks: list | None = None,
         train_loop_config={"job": job, "env": env},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(
-            num_workers=cfg.workers, use_gpu=use_gpu,
+            num_workers=cfg.workers, use_gpu=use_gpu, accelerator_type=cfg.accelerator if use_gpu else None,
             resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": cfg.gpus_per_worker} if use_gpu else {})},
         ),
         run_config=RunConfig(

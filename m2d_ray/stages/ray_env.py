@@ -50,3 +50,23 @@ def trial_error(trial) -> str:
     err = Path(local).read_text() if local and Path(local).exists() else trial.get_error()
     lines = [ln for ln in str(err or "trial raised").splitlines() if ln.strip()]
     return lines[-1][:500] if lines else "trial raised"
+
+
+def node_types() -> tuple[list, str]:
+    """(node types, where from) of the Ray this process is connected to: the autoscaler's node types when
+    there is one (reported to the GCS, or the cluster launcher's config on the head), else the live nodes."""
+    from m2d_ray.plan.devices import NodeType, from_cluster_yaml
+
+    try:
+        from ray._private.state import state  # internal API: pinned ray==2.60.0
+
+        reported = state.get_cluster_config()
+    except Exception:
+        reported = None
+    if reported is not None and reported.node_group_configs:
+        return [NodeType(g.name, dict(g.resources)) for g in reported.node_group_configs if g.max_count != 0], "the autoscaler's node types"
+    boot = Path.home() / "ray_bootstrap_config.yaml"  # what `ray up` gives the head's autoscaler
+    if on_cluster() and boot.is_file():
+        return from_cluster_yaml(boot), f"the autoscaler's node types ({boot})"
+    live = [n for n in ray.nodes() if n.get("Alive")]
+    return [NodeType(n.get("NodeManagerAddress") or n["NodeID"][:8], dict(n.get("Resources") or {})) for n in live], "the live nodes"

@@ -16,6 +16,7 @@ from pathlib import Path
 import ray
 
 from m2d_ray import storage
+from m2d_ray.accelerators import pin
 from m2d_ray.console import say
 from m2d_ray.distill.config import DistillConfig
 from m2d_ray.errors import RunFailed
@@ -188,7 +189,7 @@ def targets(store: RunStorage, teacher: str, tokens_url: str, spec, cfg: Distill
         ds = ray.data.from_items([{"first_block": f, "blocks": n} for f, n in todo])
         out = ds.map_batches(
             TargetsActor, batch_size=1, compute=ray.data.ActorPoolStrategy(size=max(1, min(ray_cfg.data_actors, len(todo)))),
-            num_gpus=gpus, num_cpus=1,
+            num_gpus=gpus, num_cpus=1, **({"resources": pin(ray_cfg.data_accelerator)} if gpus > 0 and ray_cfg.data_accelerator else {}),
             fn_constructor_kwargs={"teacher": teacher, "tokens_url": tokens_url, "targets_url": url, "spec": spec,
                                    "teacher_topk": cfg.teacher_topk, "device": "cuda" if gpus > 0 else "cpu",
                                    "threads": ray_cfg.threads_per_worker, "batch_size": calib.batch_size, "stream": calib.stream,

@@ -25,6 +25,7 @@ import torch
 from ray import tune
 
 from m2d_ray import storage
+from m2d_ray.accelerators import pin
 from m2d_ray.artifacts import write_json_atomic, write_marker
 from m2d_ray.calibrate.artifact import StatsArtifact
 from m2d_ray.calibrate.ray_data import calibrate_ray
@@ -205,7 +206,7 @@ def _stats(cfg: SweepConfig, model: str, remote: str, rd: RunDir, tokenizer) -> 
     """The run's statistics (driver-side artifact); the actors load the teacher from `remote`."""
     spec, tokens = calibration_tokens(tokenizer, cfg.calib.data, cfg.model, cfg.calib.seq_len, cfg.calib.max_tokens)
     art, reused = calibrate_ray(model, tokens, spec, rd.stats, batch_size=cfg.calib.batch_size, actors=cfg.ray.data_actors,
-                                gpus_per_actor=cfg.ray.data_gpus_per_actor, threads=cfg.ray.threads_per_worker, load_from=remote,
+                                gpus_per_actor=cfg.ray.data_gpus_per_actor, accelerator=cfg.ray.data_accelerator, threads=cfg.ray.threads_per_worker, load_from=remote,
                                 stream=cfg.calib.stream, max_memory=cfg.calib.max_memory)
     say(f"statistics: {'reused' if reused else 'computed'} {art.manifest['n_tokens']} tokens, sha256 {art.checksum[:12]}")
     return art
@@ -328,7 +329,7 @@ def _tune(cfg, model, store: RunStorage, plans, units: list[Unique], ids, record
     """One Tune run over `units` (grid order = the order given); results go through `recorder`."""
     recorder.total, recorder.finished = len(units), 0
     recorder.trials += 0 if max_chunks else len(units)
-    resources = {"cpu": cfg.ray.cpus_per_trial, "gpu": cfg.ray.gpus_per_trial}
+    resources = {"cpu": cfg.ray.cpus_per_trial, "gpu": cfg.ray.gpus_per_trial, **(pin(cfg.ray.trial_accelerator) if cfg.ray.gpus_per_trial > 0 else {})}
     trainable = tune.with_resources(tune.with_parameters(stage1_trainable, model=model, plans=plans, eval_ids=ids, cfg=cfg), resources)
     space = {"key": tune.grid_search([u.canonical.key for u in units])}
     if max_chunks:

@@ -73,15 +73,9 @@ def _evaluate_task(model: str, suite: list, c: dict, device: str, text: bytes | 
     return {**out, "eval_s": round(time.time() - t0, 1), "placement": placement.describe()}
 
 
-def uses_gpus(cfg: SweepConfig) -> bool:
-    """Whether the run asks for GPUs: decided from the config, not from the GPUs up right now (a cluster
-    scaling from zero GPU nodes has none until someone asks)."""
-    return cfg.distill.gpus_per_worker > 0 or cfg.ray.gpus_per_trial > 0 or cfg.ray.data_gpus_per_actor > 0
-
-
 def _gpus(cfg: SweepConfig) -> float:
     c = cfg.stage3
-    return c.gpus_per_task if c.gpus_per_task is not None else float(uses_gpus(cfg))
+    return c.gpus_per_task if c.gpus_per_task is not None else float(cfg.uses_gpus())
 
 
 def _suite(c: Stage3Config) -> dict:
@@ -132,7 +126,8 @@ def run_stage3(cfg: SweepConfig, run_dir: str | Path | RunDir, tracking_uri: str
         store = store or RunStorage(cfg.storage or str(rd.path))
         gpus = _gpus(cfg)
         device = "cuda" if gpus > 0 else "cpu"
-        opts = {"num_cpus": c.cpus_per_task, "num_gpus": gpus, "max_retries": cfg.ray.max_failures}
+        opts = {"num_cpus": c.cpus_per_task, "num_gpus": gpus, "max_retries": cfg.ray.max_failures,
+                **({"accelerator_type": c.accelerator} if gpus > 0 and c.accelerator else {})}
         text = Path(suite["text"]).read_bytes() if suite["text"] else None
         teachers = {j.key: store.put_model(j.model) for j in pending if j.key in (TEACHER_KEY, D2D_TEACHER_KEY)}
         from m2d_ray.evaluate.runner import data_ref, stage3_placements  # GPUs and batch per model, from memory

@@ -1,0 +1,32 @@
+"""GPU types as Ray names them (its `accelerator_type:<GPU>` resource) and the memory CUDA reports for each:
+what a stage pins itself to (ray.data_accelerator, ray.trial_accelerator, distill.accelerator,
+stage3.accelerator) and what the memory plan reads a node type's GPU memory from."""
+
+from __future__ import annotations
+
+import difflib
+
+from m2d_ray.errors import M2DError
+
+MiB = 1 << 20
+#: total memory CUDA reports for each accelerator type (nvidia-smi's MiB)
+GPU_MEMORY = {
+    "T4": 15_360 * MiB, "V100": 16_160 * MiB, "A10G": 23_028 * MiB, "L4": 22_491 * MiB, "L40S": 46_068 * MiB,
+    "A100": 40_960 * MiB, "A100-40G": 40_960 * MiB, "A100-80G": 81_920 * MiB, "H100": 81_559 * MiB, "H200": 143_771 * MiB,
+}
+#: the prefix of Ray's accelerator resource; a request pins itself with a sliver of it
+RESOURCE = "accelerator_type:"
+PIN = 0.001
+
+
+def check_accelerator(name: str | None, what: str) -> None:
+    """A known accelerator type, or None (any GPU)."""
+    if name is not None and name not in GPU_MEMORY:
+        close = difflib.get_close_matches(name, list(GPU_MEMORY), n=1, cutoff=0.4)
+        raise M2DError(f"{what}={name!r} is not a GPU type m2d knows the memory of;" + (f" did you mean {close[0]}?" if close else "")
+                       + f" choose from: {', '.join(GPU_MEMORY)}")
+
+
+def pin(accelerator: str | None) -> dict[str, float]:
+    """The Ray resources that keep a task on nodes with that GPU ({} for any)."""
+    return {RESOURCE + accelerator: PIN} if accelerator else {}

@@ -1,0 +1,84 @@
+"""`m2d plan`: every stage's memory per device, its GPUs and the storage a run writes, from configs alone;
+and the same check that `m2d run` makes before calibration (`check_run`).
+
+    table (stdout, via the log)    one row per stage (stage 3: per model), then the storage
+    JSON line                      {"gpu_memory", "stages": {stage: {"per_gpu_bytes", "gpus", "fits"}}, "storage_bytes"}
+    exit 2 + one line              when a stage does not fit its device or no node type can hold its request
+"""
+
+from __future__ import annotations
+
+from m2d_ray.config import D2D, SweepConfig, load_config
+from m2d_ray.console import emit, say
+from m2d_ray.errors import M2DError
+from m2d_ray.plan.run_plan import Devices, RunPlan, make_plan, plan_line
+
+
+def plan_of(cfg: SweepConfig, devices: Devices, model: str | None = None) -> RunPlan:
+    """The plan of `cfg`, the teacher's config read from `model` (a directory with config.json, else the
+    config's model); stage 3 also plans the d2d baseline's dense teacher when it can read its config."""
+    from m2d_ray.models import default_teacher, load_config as model_config
+
+    extra = {}
+    if D2D in cfg.stage2.baselines and model is None:
+        from m2d_ray.stages.d2d import dense_teacher
+
+        extra["teacher-d2d"] = model_config(dense_teacher(cfg))
+    return make_plan(cfg, model_config(model or cfg.model or default_teacher()), devices, extra)
+
+
+def show(plan: RunPlan, where: str, out=say) -> None:
+    out(f"memory plan ({where}):")
+    for line in plan.table().splitlines():
+        out("  " + line)
+
+
+def refuse(plan: RunPlan) -> None:
+    """Exit 2 with the first stage that cannot run (the others are in the table)."""
+    problems = plan.problems()
+    if problems:
+        more = f" (+{len(problems) - 1} more in the table)" if len(problems) > 1 else ""
+        raise M2DError(problems[0] + more)
+
+
+def local_gpu_memory() -> int | None:
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+
+
+def check_run(cfg: SweepConfig, gpu_memory: int | None = None) -> RunPlan:
+    """`m2d run`, before calibration: the plan against the devices Ray has or can start (its node types,
+    or --gpu-memory for every GPU); a request no node type holds, or memory that does not fit, exits 2."""
+    from m2d_ray.evaluate.runner import host_available
+    from m2d_ray.stages.ray_env import ensure_ray, node_types, on_cluster
+
+    ensure_ray(cfg.ray)
+    nodes, where = node_types()
+    local = not on_cluster()
+    devices = Devices(gpu_memory or (local_gpu_memory() if local else None), None, tuple(nodes),
+                      host_available() if local else None)
+    plan = plan_of(cfg, devices)
+    show(plan, f"against {where}" + (f", GPUs of {gpu_memory / 2**30:.1f} GiB" if gpu_memory else ""))
+    refuse(plan)
+    return plan
+
+
+def main(args) -> None:
+    from m2d_ray.calibrate.stream import parse_size
+    from m2d_ray.plan.devices import from_cluster_yaml
+
+    cfg = load_config(args.config, args.overrides)
+    gpu_memory = parse_size(args.gpu_memory) if args.gpu_memory else None
+    nodes = tuple(from_cluster_yaml(args.cluster)) if args.cluster else None
+    host = None
+    if not cfg.uses_gpus() and nodes is None:
+        from m2d_ray.evaluate.runner import host_available
+
+        host = host_available()
+    plan = plan_of(cfg, Devices(gpu_memory, args.gpus_per_node, nodes, host), args.model)
+    where = ", ".join(filter(None, [f"GPUs of {gpu_memory / 2**30:.1f} GiB" if gpu_memory else None,
+                                    f"node types of {args.cluster}" if args.cluster else None])) or "this machine"
+    show(plan, where, emit)  # the table and the JSON line are the command's result: stdout
+    emit(plan_line(plan))
+    refuse(plan)

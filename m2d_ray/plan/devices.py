@@ -1,0 +1,68 @@
+"""GPUs by accelerator type, a cluster's node types, and whether a stage's resource request fits one.
+
+A node type is what the autoscaler can start (cluster.yaml's `available_node_types`) or, without an
+autoscaler, a node that is up. Its GPU's memory comes from Ray's `accelerator_type:<GPU>` resource (Ray
+adds it on a node with that GPU; cluster.yaml's GPU types name it) through GPU_MEMORY.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from m2d_ray.accelerators import GPU_MEMORY, RESOURCE, pin
+from m2d_ray.errors import M2DError
+
+
+@dataclass(frozen=True)
+class NodeType:
+    name: str
+    resources: dict = field(default_factory=dict)
+
+    @property
+    def accelerator(self) -> str | None:
+        return next((k.removeprefix(RESOURCE) for k in self.resources if k.startswith(RESOURCE)), None)
+
+    @property
+    def gpus(self) -> float:
+        return float(self.resources.get("GPU", 0))
+
+    @property
+    def gpu_memory(self) -> int | None:
+        return GPU_MEMORY.get(self.accelerator) if self.accelerator else None
+
+    def holds(self, bundle: dict) -> bool:
+        return all(self.resources.get(k, 0) >= v for k, v in bundle.items() if v > 0)
+
+    def describe(self) -> str:
+        res = ", ".join(f"{k} {v:g}" for k, v in self.resources.items() if v)
+        return f"{self.name} ({res})"
+
+
+def bundle(cpus: float, gpus: float, accelerator: str | None = None) -> dict:
+    """A Ray resource request as the stages make it (an accelerator pin is a sliver of its resource)."""
+    return {"CPU": float(cpus), "GPU": float(gpus), **pin(accelerator)}
+
+
+def from_cluster_yaml(path: str | Path) -> list[NodeType]:
+    """The node types of a Ray cluster launcher config (its `available_node_types`)."""
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise M2DError(f"cluster config {path} not found; give a Ray cluster launcher YAML such as cluster.yaml")
+    raw = yaml.safe_load(p.read_text()) or {}
+    types = raw.get("available_node_types")
+    if not isinstance(types, dict) or not types:
+        raise M2DError(f"{path} has no available_node_types; m2d checks a run against a cluster's node types")
+    return [NodeType(name, dict((t or {}).get("resources") or {})) for name, t in types.items()]
+
+
+def holders(nodes: list[NodeType], request: dict) -> list[NodeType]:
+    return [n for n in nodes if n.holds(request)]
+
+
+def smallest_gpu(nodes: list[NodeType]) -> int | None:
+    """The memory of the smallest GPU among `nodes` (None when none names its GPU type)."""
+    mems = [n.gpu_memory for n in nodes if n.gpus > 0 and n.gpu_memory]
+    return min(mems) if mems else None
