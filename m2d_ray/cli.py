@@ -131,6 +131,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a killed or interrupted run, stage by stage")
     r.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///RUN_DIR/mlflow.db)")
     r.add_argument("--storage", default=None, help=STORAGE_HELP)
+    r.add_argument("--gpu-memory", type=_size, default=None, help="one GPU's memory for the memory plan checked before calibration, e.g. 80GB "
+                   "(default: each node type's GPU, or this machine's)")
+    r.add_argument("--cluster", default=None, metavar="CLUSTER_YAML", help="check every stage's Ray request against this cluster config's "
+                   "node types before calibration (default: the autoscaler's, when Ray knows them, else the live nodes)")
 
     pl = sub.add_parser("plan", help="memory per GPU, GPUs and storage of every stage of a run, from configs alone (no weights); exit 2 if it cannot fit")
     pl.add_argument("config", help="YAML config (experiments/*.yaml)")

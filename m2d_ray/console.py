@@ -90,6 +90,12 @@ def say(message: str) -> None:
         _session.write_line(message)
 
 
+def note(message: str) -> None:
+    """A platform line for the log only (details behind a one-line error, kept when the log is)."""
+    if _session is not None:
+        _session.write_line(message)
+
+
 def emit(message: str) -> None:
     """The command's result (stdout): the one line a script reads."""
     print(message, file=_session.out if _session else sys.stdout, flush=True)

@@ -2,6 +2,7 @@
 
     RUN_DIR/
       m2d_output.json  config.yaml  sweep.json (id, attempts)  run.json (stage wall times)
+      memory_plan.json (m2d run's plan: every stage's bytes per device, checked before calibration)
       stats/           the statistics artifact                 plans.json  probes.json  promotions.json
       trials/          stage-1 ledger                          stage1.csv  stage1.md  stage1_heatmap.png
       stage2/          config.yaml  trials/ (ledger)  d2d/ (search.json, candidates, importance)
@@ -100,6 +101,13 @@ class RunDir:
 
     def sweep_id(self) -> str:
         return json.loads(self.state.read_text())["sweep_id"]
+
+    @property
+    def memory_plan(self) -> Path:
+        return self.path / "memory_plan.json"
+
+    def read_memory_plan(self) -> dict | None:
+        return json.loads(self.memory_plan.read_text()) if self.memory_plan.exists() else None
 
     def stage_times(self) -> dict:
         return json.loads(self.timings.read_text()).get("stages", {}) if self.timings.exists() else {}

@@ -9,7 +9,7 @@ and the same check that `m2d run` makes before calibration (`check_run`).
 from __future__ import annotations
 
 from m2d_ray.config import D2D, SweepConfig, load_config
-from m2d_ray.console import emit, say
+from m2d_ray.console import emit, note, say
 from m2d_ray.errors import M2DError
 from m2d_ray.plan.run_plan import Devices, RunPlan, make_plan, plan_line
 
@@ -38,7 +38,7 @@ def refuse(plan: RunPlan) -> None:
     problems = plan.problems()
     if problems:
         more = f" (+{len(problems) - 1} more in the table)" if len(problems) > 1 else ""
-        raise M2DError(problems[0] + more)
+        raise M2DError(problems[0] + more + " (`m2d plan CONFIG` shows every stage)")
 
 
 def local_gpu_memory() -> int | None:
@@ -47,21 +47,59 @@ def local_gpu_memory() -> int | None:
     return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
 
 
-def check_run(cfg: SweepConfig, gpu_memory: int | None = None) -> RunPlan:
-    """`m2d run`, before calibration: the plan against the devices Ray has or can start (its node types,
-    or --gpu-memory for every GPU); a request no node type holds, or memory that does not fit, exits 2."""
-    from m2d_ray.evaluate.runner import host_available
-    from m2d_ray.stages.ray_env import ensure_ray, node_types, on_cluster
+def check_run(cfg: SweepConfig, gpu_memory: int | None = None, cluster: str | None = None) -> RunPlan:
+    """`m2d run`, before calibration: the plan against the devices Ray has or can start (the node types of
+    `cluster` (a cluster YAML), else of Ray's autoscaler, else its live nodes; --gpu-memory for every GPU);
+    a request no node type holds, or memory that does not fit, exits 2."""
+    from m2d_ray.plan.devices import from_cluster_yaml
+    import os
 
-    ensure_ray(cfg.ray)
-    nodes, where = node_types()
-    local = not on_cluster()
-    devices = Devices(gpu_memory or (local_gpu_memory() if local else None), None, tuple(nodes),
+    from m2d_ray.evaluate.runner import host_available
+    from m2d_ray.stages.ray_env import ensure_ray, local_node, node_types, on_cluster
+
+    if cluster:
+        nodes, where, local = from_cluster_yaml(cluster), f"the node types of {cluster}", False
+    elif not (cfg.ray.address or os.environ.get("RAY_ADDRESS")) and not _ray_up():  # the local Ray this run will start
+        nodes, where, local = [local_node(cfg.ray)], "this machine", True
+    else:
+        ensure_ray(cfg.ray)
+        (nodes, where), local = node_types(), not on_cluster()
+    devices = Devices(gpu_memory or (local_gpu_memory() if local else None), None, tuple(nodes) if nodes is not None else None,
                       host_available() if local else None)
     plan = plan_of(cfg, devices)
-    show(plan, f"against {where}" + (f", GPUs of {gpu_memory / 2**30:.1f} GiB" if gpu_memory else ""))
+    problems = plan.problems()
+    show(plan, f"against {where}" + (f", GPUs of {gpu_memory / 2**30:.1f} GiB" if gpu_memory else ""), note if problems else say)
     refuse(plan)
     return plan
+
+
+def _ray_up() -> bool:
+    import sys
+
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
+
+
+def record_plan(rd, plan: RunPlan) -> None:
+    """The plan in the run directory: the report sets it beside the measured peaks."""
+    from m2d_ray.artifacts import write_json_atomic
+    from m2d_ray.plan.run_plan import as_record
+
+    rd.path.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(rd.memory_plan, as_record(plan))
+
+
+def log_plan(cfg: SweepConfig, rd, tracking_uri: str | None) -> None:
+    """The run's plan on its MLflow parent run (made by stage 1): each stage's planned bytes per device as a
+    metric `plan.<stage>.per_gpu_bytes`, the whole plan as an artifact."""
+    from m2d_ray.track import run_tracker, sweep_parent
+
+    plan = rd.read_memory_plan()
+    if plan is None:
+        return
+    tracker = run_tracker(cfg, rd, tracking_uri)
+    parent = sweep_parent(tracker, rd, cfg.name)
+    tracker.log(parent, metrics={f"plan.{k}.per_gpu_bytes": v["per_gpu_bytes"] for k, v in plan["stages"].items()})
+    tracker.artifacts(parent, [rd.memory_plan])
 
 
 def main(args) -> None:

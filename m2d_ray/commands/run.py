@@ -1,6 +1,6 @@
 """`m2d run`: the whole pipeline into one run directory, top to bottom.
 
-    checks (every stage's inputs, once) -> stage 1 (calibrate, the grid, promotions) -> stage 2 (distil)
+    checks (every stage's inputs, once; the memory plan against the devices) -> stage 1 (calibrate, the grid, promotions) -> stage 2 (distil)
     -> stage 3 (lm-eval) -> report; RUN_DIR/run.json records each stage's wall time.
 
 A finished stage is skipped on --resume (stage 1 once promotions.json exists; stages 2 and 3 skip the
@@ -13,6 +13,7 @@ import json
 import time
 
 from m2d_ray.artifacts import write_json_atomic
+from m2d_ray.commands.plan import check_run, log_plan, record_plan
 from m2d_ray.commands.report import report
 from m2d_ray.commands.runs import check_inputs, check_outcome, check_promoted, check_resume, existing_run, keep_logs, new_run, run_storage
 from m2d_ray.config import load_config
@@ -21,7 +22,7 @@ from m2d_ray.errors import M2DError
 
 
 def run(config: str | None, overrides: list[str], out: str | None = None, resume: str | None = None,
-        tracking_uri: str | None = None) -> dict:
+        tracking_uri: str | None = None, gpu_memory: int | None = None, cluster: str | None = None) -> dict:
     from m2d_ray.stages.stage1 import run_stage1
     from m2d_ray.stages.stage2 import run_stage2
     from m2d_ray.stages.stage3 import run_stage3
@@ -39,7 +40,9 @@ def run(config: str | None, overrides: list[str], out: str | None = None, resume
         cfg = load_config(config, overrides)
         rd = new_run(out, cfg)
         check_inputs(cfg, (1, 2, 3), tracking_uri)
+    plan = check_run(cfg, gpu_memory, cluster)  # every stage fits a device it can get, before any work (else exit 2)
     keep_logs(rd.path)
+    record_plan(rd, plan)
     store = run_storage(cfg, rd)
     state = json.loads(rd.timings.read_text()) if rd.timings.exists() else {"stages": {}}
 
@@ -53,6 +56,7 @@ def run(config: str | None, overrides: list[str], out: str | None = None, resume
     if not rd.promotions.exists():
         stage("stage1", lambda: run_stage1(None if resume else cfg, rd, resume=rd.state.exists(), tracking_uri=tracking_uri, store=store))
     check_promoted(rd)
+    log_plan(cfg, rd, tracking_uri)
     stage("stage2", lambda: run_stage2(cfg, rd, tracking_uri=tracking_uri, store=store))
     stage("stage3", lambda: run_stage3(cfg, rd, tracking_uri=tracking_uri, store=store))
     stage("report", lambda: report(str(rd), tracking_uri))
@@ -63,7 +67,10 @@ def run(config: str | None, overrides: list[str], out: str | None = None, resume
 
 
 def main(args) -> None:
-    result = run(args.config, args.overrides, out=args.out, resume=args.resume, tracking_uri=args.tracking_uri)
+    from m2d_ray.calibrate.stream import parse_size
+
+    result = run(args.config, args.overrides, out=args.out, resume=args.resume, tracking_uri=args.tracking_uri,
+                 gpu_memory=parse_size(args.gpu_memory) if args.gpu_memory else None, cluster=args.cluster)
     say(f"report: {result['report']}")
     say(f"MLflow UI: {result['mlflow_ui']}  (then open http://127.0.0.1:5000)")
     emit(json.dumps(result))

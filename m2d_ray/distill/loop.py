@@ -30,6 +30,7 @@ from m2d_ray.distill.data import train_batches
 from m2d_ray.distill.flops import active_params, flops_per_token, matmul_rate
 from m2d_ray.distill.step import DistillStep, all_reduce_max, all_reduce_sum
 from m2d_ray.evaluate.perplexity import window_nll, windows
+from m2d_ray.peaks import peak_rss
 
 STATE_FILE = "m2d_state.pt"  # plain-torch checkpoint (DeepSpeed writes its own layout next to it)
 DS_TAG = "state"
@@ -244,19 +245,6 @@ def peak_memory(device: str, world: int) -> dict:
     cuda = torch.cuda.max_memory_allocated() if torch.device(device).type == "cuda" else 0
     rss, cuda = all_reduce_max([peak_rss(), cuda], device, world)
     return {"peak_rss_bytes": int(rss), **({"peak_cuda_bytes": int(cuda)} if cuda else {})}
-
-
-def peak_rss() -> int:
-    """VmHWM: this process's own peak (ru_maxrss, the fallback off Linux, can carry a parent's across exec)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _elapsed(t0: float, device: str) -> float:

@@ -20,7 +20,11 @@ from m2d_ray.plan.shapes import Models, Shape, models_of
 
 HEADROOM = 0.95  # of a device's memory a plan may fill (allocator fragmentation)
 GPU_RESERVE = 1 << 30  # CUDA context and allocator slack (evaluate/placement.RESERVE)
-STAGES = ("calibrate", "stage1", "targets", "stage2", "stage3")
+#: the config keys of each stage's Ray request
+KEYS = {"calibrate": "ray.data_gpus_per_actor / ray.data_accelerator", "targets": "ray.data_gpus_per_actor / ray.data_accelerator",
+        "stage1": "ray.gpus_per_trial / ray.cpus_per_trial / ray.trial_accelerator",
+        "stage2": "distill.gpus_per_worker / distill.cpus_per_worker / distill.accelerator",
+        "stage3": "stage3.gpus_per_task / stage3.cpus_per_task / stage3.accelerator"}
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,8 @@ class StagePlan:
     capacity: int | None  # bytes one unit may use (None = unknown)
     fix: str  # what to change when it does not fit
     holders: tuple[str, ...] | None = None  # node types that can hold the request (None = not checked)
+    keys: str = ""  # the config keys of the request
+    nodes: str = ""  # the node types checked against, described
 
     @property
     def per_device(self) -> int:
@@ -93,7 +99,8 @@ class RunPlan:
         for s in self.stages:
             req = ", ".join(f"{k} {v:g}" for k, v in s.request.items() if v)
             if not s.feasible:
-                out.append(f"{s.name}: no node type can ever hold one {s.unit} ({req}); {s.fix}")
+                out.append(f"{s.name}: no node type can ever hold one {s.unit} ({req}; node types: {s.nodes}); change {s.keys} "
+                           "or add a node type that has it")
             elif s.fits is False:
                 where = f"{s.share:g} GPU of {gib(s.capacity / HEADROOM / min(1.0, s.share))}" if s.share else "this host"
                 out.append(f"{s.name}: one {s.unit} needs {gib(s.per_device)} ({_top(s.parts)}) but {where} gives it "
@@ -152,7 +159,9 @@ def _unit(name: str, unit: str, parts: dict, share: float, units: int, request: 
         capacity = int(min(1.0, share) * mem * HEADROOM) if mem else None
     else:
         capacity = int(devices.host_memory * HEADROOM / max(1, units)) if devices.host_memory else None
-    return StagePlan(name, unit, parts, share, units, request, capacity, fix, tuple(n.name for n in found) if found is not None else None)
+    nodes = "; ".join(n.describe() for n in devices.nodes) if devices.nodes is not None else ""
+    return StagePlan(name, unit, parts, share, units, request, capacity, fix, tuple(n.name for n in found) if found is not None else None,
+                     KEYS[name.split(":")[0]], nodes)
 
 
 def _calibrate(cfg: SweepConfig, t: Shape, d: Devices) -> StagePlan:
@@ -239,9 +248,11 @@ def _stage3(cfg: SweepConfig, m: Models, d: Devices, extra: dict) -> list[StageP
             continue
         try:
             p = plan_eval(size, mem, per_node, parse_batch(c.batch_size), gpu_fraction=gpus if gpus < 1 else None, max_length=seq, what=key)
-        except M2DError as exc:
-            out.append(StagePlan(name, key, {"weights": size.weights, "one sequence": size.sequence_bytes(seq)}, per_node, 1,
-                                 bundle(c.cpus_per_task, per_node, c.accelerator), 0, str(exc).split("; ")[-1]))
+        except M2DError:  # on no number of a node's GPUs: what it would need on all of them
+            parts = {"weights": int(size.weights / per_node * (1.05 if per_node > 1 else 1)), "batch": size.sequence_bytes(seq)}
+            out.append(_unit(name, f"{key}, sharded over {per_node}" if per_node > 1 else key, parts, 1, per_node,
+                             bundle(c.cpus_per_task, per_node, c.accelerator), d, "nodes with more or larger GPUs, or a shorter stage3.max_length",
+                             pinned_memory=mem))
             continue
         g = max(p.gpus, gpus) if gpus >= 1 else p.gpus
         per_gpu = (p.max_memory_per_gpu or p.weights) + (p.max_batch_size if p.batch_size == "auto" else p.batch_size) * p.sequence

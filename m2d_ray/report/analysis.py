@@ -31,6 +31,7 @@ class RunData:
     stage3: dict[str, dict] = field(default_factory=dict)  # key -> lm-eval result ("teacher" included)
     timings: dict = field(default_factory=dict)
     d2d: dict | None = None  # RUN_DIR/stage2/d2d/search.json: the D2D candidate search
+    memory_plan: dict | None = None  # RUN_DIR/memory_plan.json: what m2d run planned per device
 
     @property
     def k(self) -> int:
@@ -49,7 +50,7 @@ def load_run(run_dir: str | Path) -> RunData:
     promotions = rd.read_promotions()
     return RunData(rd.path, load_config(rd.config), rd.stage1_ledger().records(), rd.read_plans()["plans"], promotions,
                    stage2={r["key"]: r for r in rd.stage2_records()}, stage3=rd.read_stage3(), timings=rd.stage_times(),
-                   d2d=rd.read_d2d_search())
+                   d2d=rd.read_d2d_search(), memory_plan=rd.read_memory_plan())
 
 
 def distill_rows(data: RunData) -> list[dict]:
@@ -161,3 +162,27 @@ def val_loss_curves(data: RunData) -> dict[str, list[tuple[int, float]]]:
         if pts:
             out[r["pair"] if not r.get("baseline") else f"{r['pair']} (baseline)"] = sorted(set(pts))
     return out
+
+
+def memory_rows(data: RunData) -> list[dict]:
+    """Planned bytes per device (RUN_DIR/memory_plan.json) beside the measured peaks: stage 2's largest over
+    its students (CUDA allocations on a GPU, else resident memory) and each stage-3 model's."""
+    plan = data.memory_plan
+    if not plan:
+        return []
+    rows = []
+    for r in plan.get("rows", []):
+        name = r["name"]
+        if name == "stage2":
+            peaks = [s.get("peak_cuda_bytes") or s.get("peak_rss_bytes") for s in data.stage2.values() if not s.get("duplicate_of")]
+        elif name.startswith("stage3:"):
+            key = name.split(":", 1)[1]
+            keys = [k for k, s in data.stage2.items() if s.get("student_path") and not s.get("duplicate_of")] if key == "student" else [key]
+            peaks = [data.stage3.get(k, {}).get("peak_cuda_bytes") or data.stage3.get(k, {}).get("peak_rss_bytes") for k in keys]
+        else:
+            peaks = []
+        peaks = [p for p in peaks if p]
+        measured = max(peaks) if peaks else None
+        rows.append({"stage": name, "unit": r["unit"], "planned": r["per_device"], "measured": measured,
+                     "ratio": measured / r["per_device"] if measured and r["per_device"] else None, "fits": r["fits"]})
+    return rows

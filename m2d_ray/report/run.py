@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from m2d_ray.artifacts import atomic_dir, write_text_atomic
-from m2d_ray.report.analysis import (RunData, distill_rows, erank_table, load_run, marginal, matched_rows, outcome, outcome_line, overlap,
+from m2d_ray.report.analysis import (RunData, distill_rows, memory_rows, erank_table, load_run, marginal, matched_rows, outcome, outcome_line, overlap,
                                      selections, val_loss_curves)
 from m2d_ray.report.figures import pyplot, save
 from m2d_ray.report.stage1 import heatmap, write_tables
@@ -72,6 +72,16 @@ def distill_table(data: RunData, rows: list[dict]) -> Table:
     suite = data.cfg.stage3.tasks
     return Table("distill", headers, body, f"Accuracy on the stage-3 suite `{suite}` (acc_norm for HellaSwag/ARC, else acc), mean unweighted. "
                  "Students stopped early by ASHA were not exported and have no accuracy." + note)
+
+
+def memory_table(data: RunData) -> Table:
+    rows = memory_rows(data)
+    mib = lambda v: None if v is None else round(v / 2**20)  # noqa: E731
+    body = [[r["stage"], r["unit"], mib(r["planned"]), mib(r["measured"]), r["ratio"], {True: "yes", False: "NO", None: "?"}[r["fits"]]] for r in rows]
+    return Table("memory", ["stage", "unit", "planned MiB per device", "measured peak MiB", "measured / planned", "fits"], body,
+                 "m2d run's memory plan (RUN_DIR/memory_plan.json, checked before calibration) beside what the stages measured: "
+                 "stage 2 the largest peak over its students (CUDA allocations on a GPU, else the process's resident peak), stage 3 each model's. "
+                 "On CPU the resident peak also counts the checkpoint files transformers keeps mapped (page cache).")
 
 
 def matched_table(data: RunData, rows: list[dict]) -> Table:
@@ -199,9 +209,9 @@ def write_report(run_dir: str | Path) -> Path:
         write_tables(data.stage1, order, out)
         rows = distill_rows(data)
         tables = {"distill": distill_table(data, rows), "matched": matched_table(data, rows), "d2d": d2d_table(data),
-                  "overlap": overlap_table(data), "erank": erank_tables(data)}
+                  "overlap": overlap_table(data), "erank": erank_tables(data), "memory": memory_table(data)}
         for name, t in tables.items():
-            if t.rows or name != "d2d":  # the candidate table only in a run with the d2d baseline
+            if t.rows or name not in ("d2d", "memory"):  # the candidate table only with the d2d baseline, the memory one with a plan
                 t.write(out)
         figs = {
             "grid": heatmap(data.stage1, order, out / STAGE1_HEATMAP, title=f"stage 1: pre-distillation perplexity, k={data.k}"),
@@ -230,6 +240,7 @@ def _page(data: RunData, tables: dict[str, Table], figs: dict[str, Path | None],
         ("Validation loss during distillation", _img(figs["curves"], "validation-loss curves")),
         (f"Selection overlap between scorings at K = k = {data.k}", tables["overlap"].html() + _img(figs["overlap"], "overlap matrix")),
         ("Effective rank of the selected experts", tables["erank"].html() + _img(figs["erank"], "effective rank per scoring")),
+        *([("Memory: planned against measured", tables["memory"].html())] if tables["memory"].rows else []),
     ]
     body = "".join(f"<h2>{html.escape(title)}</h2>{content}" for title, content in sections)
     meta = (f"teacher <code>{html.escape(str(p['teacher']))}</code> · k = {p['k']}, E = {p['E']} · config <code>{html.escape(cfg.name)}</code> · "

@@ -52,9 +52,10 @@ def trial_error(trial) -> str:
     return lines[-1][:500] if lines else "trial raised"
 
 
-def node_types() -> tuple[list, str]:
+def node_types() -> tuple[list | None, str]:
     """(node types, where from) of the Ray this process is connected to: the autoscaler's node types when
-    there is one (reported to the GCS, or the cluster launcher's config on the head), else the live nodes."""
+    there is one (reported to the GCS, or the cluster launcher's config on the head), else the live nodes;
+    None when an autoscaler runs whose node types are not known here (then the live nodes say nothing)."""
     from m2d_ray.plan.devices import NodeType, from_cluster_yaml
 
     try:
@@ -68,5 +69,39 @@ def node_types() -> tuple[list, str]:
     boot = Path.home() / "ray_bootstrap_config.yaml"  # what `ray up` gives the head's autoscaler
     if on_cluster() and boot.is_file():
         return from_cluster_yaml(boot), f"the autoscaler's node types ({boot})"
+    if _autoscaler_running():
+        return None, "an autoscaler whose node types are unknown here (give --cluster CLUSTER_YAML to check against them)"
     live = [n for n in ray.nodes() if n.get("Alive")]
     return [NodeType(n.get("NodeManagerAddress") or n["NodeID"][:8], dict(n.get("Resources") or {})) for n in live], "the live nodes"
+
+
+def _autoscaler_running() -> bool:
+    """Whether an autoscaler reports to this cluster (its status, what `ray status` prints, is in the GCS)."""
+    try:
+        from ray._private import ray_constants
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        return _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS) is not None
+    except Exception:
+        return False
+
+
+def local_node(cfg: RayConfig):
+    """The node a local Ray (ensure_ray without an address) will have: its logical CPUs, this machine's GPUs
+    and their type as Ray names it; known before Ray starts."""
+    from m2d_ray.plan.devices import NodeType
+
+    resources: dict = {"CPU": float(cfg.num_cpus)}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            resources["GPU"] = float(torch.cuda.device_count())
+            from ray._private.accelerators import get_accelerator_manager_for_resource  # internal: pinned ray==2.60.0
+
+            kind = get_accelerator_manager_for_resource("GPU").get_current_node_accelerator_type()
+            if kind:
+                resources[f"accelerator_type:{kind}"] = 1.0
+    except Exception:
+        pass
+    return NodeType("this machine", resources)

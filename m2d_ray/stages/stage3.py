@@ -24,6 +24,7 @@ from m2d_ray.artifacts import write_json_atomic
 from m2d_ray.config import D2D, SweepConfig, Stage3Config
 from m2d_ray.console import say
 from m2d_ray.errors import M2DError
+from m2d_ray.peaks import peaks, reset_peaks
 from m2d_ray.run_dir import D2D_TEACHER_KEY, TEACHER_KEY, Ledger, RunDir
 from m2d_ray.stages.d2d import dense_teacher
 from m2d_ray.stages.ray_env import ensure_ray
@@ -61,6 +62,7 @@ def _evaluate_task(model: str, suite: list, c: dict, device: str, text: bytes | 
     from m2d_ray.evaluate.runner import evaluate_model
 
     torch.set_num_threads(c["threads_per_task"])
+    reset_peaks()  # a reused worker's earlier peak is not this model's
     t0 = time.time()
     if data is not None:
         ensure(data)
@@ -70,7 +72,7 @@ def _evaluate_task(model: str, suite: list, c: dict, device: str, text: bytes | 
             path = Path(tmp) / "text.txt"
             path.write_bytes(text)
         out = evaluate_model(model, [tuple(t) for t in suite], placement, device, limit=c["limit"], text=path)
-    return {**out, "eval_s": round(time.time() - t0, 1), "placement": placement.describe()}
+    return {**out, "eval_s": round(time.time() - t0, 1), "placement": placement.describe(), **peaks()}
 
 
 def _gpus(cfg: SweepConfig) -> float:

@@ -201,6 +201,11 @@ CASES = {
     "text task file missing": (lambda w: ["eval", "--model", str(w["student"]), "--tasks", "text:/missing.txt"], "is not a file"),
     "unknown task in a run config": (lambda w: _run("stage3.tasks=arc_easyy"), "did you mean arc_easy"),
     # runs
+    "run: a stage no node type holds (before calibration)": (lambda w: _run("distill.gpus_per_worker=1"), "stage2: no node type can ever hold one rank (CPU 1, GPU 1"),
+    "run: a stage over its device's memory (before calibration)": (lambda w: _run("distill.batch_size=100000", "distill.seq_len=1024"), "stage2: one rank needs"),
+    "run: unknown GPU type": (lambda w: _run("stage3.accelerator=H1OO"), "did you mean H100"),
+    "plan: a config that does not fit": (lambda w: ["plan", str(TINY), "distill.batch_size=100000", "distill.seq_len=1024"], "distill.gradient_checkpointing=true"),
+    "plan: cluster config missing": (lambda w: ["plan", str(TINY), "--cluster", "missing.yaml"], "not found"),
     "resume of a directory that is no run": (lambda w: ["run", "--resume", "mine"], "not an m2d run directory"),
     "resume with a changed grid": (lambda w: ["run", "--resume", str(w["run"]), "grid.K=[4]"], "grid differ from stage 1"),
     "sweep resume with overrides": (lambda w: ["sweep", "--resume", str(w["run"]), "grid.K=[4]"], "reuses the run's saved config"),
@@ -255,7 +260,7 @@ def test_bad_input(case, w, capfd, monkeypatch):
     line = lines[0]
     assert line.startswith("m2d: error: ") and fragment in line, line
     assert any(a in line.lower() for a in ACTIONS), f"the line does not say what to do: {line}"
-    assert out == "", out
+    assert out == "" or args[0] == "plan", out  # m2d plan's table and JSON line are its output, fitting or not
     assert _snapshot(w["root"]) == before, f"{case} changed the file system"
     assert not any(w["tmp"].iterdir()), list(w["tmp"].iterdir())
 
@@ -263,4 +268,4 @@ def test_bad_input(case, w, capfd, monkeypatch):
 def test_the_matrix_covers_every_command():
     fake = collections.defaultdict(lambda: Path("x"))
     assert len(CASES) >= 30
-    assert {build(fake)[0] for build, _ in CASES.values()} == {"convert", "calibrate", "distill", "eval", "run", "sweep", "report", "prune-dense"}
+    assert {build(fake)[0] for build, _ in CASES.values()} == {"convert", "calibrate", "distill", "eval", "run", "sweep", "report", "prune-dense", "plan"}
