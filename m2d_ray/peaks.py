@@ -1,8 +1,10 @@
 """A process's peak memory: what the memory plan (m2d_ray/plan/) is checked against.
 
 VmHWM is the kernel's own high-water mark of this process's resident memory (ru_maxrss, the fallback off
-Linux, can carry a parent's across exec); on CUDA, torch's peak of allocated device memory. A reused Ray
-worker resets both before a new unit of work (`reset_peaks`), so a peak belongs to one model or student.
+Linux, can carry a parent's across exec); on CUDA, torch's peak of allocated device memory. Work resets both
+when it starts (`reset_peaks`: a reused Ray worker's earlier peak is not this model's) and reports, besides the
+process's whole peak, its peak above what the process held then (`peak_work_bytes`: the interpreter and its
+libraries are not the work's, and not what the plan counts).
 """
 
 from __future__ import annotations
@@ -22,12 +24,27 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def reset_peaks() -> None:
-    """Start both high-water marks again from now (writing 5 to clear_refs resets VmHWM, Linux >= 4.0)."""
+_base: int | None = None  # resident memory when the work started (reset_peaks)
+
+
+def _rss() -> int | None:
     try:
-        Path("/proc/self/clear_refs").write_text("5")
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def reset_peaks() -> None:
+    """Start both high-water marks again from now (writing 5 to clear_refs resets VmHWM, Linux >= 4.0)."""
+    global _base
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        _base = _rss()
+    except OSError:
+        _base = None
     import torch
 
     if torch.cuda.is_available():
@@ -35,8 +52,11 @@ def reset_peaks() -> None:
 
 
 def peaks() -> dict:
-    """{"peak_rss_bytes", "peak_cuda_bytes" (on CUDA)} of this process since the start or the last reset."""
+    """{"peak_rss_bytes", "peak_work_bytes" (after a reset), "peak_cuda_bytes" (on CUDA)} of this process since the
+    start or the last reset."""
     import torch
 
     cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
-    return {"peak_rss_bytes": peak_rss(), **({"peak_cuda_bytes": int(cuda)} if cuda else {})}
+    rss = peak_rss()
+    return {"peak_rss_bytes": rss, **({"peak_work_bytes": max(0, rss - _base)} if _base is not None else {}),
+            **({"peak_cuda_bytes": int(cuda)} if cuda else {})}

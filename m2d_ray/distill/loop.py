@@ -30,7 +30,7 @@ from m2d_ray.distill.data import train_batches
 from m2d_ray.distill.flops import active_params, flops_per_token, matmul_rate
 from m2d_ray.distill.step import DistillStep, all_reduce_max, all_reduce_sum
 from m2d_ray.evaluate.perplexity import window_nll, windows
-from m2d_ray.peaks import peak_rss
+from m2d_ray.peaks import peaks, reset_peaks
 
 STATE_FILE = "m2d_state.pt"  # plain-torch checkpoint (DeepSpeed writes its own layout next to it)
 DS_TAG = "state"
@@ -171,6 +171,7 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
     """Train `job.student` for cfg.steps (from the restored step on); returns the last report's metrics."""
     cfg = job.cfg
     torch.manual_seed(cfg.seed)
+    reset_peaks()  # the student's peak, above what the worker held before it
     dtype = torch.bfloat16 if job.device == "cuda" else torch.float32
     teacher, student = _load_models(job, io, dtype)
     tokenizer = teacher.tokenizer
@@ -240,11 +241,12 @@ def _to(batch: Tensor | dict[str, Tensor], device: str) -> Tensor | dict[str, Te
 
 
 def peak_memory(device: str, world: int) -> dict:
-    """This process's peak resident memory and, on CUDA, peak allocated device memory, each the max over
-    ranks (what a memory plan is checked against; one small collective per report)."""
-    cuda = torch.cuda.max_memory_allocated() if torch.device(device).type == "cuda" else 0
-    rss, cuda = all_reduce_max([peak_rss(), cuda], device, world)
-    return {"peak_rss_bytes": int(rss), **({"peak_cuda_bytes": int(cuda)} if cuda else {})}
+    """This process's peaks since the training started (m2d_ray/peaks.py: resident, resident above the start,
+    CUDA allocations), each the max over ranks (what the memory plan is checked against; one small collective)."""
+    p = peaks()
+    cuda = p.get("peak_cuda_bytes", 0) if torch.device(device).type == "cuda" else 0
+    rss, work, cuda = all_reduce_max([p["peak_rss_bytes"], p.get("peak_work_bytes", 0), cuda], device, world)
+    return {"peak_rss_bytes": int(rss), **({"peak_work_bytes": int(work)} if work else {}), **({"peak_cuda_bytes": int(cuda)} if cuda else {})}
 
 
 def _elapsed(t0: float, device: str) -> float:

@@ -174,11 +174,11 @@ def memory_rows(data: RunData) -> list[dict]:
     for r in plan.get("rows", []):
         name = r["name"]
         if name == "stage2":
-            peaks = [s.get("peak_cuda_bytes") or s.get("peak_rss_bytes") for s in data.stage2.values() if not s.get("duplicate_of")]
+            peaks = [_peak(s) for s in data.stage2.values() if not s.get("duplicate_of")]
         elif name.startswith("stage3:"):
             key = name.split(":", 1)[1]
             keys = [k for k, s in data.stage2.items() if s.get("student_path") and not s.get("duplicate_of")] if key == "student" else [key]
-            peaks = [data.stage3.get(k, {}).get("peak_cuda_bytes") or data.stage3.get(k, {}).get("peak_rss_bytes") for k in keys]
+            peaks = [_peak(data.stage3.get(k, {})) for k in keys]
         else:
             peaks = []
         peaks = [p for p in peaks if p]
@@ -186,3 +186,9 @@ def memory_rows(data: RunData) -> list[dict]:
         rows.append({"stage": name, "unit": r["unit"], "planned": r["per_device"], "measured": measured,
                      "ratio": measured / r["per_device"] if measured and r["per_device"] else None, "fits": r["fits"]})
     return rows
+
+
+def _peak(r: dict) -> int | None:
+    """A record's measured peak comparable with the plan: CUDA allocations on a GPU, else the resident memory
+    the work added (an older record: the process's whole resident peak)."""
+    return r.get("peak_cuda_bytes") or r.get("peak_work_bytes") or r.get("peak_rss_bytes")

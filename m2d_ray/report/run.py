@@ -80,8 +80,8 @@ def memory_table(data: RunData) -> Table:
     body = [[r["stage"], r["unit"], mib(r["planned"]), mib(r["measured"]), r["ratio"], {True: "yes", False: "NO", None: "?"}[r["fits"]]] for r in rows]
     return Table("memory", ["stage", "unit", "planned MiB per device", "measured peak MiB", "measured / planned", "fits"], body,
                  "m2d run's memory plan (RUN_DIR/memory_plan.json, checked before calibration) beside what the stages measured: "
-                 "stage 2 the largest peak over its students (CUDA allocations on a GPU, else the process's resident peak), stage 3 each model's. "
-                 "On CPU the resident peak also counts the checkpoint files transformers keeps mapped (page cache).")
+                 "stage 2 the largest peak over its students, stage 3 each model's: CUDA allocations on a GPU (the plan adds 1 GiB for the CUDA "
+                 "context), else the resident memory the work added to its process, which also counts the checkpoint pages transformers keeps mapped.")
 
 
 def matched_table(data: RunData, rows: list[dict]) -> Table:

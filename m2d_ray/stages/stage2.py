@@ -186,7 +186,8 @@ class Recorder(tune.Callback):
             "best_val_ppl": min((p for _, p in full[1:] if _finite(p) is not None), default=None),
             "tokens_per_s": last.get("tokens_per_s"), "student_path": last.get("student_path"),
             "student_params": last.get("student_params"), "teacher_active_params": last.get("teacher_active_params"),
-            "peak_rss_bytes": last.get("peak_rss_bytes"), "peak_cuda_bytes": last.get("peak_cuda_bytes"), "targets": self.targets,
+            "peak_rss_bytes": last.get("peak_rss_bytes"), "peak_work_bytes": last.get("peak_work_bytes"), "peak_cuda_bytes": last.get("peak_cuda_bytes"),
+            "targets": self.targets,
             "curve": [[s, _finite(p)] for s, p in full],  # from step 0, across resumes
         }
         self.out.write(r)
@@ -202,7 +203,7 @@ def _finite(v):
 def mlflow_fields(r: dict) -> Logged:
     """A student's final MLflow values (its curves were logged as they came; they keep the plain names)."""
     names = {"val_ppl": "final_val_ppl", "best_val_ppl": "best_val_ppl", "val_ppl_initial": "initial_val_ppl", "tokens_per_s": "mean_tokens_per_s",
-             "peak_rss_bytes": "peak_rss_bytes", "peak_cuda_bytes": "peak_cuda_bytes"}
+             "peak_rss_bytes": "peak_rss_bytes", "peak_work_bytes": "peak_work_bytes", "peak_cuda_bytes": "peak_cuda_bytes"}
     return Logged({"stage": 2, **{k: r[k] for k in ("key", "pair", "baseline", "stage1_ppl")}},
                   {names[k]: r[k] for k in names if r.get(k) is not None},
                   {"student_path": r["student_path"], "stage": "2", "targets": r.get("targets"), "duplicate_of": r.get("duplicate_of")})

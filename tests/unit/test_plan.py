@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,3 +142,31 @@ def test_cluster_yaml_of_the_wrong_shape_is_one_line(tmp_path):
     (tmp_path / "c.yaml").write_text("cluster_name: x\n")
     with pytest.raises(M2DError, match="no available_node_types"):
         from_cluster_yaml(tmp_path / "c.yaml")
+
+
+def test_peaks_measure_the_work_after_a_reset():
+    from m2d_ray.peaks import peaks, reset_peaks
+
+    reset_peaks()
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB touched
+    p = peaks()
+    del block
+    assert p["peak_rss_bytes"] >= p["peak_work_bytes"] >= 60 * 2**20
+    reset_peaks()
+    assert peaks()["peak_work_bytes"] < 60 * 2**20  # the earlier peak is not the next work's
+
+
+def test_the_report_sets_planned_beside_measured():
+    from m2d_ray.report.analysis import RunData, memory_rows
+
+    plan = {"rows": [{"name": "stage2", "unit": "rank", "per_device": 100, "fits": True},
+                     {"name": "stage3:student", "unit": "student", "per_device": 50, "fits": True},
+                     {"name": "stage3:teacher", "unit": "teacher", "per_device": 80, "fits": False}]}
+    stage2 = {"a": {"peak_work_bytes": 90, "peak_rss_bytes": 900, "student_path": "s/a"}, "b": {"peak_cuda_bytes": 120, "student_path": "s/b"},
+              "c": {"peak_work_bytes": 999, "duplicate_of": "a"}}
+    stage3 = {"a": {"peak_work_bytes": 40}, "b": {"peak_work_bytes": 45}, "teacher": {"peak_rss_bytes": 70}}
+    data = RunData(Path("."), None, [], {}, {}, stage2=stage2, stage3=stage3, memory_plan=plan)
+    rows = {r["stage"]: r for r in memory_rows(data)}
+    assert rows["stage2"]["measured"] == 120 and rows["stage2"]["ratio"] == 1.2  # the largest student; a duplicate is not one
+    assert rows["stage3:student"]["measured"] == 45 and rows["stage3:teacher"]["measured"] == 70 and rows["stage3:teacher"]["fits"] is False
+    assert memory_rows(RunData(Path("."), None, [], {}, {})) == []
