@@ -9,6 +9,7 @@
 #
 # On the lent GPU machine, first install the bundle (../shared/gpu/README.md) and export PYTHONPATH/PATH as it says.
 # The P7 stage (issue 17) runs benchmarks/p7_distill_throughput.py --preset h100 when that file exists.
+# First: the memory plan's estimates against the GPU's measured peaks (benchmarks/plan_measured.py --device cuda).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -18,4 +19,7 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
     exit 2
 fi
 "$PY" -c 'import deepspeed' 2>/dev/null || { echo "gpu_acceptance.sh: deepspeed does not import (it also breaks transformers' loading); fix the environment first" >&2; exit 2; }
+# The memory plan (issue 24) against torch.cuda.max_memory_allocated: training steps, calibration and lm-eval in bf16.
+echo "== memory plan vs measured (benchmarks/plan_measured.py --device cuda) =="
+"$PY" benchmarks/plan_measured.py --device cuda || echo "plan_measured: failed (see above); the acceptance run goes on" >&2
 exec "$PY" benchmarks/gpu_acceptance.py "$@"

@@ -11,7 +11,10 @@ checkpoint's file mapped, and those clean file pages are page cache the kernel d
     calibrate collect_stats of a Qwen3-MoE teacher loaded by models.load_teacher
     eval      lm-eval's HFLM on loglikelihood requests longer than max_length (every sequence is full)
 
-    python benchmarks/plan_measured.py [--small]       # --small: the sizes tests/unit/test_plan_measured.py uses
+    python benchmarks/plan_measured.py [--small] [--device cuda]
+        --small: the sizes tests/unit/test_plan_measured.py uses; --device cuda (benchmarks/gpu_acceptance.sh): bf16
+        on the GPU, measured = torch.cuda.max_memory_allocated above the allocations before the case, against the
+        plan's GPU arithmetic without its CUDA-context reserve (allocations do not include the context)
 """
 
 from __future__ import annotations
@@ -39,6 +42,23 @@ CASES = [
     ("eval", {"batch": 8, "seq": 512}),
     ("eval", {"batch": 32, "seq": 256}),
 ]
+
+
+class CudaPeak:
+    """AnonPeak's interface for the GPU: the peak of torch's allocations above those at start."""
+
+    def __init__(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self.base = torch.cuda.memory_allocated()
+
+    def stop(self) -> int:
+        import torch
+
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - self.base
 
 
 class AnonPeak:
@@ -92,11 +112,13 @@ def _save(config, path: Path) -> str:
     return str(path)
 
 
-def child(case: str, size: str, kw: dict, work: Path) -> dict:
+def child(case: str, size: str, kw: dict, work: Path, device: str = "cpu") -> dict:
     """Build the case's models on disk (unmeasured), then load and run them as the stage does."""
     import torch
 
     torch.set_num_threads(1)
+    gpu = device == "cuda"
+    dtype, b, Peak = (torch.bfloat16, 2, CudaPeak) if gpu else (torch.float32, 4, AnonPeak)
     from m2d_ray.plan import memory
     from m2d_ray.plan.shapes import shape_of
 
@@ -115,32 +137,32 @@ def child(case: str, size: str, kw: dict, work: Path) -> dict:
         spec = None if online else parse_targets(kw["targets"])
         cfg = DistillConfig(deepspeed=False, batch_size=B, seq_len=L, gradient_checkpointing=kw["ckpt"])
         V = dense.vocab_size
-        batch = lambda: torch.randint(0, V, (B, L)) if online else {  # noqa: E731
-            "tokens": torch.randint(0, V, (B, L)), "ids": torch.randint(0, V, (B, L, spec.k), dtype=torch.int32),
-            "logp": torch.log_softmax(torch.randn(B, L, spec.k), -1).half(), "tail": torch.full((B, L), -5.0)}
-        peak = AnonPeak()
-        t = load_distill_teacher(teacher, dtype=torch.float32).model if online else None
-        s = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32).train()
+        batch = lambda: torch.randint(0, V, (B, L), device=device) if online else {  # noqa: E731
+            "tokens": torch.randint(0, V, (B, L), device=device), "ids": torch.randint(0, V, (B, L, spec.k), dtype=torch.int32, device=device),
+            "logp": torch.log_softmax(torch.randn(B, L, spec.k, device=device), -1).half(), "tail": torch.full((B, L), -5.0, device=device)}
+        peak = Peak()
+        t = load_distill_teacher(teacher, dtype=dtype, device=device).model if online else None
+        s = AutoModelForCausalLM.from_pretrained(student, dtype=dtype).to(device).train()
         if kw["ckpt"]:
             s.gradient_checkpointing_enable()
         s.config.use_cache = False
-        step = DistillStep(s, t, cfg, "cpu", 1, torch.float32, spec)
+        step = DistillStep(s, t, cfg, device, 1, dtype, spec)
         for _ in range(2):
             step.step([batch()])
         measured = peak.stop()
-        parts = memory.training(shape_of(dense), B * L, 4, 1, False, 2, kw["ckpt"], cfg.loss_chunk, cached=not online)
-        parts.update(memory.online_teacher(shape_of(moe), B * L, 4) if online else memory.cached_targets(B * L, bytes_per_token(spec)))
+        parts = memory.training(shape_of(dense), B * L, b, 1, False, 2, kw["ckpt"], cfg.loss_chunk, cached=not online)
+        parts.update(memory.online_teacher(shape_of(moe), B * L, b) if online else memory.cached_targets(B * L, bytes_per_token(spec)))
     elif case == "calibrate":
         from m2d_ray.calibrate.collect import collect_stats
         from m2d_ray.models import load_teacher
 
         B, L = kw["batch"], kw["seq"]
         ids = torch.randint(0, moe.vocab_size, (2 * B, L))
-        peak = AnonPeak()
-        t = load_teacher(teacher)
+        peak = Peak()
+        t = load_teacher(teacher, dtype=dtype, device=device)
         collect_stats(t.model, t.adapter, ids, torch.ones_like(ids), batch_size=B, progress=False)
         measured = peak.stop()
-        parts = memory.calibration(shape_of(moe), B, L, 4, streamed=False, gpu=False)
+        parts = memory.calibration(shape_of(moe), B, L, b, streamed=False, gpu=gpu)
     else:
         from lm_eval.api.instance import Instance
         from lm_eval.models.huggingface import HFLM
@@ -154,28 +176,28 @@ def child(case: str, size: str, kw: dict, work: Path) -> dict:
         tok, g = load_tokenizer(student), torch.Generator().manual_seed(0)
         reqs = [Instance("loglikelihood", {}, (tok.decode(torch.randint(0, len(tok), (2 * L,), generator=g).tolist()), " end"), i)
                 for i in range(3 * B)]
-        peak = AnonPeak()
-        model, tok = load_model(student)
-        HFLM(pretrained=model, tokenizer=tok, batch_size=B, max_length=L, device="cpu").loglikelihood(reqs, disable_tqdm=True)
+        peak = Peak()
+        model, tok = load_model(student, device=device, dtype=dtype)
+        HFLM(pretrained=model, tokenizer=tok, batch_size=B, max_length=L, device=device).loglikelihood(reqs, disable_tqdm=True)
         measured = peak.stop()
-        p = plan_eval(_eval_size(dense), None, 0, B, max_length=L)
+        p = plan_eval(_eval_size(dense, b), None, 0, B, max_length=L)
         parts = {"weights": p.weights, "batch": p.batch_size * p.sequence}
     est = memory.total(parts)
-    return {"case": case, **kw, "size": size, "measured": measured, "estimate": est, "ratio": round(est / measured, 3),
+    return {"case": case, **kw, "size": size, "device": device, "measured": measured, "estimate": est, "ratio": round(est / measured, 3),
             "parts_mib": {k: round(v / 2**20) for k, v in parts.items()}}
 
 
-def _eval_size(config):
+def _eval_size(config, b: int):
     from m2d_ray.evaluate.placement import model_size
 
-    return model_size(config, 4)
+    return model_size(config, b)
 
 
-def measure(case: str, kw: dict, size: str = "mid", work: Path | None = None) -> dict:
+def measure(case: str, kw: dict, size: str = "mid", work: Path | None = None, device: str = "cpu") -> dict:
     """One case in a fresh Python (its own peak), models cached under `work`."""
     work = work or Path(tempfile.gettempdir()) / "m2d-plan-measured"
     work.mkdir(parents=True, exist_ok=True)
-    out = subprocess.run([sys.executable, __file__, "--child", json.dumps([case, size, kw, str(work)])], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, __file__, "--child", json.dumps([case, size, kw, str(work), device])], capture_output=True, text=True,
                          env={**__import__("os").environ, "PYTHONPATH": str(REPO)}, check=False)
     if out.returncode:
         raise RuntimeError(f"{case} {kw}: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
@@ -185,17 +207,18 @@ def measure(case: str, kw: dict, size: str = "mid", work: Path | None = None) ->
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--child")
     a = ap.parse_args(argv)
     if a.child:
-        case, size, kw, work = json.loads(a.child)
-        print(json.dumps(child(case, size, kw, Path(work))))
+        case, size, kw, work, device = json.loads(a.child)
+        print(json.dumps(child(case, size, kw, Path(work), device)))
         return
     size = "small" if a.small else "mid"
     print(f"| case | settings | estimate | measured | estimate / measured |\n|---|---|---|---|---|")
     worst = 0.0
     for case, kw in CASES:
-        r = measure(case, kw, size)
+        r = measure(case, kw, size, device=a.device)
         worst = max(worst, abs(r["ratio"] - 1))
         settings = ", ".join(f"{k} {v}" for k, v in kw.items())
         print(f"| {case} | {settings} | {r['estimate'] / 2**20:.0f} MiB | {r['measured'] / 2**20:.0f} MiB | {r['ratio']:.2f} |", flush=True)
