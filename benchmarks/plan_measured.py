@@ -215,7 +215,7 @@ def main(argv=None) -> None:
         print(json.dumps(child(case, size, kw, Path(work), device)))
         return
     size = "small" if a.small else "mid"
-    print(f"| case | settings | estimate | measured | estimate / measured |\n|---|---|---|---|---|")
+    print("| case | settings | estimate | measured | estimate / measured |\n|---|---|---|---|---|")
     worst = 0.0
     for case, kw in CASES:
         r = measure(case, kw, size, device=a.device)

@@ -12,13 +12,21 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def peak_rss() -> int:
+def proc_kib(path: str, field: str) -> int | None:
+    """A "Field: N kB" line of a /proc file in bytes (None off Linux)."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def peak_rss() -> int:
+    hwm = proc_kib("/proc/self/status", "VmHWM")
+    if hwm is not None:
+        return hwm
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -27,22 +35,12 @@ def peak_rss() -> int:
 _base: int | None = None  # resident memory when the work started (reset_peaks)
 
 
-def _rss() -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def reset_peaks() -> None:
     """Start both high-water marks again from now (writing 5 to clear_refs resets VmHWM, Linux >= 4.0)."""
     global _base
     try:
         Path("/proc/self/clear_refs").write_text("5")
-        _base = _rss()
+        _base = proc_kib("/proc/self/status", "VmRSS")
     except OSError:
         _base = None
     import torch

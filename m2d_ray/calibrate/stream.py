@@ -16,7 +16,6 @@ import ctypes
 import os
 import re
 import tempfile
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -26,6 +25,7 @@ from tqdm.auto import tqdm
 from m2d_ray import console
 from m2d_ray.calibrate.collect import observe, token_batches
 from m2d_ray.calibrate.stats import LayerStats
+from m2d_ray.peaks import proc_kib
 from m2d_ray.checkpoint import read_at
 from m2d_ray.errors import M2DError
 
@@ -58,13 +58,8 @@ def free_memory(device: str) -> int:
     """Free bytes of the device: CUDA's free memory, or the host's available memory."""
     if torch.device(device).type == "cuda":
         return torch.cuda.mem_get_info(torch.device(device))[0]
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    available = proc_kib("/proc/meminfo", "MemAvailable")
+    return available if available is not None else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def should_stream(teacher, device: str, stream: bool | None = None, max_memory: str | int | None = None) -> bool:
