@@ -13,7 +13,10 @@ teacher and the training and validation text through the run's storage (`RunStor
 `put_data`). The d2d baseline (stages/d2d.py) is searched by a Ray task first; its promoted spec travels
 with its trial, and a failed search is that student's failure, not the run's. Resume (`m2d run --resume`)
 skips students in the ledger and retries failed ones; an unfinished or failed student continues from its
-last checkpoint (same Train run name and storage).
+last checkpoint (same Train run name and storage). A trial whose node is lost (a spot reclaim: the Tune
+trial and the Train controller beside it die) is retried by Tune up to `ray.max_failures` times, and the
+retry's TorchTrainer resumes from that checkpoint too; once more and the student is recorded as failed.
+The StopBoard lives on the driver's node, which no autoscaler removes.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from m2d_ray.errors import M2DError
 from m2d_ray.prune.prune import PrunedSpec
 from m2d_ray.run_dir import RunDir
 from m2d_ray.stages.d2d import SearchFailed, d2d_student, dense_teacher
-from m2d_ray.stages.ray_env import ensure_ray, trial_error
+from m2d_ray.stages.ray_env import ensure_ray, on_driver_node, trial_error
 from m2d_ray.stages.record import Logged, StageRecorder, fit_tuner
 from m2d_ray.models import load_tokenizer
 from m2d_ray.stages.run_storage import RunStorage
@@ -321,9 +324,15 @@ def run_stage2(cfg: SweepConfig, run_dir: str | Path | RunDir, tracking_uri: str
     return records
 
 
+def failures(cfg: SweepConfig) -> tune.FailureConfig:
+    """Tune's retries of a student's trial: a lost node (spot reclaim) ends the trial and the Train controller
+    beside it, which Train's own FailureConfig cannot bring back; the retry resumes from the last checkpoint."""
+    return tune.FailureConfig(max_failures=cfg.ray.max_failures, fail_fast=False)
+
+
 def _tune(cfg: SweepConfig, model: str, store: RunStorage, plans: dict, eval_data: str, toks: dict[str, str], targ: dict[str, str],
           rd: RunDir, pending: list[Student], recorder: Recorder, d2d: PrunedSpec | None) -> None:
-    board = StopBoard.remote()
+    board = StopBoard.options(**on_driver_node()).remote()
     trainable = tune.with_parameters(stage2_trainable, model=model, store=store, plans=plans, cfg=cfg, eval_data=eval_data, tokens=toks,
                                      targets=targ, board=board, d2d=d2d)
     tuner = tune.Tuner(
@@ -335,7 +344,7 @@ def _tune(cfg: SweepConfig, model: str, store: RunStorage, plans: dict, eval_dat
         ),
         run_config=tune.RunConfig(
             name=f"stage2-{time.strftime('%Y%m%d-%H%M%S')}", **storage.ray_storage(store.tune(2)),
-            callbacks=[recorder], verbose=0, failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
+            callbacks=[recorder], verbose=0, failure_config=failures(cfg),
         ),
     )
     try:

@@ -186,3 +186,27 @@ def test_the_targets_pass_resumes_at_its_first_missing_shard(ray_address, tmp_pa
     assert shards.targets(store, default_teacher(), toks, cfg.target_spec(), cfg.distill, cfg.calib, cfg.ray) == url
     again = TargetsManifest.load(url)
     assert again.shards == first.shards and all((d / f).stat().st_mtime_ns == t for f, t in kept.items())
+
+
+def test_a_students_trial_is_retried_as_often_as_ray_max_failures():
+    # a lost node ends the Tune trial and the Train controller beside it: only Tune can retry that
+    from m2d_ray.stages.stage2 import failures
+
+    for n in (0, 1, 3):
+        f = failures(load_config(TINY, [f"ray.max_failures={n}"]))
+        assert f.max_failures == n and not f.fail_fast
+
+
+def test_the_stop_board_lives_on_the_drivers_node(ray_address):
+    # not on a worker node: the autoscaler removes those, a spot market reclaims them, and every student polls the board
+    import ray
+
+    from m2d_ray.stages.ray_env import on_driver_node
+    from m2d_ray.stages.stage2 import StopBoard
+
+    strategy = on_driver_node()["scheduling_strategy"]
+    assert strategy.node_id == ray.get_runtime_context().get_node_id() and strategy.soft is False
+    board = StopBoard.options(**on_driver_node()).remote()
+    board.stop.remote("a")
+    assert ray.get(board.stopped.remote("a"))
+    ray.kill(board)
