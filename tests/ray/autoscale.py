@@ -54,7 +54,9 @@ MAX_WORKERS = 2  # nodes at once on a 2-core machine (cluster.yaml's per-type bo
 OBJECT_STORE = 300_000_000  # per node
 # the tests' tiny run, with one retry of a trial (spot nodes) and students long enough (~17 ms a step here) that a
 # node can be lost between a student's first checkpoint and its end
-RUN = [*SMALL, "ray.max_failures=1", "distill.steps=160", "distill.eval_every=40"]
+# node can be lost between a student's first checkpoint and its end; stage 1 evaluates two chunks (a probe round
+# of one chunk, then the rest), so that its trials run long enough to lose a node under them
+RUN = [*SMALL, "ray.max_failures=1", "distill.steps=160", "distill.eval_every=40", "eval.max_chars=24000", "eval.chunks=2"]
 
 
 def node_types(cluster_yaml: Path = CLUSTER_YAML) -> tuple[dict, dict]:
@@ -184,8 +186,8 @@ def reclaim(raylet: int, procs: dict) -> list[int]:
 
 
 def trial_on_a_node(procs: dict) -> int | None:
-    """A process running a Tune trial (a function trainable's actor, in its train call) on a launched node."""
-    return next((p for p, (_, cmd) in sorted(procs.items()) if cmd.startswith("ray::ImplicitFunc.train") and raylet_of(p, procs)), None)
+    """A process of a Tune trial (a function trainable's actor: starting, or in its train call) on a launched node."""
+    return next((p for p, (_, cmd) in sorted(procs.items()) if cmd.startswith("ray::ImplicitFunc") and raylet_of(p, procs)), None)
 
 
 def seen(lines: list, text: str) -> bool:
@@ -232,16 +234,16 @@ def watched(args: list[str], env: dict, work: Path, name: str, storage: Path, ki
         if time.time() - t0 > timeout:
             proc.kill()
             break
-        if pending and pending[0](lines, storage):
+        for when in [w for w in pending if w(lines, storage)]:  # each stage's kill on its own (a missed one does not hold up the next)
             procs = processes()
             trial = trial_on_a_node(procs)
             if trial:
                 raylet = raylet_of(trial, procs)
                 doomed = reclaim(raylet, procs)
-                done.append({"t": time.time(), "when": pending.pop(0).__name__, "raylet": raylet, "trial_process": procs[trial][1],
-                             "killed": len(doomed)})
+                pending.remove(when)
+                done.append({"t": time.time(), "when": when.__name__, "raylet": raylet, "trial_process": procs[trial][1], "killed": len(doomed)})
                 print(f"[{name}] reclaimed the node of raylet {raylet} ({len(doomed)} processes) {done[-1]['when']}", flush=True)
-        time.sleep(0.2)
+        time.sleep(0.1)
     proc.wait()
     for t in threads:
         t.join(timeout=10)

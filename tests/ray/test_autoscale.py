@@ -64,6 +64,9 @@ def autoscaled(tmp_path_factory):
         pytest.skip(why)
     if shutil.which("ip") is None:
         pytest.skip("needs ip (iproute2) to bring up the loopback of a network namespace")
+    probe = subprocess.run(["unshare", "-pfn", "--mount-proc", "ip", "link", "set", "lo", "up"], capture_output=True, text=True)
+    if probe.returncode:
+        pytest.skip(f"cannot make a network namespace here: {probe.stderr[:200]}")
     work = tmp_path_factory.mktemp("autoscale")
     with (work / "autoscale.stderr").open("w") as err:  # progress (each run's console lines) on stdout: shown with -s
         proc = subprocess.run(["unshare", "-pfn", "--kill-child", "--mount-proc", sys.executable, str(HERE / "autoscale.py"), str(work)],
@@ -137,8 +140,8 @@ def test_scale_from_zero(autoscaled):
     # the same outcome as on a fixed cluster: every promoted student distilled and evaluated, the teacher too
     run_dir = work / "hidden" / "plain"
     assert _line(r) == "run done: students: 2 ok, 0 pruned, 0 failed, 0 diverged; 2 students evaluated; teacher evaluated"
-    assert set(_ledger(run_dir, "stage2/trials", "plain")) == set(json.loads((run_dir / "promotions.json").read_text())["pairs"][p]["key"]
-                                                                for p in json.loads((run_dir / "promotions.json").read_text())["pairs"])
+    promoted = {p["key"] for p in json.loads((run_dir / "promotions.json").read_text())["pairs"].values()}
+    assert set(_ledger(run_dir, "stage2/trials", "plain")) == promoted
     stored = {p.name for p in (work / "shared" / "plain" / "data").rglob("*.txt")}  # the head's text reached the nodes through the storage
     assert stored == {"train.txt", "valid.txt"}, stored
 
@@ -159,7 +162,7 @@ def test_lost_nodes_are_replaced_and_their_trials_retried(autoscaled):
     r, plain = results["lost"], results["plain"]
     assert r["rc"] == 0, r["lines"][-20:]
     assert [k["when"] for k in r["kills"]] == ["in_stage1", "in_stage2"] and not r["missed_kills"], r["kills"]
-    assert all(k["trial_process"].startswith("ray::ImplicitFunc.train") for k in r["kills"])
+    assert all(k["trial_process"].startswith("ray::ImplicitFunc") for k in r["kills"])
     phases = r["phases"]
     for stage in ("stage1", "stage2"):  # the autoscaler replaced the reclaimed node in that stage
         assert any(x.endswith("(reclaimed)") for x in phases[stage]["removed"]) and phases[stage]["launched"], (stage, phases)
