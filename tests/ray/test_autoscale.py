@@ -25,7 +25,7 @@ from autoscale import FAKE_GPU, FAKE_HEAD, IDLE_MINUTES, autoscaler_config, node
 
 HERE = Path(__file__).resolve().parent
 WORKER_TYPES = set(node_types()[1])
-VOLATILE = {"tokens_per_s", "peak_rss_bytes", "peak_cuda_bytes", "eval_s", "attempt"}  # wall times, memory peaks, attempt ids
+VOLATILE = {"tokens_per_s", "peak_rss_bytes", "peak_cuda_bytes", "peak_work_bytes", "eval_s", "attempt"}  # wall times, memory peaks, attempt ids
 
 
 # ---- cluster.yaml and the test's node types (no Ray) -------------------------------------------------
