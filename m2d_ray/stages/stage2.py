@@ -154,6 +154,7 @@ class Recorder(tune.Callback):
     def __init__(self, todo: dict[str, Student], out: StageRecorder, targets: str = "online") -> None:
         self.todo, self.out, self.targets = todo, out, targets
         self.runs: dict[str, str] = {}  # key -> MLflow run id (looked up once per student)
+        self.logged: dict[str, set[int]] = {}  # key -> steps of its val_ppl history in MLflow
         self.finished = 0
 
     def on_trial_start(self, iteration, trials, trial, **info):
@@ -163,10 +164,16 @@ class Recorder(tune.Callback):
     def on_trial_result(self, iteration, trials, trial, result, **info):
         if "val_loss" not in result:
             return
+        key = trial.config["student"]["key"]
+        run = self.runs[key]
         steps = {k: [(result["step"], result.get(k))] for k in CURVES}
-        if len(result["curve"]) == 2:  # the first report of a fresh run also logs the step-0 validation
-            steps["val_ppl"].insert(0, tuple(result["curve"][0]))
-        self.out.tracker.log(self.runs[trial.config["student"]["key"]], steps=steps)
+        # the curve carries every (step, val ppl) since step 0 across resumes: log those the run's history lacks — step 0
+        # of a fresh run, and validations of an attempt whose node was lost before its report reached this driver
+        if key not in self.logged:
+            self.logged[key] = {m.step for m in self.out.tracker.client.get_metric_history(run, "val_ppl")}
+        steps["val_ppl"] = [(st, v) for st, v in result["curve"] if st not in self.logged[key] and st != result["step"]] + steps["val_ppl"]
+        self.logged[key] |= {st for st, _ in steps["val_ppl"]}
+        self.out.tracker.log(run, steps=steps)
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         last, key = trial.last_result or {}, trial.config["student"]["key"]
