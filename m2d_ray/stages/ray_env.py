@@ -44,6 +44,14 @@ def ensure_ray(cfg: RayConfig) -> None:
     _CONNECTED = False
 
 
+def on_driver_node() -> dict:
+    """Ray options that place an actor on the driver's node: it lives as long as the run's driver, not as
+    long as a worker node that the autoscaler removes when idle or a spot market reclaims."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)}
+
+
 def trial_error(trial) -> str:
     """The last line of a failed Tune trial's error (the driver-side file: get_error() reads a synced copy, often None)."""
     local = trial.error_file

@@ -13,7 +13,10 @@ teacher and the training and validation text through the run's storage (`RunStor
 `put_data`). The d2d baseline (stages/d2d.py) is searched by a Ray task first; its promoted spec travels
 with its trial, and a failed search is that student's failure, not the run's. Resume (`m2d run --resume`)
 skips students in the ledger and retries failed ones; an unfinished or failed student continues from its
-last checkpoint (same Train run name and storage).
+last checkpoint (same Train run name and storage). A trial whose node is lost (a spot reclaim: the Tune
+trial and the Train controller beside it die) is retried by Tune up to `ray.max_failures` times, and the
+retry's TorchTrainer resumes from that checkpoint too; once more and the student is recorded as failed.
+The StopBoard lives on the driver's node, which no autoscaler removes.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from m2d_ray.errors import M2DError
 from m2d_ray.prune.prune import PrunedSpec
 from m2d_ray.run_dir import RunDir
 from m2d_ray.stages.d2d import SearchFailed, d2d_student, dense_teacher
-from m2d_ray.stages.ray_env import ensure_ray, trial_error
+from m2d_ray.stages.ray_env import ensure_ray, on_driver_node, trial_error
 from m2d_ray.stages.record import Logged, StageRecorder, fit_tuner
 from m2d_ray.models import load_tokenizer
 from m2d_ray.stages.run_storage import RunStorage
@@ -151,6 +154,7 @@ class Recorder(tune.Callback):
     def __init__(self, todo: dict[str, Student], out: StageRecorder, targets: str = "online") -> None:
         self.todo, self.out, self.targets = todo, out, targets
         self.runs: dict[str, str] = {}  # key -> MLflow run id (looked up once per student)
+        self.logged: dict[str, set[int]] = {}  # key -> steps of its val_ppl history in MLflow
         self.finished = 0
 
     def on_trial_start(self, iteration, trials, trial, **info):
@@ -160,10 +164,16 @@ class Recorder(tune.Callback):
     def on_trial_result(self, iteration, trials, trial, result, **info):
         if "val_loss" not in result:
             return
+        key = trial.config["student"]["key"]
+        run = self.runs[key]
         steps = {k: [(result["step"], result.get(k))] for k in CURVES}
-        if len(result["curve"]) == 2:  # the first report of a fresh run also logs the step-0 validation
-            steps["val_ppl"].insert(0, tuple(result["curve"][0]))
-        self.out.tracker.log(self.runs[trial.config["student"]["key"]], steps=steps)
+        # the curve carries every (step, val ppl) since step 0 across resumes: log those the run's history lacks — step 0
+        # of a fresh run, and validations of an attempt whose node was lost before its report reached this driver
+        if key not in self.logged:
+            self.logged[key] = {m.step for m in self.out.tracker.client.get_metric_history(run, "val_ppl")}
+        steps["val_ppl"] = [(st, v) for st, v in result["curve"] if st not in self.logged[key] and st != result["step"]] + steps["val_ppl"]
+        self.logged[key] |= {st for st, _ in steps["val_ppl"]}
+        self.out.tracker.log(run, steps=steps)
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         last, key = trial.last_result or {}, trial.config["student"]["key"]
@@ -321,9 +331,15 @@ def run_stage2(cfg: SweepConfig, run_dir: str | Path | RunDir, tracking_uri: str
     return records
 
 
+def failures(cfg: SweepConfig) -> tune.FailureConfig:
+    """Tune's retries of a student's trial: a lost node (spot reclaim) ends the trial and the Train controller
+    beside it, which Train's own FailureConfig cannot bring back; the retry resumes from the last checkpoint."""
+    return tune.FailureConfig(max_failures=cfg.ray.max_failures, fail_fast=False)
+
+
 def _tune(cfg: SweepConfig, model: str, store: RunStorage, plans: dict, eval_data: str, toks: dict[str, str], targ: dict[str, str],
           rd: RunDir, pending: list[Student], recorder: Recorder, d2d: PrunedSpec | None) -> None:
-    board = StopBoard.remote()
+    board = StopBoard.options(**on_driver_node()).remote()
     trainable = tune.with_parameters(stage2_trainable, model=model, store=store, plans=plans, cfg=cfg, eval_data=eval_data, tokens=toks,
                                      targets=targ, board=board, d2d=d2d)
     tuner = tune.Tuner(
@@ -335,7 +351,7 @@ def _tune(cfg: SweepConfig, model: str, store: RunStorage, plans: dict, eval_dat
         ),
         run_config=tune.RunConfig(
             name=f"stage2-{time.strftime('%Y%m%d-%H%M%S')}", **storage.ray_storage(store.tune(2)),
-            callbacks=[recorder], verbose=0, failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
+            callbacks=[recorder], verbose=0, failure_config=failures(cfg),
         ),
     )
     try:

@@ -186,3 +186,57 @@ def test_the_targets_pass_resumes_at_its_first_missing_shard(ray_address, tmp_pa
     assert shards.targets(store, default_teacher(), toks, cfg.target_spec(), cfg.distill, cfg.calib, cfg.ray) == url
     again = TargetsManifest.load(url)
     assert again.shards == first.shards and all((d / f).stat().st_mtime_ns == t for f, t in kept.items())
+
+
+def test_a_students_trial_is_retried_as_often_as_ray_max_failures():
+    # a lost node ends the Tune trial and the Train controller beside it: only Tune can retry that
+    from m2d_ray.stages.stage2 import failures
+
+    for n in (0, 1, 3):
+        f = failures(load_config(TINY, [f"ray.max_failures={n}"]))
+        assert f.max_failures == n and not f.fail_fast
+
+
+def test_the_stop_board_lives_on_the_drivers_node(ray_address):
+    # not on a worker node: the autoscaler removes those, a spot market reclaims them, and every student polls the board
+    import ray
+
+    from m2d_ray.stages.ray_env import on_driver_node
+    from m2d_ray.stages.stage2 import StopBoard
+
+    strategy = on_driver_node()["scheduling_strategy"]
+    assert strategy.node_id == ray.get_runtime_context().get_node_id() and strategy.soft is False
+    board = StopBoard.options(**on_driver_node()).remote()
+    board.stop.remote("a")
+    assert ray.get(board.stopped.remote("a"))
+    ray.kill(board)
+
+
+def test_a_retried_students_curve_reaches_mlflow_whole():
+    # a node lost after a checkpoint but before its report reached the driver: the retry resumes at step 40 and its
+    # reports carry the curve since step 0; the MLflow history gets every validation once
+    from types import SimpleNamespace
+
+    from m2d_ray.stages.stage2 import Recorder, Student
+
+    class Tracker:
+        def __init__(self, history):
+            self.history, self.logged = history, []
+            self.client = SimpleNamespace(get_metric_history=lambda run, name: [SimpleNamespace(step=s) for s in self.history])
+
+        def log(self, run, steps):
+            self.logged += [s for s, _ in steps["val_ppl"]]
+
+    trial = SimpleNamespace(config={"student": {"key": "a"}})
+    for history, want in (([], [0, 40, 80, 120]), ([0, 40], [80, 120]), ([0], [40, 80, 120])):  # fresh; resumed; resumed, a report lost
+        rec = Recorder({"a": Student("a", "sf/rr")}, SimpleNamespace(tracker=Tracker(history)))
+        rec.runs["a"] = "run"
+        curve = [[0, 9.0], [40, 5.0]]
+        for step in (80, 120):
+            curve.append([step, 4.0])
+            rec.on_trial_result(0, [], trial, {"val_loss": 1.0, "step": step, "curve": [list(c) for c in curve]})
+        assert rec.out.tracker.logged == want, (history, rec.out.tracker.logged)
+    fresh = Recorder({"a": Student("a", "sf/rr")}, SimpleNamespace(tracker=Tracker([])))  # a fresh run's first report logs step 0 too
+    fresh.runs["a"] = "run"
+    fresh.on_trial_result(0, [], trial, {"val_loss": 1.0, "step": 40, "curve": [[0, 9.0], [40, 5.0]]})
+    assert fresh.out.tracker.logged == [0, 40]
