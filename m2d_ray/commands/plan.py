@@ -54,12 +54,14 @@ def check_run(cfg: SweepConfig, gpu_memory: int | None = None, cluster: str | No
     from m2d_ray.plan.devices import from_cluster_yaml
     import os
 
+    import ray
+
     from m2d_ray.evaluate.runner import host_available
     from m2d_ray.stages.ray_env import ensure_ray, local_node, node_types, on_cluster
 
     if cluster:
         nodes, where, local = from_cluster_yaml(cluster), f"the node types of {cluster}", False
-    elif not (cfg.ray.address or os.environ.get("RAY_ADDRESS")) and not _ray_up():  # the local Ray this run will start
+    elif not (cfg.ray.address or os.environ.get("RAY_ADDRESS")) and not ray.is_initialized():  # the local Ray this run will start
         nodes, where, local = [local_node(cfg.ray)], "this machine", True
     else:
         ensure_ray(cfg.ray)
@@ -71,12 +73,6 @@ def check_run(cfg: SweepConfig, gpu_memory: int | None = None, cluster: str | No
     show(plan, f"against {where}" + (f", GPUs of {gpu_memory / 2**30:.1f} GiB" if gpu_memory else ""), note if problems else say)
     refuse(plan)
     return plan
-
-
-def _ray_up() -> bool:
-    import sys
-
-    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
 
 
 def record_plan(rd, plan: RunPlan) -> None:

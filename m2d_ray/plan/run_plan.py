@@ -58,7 +58,8 @@ class StagePlan:
 
     @property
     def gpus(self) -> float:
-        return math.ceil(self.units * self.share) if self.share >= 1 or self.units * self.share >= 1 else self.units * self.share
+        n = self.units * self.share
+        return math.ceil(n) if n >= 1 else n
 
     @property
     def fits(self) -> bool | None:
@@ -164,18 +165,23 @@ def _unit(name: str, unit: str, parts: dict, share: float, units: int, request: 
                      KEYS[name.split(":")[0]], nodes)
 
 
-def _calibrate(cfg: SweepConfig, t: Shape, d: Devices) -> StagePlan:
+def _teacher_pass(name: str, cfg: SweepConfig, d: Devices, parts_of) -> StagePlan:
+    """A Ray Data actor holding the teacher (calibration, the targets pass): whole, or streamed a layer at a
+    time when calib.stream says so or, left unset, when the whole teacher does not fit (what the actor does)."""
     c, r = cfg.calib, cfg.ray
     share = r.data_gpus_per_actor
-    whole = memory.calibration(t, c.batch_size, c.seq_len, t.dtype_bytes, streamed=False, gpu=share > 0)
-    streamed = memory.calibration(t, c.batch_size, c.seq_len, t.dtype_bytes, streamed=True, gpu=share > 0)
-    fix = ("calib.stream=true (the teacher one layer at a time) or a larger GPU" if c.stream is not True
-           else "a smaller calib.batch_size or a larger GPU")
-    plan = _unit("calibrate", "actor", streamed if c.stream else whole, share, r.data_actors, bundle(1, share, r.data_accelerator), d, fix)
-    if c.stream is None and plan.fits is False:  # what the actor does when the teacher does not fit: stream it
-        plan = _unit("calibrate", "actor (streamed)", streamed, share, r.data_actors, bundle(1, share, r.data_accelerator), d,
-                     "a smaller calib.batch_size or a larger GPU")
+    request = bundle(1, share, r.data_accelerator)
+    smaller = "a smaller calib.batch_size or a larger GPU"
+    plan = _unit(name, "actor", parts_of(bool(c.stream)), share, r.data_actors, request, d,
+                 smaller if c.stream else "calib.stream=true (the teacher one layer at a time) or a larger GPU")
+    if c.stream is None and plan.fits is False:
+        plan = _unit(name, "actor (streamed)", parts_of(True), share, r.data_actors, request, d, smaller)
     return plan
+
+
+def _calibrate(cfg: SweepConfig, t: Shape, d: Devices) -> StagePlan:
+    c, gpu = cfg.calib, cfg.ray.data_gpus_per_actor > 0
+    return _teacher_pass("calibrate", cfg, d, lambda streamed: memory.calibration(t, c.batch_size, c.seq_len, t.dtype_bytes, streamed, gpu))
 
 
 def _stage1(cfg: SweepConfig, s: Shape, d: Devices) -> StagePlan:
@@ -186,16 +192,8 @@ def _stage1(cfg: SweepConfig, s: Shape, d: Devices) -> StagePlan:
 
 
 def _targets(cfg: SweepConfig, t: Shape, d: Devices, per_token: int) -> StagePlan:
-    c, r = cfg.calib, cfg.ray
-    share = r.data_gpus_per_actor
-    parts = memory.targets_pass(t, c.batch_size, cfg.distill.seq_len, t.dtype_bytes, streamed=bool(c.stream), per_token=per_token)
-    plan = _unit("targets", "actor", parts, share, r.data_actors, bundle(1, share, r.data_accelerator), d,
-                 "calib.stream=true, a smaller calib.batch_size or a larger GPU")
-    if c.stream is None and plan.fits is False:
-        parts = memory.targets_pass(t, c.batch_size, cfg.distill.seq_len, t.dtype_bytes, streamed=True, per_token=per_token)
-        plan = _unit("targets", "actor (streamed)", parts, share, r.data_actors, bundle(1, share, r.data_accelerator), d,
-                     "a smaller calib.batch_size or a larger GPU")
-    return plan
+    c, seq = cfg.calib, cfg.distill.seq_len
+    return _teacher_pass("targets", cfg, d, lambda streamed: memory.targets_pass(t, c.batch_size, seq, t.dtype_bytes, streamed, per_token))
 
 
 def _stage2(cfg: SweepConfig, m: Models, d: Devices, per_token: int) -> StagePlan:
@@ -221,8 +219,9 @@ def _stage2_fix(cfg: SweepConfig, parts: dict) -> str:
 
 
 def _stage3(cfg: SweepConfig, m: Models, d: Devices, extra: dict) -> list[StagePlan]:
+    from m2d_ray.calibrate.stream import parse_size
     from m2d_ray.evaluate.placement import model_size, plan_eval
-    from m2d_ray.evaluate.runner import parse_batch
+    from m2d_ray.evaluate.runner import max_length, parse_batch
 
     c = cfg.stage3
     gpus = c.gpus_per_task if c.gpus_per_task is not None else float(cfg.uses_gpus())
@@ -230,15 +229,11 @@ def _stage3(cfg: SweepConfig, m: Models, d: Devices, extra: dict) -> list[StageP
     out = []
     request = bundle(c.cpus_per_task, min(gpus, 1), c.accelerator)
     found = holders(list(d.nodes), request) if d.nodes is not None and gpus > 0 else None
-    mem = d.gpu_memory or (smallest_gpu(found) if found else None)
-    from m2d_ray.evaluate.runner import _bytes
-
-    if mem is None and c.gpu_memory:
-        mem = _bytes(c.gpu_memory, "stage3.gpu_memory")
+    mem = d.gpu_memory or (smallest_gpu(found) if found else None) or parse_size(c.gpu_memory)  # (checked at config load)
     per_node = d.gpus_per_node or c.gpus_per_node or max((int(n.gpus) for n in (found or [])), default=8)
     for key, config in models.items():
         size = model_size(config)
-        seq = min(c.max_length, getattr(config.get_text_config(), "max_position_embeddings", None) or c.max_length)
+        seq = max_length(config, c.max_length)
         name = f"stage3:{key}"
         if gpus <= 0 or mem is None:
             p = plan_eval(size, None, 0, parse_batch(c.batch_size), max_length=seq, host_bytes=d.host_memory if gpus <= 0 else None)
