@@ -34,27 +34,20 @@ def vm(field: str) -> int:
 
 def child(args) -> None:
     """One measured piece, in this process: `pass` (the targets) or a student (`online` / `cached`)."""
-    import numpy as np
     import torch
 
     torch.set_num_threads(1)
     from m2d_ray.config import DistillConfig
     from m2d_ray.distill.loop import DistillJob, WorkerIO, run_distill
-    from m2d_ray.distill.targets import ShardEntry, TargetsManifest, fingerprint, parse_targets
-    from m2d_ray.distill.tokens import TokenShards, manifest_sha256
+    from m2d_ray.distill.targets import parse_targets
 
     work, spec = Path(args.work), parse_targets(args.targets)
     base = vm("VmRSS")  # after the imports
     t0 = time.perf_counter()
     if args.piece == "pass":
-        from m2d_ray.stages.shards import TargetsActor
+        from m2d_ray.stages.shards import targets_here
 
-        blocks = TokenShards(work / "tokens").manifest["blocks"]
-        actor = TargetsActor(str(work / "teacher"), str(work / "tokens"), str(work / "targets"), spec, None, "cpu", 1, BATCH, False, None)
-        out = actor({"first_block": np.array([0]), "blocks": np.array([blocks])})
-        shards = tuple(ShardEntry(**json.loads(e)) for e in out["entry"])
-        TargetsManifest(spec, fingerprint(str(work / "teacher"), "", manifest_sha256(TokenShards(work / "tokens").manifest), None, 1.0),
-                        SEQ, shards).save(work / "targets")
+        targets_here(str(work / "teacher"), str(work / "tokens"), str(work / "targets"), spec, batch_size=BATCH, stream=False)
     else:
         cfg = DistillConfig(train_data="synthetic:train", steps=args.steps, lr=1e-3, warmup_steps=1, batch_size=BATCH, seq_len=SEQ,
                             eval_every=args.steps, eval_max_tokens=1024, deepspeed=False)
@@ -91,7 +84,7 @@ def main() -> None:
     from make_teacher import make_teacher
     from m2d_ray.commands.convert import convert_one
     from m2d_ray.distill.flops import active_params, attention_flops, matmul_params
-    from m2d_ray.distill.targets import bytes_per_token, parse_targets
+    from m2d_ray.distill.targets import bytes_per_token, parse_targets, state_bytes
     from m2d_ray.distill.tokens import write_tokens
     from m2d_ray.models import load_tokenizer
     from m2d_ray.weights import open_teacher
@@ -127,7 +120,7 @@ def main() -> None:
     print(f"\nOnline student's peak RSS - cached student's: {mib(online['peak_rss'] - cached['peak_rss'])} MiB "
           f"(the teacher's weights: {mib(teacher_bytes)} MiB).")
     print(f"Storage: {stored:,} bytes of targets for {tokens:,} tokens = {stored / tokens:.1f} B/token "
-          f"(format: {bytes_per_token(spec)} B/token + one safetensors header per shard).")
+          f"(format: {bytes_per_token(spec, state_bytes(lazy.config.hidden_size, False))} B/token + one safetensors header per shard).")
 
 
 if __name__ == "__main__":

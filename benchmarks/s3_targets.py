@@ -12,13 +12,11 @@ Ray), and every student runs the plain loop (distill/loop.run_distill) on one th
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,10 +36,10 @@ def main() -> None:
     from m2d_ray.commands.convert import convert_one
     from m2d_ray.config import DistillConfig
     from m2d_ray.distill.loop import DistillJob, WorkerIO, run_distill
-    from m2d_ray.distill.targets import ShardEntry, TargetsManifest, bytes_per_token, fingerprint, parse_targets
-    from m2d_ray.distill.tokens import TokenShards, manifest_sha256, write_tokens
-    from m2d_ray.models import default_teacher, load_tokenizer
-    from m2d_ray.stages.shards import TargetsActor
+    from m2d_ray.distill.targets import bytes_per_token, parse_targets, state_bytes
+    from m2d_ray.distill.tokens import write_tokens
+    from m2d_ray.models import default_teacher, load_config, load_tokenizer
+    from m2d_ray.stages.shards import targets_here
 
     if args.teacher == "wiki4":
         teacher, train, valid, calib = str(TEACHER_DIR), str(WIKI_VALID), str(WIKI_TEST), str(WIKI_VALID)
@@ -56,7 +54,6 @@ def main() -> None:
     t0 = time.perf_counter()
     write_tokens(work / "tokens", load_tokenizer(teacher), train, cfg.seq_len, blocks, valid, cfg.eval_max_tokens)
     tok_s = time.perf_counter() - t0
-    sha = manifest_sha256(TokenShards(work / "tokens").manifest)
     rows = []
     for mode in args.modes:
         spec = parse_targets(mode)
@@ -64,17 +61,14 @@ def main() -> None:
         if spec is not None:
             targets = work / f"targets-{mode.replace(':', '-')}"
             t0 = time.perf_counter()
-            actor = TargetsActor(teacher, str(work / "tokens"), str(targets), spec, None, "cpu", 1, 8, None, None)
-            out = actor({"first_block": np.array([0]), "blocks": np.array([blocks])})
+            targets_here(teacher, str(work / "tokens"), str(targets), spec)
             pass_s = time.perf_counter() - t0
-            shards = tuple(ShardEntry(**json.loads(e)) for e in out["entry"])
-            TargetsManifest(spec, fingerprint(teacher, "", sha, None, 1.0), cfg.seq_len, shards).save(targets)
         reports = []
         t0 = time.perf_counter()
         job = DistillJob(teacher, str(student), cfg, valid, tokens=str(work / "tokens"), targets=str(targets) if targets else None, target_spec=spec)
         run_distill(job, WorkerIO(report=lambda m, ckpt: reports.append(m)))
         rows.append({"mode": mode, "ppl": reports[-1]["val_ppl"], "initial": reports[-1]["val_ppl_initial"], "train_s": time.perf_counter() - t0,
-                     "pass_s": pass_s, "bytes": bytes_per_token(spec) if spec else None, "rss": reports[-1]["peak_rss_bytes"]})
+                     "pass_s": pass_s, "bytes": bytes_per_token(spec, state_bytes(load_config(teacher).hidden_size, False)) if spec else None, "rss": reports[-1]["peak_rss_bytes"]})
         print(f"{mode}: final val ppl {rows[-1]['ppl']:.3f} ({rows[-1]['train_s']:.0f} s)", flush=True)
     base = next((r["ppl"] for r in rows if r["mode"] == "online"), None)
     print(f"\n{args.teacher} teacher, DO-ACP K=k student, {args.steps} steps x {args.batch_size} x {args.seq_len} tokens "

@@ -20,7 +20,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -72,21 +72,57 @@ def check_files(name: str, what: str = "model") -> None:
 def _read_header(path: Path) -> tuple[int, dict, int]:
     """(header length, header, file size) of a safetensors file whose header fits and whose tensors end
     inside the file; otherwise an M2DError naming the file."""
-    size = path.stat().st_size
-    bad = f"{path} is not a whole safetensors file"
     with path.open("rb") as f:
-        head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if n < 2 or n > min(size - 8, _MAX_HEADER):
-            raise M2DError(f"{bad} (unreadable header; truncated or corrupt): {_FIX}")
-        try:
-            header = json.loads(f.read(n))
-            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-            raise M2DError(f"{bad} (corrupt header): {_FIX}") from None
+        return _parse_header(lambda offset, n: os.pread(f.fileno(), n, offset), path.stat().st_size, str(path))
+
+
+def _parse_header(read: Callable[[int, int], bytes], size: int, where: str) -> tuple[int, dict, int]:
+    """`_read_header` of a file of `size` bytes read by `read(offset, n)` (a local file or a storage object)."""
+    bad = f"{where} is not a whole safetensors file"
+    head = read(0, 8) if size >= 8 else b""
+    n = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if n < 2 or n > min(size - 8, _MAX_HEADER):
+        raise M2DError(f"{bad} (unreadable header; truncated or corrupt): {_FIX}")
+    try:
+        header = json.loads(read(8, n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        raise M2DError(f"{bad} (corrupt header): {_FIX}") from None
     if 8 + n + end > size:
         raise M2DError(f"{bad}: its header needs {8 + n + end:,} bytes but it has {size:,} (truncated): {_FIX}")
     return n, header, size
+
+
+def read_stored_tensor(url: str, names: Sequence[str]) -> tuple[str, Tensor] | None:
+    """(name, tensor) of the first of `names` that the safetensors checkpoint in the storage directory `url`
+    holds, by ranged reads of its index, one shard's header and the tensor's bytes: a rank reads one
+    tensor of a teacher in object storage without fetching the teacher. None when none is there."""
+    from m2d_ray import storage
+
+    files = storage.list_names(url)
+    if INDEX_FILE in files:
+        try:
+            weight_map = json.loads(storage.read_bytes(storage.join(url, INDEX_FILE)))["weight_map"]
+        except (ValueError, KeyError, TypeError):
+            raise M2DError(f"{storage.join(url, INDEX_FILE)} is not a weight index (no weight_map); {_FIX}") from None
+        candidates = [(n, weight_map[n]) for n in names if n in weight_map]
+    else:
+        candidates = [(n, f) for n in names for f in files if f.endswith(".safetensors")]
+    for name, file in candidates:
+        where = storage.join(url, file)
+        with storage.open_ranged(where) as f:
+            n, header, _ = _parse_header(lambda offset, k: f.read_at(k, offset), f.size(), where)
+            if name not in header:
+                continue
+            e = header[name]
+            start, end = e["data_offsets"]
+            buf = torch.empty(end - start, dtype=torch.uint8)
+            data = f.read_at(end - start, 8 + n + start)
+            if len(data) != end - start:
+                raise M2DError(f"{where} ended before byte {8 + n + end}; {_FIX}")
+            buf.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+            return name, buf.view(_DTYPES[e["dtype"]]).reshape(e["shape"])
+    return None
 
 
 def _check_safetensors(path: Path) -> None:

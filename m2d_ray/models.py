@@ -173,7 +173,11 @@ def _source(name: str) -> str:
 
 
 def load_tokenizer(name: str):
-    src = _source(name)
+    """A model's tokenizer; from a storage URL only the files beside the weights are fetched."""
+    from m2d_ray import storage
+    from m2d_ray.checkpoint import WEIGHT_SUFFIXES
+
+    src = str(storage.fetch_dir(name, without=WEIGHT_SUFFIXES)) if storage.is_remote(name) else _source(name)
     try:
         return AutoTokenizer.from_pretrained(src)
     except Exception as exc:

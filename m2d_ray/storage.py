@@ -111,15 +111,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("M2D_CACHE", "~/.cache/m2d")).expanduser()
 
 
-def fetch_dir(url: str) -> Path:
+def fetch_dir(url: str, without: tuple[str, ...] = ()) -> Path:
     """A local path holding the directory at `url`: the path itself on local or mounted storage, else a
-    copy in this node's cache (downloaded once; a partial download is never used)."""
+    copy in this node's cache (downloaded once; a partial download is never used). `without`: name endings
+    of files left out of the copy (a model's weights, where only its tokenizer is wanted)."""
     fs, path = filesystem(url)
     if not is_remote(url):
         return Path(path)
     import pyarrow.fs as pafs
 
-    dest = cache_root() / "storage" / hashlib.sha256(url.encode()).hexdigest()[:24]
+    dest = cache_root() / "storage" / hashlib.sha256((url + "|".join(("", *without))).encode()).hexdigest()[:24]
     if (dest / MARKER).exists():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -127,7 +128,7 @@ def fetch_dir(url: str) -> Path:
     try:
         infos = fs.get_file_info(pafs.FileSelector(path, recursive=True))
         for info in infos:
-            if info.type != pafs.FileType.File:
+            if info.type != pafs.FileType.File or info.base_name.endswith(without):
                 continue
             target = tmp / info.path[len(path):].lstrip("/")
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -161,6 +162,13 @@ def write_bytes(url: str, data: bytes) -> None:
     fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
     with fs.open_output_stream(path) as f:
         f.write(data)
+
+
+def open_ranged(url: str):
+    """The object at `url` opened for positional reads (pyarrow's RandomAccessFile: `read_at(n, offset)`, `size()`;
+    on S3 each read is a ranged GET): a few tensors of a large file without copying the file."""
+    fs, path = filesystem(url)
+    return fs.open_input_file(path)
 
 
 def fetch_file(url: str) -> Path:

@@ -254,3 +254,30 @@ def open_teacher(name: str | None = None, device: str = "cpu") -> LazyTeacher:
         name=name, config=config, tokenizer=AutoTokenizer.from_pretrained(str(directory)), adapter=adapter,
         skeleton=skeleton(config, _checkpoint_dtype(config, ckpt), device), checkpoint=ckpt,
     )
+
+
+
+def read_output_head(name: str, dtype: torch.dtype) -> Tensor:
+    """The model's output projection W [V, d] alone, in `dtype` (`lm_head`, or the tied input embedding;
+    arch/head.py): all a student's rank holds of its teacher with `hidden` targets. A teacher in object
+    storage is read by ranged reads of that tensor only (no copy of the checkpoint on the node); MoE and
+    dense teachers (the d2d baseline's) alike; checked for NaN/inf like every lazy read."""
+    from m2d_ray import storage
+    from m2d_ray.arch.head import check_plain_head, head_names
+    from m2d_ray.checkpoint import read_stored_tensor
+
+    config = load_config(name)
+    check_plain_head(config)
+    adapter = get_adapter(config) if config.model_type in supported_types() else None
+    wanted = head_names(skeleton(config, dtype))
+    keys = [k for n in wanted for k in (adapter.checkpoint_names(n) if adapter else (n,))]
+    if storage.is_remote(name):
+        found = read_stored_tensor(name, keys)
+    else:
+        directory = checkpoint_dir(name)
+        check_files(str(directory), "teacher")
+        ckpt = Checkpoint(directory)
+        found = next(((k, ckpt.read(k)) for k in keys if k in ckpt), None)
+    if found is None:
+        raise M2DError(f"the checkpoint of {name} has no output head ({' or '.join(wanted)}); is it a causal language model?")
+    return check_finite(*found).to(dtype)

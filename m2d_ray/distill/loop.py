@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from m2d_ray.distill.config import DistillConfig
-from m2d_ray.distill.targets import TargetSpec
+from m2d_ray.distill.targets import TargetSpec, loss_metric
 from m2d_ray.distill.data import train_batches
 from m2d_ray.distill.flops import active_params, flops_per_token, matmul_rate
 from m2d_ray.distill.step import DistillStep, all_reduce_max, all_reduce_sum
@@ -105,12 +105,13 @@ def data(job: DistillJob, io: WorkerIO, tokenizer, start_block: int) -> tuple[It
     valid = windows(shards.valid_ids(), cfg.seq_len)
     if job.targets is None:
         return shards.batches(cfg.batch_size, io.rank, io.world, start_block, pin=pin), valid
-    from m2d_ray.distill.targets import TargetsManifest, read_shard
+    from m2d_ray.distill.targets import TargetsManifest, fingerprint, read_shard
     from m2d_ray.distill.tokens import manifest_sha256, rank_batches
 
     where = storage.fetch_dir(job.targets)
     manifest = TargetsManifest.load(where, where=job.targets)
-    manifest.check_matches({**manifest.fingerprint, "tokens": manifest_sha256(shards.manifest)}, job.target_spec)
+    manifest.check_matches(fingerprint(job.target_spec, job.teacher, shards.manifest["tokenizer"], manifest_sha256(shards.manifest),
+                                       cfg.teacher_topk, cfg.temperature), job.target_spec)  # what this job says, not what the manifest says
     ids = shards.batches(cfg.batch_size, io.rank, io.world, start_block, pin=pin)
     targets = rank_batches(manifest.shards, lambda e: read_shard(where, e), cfg.batch_size, io.rank, io.world, start_block, pin)
     return ({"tokens": i, **t} for i, t in zip(ids, targets)), valid
@@ -131,8 +132,9 @@ def _teacher_shape(name: str):
 
 
 def _load_models(job: DistillJob, io: WorkerIO, dtype: torch.dtype):
-    """Teacher and student on this rank (with cached targets the teacher has no weights: `_teacher_shape`);
-    rank 0 first builds the initial student into storage if it is missing."""
+    """Teacher, its output head and the student on this rank. With cached targets the teacher has no weights
+    (`_teacher_shape`); with `hidden` targets its output head alone is read (else None: online, DistillStep
+    takes the loaded teacher's). Rank 0 first builds the initial student into storage if it is missing."""
     from transformers import AutoModelForCausalLM
 
     from m2d_ray import storage
@@ -148,6 +150,11 @@ def _load_models(job: DistillJob, io: WorkerIO, dtype: torch.dtype):
         teacher.adapter.set_top_k(teacher.model, job.cfg.teacher_topk)
     for p in teacher.model.parameters():
         p.requires_grad_(False)
+    head = None
+    if job.targets and job.target_spec.exact:
+        from m2d_ray.weights import read_output_head
+
+        head = read_output_head(job.teacher, dtype).to(job.device)
     kwargs = {"dtype": dtype}
     if job.device == "cuda":
         from m2d_ray.distill.gpu import attention_implementation
@@ -157,7 +164,7 @@ def _load_models(job: DistillJob, io: WorkerIO, dtype: torch.dtype):
     if job.cfg.gradient_checkpointing:
         student.gradient_checkpointing_enable()
     student.config.use_cache = False
-    return teacher, student.train()
+    return teacher, head, student.train()
 
 
 def stop_requested(job: DistillJob, io: WorkerIO) -> bool:
@@ -173,13 +180,13 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
     torch.manual_seed(cfg.seed)
     reset_peaks()  # the student's peak, above what the worker held before it
     dtype = torch.bfloat16 if job.device == "cuda" else torch.float32
-    teacher, student = _load_models(job, io, dtype)
+    teacher, head, student = _load_models(job, io, dtype)
     tokenizer = teacher.tokenizer
     flops = flops_per_token(teacher.model, teacher.adapter, student, cfg.seq_len, cfg.teacher_topk, teacher_forward=job.targets is None)
     sizes = {"student_params": sum(p.numel() for p in student.parameters()),  # for the matched-parameter table
              "teacher_active_params": active_params(teacher.model, teacher.adapter, cfg.teacher_topk)}
     peak = matmul_rate(job.device, dtype)
-    trainer = DistillStep(student, None if job.targets else teacher.model, cfg, job.device, io.world, dtype, job.target_spec)
+    trainer = DistillStep(student, None if job.targets else teacher.model, cfg, job.device, io.world, dtype, job.target_spec, head)
     step, extra = _restore(io.restore, trainer)
     per_step = cfg.batch_size * cfg.grad_accum * io.world
     batches, (win, wmask) = data(job, io, tokenizer, start_block=step * per_step)
@@ -206,7 +213,7 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
             continue
         train_s = _elapsed(t0, job.device)  # training only: no validation, checkpoint or report in it
         t0 = time.perf_counter()
-        last = {"step": step, "tokens": step * per_step * cfg.seq_len, "train_loss": trainer.take_loss(),
+        last = {"step": step, "tokens": step * per_step * cfg.seq_len, loss_metric(job.target_spec): trainer.take_loss(),
                 **validate(student, win, wmask, io, cfg, job.device), "val_ppl_initial": initial}
         eval_s = _elapsed(t0, job.device)
         tokens_per_s = (step - since) * per_step * cfg.seq_len / max(train_s, 1e-9)

@@ -94,11 +94,12 @@ class StudentLoss(nn.Module):
 
     def forward(self, ids: Tensor, t_last: Tensor | dict[str, Tensor], w_t: Tensor | None = None,
                 t_states: tuple[Tensor, ...] | None = None) -> Tensor:
-        """Online: `t_last` is the teacher's final hidden states; cached: the batch's targets (distill/targets.py)."""
+        """Online and from cached hidden states: `t_last` is the teacher's final hidden states and `w_t` its
+        output head (the same exact loss); top-K / sampled: the batch's targets (distill/targets.py)."""
         out = self.student.base_model(input_ids=ids, output_hidden_states=self.with_states, use_cache=False)
         h = out.last_hidden_state
         h, w_s, t, c = h.reshape(-1, h.shape[-1]), self.student.get_output_embeddings().weight, self.cfg.temperature, self.cfg.loss_chunk
-        if self.targets is not None:
+        if self.targets is not None and not self.targets.exact:
             flat = {k: v.reshape(h.shape[0], *v.shape[2:]) for k, v in t_last.items()}
             if self.targets.mode == "topk":
                 return sparse_kl(h, w_s, flat["ids"], flat["logp"], flat["tail"], temperature=t, chunk=c)
@@ -112,12 +113,17 @@ class StudentLoss(nn.Module):
 class DistillStep:
     """`step(micro_batches)` = one optimizer step over cfg.grad_accum micro-batches of [batch, seq_len] ids.
 
+    `teacher` runs here (online), or is None with cached `targets`; `head` is the teacher's output projection
+    [V, d] that online and `hidden` targets form the teacher's logits with (no gradient reaches it).
     DeepSpeed, or `world` > 1, needs an initialised process group (Ray Train's, or deepspeed.init_distributed).
     """
 
     def __init__(self, student: nn.Module, teacher: nn.Module | None, cfg: DistillConfig, device: str,
-                 world: int = 1, dtype: torch.dtype = torch.float32, targets: TargetSpec | None = None) -> None:
+                 world: int = 1, dtype: torch.dtype = torch.float32, targets: TargetSpec | None = None,
+                 head: Tensor | None = None) -> None:
         self.cfg, self.student, self.teacher, self.device, self.world = cfg, student, teacher, device, world
+        self.head = (teacher.get_output_embeddings().weight if teacher is not None else head)
+        self.head = self.head.detach() if self.head is not None else None
         self.loss_module = StudentLoss(student, cfg, targets)
         fused = torch.device(device).type in ("cpu", "cuda")  # one kernel for all tensors (P7, 1 thread: -2.6% step time)
         self.opt = torch.optim.AdamW(param_groups(student, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), fused=fused)
@@ -140,12 +146,14 @@ class DistillStep:
         forward = self.ddp or self.loss_module
         last = len(micro_batches) - 1
         for i, mb in enumerate(micro_batches):
-            if self.teacher is None:  # cached: the input tokens and their targets
+            if self.teacher is None and "hidden" in mb:  # cached final hidden states: the online loss through the head
+                ids, teacher = mb["tokens"], (mb["hidden"].to(self.head.dtype), self.head)
+            elif self.teacher is None:  # cached top-K / sampled: the input tokens and their targets
                 ids, teacher = mb["tokens"], ({k: v for k, v in mb.items() if k != "tokens"},)
             else:
                 ids = mb
                 t_last, t_states = teacher_outputs(self.teacher, ids, self.loss_module.with_states)
-                teacher = (t_last, self.teacher.get_output_embeddings().weight, t_states)
+                teacher = (t_last, self.head, t_states)
             with self.ddp.no_sync() if self.ddp is not None and i < last else contextlib.nullcontext():
                 loss = forward(ids, *teacher)
                 if self.engine is not None:

@@ -2,13 +2,19 @@
 
 `stage2.targets` picks what is kept per token (`parse_targets`):
     online       the teacher runs beside every student (no cache; every loss works);
-    topk[:K]     the K most likely ids, their log-probs and the log of the rest (`losses.sparse_kl`);
+    hidden       the teacher's final hidden state (after its final norm, in the dtype it runs in): a student's
+                 rank recomputes the teacher's exact logits through the teacher's output head alone
+                 (arch/head.py), chunk by chunk inside the KL, so every loss of the output distribution works
+                 (fkl, rkl, any temperature) at d x bytes per token;
+    topk[:K]     the K most likely ids, their log-probs and the log of the rest (`losses.sparse_kl`; its
+                 loss is the KL over K+1 buckets, a lower bound of the true KL, logged as train_loss_buckets);
     sampled[:N]  N ids drawn from the teacher's distribution, kept as distinct ids and counts
                  (Sparse Logit Sampling, Anshumann et al., ACL 2025: an unbiased gradient; `losses.sampled_kl`).
-Targets are made at the distillation temperature t (log-softmax of logits / t) and stored per global block
-of seq_len tokens, in safetensors shards ([blocks, seq_len, K] tensors) listed with their sha256 in a
-`TargetsManifest`, which also records what they were made from, so that a run cannot read another
-teacher's, tokenizer's, token stream's, routing's or temperature's targets.
+topk and sampled targets are made at the distillation temperature t (log-softmax of logits / t); hidden
+states depend on no temperature. Targets are stored per global block of seq_len tokens, in safetensors
+shards ([blocks, seq_len, ...] tensors) listed with their sha256 in a `TargetsManifest`, which also records
+what they were made from, so that a run cannot read another teacher's, tokenizer's, token stream's,
+routing's or temperature's targets.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from m2d_ray.artifacts import sha256_bytes, write_json_atomic, write_text_atomic
 from m2d_ray.distill.losses import LOSSES, log_probs
 from m2d_ray.errors import M2DError
 
-MODES = ("topk", "sampled")
+MODES = ("hidden", "topk", "sampled")
 DEFAULT_K = {"topk": 64, "sampled": 64}
 MAX_DRAWS = 255  # counts are uint8
 MANIFEST = "manifest.json"
@@ -38,8 +44,8 @@ FINGERPRINT = ("teacher", "tokenizer", "tokens", "teacher_topk", "temperature")
 
 @dataclass(frozen=True)
 class TargetSpec:
-    """What is cached per token: `mode` topk (k = K) or sampled (k = N draws), at `temperature`; `seed`
-    makes the draws of a sampled cache reproducible."""
+    """What is cached per token: `mode` hidden (k = 0), topk (k = K) or sampled (k = N draws), at
+    `temperature`; `seed` makes the draws of a sampled cache reproducible."""
 
     mode: str
     k: int
@@ -47,16 +53,25 @@ class TargetSpec:
     seed: int = 0
 
     def __str__(self) -> str:
-        return f"{self.mode}:{self.k}"
+        return self.mode if self.mode == "hidden" else f"{self.mode}:{self.k}"
+
+    @property
+    def exact(self) -> bool:
+        """The student's loss is the online one (the teacher's logits recomputed from its states)."""
+        return self.mode == "hidden"
 
 
 def parse_targets(text: str, temperature: float = 1.0, seed: int = 0) -> TargetSpec | None:
-    """`online` -> None; `topk`, `topk:K`, `sampled`, `sampled:N` -> a TargetSpec (K and N default to 64)."""
+    """`online` -> None; `hidden` -> TargetSpec("hidden", 0) (temperature and seed do not change hidden states:
+    one cache serves every temperature); `topk`, `topk:K`, `sampled`, `sampled:N` -> a TargetSpec (K and N
+    default to 64)."""
     mode, colon, k = str(text).strip().partition(":")
     if mode == "online" and not colon:
         return None
-    usage = "write online, topk[:K] (K >= 1) or sampled[:N] (1 <= N <= 255), e.g. topk:64"
-    if mode not in MODES:
+    if mode == "hidden" and not colon:
+        return TargetSpec("hidden", 0)
+    usage = "write online, hidden, topk[:K] (K >= 1) or sampled[:N] (1 <= N <= 255), e.g. hidden or sampled:64"
+    if mode not in MODES or mode == "hidden":
         raise M2DError(f"stage2.targets={text!r}: unknown mode {mode!r}; {usage}")
     try:
         n = int(k) if colon else DEFAULT_K[mode]
@@ -69,22 +84,42 @@ def parse_targets(text: str, temperature: float = 1.0, seed: int = 0) -> TargetS
 
 
 def check_targets_loss(loss: str, spec: TargetSpec | None) -> None:
-    """Cached targets keep a few log-probs per token: only the forward KL can be trained from them."""
+    """Cached hidden states give the teacher's whole output distribution: every loss of it (fkl, rkl) trains
+    from them. Top-K and sampled targets keep a few log-probs per token: only the forward KL. No cache keeps
+    the teacher's intermediate layers (fkl+mse)."""
     if spec is None or loss not in LOSSES:  # online, or an unknown loss (check_distill names it)
         return
     kind, with_states = LOSSES[loss]
-    if kind != "fkl":
-        raise M2DError(f"distill.loss={loss} needs the teacher's full distribution; use stage2.targets=online")
     if with_states:
-        raise M2DError(f"distill.loss={loss} needs the teacher's hidden states of every layer; use stage2.targets=online or distill.loss=fkl")
+        raise M2DError(f"distill.loss={loss} needs the teacher's hidden states of every layer, which no cache keeps; "
+                       "use stage2.targets=online or distill.loss=fkl")
+    if kind != "fkl" and not spec.exact:
+        raise M2DError(f"distill.loss={loss} needs the teacher's full distribution; use stage2.targets=hidden (exact) or online")
 
 
-def bytes_per_token(spec: TargetSpec) -> int:
+def bytes_per_token(spec: TargetSpec, state_bytes: int = 0) -> int:
     """Stored bytes per token:
+        hidden     d x the teacher's dtype bytes (`state_bytes`; Qwen3-30B-A3B in bf16: 2,048 x 2 = 4,096)
         topk:K     K x 4 (int32 ids) + K x 2 (fp16 log-probs) + 4 (fp32 tail)  = 6K + 4  (topk:64: 388)
         sampled:N  N x 4 (int32 ids) + N x 1 (uint8 counts) + N x 2 (fp16 log-probs) = 7N  (sampled:64: 448)
     int32 ids because vocabularies exceed 65,536 (Qwen3: 151,936)."""
+    if spec.mode == "hidden":
+        if state_bytes < 1:
+            raise ValueError("hidden targets: bytes_per_token needs the state's bytes (hidden size x dtype bytes)")
+        return int(state_bytes)
     return 6 * spec.k + 4 if spec.mode == "topk" else 7 * spec.k
+
+
+def state_bytes(hidden_size: int, gpu: bool) -> int:
+    """Bytes of one token's final hidden state as the targets pass stores it: the dtype the pass runs the
+    teacher in, bf16 on a GPU and fp32 on CPU (a layer-streamed teacher runs in its checkpoint's dtype)."""
+    return hidden_size * (2 if gpu else 4)
+
+
+def loss_metric(spec: TargetSpec | None) -> str:
+    """The name a student's training loss is reported under: top-K's bucketed KL is a lower bound of the true
+    KL, so it never shares a curve with the exact (online, hidden) or unbiased (sampled) losses."""
+    return "train_loss_buckets" if spec is not None and spec.mode == "topk" else "train_loss"
 
 
 def block_generator(seed: int, block: int) -> torch.Generator:
@@ -97,9 +132,12 @@ def block_generator(seed: int, block: int) -> torch.Generator:
 def teacher_targets(h_t: Tensor, w_t: Tensor, spec: TargetSpec, first_block: int = 0, chunk: int = 1024) -> dict[str, Tensor]:
     """The targets of B consecutive global blocks first_block.. from the teacher's final hidden states
     h_t [B, L, d] and output projection w_t [V, d]; tensors [B, L, ...] on h_t's device (the shard layout).
+    Hidden targets are the states themselves.
 
-    Logits are formed `chunk` tokens at a time (peak ~2 x chunk x V floats), never for all tokens at once.
+    Logits are formed `chunk` tokens at a time (peak ~3 x chunk x V floats), never for all tokens at once.
     """
+    if spec.mode == "hidden":
+        return {"hidden": h_t}
     b, length, _ = h_t.shape
     k, dev, t = spec.k, h_t.device, float(spec.temperature)
     if spec.mode == "topk" and k > w_t.shape[0]:
@@ -115,7 +153,7 @@ def teacher_targets(h_t: Tensor, w_t: Tensor, spec: TargetSpec, first_block: int
     with torch.no_grad():
         for i in range(b):
             # a block's uniforms are drawn whole, before chunking, so chunk size cannot change the draws
-            u = torch.rand(length, k, generator=block_generator(spec.seed, first_block + i)).to(dev) if spec.mode == "sampled" else None
+            u = torch.rand(length, k, generator=block_generator(spec.seed, first_block + i), dtype=torch.float64).to(dev) if spec.mode == "sampled" else None
             for s in range(0, length, chunk):
                 lp = log_probs(h_t[i, s : s + chunk], w_t, t)
                 rows = {name: x[i, s : s + chunk] for name, x in out.items()}
@@ -136,10 +174,14 @@ def _topk(lp: Tensor, k: int, ids: Tensor, logp: Tensor, tail: Tensor) -> None:
 
 
 def _sampled(lp: Tensor, u: Tensor, ids: Tensor, counts: Tensor, logp: Tensor) -> None:
-    """N draws per row by inverting the float32 CDF at the uniforms u [rows, N] (a token's chance is exact
-    up to ~1e-7 of CDF rounding), stored as ascending distinct ids, their counts and log-probs, then
-    padding (id 0, count 0, log-prob 0)."""
-    cdf = lp.exp().cumsum_(-1)
+    """N draws per row by inverting the float64 CDF at float64 uniforms u [rows, N], stored as ascending
+    distinct ids, their counts and log-probs, then padding (id 0, count 0, log-prob 0).
+
+    float64 throughout: a float32 CDF near 1 moves in steps of 6e-8, so at a 151,936-token vocabulary every
+    token whose probability falls below that step adds nothing to the sum and can never be drawn (thousands
+    of ids, 1e-4 of the mass); float32 uniforms likewise take only 2^24 values. In float64 the smallest
+    drawable probability is ~1e-16 of the row's mass."""
+    cdf = lp.double().exp_().cumsum_(-1)
     draws = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=lp.shape[1] - 1)
     draws, _ = draws.sort(dim=-1)
     first = torch.ones_like(draws, dtype=torch.bool)
@@ -151,11 +193,13 @@ def _sampled(lp: Tensor, u: Tensor, ids: Tensor, counts: Tensor, logp: Tensor) -
     logp.copy_(torch.where(counts > 0, lp.gather(1, distinct), 0.0))
 
 
-def fingerprint(teacher: str, tokenizer: str, tokens: str, teacher_topk: int | None, temperature: float) -> dict:
-    """What targets depend on besides the spec: teacher, tokenizer, the token manifest's sha256, the
-    teacher's (expanded) routing k' (None = its own k) and the temperature."""
+def fingerprint(spec: TargetSpec, teacher: str, tokenizer: str, tokens: str, teacher_topk: int | None, temperature: float) -> dict:
+    """What targets of `spec` depend on besides the spec: teacher, tokenizer, the token manifest's sha256, the
+    teacher's (expanded) routing k' (None = its own k) and the temperature (None for hidden states, which
+    every temperature shares). The pass and a student's rank both build it, each from its own settings."""
     return {"teacher": str(teacher), "tokenizer": str(tokenizer), "tokens": str(tokens),
-            "teacher_topk": None if teacher_topk is None else int(teacher_topk), "temperature": float(temperature)}
+            "teacher_topk": None if teacher_topk is None else int(teacher_topk),
+            "temperature": None if spec.exact else float(temperature)}
 
 
 @dataclass(frozen=True)
@@ -178,7 +222,7 @@ def write_shard(directory: str | Path, first_block: int, targets: dict[str, Tens
     data = save_tensors({name: x.detach().cpu().contiguous() for name, x in targets.items()})
     name = shard_name(first_block)
     write_text_atomic(Path(directory) / name, data)
-    return ShardEntry(name, int(first_block), int(targets["ids"].shape[0]), sha256_bytes(data))
+    return ShardEntry(name, int(first_block), int(next(iter(targets.values())).shape[0]), sha256_bytes(data))
 
 
 def read_shard(directory: str | Path, entry: ShardEntry) -> dict[str, Tensor]:

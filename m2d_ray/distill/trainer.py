@@ -66,9 +66,10 @@ class MetricsLog(UserCallback):
 def progress_line(m: dict, label: str = "") -> str:
     head = f"[distill{' ' + label if label else ''}] step {m['step']}: "
     val = f"val ppl {m['val_ppl']:.2f} (start {m['val_ppl_initial']:.2f})"
-    if "train_loss" not in m:  # the final report repeated after a resume: no training in it
+    if "tokens_per_s" not in m:  # the final report repeated after a resume: no training in it
         return head + val
-    return (head + f"train loss {m['train_loss']:.4f}, {val}, {m['tokens_per_s']:,.0f} tok/s training "
+    loss = f"train loss {m['train_loss']:.4f}" if "train_loss" in m else f"train loss (top-K buckets, a lower bound) {m['train_loss_buckets']:.4f}"
+    return (head + f"{loss}, {val}, {m['tokens_per_s']:,.0f} tok/s training "
             f"(MFU {m['mfu']:.1%}; eval {m['eval_s']:.1f} s, checkpoint {m['ckpt_s']:.1f} s)")
 
 

@@ -74,13 +74,14 @@ def tokens(store: RunStorage, teacher: str, tokenizer, cfg: DistillConfig, eval_
     return url
 
 
-# ---- the teacher once: cached targets (stage2.targets topk / sampled) ------------------------------
-TARGET_SHARD_BYTES = 128 << 20  # one target shard (topk:64 at seq_len 4096: 80 blocks)
+# ---- the teacher once: cached targets (stage2.targets hidden / topk / sampled) ----------------------
+TARGET_SHARD_BYTES = 128 << 20  # one target shard (topk:64 at seq_len 4096: 80 blocks; hidden, d 2048 in bf16: 8 blocks)
 
 
 class TargetsActor:
     """A Ray Data actor: the teacher (whole when it fits the device, else one decoder layer at a time, as
-    streamed calibration) over ranges of token blocks, writing one target shard per range to the storage."""
+    streamed calibration) over ranges of token blocks, writing one target shard per range to the storage
+    (`hidden`: the final hidden states themselves, in the dtype the teacher runs in)."""
 
     def __init__(self, teacher: str, tokens_url: str, targets_url: str, spec, teacher_topk: int | None, device: str, threads: int,
                  batch_size: int, stream: bool | None, max_memory: str | None) -> None:
@@ -168,24 +169,26 @@ def targets(store: RunStorage, teacher: str, tokens_url: str, spec, cfg: Distill
     live in another directory (the digest of their fingerprint) and are never mixed."""
     import ray.data
 
-    from m2d_ray.distill.targets import TargetsManifest, bytes_per_token, fingerprint
+    from m2d_ray.distill.targets import TargetsManifest, bytes_per_token, fingerprint, state_bytes
     from m2d_ray.distill.tokens import TokenShards, manifest_sha256
+    from m2d_ray.models import load_config
 
     tok_manifest = TokenShards(storage.fetch_dir(tokens_url)).manifest
-    fp = fingerprint(teacher, tok_manifest["tokenizer"], manifest_sha256(tok_manifest), cfg.teacher_topk, spec.temperature)
+    fp = fingerprint(spec, teacher, tok_manifest["tokenizer"], manifest_sha256(tok_manifest), cfg.teacher_topk, spec.temperature)
     url = store.targets(hashlib.sha256(json.dumps({**fp, "spec": str(spec), "seed": spec.seed}, sort_keys=True).encode()).hexdigest()[:16])
     if storage.exists(url):
         TargetsManifest.load(storage.fetch_dir(url), where=url).check_matches(fp, spec)
         return url
-    per = max(1, TARGET_SHARD_BYTES // (tok_manifest["seq_len"] * bytes_per_token(spec)))
+    gpus = ray_cfg.data_gpus_per_actor
+    per_token = bytes_per_token(spec, state_bytes(load_config(teacher).hidden_size, gpus > 0))
+    per = max(1, TARGET_SHARD_BYTES // (tok_manifest["seq_len"] * per_token))
     done = [json.loads(storage.read_bytes(storage.join(url, n))) for n in storage.list_names(url) if n.endswith(".entry.json")]
     have = {e["first_block"]: e for e in done}  # shards a killed pass wrote (each entry file follows its shard)
     ranges = [(f, min(per, tok_manifest["blocks"] - f)) for f in range(0, tok_manifest["blocks"], per)]
     todo = [(f, n) for f, n in ranges if f not in have]
     say(f"teacher targets {spec} over {tok_manifest['blocks']:,} blocks ({len(todo)} of {len(ranges)} shards to compute, "
-        f"{bytes_per_token(spec)} B/token)")
+        f"{per_token:,} B/token)")
     if todo:
-        gpus = ray_cfg.data_gpus_per_actor
         ds = ray.data.from_items([{"first_block": f, "blocks": n} for f, n in todo])
         out = ds.map_batches(
             TargetsActor, batch_size=1, compute=ray.data.ActorPoolStrategy(size=max(1, min(ray_cfg.data_actors, len(todo)))),
@@ -207,3 +210,21 @@ def targets(store: RunStorage, teacher: str, tokens_url: str, spec, cfg: Distill
         for name in (MANIFEST, MARKER):  # the marker last: the directory is complete
             storage.put_file(Path(tmp) / name, storage.join(url, name))
     return url
+
+
+def targets_here(teacher: str, tokens_dir: str, out: str, spec, teacher_topk: int | None = None, batch_size: int = 8,
+                 ranges: list[tuple[int, int]] | None = None, stream: bool | None = None) -> None:
+    """The targets pass in this process on CPU (one `TargetsActor`, no Ray) over `ranges` of (first block,
+    blocks) (default: all blocks at once), with the manifest a run writes: for tests and benchmarks."""
+    import numpy as np
+
+    from m2d_ray.distill.targets import ShardEntry, TargetsManifest, fingerprint
+    from m2d_ray.distill.tokens import TokenShards, manifest_sha256
+
+    tok_manifest = TokenShards(Path(tokens_dir)).manifest
+    ranges = ranges or [(0, tok_manifest["blocks"])]
+    actor = TargetsActor(teacher, tokens_dir, out, spec, teacher_topk, "cpu", 1, batch_size, stream, None)
+    rows = actor({"first_block": np.array([f for f, _ in ranges]), "blocks": np.array([n for _, n in ranges])})
+    fp = fingerprint(spec, teacher, tok_manifest["tokenizer"], manifest_sha256(tok_manifest), teacher_topk, spec.temperature)
+    shards = tuple(ShardEntry(**json.loads(e)) for e in rows["entry"])
+    TargetsManifest(spec, fp, tok_manifest["seq_len"], shards).save(out)

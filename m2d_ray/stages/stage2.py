@@ -47,7 +47,7 @@ from m2d_ray.stages.shards import tokens
 from m2d_ray.stages.trial import InjectedFault
 from m2d_ray.track import run_tracker, sweep_parent
 
-CURVES = ("train_loss", "val_loss", "val_ppl", "lr", "tokens_per_s", "mfu", "train_s", "eval_s", "ckpt_s")  # throughput: training time only
+CURVES = ("train_loss", "train_loss_buckets", "val_loss", "val_ppl", "lr", "tokens_per_s", "mfu", "train_s", "eval_s", "ckpt_s")  # throughput: training time only
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ class Recorder(tune.Callback):
             return
         key = trial.config["student"]["key"]
         run = self.runs[key]
-        steps = {k: [(result["step"], result.get(k))] for k in CURVES}
+        steps = {k: [(result["step"], result[k])] for k in CURVES if k in result}
         # the curve carries every (step, val ppl) since step 0 across resumes: log those the run's history lacks — step 0
         # of a fresh run, and validations of an attempt whose node was lost before its report reached this driver
         if key not in self.logged:

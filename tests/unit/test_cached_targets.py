@@ -3,6 +3,7 @@ teacher's targets computed over them, and students trained from cached targets w
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -14,8 +15,8 @@ from m2d_ray.config import DistillConfig
 from m2d_ray.data.synthetic import build_tokenizer
 from m2d_ray.distill.data import train_batches
 from m2d_ray.distill.loop import DistillJob, WorkerIO, run_distill
-from m2d_ray.distill.targets import ShardEntry, TargetsManifest, fingerprint, parse_targets
-from m2d_ray.distill.tokens import TokenShards, manifest_sha256, write_tokens
+from m2d_ray.distill.targets import loss_metric, parse_targets
+from m2d_ray.distill.tokens import TokenShards, write_tokens
 from m2d_ray.errors import M2DError
 from m2d_ray.models import default_teacher
 
@@ -42,16 +43,12 @@ def student(tmp_path_factory):
     return out
 
 
-def make_targets(out, tokens, text: str):
+def make_targets(out, tokens, text: str, cfg: DistillConfig = CFG, stream: bool | None = None):
     """The targets pass of one actor (stages/shards.TargetsActor, here without Ray) over two block ranges."""
-    from m2d_ray.stages.shards import TargetsActor
+    from m2d_ray.stages.shards import targets_here
 
-    spec = parse_targets(text)
-    actor = TargetsActor(default_teacher(), str(tokens), str(out), spec, None, "cpu", 1, 4, None, None)
-    rows = actor({"first_block": np.array([0, 14]), "blocks": np.array([14, BLOCKS - 14])})
-    shards = tuple(ShardEntry(**json.loads(e)) for e in rows["entry"])
-    fp = fingerprint(default_teacher(), "tok", manifest_sha256(TokenShards(tokens).manifest), None, spec.temperature)
-    TargetsManifest(spec, fp, CFG.seq_len, shards).save(out)
+    spec = parse_targets(text, cfg.temperature, cfg.seed)
+    targets_here(default_teacher(), str(tokens), str(out), spec, cfg.teacher_topk, 4, [(0, 14), (14, BLOCKS - 14)], stream)
     return spec
 
 
@@ -80,38 +77,83 @@ def test_a_damaged_token_shard_is_named_and_another_tokenizer_refused(tmp_path):
         list(itertools.islice(shards.batches(4), 3))
 
 
-def _train(student, out, tokens, targets=None, spec=None):
+def _train(student, out, tokens, targets=None, spec=None, cfg: DistillConfig = CFG):
     reports = []
-    job = DistillJob(default_teacher(), str(student), CFG, "synthetic:valid", out=str(out), tokens=str(tokens), targets=targets, target_spec=spec)
+    job = DistillJob(default_teacher(), str(student), cfg, "synthetic:valid", out=str(out), tokens=str(tokens), targets=targets, target_spec=spec)
     run_distill(job, WorkerIO(report=lambda m, ckpt: reports.append(m)))
     return reports
 
 
-def test_cached_topk_over_the_whole_vocabulary_trains_as_the_online_teacher(student, tokens, tmp_path, monkeypatch):
-    """K = vocabulary: the cached loss is the online loss (up to the fp16 log-probs), and no teacher weights load."""
-    from m2d_ray import models
+_ONLINE: dict = {}
 
-    online = _train(student, tmp_path / "online", tokens)
-    vocab = models.load_config(default_teacher()).vocab_size
-    spec = make_targets(tmp_path / "targets", tokens, f"topk:{vocab}")
+
+def _online(student, tokens, tmp_path, cfg: DistillConfig = CFG):
+    """The online teacher's reports for `cfg` (trained once per module)."""
+    if cfg not in _ONLINE:
+        _ONLINE[cfg] = _train(student, tmp_path / "online", tokens, cfg=cfg)
+    return _ONLINE[cfg]
+
+
+def _no_teacher_weights(monkeypatch):
+    from m2d_ray import models
 
     def no_teacher(*a, **k):
         raise AssertionError("a student with cached targets loaded teacher weights")
 
     monkeypatch.setattr(models, "load_distill_teacher", no_teacher)
     monkeypatch.setattr(models, "load_teacher", no_teacher)
+
+
+def test_cached_topk_over_the_whole_vocabulary_trains_as_the_online_teacher(student, tokens, tmp_path, monkeypatch):
+    """K = vocabulary: the cached loss is the online loss (up to the fp16 log-probs), and no teacher weights load."""
+    from m2d_ray import models
+
+    online = _online(student, tokens, tmp_path)
+    vocab = models.load_config(default_teacher()).vocab_size
+    spec = make_targets(tmp_path / "targets", tokens, f"topk:{vocab}")
+    _no_teacher_weights(monkeypatch)
     cached = _train(student, tmp_path / "cached", tokens, str(tmp_path / "targets"), spec)
     assert [r["step"] for r in cached] == [r["step"] for r in online] == [3, 6]
-    for a, b in zip(online, cached):
-        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=2e-3) and b["val_ppl"] == pytest.approx(a["val_ppl"], rel=2e-3)
+    for a, b in zip(online, cached):  # top-K's loss is reported apart (a lower bound of the KL; here K = V: the KL)
+        assert "train_loss" not in b and b["train_loss_buckets"] == pytest.approx(a["train_loss"], rel=2e-3)
+        assert b["val_ppl"] == pytest.approx(a["val_ppl"], rel=2e-3)
     assert cached[-1]["peak_rss_bytes"] > 0
+
+
+EXPANDED = dataclasses.replace(CFG, loss="rkl", temperature=2.0, teacher_topk=4)
+
+
+@pytest.mark.parametrize("cfg,stream", [(CFG, False), (EXPANDED, True)], ids=["fkl-whole", "rkl-T2-k4-streamed"])
+def test_hidden_targets_train_report_for_report_as_the_online_teacher(student, tokens, tmp_path, monkeypatch, cfg, stream):
+    """Cached final hidden states + the teacher's head alone = the online loss: forward and reverse KL, a
+    temperature, the expanded routing k' (the pass runs the teacher with it), the whole or layer-streamed pass."""
+    from m2d_ray import weights
+
+    online = _online(student, tokens, tmp_path, cfg)
+    spec = make_targets(tmp_path / "targets", tokens, "hidden", cfg, stream=stream)
+    _no_teacher_weights(monkeypatch)
+    heads = []
+    read_head = weights.read_output_head
+    monkeypatch.setattr(weights, "read_output_head", lambda *a: heads.append(a) or read_head(*a))
+    cached = _train(student, tmp_path / "cached", tokens, str(tmp_path / "targets"), spec, cfg)
+    assert len(heads) == 1 and [r["step"] for r in cached] == [r["step"] for r in online] == [3, 6]
+    for a, b in zip(online, cached):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5) and b["val_ppl"] == pytest.approx(a["val_ppl"], rel=1e-5)
+    assert cached[-1]["val_ppl"] < cached[-1]["val_ppl_initial"]
+
+
+def test_hidden_targets_of_another_routing_or_teacher_are_refused_by_the_rank(student, tokens, tmp_path):
+    """The rank checks the manifest against its own job (teacher, k', tokens), not against the manifest itself."""
+    spec = make_targets(tmp_path / "t", tokens, "hidden")
+    with pytest.raises(M2DError, match="teacher_topk None, this run's is 4"):
+        _train(student, tmp_path / "s", tokens, str(tmp_path / "t"), spec, dataclasses.replace(CFG, teacher_topk=4))
 
 
 @pytest.mark.parametrize("text", ["topk:8", "sampled:8"])
 def test_sparse_targets_distil(student, tokens, tmp_path, text):
     spec = make_targets(tmp_path / "t", tokens, text)
     reports = _train(student, tmp_path / "s", tokens, str(tmp_path / "t"), spec)
-    assert reports[-1]["val_ppl"] < reports[-1]["val_ppl_initial"] and all(np.isfinite(r["train_loss"]) for r in reports)
+    assert reports[-1]["val_ppl"] < reports[-1]["val_ppl_initial"] and all(np.isfinite(r[loss_metric(spec)]) for r in reports)
 
 
 def test_targets_of_another_token_stream_are_refused(student, tokens, tmp_path):

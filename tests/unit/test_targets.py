@@ -16,8 +16,12 @@ from m2d_ray.distill.targets import (
     TargetSpec,
     TargetsManifest,
     bytes_per_token,
+    _sampled,
+    block_generator,
     check_targets_loss,
     fingerprint,
+    loss_metric,
+    state_bytes,
     parse_targets,
     read_shard,
     teacher_targets,
@@ -241,6 +245,21 @@ def test_shard_round_trip_and_size(tmp_path, spec):
 def test_bytes_per_token():
     assert bytes_per_token(TargetSpec("topk", 64)) == 388 <= 400
     assert bytes_per_token(TargetSpec("sampled", 64)) == 448
+    assert bytes_per_token(TargetSpec("hidden", 0), state_bytes(2048, gpu=True)) == 4096  # Qwen3-30B-A3B in bf16
+    assert state_bytes(64, gpu=False) == 256
+    with pytest.raises(ValueError):
+        bytes_per_token(TargetSpec("hidden", 0))
+
+
+def test_hidden_shard_round_trip_keeps_the_states_bitwise(tmp_path):
+    h = torch.randn(2, 16, 8, dtype=torch.bfloat16)
+    tg = teacher_targets(h, torch.randn(5, 8), TargetSpec("hidden", 0))
+    entry = write_shard(tmp_path, 3, tg)
+    back = read_shard(tmp_path, entry)
+    assert list(back) == ["hidden"] and back["hidden"].dtype == torch.bfloat16 and torch.equal(back["hidden"], h)
+    assert entry.blocks == 2 and entry.first_block == 3
+    header = struct.unpack("<Q", (tmp_path / entry.file).read_bytes()[:8])[0]
+    assert (tmp_path / entry.file).stat().st_size - 8 - header == 2 * 16 * bytes_per_token(TargetSpec("hidden", 0), 8 * 2)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
@@ -263,7 +282,15 @@ def test_a_damaged_shard_is_named_with_its_checksums(tmp_path, damage):
         read_shard(tmp_path, entry)
 
 
-FP = fingerprint("Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B", "ab" * 32, 16, 1.0)
+FP = fingerprint(TargetSpec("topk", 4), "Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B", "ab" * 32, 16, 1.0)
+
+
+def test_hidden_states_share_one_fingerprint_across_temperatures():
+    """Hidden states do not depend on the temperature (the rank applies it): every temperature reads one cache."""
+    hidden = TargetSpec("hidden", 0)
+    assert fingerprint(hidden, "t", "tok", "ab", None, 1.0) == fingerprint(hidden, "t", "tok", "ab", None, 2.0)
+    assert fingerprint(hidden, "t", "tok", "ab", None, 2.0)["temperature"] is None
+    assert fingerprint(TargetSpec("topk", 4), "t", "tok", "ab", None, 2.0)["temperature"] == 2.0
 
 
 def _manifest(tmp_path):
@@ -314,7 +341,7 @@ def test_manifest_refuses_another_spec_a_gap_and_a_missing_file(tmp_path):
 
 # --- config strings -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text,want", [("online", None), ("topk", TargetSpec("topk", 64)), ("topk:8", TargetSpec("topk", 8)),
+@pytest.mark.parametrize("text,want", [("online", None), ("hidden", TargetSpec("hidden", 0)), ("topk", TargetSpec("topk", 64)), ("topk:8", TargetSpec("topk", 8)),
                                        ("sampled", TargetSpec("sampled", 64)), ("sampled:16", TargetSpec("sampled", 16)),
                                        ("sampled:255", TargetSpec("sampled", 255)), ("topk:1", TargetSpec("topk", 1))])
 def test_parse_targets(text, want):
@@ -324,9 +351,11 @@ def test_parse_targets(text, want):
 def test_parse_targets_keeps_temperature_and_seed():
     assert parse_targets("sampled:12", temperature=2.0, seed=3) == TargetSpec("sampled", 12, 2.0, 3)
     assert str(parse_targets("topk:32")) == "topk:32"
+    assert parse_targets("hidden", temperature=2.0, seed=3) == TargetSpec("hidden", 0)  # states depend on neither
+    assert str(parse_targets("hidden")) == "hidden" and parse_targets("hidden").exact and not parse_targets("sampled").exact
 
 
-@pytest.mark.parametrize("text", ["topk:0", "sampled:256", "sampled:0", "topk:x", "topk:", "dense", "online:3", "", "sampled:-1"])
+@pytest.mark.parametrize("text", ["topk:0", "sampled:256", "sampled:0", "topk:x", "topk:", "dense", "online:3", "", "sampled:-1", "hidden:4"])
 def test_parse_targets_refuses_bad_strings_in_one_line(text):
     with pytest.raises(M2DError) as err:
         parse_targets(text)
@@ -337,7 +366,53 @@ def test_check_targets_loss():
     spec = TargetSpec("topk", 64)
     check_targets_loss("fkl", spec)
     check_targets_loss("rkl", None)
-    with pytest.raises(M2DError, match=r"^distill.loss=rkl needs the teacher's full distribution; use stage2.targets=online$"):
+    with pytest.raises(M2DError, match=r"^distill.loss=rkl needs the teacher's full distribution; use stage2.targets=hidden \(exact\) or online$"):
         check_targets_loss("rkl", spec)
-    with pytest.raises(M2DError, match="fkl\\+mse needs the teacher's hidden states"):
-        check_targets_loss("fkl+mse", TargetSpec("sampled", 12))
+    for cached in (TargetSpec("sampled", 12), TargetSpec("hidden", 0)):
+        with pytest.raises(M2DError, match="fkl\\+mse needs the teacher's hidden states of every layer, which no cache keeps"):
+            check_targets_loss("fkl+mse", cached)
+    check_targets_loss("rkl", TargetSpec("hidden", 0))  # the whole distribution comes back from the states
+    check_targets_loss("fkl", TargetSpec("hidden", 0))
+
+
+def test_loss_metric_names_the_bucketed_kl_apart():
+    assert loss_metric(None) == loss_metric(TargetSpec("hidden", 0)) == loss_metric(TargetSpec("sampled", 8)) == "train_loss"
+    assert loss_metric(TargetSpec("topk", 64)) == "train_loss_buckets"
+
+
+QWEN3_VOCAB = 151_936
+
+
+def test_sampled_draws_reach_every_token_at_qwen3s_vocabulary():
+    """At 151,936 tokens a float32 CDF drops every id whose probability is below its ~6e-8 step near 1: such
+    ids could never be drawn. The float64 CDF (and float64 uniforms) gives each id its own interval: the
+    uniform at the middle of a tail id's interval draws that id."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(QWEN3_VOCAB, generator=g, dtype=torch.float64) * 3
+    logits[:50] += 25  # a few dominant tokens: the tail ids carry ~1e-12 .. 1e-9 each
+    lp = torch.log_softmax(logits, -1).float()[None]
+    p = lp.double().exp()[0]
+    cdf = p.cumsum(-1)
+    lost32 = int(((lp.exp().cumsum(-1)[0][1:] - lp.exp().cumsum(-1)[0][:-1]) == 0).sum())
+    assert lost32 > 1000  # the float32 CDF the old draw used: thousands of ids with an empty interval
+    tail = torch.tensor([60, 1_000, 75_000, 120_000, QWEN3_VOCAB - 1])
+    assert (p[tail] < 1e-8).all()
+    u = ((cdf[tail] - p[tail] / 2) / cdf[-1])[None]  # the middle of each tail id's interval
+    k = len(tail)
+    out = {"ids": torch.zeros(1, k, dtype=torch.int32), "counts": torch.zeros(1, k, dtype=torch.uint8), "logp": torch.zeros(1, k, dtype=torch.float16)}
+    _sampled(lp.clone(), u, **out)
+    assert out["ids"][0].tolist() == sorted(tail.tolist()) and out["counts"][0].tolist() == [1] * k
+
+
+def test_sampled_draws_invert_the_float64_cdf_at_float64_uniforms():
+    """The draws of a block are the float64 inverse CDF at its generator's float64 uniforms (reproducible
+    anywhere; float32 uniforms take only 2^24 values)."""
+    h, w, spec = torch.randn(1, 6, 8), torch.randn(40, 8), TargetSpec("sampled", 5, seed=7)
+    tg = teacher_targets(h, w, spec, first_block=3)
+    u = torch.rand(6, 5, generator=block_generator(7, 3), dtype=torch.float64)
+    cdf = torch.log_softmax((h[0] @ w.T).float(), -1).double().exp().cumsum(-1)
+    draws = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    for row in range(6):
+        ids, counts = torch.unique(draws[row], return_counts=True)
+        n = len(ids)
+        assert tg["ids"][0, row, :n].tolist() == ids.tolist() and tg["counts"][0, row, :n].tolist() == counts.tolist()

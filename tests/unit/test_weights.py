@@ -279,3 +279,51 @@ def test_initial_student_of_a_distillation_reads_the_teacher_lazily(tiny_teacher
         x, y = load_file(str(tmp_path / a / "model.safetensors")), load_file(str(tmp_path / b / "model.safetensors"))
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), (a, b)
     assert json.loads((tmp_path / "lazy" / "m2d_plan.json").read_text())["verification"]["max_rel_error"] < 1e-10
+
+
+# ---- cached final hidden states (stage2.targets: hidden) -----------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_logits_recomputed_from_stored_states_are_the_teachers_own(family, stream):
+    """The targets pass's final hidden states (after the final norm: the streamed pass applies it itself) times
+    the head a student's rank reads alone give the teacher's own forward logits, in every family."""
+    from m2d_ray.stages.shards import _teacher_forward
+    from m2d_ray.weights import read_output_head
+
+    _, eager, _, ids, _, hub = family
+    hidden, _ = _teacher_forward(str(hub), None, "cpu", 2, stream, None)
+    h = torch.cat(list(hidden(ids)))
+    head = read_output_head(str(hub), torch.float32)
+    with torch.no_grad():
+        ref = eager.model(input_ids=ids).logits
+    assert torch.equal(head, eager.model.get_output_embeddings().weight)
+    assert (h @ head.T - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+def test_the_head_of_tied_embeddings_is_read_from_the_embedding(tmp_path):
+    """A tied checkpoint stores the embedding alone (save_pretrained drops lm_head.weight): that is the head."""
+    from transformers import AutoModelForCausalLM
+
+    from m2d_ray.checkpoint import read_stored_tensor
+    from m2d_ray.weights import read_output_head
+
+    cfg = FAMILIES[0].make_config()
+    cfg.tie_word_embeddings = True
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, experts_implementation="eager")
+    hub = save(model, tmp_path / "tied", "hub")
+    assert "lm_head.weight" not in Checkpoint(hub).names()
+    head = read_output_head(str(hub), torch.bfloat16)
+    assert head.dtype == torch.bfloat16 and torch.equal(head, model.get_input_embeddings().weight.detach().to(torch.bfloat16))
+    # the ranged reads a rank makes of a teacher in object storage (any pyarrow filesystem; here a local one)
+    name, t = read_stored_tensor(str(hub), ["lm_head.weight", "model.embed_tokens.weight"])
+    assert name == "model.embed_tokens.weight" and torch.equal(t, model.get_input_embeddings().weight.detach())
+    assert read_stored_tensor(str(hub), ["nothing.here"]) is None
+
+
+def test_a_soft_capped_head_is_refused_by_name():
+    from m2d_ray.arch.head import check_plain_head
+
+    cfg = FAMILIES[0].make_config()
+    check_plain_head(cfg)
+    cfg.final_logit_softcapping = 30.0
+    with pytest.raises(M2DError, match=r"final_logit_softcapping=30.0\); use stage2.targets=online or sampled:N$"):
+        check_plain_head(cfg)
