@@ -6,8 +6,8 @@ measured figure is the peak growth. Anonymous memory, not VmRSS: transformers ke
 checkpoint's file mapped, and those clean file pages are page cache the kernel drops under pressure
 (they would count the weights twice on CPU). The estimate is `m2d_ray.plan.memory`'s, on CPU (fp32).
 
-    train     one student's DistillStep (plain torch, one rank): online teacher or cached topk:64 targets,
-              with and without gradient checkpointing
+    train     one student's DistillStep (plain torch, one rank): online teacher, cached topk:64 targets (with and
+              without gradient checkpointing) or cached hidden states with the teacher's head read alone
     calibrate collect_stats of a Qwen3-MoE teacher loaded by models.load_teacher
     eval      lm-eval's HFLM on loglikelihood requests longer than max_length (every sequence is full)
 
@@ -41,6 +41,7 @@ CASES = [
     ("calibrate", {"experts": 128, "batch": 2, "seq": 1024}),
     ("eval", {"batch": 8, "seq": 512}),
     ("eval", {"batch": 32, "seq": 256}),
+    ("train", {"targets": "hidden", "ckpt": False, "batch": 4, "seq": 512}),
 ]
 
 
@@ -130,28 +131,36 @@ def child(case: str, size: str, kw: dict, work: Path, device: str = "cpu") -> di
 
         from m2d_ray.distill.config import DistillConfig
         from m2d_ray.distill.step import DistillStep
-        from m2d_ray.distill.targets import bytes_per_token, parse_targets
+        from m2d_ray.distill.targets import bytes_per_token, parse_targets, state_bytes
         from m2d_ray.models import load_distill_teacher
+        from m2d_ray.weights import read_output_head
 
         B, L, online = kw["batch"], kw["seq"], kw["targets"] == "online"
         spec = None if online else parse_targets(kw["targets"])
         cfg = DistillConfig(deepspeed=False, batch_size=B, seq_len=L, gradient_checkpointing=kw["ckpt"])
-        V = dense.vocab_size
-        batch = lambda: torch.randint(0, V, (B, L), device=device) if online else {  # noqa: E731
-            "tokens": torch.randint(0, V, (B, L), device=device), "ids": torch.randint(0, V, (B, L, spec.k), dtype=torch.int32, device=device),
-            "logp": torch.log_softmax(torch.randn(B, L, spec.k, device=device), -1).half(), "tail": torch.full((B, L), -5.0, device=device)}
+        V, d = dense.vocab_size, moe.hidden_size
+        ids = lambda: torch.randint(0, V, (B, L), device=device)  # noqa: E731
+        if online:
+            batch = ids
+        elif spec.exact:
+            batch = lambda: {"tokens": ids(), "hidden": torch.randn(B, L, d, dtype=dtype, device=device)}  # noqa: E731
+        else:
+            batch = lambda: {"tokens": ids(), "ids": torch.randint(0, V, (B, L, spec.k), dtype=torch.int32, device=device),  # noqa: E731
+                             "logp": torch.log_softmax(torch.randn(B, L, spec.k, device=device), -1).half(), "tail": torch.full((B, L), -5.0, device=device)}
         peak = Peak()
         t = load_distill_teacher(teacher, dtype=dtype, device=device).model if online else None
+        head = read_output_head(teacher, dtype).to(device) if spec is not None and spec.exact else None
         s = AutoModelForCausalLM.from_pretrained(student, dtype=dtype).to(device).train()
         if kw["ckpt"]:
             s.gradient_checkpointing_enable()
         s.config.use_cache = False
-        step = DistillStep(s, t, cfg, device, 1, dtype, spec)
+        step = DistillStep(s, t, cfg, device, 1, dtype, spec, head)
         for _ in range(2):
             step.step([batch()])
         measured = peak.stop()
-        parts = memory.training(shape_of(dense), B * L, b, 1, False, 2, kw["ckpt"], cfg.loss_chunk, cached=not online)
-        parts.update(memory.online_teacher(shape_of(moe), B * L, b) if online else memory.cached_targets(B * L, bytes_per_token(spec)))
+        per_token = bytes_per_token(spec, state_bytes(d, gpu)) if spec else 0
+        parts = memory.student_rank(shape_of(dense), shape_of(moe), B * L, b, 1, False, 2, kw["ckpt"], cfg.loss_chunk,
+                                    spec.mode if spec else "online", per_token)
     elif case == "calibrate":
         from m2d_ray.calibrate.collect import collect_stats
         from m2d_ray.models import load_teacher

@@ -93,9 +93,13 @@ class Stage2Config:
     reduction_factor: int = 3
     max_concurrent_trials: int | None = None  # None = from the cluster's GPUs (else ray.max_concurrent_trials)
     pairs: tuple[str, ...] = ()  # "scoring/grouping" pairs to distil; empty = every promoted pair
-    # the teacher's outputs: online (the teacher runs beside every student) | topk[:K] | sampled[:N] (computed
-    # once over the run's tokens and cached in its storage; students then load no teacher weights)
+    # the teacher's outputs: online (the teacher runs beside every student) | hidden (its final hidden states:
+    # exact, a rank reads the teacher's output head only) | topk[:K] | sampled[:N] (approximate); cached ones are
+    # computed once over the run's tokens into its storage and students load no teacher weights
     targets: str = "online"
+    # a student's Train checkpoints (DeepSpeed state: ~14 B/parameter, 94 GB at 3.3B) are removed once it ends
+    # (ok: its distilled model verified in storage; pruned or diverged: the run never resumes it); true keeps them
+    keep_training_state: bool = False
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,13 @@ class SweepConfig:
         """Whether the run asks for GPUs: decided from the config, not from the GPUs up right now (a cluster
         scaling from zero GPU nodes has none until someone asks)."""
         return self.distill.gpus_per_worker > 0 or self.ray.gpus_per_trial > 0 or self.ray.data_gpus_per_actor > 0
+
+    def students_at_once(self) -> int | None:
+        """Stage 2's students at a time: as set, else all of them on GPUs (Ray queues their worker groups and an
+        autoscaler starts nodes for them), else `ray.max_concurrent_trials` on CPUs."""
+        if self.stage2.max_concurrent_trials:
+            return self.stage2.max_concurrent_trials
+        return None if self.distill.gpus_per_worker > 0 else self.ray.max_concurrent_trials
 
     def target_spec(self):
         """stage2.targets as a TargetSpec (None: online), at the distillation temperature and seed."""

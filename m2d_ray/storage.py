@@ -202,3 +202,12 @@ def delete(url: str) -> None:
     fs, path = filesystem(url)
     if fs.get_file_info(path).type == pafs.FileType.File:
         fs.delete_file(path)
+
+
+def delete_dir(url: str) -> None:
+    """Remove the directory at `url` and everything below it (gone already is fine)."""
+    import pyarrow.fs as pafs
+
+    fs, path = filesystem(url)
+    if fs.get_file_info(path).type == pafs.FileType.Directory:
+        fs.delete_dir(path)

@@ -2,7 +2,8 @@
 
 OUT/metrics.jsonl is the validation curve, OUT/result.json the summary, OUT/logs the log; the storage
 (`--storage`, default OUT) holds student/ (the exported student), train/ (the Ray Train checkpoints:
-running the same command again resumes), init/ for a baseline, and what the workers read (the text
+running the same command again resumes; removed once the student is exported, unless
+stage2.keep_training_state=true), init/ for a baseline, and what the workers read (the text
 files, and a student directory or teacher on the driver's disk when Ray is a cluster). A finished OUT is
 replaced only with --overwrite, and only once the new student is done (the new run is made in a hidden
 sibling directory, which a killed --overwrite run resumes from).
@@ -87,6 +88,8 @@ def distill_one(teacher: str | None, student: str, out: str | Path, eval_data: s
         "targets": str(spec or "online"), "peak_rss_bytes": m.get("peak_rss_bytes"), "peak_cuda_bytes": m.get("peak_cuda_bytes"),
         "metrics": str(out / "metrics.jsonl"),
     }
+    if not full.stage2.keep_training_state:  # the exported student is in storage (the last report waits for it)
+        storage.drop_training_state(None, storage.student())
     write_json_atomic(work / "result.json", summary)
     if work != out:
         replace_dir(out, work)

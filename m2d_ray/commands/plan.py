@@ -2,7 +2,8 @@
 and the same check that `m2d run` makes before calibration (`check_run`).
 
     table (stdout, via the log)    one row per stage (stage 3: per model), then the storage
-    JSON line                      {"gpu_memory", "stages": {stage: {"per_gpu_bytes", "gpus", "fits"}}, "storage_bytes"}
+    JSON line                      {"gpu_memory", "stages": {stage: {"per_gpu_bytes", "gpus", "fits"}}, "storage_bytes",
+                                   "storage_peak_bytes"} (what stays; the most while students train)
     exit 2 + one line              when a stage does not fit its device or no node type can hold its request
 """
 

@@ -18,6 +18,7 @@ from m2d_ray.errors import M2DError
 class NodeType:
     name: str
     resources: dict = field(default_factory=dict)
+    max_workers: int | None = None  # how many the autoscaler may start (None = not known)
 
     @property
     def accelerator(self) -> str | None:
@@ -55,7 +56,7 @@ def from_cluster_yaml(path: str | Path) -> list[NodeType]:
     types = raw.get("available_node_types")
     if not isinstance(types, dict) or not types:
         raise M2DError(f"{path} has no available_node_types; m2d checks a run against a cluster's node types")
-    return [NodeType(name, dict((t or {}).get("resources") or {})) for name, t in types.items()]
+    return [NodeType(name, dict((t or {}).get("resources") or {}), (t or {}).get("max_workers")) for name, t in types.items()]
 
 
 def holders(nodes: list[NodeType], request: dict) -> list[NodeType]:

@@ -12,7 +12,10 @@ training on a GPU and fp32 on CPU; T = tokens of a micro-batch):
                          SwiGLU 4f) x b for backward: all layers, or with gradient checkpointing each
                          layer's input h plus one layer recomputed
     KL buffers           the chunked loss keeps grad_h (T h b) and grad_W (V h, fp32) and forms 5 fp32
-                         [chunk x V] tensors per chunk (3 from cached targets) (distill/losses.py)
+                         [chunk x V] tensors per chunk where it forms the teacher's logits (online, and from
+                         cached hidden states), 3 from top-K / sampled targets (distill/losses.py)
+    the teacher          online: all of it and its forward; `hidden` targets: its output head (V h b) and a
+                         micro-batch of states with the next one prefetched; top-K / sampled: their targets
     a forward            no-grad: logits T V b (calibration's full forward) or one chunk of them (the chunked
                          losses), plus a layer's transient T (4h + 2 ffn) b
     calibration Gram     all-expert outputs of a token chunk: the working set calibrate/stats.gram_chunk
@@ -29,8 +32,8 @@ from __future__ import annotations
 from m2d_ray.plan.shapes import Shape
 
 FP32 = 4
-KL_TENSORS = {"online": 5, "cached": 3}  # fp32 [chunk x V] tensors alive in one chunk of the KL: the student's logits, log-probs
-# and gradient, and online also the teacher's logits and log-probs (cached targets are [chunk x K])
+KL_TENSORS = {True: 5, False: 3}  # fp32 [chunk x V] tensors alive in one chunk of the KL: the student's logits, log-probs and
+# gradient, and where the teacher's logits are formed (online, hidden states) also those and their log-probs (top-K / sampled: [chunk x K])
 DS_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements)
 CPU_GRAM_SHARE = 4  # calibrate/stats.gram_chunk: the CPU working set is a quarter of the GPU one
 
@@ -47,8 +50,9 @@ def forward_transient(s: Shape, tokens: int, b: int) -> int:
 
 
 def training(student: Shape, tokens: int, b: int, world: int, deepspeed: bool, zero_stage: int,
-             checkpointing: bool, chunk: int, cached: bool = False) -> dict[str, int]:
-    """One rank's student: weights, gradients, optimizer state, activations and the KL's buffers."""
+             checkpointing: bool, chunk: int, teacher_logits: bool = True) -> dict[str, int]:
+    """One rank's student: weights, gradients, optimizer state, activations and the KL's buffers
+    (`teacher_logits`: the KL forms the teacher's logits chunk by chunk)."""
     P = student.params
     out = {"student": P * b}
     if deepspeed and zero_stage >= 1:
@@ -60,7 +64,7 @@ def training(student: Shape, tokens: int, b: int, world: int, deepspeed: bool, z
     per_layer = tokens * layer_activation(student) * b
     out["activations"] = (student.layers * tokens * student.hidden * b + per_layer) if checkpointing else student.layers * per_layer
     c = min(chunk, tokens)
-    out["kl"] = tokens * student.hidden * b + student.vocab * student.hidden * FP32 + KL_TENSORS['cached' if cached else 'online'] * c * student.vocab * FP32
+    out["kl"] = tokens * student.hidden * b + student.vocab * student.hidden * FP32 + KL_TENSORS[teacher_logits] * c * student.vocab * FP32
     return out
 
 
@@ -72,6 +76,19 @@ def online_teacher(teacher: Shape, tokens: int, b: int) -> dict[str, int]:
 def cached_targets(tokens: int, per_token: int) -> dict[str, int]:
     """One micro-batch of cached targets, and the next one prefetched."""
     return {"targets": 2 * tokens * per_token}
+
+
+def student_rank(student: Shape, teacher: Shape, tokens: int, b: int, world: int, deepspeed: bool, zero_stage: int,
+                 checkpointing: bool, chunk: int, targets: str = "online", per_token: int = 0) -> dict[str, int]:
+    """One stage-2 rank: `training` and what it holds of its teacher for `targets` (online, hidden, topk,
+    sampled; `per_token`: the cache's bytes per token)."""
+    exact = targets in ("online", "hidden")
+    out = training(student, tokens, b, world, deepspeed, zero_stage, checkpointing, chunk, teacher_logits=exact)
+    if targets == "online":
+        return {**out, **online_teacher(teacher, tokens, b)}
+    if targets == "hidden":
+        out["teacher head"] = teacher.vocab * teacher.hidden * b
+    return {**out, **cached_targets(tokens, per_token)}
 
 
 def calibration(teacher: Shape, batch: int, seq: int, b: int, streamed: bool, gpu: bool) -> dict[str, int]:
@@ -100,13 +117,13 @@ def trial(student: Shape, batch: int, seq: int, b: int) -> dict[str, int]:
             "forward": forward_transient(student, T, b) + min(T, 1024) * student.vocab * (b + 2 * FP32)}
 
 
-def targets_pass(teacher: Shape, batch: int, seq: int, b: int, streamed: bool, per_token: int) -> dict[str, int]:
+def targets_pass(teacher: Shape, batch: int, seq: int, b: int, streamed: bool, per_token: int, logits: bool = True) -> dict[str, int]:
     """The teacher-once pass of cached targets: a calibration-sized forward without the Gram, and the
-    chunked log-softmax over the vocabulary."""
+    chunked log-softmax over the vocabulary (`logits`: top-K / sampled; hidden states need none)."""
     T = batch * seq
     weights = (teacher.outer_params + teacher.layer_params) * b if streamed else teacher.params * b
-    return {"teacher": weights, "forward": forward_transient(teacher, T, b) + T * teacher.hidden * b,
-            "log-softmax": 3 * min(T, 1024) * teacher.vocab * FP32, "targets": T * per_token}
+    out = {"teacher": weights, "forward": forward_transient(teacher, T, b) + T * teacher.hidden * b, "targets": T * per_token}
+    return {**out, "log-softmax": 3 * min(T, 1024) * teacher.vocab * FP32} if logits else out
 
 
 def total(parts: dict[str, int]) -> int:

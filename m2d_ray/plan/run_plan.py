@@ -73,9 +73,10 @@ class StagePlan:
 @dataclass(frozen=True)
 class RunPlan:
     stages: tuple[StagePlan, ...]
-    storage: dict
+    storage: dict  # what the run leaves in its storage
     gpu_memory: int | None
     models: dict = field(default_factory=dict)  # teacher / student parameter counts
+    storage_peak: dict = field(default_factory=dict)  # besides `storage`, the most held at once while students train
 
     def by_stage(self) -> dict[str, StagePlan]:
         """One entry per stage: the unit that fits worst (stage 3 plans each model)."""
@@ -92,7 +93,8 @@ class RunPlan:
                 "stages": {k: {"per_gpu_bytes": s.per_device, "gpus": int(s.gpus) if float(s.gpus).is_integer() else s.gpus, "fits": bool(s.fits is not False and s.feasible),
                                "unit": s.unit, "parts": s.parts, "request": s.request, "capacity": s.capacity}
                            for k, s in self.by_stage().items()},
-                "storage_bytes": memory.total(self.storage), "storage": self.storage}
+                "storage_bytes": memory.total(self.storage), "storage": self.storage,
+                "storage_peak_bytes": memory.total(self.storage) + memory.total(self.storage_peak), "storage_peak": self.storage_peak}
 
     def problems(self) -> list[str]:
         """One line per stage that cannot run: a request no node type holds, or memory that does not fit."""
@@ -117,7 +119,10 @@ class RunPlan:
             rows.append((s.name, f"{s.unit} ({device})", gib(s.per_device), f"{s.gpus:g}", fits, _top(s.parts, 4)))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5] for r in rows]
-        lines.append(f"storage written: {gib(memory.total(self.storage))} ({_top(self.storage, 6)})")
+        lines.append(f"storage written: {gib(memory.total(self.storage))} stays ({_top(self.storage, 6)})")
+        if self.storage_peak:
+            lines.append(f"  peak while students train: {gib(memory.total(self.storage) + memory.total(self.storage_peak))} "
+                         f"({_top(self.storage_peak)}; an ended student's training state is removed: stage2.keep_training_state)")
         return "\n".join(lines)
 
 
@@ -135,18 +140,18 @@ def _top(parts: dict, n: int = 3) -> str:
 def make_plan(cfg: SweepConfig, teacher_config, devices: Devices = Devices(), stage3_models: dict | None = None) -> RunPlan:
     """The plan of `cfg` for the teacher of `teacher_config`. `stage3_models`: extra {key: config} that stage 3
     evaluates besides the student and the teacher (the d2d baseline's dense teacher)."""
-    from m2d_ray.distill.targets import bytes_per_token
+    from m2d_ray.distill.targets import bytes_per_token, state_bytes
 
     m = models_of(teacher_config)
     spec = cfg.target_spec()
-    per_token = bytes_per_token(spec) if spec else 0
+    per_token = bytes_per_token(spec, state_bytes(m.teacher.hidden, cfg.ray.data_gpus_per_actor > 0)) if spec else 0
     stages = [_calibrate(cfg, m.teacher, devices), _stage1(cfg, m.student, devices)]
     if spec:
-        stages.append(_targets(cfg, m.teacher, devices, per_token))
-    stages.append(_stage2(cfg, m, devices, per_token))
+        stages.append(_targets(cfg, m.teacher, devices, per_token, logits=not spec.exact))
+    stages.append(_stage2(cfg, m, devices, spec.mode if spec else "online", per_token))
     stages += _stage3(cfg, m, devices, stage3_models or {})
-    return RunPlan(tuple(stages), _storage(cfg, m, per_token), devices.gpu_memory,
-                   {"teacher_params": m.teacher.params, "student_params": m.student.params})
+    stays, peak = _storage(cfg, m, per_token, _students_at_once(cfg, devices))
+    return RunPlan(tuple(stages), stays, devices.gpu_memory, {"teacher_params": m.teacher.params, "student_params": m.student.params}, peak)
 
 
 def _unit(name: str, unit: str, parts: dict, share: float, units: int, request: dict, devices: Devices, fix: str,
@@ -191,18 +196,18 @@ def _stage1(cfg: SweepConfig, s: Shape, d: Devices) -> StagePlan:
                  "a larger ray.gpus_per_trial, a smaller eval.batch_size or a larger GPU")
 
 
-def _targets(cfg: SweepConfig, t: Shape, d: Devices, per_token: int) -> StagePlan:
+def _targets(cfg: SweepConfig, t: Shape, d: Devices, per_token: int, logits: bool) -> StagePlan:
     c, seq = cfg.calib, cfg.distill.seq_len
-    return _teacher_pass("targets", cfg, d, lambda streamed: memory.targets_pass(t, c.batch_size, seq, t.dtype_bytes, streamed, per_token))
+    return _teacher_pass("targets", cfg, d, lambda streamed: memory.targets_pass(t, c.batch_size, seq, t.dtype_bytes, streamed, per_token, logits))
 
 
-def _stage2(cfg: SweepConfig, m: Models, d: Devices, per_token: int) -> StagePlan:
+def _stage2(cfg: SweepConfig, m: Models, d: Devices, targets: str, per_token: int) -> StagePlan:
     x = cfg.distill
     share = x.gpus_per_worker
     b = 2 if share > 0 else 4  # bf16 on a GPU, fp32 on CPU (distill/loop.py)
     T = x.batch_size * x.seq_len
-    parts = memory.training(m.student, T, b, x.workers, x.deepspeed, x.zero_stage, x.gradient_checkpointing, x.loss_chunk, cached=per_token > 0)
-    parts.update(memory.cached_targets(T, per_token) if per_token else memory.online_teacher(m.teacher, T, b))
+    parts = memory.student_rank(m.student, m.teacher, T, b, x.workers, x.deepspeed, x.zero_stage, x.gradient_checkpointing, x.loss_chunk,
+                                targets, per_token)
     return _unit("stage2", "rank", parts, share, x.workers, bundle(x.cpus_per_worker, share, x.accelerator), d, _stage2_fix(cfg, parts))
 
 
@@ -210,7 +215,7 @@ def _stage2_fix(cfg: SweepConfig, parts: dict) -> str:
     x = cfg.distill
     big = max(parts, key=parts.get)
     if big == "teacher":
-        return "stage2.targets=sampled:64 (the teacher's outputs cached once: students hold no teacher weights)"
+        return "stage2.targets=hidden (the teacher's final hidden states cached once: a rank holds its output head only, the loss stays exact)"
     if big == "activations" and not x.gradient_checkpointing:
         return "distill.gradient_checkpointing=true"
     if big in ("optimizer", "grads") and x.workers < 8:
@@ -260,8 +265,23 @@ def _stage3(cfg: SweepConfig, m: Models, d: Devices, extra: dict) -> list[StageP
 
 
 # ---- storage ------------------------------------------------------------------------------------
-def _storage(cfg: SweepConfig, m: Models, per_token: int) -> dict:
-    """What the run writes: statistics, students (initial and distilled), checkpoints, token shards, targets."""
+def _students_at_once(cfg: SweepConfig, d: Devices) -> int | None:
+    """The most students training at once: `SweepConfig.students_at_once`, bounded on GPUs by what the node types'
+    max_workers can hold (None: unbounded, or unknown)."""
+    x, n = cfg.distill, cfg.students_at_once()
+    if x.gpus_per_worker <= 0 or d.nodes is None:
+        return n
+    types = holders(list(d.nodes), bundle(x.cpus_per_worker, x.gpus_per_worker, x.accelerator))
+    if not types or any(t.max_workers is None for t in types):
+        return n
+    room = sum(t.max_workers * int(t.gpus // (x.workers * x.gpus_per_worker)) for t in types)
+    return min(n, room) if n else room
+
+
+def _storage(cfg: SweepConfig, m: Models, per_token: int, at_once: int | None) -> tuple[dict, dict]:
+    """(what the run leaves: statistics, students (initial and distilled), token shards, targets, and the students'
+    Train checkpoints with stage2.keep_training_state; the most held besides while students train: the
+    checkpoints of the students `at_once` (all of them when None))."""
     x = cfg.distill
     t, s = m.teacher, m.student
     b_train = 2 if x.gpus_per_worker > 0 else 4
@@ -269,13 +289,15 @@ def _storage(cfg: SweepConfig, m: Models, per_token: int) -> dict:
     n = pairs + len(cfg.stage2.baselines)
     blocks = x.steps * x.batch_size * x.grad_accum * x.workers
     optimizer = (12 if b_train < 4 else 8) * s.params if x.deepspeed else 2 * s.params * b_train
+    per_student = x.keep_checkpoints * (s.params * b_train + optimizer)
     out = {"statistics": t.layers * (t.experts ** 2 + 4 * t.experts + 2) * 8,
            "initial students": n * s.params * s.dtype_bytes, "distilled students": n * s.params * b_train,
-           "checkpoints": n * x.keep_checkpoints * (s.params * b_train + optimizer),
            "token shards": blocks * x.seq_len * 4 + (x.eval_max_tokens or 0) * 4}
     if per_token:
         out["targets"] = blocks * x.seq_len * per_token
-    return out
+    if cfg.stage2.keep_training_state:
+        return {**out, "checkpoints": n * per_student}, {}
+    return out, {"checkpoints": min(n, at_once or n) * per_student}
 
 
 def plan_line(plan: RunPlan) -> str:
@@ -284,7 +306,7 @@ def plan_line(plan: RunPlan) -> str:
 
     j = plan.to_json()
     return json.dumps({"gpu_memory": j["gpu_memory"], "stages": {k: {kk: v[kk] for kk in ("per_gpu_bytes", "gpus", "fits")} for k, v in j["stages"].items()},
-                       "storage_bytes": j["storage_bytes"]})
+                       "storage_bytes": j["storage_bytes"], "storage_peak_bytes": j["storage_peak_bytes"]})
 
 
 def as_record(plan: RunPlan) -> dict:

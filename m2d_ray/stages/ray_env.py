@@ -73,7 +73,8 @@ def node_types() -> tuple[list | None, str]:
     except Exception:
         reported = None
     if reported is not None and reported.node_group_configs:
-        return [NodeType(g.name, dict(g.resources)) for g in reported.node_group_configs if g.max_count != 0], "the autoscaler's node types"
+        return [NodeType(g.name, dict(g.resources), g.max_count if g.max_count > 0 else None)
+                for g in reported.node_group_configs if g.max_count != 0], "the autoscaler's node types"
     boot = Path.home() / "ray_bootstrap_config.yaml"  # what `ray up` gives the head's autoscaler
     if on_cluster() and boot.is_file():
         return from_cluster_yaml(boot), f"the autoscaler's node types ({boot})"

@@ -59,6 +59,14 @@ class RunStorage:
         """(storage path, run name) of a student's Ray Train run: checkpoints land in PATH/NAME."""
         return (storage.join(self.root, "stage2", "train"), key) if key else (self.root, "train")
 
+    def drop_training_state(self, key: str | None, student_path: str | None) -> bool:
+        """Remove a finished student's Train checkpoints; one that ended with a distilled model (`student_path`)
+        only once that model is complete in storage. True when they are gone."""
+        if student_path is not None and not storage.exists(student_path):
+            return False
+        storage.delete_dir(storage.join(*self.checkpoints(key)))
+        return True
+
     def tokens(self, digest: str) -> str:
         """A tokenised distillation stream (distill/tokens.py), shared by every student that reads it."""
         return storage.join(self.root, "tokens", digest)

@@ -151,8 +151,8 @@ def stage2_trainable(config: dict, *, model: str, store: RunStorage, plans: dict
 class Recorder(tune.Callback):
     """Driver side: loss curves to each student's nested MLflow run as they come; ledger + run status at the end."""
 
-    def __init__(self, todo: dict[str, Student], out: StageRecorder, targets: str = "online") -> None:
-        self.todo, self.out, self.targets = todo, out, targets
+    def __init__(self, todo: dict[str, Student], out: StageRecorder, targets: str = "online", drop=None) -> None:
+        self.todo, self.out, self.targets, self.drop = todo, out, targets, drop  # drop(record): its training state goes
         self.runs: dict[str, str] = {}  # key -> MLflow run id (looked up once per student)
         self.logged: dict[str, set[int]] = {}  # key -> steps of its val_ppl history in MLflow
         self.finished = 0
@@ -201,9 +201,30 @@ class Recorder(tune.Callback):
             "curve": [[s, _finite(p)] for s, p in full],  # from step 0, across resumes
         }
         self.out.write(r)
+        if self.drop is not None:
+            self.drop(r)
         self.finished += 1
         ppl = f"{r['val_ppl']:.2f}" if r["val_ppl"] is not None else "-"
         say(f"[stage 2 {self.finished}/{len(self.todo)}] {key}: {status} at step {r['steps']}, val ppl {ppl}")
+
+
+@dataclass
+class TrainingStateDrop:
+    """Removes an ended student's Train checkpoints (stage2.keep_training_state: false): an ok student's once its
+    distilled model is complete in storage, a pruned or diverged one's at once (a resumed run never trains them
+    again); a failed student keeps them (the retry resumes from its last checkpoint)."""
+
+    store: RunStorage
+    quiet: bool = False
+
+    def __call__(self, r: dict) -> None:
+        if r["status"] not in ("ok", "pruned", "diverged"):
+            return
+        path = r.get("student_path") if r["status"] == "ok" else None
+        if r["status"] == "ok" and path is None:
+            return
+        if self.store.drop_training_state(r["key"], path) and not self.quiet:
+            say(f"[stage 2] {r['key']}: training state removed from storage (stage2.keep_training_state=true keeps it)")
 
 
 def _finite(v):
@@ -237,14 +258,6 @@ def check_stage2_config(rd: RunDir, cfg: SweepConfig) -> None:
         diff = [k for k in STAGE2_KEYS if new[k] != saved2[k]]
         if diff:
             raise M2DError(f"stage 2 of {rd} was started with other settings ({', '.join(diff)}); resume it unchanged or use a new run directory")
-
-
-def _concurrency(cfg: SweepConfig) -> int | None:
-    """Students at a time: as set, else all of them on GPUs (Ray queues their worker groups and an
-    autoscaler starts nodes for them), else `ray.max_concurrent_trials` on CPUs."""
-    if cfg.stage2.max_concurrent_trials:
-        return cfg.stage2.max_concurrent_trials
-    return None if cfg.distill.gpus_per_worker > 0 else cfg.ray.max_concurrent_trials
 
 
 class CooperativeASHA(ASHAScheduler):
@@ -303,7 +316,8 @@ def run_stage2(cfg: SweepConfig, run_dir: str | Path | RunDir, tracking_uri: str
         ensure_ray(cfg.ray)
         store = store or RunStorage(cfg.storage or str(rd.path))
         store.check_visible()
-        recorder = Recorder({s.key: s for s in pending}, out, str(cfg.target_spec() or "online"))
+        drop = None if cfg.stage2.keep_training_state else TrainingStateDrop(store)
+        recorder = Recorder({s.key: s for s in pending}, out, str(cfg.target_spec() or "online"), drop)
         workers_model = store.put_model(model)
         eval_data = store.put_data(cfg.distill.eval_data or cfg.eval.data)
         distill = dataclasses.replace(cfg.distill, train_data=store.put_data(cfg.distill.train_data), eval_data=eval_data)
@@ -323,6 +337,11 @@ def run_stage2(cfg: SweepConfig, run_dir: str | Path | RunDir, tracking_uri: str
             _tune(dataclasses.replace(cfg, distill=distill), workers_model, store, plans, eval_data, toks, targ, rd, pending, recorder, d2d)
     copy_duplicates(out, todo_all, dups)
     records = out.ledger.records()
+    if not cfg.stage2.keep_training_state:  # also what a run killed between a ledger record and its removal left
+        drop = TrainingStateDrop(store or RunStorage(cfg.storage or str(rd.path)), quiet=True)
+        for r in records:
+            if "duplicate_of" not in r:
+                drop(r)
     from m2d_ray.report.stage2 import write_stage2
 
     outputs = write_stage2(records, [s.key for s in todo_all], rd.path)
@@ -346,7 +365,7 @@ def _tune(cfg: SweepConfig, model: str, store: RunStorage, plans: dict, eval_dat
         tune.with_resources(trainable, {"cpu": 0.5}),
         param_space={"student": tune.grid_search([s.params() for s in pending])},
         tune_config=tune.TuneConfig(
-            scheduler=_scheduler(cfg, board), max_concurrent_trials=_concurrency(cfg),
+            scheduler=_scheduler(cfg, board), max_concurrent_trials=cfg.students_at_once(),
             trial_name_creator=lambda t: t.config["student"]["key"], trial_dirname_creator=lambda t: t.config["student"]["key"],
         ),
         run_config=tune.RunConfig(

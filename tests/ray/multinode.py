@@ -13,7 +13,8 @@ the head sees it: the workers get it through the run's storage.
 Scenarios (results in WORK/results.json; the run directories stay for the test to read):
   shared  m2d run with --storage on a directory both nodes see, with the d2d baseline; then a resume of the finished run, and one
           with another stage-3 suite
-  (both distil from cached teacher targets, stage2.targets=topk:16: made once in the storage, for each teacher)
+  (both distil from cached teacher targets, stage2.targets=hidden: made once in the storage, for each teacher;
+  the students read the teacher's output head alone, from S3 by ranged reads in the second run)
   s3      m2d run with --storage s3://… and the teacher on the driver's disk (copied to storage once); the driver
           is SIGKILLed after the first distilled student and the run resumed
 """
@@ -37,7 +38,7 @@ SMALL = [
     "grid.scoring=[sf,do-acp]", "grid.grouping=[rr]", "grid.scaling=[uniform]", "grid.K=[2]",
     "distill.steps=4", "distill.eval_every=2", "distill.seq_len=64", "distill.batch_size=4", "distill.eval_max_tokens=1024",
     "distill.warmup_steps=1", "stage2.baselines=[]", "stage3.limit=8", "ray.data_actors=1",
-    "stage2.targets=topk:16",  # the teacher once: its top-16 targets cached in the storage, no teacher weights on the students
+    "stage2.targets=hidden",  # the teacher once: its final hidden states cached in the storage, only its head on the students
 ]
 BUCKET = "m2d-test"
 

@@ -35,7 +35,7 @@ def test_deepspeed_zero2_on_two_cpu_workers_killed_and_resumed(ray_address, ds_e
     out = tmp_path / "distill"
     args = [sys.executable, "-m", "m2d_ray.cli", "distill", "--student", "random-ffn", "--train-data", "synthetic:train",
             "--eval-data", "synthetic:valid", "--steps", "24", "--workers", "2", "--deepspeed", "--out", str(out),
-            "lr=3e-3", "eval_every=4", "seq_len=64", "batch_size=2", "eval_max_tokens=1024", "warmup_steps=2"]
+            "lr=3e-3", "eval_every=4", "seq_len=64", "batch_size=2", "eval_max_tokens=1024", "warmup_steps=2", "stage2.keep_training_state=true"]
     env = {**os.environ, "RAY_ADDRESS": ray_address}
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 400
@@ -106,6 +106,9 @@ def test_stage2_sweep_asha_mlflow_and_native_students(stage1_dir):
     bad = records["baseline-random-init"]
     assert bad["status"] == "pruned" and bad["steps"] < 12 and bad["student_path"] is None
     assert bad["val_ppl"] > 10 * first["val_ppl"]
+    # an ended student's Train checkpoints (its DeepSpeed state at scale) are gone; its distilled model stays
+    train = stage1_dir / "stage2" / "train"
+    assert not (train / best).exists() and not (train / "baseline-random-init").exists() and (Path(first["student_path"]) / "config.json").exists()
     rows = (stage1_dir / "stage2.csv").read_text().splitlines()
     assert len(rows) == 1 + len(records) and rows[1].startswith(best)
     for name in ("stage2.md", "stage2_curves.png", "stage2/config.yaml"):

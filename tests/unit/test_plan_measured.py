@@ -13,7 +13,7 @@ from conftest import ROOT
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import plan_measured  # noqa: E402
 
-CASES = [plan_measured.CASES[i] for i in (1, 2, 4, 6)]  # train online + checkpointing, train topk:64, calibrate E=32, eval
+CASES = [plan_measured.CASES[i] for i in (1, 2, 8, 4, 6)]  # train online + checkpointing, topk:64, hidden; calibrate E=32; eval
 
 
 @pytest.mark.parametrize("case,kw", CASES, ids=lambda c: c if isinstance(c, str) else "-".join(f"{k}{v}" for k, v in c.items()))
