@@ -70,6 +70,18 @@ def test_online_stage2_at_8_gpus_is_the_issue_s_70_gib_before_activations(qwen30
     assert cached.by_stage()["targets"].fits and "teacher" not in cached.by_stage()["stage2"].parts
 
 
+def test_zero2_shards_the_optimizer_and_checkpointing_keeps_one_layer(qwen30b):
+    s = models_of(qwen30b).student
+    one, eight = (memory.training(s, 16384, 2, w, True, 2, True, 1024) for w in (1, 8))
+    assert one["optimizer"] == 8 * eight["optimizer"] == 12 * s.params
+    assert one["grads"] - eight["grads"] == pytest.approx((2 + 4) * s.params * 7 / 8, rel=1e-6)
+    full = memory.training(s, 16384, 2, 8, True, 2, False, 1024)
+    assert full["activations"] == s.layers * 16384 * memory.layer_activation(s) * 2
+    assert eight["activations"] == s.layers * 16384 * s.hidden * 2 + 16384 * memory.layer_activation(s) * 2
+    plain = memory.training(s, 16384, 4, 1, False, 2, False, 1024)  # CPU: fp32, AdamW's two moments, no master copy
+    assert plain["optimizer"] == 2 * 4 * s.params and plain["grads"] == 4 * s.params
+
+
 @pytest.mark.parametrize("workers", [2, 8])
 def test_the_30b_config_distils_from_hidden_states_on_80gb_gpus(qwen30b, workers):
     """The paper configs cache the teacher's final hidden states: a rank holds the student, the teacher's head
