@@ -157,8 +157,10 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=_positive, default=None)
     d.add_argument("--loss", default=None, help=f"{', '.join(LOSSES)} (default fkl)")
     d.add_argument("--teacher-topk", type=_positive, default=None, help="expanded teacher routing k' (k <= k' <= E)")
-    d.add_argument("--targets", default=None, help="online (default: the teacher runs beside the student), topk[:K] or sampled[:N]: "
-                   "the teacher's outputs computed once and cached in the storage (then the workers load no teacher weights)")
+    d.add_argument("--targets", default=None, help="online (default: the teacher runs beside the student), hidden (exact), topk[:K] or "
+                   "sampled[:N]: the teacher's outputs computed once and cached in the storage (then the workers load no teacher layers)")
+    d.add_argument("--keep-training-state", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep train/ (the checkpoints: DeepSpeed state) once the student is exported (default: removed)")
     d.add_argument("--deepspeed", action=argparse.BooleanOptionalAction, default=None, help="DeepSpeed ZeRO-2 (default on)")
     d.add_argument("--workers", type=_positive, default=None, help="Ray Train workers")
     d.add_argument("--config", default=None, help="YAML whose distill: section gives the defaults (experiments/*.yaml)")
@@ -186,7 +188,8 @@ KV_COMMANDS = ("sweep", "run", "distill", "plan")  # commands whose key=value ov
 OVERRIDE_FLAGS = {
     "sweep": {"model": "model", "calib_data": "calib.data", "eval_data": "eval.data", "storage": "storage"},
     "run": {"storage": "storage"},
-    "distill": {**{k: f"distill.{k}" for k in ("train_data", "steps", "loss", "teacher_topk", "deepspeed", "workers")}, "targets": "stage2.targets"},
+    "distill": {**{k: f"distill.{k}" for k in ("train_data", "steps", "loss", "teacher_topk", "deepspeed", "workers")}, "targets": "stage2.targets",
+                "keep_training_state": "stage2.keep_training_state"},
 }
 PREFIX = {"distill": "distill."}  # `m2d distill lr=3e-3`: its bare keys are the distill section's
 

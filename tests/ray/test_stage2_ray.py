@@ -35,7 +35,7 @@ def test_deepspeed_zero2_on_two_cpu_workers_killed_and_resumed(ray_address, ds_e
     out = tmp_path / "distill"
     args = [sys.executable, "-m", "m2d_ray.cli", "distill", "--student", "random-ffn", "--train-data", "synthetic:train",
             "--eval-data", "synthetic:valid", "--steps", "24", "--workers", "2", "--deepspeed", "--out", str(out),
-            "lr=3e-3", "eval_every=4", "seq_len=64", "batch_size=2", "eval_max_tokens=1024", "warmup_steps=2", "stage2.keep_training_state=true"]
+            "lr=3e-3", "eval_every=4", "seq_len=64", "batch_size=2", "eval_max_tokens=1024", "warmup_steps=2", "--keep-training-state"]
     env = {**os.environ, "RAY_ADDRESS": ray_address}
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 400
