@@ -166,7 +166,7 @@ class Recorder(tune.Callback):
             return
         key = trial.config["student"]["key"]
         run = self.runs[key]
-        steps = {k: [(result["step"], result[k])] for k in CURVES if k in result}
+        steps = {k: [(result["step"], result.get(k))] for k in CURVES}  # a metric a report lacks (None) is not logged
         # the curve carries every (step, val ppl) since step 0 across resumes: log those the run's history lacks — step 0
         # of a fresh run, and validations of an attempt whose node was lost before its report reached this driver
         if key not in self.logged:
