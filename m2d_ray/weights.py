@@ -17,6 +17,7 @@ concatenate along dim 1), so the values are bitwise those of `from_pretrained`.
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -273,6 +274,8 @@ def read_output_head(name: str, dtype: torch.dtype) -> Tensor:
     keys = [k for n in wanted for k in (adapter.checkpoint_names(n) if adapter else (n,))]
     if storage.is_remote(name):
         found = read_stored_tensor(name, keys)
+    elif not Path(name).expanduser().exists():
+        found = _read_hub_tensor(name, keys)
     else:
         directory = checkpoint_dir(name)
         check_files(str(directory), "teacher")
@@ -281,3 +284,25 @@ def read_output_head(name: str, dtype: torch.dtype) -> Tensor:
     if found is None:
         raise M2DError(f"the checkpoint of {name} has no output head ({' or '.join(wanted)}); is it a causal language model?")
     return check_finite(*found).to(dtype)
+
+
+def _read_hub_tensor(name: str, keys: Sequence[str]) -> tuple[str, Tensor] | None:
+    """(key, tensor) of the first of `keys` in a hub model, downloading its JSON files and only the weight shard
+    that holds the tensor (into the hub cache), not the whole checkpoint."""
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    from m2d_ray.checkpoint import INDEX_FILE, Shard
+
+    try:
+        meta = Path(snapshot_download(name, allow_patterns=["*.json"]))
+        index = meta / INDEX_FILE
+        files = json.loads(index.read_text())["weight_map"] if index.exists() else {k: "model.safetensors" for k in keys}
+        for key in (k for k in keys if k in files):
+            shard = Shard(Path(hf_hub_download(name, files[key])))
+            if key in shard.entries:
+                return key, shard.read(key)
+    except M2DError:
+        raise
+    except Exception as exc:
+        raise M2DError(f"cannot fetch the output head of {name!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
+    return None

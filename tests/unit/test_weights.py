@@ -327,3 +327,31 @@ def test_a_soft_capped_head_is_refused_by_name():
     cfg.final_logit_softcapping = 30.0
     with pytest.raises(M2DError, match=r"final_logit_softcapping=30.0\); use stage2.targets=online or sampled:N$"):
         check_plain_head(cfg)
+
+
+def test_a_hub_teachers_head_downloads_only_the_shard_that_holds_it(tmp_path, monkeypatch):
+    """A hub teacher (no local directory): its JSON files and the one weight shard with lm_head, not the checkpoint."""
+    import huggingface_hub
+
+    import m2d_ray.weights as w
+
+    model = tiny_model(FAMILIES[0])
+    hub = tmp_path / "hub"
+    model.save_pretrained(hub, max_shard_size="20KB")
+    index = json.loads((hub / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 2
+    fetched = []
+
+    def snapshot(name, allow_patterns):
+        assert name == "org/moe" and allow_patterns == ["*.json"]
+        return str(hub)
+
+    def one_file(name, filename):
+        fetched.append(filename)
+        return str(hub / filename)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", one_file)
+    monkeypatch.setattr(w, "load_config", lambda name: model.config)  # (the config from the hub: no network here)
+    head = w.read_output_head("org/moe", torch.float32)
+    assert torch.equal(head, model.lm_head.weight.detach()) and fetched == [index["lm_head.weight"]]
