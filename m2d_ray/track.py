@@ -124,17 +124,24 @@ class Tracker:
 
 
 def _compare_view() -> str:
-    """The comparison view as MLflow's UI stores a shared view (search facets + UI state, JSON): runs grouped by
-    stage (stage-1 configs, students, evaluations, each group open), the recipe and every stage's key metric as columns."""
+    """The comparison view as MLflow's UI stores a shared view (search facets + UI state, JSON). Table: runs grouped
+    by stage (stage-1 configs, students, evaluations; each group open), the recipe and every stage's key metric as
+    columns. Charts, one per run (not per group): parallel coordinates of K and scaling against stage 1's
+    perplexity, and a bar per run of stage 2's and stage 3's key metrics."""
     import json
 
     columns = ([f"params.`{p}`" for p in ("K", "scaling")] + [f"tags.`{t}`" for t in ("pair", "kind")]
                + [f"metrics.`{m}`" for m in KEY_METRICS.values()])
+    card = {"runsCountToCompare": 100, "metricSectionId": "m2d", "deleted": False, "isGenerated": False}
+    charts = [{**card, "uuid": "m2d-grid", "type": "PARALLEL", "selectedParams": ["K", "scaling"], "selectedMetrics": [KEY_METRICS[1]], "showAllRuns": True},
+              *({**card, "uuid": f"m2d-{m}", "type": "BAR", "metricKey": m} for m in (KEY_METRICS[2], KEY_METRICS[3]))]
     return json.dumps({
         "searchFilter": "", "orderByKey": "attributes.start_time", "orderByAsc": True, "startTime": "ALL", "lifecycleFilter": "Active",
         "modelVersionFilter": "All Runs", "datasetsFilter": [], "selectedColumns": columns, "runsHiddenMode": "SHOW_ALL",
         "groupBy": {"aggregateFunction": "min", "groupByKeys": [{"mode": "tag", "groupByData": "stage"}]},
-        "groupsExpanded": {f"tag.stage.{s}": True for s in KEY_METRICS},
+        "groupsExpanded": {f"tag.stage.{s}": True for s in KEY_METRICS}, "useGroupedValuesInCharts": False, "compareRunCharts": charts,
+        "compareRunSections": [{"uuid": "m2d", "name": "m2d: recipes (stage 1), students (stage 2), accuracy (stage 3)", "display": True,
+                                "isReordered": False, "deleted": False, "isGenerated": False}],
     }, sort_keys=True)
 
 

@@ -120,5 +120,10 @@ def test_mlflow_ui_opens_on_the_runs_table_with_configs_and_students(run, browse
             close.click()
         page.get_by_text("kind", exact=True).first.wait_for(timeout=10_000)  # the tag columns, once there is room
         page.screenshot(path=str(shots / "mlflow_runs.png"))
+        page.goto(result["mlflow_url"].replace("http://127.0.0.1:5000", url) + "&compareRunsMode=CHART")  # the chart view beside it
+        page.get_by_text("Parallel Coordinates").first.wait_for(timeout=30_000)
+        for axis in ("K", "scaling", "perplexity", "final_val_ppl", "mean_acc"):  # the grid against stage 1, the students' metrics
+            page.get_by_text(axis, exact=True).first.wait_for(timeout=10_000)
+        page.screenshot(path=str(shots / "mlflow_charts.png"))
     page.close()
     assert [e for e in errors if not e[1].endswith(MLFLOW_OWN_404)] == []
