@@ -64,10 +64,8 @@ class Tracker:
         except Exception as exc:  # unreachable server, bad URI ...
             raise M2DError(f"MLflow tracking at {tracking_uri} is not usable ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); check --tracking-uri") from None
 
-    def ui_url(self, host: str = "http://127.0.0.1:5000") -> str:
-        """The experiment's runs table in `mlflow ui` at `host`, opened on the comparison view (MLflow 3's UI
-        defaults to its GenAI pages; `workflowType` picks model training)."""
-        return f"{host}/#/experiments/{self.experiment_id}/runs?workflowType=machine_learning&viewStateShareKey={VIEW_KEY}"
+    def ui_url(self) -> str:
+        return ui_url(self.uri, self.experiment_id)
 
     # ---- runs ------------------------------------------------------------------------------
     def _find(self, tag: str, value: str, parent: str | None = None) -> str | None:
@@ -121,6 +119,13 @@ class Tracker:
         for p in paths:
             if Path(p).exists():
                 self.client.log_artifact(run_id, str(p))
+
+
+def ui_url(tracking_uri: str, experiment_id: str) -> str:
+    """An experiment's runs table opened on the comparison view, in the tracking server's UI (a local store: in
+    `mlflow ui` on its default address). MLflow 3's UI starts on its GenAI pages; `workflowType` picks model training."""
+    host = tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    return f"{host}/#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey={VIEW_KEY}"
 
 
 def _compare_view() -> str:

@@ -34,6 +34,13 @@ def test_experiment_is_model_training_and_opens_on_the_comparison_view(logged):
                                     f"?workflowType=machine_learning&viewStateShareKey={VIEW_KEY}")
 
 
+def test_the_link_points_at_the_tracking_server_or_at_mlflow_ui():
+    from m2d_ray.track import ui_url
+
+    assert ui_url("http://mlflow.lan:5000/", "7").startswith("http://mlflow.lan:5000/#/experiments/7/runs?workflowType=machine_learning&")
+    assert ui_url("sqlite:////runs/demo/mlflow.db", "1").startswith("http://127.0.0.1:5000/#/experiments/1/runs?")
+
+
 def test_nested_runs_carry_stage_pair_kind_and_one_key_metric_per_stage(logged):
     from m2d_ray.run_dir import RunDir
     from m2d_ray.track import KEY_METRICS
