@@ -13,9 +13,17 @@ import time
 from pathlib import Path
 
 from m2d_ray.errors import M2DError
-from m2d_ray.run_dir import RunDir
+from m2d_ray.run_dir import D2D_TEACHER_KEY, TEACHER_KEY, RunDir
 
 PARENT_TAG, TRIAL_TAG, LOGGED_TAG = "m2d.sweep_id", "m2d.trial", "m2d.logged"
+#: MLflow 3's experiment kind: a model-training experiment opens on its runs table, not on the GenAI overview
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+NOTE_TAG = "mlflow.note.content"  # a run's description in the UI (Markdown)
+#: the runs-table view m2d prints the link of: an experiment tag MLflow's UI reads as a shared view (`viewStateShareKey`)
+VIEW_KEY = "m2d-compare"
+VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
+#: each stage's key metric, under one name in every nested run of that stage (one runs-table column compares them)
+KEY_METRICS = {1: "perplexity", 2: "final_val_ppl", 3: "mean_acc"}
 
 
 def run_tracking_uri(cfg, rd: RunDir, override: str | None = None) -> str:
@@ -46,11 +54,18 @@ class Tracker:
             exp = self.client.get_experiment_by_name(experiment)
             if exp is None:
                 location = Path(artifact_root).resolve().as_uri() if artifact_root and tracking_uri.startswith("sqlite") else None
-                self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+                self.experiment_id = self.client.create_experiment(experiment, artifact_location=location, tags=dict([EXPERIMENT_KIND]))
             else:
                 self.experiment_id = exp.experiment_id
+                if EXPERIMENT_KIND[0] not in exp.tags:  # an experiment of an older m2d; a kind someone chose is kept
+                    self.client.set_experiment_tag(self.experiment_id, *EXPERIMENT_KIND)
+            if exp is None or exp.tags.get(VIEW_TAG) != COMPARE_VIEW:
+                self.client.set_experiment_tag(self.experiment_id, VIEW_TAG, COMPARE_VIEW)
         except Exception as exc:  # unreachable server, bad URI ...
             raise M2DError(f"MLflow tracking at {tracking_uri} is not usable ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); check --tracking-uri") from None
+
+    def ui_url(self) -> str:
+        return ui_url(self.uri, self.experiment_id)
 
     # ---- runs ------------------------------------------------------------------------------
     def _find(self, tag: str, value: str, parent: str | None = None) -> str | None:
@@ -104,6 +119,60 @@ class Tracker:
         for p in paths:
             if Path(p).exists():
                 self.client.log_artifact(run_id, str(p))
+
+
+def ui_url(tracking_uri: str, experiment_id: str) -> str:
+    """An experiment's runs table opened on the comparison view, in the tracking server's UI (a local store: in
+    `mlflow ui` on its default address). MLflow 3's UI starts on its GenAI pages; `workflowType` picks model training."""
+    host = tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    return f"{host}/#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey={VIEW_KEY}"
+
+
+def _compare_view() -> str:
+    """The comparison view as MLflow's UI stores a shared view (search facets + UI state, JSON). Table: runs grouped
+    by stage (stage-1 configs, students, evaluations; each group open), the recipe and every stage's key metric as
+    columns. Charts, one per run (not per group): parallel coordinates of K and scaling against stage 1's
+    perplexity, and a bar per run of stage 2's and stage 3's key metrics."""
+    import json
+
+    columns = ([f"params.`{p}`" for p in ("K", "scaling")] + [f"tags.`{t}`" for t in ("pair", "kind")]
+               + [f"metrics.`{m}`" for m in KEY_METRICS.values()])
+    card = {"runsCountToCompare": 100, "metricSectionId": "m2d", "deleted": False, "isGenerated": False}
+    charts = [{**card, "uuid": "m2d-grid", "type": "PARALLEL", "selectedParams": ["K", "scaling"], "selectedMetrics": [KEY_METRICS[1]], "showAllRuns": True},
+              *({**card, "uuid": f"m2d-{m}", "type": "BAR", "metricKey": m} for m in (KEY_METRICS[2], KEY_METRICS[3]))]
+    return json.dumps({
+        "searchFilter": "", "orderByKey": "attributes.start_time", "orderByAsc": True, "startTime": "ALL", "lifecycleFilter": "Active",
+        "modelVersionFilter": "All Runs", "datasetsFilter": [], "selectedColumns": columns, "runsHiddenMode": "SHOW_ALL",
+        "groupBy": {"aggregateFunction": "min", "groupByKeys": [{"mode": "tag", "groupByData": "stage"}]},
+        "groupsExpanded": {f"tag.stage.{s}": True for s in KEY_METRICS}, "useGroupedValuesInCharts": False, "compareRunCharts": charts,
+        "compareRunSections": [{"uuid": "m2d", "name": "m2d: recipes (stage 1), students (stage 2), accuracy (stage 3)", "display": True,
+                                "isReordered": False, "deleted": False, "isGenerated": False}],
+    }, sort_keys=True)
+
+
+COMPARE_VIEW = _compare_view()
+
+
+def run_tags(stage: int, pair: str, kind: str) -> dict[str, str]:
+    """What a nested run is, as tags the UI groups and filters by (`tags.stage = '1'`, Group by `pair`):
+    kind is `config` (a stage-1 grid point), `promoted` (its pair's best, and that student in stages 2 and 3),
+    `baseline` or `teacher`."""
+    return {"stage": str(stage), "pair": pair, "kind": kind}
+
+
+def model_kind(key: str) -> str:
+    """The kind of a stage-2/3 model from its key (`baseline-NAME`, the teachers' keys, else a promoted config)."""
+    return "teacher" if key in (TEACHER_KEY, D2D_TEACHER_KEY) else "baseline" if key.startswith("baseline-") else "promoted"
+
+
+def run_description(name: str, rd: RunDir, teacher: str, configs: int) -> str:
+    """The parent run's description (Markdown): what the run is, where its report is, how to compare its runs."""
+    return (f"**m2d run `{name}`**: MoE → dense recipes for `{teacher}`. Stage 1 scores {configs} recipe configs by "
+            "pre-distillation perplexity (nested runs tagged `stage=1`, metric `perplexity`); stage 2 distils each "
+            "(scoring, grouping) pair's best and the baselines (`stage=2`, `final_val_ppl`); stage 3 evaluates them and the "
+            f"teacher (`stage=3`, `mean_acc`).\n\nReport: `{rd.report / 'index.html'}` (also in this run's Artifacts, `report/`).\n\n"
+            "Compare: search `tags.stage = '1'` (or `'2'`, `'3'`), *Group by* the tag `pair` or `kind`, add the metric's column, "
+            "or open *Chart* → parallel coordinates (params K, scaling against `perplexity`).")
 
 
 def _finite(v) -> bool:

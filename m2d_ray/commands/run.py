@@ -59,10 +59,11 @@ def run(config: str | None, overrides: list[str], out: str | None = None, resume
     log_plan(cfg, rd, tracking_uri)
     stage("stage2", lambda: run_stage2(cfg, rd, tracking_uri=tracking_uri, store=store))
     stage("stage3", lambda: run_stage3(cfg, rd, tracking_uri=tracking_uri, store=store))
-    stage("report", lambda: report(str(rd), tracking_uri))
+    reported = {}
+    stage("report", lambda: reported.update(report(str(rd), tracking_uri)))
     return {"run_dir": str(rd), "report": str(rd.report / "index.html"),
             "stages": {k: v["wall_s"] for k, v in state["stages"].items()},
-            "mlflow_ui": f"mlflow ui --backend-store-uri {run_tracking_uri(cfg, rd, tracking_uri)}",
+            "mlflow_ui": f"mlflow ui --backend-store-uri {run_tracking_uri(cfg, rd, tracking_uri)}", "mlflow_url": reported["mlflow_url"],
             "outcome": check_outcome(rd)}
 
 
@@ -72,5 +73,5 @@ def main(args) -> None:
     result = run(args.config, args.overrides, out=args.out, resume=args.resume, tracking_uri=args.tracking_uri,
                  gpu_memory=parse_size(args.gpu_memory) if args.gpu_memory else None, cluster=args.cluster)
     say(f"report: {result['report']}")
-    say(f"MLflow UI: {result['mlflow_ui']}  (then open http://127.0.0.1:5000)")
+    say(f"MLflow UI: {result['mlflow_ui']}  (then open {result['mlflow_url']})")
     emit(json.dumps(result))

@@ -128,18 +128,25 @@ def marginal_figure(data: RunData, rows: list[dict], path: Path) -> Path | None:
     if not any(v for _, v in panels):
         return None
     refs = {r["scoring"]: r["mean"] for r in rows if r["kind"] != "student" and r["mean"] is not None}
-    fig, axes = pyplot().subplots(1, 2, figsize=(9, 3.4), sharey=True)
+    fig, axes = pyplot().subplots(1, 2, figsize=(9, 3.8), sharey=True)
     for ax, (axis, vals) in zip(axes, panels):
         bars = ax.bar([v.upper() for v in vals], list(vals.values()), color="#4c72b0")
         ax.bar_label(bars, fmt="%.3f", fontsize=7)  # the differences are small next to the baselines
-        for name, acc in refs.items():
-            ax.axhline(acc, linestyle="--", linewidth=1, color="#c44e52" if "teacher" in name else "#888888")
-            ax.text(len(vals) - 0.5, acc, f" {name}", va="bottom", ha="right", fontsize=7)
+        for i, (name, acc) in enumerate(refs.items()):  # named in one legend: labels at close values would overprint
+            color, dash = REF_STYLES[i % len(REF_STYLES)]
+            ax.axhline(acc, linestyle=dash, linewidth=1.2, color=color, label=f"{name} {acc:.3f}")
         ax.set_title(f"mean accuracy per {axis}", fontsize=9)
         ax.tick_params(axis="x", labelsize=7)
     axes[0].set_ylabel("mean accuracy")
-    fig.tight_layout()
+    if refs:
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=min(len(refs), 4), fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.1 if refs else 0, 1, 1))
     return save(fig, path)
+
+
+#: (colour, line style) of the marginal figure's reference lines (baselines, then teachers), told apart in its legend
+REF_STYLES = [("#c44e52", "-"), ("#dd8452", "--"), ("#55a868", "-."), ("#8172b3", ":"), ("#937860", (0, (5, 1))), ("#da8bc3", (0, (1, 1))),
+              ("#8c8c8c", (0, (3, 1, 1, 1)))]
 
 
 def overlap_figure(t: Table, path: Path) -> Path | None:
@@ -197,7 +204,7 @@ CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;
 h1{font-size:1.5em}h2{font-size:1.15em;margin-top:2em;border-bottom:1px solid #ddd}
 table{border-collapse:collapse;font-size:12px;margin:.5em 0}td,th{border:1px solid #ddd;padding:3px 7px;text-align:right}
 td:first-child,th:first-child{text-align:left}tr:nth-child(even){background:#f7f7f7}
-img{max-width:100%;border:1px solid #eee}.note,.files,.meta{color:#666;font-size:12px}"""
+img{max-width:100%;border:1px solid #eee}figure{margin:1em 0}figcaption{color:#444;font-size:13px;max-width:80ch;margin-top:.3em}.note,.files,.meta{color:#666;font-size:12px}"""
 
 
 def write_report(run_dir: str | Path) -> Path:
@@ -225,7 +232,28 @@ def write_report(run_dir: str | Path) -> Path:
 
 
 def _img(path: Path | None, alt: str) -> str:
-    return f'<img src="{path.name}" alt="{html.escape(alt)}">' if path else f'<p class="note">no data yet for: {html.escape(alt)}</p>'
+    """A figure with its caption (CAPTIONS[alt]: what to read from it), or a note when it has no data yet."""
+    if not path:
+        return f'<p class="note">no data yet for: {html.escape(alt)}</p>'
+    return f'<figure><img src="{path.name}" alt="{html.escape(alt)}"><figcaption>{html.escape(CAPTIONS[alt])}</figcaption></figure>'
+
+
+#: each figure's caption: what it shows and what to read from it
+CAPTIONS = {
+    "perplexity grid": "Pre-distillation perplexity of every recipe (rows: scoring · grouping · scaling; columns: experts kept K), "
+                       "colour on a log scale, darker is better. Read across a row for the cost of keeping fewer experts, down a column "
+                       "for the best recipe at a given K. Hatched cells marked \"partial\" were pruned early: the number is the partial "
+                       "perplexity (first evaluation chunk(s)) they were stopped at, not comparable to a full one; grey cells diverged or failed.",
+    "marginal effect of scoring and grouping": "Mean stage-3 accuracy of the distilled students, averaged per scoring method (left) and per "
+                       "grouping method (right); the lines are the baselines and teachers, named in the legend with their accuracy. "
+                       "A bar above the baselines means that design choice pays off after distillation.",
+    "validation-loss curves": "Validation loss (nats/token) of each student during distillation, baselines dashed. Lower is better; "
+                       "a curve that stops early was pruned by ASHA; curves still falling at the end would gain from more steps.",
+    "overlap matrix": "Fraction of selected experts two scoring methods share at K = k, averaged over layers: 1 means they keep the same "
+                       "experts (same student before grouping), low values mean the scorings disagree on what matters.",
+    "effective rank per scoring": "Effective rank of the selected experts' outputs against K (dotted: the bound K). Higher means the kept "
+                       "experts are more diverse, i.e. less redundant, for the same number kept.",
+}
 
 
 def _page(data: RunData, tables: dict[str, Table], figs: dict[str, Path | None], stage1_md: str) -> str:

@@ -53,28 +53,47 @@ def write_tables(records: list[dict], order: dict[str, list], out_dir: str | Pat
     return [csv_path, md_path]
 
 
+def partial_ppl(r: dict | None) -> float | None:
+    """A pruned config's last measured partial perplexity (the probe's first chunk, or further), else None."""
+    if r is None or r["status"] != "pruned":
+        return None
+    pts = [p for _, p in r.get("partials") or [] if p is not None and math.isfinite(p)]
+    return pts[-1] if pts else None
+
+
 def heatmap(records: list[dict], order: dict[str, list], path: str | Path, title: str = "stage 1: pre-distillation perplexity") -> Path:
-    """log10 perplexity per row x K; diverged / pruned / failed cells are grey and labelled."""
+    """log10 perplexity per row x K; a pruned cell is coloured and labelled by the partial perplexity it was
+    stopped at, hatched and marked "partial"; diverged / failed cells are grey and labelled."""
     import numpy as np
+    from matplotlib.patches import Rectangle
 
     plt = pyplot()
 
     Ks, rows = table(records, order)
     vals = np.full((len(rows), len(Ks)), np.nan)
+    partial = np.zeros_like(vals, dtype=bool)
     for i, (_, _, _, cells) in enumerate(rows):
         for j, K in enumerate(Ks):
             r = cells.get(K)
+            p = partial_ppl(r)
             if r is not None and r["status"] == "ok" and math.isfinite(r["ppl"]):
                 vals[i, j] = math.log10(r["ppl"])
-    fig, ax = plt.subplots(figsize=(2.2 + 0.9 * len(Ks), 1.0 + 0.22 * len(rows)))
+            elif p is not None and p > 0:
+                vals[i, j], partial[i, j] = math.log10(p), True
+    fig, ax = plt.subplots(figsize=(2.6 + 1.0 * len(Ks), 1.3 + 0.24 * len(rows)))
     cmap = plt.get_cmap("viridis_r")
     cmap = cmap.with_extremes(bad="#cccccc")
     im = ax.imshow(np.ma.masked_invalid(vals), aspect="auto", cmap=cmap)
+    lo, hi = (np.nanmin(vals), np.nanmax(vals)) if np.isfinite(vals).any() else (0.0, 1.0)
     for i, (_, _, _, cells) in enumerate(rows):
         for j, K in enumerate(Ks):
             v = vals[i, j]
-            dark = np.isfinite(v) and (v - np.nanmin(vals)) > 0.6 * (np.nanmax(vals) - np.nanmin(vals))
-            ax.text(j, i, cell(cells.get(K), "{:.0f}"), ha="center", va="center", fontsize=6, color="white" if dark else "black")
+            dark = np.isfinite(v) and (v - lo) > 0.6 * (hi - lo)
+            text = f"{10 ** v:.0f} partial" if partial[i, j] else cell(cells.get(K), "{:.0f}")
+            if partial[i, j]:
+                ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="///", edgecolor="#ffffff88", linewidth=0))
+            ax.text(j, i, text, ha="center", va="center", fontsize=6, color="white" if dark else "black",
+                    fontstyle="italic" if partial[i, j] else "normal")
     ax.set_xticks(range(len(Ks)), [f"K={K}" for K in Ks])
     ax.set_yticks(range(len(rows)), [f"{s}·{g}·{c}" for s, g, c, _ in rows], fontsize=6)
     ax.set_title(title, fontsize=9)

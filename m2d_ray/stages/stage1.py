@@ -43,7 +43,7 @@ from m2d_ray.stages.record import Logged, StageRecorder, fit_tuner
 from m2d_ray.stages.run_storage import RunStorage
 from m2d_ray.stages.scheduler import PairwiseStopper
 from m2d_ray.stages.trial import InjectedFault, run_trial
-from m2d_ray.track import run_tracker
+from m2d_ray.track import NOTE_TAG, run_description, run_tags, run_tracker
 
 
 @dataclass
@@ -121,7 +121,8 @@ def mlflow_fields(r: dict) -> Logged:
     metrics = {"effective_rank": r["effective_rank"]}
     if r["ppl"] is not None:
         metrics["perplexity"] = r["ppl"]
-    tags = {"signature": r["signature"], "duplicate_of": r["duplicate_of"], "selected": json.dumps(r["selected"])}
+    tags = {"signature": r["signature"], "duplicate_of": r["duplicate_of"], "selected": json.dumps(r["selected"]),
+            **run_tags(1, f"{r['scoring']}/{r['grouping']}", "config")}
     return Logged({k: r[k] for k in ("scoring", "grouping", "scaling", "K")}, metrics, tags,
                   {"partial_perplexity": [tuple(p) for p in r["partials"]]})
 
@@ -261,7 +262,7 @@ def run_stage1(cfg: SweepConfig | None, run_dir: str | Path | RunDir, resume: bo
                 "stats_sha256": art.checksum, "calib_tokens": art.manifest["n_tokens"], "eval_data": cfg.eval.data,
                 "grid.K": ",".join(map(str, sorted({s.K for s in specs}))), "early_stop": cfg.search.early_stop,
                 "stop_factor": cfg.search.stop_factor, "dedupe": cfg.search.dedupe},
-        tags={"run_dir": str(rd), "teacher": model},
+        tags={"run_dir": str(rd), "teacher": model, NOTE_TAG: run_description(cfg.name, rd, model, len(specs))},
     )
     out = StageRecorder(rd.stage1_ledger(), tracker, parent, mlflow_fields)
     _copy_to_identical(out, uniques)
@@ -349,6 +350,12 @@ def _tune(cfg, model, store: RunStorage, plans, units: list[Unique], ids, record
     fit_tuner(tuner, f"--resume {rd}")
 
 
+def tag_promoted(tracker, parent: str, promotions: dict[str, dict]) -> None:
+    """Each pair's winner gets kind `promoted` in MLflow (as its student in stages 2 and 3), so one filter shows them."""
+    for p in promotions.values():
+        tracker.log(tracker.trial_run(parent, p["key"], {}), tags={"kind": "promoted"})
+
+
 def _finish(cfg, rd: RunDir, records, tracker, parent, model, art, k, E) -> dict:
     order = {"scoring": list(cfg.grid.scoring), "grouping": list(cfg.grid.grouping), "scaling": list(cfg.grid.scaling)}
     outputs = write_tables(records, order, rd.path)
@@ -362,6 +369,7 @@ def _finish(cfg, rd: RunDir, records, tracker, parent, model, art, k, E) -> dict
     outputs.append(rd.promotions)
     counts = {s: sum(r["status"] == s for r in records) for s in ("ok", "pruned", "diverged", "failed")}
     tracker.log(parent, metrics={f"configs_{s}": n for s, n in counts.items()}, tags={"promotions": json.dumps({p: f"K={v['K']},{v['scaling']}" for p, v in promotions.items()})})
+    tag_promoted(tracker, parent, promotions)
     tracker.artifacts(parent, outputs)
     tracker.finish(parent)
     say(f"stage 1 done: {counts}; table {rd.stage1_md}")

@@ -45,7 +45,7 @@ from m2d_ray.stages.run_storage import RunStorage
 from m2d_ray.stages.shards import targets as shard_targets
 from m2d_ray.stages.shards import tokens
 from m2d_ray.stages.trial import InjectedFault
-from m2d_ray.track import run_tracker, sweep_parent
+from m2d_ray.track import run_tags, run_tracker, sweep_parent
 
 CURVES = ("train_loss", "train_loss_buckets", "val_loss", "val_ppl", "lr", "tokens_per_s", "mfu", "train_s", "eval_s", "ckpt_s")  # throughput: training time only
 
@@ -237,7 +237,8 @@ def mlflow_fields(r: dict) -> Logged:
              "peak_rss_bytes": "peak_rss_bytes", "peak_work_bytes": "peak_work_bytes", "peak_cuda_bytes": "peak_cuda_bytes"}
     return Logged({"stage": 2, **{k: r[k] for k in ("key", "pair", "baseline", "stage1_ppl")}},
                   {names[k]: r[k] for k in names if r.get(k) is not None},
-                  {"student_path": r["student_path"], "stage": "2", "targets": r.get("targets"), "duplicate_of": r.get("duplicate_of")})
+                  {"student_path": r["student_path"], "targets": r.get("targets"), "duplicate_of": r.get("duplicate_of"),
+                   **run_tags(2, r["pair"], "baseline" if r["baseline"] else "promoted")})
 
 
 # ---- the sweep ----------------------------------------------------------------------------------

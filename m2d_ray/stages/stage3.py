@@ -30,7 +30,7 @@ from m2d_ray.stages.d2d import dense_teacher
 from m2d_ray.stages.ray_env import ensure_ray
 from m2d_ray.stages.record import Logged, StageRecorder
 from m2d_ray.stages.run_storage import RunStorage
-from m2d_ray.track import run_tracker, sweep_parent
+from m2d_ray.track import model_kind, run_tags, run_tracker, sweep_parent
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def mlflow_fields(r: dict) -> Logged:
     metrics = {f"acc.{name}": t["score"] for name, t in r["tasks"].items() if t.get("score") is not None}
     if r.get("mean") is not None:
         metrics["mean_acc"] = r["mean"]
-    return Logged({"stage": 3, "pair": r["pair"], "model": r["model"]}, metrics, {"stage": "3"})
+    return Logged({"stage": 3, "pair": r["pair"], "model": r["model"]}, metrics, run_tags(3, r["pair"], model_kind(r["key"])))
 
 
 def run_stage3(cfg: SweepConfig, run_dir: str | Path | RunDir, tracking_uri: str | None = None, store: RunStorage | None = None) -> dict[str, dict]:
