@@ -40,7 +40,7 @@ def ensure_ray(cfg: RayConfig) -> None:
         _CONNECTED = True
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=logs)
+    ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=logs)  # never a cluster found in /tmp/ray
     _CONNECTED = False
 
 
@@ -78,7 +78,7 @@ def node_types() -> tuple[list | None, str]:
     boot = Path.home() / "ray_bootstrap_config.yaml"  # what `ray up` gives the head's autoscaler
     if on_cluster() and boot.is_file():
         return from_cluster_yaml(boot), f"the autoscaler's node types ({boot})"
-    if _autoscaler_running():
+    if on_cluster() and _autoscaler_running():  # (a local instance's monitor reports a status too, but adds no node)
         return None, "an autoscaler whose node types are unknown here (give --cluster CLUSTER_YAML to check against them)"
     live = [n for n in ray.nodes() if n.get("Alive")]
     return [NodeType(n.get("NodeManagerAddress") or n["NodeID"][:8], dict(n.get("Resources") or {})) for n in live], "the live nodes"

@@ -167,3 +167,18 @@ def test_a_promoted_plan_repeated_by_another_pair_is_distilled_once():
     plans = {"a": {"signature": "s1"}, "b": {"signature": "s1"}, "c": {"signature": "s2"}}
     assert duplicates(todo, plans) == {"b": "a"}
     assert duplicates(todo[2:], plans) == {}
+
+
+def test_a_local_ray_is_checked_against_its_live_node_though_its_monitor_reports_a_status(ray_address):
+    """A local Ray's monitor publishes an autoscaler status too, but no node will ever join: a run on it is planned
+    against the live node (a GPU request is refused before calibration), not waved through as 'node types unknown'."""
+    import time
+
+    from m2d_ray.stages.ray_env import _autoscaler_running, node_types
+
+    deadline = time.time() + 60
+    while not _autoscaler_running() and time.time() < deadline:
+        time.sleep(0.5)
+    assert _autoscaler_running()
+    nodes, where = node_types()
+    assert where == "the live nodes" and len(nodes) == 1 and nodes[0].gpus == 0
