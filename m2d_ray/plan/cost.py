@@ -77,7 +77,7 @@ class RunCost:
         if self.dollars > max_dollars:
             top = max(self.stages, key=lambda s: s.dollars or 0.0)
             return (f"the run would cost {_usd(self.dollars)} (most in {top.name}: {_usd(top.dollars)}, {_num(top.gpu_hours)} GPU-hours) "
-                    f"but plan.max_dollars is {_usd(max_dollars)}; shrink the grid, distill.steps or the students (stage2.pairs), "
+                    f"but plan.max_dollars is {_usd(max_dollars)}; give a smaller grid, fewer distill.steps or students (stage2.pairs), "
                     "or raise plan.max_dollars")
         return None
 

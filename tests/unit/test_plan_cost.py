@@ -120,7 +120,7 @@ def test_a_run_over_plan_max_dollars_is_refused_before_calibration():
     from m2d_ray.commands.plan import check_run
 
     over = ["distill.gpus_per_worker=1", "distill.accelerator=H100", "plan.max_dollars=0.01"]
-    with pytest.raises(M2DError, match=r"would cost \$.* but plan.max_dollars is \$0.01; shrink") as e:
+    with pytest.raises(M2DError, match=r"would cost \$.* but plan.max_dollars is \$0.01; give a smaller") as e:
         check_run(load_config(ROOT / "experiments" / "tiny.yaml", over), cluster=str(CLUSTER))
     assert "\n" not in str(e.value)
     # unpriceable (a GPU stage, no node types): refused too, saying what to give
