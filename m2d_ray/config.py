@@ -136,7 +136,7 @@ class PlanConfig:
     stage_s: float = 5.0
     trial_s: float = 0.4
     student_s: float = 40.0
-    model_s: float = 8.0
+    model_s: float = 5.0
 
 
 @dataclass(frozen=True)

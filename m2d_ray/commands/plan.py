@@ -50,6 +50,14 @@ def local_gpu_memory() -> int | None:
     return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
 
 
+def others_load() -> float:
+    """Runnable processes besides this one (the 1-minute load average): on a shared machine a local run's CPU
+    stages get a fair share of the cores, and the plan's time says so."""
+    import os
+
+    return max(0.0, os.getloadavg()[0] - 1.0)
+
+
 def check_run(cfg: SweepConfig, gpu_memory: int | None = None, cluster: str | None = None) -> RunPlan:
     """`m2d run`, before calibration: the plan against the devices Ray has or can start (the node types of
     `cluster` (a cluster YAML), else of Ray's autoscaler, else its live nodes; --gpu-memory for every GPU);
@@ -71,7 +79,7 @@ def check_run(cfg: SweepConfig, gpu_memory: int | None = None, cluster: str | No
         ensure_ray(cfg.ray)
         (nodes, where), local = node_types(), not on_cluster()
     devices = Devices(gpu_memory or (local_gpu_memory() if local else None), None, tuple(nodes) if nodes is not None else None,
-                      host_available() if local else None, head, idle)
+                      host_available() if local else None, head, idle, others_load() if local else 0.0)
     plan = plan_of(cfg, devices)
     problems = plan.problems()
     show(plan, f"against {where}" + (f", GPUs of {gpu_memory / 2**30:.1f} GiB" if gpu_memory else ""), note if problems else say)
@@ -117,7 +125,7 @@ def main(args) -> None:
 
         host = host_available()
     head, idle = cluster_settings(args.cluster) if args.cluster else (None, 0.0)
-    plan = plan_of(cfg, Devices(gpu_memory, args.gpus_per_node, nodes, host, head, idle), args.model)
+    plan = plan_of(cfg, Devices(gpu_memory, args.gpus_per_node, nodes, host, head, idle, others_load() if host else 0.0), args.model)
     where = ", ".join(filter(None, [f"GPUs of {gpu_memory / 2**30:.1f} GiB" if gpu_memory else None,
                                     f"node types of {args.cluster}" if args.cluster else None])) or "this machine"
     show(plan, where, emit)  # the table and the JSON line are the command's result: stdout

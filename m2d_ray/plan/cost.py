@@ -53,6 +53,8 @@ class StageCost:
 class RunCost:
     stages: tuple[StageCost, ...]
     head_dollars: float | None = None
+    cpu_flops: float | None = None  # one CPU thread's FLOP/s the CPU stages were timed with (measured or plan.cpu_flops)
+    cpu_load: float = 0.0  # others' runnable processes the CPU stages shared the cores with
 
     @property
     def seconds(self) -> float | None:
@@ -85,7 +87,8 @@ class RunCost:
         return {s.name: s for s in self.stages}
 
     def to_json(self) -> dict:
-        return {"stages": {s.name: asdict(s) for s in self.stages}, "head_dollars": self.head_dollars,
+        return {"stages": {s.name: asdict(s) for s in self.stages}, "head_dollars": self.head_dollars, "cpu_flops": self.cpu_flops,
+                "cpu_load": self.cpu_load,
                 "seconds": self.seconds, "gpu_hours": self.gpu_hours, "dollars": self.dollars}
 
     def table(self) -> str:
@@ -231,21 +234,38 @@ def place(request: dict, gpus: float, threads: int, wanted: int, nodes: tuple[No
     return Place(gpus, threads, lanes, acc, node)
 
 
-def stage_cost(cfg: SweepConfig, name: str, unit_flops: list[float], p: Place, overhead: float, cpu: float | None, prices: dict,
-               idle_s: float, cores: int) -> StageCost:
-    """Seconds, GPU-hours and dollars of `unit_flops` run at `p`."""
+@dataclass(frozen=True)
+class Host:
+    """The CPUs a CPU stage shares: one thread's FLOP/s, the cores, and the runnable processes of others (a
+    shared machine's load average when the plan is made; 0 on a cluster's nodes)."""
+
+    rate: float
+    cores: int
+    load: float = 0.0
+
+    def share(self, threads: int, lanes: int) -> float:
+        """The cores one unit of `threads` gets beside `lanes - 1` others and the load (fair share)."""
+        return threads * min(1.0, self.cores / (self.load + lanes * threads))
+
+
+def stage_cost(cfg: SweepConfig, name: str, unit_flops: list[float], p: Place, overhead: float, cpu: Host | None, prices: dict,
+               idle_s: float) -> StageCost:
+    """Seconds, GPU-hours and dollars of `unit_flops` run at `p` (on CPUs, the start-up slows as the compute does)."""
     eff = cfg.plan.efficiency
     if p.gpus > 0:
         peak = GPU_PEAK_BF16.get(p.accelerator or "")
         rate = p.gpus * peak * eff if peak else None
         device = f"{p.gpus:g} x {p.accelerator or 'GPU'}"
     else:
-        rate = min(p.threads, max(1.0, cores / p.lanes)) * cpu * eff if cpu else None
+        lanes = min(p.lanes, len(unit_flops)) or 1
+        share = cpu.share(p.threads, lanes) if cpu else 0.0
+        rate = share * cpu.rate * eff if cpu else None
+        overhead = overhead * p.threads / share if cpu else overhead
         device = f"{p.threads} CPU thread" + ("s" if p.threads > 1 else "")
     if rate is None:
         return StageCost(name, sum(unit_flops), None, None, None, len(unit_flops), p.lanes, device)
     unit_s = [f / rate + overhead for f in unit_flops]
-    wall = lanes_wall(unit_s, p.lanes) + cfg.plan.stage_s
+    wall = lanes_wall(unit_s, p.lanes) + cfg.plan.stage_s * (1.0 if p.gpus > 0 or cpu is None else max(1.0, (cpu.load + 1) / cpu.cores))
     gpu_hours = sum(unit_s) * p.gpus / 3600
     dollars = node_hours = None
     if p.gpus == 0:
@@ -260,19 +280,20 @@ def stage_cost(cfg: SweepConfig, name: str, unit_flops: list[float], p: Place, o
 
 
 def estimate(cfg: SweepConfig, m: Models, stage_plans: dict, nodes: tuple[NodeType, ...] | None, head: str | None, idle_minutes: float,
-             targets: str, extra: dict[str, Shape], students_at_once: int | None) -> RunCost:
+             targets: str, extra: dict[str, Shape], students_at_once: int | None, cpu_load: float = 0.0) -> RunCost:
     """The run's bill. `stage_plans`: the memory plan's StagePlan by name (their requests and GPUs);
-    `extra`: stage 3's other models (the d2d baseline's dense teacher) by key."""
+    `extra`: stage 3's other models (the d2d baseline's dense teacher) by key; `cpu_load`: others' runnable
+    processes on the CPUs of CPU stages."""
     from m2d_ray.config import D2D
 
     r, c, x, t, s3 = cfg.ray, cfg.calib, cfg.distill, m.teacher, cfg.stage3
-    cpu = cpu_rate(cfg) if any(p.share == 0 for p in stage_plans.values()) else None
-    cores, idle_s, prices, pc = os.cpu_count() or 1, idle_minutes * 60, cfg.plan.prices, cfg.plan
+    cpu = Host(cpu_rate(cfg), os.cpu_count() or 1, cpu_load) if any(p.share == 0 for p in stage_plans.values()) else None
+    idle_s, prices, pc = idle_minutes * 60, cfg.plan.prices, cfg.plan
     out = []
 
     def run(name: str, flops: list[float], gpus: float, threads: int, wanted: int, acc: str | None, overhead: float) -> None:
         plan = stage_plans[name]
-        out.append(stage_cost(cfg, name, flops, place(plan.request, gpus, threads, wanted, nodes, acc), overhead, cpu, prices, idle_s, cores))
+        out.append(stage_cost(cfg, name, flops, place(plan.request, gpus, threads, wanted, nodes, acc), overhead, cpu, prices, idle_s))
 
     calib = c.max_tokens * calibration_flops(t, c.seq_len)
     run("calibrate", [calib / r.data_actors] * r.data_actors, r.data_gpus_per_actor, r.threads_per_worker, r.data_actors, r.data_accelerator, 0.0)
@@ -304,12 +325,12 @@ def estimate(cfg: SweepConfig, m: Models, stage_plans: dict, nodes: tuple[NodeTy
         name = "stage3" if len(by_gpus) == 1 else f"stage3:{gpus:g}gpu"
         plan = stage_plans.get(f"stage3:{models[0][0]}") or next(p for k, p in stage_plans.items() if k.startswith("stage3"))
         out.append(stage_cost(cfg, name, flops, place({**plan.request, "GPU": min(gpus, 1.0) if gpus else 0.0}, gpus, s3.threads_per_task,
-                                                         wanted, nodes, s3.accelerator), pc.model_s, cpu, prices, idle_s, cores))
+                                                         wanted, nodes, s3.accelerator), pc.model_s, cpu, prices, idle_s))
     out = _merge_stage3(out)
     head_node = next((n for n in nodes or () if n.name == head), None)
     total = _sum(s.seconds for s in out)
     price = hourly(head_node, prices) if head_node else None
-    return RunCost(tuple(out), None if price is None or total is None else price * total / 3600)
+    return RunCost(tuple(out), None if price is None or total is None else price * total / 3600, cpu.rate if cpu else None, cpu_load)
 
 
 def _merge_stage3(stages: list[StageCost]) -> list[StageCost]:

@@ -39,6 +39,7 @@ class Devices:
     host_memory: int | None = None
     head: str | None = None  # the head node type (priced for the whole run)
     idle_minutes: float = 0.0  # the autoscaler's idle_timeout_minutes (every node's tail after its work)
+    cpu_load: float = 0.0  # others' runnable processes on this machine (a local run's CPU stages share its cores)
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,7 @@ def make_plan(cfg: SweepConfig, teacher_config, devices: Devices = Devices(), st
     stays, peak = _storage(cfg, m, per_token, at_once)
     extra = {k: shape_of(c) for k, c in (stage3_models or {}).items()}
     cost = estimate(cfg, m, {s.name: s for s in stages}, devices.nodes, devices.head, devices.idle_minutes, spec.mode if spec else "online",
-                    extra, at_once)
+                    extra, at_once, devices.cpu_load)
     return RunPlan(tuple(stages), stays, devices.gpu_memory, {"teacher_params": m.teacher.params, "student_params": m.student.params}, peak,
                    cost, cfg.plan.max_dollars)
 

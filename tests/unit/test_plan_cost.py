@@ -161,3 +161,16 @@ def test_the_report_sets_the_estimate_beside_the_measured_wall():
     rows = {r["stage"]: r for r in cost_rows(RunData(Path("."), None, [], {}, {}, timings=timings, memory_plan=plan))}
     assert rows["calibrate"]["ratio"] == 1.25 and rows["stage1"]["measured_s"] == 30.0 and rows["stage2"]["ratio"] == 1.5
     assert rows["stage3"]["ratio"] is None and cost_rows(RunData(Path("."), None, [], {}, {})) == []
+
+
+def test_on_a_shared_machine_a_cpu_stage_gets_its_fair_share_of_the_cores():
+    host = cost.Host(1e9, 2, 0.0)
+    assert host.share(1, 2) == 1 and host.share(1, 4) == 0.5 and cost.Host(1e9, 2, 6.0).share(1, 2) == 0.25
+    cfg = load_config(ROOT / "experiments" / "tiny.yaml", ["plan.cpu_flops=1e9"])
+    idle, busy = (make_plan(cfg, model_config(default_teacher()), Devices(host_memory=8 << 30, cpu_load=load)).cost for load in (0.0, 6.0))
+    a, b = idle.by_name()["calibrate"], busy.by_name()["calibrate"]
+    assert busy.cpu_load == 6.0 and busy.cpu_flops == 1e9
+    n = os.cpu_count()
+    compute = a.flops / 2 / (1e9 * 0.4)  # an actor's FLOPs on a whole thread
+    assert a.seconds == pytest.approx(compute / min(1.0, n / 2) + cfg.plan.stage_s)
+    assert b.seconds == pytest.approx(compute / min(1.0, n / (6 + 2)) + cfg.plan.stage_s * max(1.0, 7 / n))  # 2 actors beside 6 others
