@@ -22,10 +22,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import REPO, machine_line  # noqa: E402
 
 
-def measured(run: Path) -> None:
+def measured(run: Path, load: float | None) -> None:
+    """The run's estimate (as `m2d run` made it, or re-planned with others' load `load` at the CPU rate it
+    recorded) beside its measured walls."""
+    from dataclasses import replace as dc_replace
+
     from m2d_ray.report.analysis import cost_rows, load_run
 
-    rows = cost_rows(load_run(run))
+    data = load_run(run)
+    if load is not None:
+        from m2d_ray.commands.plan import plan_of
+        from m2d_ray.config import load_config
+        from m2d_ray.evaluate.runner import host_available
+        from m2d_ray.plan.run_plan import Devices, as_record
+
+        rate = (data.memory_plan.get("cost") or {}).get("cpu_flops")
+        cfg = load_config(run / "config.yaml", [f"plan.cpu_flops={rate}"] if rate else [])
+        data = dc_replace(data, memory_plan=as_record(plan_of(cfg, Devices(host_memory=host_available(), cpu_load=load))))
+        print(f"re-planned with others' load {load} (CPU thread rate {data.memory_plan['cost']['cpu_flops']:.3g} FLOP/s)")
+    rows = cost_rows(data)
     print("| stage | FLOPs | estimated s | measured s | measured / estimated |\n|---|---:|---:|---:|---:|")
     for r in rows:
         est, m = r["estimated_s"], r["measured_s"]
@@ -71,11 +86,12 @@ def paper() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", type=Path)
+    ap.add_argument("--load", type=float, help="with --run: re-plan with this many other runnable processes")
     ap.add_argument("--paper", action="store_true")
     a = ap.parse_args()
     print(machine_line(), file=sys.stderr)
     if a.run:
-        measured(a.run)
+        measured(a.run, a.load)
     if a.paper:
         paper()
 

@@ -50,12 +50,26 @@ def local_gpu_memory() -> int | None:
     return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
 
 
-def others_load() -> float:
-    """Runnable processes besides this one (the 1-minute load average): on a shared machine a local run's CPU
-    stages get a fair share of the cores, and the plan's time says so."""
+def others_load(seconds: float = 0.5) -> float:
+    """Runnable processes besides this one: on a shared machine a local run's CPU stages get a fair share of the
+    cores, and the plan's time says so. The cores' busy fraction over `seconds` (/proc/stat), or, when they are
+    all busy, the 1-minute load average (which lags: it counts a burst that has ended)."""
     import os
+    import time
+    from pathlib import Path
 
-    return max(0.0, os.getloadavg()[0] - 1.0)
+    def sample() -> tuple[int, int]:
+        v = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        return v[3] + (v[4] if len(v) > 4 else 0), sum(v)
+
+    try:
+        i0, t0 = sample()
+        time.sleep(seconds)
+        i1, t1 = sample()
+    except (OSError, ValueError, IndexError):
+        return max(0.0, os.getloadavg()[0] - 1.0)
+    busy = 1.0 - (i1 - i0) / max(1, t1 - t0)
+    return busy * (os.cpu_count() or 1) if busy < 0.9 else max(0.0, os.getloadavg()[0] - 1.0)
 
 
 def check_run(cfg: SweepConfig, gpu_memory: int | None = None, cluster: str | None = None) -> RunPlan:
