@@ -255,7 +255,8 @@ def main(argv=None) -> None:
     # ---- P7 (issue 17: stage-2 throughput): run when benchmarks/p7_distill_throughput.py exists -------------
     p7 = HERE / "p7_distill_throughput.py"
     if p7.exists() and cuda:
-        stage("P7", lambda: {"note": sh([PY, p7, "--preset", "h100"], logs / "p7.log")[:120]})
+        res = stage("P7", lambda: json.loads(sh([PY, p7, "--preset", "h100"], logs / "p7.log").strip().splitlines()[-1]))
+        _efficiency(res, work)
     elif p7.exists():
         rows.append(("P7", 0.0, "-", "-", "skipped on CPU (--preset h100 needs the GPU)"))
     print(f"\n# GPU acceptance ({env_note}); logs in {logs}\n")
@@ -264,6 +265,25 @@ def main(argv=None) -> None:
         print(f"| {name} | {secs:.1f} | {peak} | {tps} | {note} |")
     if cuda and calib["whole"]["tflops"] / mm < 0.6:
         print(f"P5: calibration at {calib['whole']['tflops'] / mm:.0%} of the bf16 matmul rate: MISSED (target >= 60%)")
+
+
+def _efficiency(p7: dict, work: Path) -> None:
+    """The MFU the platform's stage-2 step reached against the GPU's data-sheet peak (accelerators.GPU_PEAK_BF16):
+    what `plan.efficiency` (m2d plan's time and dollars) defaults to once a GPU has measured it. Written to
+    WORK/efficiency.json and printed."""
+    from m2d_ray.accelerators import GPU_PEAK_BF16
+
+    name = next((k for k in sorted(GPU_PEAK_BF16, key=len, reverse=True) if k in p7["device"]), None)
+    tps = max(filter(None, (p7.get("platform_tokens_per_s"), p7.get("platform_deepspeed_tokens_per_s"))), default=None)
+    if name is None or tps is None:
+        print(f"plan.efficiency: not measured ({p7['device']} has no data-sheet peak in accelerators.GPU_PEAK_BF16)")
+        return
+    eff = tps * p7["flops_per_token"] / GPU_PEAK_BF16[name]
+    out = {"device": p7["device"], "accelerator": name, "tokens_per_s": tps, "flops_per_token": p7["flops_per_token"],
+           "peak_flops": GPU_PEAK_BF16[name], "efficiency": eff, "mfu_vs_measured_matmul": p7.get("mfu")}
+    (work / "efficiency.json").write_text(json.dumps(out, indent=1))
+    print(f"plan.efficiency measured on {name}: {eff:.3f} (P7's step against the data-sheet peak; {work / 'efficiency.json'}): "
+          "the default of PlanConfig.efficiency in m2d_ray/config.py")
 
 
 if __name__ == "__main__":

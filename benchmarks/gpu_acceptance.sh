@@ -10,6 +10,8 @@
 # On the lent GPU machine, first install the bundle (../shared/gpu/README.md) and export PYTHONPATH/PATH as it says.
 # The P7 stage (issue 17) runs benchmarks/p7_distill_throughput.py --preset h100 when that file exists.
 # First: the memory plan's estimates against the GPU's measured peaks (benchmarks/plan_measured.py --device cuda).
+# Last (P7): the efficiency the platform's stage-2 step reaches against the GPU's data-sheet peak -> WORK/efficiency.json, the
+# figure PlanConfig.efficiency (m2d plan's time and dollars) should default to once a GPU has measured it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

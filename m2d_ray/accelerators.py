@@ -14,6 +14,12 @@ GPU_MEMORY = {
     "T4": 15_360 * MiB, "V100": 16_160 * MiB, "A10G": 23_028 * MiB, "L4": 22_491 * MiB, "L40S": 46_068 * MiB,
     "A100": 40_960 * MiB, "A100-40G": 40_960 * MiB, "A100-80G": 81_920 * MiB, "H100": 81_559 * MiB, "H200": 143_771 * MiB,
 }
+#: dense bf16 tensor-core FLOP/s of each GPU's data sheet (fp16 where it has no bf16: T4, V100; SXM parts;
+#: B200 for pricing the paper's own figure, not a type a stage can pin): what a plan's time divides by
+GPU_PEAK_BF16 = {
+    "T4": 65e12, "V100": 125e12, "A10G": 125e12, "L4": 121e12, "L40S": 362e12, "A100": 312e12, "A100-40G": 312e12,
+    "A100-80G": 312e12, "H100": 989e12, "H200": 989e12, "B200": 2250e12,
+}
 #: the prefix of Ray's accelerator resource; a request pins itself with a sliver of it
 RESOURCE = "accelerator_type:"
 PIN = 0.001

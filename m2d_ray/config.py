@@ -122,6 +122,24 @@ class Stage3Config:
 
 
 @dataclass(frozen=True)
+class PlanConfig:
+    """What `m2d plan` and `m2d run` price a run with (plan/cost.py)."""
+
+    max_dollars: float | None = None  # refuse a run whose estimate costs more, before calibration
+    # achieved / peak FLOP/s: the platform's stage-2 step at 41.7% of the measured matmul rate (benchmarks/RESULTS.md,
+    # P7, 2 threads); benchmarks/gpu_acceptance.sh writes the MFU a GPU measures against its data-sheet peak
+    efficiency: float = 0.4
+    cpu_flops: float | None = None  # one CPU thread's fp32 FLOP/s; None = measured by a matmul when a stage runs on CPU
+    prices: dict[str, float] = field(default_factory=dict)  # $/hour by node type or instance type (over plan/prices.py's table)
+    # fixed seconds the FLOPs do not show (Ray/Tune start, building a student, a Train worker group and its export, lm-eval's
+    # set-up), from the demo's measured walls (benchmarks/RESULTS.md, "The bill")
+    stage_s: float = 5.0
+    trial_s: float = 0.4
+    student_s: float = 40.0
+    model_s: float = 5.0
+
+
+@dataclass(frozen=True)
 class FaultConfig:
     """Fault injection for tests and drills: trial keys that raise, or whose student is poisoned with NaN."""
 
@@ -146,6 +164,7 @@ class SweepConfig:
     stage2: Stage2Config = field(default_factory=Stage2Config)
     stage3: Stage3Config = field(default_factory=Stage3Config)
     faults: FaultConfig = field(default_factory=FaultConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
     def to_dict(self) -> dict:
         return _plain(dataclasses.asdict(self))
@@ -175,6 +194,8 @@ class SweepConfig:
                 parse_size(self.calib.max_memory)
             except M2DError as exc:
                 raise M2DError(f"calib.max_memory: {exc}") from None
+        if not 0 < self.plan.efficiency <= 1 or (self.plan.max_dollars is not None and self.plan.max_dollars <= 0):
+            raise M2DError(f"plan.efficiency={self.plan.efficiency} must be in (0, 1] and plan.max_dollars, when set, > 0")
         if self.stage not in (1, 2):
             raise M2DError(f"stage={self.stage}: write stage=1 (pre-distillation grid) or stage=2 (distil the promotions)")
         check_distill(self.distill)
@@ -344,6 +365,10 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
             except M2DError as exc:
                 errors.append(str(exc))
         raise M2DError(errors[-1])
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise M2DError(f"{path}={value!r} should be a mapping such as {{gpu_h100_8x: 55.04}}")
+        return {str(k): _coerce(v, args[1], f"{path}.{k}") for k, v in value.items()}
     if origin is tuple:
         items = value if isinstance(value, (list, tuple)) else [value]
         return tuple(_coerce(v, args[0], path) for v in items)

@@ -1,10 +1,12 @@
-"""`m2d plan`: every stage's memory per device, its GPUs and the storage a run writes, from configs alone;
-and the same check that `m2d run` makes before calibration (`check_run`).
+"""`m2d plan`: every stage's memory per device, its GPUs, the storage a run writes and its bill (FLOPs, wall
+time, GPU-hours, dollars), from configs alone; and the same check that `m2d run` makes before calibration (`check_run`).
 
-    table (stdout, via the log)    one row per stage (stage 3: per model), then the storage
-    JSON line                      {"gpu_memory", "stages": {stage: {"per_gpu_bytes", "gpus", "fits"}}, "storage_bytes",
-                                   "storage_peak_bytes"} (what stays; the most while students train)
-    exit 2 + one line              when a stage does not fit its device or no node type can hold its request
+    table (stdout, via the log)    one row per stage (stage 3: per model), then the storage, then the bill per stage and in all
+    JSON line                      {"gpu_memory", "stages": {stage: {"per_gpu_bytes", "gpus", "fits", "flops", "seconds",
+                                   "gpu_hours", "dollars"}}, "storage_bytes", "storage_peak_bytes" (what stays; the most while
+                                   students train), "seconds", "gpu_hours", "dollars" (the run's)}
+    exit 2 + one line              when a stage does not fit its device, no node type can hold its request, or the run
+                                   costs more than plan.max_dollars
 """
 
 from __future__ import annotations
@@ -48,11 +50,33 @@ def local_gpu_memory() -> int | None:
     return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
 
 
+def others_load(seconds: float = 0.5) -> float:
+    """Runnable processes besides this one: on a shared machine a local run's CPU stages get a fair share of the
+    cores, and the plan's time says so. The cores' busy fraction over `seconds` (/proc/stat), or, when they are
+    all busy, the 1-minute load average (which lags: it counts a burst that has ended)."""
+    import os
+    import time
+    from pathlib import Path
+
+    def sample() -> tuple[int, int]:
+        v = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        return v[3] + (v[4] if len(v) > 4 else 0), sum(v)
+
+    try:
+        i0, t0 = sample()
+        time.sleep(seconds)
+        i1, t1 = sample()
+    except (OSError, ValueError, IndexError):
+        return max(0.0, os.getloadavg()[0] - 1.0)
+    busy = 1.0 - (i1 - i0) / max(1, t1 - t0)
+    return busy * (os.cpu_count() or 1) if busy < 0.9 else max(0.0, os.getloadavg()[0] - 1.0)
+
+
 def check_run(cfg: SweepConfig, gpu_memory: int | None = None, cluster: str | None = None) -> RunPlan:
     """`m2d run`, before calibration: the plan against the devices Ray has or can start (the node types of
     `cluster` (a cluster YAML), else of Ray's autoscaler, else its live nodes; --gpu-memory for every GPU);
     a request no node type holds, or memory that does not fit, exits 2."""
-    from m2d_ray.plan.devices import from_cluster_yaml
+    from m2d_ray.plan.devices import cluster_settings, from_cluster_yaml
     import os
 
     import ray
@@ -60,6 +84,7 @@ def check_run(cfg: SweepConfig, gpu_memory: int | None = None, cluster: str | No
     from m2d_ray.evaluate.runner import host_available
     from m2d_ray.stages.ray_env import ensure_ray, local_node, node_types, on_cluster
 
+    head, idle = cluster_settings(cluster) if cluster else (None, 0.0)
     if cluster:
         nodes, where, local = from_cluster_yaml(cluster), f"the node types of {cluster}", False
     elif not (cfg.ray.address or os.environ.get("RAY_ADDRESS")) and not ray.is_initialized():  # the local Ray this run will start
@@ -68,7 +93,7 @@ def check_run(cfg: SweepConfig, gpu_memory: int | None = None, cluster: str | No
         ensure_ray(cfg.ray)
         (nodes, where), local = node_types(), not on_cluster()
     devices = Devices(gpu_memory or (local_gpu_memory() if local else None), None, tuple(nodes) if nodes is not None else None,
-                      host_available() if local else None)
+                      host_available() if local else None, head, idle, others_load() if local else 0.0)
     plan = plan_of(cfg, devices)
     problems = plan.problems()
     show(plan, f"against {where}" + (f", GPUs of {gpu_memory / 2**30:.1f} GiB" if gpu_memory else ""), note if problems else say)
@@ -95,13 +120,15 @@ def log_plan(cfg: SweepConfig, rd, tracking_uri: str | None) -> None:
         return
     tracker = run_tracker(cfg, rd, tracking_uri)
     parent = sweep_parent(tracker, rd, cfg.name)
-    tracker.log(parent, metrics={f"plan.{k}.per_gpu_bytes": v["per_gpu_bytes"] for k, v in plan["stages"].items()})
+    bill = {f"plan.{k}.{key}": v[key] for k, v in plan["stages"].items() for key in ("seconds", "gpu_hours", "dollars", "flops")
+            if v.get(key) is not None}
+    tracker.log(parent, metrics={**{f"plan.{k}.per_gpu_bytes": v["per_gpu_bytes"] for k, v in plan["stages"].items()}, **bill})
     tracker.artifacts(parent, [rd.memory_plan])
 
 
 def main(args) -> None:
     from m2d_ray.calibrate.stream import parse_size
-    from m2d_ray.plan.devices import from_cluster_yaml
+    from m2d_ray.plan.devices import cluster_settings, from_cluster_yaml
 
     cfg = load_config(args.config, args.overrides)
     gpu_memory = parse_size(args.gpu_memory) if args.gpu_memory else None
@@ -111,7 +138,8 @@ def main(args) -> None:
         from m2d_ray.evaluate.runner import host_available
 
         host = host_available()
-    plan = plan_of(cfg, Devices(gpu_memory, args.gpus_per_node, nodes, host), args.model)
+    head, idle = cluster_settings(args.cluster) if args.cluster else (None, 0.0)
+    plan = plan_of(cfg, Devices(gpu_memory, args.gpus_per_node, nodes, host, head, idle, others_load() if host else 0.0), args.model)
     where = ", ".join(filter(None, [f"GPUs of {gpu_memory / 2**30:.1f} GiB" if gpu_memory else None,
                                     f"node types of {args.cluster}" if args.cluster else None])) or "this machine"
     show(plan, where, emit)  # the table and the JSON line are the command's result: stdout

@@ -49,8 +49,9 @@ def run(config: str | None, overrides: list[str], out: str | None = None, resume
     def stage(name: str, fn) -> None:
         t0 = time.time()
         say(f"== {name} ==")
-        fn()
-        state["stages"][name] = {"wall_s": round(time.time() - t0, 1), "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        result = fn()
+        state["stages"][name] = {"wall_s": round(time.time() - t0, 1), "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                 **({"calibrate_s": round(result.calibrate_s, 1)} if hasattr(result, "calibrate_s") else {})}
         write_json_atomic(rd.timings, state)
 
     if not rd.promotions.exists():

@@ -25,7 +25,13 @@ def attention_flops(config, seq_len: int) -> float:
     """Forward FLOPs per token of causal attention over `seq_len` positions, all layers."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 2.0 * seq_len * heads * head_dim * config.num_hidden_layers
+    return causal_attention_flops(heads * head_dim, config.num_hidden_layers, seq_len)
+
+
+def causal_attention_flops(q_width: int, layers: int, seq_len: int) -> float:
+    """QK^T and AV of one token over half of `seq_len` positions on average, 2 FLOPs a multiply-add: what a
+    plan counts from a model's shape alone."""
+    return 2.0 * seq_len * q_width * layers
 
 
 def inactive_expert_params(model: nn.Module, adapter, top_k: int) -> int:

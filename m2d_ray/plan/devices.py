@@ -19,6 +19,8 @@ class NodeType:
     name: str
     resources: dict = field(default_factory=dict)
     max_workers: int | None = None  # how many the autoscaler may start (None = not known)
+    instance: str | None = None  # the cloud's instance type (node_config.InstanceType): what it is priced by
+    spot: bool = False  # node_config asks for spot capacity
 
     @property
     def accelerator(self) -> str | None:
@@ -56,7 +58,22 @@ def from_cluster_yaml(path: str | Path) -> list[NodeType]:
     types = raw.get("available_node_types")
     if not isinstance(types, dict) or not types:
         raise M2DError(f"{path} has no available_node_types; m2d checks a run against a cluster's node types")
-    return [NodeType(name, dict((t or {}).get("resources") or {}), (t or {}).get("max_workers")) for name, t in types.items()]
+    return [_node_type(name, t or {}) for name, t in types.items()]
+
+
+def _node_type(name: str, t: dict) -> NodeType:
+    nc = t.get("node_config") or {}
+    market = ((nc.get("InstanceMarketOptions") or {}).get("MarketType") or "").lower()
+    return NodeType(name, dict(t.get("resources") or {}), t.get("max_workers"), nc.get("InstanceType"), market == "spot")
+
+
+def cluster_settings(path: str | Path) -> tuple[str | None, float]:
+    """(the head node type's name, idle_timeout_minutes) of a cluster launcher config: what a plan prices
+    besides the stages (the head for the whole run, every worker node's idle tail)."""
+    import yaml
+
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    return raw.get("head_node_type"), float(raw.get("idle_timeout_minutes", 5))
 
 
 def holders(nodes: list[NodeType], request: dict) -> list[NodeType]:

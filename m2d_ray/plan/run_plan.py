@@ -14,9 +14,10 @@ from dataclasses import asdict, dataclass, field
 from m2d_ray.config import SweepConfig
 from m2d_ray.errors import M2DError
 from m2d_ray.plan import memory
+from m2d_ray.plan.cost import RunCost, estimate
 from m2d_ray.plan.devices import NodeType, bundle, holders, smallest_gpu
 from m2d_ray.plan.memory import gib
-from m2d_ray.plan.shapes import Models, Shape, models_of
+from m2d_ray.plan.shapes import Models, Shape, models_of, shape_of
 
 HEADROOM = 0.95  # of a device's memory a plan may fill (allocator fragmentation)
 GPU_RESERVE = 1 << 30  # CUDA context and allocator slack (evaluate/placement.RESERVE)
@@ -36,6 +37,9 @@ class Devices:
     gpus_per_node: int | None = None
     nodes: tuple[NodeType, ...] | None = None
     host_memory: int | None = None
+    head: str | None = None  # the head node type (priced for the whole run)
+    idle_minutes: float = 0.0  # the autoscaler's idle_timeout_minutes (every node's tail after its work)
+    cpu_load: float = 0.0  # others' runnable processes on this machine (a local run's CPU stages share its cores)
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,8 @@ class RunPlan:
     gpu_memory: int | None
     models: dict = field(default_factory=dict)  # teacher / student parameter counts
     storage_peak: dict = field(default_factory=dict)  # besides `storage`, the most held at once while students train
+    cost: RunCost | None = None  # FLOPs, time, GPU-hours and dollars of every stage (plan/cost.py)
+    max_dollars: float | None = None
 
     def by_stage(self) -> dict[str, StagePlan]:
         """One entry per stage: the unit that fits worst (stage 3 plans each model)."""
@@ -89,10 +95,12 @@ class RunPlan:
         return out
 
     def to_json(self) -> dict:
+        bill = self.cost.by_name() if self.cost else {}
         return {"gpu_memory": self.gpu_memory, "models": self.models,
                 "stages": {k: {"per_gpu_bytes": s.per_device, "gpus": int(s.gpus) if float(s.gpus).is_integer() else s.gpus, "fits": bool(s.fits is not False and s.feasible),
-                               "unit": s.unit, "parts": s.parts, "request": s.request, "capacity": s.capacity}
+                               "unit": s.unit, "parts": s.parts, "request": s.request, "capacity": s.capacity, **_bill(bill.get(k))}
                            for k, s in self.by_stage().items()},
+                "cost": self.cost.to_json() if self.cost else None,
                 "storage_bytes": memory.total(self.storage), "storage": self.storage,
                 "storage_peak_bytes": memory.total(self.storage) + memory.total(self.storage_peak), "storage_peak": self.storage_peak}
 
@@ -108,7 +116,8 @@ class RunPlan:
                 where = f"{s.share:g} GPU of {gib(s.capacity / HEADROOM / min(1.0, s.share))}" if s.share else "this host"
                 out.append(f"{s.name}: one {s.unit} needs {gib(s.per_device)} ({_top(s.parts)}) but {where} gives it "
                            f"{gib(s.capacity)}; {s.fix}")
-        return out
+        budget = self.cost.over_budget(self.max_dollars) if self.cost else None
+        return out + ([budget] if budget else [])
 
     def table(self) -> str:
         rows = [("stage", "unit", "per device", "GPUs", "fits", "largest parts")]
@@ -123,7 +132,15 @@ class RunPlan:
         if self.storage_peak:
             lines.append(f"  peak while students train: {gib(memory.total(self.storage) + memory.total(self.storage_peak))} "
                          f"({_top(self.storage_peak)}; an ended student's training state is removed: stage2.keep_training_state)")
+        if self.cost:
+            lines += ["", "the bill (plan/cost.py: FLOPs / (peak x plan.efficiency) + start-up; dollars: node-hours with the idle tail):",
+                      *self.cost.table().splitlines()]
         return "\n".join(lines)
+
+
+def _bill(c) -> dict:
+    """A stage's FLOPs, seconds, GPU-hours and dollars for its JSON entry."""
+    return {} if c is None else {"flops": c.flops, "seconds": c.seconds, "gpu_hours": c.gpu_hours, "dollars": c.dollars}
 
 
 def _tightness(s: StagePlan) -> float:
@@ -150,8 +167,13 @@ def make_plan(cfg: SweepConfig, teacher_config, devices: Devices = Devices(), st
         stages.append(_targets(cfg, m.teacher, devices, per_token, logits=not spec.exact))
     stages.append(_stage2(cfg, m, devices, spec.mode if spec else "online", per_token))
     stages += _stage3(cfg, m, devices, stage3_models or {})
-    stays, peak = _storage(cfg, m, per_token, _students_at_once(cfg, devices))
-    return RunPlan(tuple(stages), stays, devices.gpu_memory, {"teacher_params": m.teacher.params, "student_params": m.student.params}, peak)
+    at_once = _students_at_once(cfg, devices)
+    stays, peak = _storage(cfg, m, per_token, at_once)
+    extra = {k: shape_of(c) for k, c in (stage3_models or {}).items()}
+    cost = estimate(cfg, m, {s.name: s for s in stages}, devices.nodes, devices.head, devices.idle_minutes, spec.mode if spec else "online",
+                    extra, at_once, devices.cpu_load)
+    return RunPlan(tuple(stages), stays, devices.gpu_memory, {"teacher_params": m.teacher.params, "student_params": m.student.params}, peak,
+                   cost, cfg.plan.max_dollars)
 
 
 def _unit(name: str, unit: str, parts: dict, share: float, units: int, request: dict, devices: Devices, fix: str,
@@ -305,8 +327,10 @@ def plan_line(plan: RunPlan) -> str:
     import json
 
     j = plan.to_json()
-    return json.dumps({"gpu_memory": j["gpu_memory"], "stages": {k: {kk: v[kk] for kk in ("per_gpu_bytes", "gpus", "fits")} for k, v in j["stages"].items()},
-                       "storage_bytes": j["storage_bytes"], "storage_peak_bytes": j["storage_peak_bytes"]})
+    keys = ("per_gpu_bytes", "gpus", "fits", "flops", "seconds", "gpu_hours", "dollars")
+    total = {k: j["cost"][k] for k in ("seconds", "gpu_hours", "dollars")} if j["cost"] else {}
+    return json.dumps({"gpu_memory": j["gpu_memory"], "stages": {k: {kk: v[kk] for kk in keys if kk in v} for k, v in j["stages"].items()},
+                       "storage_bytes": j["storage_bytes"], "storage_peak_bytes": j["storage_peak_bytes"], **total})
 
 
 def as_record(plan: RunPlan) -> dict:

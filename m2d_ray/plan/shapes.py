@@ -25,6 +25,20 @@ class Shape:
     experts: int = 0
     top_k: int = 0
     expert_width: int = 0
+    moe_layers: int = 0  # layers whose FFN is the E experts
+    tied: bool = False  # the output head is the input embedding
+    vector_params: int = 0  # norm gains and biases: elementwise, no products
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights a token is multiplied with when every expert runs (distill/flops.matmul_params: all but the
+        input embedding, a lookup, unless it is the head too)."""
+        return self.params - self.vector_params - (0 if self.tied else self.vocab * self.hidden)
+
+    @property
+    def inactive_expert_params(self) -> int:
+        """Expert weights a token skips at its top-k (distill/flops.inactive_expert_params)."""
+        return self.moe_layers * (self.experts - self.top_k) * 3 * self.hidden * self.expert_width
 
     @property
     def weights(self) -> int:
@@ -59,13 +73,15 @@ def shape_of(config) -> Shape:
     layer_params = max(sum(p.numel() for p in layer.parameters()) for layer in layers)
     E = k = I = 0
     ffn = getattr(text, "intermediate_size", 0) or 0
-    if adapter is not None and adapter.moe_blocks(model):
-        block = next(iter(adapter.moe_blocks(model).values()))
+    moe = adapter.moe_blocks(model) if adapter is not None else {}
+    if moe:
+        block = next(iter(moe.values()))
         E, k, I = adapter.num_experts(config), adapter.top_k(config), adapter.experts(block).width
         shared = adapter.shared(block)
         ffn = max(ffn, k * I + (shared.weights.width if shared else 0))
     return Shape(params, layer_params, _dtype_bytes(config), text.vocab_size, text.hidden_size, len(layers), heads * head_dim,
-                 kv * head_dim, ffn, E, k, I)
+                 kv * head_dim, ffn, E, k, I, len(moe), model.get_input_embeddings().weight is model.get_output_embeddings().weight,
+                 sum(p.numel() for p in model.parameters() if p.ndim < 2))
 
 
 @dataclass(frozen=True)

@@ -188,6 +188,24 @@ def memory_rows(data: RunData) -> list[dict]:
     return rows
 
 
+def cost_rows(data: RunData) -> list[dict]:
+    """The plan's bill per stage (RUN_DIR/memory_plan.json) beside the wall time run.json measured: calibration
+    is stage 1's statistics, stage 1 the rest of it; the targets pass runs inside stage 2 (not timed apart)."""
+    cost = (data.memory_plan or {}).get("cost")
+    if not cost:
+        return []
+    t = data.timings
+    s1 = t.get("stage1", {})
+    measured = {"calibrate": s1.get("calibrate_s"), "stage1": s1["wall_s"] - s1["calibrate_s"] if "calibrate_s" in s1 else None,
+                "stage2": None if "targets" in cost["stages"] else t.get("stage2", {}).get("wall_s"), "stage3": t.get("stage3", {}).get("wall_s")}
+    rows = []
+    for name, c in cost["stages"].items():
+        m, est = measured.get(name), c.get("seconds")
+        rows.append({"stage": name, "flops": c["flops"], "estimated_s": est, "measured_s": m, "ratio": m / est if m and est else None,
+                     "gpu_hours": c.get("gpu_hours"), "dollars": c.get("dollars")})
+    return rows
+
+
 def _peak(r: dict) -> int | None:
     """A record's measured peak comparable with the plan: CUDA allocations on a GPU, else the resident memory
     the work added (an older record: the process's whole resident peak)."""

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from m2d_ray.artifacts import atomic_dir, write_text_atomic
-from m2d_ray.report.analysis import (RunData, distill_rows, memory_rows, erank_table, load_run, marginal, matched_rows, outcome, outcome_line, overlap,
+from m2d_ray.report.analysis import (RunData, cost_rows, distill_rows, memory_rows, erank_table, load_run, marginal, matched_rows, outcome, outcome_line, overlap,
                                      selections, val_loss_curves)
 from m2d_ray.report.figures import pyplot, save
 from m2d_ray.report.stage1 import heatmap, write_tables
@@ -82,6 +82,18 @@ def memory_table(data: RunData) -> Table:
                  "m2d run's memory plan (RUN_DIR/memory_plan.json, checked before calibration) beside what the stages measured: "
                  "stage 2 the largest peak over its students, stage 3 each model's: CUDA allocations on a GPU (the plan adds 1 GiB for the CUDA "
                  "context), else the resident memory the work added to its process, which also counts the checkpoint pages transformers keeps mapped.")
+
+
+def cost_table(data: RunData) -> Table:
+    body = [[r["stage"], f"{r['flops']:.3g}", _round(r["estimated_s"]), _round(r["measured_s"]), r["ratio"], r["gpu_hours"], r["dollars"]]
+            for r in cost_rows(data)]
+    return Table("cost", ["stage", "FLOPs", "estimated s", "measured s", "measured / estimated", "GPU-hours", "dollars"], body,
+                 "m2d run's bill (RUN_DIR/memory_plan.json, estimated before calibration from configs: FLOPs / (peak x plan.efficiency) "
+                 "+ start-up, dollars from node-hours with the idle tail) beside each stage's measured wall time (RUN_DIR/run.json).")
+
+
+def _round(v):
+    return None if v is None else round(v, 1)
 
 
 def matched_table(data: RunData, rows: list[dict]) -> Table:
@@ -216,9 +228,10 @@ def write_report(run_dir: str | Path) -> Path:
         write_tables(data.stage1, order, out)
         rows = distill_rows(data)
         tables = {"distill": distill_table(data, rows), "matched": matched_table(data, rows), "d2d": d2d_table(data),
-                  "overlap": overlap_table(data), "erank": erank_tables(data), "memory": memory_table(data)}
+                  "overlap": overlap_table(data), "erank": erank_tables(data), "memory": memory_table(data),
+                  "cost": cost_table(data)}
         for name, t in tables.items():
-            if t.rows or name not in ("d2d", "memory"):  # the candidate table only with the d2d baseline, the memory one with a plan
+            if t.rows or name not in ("d2d", "memory", "cost"):  # the candidate table only with the d2d baseline, the memory one with a plan
                 t.write(out)
         figs = {
             "grid": heatmap(data.stage1, order, out / STAGE1_HEATMAP, title=f"stage 1: pre-distillation perplexity, k={data.k}"),
@@ -269,6 +282,7 @@ def _page(data: RunData, tables: dict[str, Table], figs: dict[str, Path | None],
         (f"Selection overlap between scorings at K = k = {data.k}", tables["overlap"].html() + _img(figs["overlap"], "overlap matrix")),
         ("Effective rank of the selected experts", tables["erank"].html() + _img(figs["erank"], "effective rank per scoring")),
         *([("Memory: planned against measured", tables["memory"].html())] if tables["memory"].rows else []),
+        *([("Time and money: estimated against measured", tables["cost"].html())] if tables["cost"].rows else []),
     ]
     body = "".join(f"<h2>{html.escape(title)}</h2>{content}" for title, content in sections)
     meta = (f"teacher <code>{html.escape(str(p['teacher']))}</code> · k = {p['k']}, E = {p['E']} · config <code>{html.escape(cfg.name)}</code> · "

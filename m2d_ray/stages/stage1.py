@@ -56,6 +56,7 @@ class Stage1Result:
     full_evaluations: int  # students whose whole perplexity was computed (ok or diverged)
     chunks_evaluated: int  # perplexity chunks computed in all, probes included (compute, in chunks)
     wall_s: float
+    calibrate_s: float = 0.0  # of wall_s: the statistics (computed or reused), what the plan's calibrate row estimates
 
 
 # ---- the trial (runs in a Tune worker) ---------------------------------------------------------
@@ -253,7 +254,9 @@ def run_stage1(cfg: SweepConfig | None, run_dir: str | Path | RunDir, resume: bo
     store.check_visible()
     remote = store.put_model(model)  # what the workers load
     tokenizer = load_tokenizer(model)
+    t_stats = time.time()
     art = _stats(cfg, model, remote, rd, tokenizer)
+    calibrate_s = time.time() - t_stats
     plans = _plans(cfg, remote, rd, art, specs)
     uniques = dedupe(specs, plans, cfg.search.dedupe)
     parent = tracker.parent_run(
@@ -292,7 +295,7 @@ def run_stage1(cfg: SweepConfig | None, run_dir: str | Path | RunDir, resume: bo
         run(pending, "eval", stopper)
     records = ledger.records()
     promotions = _finish(cfg, rd, records, tracker, parent, model, art, k, E)
-    return Stage1Result(rd.path, records, promotions, probed, recorder.trials, recorder.full, recorder.chunks, time.time() - t0)
+    return Stage1Result(rd.path, records, promotions, probed, recorder.trials, recorder.full, recorder.chunks, time.time() - t0, calibrate_s)
 
 
 def _load_probes(rd: RunDir) -> dict[str, float]:

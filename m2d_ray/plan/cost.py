@@ -1,0 +1,346 @@
+"""The bill of a run before it starts: FLOPs, wall time, GPU-hours and dollars of every stage, from configs.
+
+FLOPs count matrix products (2 per multiply-add) as distill/flops.py does, from the shapes read on the meta
+device: calibration runs every expert on every calibration token and forms each MoE layer's E x E output
+Gram; a stage-1 trial forwards its student over the perplexity tokens it will really score (each distinct
+student's probe chunk, the survivors' remaining chunks); the targets pass is the teacher's forward at its
+top-k; a student's step is its forward and backward (4 forwards under gradient checkpointing: the
+recomputation is time) plus the teacher's forward (online) or its output head (hidden), and its
+validations; stage 3 forwards the suite's tokens (plan/suite.py) through each model.
+
+Time: a unit's FLOPs / (its devices' peak x plan.efficiency) + a fixed start-up (plan.*_s), its units
+spread over the lanes the run will have (trials at once, students at once, models at once, bounded by the
+node types' max_workers), longest first. GPU-hours: the units' seconds x their GPUs. Dollars: the nodes a
+stage holds (its lanes' GPUs over a node's GPUs) x its wall time plus the autoscaler's idle tail
+(idle_timeout_minutes) x the node type's hourly price (plan/prices.py; the dearest type that can hold the
+request: an upper bound), and the head node for the whole run.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import os
+from dataclasses import asdict, dataclass
+
+from m2d_ray.accelerators import GPU_PEAK_BF16
+from m2d_ray.config import SweepConfig, k_values
+from m2d_ray.distill.flops import causal_attention_flops
+from m2d_ray.plan.devices import NodeType, holders
+from m2d_ray.plan.prices import hourly
+from m2d_ray.plan.shapes import Models, Shape
+from m2d_ray.plan.suite import CHARS_PER_TOKEN, suite_tokens
+
+#: stage-1 students that outlive the probe round: P2 measured 81 full evaluations of 204 distinct students
+SURVIVORS = 81 / 204
+
+
+@dataclass(frozen=True)
+class StageCost:
+    name: str
+    flops: float
+    seconds: float | None  # None: no peak known for its device
+    gpu_hours: float | None
+    dollars: float | None  # None: no price known (or no node types)
+    units: int  # trials, students, models
+    lanes: int  # units at once
+    device: str  # what one unit runs on, described
+    node: str | None = None  # the node type priced
+    node_hours: float | None = None
+
+
+@dataclass(frozen=True)
+class RunCost:
+    stages: tuple[StageCost, ...]
+    head_dollars: float | None = None
+    cpu_flops: float | None = None  # one CPU thread's FLOP/s the CPU stages were timed with (measured or plan.cpu_flops)
+    cpu_load: float = 0.0  # others' runnable processes the CPU stages shared the cores with
+
+    @property
+    def seconds(self) -> float | None:
+        return _sum(s.seconds for s in self.stages)
+
+    @property
+    def gpu_hours(self) -> float | None:
+        return _sum(s.gpu_hours for s in self.stages)
+
+    @property
+    def dollars(self) -> float | None:
+        return _sum([*(s.dollars for s in self.stages), self.head_dollars or 0.0])
+
+    def over_budget(self, max_dollars: float | None) -> str | None:
+        """The one line a run that costs more than plan.max_dollars (or cannot be priced against it) is refused with."""
+        if max_dollars is None:
+            return None
+        if self.dollars is None:
+            unpriced = ", ".join(s.name for s in self.stages if s.dollars is None)
+            return (f"plan.max_dollars={max_dollars:g} but {unpriced} cannot be priced (no GPU type's peak or node type's price known); "
+                    "give --cluster CLUSTER_YAML and plan.prices.<node type>=DOLLARS_PER_HOUR")
+        if self.dollars > max_dollars:
+            top = max(self.stages, key=lambda s: s.dollars or 0.0)
+            return (f"the run would cost {_usd(self.dollars)} (most in {top.name}: {_usd(top.dollars)}, {_num(top.gpu_hours)} GPU-hours) "
+                    f"but plan.max_dollars is {_usd(max_dollars)}; give a smaller grid, fewer distill.steps or students (stage2.pairs), "
+                    "or raise plan.max_dollars")
+        return None
+
+    def by_name(self) -> dict[str, StageCost]:
+        return {s.name: s for s in self.stages}
+
+    def to_json(self) -> dict:
+        return {"stages": {s.name: asdict(s) for s in self.stages}, "head_dollars": self.head_dollars, "cpu_flops": self.cpu_flops,
+                "cpu_load": self.cpu_load,
+                "seconds": self.seconds, "gpu_hours": self.gpu_hours, "dollars": self.dollars}
+
+    def table(self) -> str:
+        rows = [("stage", "units", "at once", "device", "FLOPs", "wall", "GPU-hours", "dollars")]
+        for s in self.stages:
+            rows.append((s.name, str(s.units), str(s.lanes), s.device + (f" on {s.node}" if s.node else ""), f"{s.flops:.3g}",
+                         duration(s.seconds), _num(s.gpu_hours), _usd(s.dollars)))
+        if self.head_dollars is not None:
+            rows.append(("head node", "", "", "the whole run", "", "", "", _usd(self.head_dollars)))
+        rows.append(("total", "", "", "", f"{sum(s.flops for s in self.stages):.3g}", duration(self.seconds), _num(self.gpu_hours),
+                     _usd(self.dollars)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _sum(values) -> float | None:
+    values = list(values)
+    return None if any(v is None for v in values) else float(sum(values))
+
+
+def _num(v: float | None) -> str:
+    return "?" if v is None else f"{v:,.3g}" if v < 1000 else f"{v:,.0f}"
+
+
+def _usd(v: float | None) -> str:
+    return "?" if v is None else f"${v:,.2f}" if v < 1000 else f"${v:,.0f}"
+
+
+def duration(s: float | None) -> str:
+    if s is None:
+        return "?"
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
+# ---- FLOPs per token -------------------------------------------------------------------------------
+def forward_flops(s: Shape, seq: int, all_experts: bool = False) -> float:
+    """One token's forward: its matmuls (every expert, or the top-k) and causal attention over `seq`."""
+    return 2.0 * (s.matmul_params - (0 if all_experts else s.inactive_expert_params)) + causal_attention_flops(s.q_width, s.layers, seq)
+
+
+def calibration_flops(t: Shape, seq: int) -> float:
+    """One calibration token: the teacher with every expert, and each MoE layer's E x E output Gram."""
+    return forward_flops(t, seq, all_experts=True) + 2.0 * t.moe_layers * t.experts**2 * t.hidden
+
+
+def head_flops(t: Shape) -> float:
+    return 2.0 * t.vocab * t.hidden
+
+
+def distinct_students(cfg: SweepConfig, t: Shape) -> tuple[int, int]:
+    """(configs of the grid, the distinct students dedupe leaves: at K = k every grouping builds the same one)."""
+    g = cfg.grid
+    Ks = k_values(g.K, t.top_k, t.experts)
+    configs = len(g.scoring) * len(g.grouping) * len(g.scaling) * len(Ks)
+    same = (len(g.grouping) - 1) * len(g.scoring) * len(g.scaling) if (cfg.search.dedupe and t.top_k in Ks) else 0
+    return configs, configs - same
+
+
+def stage1_chunks(cfg: SweepConfig, distinct: int) -> tuple[int, float]:
+    """(trials, perplexity chunks scored) as the search runs: a probe chunk each, then the survivors' rest."""
+    c = cfg.eval.chunks
+    if not cfg.search.early_stop:
+        return distinct, float(distinct * c)
+    survivors = math.ceil(SURVIVORS * distinct)
+    if cfg.search.probe:
+        return distinct + survivors, distinct + survivors * (c - 1.0)
+    return distinct, survivors * c + (distinct - survivors) * min(c, cfg.search.grace_chunks + 1)
+
+
+def eval_tokens(cfg: SweepConfig) -> float:
+    """The perplexity tokens of stage 1 (the first eval.max_chars characters)."""
+    chars = cfg.eval.max_chars or 300_000
+    return chars / CHARS_PER_TOKEN
+
+
+def student_tokens(cfg: SweepConfig) -> int:
+    x = cfg.distill
+    return x.steps * x.batch_size * x.grad_accum * x.workers * x.seq_len
+
+
+def stage2_flops(cfg: SweepConfig, m: Models, targets: str, teacher: Shape | None = None) -> float:
+    """One student's distillation: its training tokens and validations."""
+    x = cfg.distill
+    teacher = teacher or m.teacher
+    student = forward_flops(m.student, x.seq_len)
+    if targets == "online":
+        side = forward_flops(teacher, x.seq_len)
+    elif targets == "hidden":
+        side = head_flops(teacher)
+    else:
+        side = 0.0
+    train = student_tokens(cfg) * ((4.0 if x.gradient_checkpointing else 3.0) * student + side)
+    evals = x.steps // max(1, x.eval_every) + 1
+    return train + evals * (x.eval_max_tokens or 0) * (student + side)
+
+
+# ---- time and money -----------------------------------------------------------------------------
+def lanes_wall(unit_seconds: list[float], lanes: int) -> float:
+    """The wall time of units run `lanes` at a time, longest first (each starts when a lane frees)."""
+    heap = [0.0] * max(1, min(lanes, len(unit_seconds) or 1))
+    for s in sorted(unit_seconds, reverse=True):
+        heapq.heapreplace(heap, heap[0] + s)
+    return max(heap) if unit_seconds else 0.0
+
+
+def cpu_rate(cfg: SweepConfig) -> float:
+    """One CPU thread's fp32 FLOP/s: plan.cpu_flops, else a 512 x 512 matmul measured on one thread (~0.1 s)."""
+    if cfg.plan.cpu_flops:
+        return cfg.plan.cpu_flops
+    import torch
+
+    from m2d_ray.distill.flops import matmul_rate
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return matmul_rate("cpu", torch.float32, n=512, iters=2, repeats=3)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a stage's units run: GPUs (or CPU threads) of one unit, the lanes at once, the node type priced."""
+
+    gpus: float
+    threads: int
+    lanes: int
+    accelerator: str | None
+    node: NodeType | None
+
+
+def place(request: dict, gpus: float, threads: int, wanted: int, nodes: tuple[NodeType, ...] | None, accelerator: str | None) -> Place:
+    """The lanes a stage gets: `wanted` at once, bounded by what the node types that hold one unit can take
+    (max_workers of them); the GPU type: the pin, else the slowest among them; priced at the dearest."""
+    found = holders(list(nodes), request) if nodes is not None and gpus > 0 else []
+    lanes = max(1, wanted)
+    if found and gpus > 0 and all(n.max_workers is not None for n in found):
+        room = sum(n.max_workers * max(1, int(n.gpus // gpus)) if gpus <= n.gpus else n.max_workers for n in found)
+        lanes = max(1, min(lanes, room))
+    acc = accelerator or min((n.accelerator for n in found if n.accelerator in GPU_PEAK_BF16), key=GPU_PEAK_BF16.get, default=None)
+    node = max(found, key=lambda n: hourly(n) or 0.0) if found else None
+    return Place(gpus, threads, lanes, acc, node)
+
+
+@dataclass(frozen=True)
+class Host:
+    """The CPUs a CPU stage shares: one thread's FLOP/s, the cores, and the runnable processes of others (a
+    shared machine's load average when the plan is made; 0 on a cluster's nodes)."""
+
+    rate: float
+    cores: int
+    load: float = 0.0
+
+    def share(self, threads: int, lanes: int) -> float:
+        """The cores one unit of `threads` gets beside `lanes - 1` others and the load (fair share)."""
+        return threads * min(1.0, self.cores / (self.load + lanes * threads))
+
+
+def stage_cost(cfg: SweepConfig, name: str, unit_flops: list[float], p: Place, overhead: float, cpu: Host | None, prices: dict,
+               idle_s: float) -> StageCost:
+    """Seconds, GPU-hours and dollars of `unit_flops` run at `p` (on CPUs, the start-up slows as the compute does)."""
+    eff = cfg.plan.efficiency
+    if p.gpus > 0:
+        peak = GPU_PEAK_BF16.get(p.accelerator or "")
+        rate = p.gpus * peak * eff if peak else None
+        device = f"{p.gpus:g} x {p.accelerator or 'GPU'}"
+    else:
+        lanes = min(p.lanes, len(unit_flops)) or 1
+        share = cpu.share(p.threads, lanes) if cpu else 0.0
+        rate = share * cpu.rate * eff if cpu else None
+        overhead = overhead * p.threads / share if cpu else overhead
+        device = f"{p.threads} CPU thread" + ("s" if p.threads > 1 else "")
+    if rate is None:
+        return StageCost(name, sum(unit_flops), None, None, None, len(unit_flops), p.lanes, device)
+    unit_s = [f / rate + overhead for f in unit_flops]
+    wall = lanes_wall(unit_s, p.lanes) + cfg.plan.stage_s * (1.0 if p.gpus > 0 or cpu is None else max(1.0, (cpu.load + 1) / cpu.cores))
+    gpu_hours = sum(unit_s) * p.gpus / 3600
+    dollars = node_hours = None
+    if p.gpus == 0:
+        dollars = 0.0  # CPU work runs on the head (priced for the whole run) or this machine
+    elif p.node is not None and p.node.gpus > 0:
+        nodes = math.ceil(min(p.lanes, len(unit_flops)) * p.gpus / p.node.gpus)
+        node_hours = nodes * (wall + idle_s) / 3600
+        price = hourly(p.node, prices)
+        dollars = None if price is None else node_hours * price
+    return StageCost(name, sum(unit_flops), wall, gpu_hours, dollars, len(unit_flops), min(p.lanes, len(unit_flops)), device,
+                     p.node.name if p.node else None, node_hours)
+
+
+def estimate(cfg: SweepConfig, m: Models, stage_plans: dict, nodes: tuple[NodeType, ...] | None, head: str | None, idle_minutes: float,
+             targets: str, extra: dict[str, Shape], students_at_once: int | None, cpu_load: float = 0.0) -> RunCost:
+    """The run's bill. `stage_plans`: the memory plan's StagePlan by name (their requests and GPUs);
+    `extra`: stage 3's other models (the d2d baseline's dense teacher) by key; `cpu_load`: others' runnable
+    processes on the CPUs of CPU stages."""
+    from m2d_ray.config import D2D
+
+    r, c, x, t, s3 = cfg.ray, cfg.calib, cfg.distill, m.teacher, cfg.stage3
+    cpu = Host(cpu_rate(cfg), os.cpu_count() or 1, cpu_load) if any(p.share == 0 for p in stage_plans.values()) else None
+    idle_s, prices, pc = idle_minutes * 60, cfg.plan.prices, cfg.plan
+    out = []
+
+    def run(name: str, flops: list[float], gpus: float, threads: int, wanted: int, acc: str | None, overhead: float) -> None:
+        plan = stage_plans[name]
+        out.append(stage_cost(cfg, name, flops, place(plan.request, gpus, threads, wanted, nodes, acc), overhead, cpu, prices, idle_s))
+
+    calib = c.max_tokens * calibration_flops(t, c.seq_len)
+    run("calibrate", [calib / r.data_actors] * r.data_actors, r.data_gpus_per_actor, r.threads_per_worker, r.data_actors, r.data_accelerator, 0.0)
+    _, distinct = distinct_students(cfg, t)
+    trials, chunks = stage1_chunks(cfg, distinct)
+    per_trial = chunks / trials * eval_tokens(cfg) / cfg.eval.chunks * forward_flops(m.student, cfg.eval.seq_len)
+    run("stage1", [per_trial] * trials, r.gpus_per_trial, r.threads_per_worker, r.max_concurrent_trials, r.trial_accelerator, pc.trial_s)
+    if "targets" in stage_plans:
+        tokens = student_tokens(cfg)
+        f = tokens * (forward_flops(t, x.seq_len) - (head_flops(t) if targets == "hidden" else 0.0))
+        run("targets", [f / r.data_actors] * r.data_actors, r.data_gpus_per_actor, r.threads_per_worker, r.data_actors, r.data_accelerator, 0.0)
+    pairs = len(cfg.stage2.pairs) or len(cfg.grid.scoring) * len(cfg.grid.grouping)
+    baselines = [b for b in cfg.stage2.baselines if b != D2D]
+    students = [stage2_flops(cfg, m, targets)] * (pairs + len(baselines))
+    if D2D in cfg.stage2.baselines:
+        dense = extra.get("teacher-d2d") or t
+        students.append(stage2_flops(cfg, m, "online", dense) if targets != "online" else stage2_flops(cfg, m, targets, dense))
+    run("stage2", students, x.workers * x.gpus_per_worker, x.workers * x.threads_per_worker, students_at_once or len(students), x.accelerator,
+        pc.student_s)
+    tokens, mean_len = suite_tokens(s3.tasks, s3.num_fewshot, s3.limit)
+    models = [("student", m.student)] * len(students) + ([("teacher", t)] if s3.teacher else []) + list(extra.items())
+    per = {k: tokens * forward_flops(shape, int(mean_len)) for k, shape in models}
+    by_gpus: dict[float, list[float]] = {}
+    for key, _ in models:
+        p = stage_plans.get(f"stage3:{key}")
+        by_gpus.setdefault(p.units * p.share if p else 0.0, []).append(per[key])
+    for i, (gpus, flops) in enumerate(sorted(by_gpus.items())):
+        wanted = len(flops) if gpus > 0 else max(1, int(r.num_cpus // max(s3.cpus_per_task, 1e-9)))
+        name = "stage3" if len(by_gpus) == 1 else f"stage3:{gpus:g}gpu"
+        plan = stage_plans.get(f"stage3:{models[0][0]}") or next(p for k, p in stage_plans.items() if k.startswith("stage3"))
+        out.append(stage_cost(cfg, name, flops, place({**plan.request, "GPU": min(gpus, 1.0) if gpus else 0.0}, gpus, s3.threads_per_task,
+                                                         wanted, nodes, s3.accelerator), pc.model_s, cpu, prices, idle_s))
+    out = _merge_stage3(out)
+    head_node = next((n for n in nodes or () if n.name == head), None)
+    total = _sum(s.seconds for s in out)
+    price = hourly(head_node, prices) if head_node else None
+    return RunCost(tuple(out), None if price is None or total is None else price * total / 3600, cpu.rate if cpu else None, cpu_load)
+
+
+def _merge_stage3(stages: list[StageCost]) -> list[StageCost]:
+    """Stage 3's models of different GPU counts as one row: they run at once, the row's wall is the longest."""
+    parts = [s for s in stages if s.name.startswith("stage3")]
+    if len(parts) <= 1:
+        return stages
+    add = lambda vals: _sum(vals)  # noqa: E731
+    merged = StageCost("stage3", sum(p.flops for p in parts), None if any(p.seconds is None for p in parts) else max(p.seconds for p in parts),
+                       add(p.gpu_hours for p in parts), add(p.dollars for p in parts), sum(p.units for p in parts), sum(p.lanes for p in parts),
+                       " + ".join(p.device for p in parts), " + ".join(dict.fromkeys(filter(None, (p.node for p in parts)))) or None,
+                       add(p.node_hours for p in parts))
+    return [s for s in stages if not s.name.startswith("stage3")] + [merged]

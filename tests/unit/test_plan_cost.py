@@ -1,0 +1,176 @@
+"""The bill of a run (plan/cost.py): FLOPs from shapes equal the counts on built models, time follows the run's
+concurrency, dollars the node-hours with the idle tail, and plan.max_dollars refuses before any work."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT
+from m2d_ray.accelerators import GPU_PEAK_BF16
+from m2d_ray.config import load_config
+from m2d_ray.errors import M2DError
+from m2d_ray.models import default_teacher
+from m2d_ray.models import load_config as model_config
+from m2d_ray.plan import cost
+from m2d_ray.plan.devices import cluster_settings, from_cluster_yaml
+from m2d_ray.plan.prices import hourly
+from m2d_ray.plan.run_plan import Devices, make_plan, plan_line
+from m2d_ray.plan.shapes import models_of
+
+QWEN30B = ROOT / "experiments" / "configs" / "Qwen--Qwen3-30B-A3B"
+CLUSTER = ROOT / "cluster.yaml"
+
+
+@pytest.fixture(scope="module")
+def paper():
+    """The paper's grid on cluster.yaml's node types (dollars from its price table and idle tail)."""
+    cfg = load_config(ROOT / "experiments" / "qwen3_30b_a3b.yaml")
+    head, idle = cluster_settings(CLUSTER)
+    return cfg, make_plan(cfg, model_config(str(QWEN30B)), Devices(None, None, tuple(from_cluster_yaml(CLUSTER)), None, head, idle))
+
+
+def test_flops_from_shapes_equal_the_counts_on_the_built_models():
+    from m2d_ray.arch import get_adapter
+    from m2d_ray.distill.flops import flops_per_token, matmul_params
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(default_teacher())
+    m = models_of(config)
+    teacher = AutoModelForCausalLM.from_pretrained(default_teacher(), dtype=torch.float32)
+    student = AutoModelForCausalLM.from_config(m.student_config)
+    adapter = get_adapter(config)
+    want = flops_per_token(teacher, adapter, student, 128)
+    assert cost.forward_flops(m.teacher, 128) + 3 * cost.forward_flops(m.student, 128) == pytest.approx(want, rel=1e-12)
+    # calibration runs every expert: the whole matmul weight count, plus the E x E Gram of each MoE layer
+    every = cost.forward_flops(m.teacher, 128, all_experts=True)
+    assert every - cost.forward_flops(m.teacher, 128) == 2 * (matmul_params(teacher) - (matmul_params(teacher) - m.teacher.inactive_expert_params))
+    assert cost.calibration_flops(m.teacher, 128) - every == 2 * 4 * 16**2 * 64
+
+
+def test_stage2_counts_the_student_step_and_the_teacher_side_by_mode():
+    cfg = load_config(ROOT / "experiments" / "tiny.yaml", ["distill.eval_max_tokens=0"])
+    m = models_of(model_config(default_teacher()))
+    x, seq = cfg.distill, cfg.distill.seq_len
+    tokens = x.steps * x.batch_size * x.grad_accum * x.workers * seq
+    student = cost.forward_flops(m.student, seq)
+    assert cost.stage2_flops(cfg, m, "online") == tokens * (3 * student + cost.forward_flops(m.teacher, seq))
+    assert cost.stage2_flops(cfg, m, "hidden") == tokens * (3 * student + 2 * m.teacher.vocab * m.teacher.hidden)
+    assert cost.stage2_flops(cfg, m, "topk:64") == tokens * 3 * student
+    ckpt = replace(cfg, distill=replace(x, gradient_checkpointing=True))
+    assert cost.stage2_flops(ckpt, m, "topk:64") == tokens * 4 * student  # the recomputation is time
+
+
+def test_stage1_counts_the_distinct_students_and_the_probe_round():
+    cfg = load_config(ROOT / "experiments" / "tiny-grid.yaml")
+    t = models_of(model_config(default_teacher())).teacher
+    configs, distinct = cost.distinct_students(cfg, t)
+    assert (configs, distinct) == (280, 224)  # P2 measured 204: a few scorings coincide beyond K = k
+    trials, chunks = cost.stage1_chunks(cfg, distinct)
+    survivors = math.ceil(224 * 81 / 204)
+    assert trials == 224 + survivors and chunks == 224 + survivors * 5
+    full = load_config(ROOT / "experiments" / "tiny-grid.yaml", ["search.dedupe=false", "search.early_stop=false"])
+    assert cost.distinct_students(full, t) == (280, 280) and cost.stage1_chunks(full, 280) == (280, 280 * 6)
+
+
+def test_units_run_longest_first_on_the_lanes_they_have():
+    assert cost.lanes_wall([3, 3, 3], 2) == 6
+    assert cost.lanes_wall([5, 1, 1, 1, 1, 1], 2) == 5
+    assert cost.lanes_wall([2] * 4, 8) == 2 and cost.lanes_wall([], 3) == 0
+
+
+def test_the_paper_s_students_train_two_at_a_time_on_two_h100_nodes(paper):
+    cfg, plan = paper
+    s2 = plan.cost.by_name()["stage2"]
+    assert (s2.units, s2.lanes, s2.node) == (37, 2, "gpu_h100_8x")  # max_workers: 2 of the 8 x H100 type
+    m = models_of(model_config(str(QWEN30B)))
+    per = cost.stage2_flops(cfg, m, "hidden") / (8 * GPU_PEAK_BF16["H100"] * cfg.plan.efficiency) + cfg.plan.student_s
+    assert s2.seconds == pytest.approx(19 * per + cfg.plan.stage_s)  # 37 students in 19 rounds of 2
+    assert s2.gpu_hours == pytest.approx(37 * per * 8 / 3600)
+    _, idle = cluster_settings(CLUSTER)
+    assert s2.dollars == pytest.approx(2 * (s2.seconds + idle * 60) / 3600 * 55.04)  # two nodes, their idle tail included
+    assert plan.cost.dollars == pytest.approx(sum(s.dollars for s in plan.cost.stages) + plan.cost.head_dollars)
+    assert plan.cost.head_dollars == pytest.approx(0.384 * plan.cost.seconds / 3600)
+
+
+def test_the_json_line_and_the_table_carry_the_bill(paper):
+    _, plan = paper
+    line = json.loads(plan_line(plan))
+    for name in ("calibrate", "stage1", "targets", "stage2", "stage3"):
+        assert {"flops", "seconds", "gpu_hours", "dollars"} <= set(line["stages"][name]), name
+        assert line["stages"][name]["flops"] > 0 and line["stages"][name]["dollars"] > 0
+    assert line["dollars"] == pytest.approx(plan.cost.dollars) and line["gpu_hours"] > 250
+    assert "the bill" in plan.table() and "total" in plan.table().splitlines()[-1]
+
+
+def test_prices_come_from_the_table_spot_and_overrides():
+    types = {n.name: n for n in from_cluster_yaml(CLUSTER)}
+    assert hourly(types["gpu_a10g_1x"]) == 1.212 and hourly(types["gpu_a10g_1x_spot"]) == 0.48  # the same instance, spot
+    assert hourly(types["gpu_h100_8x"], {"gpu_h100_8x": 40.0}) == 40.0 and hourly(types["gpu_h100_8x"], {"p5.48xlarge": 41.0}) == 41.0
+    assert cluster_settings(CLUSTER) == ("head_cpu", 10.0)
+
+
+def test_a_run_over_plan_max_dollars_is_refused_before_calibration():
+    from m2d_ray.commands.plan import check_run
+
+    over = ["distill.gpus_per_worker=1", "distill.accelerator=H100", "plan.max_dollars=0.01"]
+    with pytest.raises(M2DError, match=r"would cost \$.* but plan.max_dollars is \$0.01; give a smaller") as e:
+        check_run(load_config(ROOT / "experiments" / "tiny.yaml", over), cluster=str(CLUSTER))
+    assert "\n" not in str(e.value)
+    # unpriceable (a GPU stage, no node types): refused too, saying what to give
+    cfg = load_config(ROOT / "experiments" / "tiny.yaml", over)
+    plan = make_plan(cfg, model_config(default_teacher()), Devices(80 << 30))
+    assert plan.cost.by_name()["stage2"].dollars is None and "cannot be priced" in plan.problems()[-1]
+    ok = load_config(ROOT / "experiments" / "tiny.yaml", [*over[:2], "plan.max_dollars=1000"])
+    assert not make_plan(ok, model_config(default_teacher()), Devices(None, None, tuple(from_cluster_yaml(CLUSTER)))).problems()
+
+
+def test_a_cpu_run_is_timed_with_the_measured_thread_rate():
+    cfg = load_config(ROOT / "experiments" / "tiny.yaml", ["plan.cpu_flops=1e9"])
+    plan = make_plan(cfg, model_config(default_teacher()), Devices(host_memory=8 << 30))
+    c = plan.cost.by_name()["calibrate"]
+    threads = min(1, max(1.0, os.cpu_count() / 2))  # 2 actors of 1 thread, at most the cores between them
+    assert c.lanes == 2 and c.seconds == pytest.approx(c.flops / 2 / (threads * 1e9 * 0.4) + cfg.plan.stage_s)
+    assert plan.cost.dollars == 0.0 and cost.cpu_rate(load_config(None)) > 1e8  # measured: a CPU thread does > 0.1 GFLOP/s
+
+
+def test_the_suite_s_tokens_come_from_the_task_data():
+    from m2d_ray.plan.suite import CHARS_PER_TOKEN, PAPER, suite_tokens
+
+    rows = [json.loads(x) for x in (ROOT / "m2d_ray/evaluate/tasks/synthetic_continuation.test.jsonl").read_text().splitlines()]
+    per_request = (sum(len(r["context"]) for r in rows) / len(rows) + sum(len(c) for r in rows for c in r["choices"]) / (4 * len(rows)))
+    tokens, _ = suite_tokens("local", None, None)  # 0-shot and 2-shot: 1 + 3 request lengths per choice
+    assert tokens == pytest.approx(200 * 4 * 4 * per_request / CHARS_PER_TOKEN)
+    limited, _ = suite_tokens("paper", None, 10)
+    assert limited < suite_tokens("paper", None, None)[0] and PAPER["mmlu"][0] == 14042
+
+
+def test_the_report_sets_the_estimate_beside_the_measured_wall():
+    from m2d_ray.report.analysis import RunData, cost_rows
+
+    plan = {"cost": {"stages": {"calibrate": {"flops": 1.0, "seconds": 4.0}, "stage1": {"flops": 2.0, "seconds": 20.0},
+                                "stage2": {"flops": 3.0, "seconds": 100.0, "gpu_hours": 0.0, "dollars": 0.0},
+                                "stage3": {"flops": 4.0, "seconds": None}}}}
+    timings = {"stage1": {"wall_s": 35.0, "calibrate_s": 5.0}, "stage2": {"wall_s": 150.0}, "stage3": {"wall_s": 40.0}}
+    rows = {r["stage"]: r for r in cost_rows(RunData(Path("."), None, [], {}, {}, timings=timings, memory_plan=plan))}
+    assert rows["calibrate"]["ratio"] == 1.25 and rows["stage1"]["measured_s"] == 30.0 and rows["stage2"]["ratio"] == 1.5
+    assert rows["stage3"]["ratio"] is None and cost_rows(RunData(Path("."), None, [], {}, {})) == []
+
+
+def test_on_a_shared_machine_a_cpu_stage_gets_its_fair_share_of_the_cores():
+    host = cost.Host(1e9, 2, 0.0)
+    assert host.share(1, 2) == 1 and host.share(1, 4) == 0.5 and cost.Host(1e9, 2, 6.0).share(1, 2) == 0.25
+    cfg = load_config(ROOT / "experiments" / "tiny.yaml", ["plan.cpu_flops=1e9"])
+    idle, busy = (make_plan(cfg, model_config(default_teacher()), Devices(host_memory=8 << 30, cpu_load=load)).cost for load in (0.0, 6.0))
+    a, b = idle.by_name()["calibrate"], busy.by_name()["calibrate"]
+    assert busy.cpu_load == 6.0 and busy.cpu_flops == 1e9
+    n = os.cpu_count()
+    compute = a.flops / 2 / (1e9 * 0.4)  # an actor's FLOPs on a whole thread
+    assert a.seconds == pytest.approx(compute / min(1.0, n / 2) + cfg.plan.stage_s)
+    assert b.seconds == pytest.approx(compute / min(1.0, n / (6 + 2)) + cfg.plan.stage_s * max(1.0, 7 / n))  # 2 actors beside 6 others
