@@ -26,6 +26,8 @@ import threading
 import time
 from collections import Counter
 
+from ray import tune
+
 from m2d_ray.console import note, say
 from m2d_ray.errors import M2DError
 
@@ -33,6 +35,7 @@ _INFEASIBLE = re.compile(r"No available node types can fulfill resource requests
 _BUNDLE = re.compile(r"\{[^{}]*\}")
 _TYPE = re.compile(r"Adding \d+ node\(s\) of type (\S+?)\.")
 ALWAYS = {"memory", "object_store_memory"}  # what Ray may add to any request
+_ACTIVE: dict[str, "Waiting"] = {}  # stage -> its Waiting while it waits (TuneCheck looks it up)
 
 
 class Unservable(M2DError):
@@ -141,9 +144,11 @@ class Waiting:
         except Exception:  # no driver log stream: the status alone (progress lines, no infeasible events)
             pass
         self._thread.start()
+        _ACTIVE[self.stage] = self
         return self
 
     def __exit__(self, *exc) -> None:
+        _ACTIVE.pop(self.stage, None)
         self._done.set()
         self._thread.join(timeout=10)
         try:
@@ -190,15 +195,21 @@ class Waiting:
                 last = time.monotonic()
 
 
-def tune_check(waiting: Waiting):
-    """A Tune callback that fails the stage from Tune's own loop (the driver's main thread) when `waiting` does."""
-    from ray import tune
+class TuneCheck(tune.Callback):
+    """Fails the stage from Tune's own loop (the driver's main thread) once its `Waiting` has a failure. Tune
+    pickles its callbacks with the experiment, so this one holds the stage's name, not the `Waiting`."""
 
-    class _Check(tune.Callback):
-        def on_step_begin(self, iteration, trials, **info):
+    def __init__(self, stage: str) -> None:
+        self.stage = stage
+
+    def on_step_begin(self, iteration, trials, **info):
+        waiting = _ACTIVE.get(self.stage)
+        if waiting is not None:
             waiting.check()
 
-    return _Check()
+
+def tune_check(waiting: Waiting) -> TuneCheck:
+    return TuneCheck(waiting.stage)
 
 
 def for_stage(stage: str, cfg, gpus: float | None = None) -> Waiting:

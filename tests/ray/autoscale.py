@@ -24,6 +24,9 @@ timestamped console stay for the test to read):
           reclaim does) once during stage 1 and once during stage 2, each while a trial runs on it
   failed  the same run with ray.max_failures=0, one student at a time, and a node lost during stage 2:
           that student fails, the other is distilled, the run goes on
+  unservable  the same run asking a GPU per distillation rank (distill.gpus_per_worker=1), which no node type
+          has (their GPUs are FAKE_GPU) and which the driver cannot check before the run (the fake provider's
+          node types are not in the GCS): the autoscaler's own report fails stage 2, exit 2
 """
 
 from __future__ import annotations
@@ -301,7 +304,8 @@ def main(work: Path, only: list[str]) -> None:
     try:
         env["RAY_ADDRESS"] = start_cluster(work, env, temp)
         runs = {"plain": ((), RUN), "lost": ((in_stage1, in_stage2), RUN),
-                "failed": ((in_stage2,), [*RUN, "ray.max_failures=0", "stage2.max_concurrent_trials=1"])}
+                "failed": ((in_stage2,), [*RUN, "ray.max_failures=0", "stage2.max_concurrent_trials=1"]),
+                "unservable": ((), [*RUN, "distill.gpus_per_worker=1"])}
         for name, (kills, overrides) in runs.items():
             if only and name not in only:
                 continue

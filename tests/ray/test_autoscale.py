@@ -3,8 +3,8 @@ node types of cluster.yaml.
 
 One fake autoscaling cluster for the module, in private PID, mount and network namespaces; its worker node
 types are derived from cluster.yaml. Three runs of the same tiny config: plain; with a node reclaimed during
-stage 1 and during stage 2 (ray.max_failures=1); and with ray.max_failures=0 and a node reclaimed during
-stage 2 (that student fails, the run goes on).
+stage 1 and during stage 2 (ray.max_failures=1); with ray.max_failures=0 and a node reclaimed during
+stage 2 (that student fails, the run goes on); and asking stage 2 for a GPU no node type has (it fails, exit 2).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def autoscaled(tmp_path_factory):
         proc = subprocess.run(["unshare", "-pfn", "--kill-child", "--mount-proc", sys.executable, str(HERE / "autoscale.py"), str(work)],
                               stderr=err, timeout=2700)
     results = json.loads((work / "results.json").read_text()) if (work / "results.json").exists() else {}
-    assert proc.returncode == 0 and {"plain", "lost", "failed"} <= set(results), (work / "autoscale.stderr").read_text()[-3000:]
+    assert proc.returncode == 0 and {"plain", "lost", "failed", "unservable"} <= set(results), (work / "autoscale.stderr").read_text()[-3000:]
     for name in ("plain", "lost", "failed"):  # the autoscaler's record, per stage (shown with -s)
         r = results[name]
         print(f"\n{name}: rc {r['rc']}, {r['wall_s']} s, nodes gone {r['scale_down_s']} s after the run; kills: {[k['when'] for k in r['kills']]}")
@@ -196,3 +196,17 @@ def test_a_node_lost_more_often_than_max_failures_fails_that_student_only(autosc
     # the student that was not on the lost node is the plain run's
     ok = next(k for k, x in ledger.items() if x["status"] == "ok")
     assert _close(_ledger(work / "hidden" / "plain", "stage2/trials", "plain")[ok], ledger[ok])
+
+
+def test_a_request_no_node_type_holds_fails_its_stage_on_the_autoscaler_s_word(autoscaled):
+    """distill.gpus_per_worker=1 on a CPU-only autoscaling cluster whose node types the driver cannot read: stage 2
+    fails within about a minute of waiting, with one line, exit 2, and stage 3 never starts."""
+    work, results = autoscaled
+    r = results["unservable"]
+    assert r["rc"] == 2, r["lines"][-20:]
+    last = r["lines"][-1][1]
+    assert last.startswith("m2d: error: stage2: the autoscaler reports that no node type can hold {CPU: 1, GPU: 1}"), last
+    assert "distill.gpus_per_worker" in last and any(t in last for t in WORKER_TYPES), last  # the keys, and the types it runs
+    start2 = next(t for t, line in r["lines"] if line.startswith("== stage2 =="))
+    assert r["t1"] - start2 < 150, r["t1"] - start2  # the autoscaler reports every 30 s; no waiting for ever
+    assert not any(line.startswith("== stage3 ==") for _, line in r["lines"])

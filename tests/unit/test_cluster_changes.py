@@ -140,3 +140,17 @@ def test_a_lost_node_reads_in_the_user_s_words_and_ray_s_error_goes_to_the_log(m
 def test_trial_error_counts_the_retries_tune_made():
     trial = SimpleNamespace(error_file=None, get_error=lambda: ACTOR_DIED, num_failures=2)
     assert "retried 1 of 1 times" in ray_env.trial_error(trial, "stage 1", 1)
+
+
+def test_the_tune_check_pickles_with_the_experiment_and_fails_the_stage():
+    """Tune pickles its callbacks with the experiment: the check holds the stage's name, not the waiting thread."""
+    import pickle
+
+    w = demand.Waiting("stage2", {"CPU": 1.0, "GPU": 1.0}, "distill.gpus_per_worker", poll=60)
+    check = pickle.loads(pickle.dumps(demand.tune_check(w)))
+    check.on_step_begin(0, [])  # not waiting: nothing to check
+    with w:
+        w.event(V1_EVENT)
+        with pytest.raises(demand.Unservable):
+            check.on_step_begin(1, [])
+    check.on_step_begin(2, [])
