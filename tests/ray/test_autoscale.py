@@ -2,8 +2,8 @@
 node types of cluster.yaml.
 
 One fake autoscaling cluster for the module, in private PID, mount and network namespaces; its worker node
-types are derived from cluster.yaml. Three runs of the same tiny config: plain; with a node reclaimed during
-stage 1 and during stage 2 (ray.max_failures=1); with ray.max_failures=0 and a node reclaimed during
+types are derived from cluster.yaml. Runs of the same tiny config: plain; with a node reclaimed in each stage
+(calibration, stage 1, stage 2, stage 3; ray.max_failures=1); with ray.max_failures=0 and a node reclaimed during
 stage 2 (that student fails, the run goes on); and asking stage 2 for a GPU no node type has (it fails, exit 2).
 """
 
@@ -161,11 +161,14 @@ def test_lost_nodes_are_replaced_and_their_trials_retried(autoscaled):
     work, results = autoscaled
     r, plain = results["lost"], results["plain"]
     assert r["rc"] == 0, r["lines"][-20:]
-    assert [k["when"] for k in r["kills"]] == ["in_stage1", "in_stage2"] and not r["missed_kills"], r["kills"]
-    assert all(k["trial_process"].startswith("ray::ImplicitFunc") for k in r["kills"])
+    assert [k["when"] for k in r["kills"]] == ["in_calibration", "in_stage1", "in_stage2", "in_stage3"] and not r["missed_kills"], r["kills"]
+    titles = ["ray::MapWorker", "ray::ImplicitFunc", "ray::ImplicitFunc", "ray::_evaluate_task"]  # the work that was on the node
+    assert all(k["trial_process"].startswith(t) for k, t in zip(r["kills"], titles)), r["kills"]
     phases = r["phases"]
     for stage in ("stage1", "stage2"):  # the autoscaler replaced the reclaimed node in that stage
         assert any(x.endswith("(reclaimed)") for x in phases[stage]["removed"]) and phases[stage]["launched"], (stage, phases)
+    for stage in ("calibration", "stage3"):  # lost there too (its work was retried on the nodes left or launched)
+        assert any(x.endswith("(reclaimed)") for x in phases[stage]["removed"]), (stage, phases)
     # the stage-2 student on the lost node went on from its checkpoint (step 40), not from step 0
     assert any(40 in steps for steps in _retried_from(work, "lost").values()), _retried_from(work, "lost")
     assert not any(s != [0] for s in _retried_from(work, "plain").values())
