@@ -57,15 +57,15 @@ def on_driver_node() -> dict:
 _NODE_LOST = re.compile(r"ActorDiedError|ActorUnavailableError|NodeDiedError|WorkerCrashedError|OwnerDiedError|its node has died|"
                         r"node it was running on is dead|node was terminated|is unavailable|worker died unexpectedly")
 _ADDRESS = re.compile(r"Node IP: ([^\s,]+)|\bip: (\S+)|node_ip(?:_address)?[=:] ?'?([\w.:-]+)|Node Id: ([0-9a-f]{12})")
-_BLIND = re.compile(r"node \S+ cannot see the run's storage [^\n]*")  # RunStorage.ensure_visible's line
+_BLIND = re.compile(r"node [^\s{]+ cannot see the run's storage [^\n]*")  # RunStorage.ensure_visible's line (not its source, quoted in a traceback)
 
 
 def failure(text: str, stage: str, retried: int, retries: int) -> str:
     """A failed trial's or task's error as the run records it: a node that cannot see the storage in its own
     line; a lost node in the user's words ("node ADDRESS lost during STAGE (spot reclaim or crash); retried
     N of M times"), Ray's own error going to the log; else the error's last line."""
-    if m := _BLIND.search(text):
-        return m.group(0)[:500]
+    if blind := _BLIND.findall(text):
+        return blind[-1][:500]
     if _NODE_LOST.search(text):
         m = _ADDRESS.search(text)
         address = next((g for g in m.groups() if g), None) if m else None

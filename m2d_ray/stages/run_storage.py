@@ -109,7 +109,7 @@ class RunStorage:
         if cached.exists():
             return
         if not storage.exists(self._mark()):
-            address = ray.util.get_node_ip_address()
+            address = _node_address()
             raise M2DError(f"node {address} cannot see the run's storage {self.root} (Ray node {node[:12]}); give --storage a path "
                            "every node mounts (NFS/EFS) or an s3:// / gs:// URI")
         cached.parent.mkdir(parents=True, exist_ok=True)
@@ -169,6 +169,16 @@ class RunStorage:
             return False
         root = Path(storage.filesystem(self.root)[1])
         return root == path.resolve() or root in path.resolve().parents
+
+
+def _node_address() -> str:
+    """This node's address as Ray knows it (its --node-ip-address), else this machine's."""
+    try:
+        from ray._private.worker import global_worker  # internal API: pinned ray==2.60.0
+
+        return global_worker.node_ip_address
+    except Exception:
+        return ray.util.get_node_ip_address()
 
 
 def _node_cache() -> Path:

@@ -30,7 +30,7 @@ def node(monkeypatch, tmp_path):
     """A fake Ray node id/address for ensure_visible, and a private node cache."""
     here = SimpleNamespace(id="a" * 56, ip="10.0.0.7")
     monkeypatch.setattr(run_storage.ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: here.id))
-    monkeypatch.setattr(run_storage.ray.util, "get_node_ip_address", lambda: here.ip)
+    monkeypatch.setattr(run_storage, "_node_address", lambda: here.ip)
     monkeypatch.setattr(run_storage, "_node_cache", lambda: tmp_path / "seen")
     return here
 
@@ -41,7 +41,8 @@ def test_a_node_that_does_not_see_the_storage_fails_with_one_line_naming_it(node
         store.ensure_visible()
     line = str(e.value)
     assert "\n" not in line and line.startswith(f"node 10.0.0.7 cannot see the run's storage {tmp_path / 'storage'} (Ray node {'a' * 12})")
-    assert ray_env.failure(f"Traceback ...\nm2d_ray.errors.M2DError: {line}\n", "stage 1", 0, 0) == line  # recorded as is
+    source = """    raise M2DError(f"node {address} cannot see the run's storage {self.root} (Ray node {node[:12]}); give --storage a path \""""
+    assert ray_env.failure(f"Traceback ...\n{source}\nm2d_ray.errors.M2DError: {line}\n", "stage 1", 0, 0) == line  # recorded as is
 
 
 def test_each_node_checks_once_and_a_node_joining_later_is_checked_too(node, tmp_path):
