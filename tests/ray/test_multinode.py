@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -155,5 +156,5 @@ def test_a_node_that_cannot_see_the_storage_fails_its_units_with_one_line(cluste
     records = [json.loads(p.read_text()) for p in (work / "hidden" / "blind-run" / "trials").glob("*.json")]
     assert records and {x["status"] for x in records} == {"failed"}, records
     for x in records:
-        assert x["error"].startswith(f"node 127.0.0.1 cannot see the run's storage {storage} (Ray node "), x["error"]
+        assert re.match(rf"node [\d.]+ cannot see the run's storage {re.escape(str(storage))} \(Ray node [0-9a-f]{{12}}\); give --storage", x["error"]), x["error"]
     assert "'failed': 2" in r["stderr"] and r["rc"] == 1, r["stderr"][-2000:]
