@@ -60,15 +60,16 @@ _ADDRESS = re.compile(r"Node IP: ([^\s,]+)|\bip: (\S+)|node_ip(?:_address)?[=:] 
 _BLIND = re.compile(r"node [^\s{]+ cannot see the run's storage [^\n]*")  # RunStorage.ensure_visible's line (not its source, quoted in a traceback)
 
 
-def failure(text: str, stage: str, retried: int, retries: int) -> str:
+def failure(text: str, stage: str, retried: int, retries: int, address: str | None = None) -> str:
     """A failed trial's or task's error as the run records it: a node that cannot see the storage in its own
     line; a lost node in the user's words ("node ADDRESS lost during STAGE (spot reclaim or crash); retried
-    N of M times"), Ray's own error going to the log; else the error's last line."""
+    N of M times"), Ray's own error going to the log; else the error's last line. `address`: where the unit last
+    ran, for an error that does not say (an unavailable actor)."""
     if blind := _BLIND.findall(text):
         return blind[-1][:500]
     if _NODE_LOST.search(text):
         m = _ADDRESS.search(text)
-        address = next((g for g in m.groups() if g), None) if m else None
+        address = next((g for g in m.groups() if g), None) if m else address
         console.note(f"{stage}: Ray's error for a lost node:\n{text.strip()}")
         where = f" (Ray's error: {console.log_path()})" if console.log_path() else ""
         return f"node {address or '(address not reported)'} lost during {stage} (spot reclaim or crash); retried {retried} of {retries} times{where}"
@@ -81,7 +82,8 @@ def trial_error(trial, stage: str, retries: int) -> str:
     Tune calls back on the trial's last failure, after `retries` retries."""
     local = trial.error_file
     err = Path(local).read_text() if local and Path(local).exists() else trial.get_error()
-    return failure(str(err or "trial raised"), stage, max(0, min(trial.num_failures - 1, retries)), retries)
+    last = trial.last_result or {}  # Tune's results carry the node each came from
+    return failure(str(err or "trial raised"), stage, max(0, min(trial.num_failures - 1, retries)), retries, last.get("node_ip"))
 
 
 def node_types() -> tuple[list | None, str]:

@@ -139,8 +139,13 @@ def test_a_lost_node_reads_in_the_user_s_words_and_ray_s_error_goes_to_the_log(m
 
 
 def test_trial_error_counts_the_retries_tune_made():
-    trial = SimpleNamespace(error_file=None, get_error=lambda: ACTOR_DIED, num_failures=2)
+    trial = SimpleNamespace(error_file=None, get_error=lambda: ACTOR_DIED, num_failures=2, last_result={})
     assert "retried 1 of 1 times" in ray_env.trial_error(trial, "stage 1", 1)
+    # an unavailable actor's error names no node: the node of the trial's last result does (what the fake cluster showed)
+    unavailable = ("Failure # 1 (occurred at 2026-11-25_02-16-57)\nThe actor bcc40b3b is unavailable: The actor is temporarily unavailable: "
+                   "RpcError: RPC error: recvmsg:Connection reset by peer rpc_code: 14. The task may or may not have been executed on the actor.")
+    trial = SimpleNamespace(error_file=None, get_error=lambda: unavailable, num_failures=1, last_result={"node_ip": "127.0.0.5", "step": 40})
+    assert ray_env.trial_error(trial, "stage 2", 0).startswith("node 127.0.0.5 lost during stage 2 (spot reclaim or crash); retried 0 of 0 times")
 
 
 def test_the_tune_check_pickles_with_the_experiment_and_fails_the_stage():
