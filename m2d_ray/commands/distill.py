@@ -67,7 +67,7 @@ def distill_one(teacher: str | None, student: str, out: str | Path, eval_data: s
     keep_logs(work)
     storage = RunStorage(store or str(work))
     ensure_ray(RayConfig())
-    storage.check_visible()
+    storage.mark()
     local_teacher, teacher = teacher, storage.put_model(teacher)
     init = storage.put_model(str(student_dir), "student") if student_dir is not None else None
     build = InitialStudent(teacher, baseline=student, seed=cfg.seed) if student_dir is None else None

@@ -97,7 +97,7 @@ class RunPlan:
     def to_json(self) -> dict:
         bill = self.cost.by_name() if self.cost else {}
         return {"gpu_memory": self.gpu_memory, "models": self.models,
-                "stages": {k: {"per_gpu_bytes": s.per_device, "gpus": int(s.gpus) if float(s.gpus).is_integer() else s.gpus, "fits": bool(s.fits is not False and s.feasible),
+                "stages": {k: {"per_gpu_bytes": s.per_device, "gpus": int(s.gpus) if float(s.gpus).is_integer() else s.gpus, "fits": False if not s.feasible else s.fits,
                                "unit": s.unit, "parts": s.parts, "request": s.request, "capacity": s.capacity, **_bill(bill.get(k))}
                            for k, s in self.by_stage().items()},
                 "cost": self.cost.to_json() if self.cost else None,

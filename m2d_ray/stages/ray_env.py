@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import ray
@@ -52,12 +53,37 @@ def on_driver_node() -> dict:
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)}
 
 
-def trial_error(trial) -> str:
-    """The last line of a failed Tune trial's error (the driver-side file: get_error() reads a synced copy, often None)."""
+# a unit's failure because its node went away (Ray's own words, from its exceptions and its core's messages)
+_NODE_LOST = re.compile(r"ActorDiedError|ActorUnavailableError|NodeDiedError|WorkerCrashedError|OwnerDiedError|its node has died|"
+                        r"node it was running on is dead|node was terminated|is unavailable|worker died unexpectedly")
+_ADDRESS = re.compile(r"Node IP: ([^\s,]+)|\bip: (\S+)|node_ip(?:_address)?[=:] ?'?([\w.:-]+)|Node Id: ([0-9a-f]{12})")
+_BLIND = re.compile(r"node [^\s{]+ cannot see the run's storage [^\n]*")  # RunStorage.ensure_visible's line (not its source, quoted in a traceback)
+
+
+def failure(text: str, stage: str, retried: int, retries: int, address: str | None = None) -> str:
+    """A failed trial's or task's error as the run records it: a node that cannot see the storage in its own
+    line; a lost node in the user's words ("node ADDRESS lost during STAGE (spot reclaim or crash); retried
+    N of M times"), Ray's own error going to the log; else the error's last line. `address`: where the unit last
+    ran, for an error that does not say (an unavailable actor)."""
+    if blind := _BLIND.findall(text):
+        return blind[-1][:500]
+    if _NODE_LOST.search(text):
+        m = _ADDRESS.search(text)
+        address = next((g for g in m.groups() if g), None) if m else address
+        console.note(f"{stage}: Ray's error for a lost node:\n{text.strip()}")
+        where = f" (Ray's error: {console.log_path()})" if console.log_path() else ""
+        return f"node {address or '(address not reported)'} lost during {stage} (spot reclaim or crash); retried {retried} of {retries} times{where}"
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return lines[-1][:500] if lines else "failed"
+
+
+def trial_error(trial, stage: str, retries: int) -> str:
+    """A failed Tune trial's error (`failure`; the driver-side file: get_error() reads a synced copy, often None).
+    Tune calls back on the trial's last failure, after `retries` retries."""
     local = trial.error_file
     err = Path(local).read_text() if local and Path(local).exists() else trial.get_error()
-    lines = [ln for ln in str(err or "trial raised").splitlines() if ln.strip()]
-    return lines[-1][:500] if lines else "trial raised"
+    last = trial.last_result or {}  # Tune's results carry the node each came from
+    return failure(str(err or "trial raised"), stage, max(0, min(trial.num_failures - 1, retries)), retries, last.get("node_ip"))
 
 
 def node_types() -> tuple[list | None, str]:

@@ -9,7 +9,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
-from m2d_ray.errors import RunFailed
+from m2d_ray.errors import M2DError, RunFailed
 from m2d_ray.run_dir import Ledger
 from m2d_ray.track import LOGGED_TAG, Tracker
 
@@ -64,6 +64,8 @@ def fit_tuner(tuner, resume: str) -> None:
     """`tuner.fit()`; Tune itself breaking (not a trial) fails the command, finished results stay saved."""
     try:
         tuner.fit()
+    except M2DError:  # the stage cannot be served (stages/demand.py): its own one line
+        raise
     except Exception as exc:
         traceback.print_exc()
         raise RunFailed(f"Ray Tune stopped ({type(exc).__name__}); finished results are saved: resume with {resume}") from None

@@ -3,12 +3,15 @@ place a worker reads or writes, built once on the driver and passed to every sta
 
 Workers may run on nodes that do not see the driver's disk, so nothing reaches them as a driver-side
 path. The storage (a local path, a path every node mounts, or ``s3://`` / ``gs://``) must be reachable
-from every node (checked: a probe the driver writes is read by a task on each node). What workers read
+from every node: the driver puts a mark in it (`mark`), and each node looks for it the first time it works for
+the run (`ensure_visible`, once per node), so that nodes an autoscaler adds later are checked too and a node
+that leaves is never waited for. What workers read
 is put there once: the user's text files (content-addressed: the same file is stored once) and, on a
 cluster, a teacher directory from the driver's disk. Hub names, storage URLs and the embedded teacher
 and corpus travel as they are.
 
     STORAGE/                        (a run: `storage:` / --storage, default the run directory)
+      .m2d-storage                  the driver's mark: a node that does not see it does not see the storage
       data/<sha>/<file>             text files the workers read (distillation, validation, d2d search)
       tokens/<digest>/              the distillation stream tokenised once (shards + validation ids)
       targets/<digest>/             the teacher's cached targets over those tokens (stage2.targets)
@@ -35,6 +38,8 @@ from m2d_ray.artifacts import sha256_file
 from m2d_ray.console import say
 from m2d_ray.errors import M2DError
 from m2d_ray.stages.ray_env import on_cluster
+
+MARK = ".m2d-storage"  # written by the driver (RunStorage.mark), looked for by each node (ensure_visible)
 
 @dataclass(frozen=True)
 class RunStorage:
@@ -94,26 +99,32 @@ class RunStorage:
         if not ok:
             raise M2DError(f"storage {self.root} does not read back what was written; give another --storage")
 
-    def check_visible(self) -> None:
-        """Every alive Ray node reads a probe the driver wrote (a local path must be shared)."""
+    def mark(self) -> None:
+        """(driver) Put the storage's mark, which every node looks for the first time it works for the run
+        (`ensure_visible`): nodes that join later are checked too, and none is listed or pinned from here."""
+        if not storage.is_remote(self.root) and not storage.exists(self._mark()):
+            storage.write_bytes(self._mark(), b"m2d: this storage's mark; every node of a run checks that it sees it\n")
+
+    def ensure_visible(self) -> None:
+        """(a worker, before its first read or write) This node sees the storage: the driver's mark is there.
+        Checked once per node (cached on the node); a node that does not see it fails its task with one line
+        naming the node and the storage, recorded as that trial's or model's failure."""
         if storage.is_remote(self.root):
             return
-        nodes = [n for n in ray.nodes() if n["Alive"]]
-        if len(nodes) < 2:
+        ctx = ray.get_runtime_context()
+        node = ctx.get_node_id()
+        cached = _node_cache() / hashlib.sha256(f"{node}\0{self.root}".encode()).hexdigest()[:24]
+        if cached.exists():
             return
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        if not storage.exists(self._mark()):
+            address = _node_address()
+            raise M2DError(f"node {address} cannot see the run's storage {self.root} (Ray node {node[:12]}); give --storage a path "
+                           "every node mounts (NFS/EFS) or an s3:// / gs:// URI")
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.touch()
 
-        probe = storage.join(self.root, f".m2d-visible-{uuid.uuid4().hex[:8]}")
-        storage.write_bytes(probe, b"m2d")
-        try:
-            seen = ray.get([_sees.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(probe)
-                            for n in nodes])
-        finally:
-            storage.delete(probe)
-        blind = [n["NodeManagerAddress"] for n, ok in zip(nodes, seen) if not ok]
-        if blind:
-            raise M2DError(f"storage {self.root} is not visible from {len(blind)} of {len(nodes)} Ray nodes ({', '.join(blind[:3])}); "
-                           "give --storage a path every node mounts (NFS/EFS) or an s3:// / gs:// URI")
+    def _mark(self) -> str:
+        return storage.join(self.root, MARK)
 
     # ---- what workers read ------------------------------------------------------------------------
     def put_model(self, model: str, kind: str = "teacher") -> str:
@@ -168,6 +179,18 @@ class RunStorage:
         return root == path.resolve() or root in path.resolve().parents
 
 
-@ray.remote(num_cpus=0)
-def _sees(url: str) -> bool:
-    return storage.exists(url)
+def _node_address() -> str:
+    """This node's address as Ray knows it (its --node-ip-address), else this machine's."""
+    try:
+        from ray._private.worker import global_worker  # internal API: pinned ray==2.60.0
+
+        return global_worker.node_ip_address
+    except Exception:
+        return ray.util.get_node_ip_address()
+
+
+def _node_cache() -> Path:
+    """This node's own record of the storages it has seen (its temp directory, keyed by Ray node id)."""
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / "m2d-storage-seen"

@@ -40,10 +40,12 @@ def blocks_needed(cfg: DistillConfig) -> int:
 
 
 @ray.remote(num_cpus=1)
-def _tokenize_task(url: str, teacher: str, source: str, seq_len: int, blocks: int, valid: str, valid_max_tokens: int | None) -> str:
+def _tokenize_task(store: RunStorage, url: str, teacher: str, source: str, seq_len: int, blocks: int, valid: str,
+                   valid_max_tokens: int | None) -> str:
     """On any node: tokenise the stream and the validation text into `url` (a storage URL)."""
     import torch
 
+    store.ensure_visible()
     from m2d_ray.artifacts import atomic_dir
     from m2d_ray.distill.tokens import write_tokens
     from m2d_ray.models import load_tokenizer
@@ -69,7 +71,7 @@ def tokens(store: RunStorage, teacher: str, tokenizer, cfg: DistillConfig, eval_
     url = store.tokens(hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16])
     if not storage.exists(url):
         say(f"tokenising {key['blocks']:,} blocks of {cfg.seq_len} tokens of {cfg.train_data} once, for every student")
-        _whole_stage(lambda: ray.get(_tokenize_task.remote(url, teacher, cfg.train_data, cfg.seq_len, key["blocks"], eval_data, cfg.eval_max_tokens)),
+        _whole_stage(lambda: ray.get(_tokenize_task.remote(store, url, teacher, cfg.train_data, cfg.seq_len, key["blocks"], eval_data, cfg.eval_max_tokens)),
                      "tokenising the distillation data")
     return url
 
@@ -84,9 +86,11 @@ class TargetsActor:
     (`hidden`: the final hidden states themselves, in the dtype the teacher runs in)."""
 
     def __init__(self, teacher: str, tokens_url: str, targets_url: str, spec, teacher_topk: int | None, device: str, threads: int,
-                 batch_size: int, stream: bool | None, max_memory: str | None) -> None:
+                 batch_size: int, stream: bool | None, max_memory: str | None, store: RunStorage | None = None) -> None:
         import torch
 
+        if store is not None:
+            store.ensure_visible()
         from m2d_ray.distill.tokens import TokenShards
 
         torch.set_num_threads(threads)
@@ -196,7 +200,7 @@ def targets(store: RunStorage, teacher: str, tokens_url: str, spec, cfg: Distill
             fn_constructor_kwargs={"teacher": teacher, "tokens_url": tokens_url, "targets_url": url, "spec": spec,
                                    "teacher_topk": cfg.teacher_topk, "device": "cuda" if gpus > 0 else "cpu",
                                    "threads": ray_cfg.threads_per_worker, "batch_size": calib.batch_size, "stream": calib.stream,
-                                   "max_memory": calib.max_memory})
+                                   "max_memory": calib.max_memory, "store": store})
         for row in _whole_stage(lambda: list(out.iter_rows()), f"the teacher's {spec} targets pass"):
             e = json.loads(row["entry"])
             have[e["first_block"]] = e

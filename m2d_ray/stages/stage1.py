@@ -40,6 +40,7 @@ from m2d_ray.stages.grid import TrialSpec, Unique, dedupe, expand, plan_all, pla
 from m2d_ray.stages.promote import promote, unpromoted
 from m2d_ray.stages.ray_env import ensure_ray, trial_error
 from m2d_ray.stages.record import Logged, StageRecorder, fit_tuner
+from m2d_ray.stages.demand import for_stage, tune_check
 from m2d_ray.stages.run_storage import RunStorage
 from m2d_ray.stages.scheduler import PairwiseStopper
 from m2d_ray.stages.trial import InjectedFault, run_trial
@@ -73,7 +74,8 @@ def _teacher(model: str, device: str):
     return _TEACHERS[(model, device)]
 
 
-def stage1_trainable(config: dict, *, model: str, plans: dict, eval_ids, cfg: SweepConfig) -> None:
+def stage1_trainable(config: dict, *, model: str, plans: dict, eval_ids, cfg: SweepConfig, store: RunStorage) -> None:
+    store.ensure_visible()  # this node sees the run's storage (checked once per node): the teacher may be read from it
     torch.set_num_threads(cfg.ray.threads_per_worker)
     key = config["key"]
     if key in cfg.faults.raise_in:
@@ -131,9 +133,9 @@ def mlflow_fields(r: dict) -> Logged:
 class Recorder(tune.Callback):
     """Driver side: on each finished Tune trial, write the ledger for every config of its student, then MLflow."""
 
-    def __init__(self, uniques: dict[str, Unique], plans: dict, out: StageRecorder, attempt: str) -> None:
+    def __init__(self, uniques: dict[str, Unique], plans: dict, out: StageRecorder, attempt: str, max_failures: int = 0) -> None:
         self.uniques, self.plans, self.out = uniques, plans, out
-        self.attempt = attempt
+        self.attempt, self.max_failures = attempt, max_failures
         self.partials: dict[str, list[tuple[int, float]]] = {}
         self.probes: dict[str, float] = {}  # probe round: key -> first-chunk perplexity
         self.probe_file: Path | None = None
@@ -163,7 +165,7 @@ class Recorder(tune.Callback):
             self.record(key, "pruned", last)
 
     def on_trial_error(self, iteration, trials, trial, **info):
-        self.record(trial.config["key"], "failed", trial.last_result or {}, error=trial_error(trial))
+        self.record(trial.config["key"], "failed", trial.last_result or {}, error=trial_error(trial, "stage 1", self.max_failures))
 
     def record(self, key: str, status: str, last: dict, error: str | None = None) -> None:
         """Ledger records for every config of this student, then their MLflow runs."""
@@ -251,7 +253,7 @@ def run_stage1(cfg: SweepConfig | None, run_dir: str | Path | RunDir, resume: bo
     tracker = run_tracker(cfg, rd, tracking_uri)
     ensure_ray(cfg.ray)
     store = store or RunStorage(cfg.storage or str(rd.path))
-    store.check_visible()
+    store.mark()
     remote = store.put_model(model)  # what the workers load
     tokenizer = load_tokenizer(model)
     t_stats = time.time()
@@ -275,7 +277,7 @@ def run_stage1(cfg: SweepConfig | None, run_dir: str | Path | RunDir, resume: bo
     say(f"stage 1: {len(specs)} configs, {len(uniques)} distinct students, {len(pending)} to evaluate")
 
     ids = tokenize(tokenizer, load_text(cfg.eval.data), max_chars=cfg.eval.max_chars) if pending else None
-    recorder = Recorder({u.canonical.key: u for u in pending}, plans, out, attempt)
+    recorder = Recorder({u.canonical.key: u for u in pending}, plans, out, attempt, cfg.ray.max_failures)
     run = lambda units, phase, stopper=None, max_chunks=None: _tune(  # noqa: E731
         cfg, remote, store, plans, units, ids, recorder, f"stage1-{attempt}-{phase}", rd, stopper, max_chunks)
     stopper = None
@@ -334,7 +336,8 @@ def _tune(cfg, model, store: RunStorage, plans, units: list[Unique], ids, record
     recorder.total, recorder.finished = len(units), 0
     recorder.trials += 0 if max_chunks else len(units)
     resources = {"cpu": cfg.ray.cpus_per_trial, "gpu": cfg.ray.gpus_per_trial, **(pin(cfg.ray.trial_accelerator) if cfg.ray.gpus_per_trial > 0 else {})}
-    trainable = tune.with_resources(tune.with_parameters(stage1_trainable, model=model, plans=plans, eval_ids=ids, cfg=cfg), resources)
+    trainable = tune.with_resources(tune.with_parameters(stage1_trainable, model=model, plans=plans, eval_ids=ids, cfg=cfg, store=store), resources)
+    waiting = for_stage("stage1", cfg)
     space = {"key": tune.grid_search([u.canonical.key for u in units])}
     if max_chunks:
         space["max_chunks"] = max_chunks
@@ -346,11 +349,12 @@ def _tune(cfg, model, store: RunStorage, plans, units: list[Unique], ids, record
             trial_name_creator=lambda t: t.config["key"], trial_dirname_creator=lambda t: t.config["key"],
         ),
         run_config=tune.RunConfig(
-            name=name, **storage.ray_storage(store.tune(1)), callbacks=[recorder], verbose=0,
+            name=name, **storage.ray_storage(store.tune(1)), callbacks=[recorder, tune_check(waiting)], verbose=0,
             failure_config=tune.FailureConfig(max_failures=cfg.ray.max_failures, fail_fast=False),
         ),
     )
-    fit_tuner(tuner, f"--resume {rd}")
+    with waiting:
+        fit_tuner(tuner, f"--resume {rd}")
 
 
 def tag_promoted(tracker, parent: str, promotions: dict[str, dict]) -> None:

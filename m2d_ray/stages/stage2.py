@@ -38,6 +38,7 @@ from m2d_ray.errors import M2DError
 from m2d_ray.prune.prune import PrunedSpec
 from m2d_ray.run_dir import RunDir
 from m2d_ray.stages.d2d import SearchFailed, d2d_student, dense_teacher
+from m2d_ray.stages.demand import for_stage, tune_check
 from m2d_ray.stages.ray_env import ensure_ray, on_driver_node, trial_error
 from m2d_ray.stages.record import Logged, StageRecorder, fit_tuner
 from m2d_ray.models import load_tokenizer
@@ -134,6 +135,7 @@ def stage2_trainable(config: dict, *, model: str, store: RunStorage, plans: dict
     from m2d_ray.stages.grid import plan_of
     from m2d_ray.stages.student import fit_student
 
+    store.ensure_visible()  # this node sees the run's storage (checked once per node)
     s = Student(**config["student"])
     if s.key in cfg.faults.raise_in:
         raise InjectedFault(f"injected failure in {s.key} (faults.raise_in)")
@@ -151,8 +153,9 @@ def stage2_trainable(config: dict, *, model: str, store: RunStorage, plans: dict
 class Recorder(tune.Callback):
     """Driver side: loss curves to each student's nested MLflow run as they come; ledger + run status at the end."""
 
-    def __init__(self, todo: dict[str, Student], out: StageRecorder, targets: str = "online", drop=None) -> None:
-        self.todo, self.out, self.targets, self.drop = todo, out, targets, drop  # drop(record): its training state goes
+    def __init__(self, todo: dict[str, Student], out: StageRecorder, targets: str = "online", max_failures: int = 0, drop=None) -> None:
+        self.todo, self.out, self.targets, self.max_failures = todo, out, targets, max_failures
+        self.drop = drop  # drop(record): its training state goes
         self.runs: dict[str, str] = {}  # key -> MLflow run id (looked up once per student)
         self.logged: dict[str, set[int]] = {}  # key -> steps of its val_ppl history in MLflow
         self.finished = 0
@@ -184,7 +187,7 @@ class Recorder(tune.Callback):
         self.record(key, status, last)
 
     def on_trial_error(self, iteration, trials, trial, **info):
-        self.record(trial.config["student"]["key"], "failed", trial.last_result or {}, error=trial_error(trial))
+        self.record(trial.config["student"]["key"], "failed", trial.last_result or {}, error=trial_error(trial, "stage 2", self.max_failures))
 
     def record(self, key: str, status: str, last: dict, error: str | None = None) -> None:
         s = self.todo[key]
@@ -316,9 +319,9 @@ def run_stage2(cfg: SweepConfig, run_dir: str | Path | RunDir, tracking_uri: str
     if pending:
         ensure_ray(cfg.ray)
         store = store or RunStorage(cfg.storage or str(rd.path))
-        store.check_visible()
+        store.mark()
         drop = None if cfg.stage2.keep_training_state else TrainingStateDrop(store)
-        recorder = Recorder({s.key: s for s in pending}, out, str(cfg.target_spec() or "online"), drop)
+        recorder = Recorder({s.key: s for s in pending}, out, str(cfg.target_spec() or "online"), cfg.ray.max_failures, drop)
         workers_model = store.put_model(model)
         eval_data = store.put_data(cfg.distill.eval_data or cfg.eval.data)
         distill = dataclasses.replace(cfg.distill, train_data=store.put_data(cfg.distill.train_data), eval_data=eval_data)
@@ -360,6 +363,7 @@ def failures(cfg: SweepConfig) -> tune.FailureConfig:
 def _tune(cfg: SweepConfig, model: str, store: RunStorage, plans: dict, eval_data: str, toks: dict[str, str], targ: dict[str, str],
           rd: RunDir, pending: list[Student], recorder: Recorder, d2d: PrunedSpec | None) -> None:
     board = StopBoard.options(**on_driver_node()).remote()
+    waiting = for_stage("stage2", cfg)
     trainable = tune.with_parameters(stage2_trainable, model=model, store=store, plans=plans, cfg=cfg, eval_data=eval_data, tokens=toks,
                                      targets=targ, board=board, d2d=d2d)
     tuner = tune.Tuner(
@@ -371,10 +375,11 @@ def _tune(cfg: SweepConfig, model: str, store: RunStorage, plans: dict, eval_dat
         ),
         run_config=tune.RunConfig(
             name=f"stage2-{time.strftime('%Y%m%d-%H%M%S')}", **storage.ray_storage(store.tune(2)),
-            callbacks=[recorder], verbose=0, failure_config=failures(cfg),
+            callbacks=[recorder, tune_check(waiting)], verbose=0, failure_config=failures(cfg),
         ),
     )
     try:
-        fit_tuner(tuner, f"m2d run --resume {rd}")
+        with waiting:
+            fit_tuner(tuner, f"m2d run --resume {rd}")
     finally:
         ray.kill(board)

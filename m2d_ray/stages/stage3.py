@@ -27,7 +27,8 @@ from m2d_ray.errors import M2DError
 from m2d_ray.peaks import peaks, reset_peaks
 from m2d_ray.run_dir import D2D_TEACHER_KEY, TEACHER_KEY, Ledger, RunDir
 from m2d_ray.stages.d2d import dense_teacher
-from m2d_ray.stages.ray_env import ensure_ray
+from m2d_ray.stages.demand import for_stage
+from m2d_ray.stages.ray_env import ensure_ray, failure
 from m2d_ray.stages.record import Logged, StageRecorder
 from m2d_ray.stages.run_storage import RunStorage
 from m2d_ray.track import model_kind, run_tags, run_tracker, sweep_parent
@@ -50,7 +51,8 @@ def jobs(rd: RunDir, teacher: str, with_teacher: bool, dense: str | None = None)
 
 
 @ray.remote
-def _evaluate_task(model: str, suite: list, c: dict, device: str, text: bytes | None, placement=None, data=None) -> dict:
+def _evaluate_task(model: str, suite: list, c: dict, device: str, text: bytes | None, placement=None, data=None,
+                   store: RunStorage | None = None) -> dict:
     """A Ray task on any node: fetch and load one model (sharded over its GPUs when its placement says so),
     run the lm-eval suite on it (1 thread on CPU: tasks run side by side). A text:PATH task's file arrives
     as bytes and the paper suite's data as a Ray object (the node need not see the driver's disk)."""
@@ -61,6 +63,8 @@ def _evaluate_task(model: str, suite: list, c: dict, device: str, text: bytes | 
     from m2d_ray.evaluate.paper_data import ensure
     from m2d_ray.evaluate.runner import evaluate_model
 
+    if store is not None:
+        store.ensure_visible()  # this node sees the run's storage (checked once per node)
     torch.set_num_threads(c["threads_per_task"])
     reset_peaks()  # a reused worker's earlier peak is not this model's
     t0 = time.time()
@@ -126,6 +130,7 @@ def run_stage3(cfg: SweepConfig, run_dir: str | Path | RunDir, tracking_uri: str
     if pending:
         ensure_ray(cfg.ray)
         store = store or RunStorage(cfg.storage or str(rd.path))
+        store.mark()
         gpus = _gpus(cfg)
         device = "cuda" if gpus > 0 else "cpu"
         opts = {"num_cpus": c.cpus_per_task, "num_gpus": gpus, "max_retries": cfg.ray.max_failures,
@@ -137,18 +142,23 @@ def run_stage3(cfg: SweepConfig, run_dir: str | Path | RunDir, tracking_uri: str
         places = stage3_placements({j.key: teachers.get(j.key, j.model) for j in pending}, c, gpus)
         data = data_ref(suite["tasks"])
         refs = {_evaluate_task.options(**{**opts, "num_gpus": places[j.key].gpus}).remote(
-                    teachers.get(j.key, j.model), suite["tasks"], asdict(c), device, text, places[j.key], data): j for j in pending}
-        while refs:
-            ready, _ = ray.wait(list(refs), num_returns=1)
-            job = refs.pop(ready[0])
-            try:
-                r = {**asdict(job), "status": "ok", **ray.get(ready[0])}
-            except Exception as exc:  # one model failing does not stop the others
-                r = {**asdict(job), "status": "failed", "error": str(exc).strip().splitlines()[-1][:300], "tasks": {}, "mean": None}
-            out.write(r)
-            done[job.key] = r
-            mean = f"{r['mean']:.4f}" if r.get("mean") is not None else r["status"]
-            say(f"[stage 3 {len(done)}/{len(todo)}] {job.key}: mean accuracy {mean}")
+                    teachers.get(j.key, j.model), suite["tasks"], asdict(c), device, text, places[j.key], data, store): j for j in pending}
+        with for_stage("stage3", cfg, gpus) as waiting:
+            while refs:
+                ready, _ = ray.wait(list(refs), num_returns=1, timeout=waiting.poll)
+                waiting.check()  # a request the autoscaler says no node type holds fails the stage
+                if not ready:
+                    continue
+                job = refs.pop(ready[0])
+                try:
+                    r = {**asdict(job), "status": "ok", **ray.get(ready[0])}
+                except Exception as exc:  # one model failing does not stop the others
+                    error = failure(str(exc), "stage 3", cfg.ray.max_failures, cfg.ray.max_failures)  # Ray retried it max_retries times
+                    r = {**asdict(job), "status": "failed", "error": error[:300], "tasks": {}, "mean": None}
+                out.write(r)
+                done[job.key] = r
+                mean = f"{r['mean']:.4f}" if r.get("mean") is not None else r["status"]
+                say(f"[stage 3 {len(done)}/{len(todo)}] {job.key}: mean accuracy {mean}")
     for r in rd.stage2_records():  # a student distilled for two pairs is evaluated once, reported under both
         twin = done.get(r.get("duplicate_of") or "")
         if twin is not None and done.get(r["key"], {}).get("status") != twin["status"]:

@@ -21,9 +21,13 @@ Runs (results in WORK/results.json; the run directories, the autoscaler's log an
 timestamped console stay for the test to read):
   plain   m2d run, storage on WORK/shared (every node sees it); then the nodes are left to go idle
   lost    the same run with a worker node SIGKILLed (its raylet and every process under it, as a spot
-          reclaim does) once during stage 1 and once during stage 2, each while a trial runs on it
+          reclaim does) once in each stage: during calibration while a Ray Data actor runs on it, during
+          stage 1 and stage 2 while a trial does, during stage 3 while an evaluation task does
   failed  the same run with ray.max_failures=0, one student at a time, and a node lost during stage 2:
           that student fails, the other is distilled, the run goes on
+  unservable  the same run asking a GPU per distillation rank (distill.gpus_per_worker=1), which no node type
+          has (their GPUs are FAKE_GPU) and which the driver cannot check before the run (the fake provider's
+          node types are not in the GCS): the autoscaler's own report fails stage 2, exit 2
 """
 
 from __future__ import annotations
@@ -185,13 +189,30 @@ def reclaim(raylet: int, procs: dict) -> list[int]:
     return doomed
 
 
-def trial_on_a_node(procs: dict) -> int | None:
-    """A process of a Tune trial (a function trainable's actor: starting, or in its train call) on a launched node."""
-    return next((p for p, (_, cmd) in sorted(procs.items()) if cmd.startswith("ray::ImplicitFunc") and raylet_of(p, procs)), None)
+def work_on_a_node(procs: dict, title: str = "ray::ImplicitFunc") -> int | None:
+    """A process of the run's work on a launched node, by its Ray process title: a Tune trial (a function
+    trainable's actor: starting, or in its train call), a calibration actor, a stage-3 task."""
+    return next((p for p, (_, cmd) in sorted(procs.items()) if cmd.startswith(title) and raylet_of(p, procs)), None)
 
 
 def seen(lines: list, text: str) -> bool:
     return any(line.startswith(text) for _, line in lines)
+
+
+def in_calibration(lines: list, storage: Path) -> bool:
+    """The calibration pass runs (its Ray Data actors: the victim)."""
+    return seen(lines, "== stage1 ==") and not seen(lines, "statistics: ")
+
+
+in_calibration.victim = "ray::MapWorker"
+
+
+def in_stage3(lines: list, storage: Path) -> bool:
+    """Stage 3's evaluation tasks run."""
+    return seen(lines, "== stage3 ==") and not seen(lines, "== report ==")
+
+
+in_stage3.victim = "ray::_evaluate_task"
 
 
 def in_stage1(lines: list, storage: Path) -> bool:
@@ -236,7 +257,7 @@ def watched(args: list[str], env: dict, work: Path, name: str, storage: Path, ki
             break
         for when in [w for w in pending if w(lines, storage)]:  # each stage's kill on its own (a missed one does not hold up the next)
             procs = processes()
-            trial = trial_on_a_node(procs)
+            trial = work_on_a_node(procs, getattr(when, "victim", "ray::ImplicitFunc"))
             if trial:
                 raylet = raylet_of(trial, procs)
                 doomed = reclaim(raylet, procs)
@@ -300,8 +321,9 @@ def main(work: Path, only: list[str]) -> None:
     results: dict = {"idle_timeout_minutes": IDLE_MINUTES}
     try:
         env["RAY_ADDRESS"] = start_cluster(work, env, temp)
-        runs = {"plain": ((), RUN), "lost": ((in_stage1, in_stage2), RUN),
-                "failed": ((in_stage2,), [*RUN, "ray.max_failures=0", "stage2.max_concurrent_trials=1"])}
+        runs = {"plain": ((), RUN), "lost": ((in_calibration, in_stage1, in_stage2, in_stage3), RUN),
+                "failed": ((in_stage2,), [*RUN, "ray.max_failures=0", "stage2.max_concurrent_trials=1"]),
+                "unservable": ((), [*RUN, "distill.gpus_per_worker=1"])}
         for name, (kills, overrides) in runs.items():
             if only and name not in only:
                 continue

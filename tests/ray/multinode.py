@@ -11,6 +11,8 @@ Every text file of the runs (calibration, evaluation, distillation) lies under W
 the head sees it: the workers get it through the run's storage.
 
 Scenarios (results in WORK/results.json; the run directories stay for the test to read):
+  blind   m2d run with --storage under WORK/hidden, which the worker node does not see: each stage-1 trial fails
+          with one line naming the node and the storage (each node checks the storage's mark itself)
   shared  m2d run with --storage on a directory both nodes see, with the d2d baseline; then a resume of the finished run, and one
           with another stage-3 suite
   (both distil from cached teacher targets, stage2.targets=hidden: made once in the storage, for each teacher;
@@ -117,7 +119,7 @@ def head_only_data(hidden: Path) -> list[str]:
             f"distill.eval_data={data / 'valid.txt'}"]
 
 
-def main(work: Path) -> None:
+def main(work: Path, only: list[str] | None = None) -> None:
     work = work.resolve()
     hidden, shared = work / "hidden", work / "shared"
     for d in (hidden, shared):
@@ -130,6 +132,11 @@ def main(work: Path) -> None:
     try:
         query = start_s3(work, env)
         env["RAY_ADDRESS"] = start_cluster(work, env)
+        # storage where only the head sees it: the worker node finds no mark there the first time it works for the run
+        results["blind"] = m2d(["run", str(TINY), "--out", str(hidden / "blind-run"), "--storage", str(hidden / "blind-storage"), *SMALL, *texts],
+                               env, "blind", work)
+        if only:
+            return
         shared_run = hidden / "shared-run"
         results["shared"] = m2d(["run", str(TINY), "--out", str(shared_run), "--storage", str(shared / "run"), *SMALL, *texts, "stage2.baselines=[d2d]"],
                                 env, "shared", work)
@@ -156,4 +163,4 @@ def main(work: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2:])  # `blind`: that run only

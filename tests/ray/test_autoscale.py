@@ -2,9 +2,9 @@
 node types of cluster.yaml.
 
 One fake autoscaling cluster for the module, in private PID, mount and network namespaces; its worker node
-types are derived from cluster.yaml. Three runs of the same tiny config: plain; with a node reclaimed during
-stage 1 and during stage 2 (ray.max_failures=1); and with ray.max_failures=0 and a node reclaimed during
-stage 2 (that student fails, the run goes on).
+types are derived from cluster.yaml. Runs of the same tiny config: plain; with a node reclaimed in each stage
+(calibration, stage 1, stage 2, stage 3; ray.max_failures=1); with ray.max_failures=0 and a node reclaimed during
+stage 2 (that student fails, the run goes on); and asking stage 2 for a GPU no node type has (it fails, exit 2).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -72,7 +73,7 @@ def autoscaled(tmp_path_factory):
         proc = subprocess.run(["unshare", "-pfn", "--kill-child", "--mount-proc", sys.executable, str(HERE / "autoscale.py"), str(work)],
                               stderr=err, timeout=2700)
     results = json.loads((work / "results.json").read_text()) if (work / "results.json").exists() else {}
-    assert proc.returncode == 0 and {"plain", "lost", "failed"} <= set(results), (work / "autoscale.stderr").read_text()[-3000:]
+    assert proc.returncode == 0 and {"plain", "lost", "failed", "unservable"} <= set(results), (work / "autoscale.stderr").read_text()[-3000:]
     for name in ("plain", "lost", "failed"):  # the autoscaler's record, per stage (shown with -s)
         r = results[name]
         print(f"\n{name}: rc {r['rc']}, {r['wall_s']} s, nodes gone {r['scale_down_s']} s after the run; kills: {[k['when'] for k in r['kills']]}")
@@ -161,11 +162,14 @@ def test_lost_nodes_are_replaced_and_their_trials_retried(autoscaled):
     work, results = autoscaled
     r, plain = results["lost"], results["plain"]
     assert r["rc"] == 0, r["lines"][-20:]
-    assert [k["when"] for k in r["kills"]] == ["in_stage1", "in_stage2"] and not r["missed_kills"], r["kills"]
-    assert all(k["trial_process"].startswith("ray::ImplicitFunc") for k in r["kills"])
+    assert [k["when"] for k in r["kills"]] == ["in_calibration", "in_stage1", "in_stage2", "in_stage3"] and not r["missed_kills"], r["kills"]
+    titles = ["ray::MapWorker", "ray::ImplicitFunc", "ray::ImplicitFunc", "ray::_evaluate_task"]  # the work that was on the node
+    assert all(k["trial_process"].startswith(t) for k, t in zip(r["kills"], titles)), r["kills"]
     phases = r["phases"]
     for stage in ("stage1", "stage2"):  # the autoscaler replaced the reclaimed node in that stage
         assert any(x.endswith("(reclaimed)") for x in phases[stage]["removed"]) and phases[stage]["launched"], (stage, phases)
+    for stage in ("calibration", "stage3"):  # lost there too (its work was retried on the nodes left or launched)
+        assert any(x.endswith("(reclaimed)") for x in phases[stage]["removed"]), (stage, phases)
     # the stage-2 student on the lost node went on from its checkpoint (step 40), not from step 0
     assert any(40 in steps for steps in _retried_from(work, "lost").values()), _retried_from(work, "lost")
     assert not any(s != [0] for s in _retried_from(work, "plain").values())
@@ -191,8 +195,24 @@ def test_a_node_lost_more_often_than_max_failures_fails_that_student_only(autosc
     status = sorted(x["status"] for x in ledger.values())
     assert status == ["failed", "ok"], ledger
     failed = next(x for x in ledger.values() if x["status"] == "failed")
-    assert failed["error"], failed
+    # in the user's words, Ray's own error in the run's log
+    assert re.match(r"node 127\.0\.0\.\d+ lost during stage 2 \(spot reclaim or crash\); retried 0 of 0 times \(Ray's error: .*\.log\)$",
+                    failed["error"]), failed["error"]
     assert _line(r) == "run done: students: 1 ok, 0 pruned, 1 failed, 0 diverged; 1 students evaluated; teacher evaluated", _line(r)
     # the student that was not on the lost node is the plain run's
     ok = next(k for k, x in ledger.items() if x["status"] == "ok")
     assert _close(_ledger(work / "hidden" / "plain", "stage2/trials", "plain")[ok], ledger[ok])
+
+
+def test_a_request_no_node_type_holds_fails_its_stage_on_the_autoscaler_s_word(autoscaled):
+    """distill.gpus_per_worker=1 on a CPU-only autoscaling cluster whose node types the driver cannot read: stage 2
+    fails within about a minute of waiting, with one line, exit 2, and stage 3 never starts."""
+    work, results = autoscaled
+    r = results["unservable"]
+    assert r["rc"] == 2, r["lines"][-20:]
+    last = r["lines"][-1][1]
+    assert last.startswith("m2d: error: stage2: the autoscaler reports that no node type can hold {CPU: 1, GPU: 1}"), last
+    assert "distill.gpus_per_worker" in last and any(t in last for t in WORKER_TYPES), last  # the keys, and the types it runs
+    start2 = next(t for t, line in r["lines"] if line.startswith("== stage2 =="))
+    assert r["t1"] - start2 < 150, r["t1"] - start2  # the autoscaler reports every 30 s; no waiting for ever
+    assert not any(line.startswith("== stage3 ==") for _, line in r["lines"])

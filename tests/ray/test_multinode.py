@@ -1,14 +1,15 @@
 """`m2d run` on a two-node Ray cluster whose worker node cannot see the driver's disk (tests/ray/multinode.py).
 
 One cluster for the module, in a private PID namespace: a head with no CPUs and a worker in its own
-mount namespace with the runs' driver directories hidden under a tmpfs. Storage on a shared directory,
-then on S3 (moto on 127.0.0.1) with the teacher on the driver's disk and the driver SIGKILLed mid-run.
+mount namespace with the runs' driver directories hidden under a tmpfs. Storage the worker cannot see (its
+trials fail with one line), on a shared directory, then on S3 (moto on 127.0.0.1) with the teacher on the driver's disk and the driver SIGKILLed mid-run.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -145,3 +146,17 @@ def test_storage_does_not_change_the_results(cluster_runs):
     b = {p.stem: json.loads(p.read_text())["val_ppl"] for p in (s3 / "stage2" / "trials").glob("*.json")}
     a.pop("baseline-d2d")  # the d2d baseline runs on the shared-path run only
     assert a.keys() == b.keys() and all(abs(a[k] - b[k]) <= 1e-4 * a[k] for k in a), (a, b)
+
+
+def test_a_node_that_cannot_see_the_storage_fails_its_units_with_one_line(cluster_runs):
+    """The worker node has no view of a storage under the head's hidden directory: it finds no mark there the first
+    time it works for the run, and each stage-1 trial it runs is recorded failed with one line naming the node and
+    the storage; the run says so and produced nothing (exit 1)."""
+    work, results = cluster_runs
+    r = results["blind"]
+    storage = work / "hidden" / "blind-storage"
+    records = [json.loads(p.read_text()) for p in (work / "hidden" / "blind-run" / "trials").glob("*.json")]
+    assert records and {x["status"] for x in records} == {"failed"}, records
+    for x in records:
+        assert re.match(rf"node [\d.]+ cannot see the run's storage {re.escape(str(storage))} \(Ray node [0-9a-f]{{12}}\); give --storage", x["error"]), x["error"]
+    assert "'failed': 2" in r["stderr"] and r["rc"] == 1, r["stderr"][-2000:]

@@ -175,6 +175,7 @@ def test_the_targets_pass_resumes_at_its_first_missing_shard(ray_address, tmp_pa
     from m2d_ray.stages.run_storage import RunStorage
 
     store = RunStorage(str(tmp_path))
+    store.mark()  # the driver's, before any worker: each node looks for it (ensure_visible)
     cfg = load_config(TINY, ["distill.steps=4", "distill.batch_size=4", "distill.seq_len=64", "distill.eval_max_tokens=512",
                              "stage2.targets=topk:16"])
     toks = shards.tokens(store, default_teacher(), load_tokenizer(default_teacher()), cfg.distill, "synthetic:valid")

@@ -122,6 +122,21 @@ def test_storage_counts_checkpoints_students_tokens_and_targets(qwen30b):
     assert nodes.storage_peak["checkpoints"] == 2 * d.keep_checkpoints * 14 * P
 
 
+def test_unknown_gpu_memory_is_fits_null_in_the_json_and_the_plan_file(qwen30b):
+    """No GPU and no --gpu-memory: the table's "?" is null in the JSON line and memory_plan.json, not true."""
+    from m2d_ray.plan.run_plan import as_record
+
+    cfg = load_config(ROOT / "experiments" / "qwen3_30b_a3b.yaml")
+    plan = make_plan(cfg, qwen30b, Devices())
+    line, record = json.loads(plan_line(plan)), json.loads(json.dumps(as_record(plan)))
+    assert line["stages"]["stage2"]["fits"] is None and record["stages"]["stage2"]["fits"] is None
+    assert all(r["fits"] is None for r in record["rows"] if r["share"])
+    known = json.loads(plan_line(make_plan(cfg, qwen30b, Devices(gpu_memory=80 * 10**9))))
+    assert known["stages"]["stage2"]["fits"] is True
+    cpu_only = (NodeType("head", {"CPU": 0}), NodeType("cpu_4x", {"CPU": 4}))
+    assert json.loads(plan_line(make_plan(cfg, qwen30b, Devices(nodes=cpu_only))))["stages"]["stage2"]["fits"] is False  # no node type
+
+
 @pytest.mark.parametrize("path", sorted(p for p in (ROOT / "experiments").glob("*.yaml") if not p.name.startswith("_")), ids=lambda p: p.name)
 def test_every_experiment_fits_the_node_types_of_cluster_yaml(path):
     """Each config's every stage has a node type of cluster.yaml that holds its request, and fits its GPU."""

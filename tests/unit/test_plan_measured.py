@@ -1,6 +1,6 @@
 """The memory plan's estimates against measured peaks (benchmarks/plan_measured.py at its small sizes): one
 stage-2 training step online and from cached targets, a calibration pass and an lm-eval batch, each in a
-fresh process, within 25% of the peak it reached."""
+fresh process, within 25% of the peak it reached (the kernel's high-water mark: a busy machine cannot hide it)."""
 
 from __future__ import annotations
 
@@ -21,3 +21,5 @@ def test_estimate_within_25_percent_of_the_measured_peak(case, kw, tmp_path_fact
     r = plan_measured.measure(case, kw, "small", tmp_path_factory.getbasetemp() / "plan-measured")
     assert r["measured"] > 50 * 2**20, r  # the case did real work (a peak far above the interpreter's noise)
     assert 0.75 <= r["estimate"] / r["measured"] <= 1.25, r
+    # the sampler may miss the peak, never exceed it: more would mean file pages were taken off the high-water mark
+    assert r["sampled"] <= r["measured"] + 4 * 2**20, r

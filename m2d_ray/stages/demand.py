@@ -1,0 +1,224 @@
+"""While a stage waits for resources: what Ray's autoscaler itself says about them.
+
+`m2d run` checks every stage's request against the node types before any work (plan/run_plan.py), but the
+driver cannot always read them (Ray's fake provider, KubeRay, a head without ~/ray_bootstrap_config.yaml).
+The autoscaler always knows: it reports a demand no node type can ever hold as an event ("No available node
+types can fulfill resource request {...}", the driver's "(autoscaler …)" lines), and what it is launching in
+its status in the GCS (what `ray status` prints). `Waiting`, around a stage's wait for its workers:
+
+    an infeasible demand of the stage's   the stage fails with one line (the request, the node types the
+                                          autoscaler runs, the config keys to change): `Unservable`, an
+                                          M2DError, so the command exits 2 and no later stage runs
+    a demand still pending                a progress line about every minute ("waiting for 8 × {GPU: 1}:
+                                          autoscaler launching 1 gpu_h100_8x")
+
+A demand is the stage's when it asks only for resources the stage asks for (another job's demand on a shared
+cluster is not this run's). Both reports are internal to Ray (pinned ray==2.60.0); where either cannot be
+read, the stage waits as before.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import threading
+import time
+from collections import Counter
+
+from ray import tune
+
+from m2d_ray.console import note, say
+from m2d_ray.errors import M2DError
+
+_INFEASIBLE = re.compile(r"No available node types can fulfill resource requests? (.*?)(?:\. Add suitable|$)")
+_BUNDLE = re.compile(r"\{[^{}]*\}")
+_TYPE = re.compile(r"Adding \d+ node\(s\) of type (\S+?)\.")
+ALWAYS = {"memory", "object_store_memory"}  # what Ray may add to any request
+_ACTIVE: dict[str, "Waiting"] = {}  # stage -> its Waiting while it waits (TuneCheck looks it up)
+
+
+class Unservable(M2DError):
+    """A stage's request that the autoscaler reports no node type can ever hold."""
+
+
+def infeasible_requests(message: str) -> list[dict]:
+    """The resource requests an autoscaler event reports infeasible (v1: one; v2: `{...}*n, {...}*m`)."""
+    m = _INFEASIBLE.search(message)
+    if not m:
+        return []
+    out = []
+    for text in _BUNDLE.findall(m.group(1)):
+        try:
+            out.append({str(k): float(v) for k, v in ast.literal_eval(text).items()})
+        except (ValueError, SyntaxError, AttributeError):
+            continue
+    return out
+
+
+def is_ours(request: dict, wanted: dict) -> bool:
+    """Whether `request` asks only for resources the stage asks for (`wanted`, e.g. {"CPU": 1, "GPU": 1})."""
+    asked = {k for k, v in request.items() if v}
+    return bool(asked) and asked <= {k for k, v in wanted.items() if v} | ALWAYS
+
+
+def fmt(bundle: dict) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in bundle.items() if v) + "}"
+
+
+def demands(status: dict) -> list[tuple[dict, int]]:
+    """(bundle, count) of every task, actor and placement-group bundle waiting in an autoscaler v1 status."""
+    lm = status.get("load_metrics_report") or {}
+    out = [(dict(b), int(n)) for b, n in lm.get("resource_demand") or []]
+    for pg, n in lm.get("pg_demand") or []:
+        out += [(dict(b), int(c) * int(n)) for b, c in pg.get("bundles", [])]
+    return out
+
+
+def launching(status: dict) -> Counter:
+    """Nodes the autoscaler is launching, by type."""
+    ar = status.get("autoscaler_report") or {}
+    return Counter(ar.get("pending_launches") or {}) + Counter(node[1] for node in ar.get("pending_nodes") or [])
+
+
+def waiting_line(stage: str, status: dict, wanted: dict) -> str | None:
+    """The progress line of a stage whose demands wait (None: nothing of the stage's waits)."""
+    mine = [(b, n) for b, n in demands(status) if is_ours(b, wanted)]
+    if not mine:
+        return None
+    up = launching(status)
+    how = ("autoscaler launching " + ", ".join(f"{n} {t}" for t, n in sorted(up.items()))) if up else "no node launching yet"
+    return f"{stage}: waiting for " + ", ".join(f"{n} × {fmt(b)}" for b, n in mine) + f": {how}"
+
+
+def node_types_seen(status: dict, launched: set[str]) -> list[str]:
+    """The node types the autoscaler runs or has launched (all the driver can know without its config)."""
+    ar = status.get("autoscaler_report") or {}
+    return sorted(set(ar.get("active_nodes") or {}) | set(ar.get("idle_nodes") or {}) | set(launching(status)) | launched)
+
+
+def read_status() -> dict | None:
+    """The autoscaler's status (v1's JSON in the GCS; v2's cluster status in the same shape), None without one."""
+    try:
+        from ray._private import ray_constants
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        raw = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
+        if raw:
+            return json.loads(raw)
+        from ray.autoscaler.v2.utils import is_autoscaler_v2
+
+        if not is_autoscaler_v2():
+            return None
+        import ray
+        from ray.autoscaler.v2.sdk import get_cluster_status
+
+        s = get_cluster_status(ray.get_runtime_context().gcs_address)
+        d = s.resource_demands
+        return {"load_metrics_report": {"resource_demand": [(r.bundle, r.count) for x in d.ray_task_actor_demand for r in x.bundles_by_count],
+                                        "pg_demand": [({"bundles": [(r.bundle, r.count) for r in x.bundles_by_count]}, 1)
+                                                      for x in d.placement_group_demand]},
+                "autoscaler_report": {"pending_launches": dict(Counter({lr.ray_node_type_name: lr.count for lr in s.pending_launches})),
+                                      "pending_nodes": [(n.ip_address, n.ray_node_type_name, "pending") for n in s.pending_nodes],
+                                      "active_nodes": dict(Counter(n.ray_node_type_name for n in s.active_nodes))}}
+    except Exception:
+        return None
+
+
+class Waiting:
+    """Around a stage's wait for its workers (`with Waiting(...) as w:` … `w.check()` in the stage's loop)."""
+
+    def __init__(self, stage: str, wanted: dict, keys: str, every: float = 60.0, poll: float = 5.0) -> None:
+        self.stage, self.wanted, self.keys, self.every, self.poll = stage, wanted, keys, every, poll
+        self.failure: str | None = None
+        self.launched: set[str] = set()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"m2d-waiting-{stage}", daemon=True)
+        self._status: dict = {}
+
+    def __enter__(self) -> "Waiting":
+        try:
+            from ray._private.worker import global_worker_stdstream_dispatcher
+
+            global_worker_stdstream_dispatcher.add_handler(self._thread.name, self.on_logs)
+        except Exception:  # no driver log stream: the status alone (progress lines, no infeasible events)
+            pass
+        self._thread.start()
+        _ACTIVE[self.stage] = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _ACTIVE.pop(self.stage, None)
+        self._done.set()
+        self._thread.join(timeout=10)
+        try:
+            from ray._private.worker import global_worker_stdstream_dispatcher
+
+            global_worker_stdstream_dispatcher.remove_handler(self._thread.name)
+        except Exception:
+            pass
+
+    def on_logs(self, data: dict) -> None:
+        """The driver's log stream: the autoscaler's events (its monitor's, published by Ray's log monitor)."""
+        if data.get("pid") != "autoscaler":
+            return
+        from ray._private.worker import filter_autoscaler_events
+
+        for message in filter_autoscaler_events(data.get("lines", [])):
+            self.event(message)
+
+    def event(self, message: str) -> None:
+        if m := _TYPE.search(message):
+            self.launched.add(m.group(1))
+        for request in infeasible_requests(message):
+            if self.failure is None and is_ours(request, self.wanted):
+                note(f"autoscaler: {message}")  # its own words, in the log
+                types = node_types_seen(self._status, self.launched)
+                self.failure = (f"{self.stage}: the autoscaler reports that no node type can hold {fmt(request)} "
+                                f"(node types it runs or launched: {', '.join(types) or 'none'}); change {self.keys}, "
+                                "or add a node type that has it to the cluster")
+
+    def check(self) -> None:
+        """Fail the stage (raise Unservable) once the autoscaler has reported one of its demands infeasible."""
+        if self.failure:
+            raise Unservable(self.failure)
+
+    def _watch(self) -> None:
+        last = time.monotonic()
+        while not self._done.wait(self.poll):
+            self._status = read_status() or {}
+            line = waiting_line(self.stage, self._status, self.wanted)
+            if line is None:
+                last = time.monotonic()
+            elif time.monotonic() - last >= self.every:
+                say(line)
+                last = time.monotonic()
+
+
+class TuneCheck(tune.Callback):
+    """Fails the stage from Tune's own loop (the driver's main thread) once its `Waiting` has a failure. Tune
+    pickles its callbacks with the experiment, so this one holds the stage's name, not the `Waiting`."""
+
+    def __init__(self, stage: str) -> None:
+        self.stage = stage
+
+    def on_step_begin(self, iteration, trials, **info):
+        waiting = _ACTIVE.get(self.stage)
+        if waiting is not None:
+            waiting.check()
+
+
+def tune_check(waiting: Waiting) -> TuneCheck:
+    return TuneCheck(waiting.stage)
+
+
+def for_stage(stage: str, cfg, gpus: float | None = None) -> Waiting:
+    """The `Waiting` of stage1/stage2/stage3 of `cfg`: the request its units make (`gpus`: stage 3's GPUs per
+    model, as it resolved them) and the config keys that set it."""
+    from m2d_ray.plan.devices import bundle
+    from m2d_ray.plan.run_plan import KEYS
+
+    cpus, gpus, accelerator = {"stage1": (cfg.ray.cpus_per_trial, cfg.ray.gpus_per_trial, cfg.ray.trial_accelerator),
+                               "stage2": (cfg.distill.cpus_per_worker, cfg.distill.gpus_per_worker, cfg.distill.accelerator),
+                               "stage3": (cfg.stage3.cpus_per_task, gpus or 0, cfg.stage3.accelerator)}[stage]
+    return Waiting(stage, bundle(cpus, gpus, accelerator if gpus else None), KEYS[stage])
