@@ -67,7 +67,7 @@ def check_inputs(cfg: SweepConfig, stages: tuple[int, ...], tracking_uri: str | 
     if 2 in stages:
         check_spec(cfg.distill.eval_data or cfg.eval.data, "distill.eval_data")
         check_teacher_topk(model, cfg.distill.teacher_topk)
-        check_source(cfg.distill.train_data)
+        check_source(cfg.distill.train_data, cfg.distill)
         if D2D in cfg.stage2.baselines:
             from m2d_ray.stages.d2d import check_dense_teacher, dense_teacher
 
