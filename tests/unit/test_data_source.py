@@ -4,7 +4,6 @@ driver-side corpus put in the run's storage once."""
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 
@@ -12,30 +11,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from corpora import DOCS, write_corpus
 from m2d_ray.data import source
-from m2d_ray.data.synthetic import build_tokenizer, corpus_text
+from m2d_ray.data.synthetic import build_tokenizer
 from m2d_ray.data.text import load_text
 from m2d_ray.errors import M2DError
-
-DOCS = [d for d in corpus_text("train").split("\n\n") if d.strip()][:300]
-
-
-def write_corpus(root, docs=DOCS, files=3, column="text"):
-    """`docs` as a Parquet directory (round-robin over `files` shards, several row groups each) and as one
-    .jsonl.gz; returns (parquet dir, jsonl.gz path, the documents in the corpus's order)."""
-    pdir = root / "parquet"
-    pdir.mkdir(parents=True)
-    shards = [docs[i::files] for i in range(files)]
-    for i, part in enumerate(shards):
-        pq.write_table(pa.table({column: part + [None, ""], "n": list(range(len(part) + 2))}), pdir / f"part-{i:03d}.parquet", row_group_size=40)
-    (pdir / "_SUCCESS").write_text("")
-    order = [d for part in shards for d in part]
-    jgz = root / "corpus.jsonl.gz"
-    with gzip.open(jgz, "wt", encoding="utf-8") as f:
-        for d in order:
-            f.write(json.dumps({column: d, "id": 1}) + "\n")
-    return pdir, jgz, order
-
 
 def test_parquet_dir_jsonl_gz_and_glob_give_the_same_documents_in_order(tmp_path):
     pdir, jgz, order = write_corpus(tmp_path, column="content")
