@@ -14,8 +14,9 @@ Scenarios (results in WORK/results.json; the run directories stay for the test t
   shared  m2d run with --storage on a directory both nodes see, with the d2d baseline; then a resume of the finished run, and one
           with another stage-3 suite
   (both distil from cached teacher targets, stage2.targets=topk:16: made once in the storage, for each teacher)
-  s3      m2d run with --storage s3://… and the teacher on the driver's disk (copied to storage once); the driver
-          is SIGKILLed after the first distilled student and the run resumed
+  s3      m2d run with --storage s3://… and the teacher on the driver's disk (copied to storage once), its distillation
+          corpus a Parquet shard under an S3 prefix (read there, never copied; one row: the same stream as train.txt);
+          the driver is SIGKILLed after the first distilled student and the run resumed
 """
 
 from __future__ import annotations
@@ -116,6 +117,21 @@ def head_only_data(hidden: Path) -> list[str]:
             f"distill.eval_data={data / 'valid.txt'}"]
 
 
+def s3_corpus(hidden: Path, query: str) -> str:
+    """The train split as a Parquet shard under s3://BUCKET/corpus/ (column `content`); returns its spec."""
+    import boto3
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from m2d_ray.data.synthetic import corpus_text
+
+    local = hidden / "part-00000.parquet"
+    pq.write_table(pa.table({"content": [corpus_text("train")]}), local)
+    port = query.split(":")[1].split("&")[0]
+    boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1").upload_file(str(local), BUCKET, "corpus/part-00000.parquet")
+    return f"s3://{BUCKET}/corpus/?{query}#column=content"
+
+
 def main(work: Path) -> None:
     work = work.resolve()
     hidden, shared = work / "hidden", work / "shared"
@@ -140,7 +156,9 @@ def main(work: Path) -> None:
         from m2d_ray.models import default_teacher
 
         shutil.copytree(default_teacher(), teacher)
-        args = ["run", str(TINY), "--out", str(hidden / "s3-run"), "--storage", f"s3://{BUCKET}/run?{query}", f"model={teacher}", *SMALL, *texts]
+        corpus = s3_corpus(hidden, query)
+        args = ["run", str(TINY), "--out", str(hidden / "s3-run"), "--storage", f"s3://{BUCKET}/run?{query}", f"model={teacher}", *SMALL, *texts,
+                f"distill.train_data={corpus}"]
         results["s3"] = killed_then_resumed(args, env, hidden / "s3-run", work)
         results["s3"]["storage"] = f"s3://{BUCKET}/run?{query}"
         import boto3
