@@ -64,10 +64,9 @@ def start_cluster(work: Path, env: dict) -> str:
     return f"127.0.0.1:{port}"
 
 
-def start_s3(work: Path, env: dict) -> str:
-    port = free_port()
-    log = (work / "moto.log").open("w")
-    subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+def serve_s3(port: int, log, env: dict | None = None) -> subprocess.Popen:
+    """A moto S3 server on 127.0.0.1:`port` holding an empty bucket BUCKET, once it answers."""
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
     import boto3
 
     s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1")
@@ -79,6 +78,12 @@ def start_s3(work: Path, env: dict) -> str:
             if attempt == 99:
                 raise
             time.sleep(0.2)
+    return proc
+
+
+def start_s3(work: Path, env: dict) -> str:
+    port = free_port()
+    serve_s3(port, (work / "moto.log").open("w"), env)
     return f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
 
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -16,36 +14,24 @@ import torch
 from m2d_ray.distill.config import DistillConfig
 from m2d_ray.errors import M2DError
 from corpora import write_corpus
-from multinode import free_port
+from multinode import BUCKET, free_port, serve_s3
 
 # Ray's workers take S3 credentials from the environment they start with: set before any test starts Ray
 for _k, _v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
     os.environ.setdefault(_k, _v)
 
-BUCKET = "corpus"
 CFG = DistillConfig(train_data="", steps=6, batch_size=4, seq_len=64, eval_max_tokens=512, deepspeed=False)
 
 
 @pytest.fixture(scope="module")
 def s3():
-    """A moto S3 server on 127.0.0.1 with one bucket; yields the URL query that reaches it."""
+    """A moto S3 server on 127.0.0.1 with one bucket; yields a client and the URL query that reaches it."""
     pytest.importorskip("moto.server")
     import boto3
 
-
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1")
-    for attempt in range(100):
-        try:
-            client.create_bucket(Bucket=BUCKET)
-            break
-        except Exception:
-            if attempt == 99:
-                raise
-            time.sleep(0.2)
-    yield client, f"endpoint_override=127.0.0.1:{port}&scheme=http"
+    proc = serve_s3(port, subprocess.DEVNULL)
+    yield boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1"), f"endpoint_override=127.0.0.1:{port}&scheme=http"
     proc.terminate()
     proc.wait(10)
 
