@@ -122,6 +122,10 @@ def w(tmp_path_factory, tiny_teacher_dir):
         (p["work"] / name).mkdir()
         for i in range(2):
             pq.write_table(pa.table({"content": ["the court ruled on the case"] * 20}), p["work"] / name / f"part-{i}.parquet")
+    shards = f"{p['work'] / 'shards'}#column=content"  # the run started on these files, one of them then smaller
+    files = [[str((p["work"] / "shards" / f"part-{i}.parquet").resolve()), 1 if i else os.path.getsize(p["work"] / "shards" / "part-0.parquet"), 1]
+             for i in range(2)]
+    (p["run"] / "corpora.json").write_text(json.dumps({"eval.data": {"spec": shards, "column": "content", "files": files}}))
     raw = (p["work"] / "broken" / "part-1.parquet").read_bytes()
     (p["work"] / "broken" / "part-1.parquet").write_bytes(raw[: len(raw) // 2])
     p["root"] = root
@@ -223,6 +227,8 @@ CASES = {
     "plan: cluster config missing": (lambda w: ["plan", str(TINY), "--cluster", "missing.yaml"], "not found"),
     "resume of a directory that is no run": (lambda w: ["run", "--resume", "mine"], "not an m2d run directory"),
     "resume with a changed grid": (lambda w: ["run", "--resume", str(w["run"]), "grid.K=[4]"], "grid differ from stage 1"),
+    "resume against a changed corpus": (lambda w: ["run", "--resume", str(w["run"]), f"eval.data={w['work'] / 'shards'}#column=content"],
+                                        "part-0.parquet modified; "),
     "sweep resume with overrides": (lambda w: ["sweep", "--resume", str(w["run"]), "grid.K=[4]"], "reuses the run's saved config"),
     "report of a directory that is no run": (lambda w: ["report", "mine"], "not an m2d run directory"),
     "stage 2 without a stage 1": (lambda w: ["sweep", str(TINY), "stage=2"], "add --resume"),
