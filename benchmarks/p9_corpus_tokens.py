@@ -10,8 +10,9 @@ The budget is 90% of the corpus's tokens (estimated from its first shard), so ev
 Each mode runs in a fresh process (a local Ray of 4 CPUs for the Ray modes, started before the clock):
   loop  main 31f1149's `_tokenize_task` body: one process, one tokenizer call per document, a Python list buffer
   rayN  `write_tokens(stream=token_blocks(...))` with N tokenizer actors (what stages/shards.tokens runs)
-Peak RSS: the process's own high-water mark (VmHWM) and, sampled every 0.2 s, the largest RSS of any Ray worker
-process (read task / tokenizer actor) and the largest sum over the driver and its Ray workers.
+Peak memory, sampled every 0.2 s: the driver's and the largest Ray worker's (read task / tokenizer actor) RSS, and
+their private part (RSS - shared: a Ray process's RSS also counts the object-store pages it has touched, which
+grow with the bytes that passed through it, not with what it holds); plus the driver's VmHWM.
 """
 
 from __future__ import annotations
@@ -89,27 +90,29 @@ def _main_loop_blocks(tokenizer, spec: str, seq_len: int):
 
 
 class RssSampler(threading.Thread):
-    """Largest RSS of one Ray worker process and of the driver + its Ray workers, sampled every 0.2 s."""
+    """Peak RSS and private memory (RSS - shared) of the driver and of its largest Ray worker, every 0.2 s."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
-        self.worker = self.total = 0
+        self.peak = {"driver_rss": 0, "driver_private": 0, "worker_rss": 0, "worker_private": 0}
         self.stop = threading.Event()
+
+    def _see(self, who: str, mem) -> None:
+        self.peak[f"{who}_rss"] = max(self.peak[f"{who}_rss"], mem.rss)
+        self.peak[f"{who}_private"] = max(self.peak[f"{who}_private"], mem.rss - mem.shared)
 
     def run(self) -> None:
         import psutil
 
         me = psutil.Process()
         while not self.stop.is_set():
-            workers = []
+            self._see("driver", me.memory_info())
             for p in me.children(recursive=True):
                 try:
                     if p.name().startswith("ray::") or "default_worker.py" in " ".join(p.cmdline()):
-                        workers.append(p.memory_info().rss)
+                        self._see("worker", p.memory_info())
                 except psutil.Error:
                     pass
-            self.worker = max([self.worker, *workers])
-            self.total = max(self.total, me.memory_info().rss + sum(workers))
             time.sleep(0.2)
 
 
@@ -145,8 +148,7 @@ def run_mode(mode: str, corpus: Path, blocks: int) -> dict:
     sampler.join()
     digest = hashlib.sha256("".join(s["sha256"] for s in manifest["shards"]).encode()).hexdigest()[:16]
     return {"mode": mode, "tokens": blocks * SEQ_LEN, "s": round(wall, 1), "tokens_per_s": round(blocks * SEQ_LEN / wall),
-            "shards_sha": digest, "driver_hwm_mb": round(vm_hwm() / 2**20), "worker_peak_mb": round(sampler.worker / 2**20),
-            "total_peak_mb": round(sampler.total / 2**20)}
+            "shards_sha": digest, "driver_hwm_mb": round(vm_hwm() / 2**20), **{k: round(v / 2**20) for k, v in sampler.peak.items()}}
 
 
 def main() -> None:
@@ -168,7 +170,7 @@ def main() -> None:
     print(machine_line())
     print(f"corpus {corpus}: {len(list(corpus.glob('*.parquet')))} shards, {size / 1e6:,.0f} MB; budget {blocks:,} blocks x {SEQ_LEN} "
           f"= {blocks * SEQ_LEN / 1e6:,.1f}M tokens")
-    print("| mode | tokens | s | tokens/s | vs loop | shards sha256 | driver VmHWM MB | largest Ray worker MB | driver + workers MB |")
+    print("| mode | tokens | s | tokens/s | vs loop | shards sha256 | driver VmHWM MiB | driver RSS / private MiB | largest Ray worker RSS / private MiB |")
     print("|---|---|---|---|---|---|---|---|---|")
     base = None
     for mode in args.modes:
@@ -178,7 +180,7 @@ def main() -> None:
         base = base or (r["tokens_per_s"] if mode == "loop" else None)
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         print(f"| {mode} | {r['tokens']:,} | {r['s']} | {r['tokens_per_s']:,} | {ratio} | {r['shards_sha']} | {r['driver_hwm_mb']} | "
-              f"{r['worker_peak_mb']} | {r['total_peak_mb']} |", flush=True)
+              f"{r['driver_rss']} / {r['driver_private']} | {r['worker_rss']} / {r['worker_private']} |", flush=True)
 
 
 if __name__ == "__main__":

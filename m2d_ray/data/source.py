@@ -290,7 +290,8 @@ def _hub_batches(src: Source) -> Iterator[list[str]]:
 # ---- checks and identity (driver, before any work) ------------------------------------------------------
 def check(spec: str, what: str = "data") -> Source:
     """Refuse, in one line, a spec that cannot be read: no file matches, a shard that is corrupt, lacks the
-    column or is binary, a hub dataset not reachable (offline without a cache). Reads footers and first lines."""
+    column or is binary, a hub dataset not reachable (offline without a cache). Reads footers and first lines.
+    WikiText is not fetched here: calibration falls back to the embedded corpus when it cannot be had."""
     src = parse(spec, what)
     if src.kind == "hf":
         rows = _hub_rows(src, streaming=not _offline())
@@ -299,8 +300,6 @@ def check(spec: str, what: str = "data") -> Source:
             raise M2DError(f"{what} {spec!r} holds no rows; give another dataset or split")
         if src.column not in first:
             raise M2DError(f"{what} {spec!r} has no column {src.column!r} (columns: {', '.join(first)}); add #column=NAME")
-    elif src.kind == "wikitext" and _offline():
-        _hub_rows(src, streaming=False)
     elif src.kind == "files":
         found = files(src, what)
         with ThreadPoolExecutor(8) as pool:
