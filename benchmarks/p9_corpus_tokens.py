@@ -136,7 +136,7 @@ def run_mode(mode: str, corpus: Path, blocks: int) -> dict:
 
         from m2d_ray.data.ray_tokens import token_blocks
 
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
         stream = token_blocks(spec, teacher, SEQ_LEN, blocks, int(mode.removeprefix("ray")))
     sampler = RssSampler()
     sampler.start()

@@ -19,6 +19,7 @@ from m2d_ray.errors import M2DError
 
 BYTES_PER_ACTOR = 64 << 20  # a smaller corpus does not pay for more actors
 TOKENIZE_BATCH = 256  # documents per tokenizer call
+BLOCK_BYTES = 8 << 20  # Ray Data block size of the pass (default 128 MiB): what a worker holds at once
 
 
 def doc_ids(tokenizer, docs: Sequence[str], eos: int | None) -> np.ndarray:
@@ -87,8 +88,9 @@ def _token_chunks(spec: str, model: str, actors: int) -> Iterator[np.ndarray]:
     parts = source.parts(src)
     rows = [{"spec": spec, "url": p.url if p else "", "size": p.size if p else 0, "mtime_ns": p.mtime_ns if p else 0} for p in parts]
     ctx = ray.data.DataContext.get_current()
-    before = ctx.execution_options.preserve_order
+    before = ctx.execution_options.preserve_order, ctx.target_max_block_size
     ctx.execution_options.preserve_order = True  # blocks in document order, whatever finishes first
+    ctx.target_max_block_size = BLOCK_BYTES  # an actor's output leaves it in small blocks, not one per file
     try:
         ds = ray.data.from_items(rows, override_num_blocks=len(rows))
         ds = ds.map_batches(_read, batch_size=1, num_cpus=1)
@@ -98,7 +100,7 @@ def _token_chunks(spec: str, model: str, actors: int) -> Iterator[np.ndarray]:
             for ids in batch.column("ids").chunks:
                 yield ids.values.to_numpy().astype(np.int64)
     finally:
-        ctx.execution_options.preserve_order = before
+        ctx.execution_options.preserve_order, ctx.target_max_block_size = before
 
 
 def token_blocks(spec: str, model: str, seq_len: int, blocks: int, actors: int, epochs: int = 1) -> Iterator[np.ndarray]:
