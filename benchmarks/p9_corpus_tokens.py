@@ -176,7 +176,7 @@ def main() -> None:
     for mode in args.modes:
         out = subprocess.run([sys.executable, __file__, "--mb", str(args.mb), "--cache", args.cache, "--one", mode, "--blocks", str(blocks)],
                              capture_output=True, text=True, check=True)
-        r = json.loads(out.stdout.strip().splitlines()[-1])
+        r = json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith("{")))  # Ray may print after it
         base = base or (r["tokens_per_s"] if mode == "loop" else None)
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         print(f"| {mode} | {r['tokens']:,} | {r['s']} | {r['tokens_per_s']:,} | {ratio} | {r['shards_sha']} | {r['driver_hwm_mb']} | "
