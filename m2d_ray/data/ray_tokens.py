@@ -70,14 +70,24 @@ class _Tokenize:
 
 
 def actors_for(spec: str, cpus: int) -> int:
-    """Actors worth starting: one per 64 MiB of corpus files, at most the cluster's CPUs (all for a dataset)."""
+    """Actors worth starting: one per 64 MiB of corpus files, at most the cluster's CPUs (all for a streamed
+    dataset); 0 for a corpus smaller than that (one document, or files under 64 MiB), which the caller
+    tokenises itself: Ray Data's start-up (~10 s) would cost more than the work."""
     src = source.parse(spec)
     if src.one_document:
-        return 1
+        return 0
     if src.kind != "files":
         return max(1, cpus)
     size = sum(f.size for f in source.files(src))
-    return max(1, min(cpus, -(-size // BYTES_PER_ACTOR)))
+    return 0 if size < BYTES_PER_ACTOR else max(1, min(cpus, -(-size // BYTES_PER_ACTOR)))
+
+
+def _local_chunks(spec: str, tokenizer) -> Iterator[np.ndarray]:
+    """The spec's token ids (EOS after each document) in document order, tokenised in this process."""
+    src = source.parse(spec)
+    for part in source.parts(src):
+        for docs in source.part_documents(src, part):
+            yield doc_ids(tokenizer, docs, tokenizer.eos_token_id)
 
 
 def _token_chunks(spec: str, model: str, actors: int) -> Iterator[np.ndarray]:
@@ -103,13 +113,15 @@ def _token_chunks(spec: str, model: str, actors: int) -> Iterator[np.ndarray]:
         ctx.execution_options.preserve_order, ctx.target_max_block_size = before
 
 
-def token_blocks(spec: str, model: str, seq_len: int, blocks: int, actors: int, epochs: int = 1) -> Iterator[np.ndarray]:
-    """The first `blocks` [seq_len] blocks of `spec` tokenised by `model`'s tokenizer on Ray (the corpus read
-    again from its start, at most `epochs` times); a corpus that holds fewer is refused, saying how many it has."""
+def token_blocks(spec: str, model: str, seq_len: int, blocks: int, actors: int, epochs: int = 1, tokenizer=None) -> Iterator[np.ndarray]:
+    """The first `blocks` [seq_len] blocks of `spec` tokenised by `model`'s tokenizer on `actors` Ray Data actors
+    (0: here, by `tokenizer`, the same), the corpus read again from its start at most `epochs` times; a corpus
+    that holds fewer is refused, saying how many blocks it makes."""
     made = per_pass = 0
     for _ in range(epochs):
         per_pass = 0
-        for block in pack(_token_chunks(spec, model, actors), seq_len):
+        chunks = _token_chunks(spec, model, actors) if actors > 0 else _local_chunks(spec, tokenizer)
+        for block in pack(chunks, seq_len):
             yield block
             made, per_pass = made + 1, per_pass + 1
             if made == blocks:

@@ -39,7 +39,8 @@ def _whole_stage(fn, what: str):
 def tokens(store: RunStorage, teacher: str, tokenizer, cfg: DistillConfig, eval_data: str, actors: int | None = None) -> str:
     """The run's token directory (storage URL) for `cfg`'s stream and validation text, made once: Ray Data
     reads the corpus where the workers reach it and `actors` (default: one per 64 MiB of corpus, at most the
-    cluster's CPUs) tokenise it with `teacher`'s tokenizer (`tokenizer`: the same, on the driver). `teacher`,
+    cluster's CPUs; 0 below 64 MiB: the driver) tokenise it with `teacher`'s tokenizer (`tokenizer`: the same,
+    on the driver). `teacher`,
     `cfg.train_data` and `eval_data` are as the workers reach them (RunStorage.put_*). Tokens of a corpus
     that changed since (files, sizes, mtimes) are refused, naming the change."""
     from m2d_ray.artifacts import atomic_dir
@@ -60,13 +61,14 @@ def tokens(store: RunStorage, teacher: str, tokenizer, cfg: DistillConfig, eval_
             raise M2DError(f"training data {cfg.train_data} changed since its tokens in {url} were made ({changed}); "
                            "restore it, or start a new run on another storage")
         return url
-    n = actors or actors_for(cfg.train_data, int(ray.cluster_resources().get("CPU", 1)))
-    say(f"tokenising {key['blocks']:,} blocks of {cfg.seq_len} tokens of {cfg.train_data} once, for every student ({n} Ray Data actors)")
+    n = actors_for(cfg.train_data, int(ray.cluster_resources().get("CPU", 1))) if actors is None else actors
+    say(f"tokenising {key['blocks']:,} blocks of {cfg.seq_len} tokens of {cfg.train_data} once, for every student "
+        f"({f'{n} Ray Data actors' if n else 'a small corpus: here'})")
 
     def build(dest: Path) -> None:  # built aside and renamed in, its marker last: complete or absent
         with atomic_dir(dest, "tokens", overwrite=True, what="token directory") as tmp:
             write_tokens(tmp, tokenizer, cfg.train_data, cfg.seq_len, key["blocks"], eval_data, cfg.eval_max_tokens, corpus=corpus,
-                         stream=token_blocks(cfg.train_data, teacher, cfg.seq_len, key["blocks"], n, cfg.epochs))
+                         stream=token_blocks(cfg.train_data, teacher, cfg.seq_len, key["blocks"], n, cfg.epochs, tokenizer))
 
     _whole_stage(lambda: storage.save_dir(url, build), "tokenising the distillation data")
     return url

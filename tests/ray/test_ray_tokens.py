@@ -1,5 +1,5 @@
 """The distillation stream tokenised by Ray Data (data/ray_tokens.py via stages/shards.tokens): 1 and 2
-actors write identical token shards, equal to the single-process stream; a corpus on S3 (moto on
+actors (and the driver, for a small corpus) write identical token shards, equal to the single-process stream; a corpus on S3 (moto on
 127.0.0.1) is read where it is, never copied, and a resume against a changed S3 corpus is refused."""
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ def test_one_and_two_actors_write_identical_shards_and_s3_is_read_in_place(ray_a
     ref = torch.stack([b for _, b in zip(range(cfg.blocks), packed_blocks(tok, documents(spec), cfg.seq_len))])
     assert ref.shape[0] == cfg.blocks
 
-    urls = [tokens(RunStorage(str(tmp_path / f"store{n}")), teacher, tok, cfg, "synthetic:valid", actors=n) for n in (1, 2)]
-    assert _shards(urls[0]) == _shards(urls[1])
+    urls = [tokens(RunStorage(str(tmp_path / f"store{n}")), teacher, tok, cfg, "synthetic:valid", actors=n) for n in (1, 2, 0)]
+    assert _shards(urls[0]) == _shards(urls[1]) == _shards(urls[2])  # 0: a small corpus, tokenised by the driver
     from m2d_ray import storage
     from m2d_ray.distill.tokens import TokenShards
 
