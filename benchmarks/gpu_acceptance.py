@@ -227,6 +227,7 @@ def main(argv=None) -> None:
     dist = work / "distill"
     shutil.rmtree(dist, ignore_errors=True)
     gpu_kw = ["gpus_per_worker=1", f"seq_len={a.seq_len}", "batch_size=8"] if cuda else ["seq_len=128", "batch_size=4", "threads_per_worker=1"]
+    gpu_kw.append("epochs=8")  # the embedded train split (38k tokens) read up to 8 times: a shorter corpus is refused
     stage("distill", lambda: json.loads(sh(m2d + ["distill", "--teacher", teacher, "--student", student, "--train-data", "synthetic:train",
                                                   "--eval-data", "synthetic:valid", "--steps", a.steps, "--workers", 1, "--deepspeed",
                                                   "--out", dist, f"eval_every={a.steps}", "eval_max_tokens=16384", *gpu_kw],

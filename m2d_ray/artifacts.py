@@ -18,7 +18,7 @@ from m2d_ray.errors import M2DError
 #: every directory the platform writes carries this file: {"kind": ..., "created": ...}; only a
 #: directory with it (and of the same kind) is ever replaced, and only when the user asks (--overwrite)
 MARKER = "m2d_output.json"
-KINDS = ("statistics", "student", "distillation", "run", "report", "teacher", "pruned", "tokens", "targets")
+KINDS = ("statistics", "student", "distillation", "run", "report", "teacher", "pruned", "tokens", "targets", "data")
 
 
 def output_kind(path: str | os.PathLike) -> str | None:

@@ -54,7 +54,7 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 
 def _add_calib(p: argparse.ArgumentParser, streamed: bool = True) -> None:
     """Calibration-data options; `streamed`: also the memory options of MoE statistics (not dense pruning's)."""
-    p.add_argument("--calib-data", default=None, help="text file, synthetic[:split] or wikitext2[:split] (default: the embedded corpus for the embedded teacher, else wikitext2:train)")
+    p.add_argument("--calib-data", default=None, help="a data spec (README 'Data'): files / dir / glob of .parquet, .jsonl, .txt (local or s3://, #column=NAME), hf:NAME, wikitext2|wikitext103[:split], synthetic[:split] (default: the embedded corpus for the embedded teacher, else wikitext2:train)")
     p.add_argument("--max-tokens", type=_positive, default=32768, help="calibration tokens (default 32768)")
     p.add_argument("--seq-len", type=_positive, default=256, help="calibration sequence length (default 256)")
     p.add_argument("--batch-size", type=_positive, default=8)
@@ -97,7 +97,7 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--scaling", default="uniform", help=f"{' '.join(SCALINGS)} (default uniform)")
     v.add_argument("--K", type=_positive, default=None, help="experts kept per layer, k <= K <= E (default k)")
     v.add_argument("--baseline", default=None, help=f"{' or '.join(BASELINES)} instead of a conversion")
-    v.add_argument("--eval-data", default=None, help="measure perplexity on: text file, synthetic[:split] or wikitext2[:split]")
+    v.add_argument("--eval-data", default=None, help="measure perplexity on: a data spec (README 'Data')")
     v.add_argument("--out", required=True, help="directory for the dense student")
     v.add_argument("--overwrite", action="store_true", help="replace a student (and --stats) that m2d wrote there before")
 
@@ -109,7 +109,7 @@ def parser() -> argparse.ArgumentParser:
     for size in ("hidden", "ffn", "heads", "layers"):
         pd.add_argument(f"--{size}", type=_positive, default=None, help=f"one pruned shape: {size} (default: the teacher's)")
     _add_calib(pd, streamed=False)
-    pd.add_argument("--eval-data", default=None, help="score candidates by perplexity on: text file, synthetic[:split] or wikitext2[:split] (default: synthetic:test for the embedded teacher, else wikitext2:test)")
+    pd.add_argument("--eval-data", default=None, help="score candidates by perplexity on: a data spec (README 'Data') (default: synthetic:test for the embedded teacher, else wikitext2:test)")
     pd.add_argument("--out", required=True, help="directory for the pruned student")
     pd.add_argument("--overwrite", action="store_true", help="replace a pruned student that m2d wrote there before")
 
@@ -152,8 +152,8 @@ def parser() -> argparse.ArgumentParser:
     d = sub.add_parser("distill", help="distil one dense student from its MoE teacher (Ray Train + DeepSpeed)")
     d.add_argument("--teacher", default=None, help="teacher directory or hub name (default: the embedded tiny Qwen3-MoE)")
     d.add_argument("--student", required=True, help="initial student directory (m2d convert --out), or random-ffn / random-init")
-    d.add_argument("--train-data", default=None, help="fineweb-edu (streamed), hf:NAME[:CONFIG[:SPLIT]], a text / .jsonl / .parquet file, synthetic:train")
-    d.add_argument("--eval-data", required=True, help="validation text: a file, synthetic[:split] or wikitext2[:split]")
+    d.add_argument("--train-data", default=None, help="a data spec (README 'Data'): fineweb-edu (streamed), hf:NAME[:CONFIG[:SPLIT]], Parquet / JSON Lines / text files, a directory or glob of them, local or s3:// (#column=NAME), synthetic:train")
+    d.add_argument("--eval-data", required=True, help="validation text: a data spec (README 'Data')")
     d.add_argument("--steps", type=_positive, default=None)
     d.add_argument("--loss", default=None, help=f"{', '.join(LOSSES)} (default fkl)")
     d.add_argument("--teacher-topk", type=_positive, default=None, help="expanded teacher routing k' (k <= k' <= E)")

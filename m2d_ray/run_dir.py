@@ -106,6 +106,11 @@ class RunDir:
     def memory_plan(self) -> Path:
         return self.path / "memory_plan.json"
 
+    @property
+    def corpora(self) -> Path:
+        """The fingerprints of the corpora the run read (data spec key -> files, sizes, mtimes)."""
+        return self.path / "corpora.json"
+
     def read_memory_plan(self) -> dict | None:
         return json.loads(self.memory_plan.read_text()) if self.memory_plan.exists() else None
 

@@ -19,19 +19,19 @@ def resolve_calib(spec: str | None, model: str | None) -> str:
     return EMBEDDED_CALIB if model in (None, default_teacher()) else HUB_CALIB
 
 
-def load_text_with_fallback(spec: str) -> str:
-    """Load `spec`; when WikiText cannot be fetched (offline) fall back to the embedded corpus."""
+def load_text_with_fallback(spec: str, max_tokens: int | None = None) -> str:
+    """Load `spec` (as far as `max_tokens` need); when WikiText cannot be fetched (offline) fall back to the embedded corpus."""
     try:
-        return load_text(spec)
+        return load_text(spec, max_tokens=max_tokens)
     except M2DError as exc:
-        if not spec.startswith("wikitext2"):
+        if not spec.startswith("wikitext"):
             raise
         say(f"m2d: warning: {exc}; using the embedded synthetic corpus instead")
-        return load_text(EMBEDDED_CALIB)
+        return load_text(EMBEDDED_CALIB, max_tokens=max_tokens)
 
 
 def calibration_tokens(tokenizer, calib_data: str | None, model: str | None, seq_len: int, max_tokens: int) -> tuple[str, TokenSet]:
     """(resolved data spec, TokenSet) of the calibration text, packed into padded sequences."""
     spec = resolve_calib(calib_data, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return spec, calibration_set(tokenizer, load_text_with_fallback(spec), seq_len=seq_len, max_tokens=max_tokens, pad_id=pad)
+    return spec, calibration_set(tokenizer, load_text_with_fallback(spec, max_tokens), seq_len=seq_len, max_tokens=max_tokens, pad_id=pad)

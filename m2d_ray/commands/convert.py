@@ -22,7 +22,7 @@ from m2d_ray.weights import open_teacher
 
 
 def evaluate_ppl(model, tokenizer, eval_data: str, seq_len: int = 256, max_chars: int | None = EVAL_MAX_CHARS, batch_size: int = 8) -> Perplexity:
-    ids = tokenize(tokenizer, load_text(eval_data), max_chars=max_chars)
+    ids = tokenize(tokenizer, load_text(eval_data, max_chars=max_chars), max_chars=max_chars)
     return perplexity(model, ids, seq_len=seq_len, batch_size=batch_size, progress=True)
 
 

@@ -54,7 +54,7 @@ def distill_one(teacher: str | None, student: str, out: str | Path, eval_data: s
         model_config(str(student_dir))
         check_files(str(student_dir), "student")
     check_spec(eval_data, "--eval-data")
-    check_source(cfg.train_data)
+    check_source(cfg.train_data, cfg)
     scan(teacher, "teacher")
     if student_dir is not None:
         scan(str(student_dir), "student")

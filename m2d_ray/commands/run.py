@@ -15,7 +15,7 @@ import time
 from m2d_ray.artifacts import write_json_atomic
 from m2d_ray.commands.plan import check_run, log_plan, record_plan
 from m2d_ray.commands.report import report
-from m2d_ray.commands.runs import check_inputs, check_outcome, check_promoted, check_resume, existing_run, keep_logs, new_run, run_storage
+from m2d_ray.commands.runs import check_inputs, check_outcome, check_promoted, check_resume, existing_run, keep_logs, new_run, record_corpora, run_storage
 from m2d_ray.config import load_config
 from m2d_ray.console import emit, say
 from m2d_ray.errors import M2DError
@@ -42,6 +42,7 @@ def run(config: str | None, overrides: list[str], out: str | None = None, resume
         check_inputs(cfg, (1, 2, 3), tracking_uri)
     plan = check_run(cfg, gpu_memory, cluster)  # every stage fits a device it can get, before any work (else exit 2)
     keep_logs(rd.path)
+    record_corpora(rd, cfg, (1, 2, 3))
     record_plan(rd, plan)
     store = run_storage(cfg, rd)
     state = json.loads(rd.timings.read_text()) if rd.timings.exists() else {"stages": {}}

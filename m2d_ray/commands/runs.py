@@ -3,6 +3,7 @@ driver, before any work (every input a stage will read; a resumed run's fixed se
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -36,6 +37,39 @@ def run_storage(cfg: SweepConfig, rd: RunDir) -> RunStorage:
     return RunStorage(cfg.storage or str(rd.path))
 
 
+def _corpora(cfg: SweepConfig, stages: tuple[int, ...]) -> dict:
+    """Fingerprints of the file corpora the given stages read (data spec key -> data.source.fingerprint)."""
+    from m2d_ray.calibrate.tokens import resolve_calib
+    from m2d_ray.data import source
+
+    specs = {"calib.data": resolve_calib(cfg.calib.data, cfg.model), "eval.data": cfg.eval.data}
+    if 2 in stages:
+        specs |= {"distill.train_data": cfg.distill.train_data, "distill.eval_data": cfg.distill.eval_data or cfg.eval.data}
+    return {k: source.fingerprint(v) for k, v in specs.items() if source.parse(v).kind == "files"}
+
+
+def check_corpora(rd: RunDir, cfg: SweepConfig, stages: tuple[int, ...]) -> None:
+    """A resumed run reads the corpora it started with: the same spec whose files changed is refused, naming the change."""
+    from m2d_ray.data import source
+
+    saved = json.loads(rd.corpora.read_text()) if rd.corpora.exists() else {}
+    for key, fp in _corpora(cfg, stages).items():
+        if key in saved and saved[key]["spec"] == fp["spec"]:
+            changed = source.changes(saved[key], fp)
+            if changed:
+                raise M2DError(f"{key} {fp['spec']} changed since {rd} started ({changed}); restore it, or start a new run with another --out")
+
+
+def record_corpora(rd: RunDir, cfg: SweepConfig, stages: tuple[int, ...]) -> None:
+    """Remember the corpora's fingerprints (new keys only: a resume keeps what the run started with)."""
+    from m2d_ray.artifacts import write_json_atomic
+
+    saved = json.loads(rd.corpora.read_text()) if rd.corpora.exists() else {}
+    now = {**_corpora(cfg, stages), **saved}
+    if now != saved:
+        write_json_atomic(rd.corpora, now)
+
+
 def keep_logs(where: Path) -> None:
     """From here on the command's log (libraries, Ray workers) lives in WHERE/logs/."""
     from m2d_ray import console
@@ -67,7 +101,7 @@ def check_inputs(cfg: SweepConfig, stages: tuple[int, ...], tracking_uri: str | 
     if 2 in stages:
         check_spec(cfg.distill.eval_data or cfg.eval.data, "distill.eval_data")
         check_teacher_topk(model, cfg.distill.teacher_topk)
-        check_source(cfg.distill.train_data)
+        check_source(cfg.distill.train_data, cfg.distill)
         if D2D in cfg.stage2.baselines:
             from m2d_ray.stages.d2d import check_dense_teacher, dense_teacher
 
@@ -102,6 +136,7 @@ def check_resume(rd: RunDir, cfg: SweepConfig, tracking_uri: str | None, stages:
     if 3 in stages:
         check_suite(rd, cfg.stage3)
     check_inputs(cfg, stages, tracking_uri)
+    check_corpora(rd, cfg, stages)
 
 
 def check_promoted(rd: RunDir) -> None:

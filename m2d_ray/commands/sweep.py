@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from m2d_ray.commands.runs import check_inputs, check_promoted, check_resume, existing_run, keep_logs, new_run, run_storage
+from m2d_ray.commands.runs import check_inputs, check_promoted, check_resume, existing_run, keep_logs, new_run, record_corpora, run_storage
 from m2d_ray.config import load_config
 from m2d_ray.console import emit
 from m2d_ray.errors import M2DError
@@ -20,6 +20,7 @@ def sweep(config: str | None, overrides: list[str], out: str | None = None, resu
         if cfg.stage == 2:
             check_resume(rd, cfg, tracking_uri, (2,))
             keep_logs(rd.path)
+            record_corpora(rd, cfg, (2,))
             return _stage2(rd, cfg, tracking_uri)
         if config or overrides or out:
             raise M2DError("--resume RUN_DIR reuses the run's saved config; drop the config, overrides and --out/--model/--*-data (or add stage=2)")
@@ -33,6 +34,7 @@ def sweep(config: str | None, overrides: list[str], out: str | None = None, resu
         rd = new_run(out, cfg)
         check_inputs(cfg, (1,), tracking_uri)
     keep_logs(rd.path)
+    record_corpora(rd, cfg, (1,))
     res = run_stage1(None if resume else cfg, rd, resume=bool(resume), tracking_uri=tracking_uri, store=run_storage(cfg, rd))
     statuses = [r["status"] for r in res.records]
     check_promoted(rd)

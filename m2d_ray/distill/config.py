@@ -12,7 +12,7 @@ from m2d_ray.errors import M2DError
 class DistillConfig:
     """Stage 2 training of one student (the paper's values are the defaults; tiny configs shrink them)."""
 
-    train_data: str = "fineweb-edu"  # streamed through datasets; or a local text / .jsonl / .parquet file, synthetic[:split]
+    train_data: str = "fineweb-edu"  # any data spec (data/source.py): hf:, Parquet / JSON Lines / text shards, local or s3://
     eval_data: str | None = None  # validation text; None = the sweep's eval.data
     eval_max_tokens: int | None = 65536
     loss: str = "fkl"  # fkl | rkl | fkl+mse
@@ -42,6 +42,12 @@ class DistillConfig:
     gradient_checkpointing: bool = False
     keep_checkpoints: int = 2
     seed: int = 0
+    epochs: int = 1  # passes over train_data the budget may take (1: a corpus shorter than the budget is refused)
+
+    @property
+    def blocks(self) -> int:
+        """Global [seq_len] blocks the run reads: steps x batch x accumulation x workers."""
+        return self.steps * self.batch_size * self.grad_accum * self.workers
 
 
 
@@ -49,7 +55,7 @@ def check_distill(d: DistillConfig) -> None:
     """One-line errors for a distillation config that cannot run."""
     if d.loss not in LOSSES:
         raise M2DError(f"distill.loss: {LOSSES.unknown_message(d.loss)}")
-    positive = {k: getattr(d, k) for k in ("steps", "batch_size", "grad_accum", "seq_len", "eval_every", "eval_batch_size", "loss_chunk", "workers", "threads_per_worker")}
+    positive = {k: getattr(d, k) for k in ("steps", "batch_size", "grad_accum", "seq_len", "eval_every", "eval_batch_size", "loss_chunk", "workers", "threads_per_worker", "epochs")}
     bad = [f"distill.{k}={v}" for k, v in positive.items() if v < 1]
     if bad:
         raise M2DError(f"{', '.join(bad)}: must be >= 1")

@@ -86,7 +86,7 @@ def validate(model, windows: Tensor, masks: Tensor, io: WorkerIO, cfg: DistillCo
 def validation_windows(tokenizer, spec: str, seq_len: int, max_tokens: int | None) -> tuple[Tensor, Tensor]:
     from m2d_ray.data.text import load_text, tokenize
 
-    return windows(tokenize(tokenizer, load_text(spec), max_tokens=max_tokens), seq_len)
+    return windows(tokenize(tokenizer, load_text(spec, max_tokens=max_tokens), max_tokens=max_tokens), seq_len)
 
 
 def data(job: DistillJob, io: WorkerIO, tokenizer, start_block: int) -> tuple[Iterator[Tensor], tuple[Tensor, Tensor]]:

@@ -1,7 +1,8 @@
 """The distillation token stream, tokenised once: packed [seq_len] blocks in shards, plus the validation ids.
 
-    DIR/manifest.json          tokenizer fingerprint, source, seq_len, blocks, shards [{file, first_block,
-                               blocks, sha256}], validation {file, tokens, sha256}; written last
+    DIR/manifest.json          tokenizer fingerprint, source, corpus (its files' names, sizes, mtimes: data/source.py),
+                               seq_len, blocks, shards [{file, first_block, blocks, sha256}], validation {file,
+                               tokens, sha256}; written last
     DIR/tokens-00000.safetensors  "tokens" [blocks, seq_len] int32, global blocks first_block.. in stream order
     DIR/valid.safetensors      "ids" [n] int32: the validation text's first eval_max_tokens tokens
 
@@ -19,7 +20,7 @@ import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 from safetensors.torch import load_file, save
@@ -50,21 +51,24 @@ def _save(tensors: dict[str, Tensor], path: Path) -> str:
 
 
 def write_tokens(out: Path, tokenizer, source: str, seq_len: int, blocks: int, valid: str, valid_max_tokens: int | None,
-                 shard_blocks: int = SHARD_BLOCKS) -> dict:
-    """Tokenise `blocks` global blocks of `source` (cycled) and the validation text into `out`; returns the manifest."""
+                 shard_blocks: int = SHARD_BLOCKS, stream: Iterable | None = None, corpus: dict | None = None) -> dict:
+    """Write `blocks` global blocks of `source` and the validation text's ids into `out`; returns the manifest.
+    `stream`: the blocks (a run's, tokenised by Ray Data: data/ray_tokens.py); None = tokenised here, cycled.
+    `corpus`: the source's fingerprint (data.source.fingerprint), recorded in the manifest."""
     from m2d_ray.data.text import load_text, tokenize
 
     out.mkdir(parents=True, exist_ok=True)
-    shards, stream, first = [], global_blocks(tokenizer, source, seq_len), 0
+    shards, first = [], 0
+    stream = iter(stream) if stream is not None else global_blocks(tokenizer, source, seq_len)
     while first < blocks:
         n = min(shard_blocks, blocks - first)
-        rows = torch.stack([next(stream) for _ in range(n)]).to(torch.int32)
+        rows = torch.stack([torch.as_tensor(next(stream)) for _ in range(n)]).to(torch.int32)
         name = f"tokens-{len(shards):05d}.safetensors"
         shards.append(vars(ShardEntry(name, first, n, _save({"tokens": rows}, out / name))))
         first += n
-    ids = tokenize(tokenizer, load_text(valid), max_tokens=valid_max_tokens).to(torch.int32)
+    ids = tokenize(tokenizer, load_text(valid, max_tokens=valid_max_tokens), max_tokens=valid_max_tokens).to(torch.int32)
     manifest = {
-        "tokenizer": tokenizer_fingerprint(tokenizer), "source": source, "valid_source": valid, "seq_len": seq_len, "blocks": blocks,
+        "tokenizer": tokenizer_fingerprint(tokenizer), "source": source, "corpus": corpus, "valid_source": valid, "seq_len": seq_len, "blocks": blocks,
         "shards": shards, "valid": {"file": VALID_FILE, "tokens": int(ids.numel()), "sha256": _save({"ids": ids}, out / VALID_FILE)},
     }
     write_json_atomic(out / MANIFEST, manifest)

@@ -27,4 +27,4 @@ def load_tokens(name: str, tokenizer, calib_spec: str, eval_spec: str | None, se
                 max_chars: int | None) -> tuple[str, TokenSet, Tensor | None]:
     """(calibration spec, calibration tokens, evaluation ids or None) for the importance pass and the scoring."""
     spec, calib = calibration_tokens(tokenizer, calib_spec, None if is_embedded(name) else name, seq_len, max_tokens)
-    return spec, calib, tokenize(tokenizer, load_text(eval_spec), max_chars=max_chars) if eval_spec else None
+    return spec, calib, tokenize(tokenizer, load_text(eval_spec, max_chars=max_chars), max_chars=max_chars) if eval_spec else None

@@ -12,7 +12,7 @@ and corpus travel as they are.
 
     STORAGE/                        (a run: `storage:` / --storage, default the run directory)
       .m2d-storage                  the driver's mark: a node that does not see it does not see the storage
-      data/<sha>/<file>             text files the workers read (distillation, validation, d2d search)
+      data/<sha>/<file or files>    corpora on the driver's disk the workers read (distillation, validation, d2d search)
       tokens/<digest>/              the distillation stream tokenised once (shards + validation ids)
       targets/<digest>/             the teacher's cached targets over those tokens (stage2.targets)
       teacher/<name>-<digest>/      a driver-side teacher copied for the workers (on a cluster; student/ likewise)
@@ -156,20 +156,46 @@ class RunStorage:
         return target
 
     def put_data(self, spec: str | None) -> str | None:
-        """A data spec as workers read it: a local file is put in the storage once (named by its content's
-        sha256, so the same text is stored once) and given by its storage URL; dataset names (synthetic,
-        wikitext2, hf:…, fineweb-edu) and storage URLs are kept."""
-        if spec is None or storage.is_remote(spec):
+        """A data spec as workers read it (data/source.py): a corpus on the driver's disk (a file, a directory,
+        a glob) is put in the storage once, named by its content's sha256 (the same text is stored once), and
+        given by its storage URL (with its #column); dataset names and storage URLs (s3://) are kept: read in place."""
+        from m2d_ray.data import source
+
+        if spec is None:
+            return None
+        src = source.parse(spec)
+        if src.kind != "files" or storage.is_remote(src.location):
             return spec
-        path = Path(spec).expanduser()
-        if not path.is_file():
+        suffix = "" if src.column == "text" else f"#column={src.column}"
+        found = [Path(f.url) for f in source.files(src)]
+        if all(self._holds(p) for p in found):
             return spec
-        if self._holds(path):
-            return str(path.resolve())
-        target = self._data(sha256_file(path)[:16], path.name)
+        if len(found) == 1 and Path(src.location).expanduser().is_file():
+            target = self._data(sha256_file(found[0])[:16], found[0].name)
+            if not storage.exists(target):
+                storage.put_file(found[0], target)
+            return target + suffix
+        import os
+
+        base = Path(os.path.commonpath([str(p.parent) for p in found]))
+        names = [p.relative_to(base).as_posix() for p in found]
+        target = self._data(hashlib.sha256(json.dumps([[n, sha256_file(p)] for n, p in zip(names, found)]).encode()).hexdigest()[:16], "corpus")
         if not storage.exists(target):
-            storage.put_file(path, target)
-        return target
+            size = sum(p.stat().st_size for p in found)
+            say(f"data: copying {len(found)} files of {spec} ({size / 1e6:,.1f} MB) into the run's storage once, so that every node reads them")
+
+            def build(dest: Path) -> None:
+                import shutil
+
+                from m2d_ray.artifacts import write_marker
+
+                for n, p in zip(names, found):
+                    (dest / n).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(p, dest / n)
+                write_marker(dest, "data")  # last: the copy is complete or absent
+
+            storage.save_dir(target, build)
+        return target + suffix
 
     def _holds(self, path: Path) -> bool:
         """`path` lies inside this (local or mounted) storage already."""

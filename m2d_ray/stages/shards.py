@@ -19,60 +19,58 @@ from m2d_ray import storage
 from m2d_ray.accelerators import pin
 from m2d_ray.console import say
 from m2d_ray.distill.config import DistillConfig
-from m2d_ray.errors import RunFailed
+from m2d_ray.errors import M2DError, RunFailed
 from m2d_ray.stages.run_storage import RunStorage
 
 
 def _whole_stage(fn, what: str):
     """`fn()`; a worker's failure there stops stage 2 (every student needs it) with one line, not a traceback;
-    what was written stays for the resume."""
+    what was written stays for the resume. The driver's own refusals (M2DError: bad input) pass as they are."""
     try:
         return fn()
+    except M2DError:
+        raise
     except Exception as exc:
         cause = getattr(exc, "cause", None) or exc
         raise RunFailed(f"{what} failed on a Ray worker ({type(cause).__name__}: {str(cause).strip().splitlines()[-1][:200]}); "
                         "fix it and resume the run") from None
 
 
-def blocks_needed(cfg: DistillConfig) -> int:
-    """Global blocks the run reads: steps x batch x accumulation x workers."""
-    return cfg.steps * cfg.batch_size * cfg.grad_accum * cfg.workers
-
-
-@ray.remote(num_cpus=1)
-def _tokenize_task(store: RunStorage, url: str, teacher: str, source: str, seq_len: int, blocks: int, valid: str,
-                   valid_max_tokens: int | None) -> str:
-    """On any node: tokenise the stream and the validation text into `url` (a storage URL)."""
-    import torch
-
-    store.ensure_visible()
+def tokens(store: RunStorage, teacher: str, tokenizer, cfg: DistillConfig, eval_data: str, actors: int | None = None) -> str:
+    """The run's token directory (storage URL) for `cfg`'s stream and validation text, made once: Ray Data
+    reads the corpus where the workers reach it and `actors` (default: one per 64 MiB of corpus, at most the
+    cluster's CPUs; 0 below 64 MiB: the driver) tokenise it with `teacher`'s tokenizer (`tokenizer`: the same,
+    on the driver). `teacher`,
+    `cfg.train_data` and `eval_data` are as the workers reach them (RunStorage.put_*). Tokens of a corpus
+    that changed since (files, sizes, mtimes) are refused, naming the change."""
     from m2d_ray.artifacts import atomic_dir
-    from m2d_ray.distill.tokens import write_tokens
-    from m2d_ray.models import load_tokenizer
+    from m2d_ray.data import source
+    from m2d_ray.data.ray_tokens import actors_for, token_blocks
+    from m2d_ray.distill.tokens import TokenShards, tokenizer_fingerprint, write_tokens
 
-    torch.set_num_threads(1)
-    tokenizer = load_tokenizer(storage.local_model(teacher))
+    key = {"tokenizer": tokenizer_fingerprint(tokenizer), "source": cfg.train_data, "seq_len": cfg.seq_len, "blocks": cfg.blocks,
+           "valid": eval_data, "valid_max_tokens": cfg.eval_max_tokens}
+    if cfg.epochs != 1:
+        key["epochs"] = cfg.epochs
+    url = store.tokens(hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16])
+    corpus = source.fingerprint(cfg.train_data)
+    if storage.exists(url):
+        made = TokenShards(storage.fetch_dir(url)).manifest.get("corpus")
+        changed = source.changes(made, corpus) if made else None
+        if changed:
+            raise M2DError(f"training data {cfg.train_data} changed since its tokens in {url} were made ({changed}); "
+                           "restore it, or start a new run on another storage")
+        return url
+    n = actors_for(cfg.train_data, int(ray.cluster_resources().get("CPU", 1))) if actors is None else actors
+    say(f"tokenising {key['blocks']:,} blocks of {cfg.seq_len} tokens of {cfg.train_data} once, for every student "
+        f"({f'{n} Ray Data actors' if n else 'a small corpus: here'})")
 
     def build(dest: Path) -> None:  # built aside and renamed in, its marker last: complete or absent
         with atomic_dir(dest, "tokens", overwrite=True, what="token directory") as tmp:
-            write_tokens(tmp, tokenizer, source, seq_len, blocks, valid, valid_max_tokens)
+            write_tokens(tmp, tokenizer, cfg.train_data, cfg.seq_len, key["blocks"], eval_data, cfg.eval_max_tokens, corpus=corpus,
+                         stream=token_blocks(cfg.train_data, teacher, cfg.seq_len, key["blocks"], n, cfg.epochs, tokenizer))
 
-    return storage.save_dir(url, build)
-
-
-def tokens(store: RunStorage, teacher: str, tokenizer, cfg: DistillConfig, eval_data: str) -> str:
-    """The run's token directory (storage URL) for `cfg`'s stream and validation text, made once on Ray by
-    `teacher`'s tokenizer (`tokenizer`: the same, on the driver, for its fingerprint). `teacher`,
-    `cfg.train_data` and `eval_data` are as the workers reach them (RunStorage.put_*)."""
-    from m2d_ray.distill.tokens import tokenizer_fingerprint
-
-    key = {"tokenizer": tokenizer_fingerprint(tokenizer), "source": cfg.train_data, "seq_len": cfg.seq_len, "blocks": blocks_needed(cfg),
-           "valid": eval_data, "valid_max_tokens": cfg.eval_max_tokens}
-    url = store.tokens(hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16])
-    if not storage.exists(url):
-        say(f"tokenising {key['blocks']:,} blocks of {cfg.seq_len} tokens of {cfg.train_data} once, for every student")
-        _whole_stage(lambda: ray.get(_tokenize_task.remote(store, url, teacher, cfg.train_data, cfg.seq_len, key["blocks"], eval_data, cfg.eval_max_tokens)),
-                     "tokenising the distillation data")
+    _whole_stage(lambda: storage.save_dir(url, build), "tokenising the distillation data")
     return url
 
 

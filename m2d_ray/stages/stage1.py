@@ -276,7 +276,7 @@ def run_stage1(cfg: SweepConfig | None, run_dir: str | Path | RunDir, resume: bo
     pending = [u for u in uniques if u.canonical.key not in ledger.done()]
     say(f"stage 1: {len(specs)} configs, {len(uniques)} distinct students, {len(pending)} to evaluate")
 
-    ids = tokenize(tokenizer, load_text(cfg.eval.data), max_chars=cfg.eval.max_chars) if pending else None
+    ids = tokenize(tokenizer, load_text(cfg.eval.data, max_chars=cfg.eval.max_chars), max_chars=cfg.eval.max_chars) if pending else None
     recorder = Recorder({u.canonical.key: u for u in pending}, plans, out, attempt, cfg.ray.max_failures)
     run = lambda units, phase, stopper=None, max_chunks=None: _tune(  # noqa: E731
         cfg, remote, store, plans, units, ids, recorder, f"stage1-{attempt}-{phase}", rd, stopper, max_chunks)

@@ -115,6 +115,19 @@ def w(tmp_path_factory, tiny_teacher_dir):
     (p["work"] / "mine" / "thesis.tex").write_text("do not delete\n")
     (p["work"] / "textdir").mkdir()
     (p["work"] / "textdir" / "a.txt").write_text("text\n")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for name in ("shards", "broken"):
+        (p["work"] / name).mkdir()
+        for i in range(2):
+            pq.write_table(pa.table({"content": ["the court ruled on the case"] * 20}), p["work"] / name / f"part-{i}.parquet")
+    shards = f"{p['work'] / 'shards'}#column=content"  # the run started on these files, one of them then smaller
+    files = [[str((p["work"] / "shards" / f"part-{i}.parquet").resolve()), 1 if i else os.path.getsize(p["work"] / "shards" / "part-0.parquet"), 1]
+             for i in range(2)]
+    (p["run"] / "corpora.json").write_text(json.dumps({"eval.data": {"spec": shards, "column": "content", "files": files}}))
+    raw = (p["work"] / "broken" / "part-1.parquet").read_bytes()
+    (p["work"] / "broken" / "part-1.parquet").write_bytes(raw[: len(raw) // 2])
     p["root"] = root
     return p
 
@@ -189,12 +202,18 @@ CASES = {
     "calibration text empty": (lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "empty.txt", "--out", "s"], "empty"),
     "calibration text too short": (lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "short.txt", "--out", "s"], "at least"),
     "calibration text binary": (lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "binary.bin", "--out", "s"], "not a UTF-8 text file"),
-    "calibration data is a directory": (lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "textdir", "--out", "s"], "is a directory"),
+    "calibration data is a directory without corpus files": (lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "mine", "--out", "s"], "is a directory with no .parquet"),
     "calibration split unknown": (lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "synthetic:dev", "--out", "s"], "unknown split"),
     "convert eval data missing (before any work)": (lambda w: _conv(w, "--eval-data", "/missing.txt"), "neither a file"),
     "distill eval data missing": (lambda w: ["distill", "--student", str(w["student"]), "--eval-data", "/missing.txt", "--out", "d"], "neither a file"),
     "distill train data missing": (lambda w: ["distill", "--student", str(w["student"]), "--eval-data", "synthetic:valid", "--train-data", "/missing.jsonl", "--out", "d"], "neither a file"),
     "run train data missing": (lambda w: _run("distill.train_data=/missing.txt"), "neither a file"),
+    "train data glob matches nothing": (lambda w: _run("distill.train_data=shards/*.jsonl.gz"), "no file matches shards/*.jsonl.gz"),
+    "train data shard without the column": (lambda w: _run("distill.train_data=shards"), "part-0.parquet has no column 'text' (columns: content)"),
+    "train data shard corrupt": (lambda w: ["distill", "--student", str(w["student"]), "--eval-data", "synthetic:valid", "--train-data", "broken#column=content", "--out", "d"], "part-1.parquet is corrupt"),
+    "train data shorter than the budget": (lambda w: _run("distill.train_data=shards#column=content"), "but the budget needs 320"),
+    "calibration data on the hub, offline without a cache": (lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "hf:nobody/no-such-corpus", "--out", "s"],
+                                                             "offline); run once online", {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}),
     # tasks
     "unknown lm-eval task": (lambda w: ["eval", "--model", str(w["student"]), "--tasks", "hellaswagg"], "did you mean hellaswag"),
     "bad task spec": (lambda w: ["eval", "--model", str(w["student"]), "--tasks", "hellaswag:ten"], "name:shots"),
@@ -210,6 +229,8 @@ CASES = {
                                                                    "--cluster", str(ROOT / "cluster.yaml")], "but plan.max_dollars is $0.01"),
     "resume of a directory that is no run": (lambda w: ["run", "--resume", "mine"], "not an m2d run directory"),
     "resume with a changed grid": (lambda w: ["run", "--resume", str(w["run"]), "grid.K=[4]"], "grid differ from stage 1"),
+    "resume against a changed corpus": (lambda w: ["run", "--resume", str(w["run"]), f"eval.data={w['work'] / 'shards'}#column=content"],
+                                        "part-0.parquet modified; "),
     "sweep resume with overrides": (lambda w: ["sweep", "--resume", str(w["run"]), "grid.K=[4]"], "reuses the run's saved config"),
     "report of a directory that is no run": (lambda w: ["report", "mine"], "not an m2d run directory"),
     "stage 2 without a stage 1": (lambda w: ["sweep", str(TINY), "stage=2"], "add --resume"),
@@ -244,7 +265,9 @@ def _snapshot(root: Path) -> dict[str, tuple]:
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_bad_input(case, w, capfd, monkeypatch):
-    argv, fragment = CASES[case]
+    argv, fragment, *env = CASES[case]
+    for key, value in (env[0] if env else {}).items():
+        monkeypatch.setenv(key, value)
     args = argv(w)
     monkeypatch.chdir(w["work"])
     monkeypatch.setattr(tempfile, "tempdir", str(w["tmp"]))  # the command's temp files must be gone afterwards
@@ -270,4 +293,4 @@ def test_bad_input(case, w, capfd, monkeypatch):
 def test_the_matrix_covers_every_command():
     fake = collections.defaultdict(lambda: Path("x"))
     assert len(CASES) >= 30
-    assert {build(fake)[0] for build, _ in CASES.values()} == {"convert", "calibrate", "distill", "eval", "run", "sweep", "report", "prune-dense", "plan"}
+    assert {build(fake)[0] for build, *_ in CASES.values()} == {"convert", "calibrate", "distill", "eval", "run", "sweep", "report", "prune-dense", "plan"}

@@ -17,8 +17,9 @@ Scenarios (results in WORK/results.json; the run directories stay for the test t
           with another stage-3 suite
   (both distil from cached teacher targets, stage2.targets=hidden: made once in the storage, for each teacher;
   the students read the teacher's output head alone, from S3 by ranged reads in the second run)
-  s3      m2d run with --storage s3://… and the teacher on the driver's disk (copied to storage once); the driver
-          is SIGKILLed after the first distilled student and the run resumed
+  s3      m2d run with --storage s3://… and the teacher on the driver's disk (copied to storage once), its distillation
+          corpus a Parquet shard under an S3 prefix (read there, never copied; one row: the same stream as train.txt);
+          the driver is SIGKILLed after the first distilled student and the run resumed
 """
 
 from __future__ import annotations
@@ -66,10 +67,9 @@ def start_cluster(work: Path, env: dict) -> str:
     return f"127.0.0.1:{port}"
 
 
-def start_s3(work: Path, env: dict) -> str:
-    port = free_port()
-    log = (work / "moto.log").open("w")
-    subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+def serve_s3(port: int, log, env: dict | None = None) -> subprocess.Popen:
+    """A moto S3 server on 127.0.0.1:`port` holding an empty bucket BUCKET, once it answers."""
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
     import boto3
 
     s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1")
@@ -81,6 +81,12 @@ def start_s3(work: Path, env: dict) -> str:
             if attempt == 99:
                 raise
             time.sleep(0.2)
+    return proc
+
+
+def start_s3(work: Path, env: dict) -> str:
+    port = free_port()
+    serve_s3(port, (work / "moto.log").open("w"), env)
     return f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
 
 
@@ -119,6 +125,21 @@ def head_only_data(hidden: Path) -> list[str]:
             f"distill.eval_data={data / 'valid.txt'}"]
 
 
+def s3_corpus(hidden: Path, query: str) -> str:
+    """The train split as a Parquet shard under s3://BUCKET/corpus/ (column `content`); returns its spec."""
+    import boto3
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from m2d_ray.data.synthetic import corpus_text
+
+    local = hidden / "part-00000.parquet"
+    pq.write_table(pa.table({"content": [corpus_text("train")]}), local)
+    port = query.split(":")[1].split("&")[0]
+    boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1").upload_file(str(local), BUCKET, "corpus/part-00000.parquet")
+    return f"s3://{BUCKET}/corpus/?{query}#column=content"
+
+
 def main(work: Path, only: list[str] | None = None) -> None:
     work = work.resolve()
     hidden, shared = work / "hidden", work / "shared"
@@ -148,7 +169,9 @@ def main(work: Path, only: list[str] | None = None) -> None:
         from m2d_ray.models import default_teacher
 
         shutil.copytree(default_teacher(), teacher)
-        args = ["run", str(TINY), "--out", str(hidden / "s3-run"), "--storage", f"s3://{BUCKET}/run?{query}", f"model={teacher}", *SMALL, *texts]
+        corpus = s3_corpus(hidden, query)
+        args = ["run", str(TINY), "--out", str(hidden / "s3-run"), "--storage", f"s3://{BUCKET}/run?{query}", f"model={teacher}", *SMALL, *texts,
+                f"distill.train_data={corpus}"]
         results["s3"] = killed_then_resumed(args, env, hidden / "s3-run", work)
         results["s3"]["storage"] = f"s3://{BUCKET}/run?{query}"
         import boto3

@@ -116,7 +116,8 @@ def test_s3_storage_teacher_from_the_driver_and_resume_after_sigkill(cluster_run
     for key in keys:
         assert f"run/stage2/students/{key}/model.safetensors" in objects and f"run/stage2/init/{key}/model.safetensors" in objects
     assert any(o.startswith("run/teacher/teacher-") and o.endswith("model.safetensors") for o in objects)  # copied once for the workers
-    assert {o.rsplit("/", 1)[1] for o in objects if o.startswith("run/data/") and not o.endswith("/")} == {"train.txt", "valid.txt"}  # the head's text, once each
+    assert {o.rsplit("/", 1)[1] for o in objects if o.startswith("run/data/") and not o.endswith("/")} == {"valid.txt"}  # the head's text, once
+    assert "corpus/part-00000.parquet" in objects  # the distillation corpus: read from its S3 prefix, never copied
     # the stream tokenised once and the teacher's final hidden states computed once, in S3; the students read them from there
     assert sum(o.startswith("run/tokens/") and o.endswith("manifest.json") for o in objects) == 1
     assert sum(o.startswith("run/targets/") and o.endswith("manifest.json") for o in objects) == 1

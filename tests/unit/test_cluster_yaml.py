@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import socket
-from pathlib import Path
 
 import jsonschema
 import pytest

@@ -78,5 +78,5 @@ def test_bad_inputs_fail_with_one_line(tmp_path, tok, monkeypatch):
         next(train_batches(tok, str(short), 512, 1))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    with pytest.raises(M2DError, match="offline\\? pass a local text"):
+    with pytest.raises(M2DError, match="offline\\); run once online .* or pass local Parquet"):
         next(documents("fineweb-edu"))
