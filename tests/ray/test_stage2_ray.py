@@ -157,11 +157,13 @@ def test_stage2_needs_a_finished_stage1_and_the_same_recipe_grid(stage1_dir, tmp
 def test_a_failed_d2d_search_is_that_students_failure_not_the_runs(stage1_dir):
     """A worker's failure (here the d2d search's data) is recorded against its student with its cause; it is
     not reported as the user's bad input and the run goes on (the other students are done already)."""
+    short = stage1_dir.parent / "short.txt"  # a well-formed corpus (the driver's checks pass) too short for the search's calibration
+    short.write_text("too short.\n")
     cfg = load_config(stage1_dir / "stage2" / "config.yaml",  # the distillation settings stage 2 started with, plus d2d
-                      ["calib.data=synthetic:nosuchsplit", "stage2.baselines=[random-init,random-ffn,d2d]", "faults.raise_in=[]"])
+                      [f"calib.data={short}", "stage2.baselines=[random-init,random-ffn,d2d]", "faults.raise_in=[]"])
     records = {r["key"]: r for r in run_stage2(cfg, stage1_dir)}
     failed = records["baseline-d2d"]
-    assert failed["status"] == "failed" and "d2d candidate search failed" in failed["error"] and "nosuchsplit" in failed["error"], failed
+    assert failed["status"] == "failed" and "d2d candidate search failed" in failed["error"] and "need at least 64" in failed["error"], failed
     assert not (stage1_dir / "stage2" / "d2d" / "search.json").exists()
     assert "baseline-d2d" in (stage1_dir / "stage2.csv").read_text()
 
