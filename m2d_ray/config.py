@@ -126,14 +126,19 @@ class PlanConfig:
     """What `m2d plan` and `m2d run` price a run with (plan/cost.py)."""
 
     max_dollars: float | None = None  # refuse a run whose estimate costs more, before calibration
-    # achieved / peak FLOP/s: the platform's stage-2 step at 41.7% of the measured matmul rate (benchmarks/RESULTS.md,
-    # P7, 2 threads); benchmarks/gpu_acceptance.sh writes the MFU a GPU measures against its data-sheet peak
-    efficiency: float = 0.4
+    # achieved / peak FLOP/s on a GPU: the paper's own step (73 s for 384 x 4,096 tokens on 2 x B200) reached 0.147-0.184
+    # of B200's data-sheet bf16 peak (benchmarks/RESULTS.md, "The bill"); benchmarks/gpu_acceptance.sh writes the MFU the
+    # platform's step reaches on the GPU it runs on (WORK/efficiency.json): set this to it
+    efficiency: float = 0.15
+    # ... on a CPU thread: the platform's stage-2 step at 41.7% of the measured matmul rate (P7, 2 threads), held to the
+    # tiny run's measured walls (benchmarks/RESULTS.md, "The bill")
+    cpu_efficiency: float = 0.4
     cpu_flops: float | None = None  # one CPU thread's fp32 FLOP/s; None = measured by a matmul when a stage runs on CPU
     prices: dict[str, float] = field(default_factory=dict)  # $/hour by node type or instance type (over plan/prices.py's table)
     # fixed seconds the FLOPs do not show (Ray/Tune start, building a student, a Train worker group and its export, lm-eval's
     # set-up), from the demo's measured walls (benchmarks/RESULTS.md, "The bill")
     stage_s: float = 5.0
+    actor_s: float = 4.5  # a Ray Data actor of the calibration or targets pass: its process, the teacher loaded, the pass planned
     trial_s: float = 0.4
     student_s: float = 40.0
     model_s: float = 5.0
@@ -194,8 +199,11 @@ class SweepConfig:
                 parse_size(self.calib.max_memory)
             except M2DError as exc:
                 raise M2DError(f"calib.max_memory: {exc}") from None
-        if not 0 < self.plan.efficiency <= 1 or (self.plan.max_dollars is not None and self.plan.max_dollars <= 0):
-            raise M2DError(f"plan.efficiency={self.plan.efficiency} must be in (0, 1] and plan.max_dollars, when set, > 0")
+        for key in ("efficiency", "cpu_efficiency"):
+            if not 0 < getattr(self.plan, key) <= 1:
+                raise M2DError(f"plan.{key}={getattr(self.plan, key)} must be in (0, 1] (achieved / peak FLOP/s)")
+        if self.plan.max_dollars is not None and self.plan.max_dollars <= 0:
+            raise M2DError(f"plan.max_dollars={self.plan.max_dollars} must be > 0 when set")
         if self.stage not in (1, 2):
             raise M2DError(f"stage={self.stage}: write stage=1 (pre-distillation grid) or stage=2 (distil the promotions)")
         check_distill(self.distill)

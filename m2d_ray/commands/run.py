@@ -52,7 +52,7 @@ def run(config: str | None, overrides: list[str], out: str | None = None, resume
         say(f"== {name} ==")
         result = fn()
         state["stages"][name] = {"wall_s": round(time.time() - t0, 1), "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                 **({"calibrate_s": round(result.calibrate_s, 1)} if hasattr(result, "calibrate_s") else {})}
+                                 **{k: round(getattr(result, k), 1) for k in ("calibrate_s", "targets_s") if hasattr(result, k)}}
         write_json_atomic(rd.timings, state)
 
     if not rd.promotions.exists():

@@ -54,7 +54,7 @@ def sweep(config: str | None, overrides: list[str], out: str | None = None, resu
 def _stage2(rd, cfg, tracking_uri: str | None) -> dict:
     from m2d_ray.stages.stage2 import run_stage2
 
-    records = run_stage2(cfg, rd, tracking_uri=tracking_uri, store=run_storage(cfg, rd))
+    records = run_stage2(cfg, rd, tracking_uri=tracking_uri, store=run_storage(cfg, rd)).records
     return {
         "run_dir": str(rd),
         "stage": 2,

@@ -8,7 +8,7 @@ top-k; a student's step is its forward and backward (4 forwards under gradient c
 recomputation is time) plus the teacher's forward (online) or its output head (hidden), and its
 validations; stage 3 forwards the suite's tokens (plan/suite.py) through each model.
 
-Time: a unit's FLOPs / (its devices' peak x plan.efficiency) + a fixed start-up (plan.*_s), its units
+Time: a unit's FLOPs / (its devices' peak x plan.efficiency, or plan.cpu_efficiency on CPUs) + a fixed start-up (plan.*_s), its units
 spread over the lanes the run will have (trials at once, students at once, models at once, bounded by the
 node types' max_workers), longest first. GPU-hours: the units' seconds x their GPUs. Dollars: the nodes a
 stage holds (its lanes' GPUs over a node's GPUs) x its wall time plus the autoscaler's idle tail
@@ -251,15 +251,14 @@ class Host:
 def stage_cost(cfg: SweepConfig, name: str, unit_flops: list[float], p: Place, overhead: float, cpu: Host | None, prices: dict,
                idle_s: float) -> StageCost:
     """Seconds, GPU-hours and dollars of `unit_flops` run at `p` (on CPUs, the start-up slows as the compute does)."""
-    eff = cfg.plan.efficiency
     if p.gpus > 0:
         peak = GPU_PEAK_BF16.get(p.accelerator or "")
-        rate = p.gpus * peak * eff if peak else None
+        rate = p.gpus * peak * cfg.plan.efficiency if peak else None
         device = f"{p.gpus:g} x {p.accelerator or 'GPU'}"
     else:
         lanes = min(p.lanes, len(unit_flops)) or 1
         share = cpu.share(p.threads, lanes) if cpu else 0.0
-        rate = share * cpu.rate * eff if cpu else None
+        rate = share * cpu.rate * cfg.plan.cpu_efficiency if cpu else None
         overhead = overhead * p.threads / share if cpu else overhead
         device = f"{p.threads} CPU thread" + ("s" if p.threads > 1 else "")
     if rate is None:
@@ -296,7 +295,7 @@ def estimate(cfg: SweepConfig, m: Models, stage_plans: dict, nodes: tuple[NodeTy
         out.append(stage_cost(cfg, name, flops, place(plan.request, gpus, threads, wanted, nodes, acc), overhead, cpu, prices, idle_s))
 
     calib = c.max_tokens * calibration_flops(t, c.seq_len)
-    run("calibrate", [calib / r.data_actors] * r.data_actors, r.data_gpus_per_actor, r.threads_per_worker, r.data_actors, r.data_accelerator, 0.0)
+    run("calibrate", [calib / r.data_actors] * r.data_actors, r.data_gpus_per_actor, r.threads_per_worker, r.data_actors, r.data_accelerator, pc.actor_s)
     _, distinct = distinct_students(cfg, t)
     trials, chunks = stage1_chunks(cfg, distinct)
     per_trial = chunks / trials * eval_tokens(cfg) / cfg.eval.chunks * forward_flops(m.student, cfg.eval.seq_len)
@@ -304,7 +303,7 @@ def estimate(cfg: SweepConfig, m: Models, stage_plans: dict, nodes: tuple[NodeTy
     if "targets" in stage_plans:
         tokens = student_tokens(cfg)
         f = tokens * (forward_flops(t, x.seq_len) - (head_flops(t) if targets == "hidden" else 0.0))
-        run("targets", [f / r.data_actors] * r.data_actors, r.data_gpus_per_actor, r.threads_per_worker, r.data_actors, r.data_accelerator, 0.0)
+        run("targets", [f / r.data_actors] * r.data_actors, r.data_gpus_per_actor, r.threads_per_worker, r.data_actors, r.data_accelerator, pc.actor_s)
     pairs = len(cfg.stage2.pairs) or len(cfg.grid.scoring) * len(cfg.grid.grouping)
     baselines = [b for b in cfg.stage2.baselines if b != D2D]
     students = [stage2_flops(cfg, m, targets)] * (pairs + len(baselines))

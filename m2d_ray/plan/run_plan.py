@@ -133,7 +133,7 @@ class RunPlan:
             lines.append(f"  peak while students train: {gib(memory.total(self.storage) + memory.total(self.storage_peak))} "
                          f"({_top(self.storage_peak)}; an ended student's training state is removed: stage2.keep_training_state)")
         if self.cost:
-            lines += ["", "the bill (plan/cost.py: FLOPs / (peak x plan.efficiency) + start-up; dollars: node-hours with the idle tail):",
+            lines += ["", "the bill (plan/cost.py: FLOPs / (peak x plan.efficiency, plan.cpu_efficiency on CPUs) + start-up; dollars: node-hours with the idle tail):",
                       *self.cost.table().splitlines()]
         return "\n".join(lines)
 

@@ -3,8 +3,9 @@
 A multiple-choice row is one request per choice (context + that choice), each shot adds a whole worked
 example to the context; MMLU's answers are one token (" A"), whose requests share their context and lm-eval
 forwards it once (its one-token logits cache). The paper tasks' sizes are their rows (evaluate/paper_tasks.py)
-and a typical request's length in a Qwen/Llama BPE (about 4 characters a token); the local tasks' lengths are
-counted from their own files, at the same 4 characters a token.
+and a typical request's length in a Qwen/Llama BPE (about 4 characters a token); the local task's lengths are
+counted from its shipped rows, a `text:PATH` task's from the rows stage 3 builds from that file, at the same
+4 characters a token (a shot adds its context and its gold answer).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-from m2d_ray.evaluate.harness import CONTINUATION, TEXT_CONTINUATION, base_name, parse_tasks
+from m2d_ray.evaluate.harness import CONTINUATION, TEXT_CONTINUATION, base_name, parse_tasks, text_source
 from m2d_ray.evaluate.paper_tasks import PREFIX
 
 CHARS_PER_TOKEN = 4.0
@@ -24,34 +25,53 @@ SUBTASKS = {"mmlu": 57}  # lm-eval's limit applies to each subtask of a group
 UNKNOWN = (1000, 4, 100, 100)  # a hub task m2d has no figures for
 
 
+def _figures(test: list[dict], shots: list[dict]) -> tuple[int, int, float, float]:
+    """(rows, choices, tokens of a 0-shot request, tokens a shot adds) of a multiple-choice task's rows."""
+    choices = max(len(r["choices"]) for r in test)
+    request = sum(len(r["context"]) for r in test) / len(test) + sum(len(c) for r in test for c in r["choices"]) / sum(len(r["choices"]) for r in test)
+    shot = sum(len(r["context"]) + len(r["choices"][r["label"]]) for r in shots) / len(shots) if shots else request
+    return len(test), choices, request / CHARS_PER_TOKEN, shot / CHARS_PER_TOKEN
+
+
 @lru_cache(maxsize=None)
-def _local(task: str) -> tuple[int, int, float, float]:
-    """The local task's figures from its shipped rows (the text: task reads its file the same way)."""
+def _local() -> tuple[int, int, float, float]:
+    """The local task's figures from its shipped rows."""
     from m2d_ray.evaluate import local_tasks
 
     base = Path(local_tasks.__file__).parent / "tasks"
-    rows = [json.loads(line) for line in (base / f"{CONTINUATION}.test.jsonl").read_text().splitlines() if line.strip()]
-    choices = max(len(r["choices"]) for r in rows)
-    ctx = sum(len(r["context"]) for r in rows) / len(rows)
-    choice = sum(len(c) for r in rows for c in r["choices"]) / sum(len(r["choices"]) for r in rows)
-    return len(rows), choices, (ctx + choice) / CHARS_PER_TOKEN, (ctx + choice) / CHARS_PER_TOKEN
+    test, train = ([json.loads(line) for line in (base / f"{CONTINUATION}.{split}.jsonl").read_text().splitlines() if line.strip()]
+                   for split in ("test", "train"))
+    return _figures(test, train)
 
 
-def task_figures(task: str) -> tuple[int, int, float, float]:
+@lru_cache(maxsize=None)
+def _text(path: str) -> tuple[int, int, float, float]:
+    """The `text:PATH` task's figures from the rows lm-eval will get (built from the file as stage 3 builds them:
+    WikiText contexts are several times the synthetic task's)."""
+    from m2d_ray.evaluate.local_tasks import text_rows
+
+    rows = text_rows(path)
+    return _figures(rows["test"], rows["train"])
+
+
+def task_figures(task: str, text: str | None = None) -> tuple[int, int, float, float]:
+    """`text`: the file of a `text:PATH` suite (harness.text_source)."""
     name = base_name(task).removeprefix(PREFIX).removesuffix("_fewshot")
     if name in PAPER:
         return PAPER[name]
+    if name == TEXT_CONTINUATION and text is not None:
+        return _text(text)
     if name in (CONTINUATION, TEXT_CONTINUATION):
-        rows, choices, tok, shot = _local(CONTINUATION)
-        return (400 if name == TEXT_CONTINUATION else rows), choices, tok, shot
+        return _local()
     return UNKNOWN
 
 
 def suite_tokens(spec: str, num_fewshot: int | None, limit: int | None) -> tuple[float, float]:
     """(tokens forwarded through one model by the suite, their mean request length)."""
     tokens = requests = 0.0
+    text = text_source(spec)
     for task, shots in parse_tasks(spec, num_fewshot):
-        rows, per_row, tok, shot = task_figures(task)
+        rows, per_row, tok, shot = task_figures(task, text)
         if limit is not None:
             rows = min(rows, limit * SUBTASKS.get(base_name(task).removeprefix(PREFIX), 1))
         requests += rows * per_row

@@ -190,14 +190,18 @@ def memory_rows(data: RunData) -> list[dict]:
 
 def cost_rows(data: RunData) -> list[dict]:
     """The plan's bill per stage (RUN_DIR/memory_plan.json) beside the wall time run.json measured: calibration
-    is stage 1's statistics, stage 1 the rest of it; the targets pass runs inside stage 2 (not timed apart)."""
+    is stage 1's statistics, stage 1 the rest of it; the targets pass is stage 2's, stage 2 the rest of it."""
     cost = (data.memory_plan or {}).get("cost")
     if not cost:
         return []
     t = data.timings
-    s1 = t.get("stage1", {})
-    measured = {"calibrate": s1.get("calibrate_s"), "stage1": s1["wall_s"] - s1["calibrate_s"] if "calibrate_s" in s1 else None,
-                "stage2": None if "targets" in cost["stages"] else t.get("stage2", {}).get("wall_s"), "stage3": t.get("stage3", {}).get("wall_s")}
+    s1, s2 = t.get("stage1", {}), t.get("stage2", {})
+
+    def rest(s: dict, part: str) -> float | None:
+        return s["wall_s"] - s[part] if part in s and "wall_s" in s else None
+
+    measured = {"calibrate": s1.get("calibrate_s"), "stage1": rest(s1, "calibrate_s"), "targets": s2.get("targets_s"),
+                "stage2": rest(s2, "targets_s") if "targets" in cost["stages"] else s2.get("wall_s"), "stage3": t.get("stage3", {}).get("wall_s")}
     rows = []
     for name, c in cost["stages"].items():
         m, est = measured.get(name), c.get("seconds")

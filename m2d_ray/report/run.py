@@ -88,7 +88,7 @@ def cost_table(data: RunData) -> Table:
     body = [[r["stage"], f"{r['flops']:.3g}", _round(r["estimated_s"]), _round(r["measured_s"]), r["ratio"], r["gpu_hours"], r["dollars"]]
             for r in cost_rows(data)]
     return Table("cost", ["stage", "FLOPs", "estimated s", "measured s", "measured / estimated", "GPU-hours", "dollars"], body,
-                 "m2d run's bill (RUN_DIR/memory_plan.json, estimated before calibration from configs: FLOPs / (peak x plan.efficiency) "
+                 "m2d run's bill (RUN_DIR/memory_plan.json, estimated before calibration from configs: FLOPs / (peak x plan.efficiency or plan.cpu_efficiency) "
                  "+ start-up, dollars from node-hours with the idle tail) beside each stage's measured wall time (RUN_DIR/run.json).")
 
 

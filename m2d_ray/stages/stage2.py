@@ -291,9 +291,15 @@ def _scheduler(cfg: SweepConfig, board):
                            grace_period=min(cfg.stage2.grace_evals, evals), reduction_factor=cfg.stage2.reduction_factor)
 
 
-def run_stage2(cfg: SweepConfig, run_dir: str | Path | RunDir, tracking_uri: str | None = None, store: RunStorage | None = None) -> list[dict]:
+@dataclass(frozen=True)
+class Stage2Result:
+    records: list[dict]  # the ledger's
+    targets_s: float = 0.0  # the cached targets pass (0: online, or no student to distil): what the plan's targets row estimates
+
+
+def run_stage2(cfg: SweepConfig, run_dir: str | Path | RunDir, tracking_uri: str | None = None, store: RunStorage | None = None) -> Stage2Result:
     """Distil every promotion of the finished stage 1 in `run_dir` (+ baselines), workers reading and
-    writing `store` (default: the config's storage, else the run directory); returns the ledger records."""
+    writing `store` (default: the config's storage, else the run directory)."""
     rd = RunDir(run_dir.path if isinstance(run_dir, RunDir) else run_dir)
     if not rd.promotions.exists():
         raise M2DError(f"{rd} has no {rd.promotions.name}: finish stage 1 first (m2d sweep --resume {rd})")
@@ -316,6 +322,7 @@ def run_stage2(cfg: SweepConfig, run_dir: str | Path | RunDir, tracking_uri: str
     say(f"stage 2: {len(todo_all)} students ({len(todo_all) - len(cfg.stage2.baselines)} promoted + baselines), {len(pending)} to distil"
         + (f", {len(dups)} repeating another's plan (distilled once)" if dups else "")
         + (f" ({retried} failed before: retried from their last checkpoint)" if retried else ""))
+    targets_s = 0.0
     if pending:
         ensure_ray(cfg.ray)
         store = store or RunStorage(cfg.storage or str(rd.path))
@@ -336,8 +343,10 @@ def run_stage2(cfg: SweepConfig, run_dir: str | Path | RunDir, tracking_uri: str
             teachers = {workers_model: model, **({d2d.teacher: dense_teacher(cfg)} if d2d else {})}  # as workers reach them: local names
             toks = {t: tokens(store, t, load_tokenizer(name), distill, eval_data) for t, name in teachers.items()}
             spec = cfg.target_spec()  # the teacher once: its targets cached for every student (a dense teacher has no routing)
+            t_targets = time.time()
             targ = {t: shard_targets(store, t, toks[t], spec, distill if t == workers_model else dataclasses.replace(distill, teacher_topk=None),
                                      cfg.calib, cfg.ray) for t in teachers} if spec else {}
+            targets_s = time.time() - t_targets if spec else 0.0
             _tune(dataclasses.replace(cfg, distill=distill), workers_model, store, plans, eval_data, toks, targ, rd, pending, recorder, d2d)
     copy_duplicates(out, todo_all, dups)
     records = out.ledger.records()
@@ -351,7 +360,7 @@ def run_stage2(cfg: SweepConfig, run_dir: str | Path | RunDir, tracking_uri: str
     outputs = write_stage2(records, [s.key for s in todo_all], rd.path)
     tracker.artifacts(parent, outputs)
     tracker.finish(parent)
-    return records
+    return Stage2Result(records, targets_s)
 
 
 def failures(cfg: SweepConfig) -> tune.FailureConfig:

@@ -90,7 +90,7 @@ def test_stage2_sweep_asha_mlflow_and_native_students(stage1_dir):
     overrides = ["stage=2", "distill.steps=12", "distill.eval_every=3", "distill.deepspeed=false", *SMALL_DISTILL,
                  "stage2.baselines=[random-init,random-ffn]", "faults.raise_in=[baseline-random-ffn]", "stage2.grace_evals=1", "stage2.reduction_factor=2", "stage2.max_concurrent_trials=1", "stage2.asha=true"]
     cfg = load_config(stage1_dir / "config.yaml", overrides)
-    records = {r["key"]: r for r in run_stage2(cfg, stage1_dir)}
+    records = {r["key"]: r for r in run_stage2(cfg, stage1_dir).records}
     promotions = json.loads((stage1_dir / "promotions.json").read_text())["pairs"]
     best = min(promotions.values(), key=lambda p: p["ppl"])["key"]
     assert set(records) == {p["key"] for p in promotions.values()} | {"baseline-random-init", "baseline-random-ffn"}
@@ -134,11 +134,11 @@ def test_stage2_sweep_asha_mlflow_and_native_students(stage1_dir):
     assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]
     # resuming a finished stage 2 distils nothing again but retries the failed student (it fails again here)
     t0 = time.time()
-    assert {r["key"]: r["status"] for r in run_stage2(cfg, stage1_dir)} == {k: r["status"] for k, r in records.items()}
+    assert {r["key"]: r["status"] for r in run_stage2(cfg, stage1_dir).records} == {k: r["status"] for k, r in records.items()}
     assert time.time() - t0 < 30
     # with its fault gone, a resume distils the student that failed, and only that one
     fixed = load_config(stage1_dir / "config.yaml", [o for o in overrides if not o.startswith("faults.")])
-    again = {r["key"]: r for r in run_stage2(fixed, stage1_dir)}
+    again = {r["key"]: r for r in run_stage2(fixed, stage1_dir).records}
     assert again["baseline-random-ffn"]["status"] == "ok" and again["baseline-random-ffn"]["steps"] == 12
     assert all(again[k] == r for k, r in records.items() if k != "baseline-random-ffn")
 
@@ -161,7 +161,7 @@ def test_a_failed_d2d_search_is_that_students_failure_not_the_runs(stage1_dir):
     short.write_text("too short.\n")
     cfg = load_config(stage1_dir / "stage2" / "config.yaml",  # the distillation settings stage 2 started with, plus d2d
                       [f"calib.data={short}", "stage2.baselines=[random-init,random-ffn,d2d]", "faults.raise_in=[]"])
-    records = {r["key"]: r for r in run_stage2(cfg, stage1_dir)}
+    records = {r["key"]: r for r in run_stage2(cfg, stage1_dir).records}
     failed = records["baseline-d2d"]
     assert failed["status"] == "failed" and "d2d candidate search failed" in failed["error"] and "need at least 64" in failed["error"], failed
     assert not (stage1_dir / "stage2" / "d2d" / "search.json").exists()

@@ -136,17 +136,41 @@ def test_a_cpu_run_is_timed_with_the_measured_thread_rate():
     plan = make_plan(cfg, model_config(default_teacher()), Devices(host_memory=8 << 30))
     c = plan.cost.by_name()["calibrate"]
     threads = min(1, max(1.0, os.cpu_count() / 2))  # 2 actors of 1 thread, at most the cores between them
-    assert c.lanes == 2 and c.seconds == pytest.approx(c.flops / 2 / (threads * 1e9 * 0.4) + cfg.plan.stage_s)
+    start = cfg.plan.actor_s / threads + cfg.plan.stage_s  # an actor's start-up (on its share of the cores), the stage's
+    assert c.lanes == 2 and c.seconds == pytest.approx(c.flops / 2 / (threads * 1e9 * cfg.plan.cpu_efficiency) + start)
+    # a CPU stage is timed at the CPU's efficiency; the GPU's does not touch it
+    gpu = load_config(ROOT / "experiments" / "tiny.yaml", ["plan.cpu_flops=1e9", "plan.efficiency=0.9"])
+    assert make_plan(gpu, model_config(default_teacher()), Devices(host_memory=8 << 30)).cost.by_name()["calibrate"].seconds == c.seconds
+    slow = load_config(ROOT / "experiments" / "tiny.yaml", ["plan.cpu_flops=1e9", "plan.cpu_efficiency=0.2"])
+    assert make_plan(slow, model_config(default_teacher()), Devices(host_memory=8 << 30)).cost.by_name()["calibrate"].seconds == pytest.approx(
+        c.flops / 2 / (threads * 1e9 * 0.2) + start)
     assert plan.cost.dollars == 0.0 and cost.cpu_rate(load_config(None)) > 1e8  # measured: a CPU thread does > 0.1 GFLOP/s
 
 
-def test_the_suite_s_tokens_come_from_the_task_data():
+def test_the_suite_s_tokens_come_from_the_task_data(tmp_path):
+    from m2d_ray.evaluate.local_tasks import text_rows
     from m2d_ray.plan.suite import CHARS_PER_TOKEN, PAPER, suite_tokens
 
-    rows = [json.loads(x) for x in (ROOT / "m2d_ray/evaluate/tasks/synthetic_continuation.test.jsonl").read_text().splitlines()]
-    per_request = (sum(len(r["context"]) for r in rows) / len(rows) + sum(len(c) for r in rows for c in r["choices"]) / (4 * len(rows)))
-    tokens, _ = suite_tokens("local", None, None)  # 0-shot and 2-shot: 1 + 3 request lengths per choice
-    assert tokens == pytest.approx(200 * 4 * 4 * per_request / CHARS_PER_TOKEN)
+    def lines(split):
+        return [json.loads(x) for x in (ROOT / f"m2d_ray/evaluate/tasks/synthetic_continuation.{split}.jsonl").read_text().splitlines()]
+
+    def request(rows):  # a request: a row's context and one of its choices, in tokens
+        return (sum(len(r["context"]) for r in rows) / len(rows) + sum(len(c) for r in rows for c in r["choices"]) / (4 * len(rows))) / CHARS_PER_TOKEN
+
+    def shot(rows):  # a shot: an example's context and its gold answer
+        return sum(len(r["context"]) + len(r["choices"][r["label"]]) for r in rows) / len(rows) / CHARS_PER_TOKEN
+
+    test, train = lines("test"), lines("train")
+    tokens, _ = suite_tokens("local", None, None)  # 0-shot and 2-shot, 4 choices a row
+    assert tokens == pytest.approx(200 * 4 * (2 * request(test) + 2 * shot(train)))
+    # text:PATH: the rows stage 3 builds from that file (WikiText contexts are longer than the synthetic ones)
+    wiki = "\n".join(f" = Title {i} = \n\n " + " ".join(f"Sentence {j} of paragraph {i} has several more words in it ." for j in range(6))
+                     for i in range(60))
+    path = tmp_path / "wiki.raw"
+    path.write_text(wiki)
+    rows = text_rows(path)
+    assert suite_tokens(f"text:{path}", None, None)[0] == pytest.approx(len(rows["test"]) * 4 * request(rows["test"]))
+    assert suite_tokens(f"text:{path}", 1, None)[0] == pytest.approx(len(rows["test"]) * 4 * (request(rows["test"]) + shot(rows["train"])))
     limited, _ = suite_tokens("paper", None, 10)
     assert limited < suite_tokens("paper", None, None)[0] and PAPER["mmlu"][0] == 14042
 
@@ -161,6 +185,11 @@ def test_the_report_sets_the_estimate_beside_the_measured_wall():
     rows = {r["stage"]: r for r in cost_rows(RunData(Path("."), None, [], {}, {}, timings=timings, memory_plan=plan))}
     assert rows["calibrate"]["ratio"] == 1.25 and rows["stage1"]["measured_s"] == 30.0 and rows["stage2"]["ratio"] == 1.5
     assert rows["stage3"]["ratio"] is None and cost_rows(RunData(Path("."), None, [], {}, {})) == []
+    # cached targets: their pass is timed apart from the students it serves
+    plan["cost"]["stages"]["targets"] = {"flops": 5.0, "seconds": 10.0}
+    timings["stage2"]["targets_s"] = 30.0
+    rows = {r["stage"]: r for r in cost_rows(RunData(Path("."), None, [], {}, {}, timings=timings, memory_plan=plan))}
+    assert rows["targets"]["ratio"] == 3.0 and rows["stage2"]["measured_s"] == 120.0
 
 
 def test_on_a_shared_machine_a_cpu_stage_gets_its_fair_share_of_the_cores():
@@ -171,6 +200,7 @@ def test_on_a_shared_machine_a_cpu_stage_gets_its_fair_share_of_the_cores():
     a, b = idle.by_name()["calibrate"], busy.by_name()["calibrate"]
     assert busy.cpu_load == 6.0 and busy.cpu_flops == 1e9
     n = os.cpu_count()
-    compute = a.flops / 2 / (1e9 * 0.4)  # an actor's FLOPs on a whole thread
+    compute = a.flops / 2 / (1e9 * cfg.plan.cpu_efficiency)  # an actor's FLOPs on a whole thread
+    compute += cfg.plan.actor_s  # and its start-up, slowed as its compute is
     assert a.seconds == pytest.approx(compute / min(1.0, n / 2) + cfg.plan.stage_s)
     assert b.seconds == pytest.approx(compute / min(1.0, n / (6 + 2)) + cfg.plan.stage_s * max(1.0, 7 / n))  # 2 actors beside 6 others
