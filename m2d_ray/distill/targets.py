@@ -129,10 +129,10 @@ def block_generator(seed: int, block: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def teacher_targets(h_t: Tensor, w_t: Tensor, spec: TargetSpec, first_block: int = 0, chunk: int = 1024) -> dict[str, Tensor]:
+def teacher_targets(h_t: Tensor, w_t: Tensor | None, spec: TargetSpec, first_block: int = 0, chunk: int = 1024) -> dict[str, Tensor]:
     """The targets of B consecutive global blocks first_block.. from the teacher's final hidden states
     h_t [B, L, d] and output projection w_t [V, d]; tensors [B, L, ...] on h_t's device (the shard layout).
-    Hidden targets are the states themselves.
+    Hidden targets are the states themselves (no head: None).
 
     Logits are formed `chunk` tokens at a time (peak ~3 x chunk x V floats), never for all tokens at once.
     """

@@ -203,7 +203,8 @@ def cost_rows(data: RunData) -> list[dict]:
     measured = {"calibrate": s1.get("calibrate_s"), "stage1": rest(s1, "calibrate_s"), "targets": s2.get("targets_s"),
                 "stage2": rest(s2, "targets_s") if "targets" in cost["stages"] else s2.get("wall_s"), "stage3": t.get("stage3", {}).get("wall_s")}
     rows = []
-    for name, c in cost["stages"].items():
+    order = list(measured)  # the run's order (the JSON file's keys are sorted)
+    for name, c in sorted(cost["stages"].items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)):
         m, est = measured.get(name), c.get("seconds")
         rows.append({"stage": name, "flops": c["flops"], "estimated_s": est, "measured_s": m, "ratio": m / est if m and est else None,
                      "gpu_hours": c.get("gpu_hours"), "dollars": c.get("dollars")})

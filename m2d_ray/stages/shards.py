@@ -94,7 +94,7 @@ class TargetsActor:
         torch.set_num_threads(threads)
         self.tokens = TokenShards(storage.fetch_dir(tokens_url))
         self.url, self.spec = targets_url, spec
-        self.hidden, self.head = _teacher_forward(teacher, teacher_topk, device, batch_size, stream, max_memory)
+        self.hidden, self.head = _teacher_forward(teacher, teacher_topk, device, batch_size, stream, max_memory, head=not spec.exact)
 
     def __call__(self, batch: dict) -> dict:
         import numpy as np
@@ -128,10 +128,12 @@ def _entry(d: dict):
     return ShardEntry(**d)
 
 
-def _teacher_forward(name: str, teacher_topk: int | None, device: str, batch_size: int, stream: bool | None, max_memory: str | None):
+def _teacher_forward(name: str, teacher_topk: int | None, device: str, batch_size: int, stream: bool | None, max_memory: str | None,
+                     head: bool = True):
     """(ids [n, L] -> the final hidden states of `batch_size` blocks at a time on `device`, in order; the output
-    projection [V, d]) of a teacher: an MoE teacher that does not fit its budget is streamed one decoder
-    layer at a time over all n blocks (calibrate/stream.py), any other is loaded whole."""
+    projection [V, d], or None when not `head`) of a teacher: an MoE teacher that does not fit its budget is
+    streamed one decoder layer at a time over all n blocks (calibrate/stream.py), any other is loaded whole;
+    the head is read only when the targets need logits (a streamed teacher's is not read for hidden states)."""
     import torch
 
     from m2d_ray.arch.dense import dense_types
@@ -144,13 +146,13 @@ def _teacher_forward(name: str, teacher_topk: int | None, device: str, batch_siz
         if teacher_topk is not None:
             lazy.adapter.set_top_k(lazy.skeleton, teacher_topk)
         if should_stream(lazy, device, stream, max_memory):
-            head = lazy.module(lazy.name_of(lazy.skeleton.get_output_embeddings())).weight.to(device)
+            w = lazy.module(lazy.name_of(lazy.skeleton.get_output_embeddings())).weight.to(device) if head else None
 
             def streamed(ids):
                 h = final_hidden_streamed(lazy, ids, batch_size, device)
                 return (h[i : i + batch_size].to(device) for i in range(0, h.shape[0], batch_size))
 
-            return streamed, head
+            return streamed, w
     teacher = load_distill_teacher(name, dtype=torch.bfloat16 if device == "cuda" else torch.float32, device=device)
     if teacher_topk is not None:
         teacher.adapter.set_top_k(teacher.model, teacher_topk)
@@ -161,7 +163,7 @@ def _teacher_forward(name: str, teacher_topk: int | None, device: str, batch_siz
         for i in range(0, ids.shape[0], batch_size):
             yield base(input_ids=ids[i : i + batch_size].to(device), use_cache=False).last_hidden_state
 
-    return whole, teacher.model.get_output_embeddings().weight.detach()
+    return whole, teacher.model.get_output_embeddings().weight.detach() if head else None
 
 
 def targets(store: RunStorage, teacher: str, tokens_url: str, spec, cfg: DistillConfig, calib, ray_cfg) -> str:

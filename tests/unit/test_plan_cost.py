@@ -190,6 +190,7 @@ def test_the_report_sets_the_estimate_beside_the_measured_wall():
     timings["stage2"]["targets_s"] = 30.0
     rows = {r["stage"]: r for r in cost_rows(RunData(Path("."), None, [], {}, {}, timings=timings, memory_plan=plan))}
     assert rows["targets"]["ratio"] == 3.0 and rows["stage2"]["measured_s"] == 120.0
+    assert list(rows) == ["calibrate", "stage1", "targets", "stage2", "stage3"]  # in the run's order, whatever the file's
 
 
 def test_on_a_shared_machine_a_cpu_stage_gets_its_fair_share_of_the_cores():

@@ -290,7 +290,8 @@ def test_logits_recomputed_from_stored_states_are_the_teachers_own(family, strea
     from m2d_ray.weights import read_output_head
 
     _, eager, _, ids, _, hub = family
-    hidden, _ = _teacher_forward(str(hub), None, "cpu", 2, stream, None)
+    hidden, w = _teacher_forward(str(hub), None, "cpu", 2, stream, None, head=False)
+    assert w is None  # hidden states need no head (streamed: it is not even read)
     h = torch.cat(list(hidden(ids)))
     head = read_output_head(str(hub), torch.float32)
     with torch.no_grad():
