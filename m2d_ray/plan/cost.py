@@ -4,13 +4,15 @@ FLOPs count matrix products (2 per multiply-add) as distill/flops.py does, from 
 device: calibration runs every expert on every calibration token and forms each MoE layer's E x E output
 Gram; a stage-1 trial forwards its student over the perplexity tokens it will really score (each distinct
 student's probe chunk, the survivors' remaining chunks); the targets pass is the teacher's forward at its
-top-k; a student's step is its forward and backward (4 forwards under gradient checkpointing: the
-recomputation is time) plus the teacher's forward (online) or its output head (hidden), and its
-validations; stage 3 forwards the suite's tokens (plan/suite.py) through each model.
+top-k; the d2d baseline's search (stage 2's first task, counted in its row) is its dense teacher over the
+calibration tokens and each candidate shape (the student's size) over the perplexity tokens; a student's step is its forward and
+backward (4 forwards under gradient checkpointing: the recomputation is time) plus the teacher's forward
+(online) or its output head (hidden), and its validations; stage 3 forwards the suite's tokens
+(plan/suite.py) through each model.
 
-Time: a unit's FLOPs / (its devices' peak x plan.efficiency, or plan.cpu_efficiency on CPUs) + a fixed start-up (plan.*_s), its units
-spread over the lanes the run will have (trials at once, students at once, models at once, bounded by the
-node types' max_workers), longest first. GPU-hours: the units' seconds x their GPUs. Dollars: the nodes a
+Time: a unit's FLOPs / (its devices' peak x plan.efficiency; plan.cpu_efficiency on CPUs) + a fixed start-up
+(plan.*_s), its units spread over the lanes the run will have (trials at once, students at once, models at
+once, bounded by the node types' max_workers), longest first. GPU-hours: the units' seconds x their GPUs. Dollars: the nodes a
 stage holds (its lanes' GPUs over a node's GPUs) x its wall time plus the autoscaler's idle tail
 (idle_timeout_minutes) x the node type's hourly price (plan/prices.py; the dearest type that can hold the
 request: an upper bound), and the head node for the whole run.
@@ -21,7 +23,7 @@ from __future__ import annotations
 import heapq
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from m2d_ray.accelerators import GPU_PEAK_BF16
 from m2d_ray.config import SweepConfig, k_values
@@ -185,6 +187,13 @@ def stage2_flops(cfg: SweepConfig, m: Models, targets: str, teacher: Shape | Non
     return train + evals * (x.eval_max_tokens or 0) * (student + side)
 
 
+def d2d_candidates() -> int:
+    """The d2d baseline's candidate shapes (prune/search.py's mixes: at most one each)."""
+    from m2d_ray.prune.search import MIXES
+
+    return len(MIXES)
+
+
 # ---- time and money -----------------------------------------------------------------------------
 def lanes_wall(unit_seconds: list[float], lanes: int) -> float:
     """The wall time of units run `lanes` at a time, longest first (each starts when a lane frees)."""
@@ -304,6 +313,13 @@ def estimate(cfg: SweepConfig, m: Models, stage_plans: dict, nodes: tuple[NodeTy
         tokens = student_tokens(cfg)
         f = tokens * (forward_flops(t, x.seq_len) - (head_flops(t) if targets == "hidden" else 0.0))
         run("targets", [f / r.data_actors] * r.data_actors, r.data_gpus_per_actor, r.threads_per_worker, r.data_actors, r.data_accelerator, pc.actor_s)
+    search = None
+    if D2D in cfg.stage2.baselines:  # one task before the students: the dense teacher's importance, each candidate's perplexity
+        flops = c.max_tokens * forward_flops(extra.get("teacher-d2d") or t, c.seq_len) + d2d_candidates() * eval_tokens(cfg) * forward_flops(
+            m.student, cfg.eval.seq_len)
+        gpus = 1.0 if x.gpus_per_worker > 0 else 0.0
+        search = stage_cost(cfg, "d2d", [flops], place(stage_plans["stage2"].request, gpus, x.threads_per_worker, 1, nodes, x.accelerator),
+                            pc.model_s, cpu, prices, 0.0)  # its node stays for the students: no idle tail of its own
     pairs = len(cfg.stage2.pairs) or len(cfg.grid.scoring) * len(cfg.grid.grouping)
     baselines = [b for b in cfg.stage2.baselines if b != D2D]
     students = [stage2_flops(cfg, m, targets)] * (pairs + len(baselines))
@@ -312,6 +328,8 @@ def estimate(cfg: SweepConfig, m: Models, stage_plans: dict, nodes: tuple[NodeTy
         students.append(stage2_flops(cfg, m, "online", dense) if targets != "online" else stage2_flops(cfg, m, targets, dense))
     run("stage2", students, x.workers * x.gpus_per_worker, x.workers * x.threads_per_worker, students_at_once or len(students), x.accelerator,
         pc.student_s)
+    if search is not None:
+        out[-1] = _before(search, out[-1])
     tokens, mean_len = suite_tokens(s3.tasks, s3.num_fewshot, s3.limit)
     models = [("student", m.student)] * len(students) + ([("teacher", t)] if s3.teacher else []) + list(extra.items())
     per = {k: tokens * forward_flops(shape, int(mean_len)) for k, shape in models}
@@ -330,6 +348,13 @@ def estimate(cfg: SweepConfig, m: Models, stage_plans: dict, nodes: tuple[NodeTy
     total = _sum(s.seconds for s in out)
     price = hourly(head_node, prices) if head_node else None
     return RunCost(tuple(out), None if price is None or total is None else price * total / 3600, cpu.rate if cpu else None, cpu_load)
+
+
+def _before(first: StageCost, stage: StageCost) -> StageCost:
+    """`stage` with `first` run before it (the d2d search before the students: stage 2's one row, one wall)."""
+    return replace(stage, flops=stage.flops + first.flops, seconds=_sum([first.seconds, stage.seconds]),
+                   gpu_hours=_sum([first.gpu_hours, stage.gpu_hours]), dollars=_sum([first.dollars, stage.dollars]),
+                   node_hours=None if stage.node_hours is None else stage.node_hours + (first.node_hours or 0.0))
 
 
 def _merge_stage3(stages: list[StageCost]) -> list[StageCost]:

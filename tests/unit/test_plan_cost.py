@@ -67,6 +67,36 @@ def test_stage2_counts_the_student_step_and_the_teacher_side_by_mode():
     assert cost.stage2_flops(ckpt, m, "topk:64") == tokens * 4 * student  # the recomputation is time
 
 
+def test_the_d2d_search_runs_before_the_students_in_stage_2_s_row():
+    """The d2d baseline's search (its dense teacher over the calibration tokens, each candidate over the
+    perplexity tokens) is stage 2's first task: its FLOPs and seconds add to stage 2's, and nothing else moves."""
+    from m2d_ray.models import default_dense_teacher
+    from m2d_ray.plan.shapes import shape_of
+
+    over = ["plan.cpu_flops=1e9", "stage2.baselines=[random-ffn,random-init]"]
+    dense = model_config(default_dense_teacher())
+
+    def bill(*more):
+        cfg = load_config(ROOT / "experiments" / "tiny.yaml", [*over[:1], *more])
+        return cfg, make_plan(cfg, model_config(default_teacher()), Devices(host_memory=8 << 30), {"teacher-d2d": dense}).cost.by_name()
+
+    cfg, with_d2d = bill()  # tiny.yaml has d2d
+    _, without = bill(over[1])
+    m = models_of(model_config(default_teacher()))
+    search = (cfg.calib.max_tokens * cost.forward_flops(shape_of(dense), cfg.calib.seq_len)
+              + 6 * cost.eval_tokens(cfg) * cost.forward_flops(m.student, cfg.eval.seq_len))
+    one_student = cost.stage2_flops(cfg, m, "online", shape_of(dense))  # the d2d student, distilled from the dense twin
+    assert cost.d2d_candidates() == 6
+    assert with_d2d["stage2"].flops == pytest.approx(without["stage2"].flops + one_student + search)
+    # its time is on stage 2's wall: twice the calibration tokens, only the search's importance pass grows
+    _, more = bill(f"calib.max_tokens={2 * cfg.calib.max_tokens}")
+    grown = cfg.calib.max_tokens * cost.forward_flops(shape_of(dense), cfg.calib.seq_len)
+    lone = cost.Host(1e9, os.cpu_count() or 1).share(1, 1)  # the search runs alone, on one thread
+    assert more["stage2"].flops == pytest.approx(with_d2d["stage2"].flops + grown)
+    assert more["stage2"].seconds == pytest.approx(with_d2d["stage2"].seconds + grown / (lone * 1e9 * cfg.plan.cpu_efficiency))
+    assert with_d2d["calibrate"] == without["calibrate"] and with_d2d["stage1"] == without["stage1"]
+
+
 def test_stage1_counts_the_distinct_students_and_the_probe_round():
     cfg = load_config(ROOT / "experiments" / "tiny-grid.yaml")
     t = models_of(model_config(default_teacher())).teacher
