@@ -76,7 +76,7 @@ class RunDir:
 
     @property
     def timings(self) -> Path:
-        """run.json: each stage's wall time (m2d run)."""
+        """run.json: each stage's wall time (m2d run), with its calibration or targets pass, summed over resumes."""
         return self.path / "run.json"
 
     @property

@@ -48,11 +48,14 @@ def run(config: str | None, overrides: list[str], out: str | None = None, resume
     state = json.loads(rd.timings.read_text()) if rd.timings.exists() else {"stages": {}}
 
     def stage(name: str, fn) -> None:
+        """Run a stage and add its times to run.json's (a resume adds what it spent: the bill's measured side)."""
         t0 = time.time()
         say(f"== {name} ==")
         result = fn()
-        state["stages"][name] = {"wall_s": round(time.time() - t0, 1), "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                 **{k: round(getattr(result, k), 1) for k in ("calibrate_s", "targets_s") if hasattr(result, k)}}
+        spent = {"wall_s": time.time() - t0, **{k: getattr(result, k) for k in ("calibrate_s", "targets_s") if hasattr(result, k)}}
+        before = state["stages"].get(name, {})
+        state["stages"][name] = {**before, **{k: round(before.get(k, 0.0) + v, 1) for k, v in spent.items()},
+                                 "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "runs": before.get("runs", 1 if before else 0) + 1}
         write_json_atomic(rd.timings, state)
 
     if not rd.promotions.exists():

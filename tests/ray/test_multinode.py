@@ -67,7 +67,7 @@ def test_shared_storage(cluster_runs):
     targets = [p for p in (work / "shared" / "run" / "targets").glob("*") if (p / "manifest.json").exists()]
     assert len(targets) == 2  # one targets pass per teacher (the MoE teacher, and the d2d baseline's dense teacher)
     timed = json.loads((run_dir / "run.json").read_text())["stages"]["stage2"]  # the pass timed apart: the plan's targets row
-    assert 0 < timed["targets_s"] < timed["wall_s"], timed
+    assert 0 < timed["targets_s"] < timed["wall_s"] and timed["runs"] == 2, timed  # + the resume checked below
     stored = {p.name for p in (work / "shared" / "run" / "data").rglob("*.txt")}  # the head's text files, through the storage
     assert stored == {"train.txt", "valid.txt", "test.txt"}, stored  # distillation, validation, and the d2d search's calibration/evaluation
     last = r["stderr"].strip().splitlines()[-3:]

@@ -110,10 +110,13 @@ def test_m2d_run_whole_pipeline_then_resume(ray_address, tmp_path, capfd):
 
     # resume of a finished run: nothing is trained or evaluated again
     before = {p.name: p.stat().st_mtime for p in (run_dir / "stage3" / "results").iterdir()}
+    first = json.loads((run_dir / "run.json").read_text())["stages"]
     t0 = time.time()
     assert main(["run", "--resume", str(run_dir)]) == 0
     assert time.time() - t0 < 60
     assert {p.name: p.stat().st_mtime for p in (run_dir / "stage3" / "results").iterdir()} == before
+    again = json.loads((run_dir / "run.json").read_text())["stages"]  # the resume's seconds are added, the first run's kept
+    assert again["stage1"] == first["stage1"] and again["stage3"]["runs"] == 2 and again["stage3"]["wall_s"] >= first["stage3"]["wall_s"]
     # a changed suite on resume is refused (it would mix two suites in one table)
     assert main(["run", "--resume", str(run_dir), "stage3.limit=10"]) == 2
     assert "another suite" in capfd.readouterr().err
