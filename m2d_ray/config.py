@@ -201,9 +201,10 @@ class SweepConfig:
                 raise M2DError(f"calib.max_memory: {exc}") from None
         for key in ("efficiency", "cpu_efficiency"):
             if not 0 < getattr(self.plan, key) <= 1:
-                raise M2DError(f"plan.{key}={getattr(self.plan, key)} must be in (0, 1] (achieved / peak FLOP/s)")
+                raise M2DError(f"plan.{key}={getattr(self.plan, key)} must be in (0, 1] (achieved / peak FLOP/s); "
+                               f"give the fraction measured (default {getattr(PlanConfig, key)})")
         if self.plan.max_dollars is not None and self.plan.max_dollars <= 0:
-            raise M2DError(f"plan.max_dollars={self.plan.max_dollars} must be > 0 when set")
+            raise M2DError(f"plan.max_dollars={self.plan.max_dollars} must be > 0 when set; give a budget in dollars, or null for none")
         if self.stage not in (1, 2):
             raise M2DError(f"stage={self.stage}: write stage=1 (pre-distillation grid) or stage=2 (distil the promotions)")
         check_distill(self.distill)

@@ -225,6 +225,7 @@ CASES = {
     "run: unknown GPU type": (lambda w: _run("stage3.accelerator=H1OO"), "did you mean H100"),
     "plan: a config that does not fit": (lambda w: ["plan", str(TINY), "distill.batch_size=100000", "distill.seq_len=1024"], "distill.gradient_checkpointing=true"),
     "plan: cluster config missing": (lambda w: ["plan", str(TINY), "--cluster", "missing.yaml"], "not found"),
+    "plan: a CPU efficiency above 1": (lambda w: ["plan", str(TINY), "plan.cpu_efficiency=1.5"], "plan.cpu_efficiency=1.5 must be in (0, 1]"),
     "run: over plan.max_dollars (before calibration)": (lambda w: [*_run("distill.gpus_per_worker=1", "distill.accelerator=H100", "plan.max_dollars=0.01"),
                                                                    "--cluster", str(ROOT / "cluster.yaml")], "but plan.max_dollars is $0.01"),
     "resume of a directory that is no run": (lambda w: ["run", "--resume", "mine"], "not an m2d run directory"),
