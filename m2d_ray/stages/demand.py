@@ -63,7 +63,8 @@ def is_ours(request: dict, wanted: dict) -> bool:
 
 
 def fmt(bundle: dict) -> str:
-    return "{" + ", ".join(f"{k}: {v:g}" for k, v in bundle.items() if v) + "}"
+    """A resource bundle in one fixed order (CPU, GPU, then the rest by name): the autoscaler's dicts come in any order."""
+    return "{" + ", ".join(f"{k}: {bundle[k]:g}" for k in sorted(bundle) if bundle[k]) + "}"
 
 
 def demands(status: dict) -> list[tuple[dict, int]]:

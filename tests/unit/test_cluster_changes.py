@@ -90,7 +90,7 @@ def test_an_infeasible_demand_fails_the_stage_with_one_line(monkeypatch):
         w.check()
     line = str(e.value)
     assert isinstance(e.value, M2DError) and "\n" not in line  # exit 2: no later stage runs
-    assert line.startswith("stage2: the autoscaler reports that no node type can hold {GPU: 1, CPU: 1}")
+    assert line.startswith("stage2: the autoscaler reports that no node type can hold {CPU: 1, GPU: 1}")
     assert "cpu_8x, gpu_a10g_1x, ray.head.default" in line and "distill.gpus_per_worker" in line
     cpu = demand.for_stage("stage1", load_config(ROOT / "experiments" / "tiny.yaml"))
     cpu.event(V1_EVENT)
@@ -100,8 +100,9 @@ def test_an_infeasible_demand_fails_the_stage_with_one_line(monkeypatch):
 def test_a_pending_demand_prints_a_progress_line_about_every_minute(monkeypatch):
     status = {**V1_STATUS, "autoscaler_report": {**V1_STATUS["autoscaler_report"], "pending_launches": {"gpu_h100_8x": 1}}}
     assert demand.waiting_line("stage2", status, {"CPU": 1.0, "GPU": 1.0}) == \
-        "stage2: waiting for 1 × {GPU: 1, CPU: 1}, 2 × {GPU: 1, CPU: 1}: autoscaler launching 1 gpu_h100_8x"
+        "stage2: waiting for 1 × {CPU: 1, GPU: 1}, 2 × {CPU: 1, GPU: 1}: autoscaler launching 1 gpu_h100_8x"
     assert demand.waiting_line("stage1", status, {"CPU": 1.0, "GPU": 0.0}) is None
+    assert demand.fmt({"GPU": 1.0, "CPU": 2.0, "memory": 0.0}) == demand.fmt({"CPU": 2.0, "GPU": 1.0}) == "{CPU: 2, GPU: 1}"  # any order in
     lines = []
     monkeypatch.setattr(demand, "read_status", lambda: status)
     monkeypatch.setattr(demand, "say", lines.append)
