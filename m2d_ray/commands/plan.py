@@ -4,9 +4,10 @@ time, GPU-hours, dollars), from configs alone; and the same check that `m2d run`
     table (stdout, via the log)    one row per stage (stage 3: per model), then the storage, then the bill per stage and in all
     JSON line                      {"gpu_memory", "stages": {stage: {"per_gpu_bytes", "gpus", "fits", "flops", "seconds",
                                    "gpu_hours", "dollars"}}, "storage_bytes", "storage_peak_bytes" (what stays; the most while
-                                   students train), "seconds", "gpu_hours", "dollars" (the run's)}
+                                   students train), "seconds", "gpu_hours", "dollars" (the run's; with ASHA on, expected),
+                                   "bound": {"seconds", "gpu_hours", "dollars"} (ASHA on: no student stopped early)}
     exit 2 + one line              when a stage does not fit its device, no node type can hold its request, or the run
-                                   costs more than plan.max_dollars
+                                   may cost more than plan.max_dollars (with ASHA on: its bound)
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ def log_plan(cfg: SweepConfig, rd, tracking_uri: str | None) -> None:
     parent = sweep_parent(tracker, rd, cfg.name)
     bill = {f"plan.{k}.{key}": v[key] for k, v in plan["stages"].items() for key in ("seconds", "gpu_hours", "dollars", "flops")
             if v.get(key) is not None}
+    bound = (plan.get("cost") or {}).get("bound") or {}  # ASHA on: the most the run can cost
+    bill.update({f"plan.bound.{key}": bound[key] for key in ("seconds", "gpu_hours", "dollars") if bound.get(key) is not None})
     tracker.log(parent, metrics={**{f"plan.{k}.per_gpu_bytes": v["per_gpu_bytes"] for k, v in plan["stages"].items()}, **bill})
     tracker.artifacts(parent, [rd.memory_plan])
 

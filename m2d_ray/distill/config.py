@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from m2d_ray.distill.losses import LOSSES
 from m2d_ray.errors import M2DError
 
+STOP_POLL_STEPS = 10  # a stop request (ASHA's) is looked at every this many steps (or every eval_every, if fewer)
+
 
 @dataclass(frozen=True)
 class DistillConfig:
@@ -48,6 +50,11 @@ class DistillConfig:
     def blocks(self) -> int:
         """Global [seq_len] blocks the run reads: steps x batch x accumulation x workers."""
         return self.steps * self.batch_size * self.grad_accum * self.workers
+
+    @property
+    def stop_poll(self) -> int:
+        """Steps between looks at a stop request: a student ASHA stops trains up to this many past its report."""
+        return min(self.eval_every, STOP_POLL_STEPS)
 
 
 

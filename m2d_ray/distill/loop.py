@@ -35,7 +35,6 @@ from m2d_ray.peaks import peaks, reset_peaks
 STATE_FILE = "m2d_state.pt"  # plain-torch checkpoint (DeepSpeed writes its own layout next to it)
 DS_TAG = "state"
 EXTRAS = ("val_ppl_initial", "curve")  # saved with every checkpoint besides the training state
-STOP_POLL_STEPS = 10  # the stop request is looked at every this many steps (or every eval_every, if fewer)
 
 
 @dataclass(frozen=True)
@@ -194,7 +193,7 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
     if initial is None:
         initial = validate(student, win, wmask, io, cfg, job.device)["val_ppl"]
     curve = list(extra.get("curve") or [[0, initial]])  # (step, val ppl) since step 0, carried across resumes
-    poll = min(cfg.eval_every, STOP_POLL_STEPS)
+    poll = cfg.stop_poll
     last, resumed_from, since = {}, step, step
     if step >= cfg.steps:  # the final checkpoint was saved but its report never reached the host (it was killed)
         last = {"step": step, "tokens": step * per_step * cfg.seq_len, **validate(student, win, wmask, io, cfg, job.device),

@@ -110,6 +110,14 @@ def bytes_per_token(spec: TargetSpec, state_bytes: int = 0) -> int:
     return 6 * spec.k + 4 if spec.mode == "topk" else 7 * spec.k
 
 
+TARGET_SHARD_BYTES = 128 << 20  # one target shard (topk:64 at seq_len 4096: 80 blocks; hidden, d 2048 in bf16: 8 blocks)
+
+
+def blocks_per_shard(seq_len: int, per_token: int) -> int:
+    """Blocks in one target shard: the targets pass's unit of work (one actor call) and of resume."""
+    return max(1, TARGET_SHARD_BYTES // (seq_len * per_token))
+
+
 def state_bytes(hidden_size: int, gpu: bool) -> int:
     """Bytes of one token's final hidden state as the targets pass stores it: the dtype the pass runs the
     teacher in, bf16 on a GPU and fp32 on CPU (a layer-streamed teacher runs in its checkpoint's dtype)."""

@@ -4,18 +4,20 @@ FLOPs count matrix products (2 per multiply-add) as distill/flops.py does, from 
 device: calibration runs every expert on every calibration token and forms each MoE layer's E x E output
 Gram; a stage-1 trial forwards its student over the perplexity tokens it will really score (each distinct
 student's probe chunk, the survivors' remaining chunks); the targets pass is the teacher's forward at its
-top-k; the d2d baseline's search (stage 2's first task, counted in its row) is its dense teacher over the
-calibration tokens and each candidate shape (the student's size) over the perplexity tokens; a student's step is its forward and
-backward (4 forwards under gradient checkpointing: the recomputation is time) plus the teacher's forward
-(online) or its output head (hidden), and its validations; stage 3 forwards the suite's tokens
-(plan/suite.py) through each model.
+top-k, then the d2d baseline's dense teacher's; the d2d baseline's search (stage 2's first task, counted in
+its row) is its dense teacher over the calibration tokens and each candidate shape (the student's size) over
+the perplexity tokens; a student's step is its forward and backward (4 forwards under gradient checkpointing:
+the recomputation is time) plus the teacher's forward (online) or its output head (hidden), and its
+validations, up to where ASHA is expected to stop it (asha_ends); stage 3 forwards the suite's tokens
+(plan/suite.py) through each model that finished.
 
 Time: a unit's FLOPs / (its devices' peak x plan.efficiency; plan.cpu_efficiency on CPUs) + a fixed start-up
 (plan.*_s), its units spread over the lanes the run will have (trials at once, students at once, models at
 once, bounded by the node types' max_workers), longest first. GPU-hours: the units' seconds x their GPUs. Dollars: the nodes a
 stage holds (its lanes' GPUs over a node's GPUs) x its wall time plus the autoscaler's idle tail
 (idle_timeout_minutes) x the node type's hourly price (plan/prices.py; the dearest type that can hold the
-request: an upper bound), and the head node for the whole run.
+request: an upper bound), and the head node for the whole run. With ASHA on, the bill is the expected one and
+`bound` the same run with no student stopped: the most it can cost, what plan.max_dollars is held to.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from __future__ import annotations
 import heapq
 import math
 import os
+import random
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 
 from m2d_ray.accelerators import GPU_PEAK_BF16
@@ -57,6 +61,8 @@ class RunCost:
     head_dollars: float | None = None
     cpu_flops: float | None = None  # one CPU thread's FLOP/s the CPU stages were timed with (measured or plan.cpu_flops)
     cpu_load: float = 0.0  # others' runnable processes the CPU stages shared the cores with
+    asha: tuple[tuple[float, int], ...] = ()  # stage 2's students: (reports, students that end there), expected (asha_ends)
+    bound: RunCost | None = None  # the same run with no student stopped early: the most it can cost (when ASHA stops some)
 
     @property
     def seconds(self) -> float | None:
@@ -71,18 +77,21 @@ class RunCost:
         return _sum([*(s.dollars for s in self.stages), self.head_dollars or 0.0])
 
     def over_budget(self, max_dollars: float | None) -> str | None:
-        """The one line a run that costs more than plan.max_dollars (or cannot be priced against it) is refused with."""
+        """The one line a run that may cost more than plan.max_dollars (or cannot be priced against it) is refused
+        with. It is held to the most the run can cost: with ASHA on, the bill with no student stopped early."""
         if max_dollars is None:
             return None
-        if self.dollars is None:
-            unpriced = ", ".join(s.name for s in self.stages if s.dollars is None)
+        most = self.bound or self
+        if most.dollars is None:
+            unpriced = ", ".join(s.name for s in most.stages if s.dollars is None)
             return (f"plan.max_dollars={max_dollars:g} but {unpriced} cannot be priced (no GPU type's peak or node type's price known); "
                     "give --cluster CLUSTER_YAML and plan.prices.<node type>=DOLLARS_PER_HOUR")
-        if self.dollars > max_dollars:
-            top = max(self.stages, key=lambda s: s.dollars or 0.0)
-            return (f"the run would cost {_usd(self.dollars)} (most in {top.name}: {_usd(top.dollars)}, {_num(top.gpu_hours)} GPU-hours) "
-                    f"but plan.max_dollars is {_usd(max_dollars)}; give a smaller grid, fewer distill.steps or students (stage2.pairs), "
-                    "or raise plan.max_dollars")
+        if most.dollars > max_dollars:
+            top = max(most.stages, key=lambda s: s.dollars or 0.0)
+            asha = f" if ASHA stops no student (expected {_usd(self.dollars)})" if self.bound else ""
+            return (f"the run would cost {'up to ' if self.bound else ''}{_usd(most.dollars)}{asha} (most in {top.name}: {_usd(top.dollars)}, "
+                    f"{_num(top.gpu_hours)} GPU-hours) but plan.max_dollars is {_usd(max_dollars)}; give a smaller grid, fewer distill.steps "
+                    "or students (stage2.pairs), or raise plan.max_dollars")
         return None
 
     def by_name(self) -> dict[str, StageCost]:
@@ -90,8 +99,11 @@ class RunCost:
 
     def to_json(self) -> dict:
         return {"stages": {s.name: asdict(s) for s in self.stages}, "head_dollars": self.head_dollars, "cpu_flops": self.cpu_flops,
-                "cpu_load": self.cpu_load,
-                "seconds": self.seconds, "gpu_hours": self.gpu_hours, "dollars": self.dollars}
+                "cpu_load": self.cpu_load, "seconds": self.seconds, "gpu_hours": self.gpu_hours, "dollars": self.dollars,
+                **({"asha": [list(e) for e in self.asha], "bound": self.bound.to_json()} if self.bound else {})}
+
+    def totals(self) -> dict:
+        return {"seconds": self.seconds, "gpu_hours": self.gpu_hours, "dollars": self.dollars}
 
     def table(self) -> str:
         rows = [("stage", "units", "at once", "device", "FLOPs", "wall", "GPU-hours", "dollars")]
@@ -103,7 +115,15 @@ class RunCost:
         rows.append(("total", "", "", "", f"{sum(s.flops for s in self.stages):.3g}", duration(self.seconds), _num(self.gpu_hours),
                      _usd(self.dollars)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        if self.bound:
+            n, (last, done) = sum(k for _, k in self.asha), self.asha[-1]
+            stops = ", ".join(f"{k} stopped after {r:g} reports" if i == 0 else f"{k} after {r:g}" for i, (r, k) in enumerate(self.asha[:-1]))
+            lines += [f"stage 2 under ASHA (stage2.asha; expected, students keeping their order of quality): of {n} students, {stops}; "
+                      f"{done} finish all {last:g} and only they are evaluated",
+                      f"with none stopped, the most it can cost (what plan.max_dollars is held to): {duration(self.bound.seconds)}, "
+                      f"{_num(self.bound.gpu_hours)} GPU-hours, {_usd(self.bound.dollars)}"]
+        return "\n".join(lines)
 
 
 def _sum(values) -> float | None:
@@ -171,8 +191,9 @@ def student_tokens(cfg: SweepConfig) -> int:
     return x.steps * x.batch_size * x.grad_accum * x.workers * x.seq_len
 
 
-def stage2_flops(cfg: SweepConfig, m: Models, targets: str, teacher: Shape | None = None) -> float:
-    """One student's distillation: its training tokens and validations."""
+def stage2_flops(cfg: SweepConfig, m: Models, targets: str, teacher: Shape | None = None, reports: float | None = None) -> float:
+    """One student's distillation: its training tokens and validations (the first, then one per report);
+    `reports`: stopped by ASHA after that many (None: the whole budget)."""
     x = cfg.distill
     teacher = teacher or m.teacher
     student = forward_flops(m.student, x.seq_len)
@@ -182,9 +203,16 @@ def stage2_flops(cfg: SweepConfig, m: Models, targets: str, teacher: Shape | Non
         side = head_flops(teacher)
     else:
         side = 0.0
-    train = student_tokens(cfg) * ((4.0 if x.gradient_checkpointing else 3.0) * student + side)
-    evals = x.steps // max(1, x.eval_every) + 1
-    return train + evals * (x.eval_max_tokens or 0) * (student + side)
+    full = student_reports(cfg)
+    reports = full if reports is None else reports
+    trained = min(1.0, (reports * x.eval_every + (x.stop_poll if reports < full else 0)) / x.steps)  # it sees the stop at its next poll
+    train = trained * student_tokens(cfg) * ((4.0 if x.gradient_checkpointing else 3.0) * student + side)
+    return train + (1 + reports) * (x.eval_max_tokens or 0) * (student + side)
+
+
+def student_reports(cfg: SweepConfig) -> int:
+    """A student's reports (validations after the first): every eval_every steps and at the end (ASHA's max_t)."""
+    return math.ceil(cfg.distill.steps / cfg.distill.eval_every)
 
 
 def d2d_candidates() -> int:
@@ -192,6 +220,74 @@ def d2d_candidates() -> int:
     from m2d_ray.prune.search import MIXES
 
     return len(MIXES)
+
+
+# ---- ASHA in stage 2 ----------------------------------------------------------------------------
+def asha_rungs(reports: int, grace: int, rf: float) -> list[float]:
+    """The reports after which Ray's ASHA may stop a student: its bracket's milestones grace x rf^k, as many as
+    tune's _Bracket makes, below max_t = `reports` (a report at max_t is the student's last anyway)."""
+    if grace <= 0 or rf <= 1 or reports <= grace:
+        return []
+    count = int(math.log(reports / grace) / math.log(rf) + 1)
+    return [grace * rf**k for k in range(count) if grace * rf**k < reports]
+
+
+ASHA_RUNS = 200  # stage 2s simulated for the expected ends (fixed seed: the same plan every time)
+
+
+def asha_ends(cfg: SweepConfig, n: int, lanes: int | None = None) -> list[tuple[float, int]]:
+    """[(reports, students that end after them)] of stage 2's `n` students, `lanes` at once: where ASHA
+    (stage2.asha) stops them, the last entry the students that finish; [(reports, n)] without ASHA.
+
+    Expected over ASHA_RUNS stage 2s in random order of quality, each student keeping its rank at every report
+    (loss curves that do not cross: the dearest case, as a student's loss early says much about it later),
+    rounded to whole students. benchmarks/asha_bill.py holds it to Ray's own scheduler."""
+    full, s2 = student_reports(cfg), cfg.stage2
+    rungs = asha_rungs(full, min(s2.grace_evals, full), s2.reduction_factor) if s2.asha else []
+    if not rungs or n < 2:
+        return [(full, n)]
+    rng, seen = random.Random(0), Counter()
+    for _ in range(ASHA_RUNS):
+        seen.update(_asha_run([rng.random() for _ in range(n)], full, rungs, s2.reduction_factor, lanes or n))
+    counts = {r: k / ASHA_RUNS for r, k in seen.items()}
+    whole = {r: math.floor(k) for r, k in counts.items()}  # largest remainders: whole students, n in all
+    for r in sorted(counts, key=lambda r: whole[r] - counts[r])[: n - sum(whole.values())]:
+        whole[r] += 1
+    return [(r, whole[r]) for r in sorted(whole) if whole[r]]
+
+
+def _asha_run(loss: list[float], full: int, rungs: list[float], rf: float, lanes: int) -> Counter:
+    """{reports: students that ended after them} of one stage 2 under tune's ASHA rule: at the first report at
+    or past a rung, a student is stopped when its loss is worse than numpy's interpolated (1 - 1/rf) quantile
+    (of the rewards, -loss) of the students recorded there before it; one report a unit of time, `lanes` at
+    once, a stopped or finished student's lane going to the next."""
+    recorded: dict[float, dict[int, float]] = {m: {} for m in rungs}
+    ends, running, started = Counter(), [], min(lanes, len(loss))
+    for i in range(started):
+        heapq.heappush(running, (1, i))
+    reports = [0] * len(loss)
+    while running:
+        t, i = heapq.heappop(running)
+        reports[i] += 1
+        r = reports[i]
+        stop = r >= full  # max_t: its last report
+        rung = None if stop else next((m for m in reversed(rungs) if r >= m and i not in recorded[m]), None)
+        if rung is not None:
+            seen = sorted(recorded[rung].values())
+            if seen:
+                q = (1 - 1 / rf) * (len(seen) - 1)
+                lo = math.floor(q)
+                cutoff = seen[lo] + (seen[min(lo + 1, len(seen) - 1)] - seen[lo]) * (q - lo)
+                stop = -loss[i] < cutoff
+            recorded[rung][i] = -loss[i]
+        if stop:
+            ends[r] += 1
+            if started < len(loss):
+                heapq.heappush(running, (t + 1, started))
+                started += 1
+        else:
+            heapq.heappush(running, (t + 1, i))
+    return ends
 
 
 # ---- time and money -----------------------------------------------------------------------------
@@ -258,8 +354,9 @@ class Host:
 
 
 def stage_cost(cfg: SweepConfig, name: str, unit_flops: list[float], p: Place, overhead: float, cpu: Host | None, prices: dict,
-               idle_s: float) -> StageCost:
-    """Seconds, GPU-hours and dollars of `unit_flops` run at `p` (on CPUs, the start-up slows as the compute does)."""
+               idle_s: float, rounds: int = 1) -> StageCost:
+    """Seconds, GPU-hours and dollars of `unit_flops` run at `p` in `rounds` Ray rounds (Tune experiments, Ray
+    Data passes), each with its fixed start and finish (plan.stage_s); on CPUs the start-up slows as the compute does."""
     if p.gpus > 0:
         peak = GPU_PEAK_BF16.get(p.accelerator or "")
         rate = p.gpus * peak * cfg.plan.efficiency if peak else None
@@ -273,7 +370,7 @@ def stage_cost(cfg: SweepConfig, name: str, unit_flops: list[float], p: Place, o
     if rate is None:
         return StageCost(name, sum(unit_flops), None, None, None, len(unit_flops), p.lanes, device)
     unit_s = [f / rate + overhead for f in unit_flops]
-    wall = lanes_wall(unit_s, p.lanes) + cfg.plan.stage_s * (1.0 if p.gpus > 0 or cpu is None else max(1.0, (cpu.load + 1) / cpu.cores))
+    wall = lanes_wall(unit_s, p.lanes) + rounds * cfg.plan.stage_s * (1.0 if p.gpus > 0 or cpu is None else max(1.0, (cpu.load + 1) / cpu.cores))
     gpu_hours = sum(unit_s) * p.gpus / 3600
     dollars = node_hours = None
     if p.gpus == 0:
@@ -299,39 +396,43 @@ def estimate(cfg: SweepConfig, m: Models, stage_plans: dict, nodes: tuple[NodeTy
     idle_s, prices, pc = idle_minutes * 60, cfg.plan.prices, cfg.plan
     out = []
 
-    def run(name: str, flops: list[float], gpus: float, threads: int, wanted: int, acc: str | None, overhead: float) -> None:
+    def run(name: str, flops: list[float], gpus: float, threads: int, wanted: int, acc: str | None, overhead: float, rounds: int = 1) -> None:
         plan = stage_plans[name]
-        out.append(stage_cost(cfg, name, flops, place(plan.request, gpus, threads, wanted, nodes, acc), overhead, cpu, prices, idle_s))
+        out.append(stage_cost(cfg, name, flops, place(plan.request, gpus, threads, wanted, nodes, acc), overhead, cpu, prices, idle_s, rounds))
 
     calib = c.max_tokens * calibration_flops(t, c.seq_len)
     run("calibrate", [calib / r.data_actors] * r.data_actors, r.data_gpus_per_actor, r.threads_per_worker, r.data_actors, r.data_accelerator, pc.actor_s)
     _, distinct = distinct_students(cfg, t)
     trials, chunks = stage1_chunks(cfg, distinct)
     per_trial = chunks / trials * eval_tokens(cfg) / cfg.eval.chunks * forward_flops(m.student, cfg.eval.seq_len)
-    run("stage1", [per_trial] * trials, r.gpus_per_trial, r.threads_per_worker, r.max_concurrent_trials, r.trial_accelerator, pc.trial_s)
-    if "targets" in stage_plans:
-        tokens = student_tokens(cfg)
-        f = tokens * (forward_flops(t, x.seq_len) - (head_flops(t) if targets == "hidden" else 0.0))
-        run("targets", [f / r.data_actors] * r.data_actors, r.data_gpus_per_actor, r.threads_per_worker, r.data_actors, r.data_accelerator, pc.actor_s)
+    run("stage1", [per_trial] * trials, r.gpus_per_trial, r.threads_per_worker, r.max_concurrent_trials, r.trial_accelerator, pc.trial_s,
+        rounds=2 if trials > distinct else 1)  # the probe round is a Tune experiment of its own
+    dense = (extra.get("teacher-d2d") or t) if D2D in cfg.stage2.baselines else None
+    if "targets" in stage_plans:  # the teacher's pass, then the d2d baseline's dense teacher's: one row
+        passes = [stage_cost(cfg, "targets", _targets_pass(cfg, shape, targets), place(stage_plans["targets"].request, r.data_gpus_per_actor,
+                             r.threads_per_worker, r.data_actors, nodes, r.data_accelerator), pc.actor_s, cpu, prices, idle_s)
+                  for shape in filter(None, (t, dense))]
+        out.append(passes[0] if len(passes) == 1 else _before(passes[1], passes[0]))
     search = None
-    if D2D in cfg.stage2.baselines:  # one task before the students: the dense teacher's importance, each candidate's perplexity
-        flops = c.max_tokens * forward_flops(extra.get("teacher-d2d") or t, c.seq_len) + d2d_candidates() * eval_tokens(cfg) * forward_flops(
-            m.student, cfg.eval.seq_len)
+    if dense is not None:  # one task before the students: the dense teacher's importance, each candidate's perplexity
+        flops = c.max_tokens * forward_flops(dense, c.seq_len) + d2d_candidates() * eval_tokens(cfg) * forward_flops(m.student, cfg.eval.seq_len)
         gpus = 1.0 if x.gpus_per_worker > 0 else 0.0
         search = stage_cost(cfg, "d2d", [flops], place(stage_plans["stage2"].request, gpus, x.threads_per_worker, 1, nodes, x.accelerator),
                             pc.model_s, cpu, prices, 0.0)  # its node stays for the students: no idle tail of its own
     pairs = len(cfg.stage2.pairs) or len(cfg.grid.scoring) * len(cfg.grid.grouping)
-    baselines = [b for b in cfg.stage2.baselines if b != D2D]
-    students = [stage2_flops(cfg, m, targets)] * (pairs + len(baselines))
-    if D2D in cfg.stage2.baselines:
-        dense = extra.get("teacher-d2d") or t
-        students.append(stage2_flops(cfg, m, "online", dense) if targets != "online" else stage2_flops(cfg, m, targets, dense))
+    teachers = [t] * (pairs + len([b for b in cfg.stage2.baselines if b != D2D])) + ([dense] if dense is not None else [])
+    ends = asha_ends(cfg, len(teachers), students_at_once)
+    # the dearest students paired with the longest runs (ASHA's order is the students' quality, unknown here)
+    reports = [n for n, k in reversed(ends) for _ in range(k)]
+    by_cost = sorted(teachers, key=lambda s: -forward_flops(s, x.seq_len))
+    students = [stage2_flops(cfg, m, targets, teacher, n) for teacher, n in zip(by_cost, reports)]
     run("stage2", students, x.workers * x.gpus_per_worker, x.workers * x.threads_per_worker, students_at_once or len(students), x.accelerator,
         pc.student_s)
     if search is not None:
         out[-1] = _before(search, out[-1])
     tokens, mean_len = suite_tokens(s3.tasks, s3.num_fewshot, s3.limit)
-    models = [("student", m.student)] * len(students) + ([("teacher", t)] if s3.teacher else []) + list(extra.items())
+    finished = ends[-1][1]  # ASHA's stopped students are not exported, so not evaluated
+    models = [("student", m.student)] * finished + ([("teacher", t)] if s3.teacher else []) + list(extra.items())
     per = {k: tokens * forward_flops(shape, int(mean_len)) for k, shape in models}
     by_gpus: dict[float, list[float]] = {}
     for key, _ in models:
@@ -347,7 +448,24 @@ def estimate(cfg: SweepConfig, m: Models, stage_plans: dict, nodes: tuple[NodeTy
     head_node = next((n for n in nodes or () if n.name == head), None)
     total = _sum(s.seconds for s in out)
     price = hourly(head_node, prices) if head_node else None
-    return RunCost(tuple(out), None if price is None or total is None else price * total / 3600, cpu.rate if cpu else None, cpu_load)
+    bound = None
+    if len(ends) > 1:  # ASHA stops some students: the same run with none stopped is the most it can cost
+        same = replace(cfg, stage2=replace(cfg.stage2, asha=False), plan=replace(cfg.plan, cpu_flops=cpu.rate if cpu else cfg.plan.cpu_flops))
+        bound = estimate(same, m, stage_plans, nodes, head, idle_minutes, targets, extra, students_at_once, cpu_load)
+    return RunCost(tuple(out), None if price is None or total is None else price * total / 3600, cpu.rate if cpu else None, cpu_load,
+                   tuple(ends), bound)
+
+
+def _targets_pass(cfg: SweepConfig, teacher: Shape, targets: str) -> list[float]:
+    """The FLOPs of each actor of `teacher`'s pass over the run's tokens: its forward (no head for hidden
+    states), split over the actors that have a shard to compute (ray.data_actors, at most the shards)."""
+    from m2d_ray.distill.targets import blocks_per_shard, bytes_per_token, state_bytes
+
+    x = cfg.distill
+    per_token = bytes_per_token(cfg.target_spec(), state_bytes(teacher.hidden, cfg.ray.data_gpus_per_actor > 0))
+    actors = max(1, min(cfg.ray.data_actors, math.ceil(x.blocks / blocks_per_shard(x.seq_len, per_token))))
+    f = student_tokens(cfg) * (forward_flops(teacher, x.seq_len) - (head_flops(teacher) if targets == "hidden" else 0.0))
+    return [f / actors] * actors
 
 
 def _before(first: StageCost, stage: StageCost) -> StageCost:

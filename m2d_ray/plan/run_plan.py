@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from m2d_ray.config import SweepConfig
+from m2d_ray.config import D2D, SweepConfig
 from m2d_ray.errors import M2DError
 from m2d_ray.plan import memory
 from m2d_ray.plan.cost import RunCost, estimate
@@ -168,8 +168,10 @@ def make_plan(cfg: SweepConfig, teacher_config, devices: Devices = Devices(), st
     stages.append(_stage2(cfg, m, devices, spec.mode if spec else "online", per_token))
     stages += _stage3(cfg, m, devices, stage3_models or {})
     at_once = _students_at_once(cfg, devices)
-    stays, peak = _storage(cfg, m, per_token, at_once)
     extra = {k: shape_of(c) for k, c in (stage3_models or {}).items()}
+    dense = (extra.get("teacher-d2d") or m.teacher) if spec and D2D in cfg.stage2.baselines else None  # the d2d baseline's teacher's targets
+    dense_per_token = bytes_per_token(spec, state_bytes(dense.hidden, cfg.ray.data_gpus_per_actor > 0)) if dense else 0
+    stays, peak = _storage(cfg, m, per_token + dense_per_token, at_once)
     cost = estimate(cfg, m, {s.name: s for s in stages}, devices.nodes, devices.head, devices.idle_minutes, spec.mode if spec else "online",
                     extra, at_once, devices.cpu_load)
     return RunPlan(tuple(stages), stays, devices.gpu_memory, {"teacher_params": m.teacher.params, "student_params": m.student.params}, peak,
@@ -301,7 +303,8 @@ def _students_at_once(cfg: SweepConfig, d: Devices) -> int | None:
 
 
 def _storage(cfg: SweepConfig, m: Models, per_token: int, at_once: int | None) -> tuple[dict, dict]:
-    """(what the run leaves: statistics, students (initial and distilled), token shards, targets, and the students'
+    """(what the run leaves: statistics, students (initial and distilled), token shards, targets (`per_token`: of every
+    teacher, the d2d baseline's dense one too), and the students'
     Train checkpoints with stage2.keep_training_state; the most held besides while students train: the
     checkpoints of the students `at_once` (all of them when None))."""
     x = cfg.distill
@@ -328,7 +331,9 @@ def plan_line(plan: RunPlan) -> str:
 
     j = plan.to_json()
     keys = ("per_gpu_bytes", "gpus", "fits", "flops", "seconds", "gpu_hours", "dollars")
-    total = {k: j["cost"][k] for k in ("seconds", "gpu_hours", "dollars")} if j["cost"] else {}
+    total = plan.cost.totals() if plan.cost else {}
+    if plan.cost and plan.cost.bound:  # ASHA on: the most the run can cost, with no student stopped early
+        total["bound"] = plan.cost.bound.totals()
     return json.dumps({"gpu_memory": j["gpu_memory"], "stages": {k: {kk: v[kk] for kk in keys if kk in v} for k, v in j["stages"].items()},
                        "storage_bytes": j["storage_bytes"], "storage_peak_bytes": j["storage_peak_bytes"], **total})
 

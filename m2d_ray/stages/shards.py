@@ -75,7 +75,6 @@ def tokens(store: RunStorage, teacher: str, tokenizer, cfg: DistillConfig, eval_
 
 
 # ---- the teacher once: cached targets (stage2.targets hidden / topk / sampled) ----------------------
-TARGET_SHARD_BYTES = 128 << 20  # one target shard (topk:64 at seq_len 4096: 80 blocks; hidden, d 2048 in bf16: 8 blocks)
 
 
 class TargetsActor:
@@ -173,7 +172,7 @@ def targets(store: RunStorage, teacher: str, tokens_url: str, spec, cfg: Distill
     live in another directory (the digest of their fingerprint) and are never mixed."""
     import ray.data
 
-    from m2d_ray.distill.targets import TargetsManifest, bytes_per_token, fingerprint, state_bytes
+    from m2d_ray.distill.targets import TargetsManifest, blocks_per_shard, bytes_per_token, fingerprint, state_bytes
     from m2d_ray.distill.tokens import TokenShards, manifest_sha256
     from m2d_ray.models import load_config
 
@@ -185,7 +184,7 @@ def targets(store: RunStorage, teacher: str, tokens_url: str, spec, cfg: Distill
         return url
     gpus = ray_cfg.data_gpus_per_actor
     per_token = bytes_per_token(spec, state_bytes(load_config(teacher).hidden_size, gpus > 0))
-    per = max(1, TARGET_SHARD_BYTES // (tok_manifest["seq_len"] * per_token))
+    per = blocks_per_shard(tok_manifest["seq_len"], per_token)
     done = [json.loads(storage.read_bytes(storage.join(url, n))) for n in storage.list_names(url) if n.endswith(".entry.json")]
     have = {e["first_block"]: e for e in done}  # shards a killed pass wrote (each entry file follows its shard)
     ranges = [(f, min(per, tok_manifest["blocks"] - f)) for f in range(0, tok_manifest["blocks"], per)]

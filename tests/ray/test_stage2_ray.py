@@ -173,6 +173,7 @@ def test_the_targets_pass_resumes_at_its_first_missing_shard(ray_address, tmp_pa
     from m2d_ray import storage
     from m2d_ray.distill.targets import MANIFEST, TargetsManifest
     from m2d_ray.models import default_teacher, load_tokenizer
+    from m2d_ray.distill import targets as targets_format
     from m2d_ray.stages import shards
     from m2d_ray.stages.run_storage import RunStorage
 
@@ -181,7 +182,7 @@ def test_the_targets_pass_resumes_at_its_first_missing_shard(ray_address, tmp_pa
     cfg = load_config(TINY, ["distill.steps=4", "distill.batch_size=4", "distill.seq_len=64", "distill.eval_max_tokens=512",
                              "stage2.targets=topk:16"])
     toks = shards.tokens(store, default_teacher(), load_tokenizer(default_teacher()), cfg.distill, "synthetic:valid")
-    monkeypatch.setattr(shards, "TARGET_SHARD_BYTES", 4 * 64 * 100)  # 4 blocks a shard: 4 shards
+    monkeypatch.setattr(targets_format, "TARGET_SHARD_BYTES", 4 * 64 * 100)  # 4 blocks a shard: 4 shards
     url = shards.targets(store, default_teacher(), toks, cfg.target_spec(), cfg.distill, cfg.calib, cfg.ray)
     first = TargetsManifest.load(url)
     assert first.blocks == 16 and len(first.shards) == 4

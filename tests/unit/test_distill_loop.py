@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from m2d_ray.config import DistillConfig, load_config
+from m2d_ray.distill.config import STOP_POLL_STEPS
 from m2d_ray.distill.loop import DistillJob, WorkerIO, run_distill
 from m2d_ray.distill.step import lr_factor
 from m2d_ray.errors import M2DError
@@ -201,4 +202,4 @@ def test_the_stop_request_is_polled_every_few_steps_not_every_step(do_acp_studen
     monkeypatch.setattr(loop, "stop_requested", lambda job, io: polls.append(1) and False)
     cfg = DistillConfig(**{**CFG.__dict__, "steps": 24, "eval_every": 12, "batch_size": 1, "seq_len": 32})
     run_distill(DistillJob(default_teacher(), str(do_acp_student), cfg, "synthetic:valid", stop=lambda: False), WorkerIO())
-    assert len(polls) == 24 // loop.STOP_POLL_STEPS
+    assert cfg.stop_poll == STOP_POLL_STEPS and len(polls) == 24 // STOP_POLL_STEPS
