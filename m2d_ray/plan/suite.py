@@ -2,10 +2,10 @@
 
 A multiple-choice row is one request per choice (context + that choice), each shot adds a whole worked
 example to the context; MMLU's answers are one token (" A"), whose requests share their context and lm-eval
-forwards it once (its one-token logits cache). The paper tasks' sizes are their rows (evaluate/paper_tasks.py)
-and a typical request's length in a Qwen/Llama BPE (about 4 characters a token); the local task's lengths are
-counted from its shipped rows, a `text:PATH` task's from the rows stage 3 builds from that file, at the same
-4 characters a token (a shot adds its context and its gold answer).
+forwards it once (its one-token logits cache). The paper tasks' figures are counted from the requests lm-eval
+builds over their fetched data (benchmarks/suite_tokens.py), at about 4 characters a token in a Qwen/Llama BPE;
+the local task's lengths are counted from its shipped rows, a `text:PATH` task's from the rows stage 3 builds
+from that file, at the same 4 characters a token (a shot adds its context and its gold answer).
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from m2d_ray.evaluate.harness import CONTINUATION, TEXT_CONTINUATION, base_name,
 from m2d_ray.evaluate.paper_tasks import PREFIX
 
 CHARS_PER_TOKEN = 4.0
-#: task -> (rows, requests per row, tokens of a 0-shot request, tokens each shot adds)
-PAPER = {"winogrande": (1267, 2, 28, 28), "hellaswag": (10042, 4, 110, 110), "arc_easy": (570, 4, 40, 40),
-         "arc_challenge": (299, 4, 45, 45), "mmlu": (14042, 1, 110, 100)}
+#: task -> (rows, requests per row, tokens of a 0-shot request, tokens each shot adds): lm-eval's own requests over
+#: the fetched data, counted by benchmarks/suite_tokens.py (2026-11-25; its characters / CHARS_PER_TOKEN)
+PAPER = {"winogrande": (1267, 2.0, 26, 27), "hellaswag": (10042, 4.0, 91, 91), "arc_easy": (570, 4.0, 39, 39),
+         "arc_challenge": (299, 3.99, 46, 46), "mmlu": (14042, 1.0, 138, 124)}
 SUBTASKS = {"mmlu": 57}  # lm-eval's limit applies to each subtask of a group
 UNKNOWN = (1000, 4, 100, 100)  # a hub task m2d has no figures for
 

@@ -299,6 +299,41 @@ def test_the_suite_s_tokens_come_from_the_task_data(tmp_path):
     assert limited < suite_tokens("paper", None, None)[0] and PAPER["mmlu"][0] == 14042
 
 
+def _fetched_paper_data():
+    from m2d_ray.evaluate import paper_data
+
+    try:
+        return paper_data.verify()
+    except Exception:  # not fetched (m2d fetch-data): nothing to hold the table to
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_fetched_paper_data() is None, reason="the paper suite's data is not fetched (m2d fetch-data)")
+def test_the_paper_suite_s_figures_are_its_data_s():
+    """plan/suite.py's PAPER table against lm-eval's requests over all the fetched data (benchmarks/suite_tokens.py,
+    ~4 min: a task's first rows are not like the rest, HellaSwag's half as long); within the table's rounding."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import suite_tokens
+    from datasets import load_from_disk
+
+    from m2d_ray.evaluate.harness import PAPER_SUITE, base_name
+    from m2d_ray.evaluate.paper_tasks import MMLU_SUBJECTS, PREFIX, TASKS
+    from m2d_ray.plan.suite import CHARS_PER_TOKEN, PAPER
+
+    SHOTS = {base_name(t).removeprefix(PREFIX): k for t, k in PAPER_SUITE}
+
+    root = _fetched_paper_data()
+    for name, (_, split, _, _) in TASKS.items():
+        r = suite_tokens.measure(name, SHOTS[name], root, None)
+        rows, per_row, tok, shot = PAPER[name]
+        assert rows == r["rows"] == sum(len(load_from_disk(str(root / TASKS[name][0] / s / split))) for s in (MMLU_SUBJECTS if name == "mmlu" else [""]))
+        assert per_row == pytest.approx(r["per_row"], abs=0.005)
+        assert tok * CHARS_PER_TOKEN == pytest.approx(r["chars_0shot"], abs=2) and shot * CHARS_PER_TOKEN == pytest.approx(r["chars_per_shot"], abs=2)
+
+
 def test_the_report_sets_the_estimate_beside_the_measured_wall():
     from m2d_ray.report.analysis import RunData, cost_rows
 
