@@ -138,7 +138,7 @@ class PlanConfig:
     # fixed seconds the FLOPs do not show (Ray/Tune start, building a student, a Train worker group and its export, lm-eval's
     # set-up), from the tiny runs' measured walls on two 2-core hosts (benchmarks/RESULTS.md, "The bill")
     stage_s: float = 10.0  # a Ray round's start and finish (a Tune experiment, a Ray Data pass): ~6 s on an Intel Xeon, ~15 s on an AMD EPYC
-    actor_s: float = 4.5  # a Ray Data actor of the calibration or targets pass: its process, the teacher loaded, the pass planned
+    actor_s: float = 2.0  # a Ray Data actor of the calibration or targets pass: its process, the teacher loaded, the pass planned
     trial_s: float = 0.4
     student_s: float = 40.0
     model_s: float = 5.0

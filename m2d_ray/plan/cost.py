@@ -408,10 +408,10 @@ def estimate(cfg: SweepConfig, m: Models, stage_plans: dict, nodes: tuple[NodeTy
     run("stage1", [per_trial] * trials, r.gpus_per_trial, r.threads_per_worker, r.max_concurrent_trials, r.trial_accelerator, pc.trial_s,
         rounds=2 if trials > distinct else 1)  # the probe round is a Tune experiment of its own
     dense = (extra.get("teacher-d2d") or t) if D2D in cfg.stage2.baselines else None
-    if "targets" in stage_plans:  # the teacher's pass, then the d2d baseline's dense teacher's: one row
+    if "targets" in stage_plans:  # the teacher's pass, then the d2d baseline's dense teacher's (new actors, Ray Data warm): one row
         passes = [stage_cost(cfg, "targets", _targets_pass(cfg, shape, targets), place(stage_plans["targets"].request, r.data_gpus_per_actor,
-                             r.threads_per_worker, r.data_actors, nodes, r.data_accelerator), pc.actor_s, cpu, prices, idle_s)
-                  for shape in filter(None, (t, dense))]
+                             r.threads_per_worker, r.data_actors, nodes, r.data_accelerator), pc.actor_s, cpu, prices, idle_s, rounds=int(i == 0))
+                  for i, shape in enumerate(filter(None, (t, dense)))]
         out.append(passes[0] if len(passes) == 1 else _before(passes[1], passes[0]))
     search = None
     if dense is not None:  # one task before the students: the dense teacher's importance, each candidate's perplexity
