@@ -69,6 +69,8 @@ def paper() -> None:
     head, idle = cluster_settings(REPO / "cluster.yaml")
     plan = make_plan(cfg, qwen, Devices(None, None, tuple(from_cluster_yaml(REPO / "cluster.yaml")), None, head, idle))
     print(plan.cost.table())
+    if plan.cost.bound:
+        print("\nwith no student stopped early (the bound):\n" + plan.cost.bound.table())
     m = models_of(qwen)
     tokens = 384 * 4096
     print("\n| the paper's step, 384 x 4,096 tokens | FLOPs / token | FLOPs / step | s / step on 2 x B200 at plan.efficiency "

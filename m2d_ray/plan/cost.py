@@ -239,16 +239,16 @@ def asha_ends(cfg: SweepConfig, n: int, lanes: int | None = None) -> list[tuple[
     """[(reports, students that end after them)] of stage 2's `n` students, `lanes` at once: where ASHA
     (stage2.asha) stops them, the last entry the students that finish; [(reports, n)] without ASHA.
 
-    Expected over ASHA_RUNS stage 2s in random order of quality, each student keeping its rank at every report
-    (loss curves that do not cross: the dearest case, as a student's loss early says much about it later),
-    rounded to whole students. benchmarks/asha_bill.py holds it to Ray's own scheduler."""
+    Expected over ASHA_RUNS stage 2s of students of normally distributed quality in random order, each keeping
+    its loss at every report (loss curves that do not cross: the dearest case, as a student's loss early says
+    much about it later), rounded to whole students. benchmarks/asha_bill.py holds it to Ray's own scheduler."""
     full, s2 = student_reports(cfg), cfg.stage2
     rungs = asha_rungs(full, min(s2.grace_evals, full), s2.reduction_factor) if s2.asha else []
     if not rungs or n < 2:
         return [(full, n)]
     rng, seen = random.Random(0), Counter()
     for _ in range(ASHA_RUNS):
-        seen.update(_asha_run([rng.random() for _ in range(n)], full, rungs, s2.reduction_factor, lanes or n))
+        seen.update(_asha_run([rng.gauss(0, 1) for _ in range(n)], full, rungs, s2.reduction_factor, lanes or n))
     counts = {r: k / ASHA_RUNS for r, k in seen.items()}
     whole = {r: math.floor(k) for r, k in counts.items()}  # largest remainders: whole students, n in all
     for r in sorted(counts, key=lambda r: whole[r] - counts[r])[: n - sum(whole.values())]:
