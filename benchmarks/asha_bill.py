@@ -1,13 +1,13 @@
 """Stage 2's bill under ASHA (plan/cost.asha_ends) against Ray's own scheduler (issue 33).
 
-    python benchmarks/asha_bill.py                  # the paper's 37 students, tiny-grid's 11, and more, at 4 correlations
+    python benchmarks/asha_bill.py                  # the paper's 37 students, tiny.yaml's 11 with ASHA on, and more, at 4 correlations
     python benchmarks/asha_bill.py --runs 2000
 
 The plan expects where ASHA stops each student by its own copy of ASHA's rule, over students in random order
-of quality who keep their rank at every report (rho = 1 below). Here Ray Tune's `ASHAScheduler` itself decides, on simulated students: each has a quality q, its
-validation loss at report r is sqrt(rho) q + sqrt(1 - rho) e_r (rho: how much a student's loss at one report
-says about the next), `lanes` of them train at once, one report per unit of time, and a stopped or finished
-student frees its lane for the next. Printed: the students that finish and the reports they all make (what
+of quality who keep their loss at every report (rho = 1 below). Here Ray Tune's `ASHAScheduler` itself decides,
+on simulated students: each has a quality q, its validation loss at report r is sqrt(rho) q + sqrt(1 - rho) e_r
+(rho: how much a student's loss at one report says about the next), `lanes` of them train at once, one report
+per unit of time, and a stopped or finished student frees its lane for the next. Printed: the students that finish and the reports they all make (what
 stage 2's FLOPs are made of), the plan's against the mean over runs, and their ratio.
 """
 
@@ -26,7 +26,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 #: (name, students, reports, grace, reduction factor, students at once)
-CASES = [("paper (37 students, 8 reports, 2 at once)", 37, 8, 2, 3, 2), ("tiny-grid (11, 4 reports)", 11, 4, 2, 3, 2),
+CASES = [("paper (37 students, 8 reports, 2 at once)", 37, 8, 2, 3, 2), ("tiny.yaml with ASHA (11 students, 4 reports)", 11, 4, 2, 3, 2),
          ("100 students, 27 reports, 4 at once", 100, 27, 1, 3, 4), ("20 students, 16 reports, rf 2", 20, 16, 1, 2, 2)]
 RHOS = (0.0, 0.5, 0.9, 1.0)
 

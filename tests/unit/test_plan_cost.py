@@ -123,7 +123,8 @@ def test_with_cached_targets_the_d2d_teacher_has_its_pass_and_its_student_reads_
     assert t2.seconds == pytest.approx(2 * t1.seconds - cfg.plan.stage_s + (one_pass - t1.flops) / rate)
     assert both.storage["targets"] == alone.storage["targets"] + tokens * state_bytes(d.hidden, False)
     s2_student = both.cost.by_name()["stage2"].flops - alone.cost.by_name()["stage2"].flops
-    search = cfg.calib.max_tokens * cost.forward_flops(d, cfg.calib.seq_len) + 6 * cost.eval_tokens(cfg) * cost.forward_flops(m.student, cfg.eval.seq_len)
+    search = (cfg.calib.max_tokens * cost.forward_flops(d, cfg.calib.seq_len)
+              + 6 * cost.eval_tokens(cfg) * cost.forward_flops(m.student, cfg.eval.seq_len))
     assert s2_student == pytest.approx(cost.stage2_flops(cfg, m, "hidden", d) + search)
 
 
@@ -182,9 +183,10 @@ def test_asha_s_stops_shorten_stage_2_and_leave_stage_3_only_the_finishers(paper
     assert cost.asha_rungs(8, 2, 3) == [2, 6] and [r for r, _ in ends] == [2, 6, 8] and sum(k for _, k in ends) == 37
     assert ends == tuple(cost.asha_ends(cfg, 37, 2))
     x = cfg.distill
-    assert cost.stage2_flops(cfg, m, "hidden", reports=2) == pytest.approx(
-        cost.stage2_flops(cfg, m, "hidden", reports=8) * (2 * x.eval_every + x.stop_poll) / x.steps
-        + (3 - 9 * (2 * x.eval_every + x.stop_poll) / x.steps) * x.eval_max_tokens * (cost.forward_flops(m.student, x.seq_len) + cost.head_flops(m.teacher)))
+    val = x.eval_max_tokens * (cost.forward_flops(m.student, x.seq_len) + cost.head_flops(m.teacher))  # one validation
+    train = cost.stage2_flops(cfg, m, "hidden") - 9 * val  # the whole budget: its steps, the first validation and 8 more
+    stopped = train * (2 * x.eval_every + x.stop_poll) / x.steps + 3 * val  # to step 50, then 10 more to its poll; 3 validations
+    assert cost.stage2_flops(cfg, m, "hidden", reports=2) == pytest.approx(stopped)
     s2 = plan.cost.by_name()["stage2"]
     assert s2.flops == pytest.approx(sum(k * cost.stage2_flops(cfg, m, "hidden", reports=r) for r, k in ends))
     assert s2.units == 37 and s2.flops < 0.6 * plan.cost.bound.by_name()["stage2"].flops
@@ -331,7 +333,8 @@ def test_the_paper_suite_s_figures_are_its_data_s():
     for name, (_, split, _, _) in TASKS.items():
         r = suite_tokens.measure(name, SHOTS[name], root, None)
         rows, per_row, tok, shot = PAPER[name]
-        assert rows == r["rows"] == sum(len(load_from_disk(str(root / TASKS[name][0] / s / split))) for s in (MMLU_SUBJECTS if name == "mmlu" else [""]))
+        parts = MMLU_SUBJECTS if name == "mmlu" else [""]
+        assert rows == r["rows"] == sum(len(load_from_disk(str(root / TASKS[name][0] / part / split))) for part in parts)
         assert per_row == pytest.approx(r["per_row"], abs=0.005)
         assert tok * CHARS_PER_TOKEN == pytest.approx(r["chars_0shot"], abs=2) and shot * CHARS_PER_TOKEN == pytest.approx(r["chars_per_shot"], abs=2)
 
