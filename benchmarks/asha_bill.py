@@ -7,8 +7,9 @@ The plan expects where ASHA stops each student by its own copy of ASHA's rule, o
 of quality who keep their loss at every report (rho = 1 below). Here Ray Tune's `ASHAScheduler` itself decides,
 on simulated students: each has a quality q, its validation loss at report r is sqrt(rho) q + sqrt(1 - rho) e_r
 (rho: how much a student's loss at one report says about the next), `lanes` of them train at once, one report
-per unit of time, and a stopped or finished student frees its lane for the next. Printed: the students that finish and the reports they all make (what
-stage 2's FLOPs are made of), the plan's against the mean over runs, and their ratio.
+per unit of time, and a stopped or finished student frees its lane for the next. Printed: the students that
+finish and the reports they all make (what stage 2's FLOPs are made of), the plan's against the mean over
+runs, and their ratio.
 """
 
 from __future__ import annotations

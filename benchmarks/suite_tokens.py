@@ -77,7 +77,7 @@ def main() -> None:
         print(f"| {name} | {shots} | {r['rows']} | {r['per_row']:.2f} | {r['chars_0shot']:.0f} | {r['chars_per_shot']:.0f} | "
               f"{p[0]}, {p[2] * CHARS_PER_TOKEN:.0f}, {p[3] * CHARS_PER_TOKEN:.0f} |")
     print(json.dumps(rows))
-    table = {r["task"]: (r["rows"], round(r["per_row"]), round(r["chars_0shot"] / CHARS_PER_TOKEN), round(r["chars_per_shot"] / CHARS_PER_TOKEN))
+    table = {r["task"]: (r["rows"], round(r["per_row"], 2), round(r["chars_0shot"] / CHARS_PER_TOKEN), round(r["chars_per_shot"] / CHARS_PER_TOKEN))
              for r in rows}
     print("PAPER = " + repr(table))
 

@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, replace
 
 from m2d_ray.accelerators import GPU_PEAK_BF16
-from m2d_ray.config import SweepConfig, k_values
+from m2d_ray.config import D2D, SweepConfig, k_values
 from m2d_ray.distill.flops import causal_attention_flops
 from m2d_ray.plan.devices import NodeType, holders
 from m2d_ray.plan.prices import hourly
@@ -99,7 +99,7 @@ class RunCost:
 
     def to_json(self) -> dict:
         return {"stages": {s.name: asdict(s) for s in self.stages}, "head_dollars": self.head_dollars, "cpu_flops": self.cpu_flops,
-                "cpu_load": self.cpu_load, "seconds": self.seconds, "gpu_hours": self.gpu_hours, "dollars": self.dollars,
+                "cpu_load": self.cpu_load, **self.totals(),
                 **({"asha": [list(e) for e in self.asha], "bound": self.bound.to_json()} if self.bound else {})}
 
     def totals(self) -> dict:
@@ -213,6 +213,12 @@ def stage2_flops(cfg: SweepConfig, m: Models, targets: str, teacher: Shape | Non
 def student_reports(cfg: SweepConfig) -> int:
     """A student's reports (validations after the first): every eval_every steps and at the end (ASHA's max_t)."""
     return math.ceil(cfg.distill.steps / cfg.distill.eval_every)
+
+
+def d2d_teacher(cfg: SweepConfig, teacher: Shape, extra: dict[str, Shape]) -> Shape | None:
+    """The d2d baseline's dense teacher (stage 3's `teacher-d2d`; the MoE teacher's shape when unknown), or None
+    without d2d: its search, its student, and with cached targets its own pass and states."""
+    return (extra.get("teacher-d2d") or teacher) if D2D in cfg.stage2.baselines else None
 
 
 def d2d_candidates() -> int:
@@ -389,8 +395,6 @@ def estimate(cfg: SweepConfig, m: Models, stage_plans: dict, nodes: tuple[NodeTy
     """The run's bill. `stage_plans`: the memory plan's StagePlan by name (their requests and GPUs);
     `extra`: stage 3's other models (the d2d baseline's dense teacher) by key; `cpu_load`: others' runnable
     processes on the CPUs of CPU stages."""
-    from m2d_ray.config import D2D
-
     r, c, x, t, s3 = cfg.ray, cfg.calib, cfg.distill, m.teacher, cfg.stage3
     cpu = Host(cpu_rate(cfg), os.cpu_count() or 1, cpu_load) if any(p.share == 0 for p in stage_plans.values()) else None
     idle_s, prices, pc = idle_minutes * 60, cfg.plan.prices, cfg.plan
@@ -408,7 +412,7 @@ def estimate(cfg: SweepConfig, m: Models, stage_plans: dict, nodes: tuple[NodeTy
     per_trial = chunks / trials * eval_tokens(cfg) / cfg.eval.chunks * forward_flops(m.student, cfg.eval.seq_len)
     run("stage1", [per_trial] * trials, r.gpus_per_trial, r.threads_per_worker, r.max_concurrent_trials, r.trial_accelerator, pc.trial_s,
         rounds=2 if trials > distinct else 1)  # the probe round is a Tune experiment of its own
-    dense = (extra.get("teacher-d2d") or t) if D2D in cfg.stage2.baselines else None
+    dense = d2d_teacher(cfg, t, extra)
     if "targets" in stage_plans:  # the teacher's pass, then the d2d baseline's dense teacher's (new actors, Ray Data warm): one row
         passes = [stage_cost(cfg, "targets", _targets_pass(cfg, shape, targets), place(stage_plans["targets"].request, r.data_gpus_per_actor,
                              r.threads_per_worker, r.data_actors, nodes, r.data_accelerator), pc.actor_s, cpu, prices, idle_s, rounds=int(i == 0))

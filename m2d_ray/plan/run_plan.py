@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from m2d_ray.config import D2D, SweepConfig
+from m2d_ray.config import SweepConfig
 from m2d_ray.errors import M2DError
 from m2d_ray.plan import memory
-from m2d_ray.plan.cost import RunCost, estimate
+from m2d_ray.plan.cost import RunCost, d2d_teacher, estimate
 from m2d_ray.plan.devices import NodeType, bundle, holders, smallest_gpu
 from m2d_ray.plan.memory import gib
 from m2d_ray.plan.shapes import Models, Shape, models_of, shape_of
@@ -169,7 +169,7 @@ def make_plan(cfg: SweepConfig, teacher_config, devices: Devices = Devices(), st
     stages += _stage3(cfg, m, devices, stage3_models or {})
     at_once = _students_at_once(cfg, devices)
     extra = {k: shape_of(c) for k, c in (stage3_models or {}).items()}
-    dense = (extra.get("teacher-d2d") or m.teacher) if spec and D2D in cfg.stage2.baselines else None  # the d2d baseline's teacher's targets
+    dense = d2d_teacher(cfg, m.teacher, extra) if spec else None  # with cached targets, the d2d baseline's teacher's states too
     dense_per_token = bytes_per_token(spec, state_bytes(dense.hidden, cfg.ray.data_gpus_per_actor > 0)) if dense else 0
     stays, peak = _storage(cfg, m, per_token + dense_per_token, at_once)
     cost = estimate(cfg, m, {s.name: s for s in stages}, devices.nodes, devices.head, devices.idle_minutes, spec.mode if spec else "online",
