@@ -38,7 +38,7 @@ def _batch(v: str) -> int | str:
 
 def _size(v: str) -> str:
     """A memory size ('40GB', '512MiB', bytes), checked here and passed on as written."""
-    from m2d_ray.calibrate.stream import parse_size
+    from m2d_ray.sizes import parse_size
 
     try:
         parse_size(v)

@@ -193,7 +193,7 @@ class SweepConfig:
         if self.eval.chunks < 1 or self.search.stop_factor <= 1.0:
             raise M2DError("eval.chunks must be >= 1 and search.stop_factor > 1")
         if self.calib.max_memory is not None:
-            from m2d_ray.calibrate.stream import parse_size
+            from m2d_ray.sizes import parse_size
 
             try:
                 parse_size(self.calib.max_memory)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import re
 import tempfile
 
 import torch
@@ -25,9 +24,9 @@ from tqdm.auto import tqdm
 from m2d_ray import console
 from m2d_ray.calibrate.collect import observe, token_batches
 from m2d_ray.calibrate.stats import LayerStats
+from m2d_ray.sizes import parse_size
 from m2d_ray.peaks import proc_kib
 from m2d_ray.checkpoint import read_at
-from m2d_ray.errors import M2DError
 
 #: room left beside the weights for activations and the statistics' working set
 RESERVE_BYTES = 1 << 30
@@ -41,17 +40,6 @@ def give_back_freed_memory() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def parse_size(text: str | int | None) -> int | None:
-    """Bytes of '24GB', '512MiB', '2e9' or an int (None stays None)."""
-    if text is None or isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgt]?)(i?)b?\s*", str(text).lower())
-    if not m:
-        raise M2DError(f"memory size {text!r} not understood; write e.g. 24GB, 512MiB or a number of bytes")
-    base = 1024 if m[3] or not m[2] else 1000
-    return int(float(m[1]) * base ** "_kmgt".index(m[2] or "_"))
 
 
 def free_memory(device: str) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 from m2d_ray.artifacts import check_output
 from m2d_ray.calibrate import StatsArtifact, calibrate, data_fingerprint
 from m2d_ray.calibrate.artifact import load_matching
-from m2d_ray.calibrate.stream import parse_size
+from m2d_ray.sizes import parse_size
 from m2d_ray.calibrate.tokens import calibration_tokens, resolve_calib
 from m2d_ray.console import emit
 from m2d_ray.data.text import check_spec

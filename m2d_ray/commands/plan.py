@@ -130,7 +130,7 @@ def log_plan(cfg: SweepConfig, rd, tracking_uri: str | None) -> None:
 
 
 def main(args) -> None:
-    from m2d_ray.calibrate.stream import parse_size
+    from m2d_ray.sizes import parse_size
     from m2d_ray.plan.devices import cluster_settings, from_cluster_yaml
 
     cfg = load_config(args.config, args.overrides)

@@ -73,7 +73,7 @@ def run(config: str | None, overrides: list[str], out: str | None = None, resume
 
 
 def main(args) -> None:
-    from m2d_ray.calibrate.stream import parse_size
+    from m2d_ray.sizes import parse_size
 
     result = run(args.config, args.overrides, out=args.out, resume=args.resume, tracking_uri=args.tracking_uri,
                  gpu_memory=parse_size(args.gpu_memory) if args.gpu_memory else None, cluster=args.cluster)

@@ -105,7 +105,7 @@ def check_stage3(c) -> None:
 
 
 def _bytes(v: str, what: str) -> int:
-    from m2d_ray.calibrate.stream import parse_size
+    from m2d_ray.sizes import parse_size
     from m2d_ray.errors import M2DError
 
     try:

@@ -128,7 +128,3 @@ def targets_pass(teacher: Shape, batch: int, seq: int, b: int, streamed: bool, p
 
 def total(parts: dict[str, int]) -> int:
     return int(sum(parts.values()))
-
-
-def gib(n: float) -> str:
-    return f"{n / (1 << 30):.1f} GiB" if n >= (1 << 30) else f"{n / (1 << 20):.0f} MiB"

@@ -16,7 +16,7 @@ from m2d_ray.errors import M2DError
 from m2d_ray.plan import memory
 from m2d_ray.plan.cost import RunCost, d2d_teacher, estimate
 from m2d_ray.plan.devices import NodeType, bundle, holders, smallest_gpu
-from m2d_ray.plan.memory import gib
+from m2d_ray.sizes import gib
 from m2d_ray.plan.shapes import Models, Shape, models_of, shape_of
 
 HEADROOM = 0.95  # of a device's memory a plan may fill (allocator fragmentation)
@@ -248,7 +248,7 @@ def _stage2_fix(cfg: SweepConfig, parts: dict) -> str:
 
 
 def _stage3(cfg: SweepConfig, m: Models, d: Devices, extra: dict) -> list[StagePlan]:
-    from m2d_ray.calibrate.stream import parse_size
+    from m2d_ray.sizes import parse_size
     from m2d_ray.evaluate.placement import model_size, plan_eval
     from m2d_ray.evaluate.runner import max_length, parse_batch
 

@@ -23,8 +23,9 @@ from m2d_ray.arch import get_adapter
 from m2d_ray.arch.base import rel_error
 from m2d_ray.calibrate import calibrate
 from m2d_ray.calibrate.collect import collect_stats
-from m2d_ray.calibrate.stream import HiddenStates, collect_stats_streamed, parse_size, should_stream
+from m2d_ray.calibrate.stream import HiddenStates, collect_stats_streamed, should_stream
 from m2d_ray.checkpoint import Checkpoint, Shard
+from m2d_ray.sizes import parse_size
 from m2d_ray.convert import build_from_plan, make_plan
 from m2d_ray.convert.plan import make_plans
 from m2d_ray.convert.baselines import BASELINES
