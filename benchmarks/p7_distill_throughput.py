@@ -54,7 +54,7 @@ def build_models(p: dict, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     from m2d_ray.arch import get_adapter
-    from m2d_ray.convert.baselines import BASELINES
+    from m2d_ray.convert.baselines import RANDOM_BASELINES
     from m2d_ray.models import Teacher
 
     config = Qwen3MoeConfig(vocab_size=p["vocab"], hidden_size=p["hidden"], num_hidden_layers=p["layers"], num_attention_heads=p["heads"],
@@ -68,7 +68,7 @@ def build_models(p: dict, dtype: torch.dtype):
     for w in model.parameters():
         w.requires_grad_(False)
     teacher = Teacher(name="random", model=model, tokenizer=None, adapter=get_adapter(config))
-    student = BASELINES["random-ffn"](teacher, seed=0)
+    student = RANDOM_BASELINES["random-ffn"](teacher, seed=0)
     if p["device"] == "cuda":
         from m2d_ray.distill.gpu import attention_implementation
 

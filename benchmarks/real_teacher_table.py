@@ -52,7 +52,7 @@ def main(argv=None) -> None:
         return
 
     from m2d_ray.convert import build_from_plan, make_plan
-    from m2d_ray.convert.baselines import BASELINES
+    from m2d_ray.convert.baselines import RANDOM_BASELINES
     from m2d_ray.commands.calibrate import run_calibrate
     from m2d_ray.commands.convert import evaluate_ppl
 
@@ -86,7 +86,7 @@ def main(argv=None) -> None:
             del student
     base = {}
     for name in ("random-ffn", "random-init"):
-        base[name] = ppl(BASELINES[name](teacher))
+        base[name] = ppl(RANDOM_BASELINES[name](teacher))
         print(f"  {name}: ppl {fmt(base[name])}")
 
     print()

@@ -71,7 +71,7 @@ STORAGE_HELP = ("what crosses Ray nodes (students, checkpoints, Tune state): a p
 
 
 def parser() -> argparse.ArgumentParser:
-    from m2d_ray.convert.baselines import BASELINES
+    from m2d_ray.convert.baselines import RANDOM_BASELINES
     from m2d_ray.convert.scaling import SCALINGS
     from m2d_ray.distill.losses import LOSSES
     from m2d_ray.grouping import GROUPINGS
@@ -96,7 +96,7 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--grouping", default="rr", help=f"{' '.join(GROUPINGS)} (default rr)")
     v.add_argument("--scaling", default="uniform", help=f"{' '.join(SCALINGS)} (default uniform)")
     v.add_argument("--K", type=_positive, default=None, help="experts kept per layer, k <= K <= E (default k)")
-    v.add_argument("--baseline", default=None, help=f"{' or '.join(BASELINES)} instead of a conversion")
+    v.add_argument("--baseline", default=None, help=f"{' or '.join(RANDOM_BASELINES)} instead of a conversion")
     v.add_argument("--eval-data", default=None, help="measure perplexity on: a data spec (README 'Data')")
     v.add_argument("--out", required=True, help="directory for the dense student")
     v.add_argument("--overwrite", action="store_true", help="replace a student (and --stats) that m2d wrote there before")

@@ -5,7 +5,7 @@
       memory_plan.json (m2d run's plan: every stage's bytes per device, checked before calibration)
       stats/           the statistics artifact                 plans.json  probes.json  promotions.json
       trials/          stage-1 ledger                          stage1.csv  stage1.md  stage1_heatmap.png
-      stage2/          config.yaml  trials/ (ledger)  d2d/ (search.json, candidates, importance)
+      stage2/          config.yaml  trials/ (ledger)  <baseline>/ (a baseline's records: d2d's search)
       stage2.csv  stage2.md  stage2_curves.png
       stage3/          suite.json  results/<key>.json
       report/  logs/  mlflow.db  mlartifacts/
@@ -22,12 +22,10 @@ from pathlib import Path
 
 from m2d_ray.artifacts import output_kind, write_json_atomic
 from m2d_ray.errors import M2DError
-from m2d_ray.prune.export import IMPORTANCE_FILE
 
 #: trial outcomes: ok (finished), pruned (early-stopped), diverged (NaN/inf), failed (raised)
 STATUSES = ("ok", "pruned", "diverged", "failed")
-TEACHER_KEY = "teacher"  # stage 3's key of the MoE teacher (the table's reference row)
-D2D_TEACHER_KEY = "teacher-d2d"  # stage 3's key of the d2d baseline's dense teacher
+TEACHER_KEY = "teacher"  # stage 3's key of the MoE teacher (the table's reference row); a baseline's own: teacher-NAME
 STAGE1_CSV, STAGE1_MD, STAGE1_HEATMAP = "stage1.csv", "stage1.md", "stage1_heatmap.png"  # in the run directory and its report
 
 
@@ -186,30 +184,9 @@ class RunDir:
     def stage2_records(self) -> list[dict]:
         return self.stage2_ledger().records() if (self.stage2 / "trials").exists() else []
 
-    @property
-    def d2d(self) -> Path:
-        """The d2d baseline's candidate search: search.json (written last), importance, candidates table."""
-        return self.stage2 / "d2d"
-
-    @property
-    def d2d_search(self) -> Path:
-        return self.d2d / "search.json"
-
-    @property
-    def d2d_importance(self) -> Path:
-        return self.d2d / IMPORTANCE_FILE
-
-    @property
-    def d2d_candidates_csv(self) -> Path:
-        return self.d2d / "candidates.csv"
-
-    @property
-    def d2d_candidates_md(self) -> Path:
-        return self.d2d / "candidates.md"
-
-    def read_d2d_search(self) -> dict | None:
-        """The d2d search record (for the report and resume), or None before the search."""
-        return json.loads(self.d2d_search.read_text()) if self.d2d_search.exists() else None
+    def baseline(self, name: str) -> Path:
+        """A stage-2 baseline's own records (its preparation: the d2d search's candidates, ...); the files in it are the baseline's."""
+        return self.stage2 / name
 
     # ---- stage 3 ---------------------------------------------------------------------------
     @property

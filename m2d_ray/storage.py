@@ -204,10 +204,12 @@ def delete(url: str) -> None:
         fs.delete_file(path)
 
 
-def delete_dir(url: str) -> None:
-    """Remove the directory at `url` and everything below it (gone already is fine)."""
+def delete_dir(url: str) -> bool:
+    """Remove the directory at `url` and everything below it (gone already is fine); True when there was one."""
     import pyarrow.fs as pafs
 
     fs, path = filesystem(url)
-    if fs.get_file_info(path).type == pafs.FileType.Directory:
-        fs.delete_dir(path)
+    if fs.get_file_info(path).type != pafs.FileType.Directory:
+        return False
+    fs.delete_dir(path)
+    return True

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from m2d_ray.errors import M2DError
-from m2d_ray.run_dir import D2D_TEACHER_KEY, TEACHER_KEY, RunDir
+from m2d_ray.run_dir import TEACHER_KEY, RunDir
 
 PARENT_TAG, TRIAL_TAG, LOGGED_TAG = "m2d.sweep_id", "m2d.trial", "m2d.logged"
 #: MLflow 3's experiment kind: a model-training experiment opens on its runs table, not on the GenAI overview
@@ -35,11 +35,6 @@ def run_tracking_uri(cfg, rd: RunDir, override: str | None = None) -> str:
 def run_tracker(cfg, rd: RunDir, override: str | None = None) -> "Tracker":
     """The tracker of a run directory (artifacts under RUN_DIR/mlartifacts for a sqlite store)."""
     return Tracker(run_tracking_uri(cfg, rd, override), cfg.mlflow.experiment, rd.mlartifacts)
-
-
-def sweep_parent(tracker: "Tracker", rd: RunDir, name: str) -> str:
-    """The run's parent MLflow run, created by stage 1 and found by the run's id."""
-    return tracker.parent_run(rd.sweep_id(), name, params={}, tags={})
 
 
 class Tracker:
@@ -74,13 +69,17 @@ class Tracker:
         return runs[0].info.run_id if runs else None
 
     def parent_run(self, sweep_id: str, name: str, params: dict, tags: dict) -> str:
-        """The sweep's parent run (created once; found again on resume)."""
+        """The run's parent run (created once; found again by the run's id), with `params` it lacks and `tags` logged:
+        whichever stage logs first creates it, the stage that knows the run's parameters adds them."""
         run_id = self._find(PARENT_TAG, sweep_id)
         if run_id is None:
             run_id = self.client.create_run(self.experiment_id, run_name=name, tags={PARENT_TAG: sweep_id, **_str(tags)}).info.run_id
             self.log(run_id, params=params)
-        else:
-            self.client.update_run(run_id, status="RUNNING")
+            return run_id
+        self.client.update_run(run_id, status="RUNNING")
+        if params or tags:
+            have = self.client.get_run(run_id).data.params if params else {}
+            self.log(run_id, params={k: v for k, v in params.items() if k not in have}, tags=tags)
         return run_id
 
     def trial_run(self, parent: str, key: str, params: dict) -> str:
@@ -161,8 +160,9 @@ def run_tags(stage: int, pair: str, kind: str) -> dict[str, str]:
 
 
 def model_kind(key: str) -> str:
-    """The kind of a stage-2/3 model from its key (`baseline-NAME`, the teachers' keys, else a promoted config)."""
-    return "teacher" if key in (TEACHER_KEY, D2D_TEACHER_KEY) else "baseline" if key.startswith("baseline-") else "promoted"
+    """The kind of a stage-2/3 model from its key (`baseline-NAME`, the teachers' `teacher` and `teacher-NAME`, else a
+    promoted config)."""
+    return "teacher" if key == TEACHER_KEY or key.startswith(f"{TEACHER_KEY}-") else "baseline" if key.startswith("baseline-") else "promoted"
 
 
 def run_description(name: str, rd: RunDir, teacher: str, configs: int) -> str:

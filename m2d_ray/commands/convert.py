@@ -10,7 +10,7 @@ from m2d_ray.calibrate.artifact import load_stats
 from m2d_ray.commands.calibrate import calib_options, run_calibrate
 from m2d_ray.console import emit, say
 from m2d_ray.convert import build_from_plan, make_plan
-from m2d_ray.convert.baselines import BASELINES
+from m2d_ray.convert.baselines import RANDOM_BASELINES
 from m2d_ray.convert.export import export_student
 from m2d_ray.convert.plan import check_K, check_methods
 from m2d_ray.data.text import check_spec, load_text, tokenize
@@ -48,7 +48,7 @@ def convert_one(
     made of (calibration may still load it whole when it fits, see run_calibrate).
     """
     if baseline:
-        BASELINES.check(baseline)
+        RANDOM_BASELINES.check(baseline)
     else:
         check_methods(scoring, grouping, scaling)
     check_output(out, "student", overwrite)
@@ -70,7 +70,7 @@ def convert_one(
     teacher = teacher or open_teacher(name, device=device or device_default())  # weights read as the student needs them
     result: dict = {"model": teacher.name, "k": k, "E": E}
     if baseline:
-        export_student(BASELINES[baseline](teacher), teacher.tokenizer, out, overwrite=overwrite)
+        export_student(RANDOM_BASELINES[baseline](teacher), teacher.tokenizer, out, overwrite=overwrite)
         result.update(baseline=baseline)
     else:
         plan = make_plan(teacher, art.layers, scoring, grouping, scaling, K)

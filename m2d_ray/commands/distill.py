@@ -20,7 +20,7 @@ from m2d_ray.checkpoint import check_files, scan
 from m2d_ray.commands.runs import keep_logs
 from m2d_ray.config import RayConfig, load_config
 from m2d_ray.console import emit
-from m2d_ray.convert.baselines import BASELINES
+from m2d_ray.convert.baselines import RANDOM_BASELINES
 from m2d_ray.data.text import check_spec
 from m2d_ray.distill.data import check_source
 from m2d_ray.errors import M2DError, RunFailed
@@ -32,10 +32,10 @@ from m2d_ray.stages.run_storage import RunStorage
 def distill_one(teacher: str | None, student: str, out: str | Path, eval_data: str, config: str | None = None,
                 overrides: list[str] = (), overwrite: bool = False, store: str | None = None) -> dict:
     from m2d_ray.convert.initial import InitialStudent
-    from m2d_ray.distill.trainer import MetricsLog, follow
+    from m2d_ray.distill.trainer import MetricsLog, fit, follow
     from m2d_ray.stages.ray_env import ensure_ray
     from m2d_ray.stages.shards import targets, tokens
-    from m2d_ray.stages.student import fit_student
+    from m2d_ray.stages.student import job
 
     full = load_config(config, overrides)
     cfg, spec = full.distill, full.target_spec()
@@ -47,10 +47,10 @@ def distill_one(teacher: str | None, student: str, out: str | Path, eval_data: s
     check_teacher(teacher)
     check_teacher_topk(teacher, cfg.teacher_topk)
     student_dir = None
-    if student not in BASELINES:
+    if student not in RANDOM_BASELINES:
         student_dir = Path(student).expanduser().resolve()
         if not (student_dir / "config.json").is_file():
-            raise M2DError(f"student {student!r} is neither a model directory nor a baseline: give a directory from m2d convert, or one of {', '.join(BASELINES.names())}")
+            raise M2DError(f"student {student!r} is neither a model directory nor a baseline: give a directory from m2d convert, or one of {', '.join(RANDOM_BASELINES.names())}")
         model_config(str(student_dir))
         check_files(str(student_dir), "student")
     check_spec(eval_data, "--eval-data")
@@ -76,8 +76,8 @@ def distill_one(teacher: str | None, student: str, out: str | Path, eval_data: s
     toks = tokens(storage, teacher, load_tokenizer(local_teacher), cfg, eval_data)
     targ = targets(storage, teacher, toks, spec, cfg, full.calib, full.ray) if spec else None
     with follow(work / "metrics.jsonl", out.name, total=cfg.steps):
-        result = fit_student(storage, None, teacher, cfg, eval_data, build=build, init=init,
-                             callbacks=[MetricsLog(work / "metrics.jsonl")], tokens=toks, targets=targ, target_spec=spec)
+        result = fit(job(storage, None, teacher, cfg, eval_data, build=build, init=init, tokens=toks, targets=targ, target_spec=spec),
+                     callbacks=[MetricsLog(work / "metrics.jsonl")])
     if result.error is not None:
         raise RunFailed(f"distillation failed: {str(result.error).splitlines()[0][:300]}; fix it and run the same command to resume")
     m = result.metrics

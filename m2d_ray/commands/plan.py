@@ -12,23 +12,13 @@ time, GPU-hours, dollars), from configs alone; and the same check that `m2d run`
 
 from __future__ import annotations
 
-from m2d_ray.config import D2D, SweepConfig, load_config
+from m2d_ray.config import SweepConfig, load_config
 from m2d_ray.console import emit, note, say
 from m2d_ray.errors import M2DError
-from m2d_ray.plan.run_plan import Devices, RunPlan, make_plan, plan_line
-
-
-def plan_of(cfg: SweepConfig, devices: Devices, model: str | None = None) -> RunPlan:
-    """The plan of `cfg`, the teacher's config read from `model` (a directory with config.json, else the
-    config's model); stage 3 also plans the d2d baseline's dense teacher when it can read its config."""
-    from m2d_ray.models import default_teacher, load_config as model_config
-
-    extra = {}
-    if D2D in cfg.stage2.baselines and model is None:
-        from m2d_ray.stages.d2d import dense_teacher
-
-        extra["teacher-d2d"] = model_config(dense_teacher(cfg))
-    return make_plan(cfg, model_config(model or cfg.model or default_teacher()), devices, extra)
+from m2d_ray.pipeline import plan_run
+from m2d_ray.plan.devices import cluster_settings, from_cluster_yaml, local_node
+from m2d_ray.plan.run_plan import Devices, RunPlan, as_record, plan_line
+from m2d_ray.sizes import parse_size
 
 
 def show(plan: RunPlan, where: str, out=say) -> None:
@@ -77,62 +67,59 @@ def check_run(cfg: SweepConfig, gpu_memory: int | None = None, cluster: str | No
     """`m2d run`, before calibration: the plan against the devices Ray has or can start (the node types of
     `cluster` (a cluster YAML), else of Ray's autoscaler, else its live nodes; --gpu-memory for every GPU);
     a request no node type holds, or memory that does not fit, exits 2."""
-    from m2d_ray.plan.devices import cluster_settings, from_cluster_yaml
     import os
 
-    import ray
-
     from m2d_ray.evaluate.runner import host_available
-    from m2d_ray.stages.ray_env import ensure_ray, local_node, node_types, on_cluster
 
     head, idle = cluster_settings(cluster) if cluster else (None, 0.0)
     if cluster:
         nodes, where, local = from_cluster_yaml(cluster), f"the node types of {cluster}", False
-    elif not (cfg.ray.address or os.environ.get("RAY_ADDRESS")) and not ray.is_initialized():  # the local Ray this run will start
-        nodes, where, local = [local_node(cfg.ray)], "this machine", True
-    else:
+    elif not (cfg.ray.address or os.environ.get("RAY_ADDRESS")) and not _ray_up():  # the local Ray this run will start
+        nodes, where, local = [local_node(cfg.ray.num_cpus)], "this machine", True
+    else:  # a Ray cluster (or one this process joined): its autoscaler's node types, else its live nodes
+        from m2d_ray.stages.ray_env import ensure_ray, node_types, on_cluster  # lazy: Ray only where a cluster is asked
+
         ensure_ray(cfg.ray)
         (nodes, where), local = node_types(), not on_cluster()
     devices = Devices(gpu_memory or (local_gpu_memory() if local else None), None, tuple(nodes) if nodes is not None else None,
                       host_available() if local else None, head, idle, others_load() if local else 0.0)
-    plan = plan_of(cfg, devices)
+    plan = plan_run(cfg, devices)
     problems = plan.problems()
     show(plan, f"against {where}" + (f", GPUs of {gpu_memory / 2**30:.1f} GiB" if gpu_memory else ""), note if problems else say)
     refuse(plan)
     return plan
 
 
+def _ray_up() -> bool:
+    import sys
+
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
+
+
 def record_plan(rd, plan: RunPlan) -> None:
     """The plan in the run directory: the report sets it beside the measured peaks."""
     from m2d_ray.artifacts import write_json_atomic
-    from m2d_ray.plan.run_plan import as_record
 
     rd.path.mkdir(parents=True, exist_ok=True)
     write_json_atomic(rd.memory_plan, as_record(plan))
 
 
-def log_plan(cfg: SweepConfig, rd, tracking_uri: str | None) -> None:
-    """The run's plan on its MLflow parent run (made by stage 1): each stage's planned bytes per device as a
-    metric `plan.<stage>.per_gpu_bytes`, the whole plan as an artifact."""
-    from m2d_ray.track import run_tracker, sweep_parent
-
-    plan = rd.read_memory_plan()
+def log_plan(ctx) -> None:
+    """The run's plan on its MLflow parent run: each stage's planned bytes per device as a metric
+    `plan.<stage>.per_gpu_bytes`, its bill, the whole plan as an artifact."""
+    plan = ctx.rd.read_memory_plan()
     if plan is None:
         return
-    tracker = run_tracker(cfg, rd, tracking_uri)
-    parent = sweep_parent(tracker, rd, cfg.name)
+    tracker, parent = ctx.tracker, ctx.parent()
     bill = {f"plan.{k}.{key}": v[key] for k, v in plan["stages"].items() for key in ("seconds", "gpu_hours", "dollars", "flops")
             if v.get(key) is not None}
     bound = (plan.get("cost") or {}).get("bound") or {}  # ASHA on: the most the run can cost
     bill.update({f"plan.bound.{key}": bound[key] for key in ("seconds", "gpu_hours", "dollars") if bound.get(key) is not None})
     tracker.log(parent, metrics={**{f"plan.{k}.per_gpu_bytes": v["per_gpu_bytes"] for k, v in plan["stages"].items()}, **bill})
-    tracker.artifacts(parent, [rd.memory_plan])
+    tracker.artifacts(parent, [ctx.rd.memory_plan])
 
 
 def main(args) -> None:
-    from m2d_ray.sizes import parse_size
-    from m2d_ray.plan.devices import cluster_settings, from_cluster_yaml
-
     cfg = load_config(args.config, args.overrides)
     gpu_memory = parse_size(args.gpu_memory) if args.gpu_memory else None
     nodes = tuple(from_cluster_yaml(args.cluster)) if args.cluster else None
@@ -142,7 +129,7 @@ def main(args) -> None:
 
         host = host_available()
     head, idle = cluster_settings(args.cluster) if args.cluster else (None, 0.0)
-    plan = plan_of(cfg, Devices(gpu_memory, args.gpus_per_node, nodes, host, head, idle, others_load() if host else 0.0), args.model)
+    plan = plan_run(cfg, Devices(gpu_memory, args.gpus_per_node, nodes, host, head, idle, others_load() if host else 0.0), args.model)
     where = ", ".join(filter(None, [f"GPUs of {gpu_memory / 2**30:.1f} GiB" if gpu_memory else None,
                                     f"node types of {args.cluster}" if args.cluster else None])) or "this machine"
     show(plan, where, emit)  # the table and the JSON line are the command's result: stdout

@@ -12,7 +12,7 @@ from m2d_ray.arch.base import DenseFFN
 from m2d_ray.convert.student import build_student, student_width
 from m2d_ray.registry import Registry
 
-BASELINES: Registry[Callable[..., PreTrainedModel]] = Registry("baseline")
+RANDOM_BASELINES: Registry[Callable[..., PreTrainedModel]] = Registry("baseline")
 
 
 def dense_width(teacher) -> int:
@@ -33,7 +33,7 @@ def _random_ffn(teacher, width: int, gen: torch.Generator) -> DenseFFN:
                     gate_bias=zeros(width), up_bias=zeros(width), down_bias=zeros(d))
 
 
-@BASELINES.register("random-ffn")
+@RANDOM_BASELINES.register("random-ffn")
 def random_ffn_student(teacher, seed: int = 0) -> PreTrainedModel:
     """Teacher attention, embeddings, norms and head; every MoE FFN freshly initialised."""
     gen = torch.Generator().manual_seed(seed)
@@ -42,7 +42,7 @@ def random_ffn_student(teacher, seed: int = 0) -> PreTrainedModel:
     return build_student(teacher, ffns)
 
 
-@BASELINES.register("random-init")
+@RANDOM_BASELINES.register("random-init")
 def random_init_student(teacher, seed: int = 0) -> PreTrainedModel:
     """The student architecture with every weight freshly initialised (transformers' own init)."""
     width = student_width(teacher.skeleton, teacher.adapter, dense_width(teacher))

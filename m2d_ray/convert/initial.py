@@ -14,11 +14,11 @@ def materialize(teacher, out: str | Path, plan: ConversionPlan | None = None, ba
     if (out / "config.json").exists():
         return out
     from m2d_ray.convert import build_from_plan
-    from m2d_ray.convert.baselines import BASELINES
+    from m2d_ray.convert.baselines import RANDOM_BASELINES
     from m2d_ray.convert.export import export_student
 
     if baseline is not None:
-        export_student(BASELINES[baseline](teacher, seed=seed), teacher.tokenizer, out)
+        export_student(RANDOM_BASELINES[baseline](teacher, seed=seed), teacher.tokenizer, out)
     elif plan is not None:
         export_student(build_from_plan(teacher, plan), teacher.tokenizer, out, teacher=teacher, plan=plan)
     else:

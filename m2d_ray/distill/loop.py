@@ -39,8 +39,10 @@ EXTRAS = ("val_ppl_initial", "curve")  # saved with every checkpoint besides the
 
 @dataclass(frozen=True)
 class DistillJob:
-    """What to distil: teacher and initial student (directories, hub names or storage URLs), hyper-parameters,
-    where the student goes (a path or storage URL), and two hooks from the host."""
+    """Everything one student's distillation needs, as one object (picklable: it travels to the Ray Train workers):
+    teacher and initial student (directories, hub names or storage URLs), the hyper-parameters, what it reads
+    (token shards, cached targets), where the student and its checkpoints go (paths or storage URLs), how often a
+    lost worker group is retried, and two hooks from the host."""
 
     teacher: str
     student: str
@@ -53,6 +55,9 @@ class DistillJob:
     tokens: str | None = None  # the stream tokenised once (distill/tokens.py; a path or storage URL); None = tokenise here
     targets: str | None = None  # the teacher's cached targets over `tokens` (distill/targets.py): then no teacher weights are loaded
     target_spec: TargetSpec | None = None
+    checkpoints: str | None = None  # where Ray Train keeps its checkpoints (checkpoints/run_name); None: the host's default
+    run_name: str = "train"  # Ray Train's run name there: fitting the same name again resumes from its latest checkpoint
+    max_failures: int = 0  # Ray Train's retries of a lost worker group
 
 
 @dataclass

@@ -103,9 +103,9 @@ def follow(path: str | Path, label: str = "", every_s: float = 1.0, total: int |
         t.join()
 
 
-def fit(job: DistillJob, name: str, storage: str, callbacks: list | None = None, max_failures: int = 0):
-    """Build and fit the TorchTrainer of one student, its checkpoints under `storage` (a path or a storage
-    URL every node reaches); returns Ray Train's Result."""
+def fit(job: DistillJob, callbacks: list | None = None):
+    """Build and fit the TorchTrainer of one student, its checkpoints in `job.checkpoints` (a path or a storage
+    URL every node reaches) under `job.run_name`; returns Ray Train's Result."""
     from m2d_ray.storage import ray_storage
 
     cfg = job.cfg
@@ -120,9 +120,9 @@ def fit(job: DistillJob, name: str, storage: str, callbacks: list | None = None,
             resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": cfg.gpus_per_worker} if use_gpu else {})},
         ),
         run_config=RunConfig(
-            name=name, **ray_storage(str(storage)), callbacks=callbacks or [],
+            name=job.run_name, **(ray_storage(job.checkpoints) if job.checkpoints else {}), callbacks=callbacks or [],
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
-            failure_config=FailureConfig(max_failures=max_failures),
+            failure_config=FailureConfig(max_failures=job.max_failures),
         ),
     )
     return trainer.fit()

@@ -114,8 +114,9 @@ def _bytes(v: str, what: str) -> int:
         raise M2DError(f"{what}: {exc}") from None
 
 
-def probe_gpus() -> tuple[int, int]:
-    """(one GPU's memory, the most GPUs on one node) of the Ray cluster: a 1-GPU task measures the memory."""
+def probe_gpus(get=None) -> tuple[int, int]:
+    """(one GPU's memory, the most GPUs on one node) of the Ray cluster: a 1-GPU task measures the memory (`get`:
+    how to wait for it, the stage's resource waiter; default ray.get)."""
     import ray
 
     @ray.remote(num_gpus=1, num_cpus=0)
@@ -124,22 +125,22 @@ def probe_gpus() -> tuple[int, int]:
 
         return torch.cuda.get_device_properties(0).total_memory
 
-    mem = ray.get(_memory.remote())
+    mem = (get or ray.get)(_memory.remote())
     per_node = max((int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n.get("Alive")), default=1)
     return mem, max(1, per_node)
 
 
-def stage3_placements(models: dict[str, str], c, gpus: float) -> dict[str, EvalPlacement]:
+def stage3_placements(models: dict[str, str], c, gpus: float, get=None) -> dict[str, EvalPlacement]:
     """{key: placement} of every model stage 3 will evaluate, from configs alone, before any task starts; a
     model that fits on no number of a node's GPUs fails here with one line. `gpus`: the configured share
-    (0 = CPU); a model that needs more whole GPUs gets them, sharded."""
+    (0 = CPU); a model that needs more whole GPUs gets them, sharded. `get`: how to wait for the GPU probe."""
     batch, budget = parse_batch(c.batch_size), _bytes(c.batch_memory, "stage3.batch_memory") if c.batch_memory else None
     if gpus <= 0:
         return {k: plan(m, None, 0, batch, budget, seq_cap=c.max_length, what=f"stage-3 model {k}") for k, m in models.items()}
     mem = _bytes(c.gpu_memory, "stage3.gpu_memory") if c.gpu_memory else None
     per_node = c.gpus_per_node
     if mem is None or per_node is None:
-        probed_mem, probed_n = probe_gpus()
+        probed_mem, probed_n = probe_gpus(get)
         mem, per_node = mem or probed_mem, per_node or probed_n
     out = {}
     for k, m in models.items():

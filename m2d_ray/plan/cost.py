@@ -1,15 +1,11 @@
-"""The bill of a run before it starts: FLOPs, wall time, GPU-hours and dollars of every stage, from configs.
+"""The bill of a run before it starts: the arithmetic every stage prices its work with (FLOPs, wall time,
+GPU-hours, dollars), from shapes and configs. Each stage says what it counts (`Stage.cost` in its module).
 
 FLOPs count matrix products (2 per multiply-add) as distill/flops.py does, from the shapes read on the meta
-device: calibration runs every expert on every calibration token and forms each MoE layer's E x E output
-Gram; a stage-1 trial forwards its student over the perplexity tokens it will really score (each distinct
-student's probe chunk, the survivors' remaining chunks); the targets pass is the teacher's forward at its
-top-k, then the d2d baseline's dense teacher's; the d2d baseline's search (stage 2's first task, counted in
-its row) is its dense teacher over the calibration tokens and each candidate shape (the student's size) over
-the perplexity tokens; a student's step is its forward and backward (4 forwards under gradient checkpointing:
-the recomputation is time) plus the teacher's forward (online) or its output head (hidden), and its
-validations, up to where ASHA is expected to stop it (asha_ends); stage 3 forwards the suite's tokens
-(plan/suite.py) through each model that finished.
+device: a forward at the top-k (or every expert), a calibration token's E x E output Gram, the output head; a
+student's step is its forward and backward (4 forwards under gradient checkpointing: the recomputation is time)
+plus its teacher's side (the forward online, the head from cached hidden states), with its validations, up to
+where ASHA is expected to stop it (asha_ends).
 
 Time: a unit's FLOPs / (its devices' peak x plan.efficiency; plan.cpu_efficiency on CPUs) + a fixed start-up
 (plan.*_s), its units spread over the lanes the run will have (trials at once, students at once, models at
@@ -24,18 +20,17 @@ from __future__ import annotations
 
 import heapq
 import math
-import os
 import random
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
 
 from m2d_ray.accelerators import GPU_PEAK_BF16
-from m2d_ray.config import D2D, SweepConfig, k_values
+from m2d_ray.config import SweepConfig, k_values
 from m2d_ray.distill.flops import causal_attention_flops
 from m2d_ray.plan.devices import NodeType, holders
 from m2d_ray.plan.prices import hourly
 from m2d_ray.plan.shapes import Models, Shape
-from m2d_ray.plan.suite import CHARS_PER_TOKEN, suite_tokens
+from m2d_ray.plan.suite import CHARS_PER_TOKEN
 
 #: stage-1 students that outlive the probe round: P2 measured 81 full evaluations of 204 distinct students
 SURVIVORS = 81 / 204
@@ -215,19 +210,6 @@ def student_reports(cfg: SweepConfig) -> int:
     return math.ceil(cfg.distill.steps / cfg.distill.eval_every)
 
 
-def d2d_teacher(cfg: SweepConfig, teacher: Shape, extra: dict[str, Shape]) -> Shape | None:
-    """The d2d baseline's dense teacher (stage 3's `teacher-d2d`; the MoE teacher's shape when unknown), or None
-    without d2d: its search, its student, and with cached targets its own pass and states."""
-    return (extra.get("teacher-d2d") or teacher) if D2D in cfg.stage2.baselines else None
-
-
-def d2d_candidates() -> int:
-    """The d2d baseline's candidate shapes (prune/search.py's mixes: at most one each)."""
-    from m2d_ray.prune.search import MIXES
-
-    return len(MIXES)
-
-
 # ---- ASHA in stage 2 ----------------------------------------------------------------------------
 def asha_rungs(reports: int, grace: int, rf: float) -> list[float]:
     """The reports after which Ray's ASHA may stop a student: its bracket's milestones grace x rf^k, as many as
@@ -390,104 +372,16 @@ def stage_cost(cfg: SweepConfig, name: str, unit_flops: list[float], p: Place, o
                      p.node.name if p.node else None, node_hours)
 
 
-def estimate(cfg: SweepConfig, m: Models, stage_plans: dict, nodes: tuple[NodeType, ...] | None, head: str | None, idle_minutes: float,
-             targets: str, extra: dict[str, Shape], students_at_once: int | None, cpu_load: float = 0.0) -> RunCost:
-    """The run's bill. `stage_plans`: the memory plan's StagePlan by name (their requests and GPUs);
-    `extra`: stage 3's other models (the d2d baseline's dense teacher) by key; `cpu_load`: others' runnable
-    processes on the CPUs of CPU stages."""
-    r, c, x, t, s3 = cfg.ray, cfg.calib, cfg.distill, m.teacher, cfg.stage3
-    cpu = Host(cpu_rate(cfg), os.cpu_count() or 1, cpu_load) if any(p.share == 0 for p in stage_plans.values()) else None
-    idle_s, prices, pc = idle_minutes * 60, cfg.plan.prices, cfg.plan
-    out = []
-
-    def run(name: str, flops: list[float], gpus: float, threads: int, wanted: int, acc: str | None, overhead: float, rounds: int = 1) -> None:
-        plan = stage_plans[name]
-        out.append(stage_cost(cfg, name, flops, place(plan.request, gpus, threads, wanted, nodes, acc), overhead, cpu, prices, idle_s, rounds))
-
-    calib = c.max_tokens * calibration_flops(t, c.seq_len)
-    run("calibrate", [calib / r.data_actors] * r.data_actors, r.data_gpus_per_actor, r.threads_per_worker, r.data_actors, r.data_accelerator,
-        pc.actor_s)
-    _, distinct = distinct_students(cfg, t)
-    trials, chunks = stage1_chunks(cfg, distinct)
-    per_trial = chunks / trials * eval_tokens(cfg) / cfg.eval.chunks * forward_flops(m.student, cfg.eval.seq_len)
-    run("stage1", [per_trial] * trials, r.gpus_per_trial, r.threads_per_worker, r.max_concurrent_trials, r.trial_accelerator, pc.trial_s,
-        rounds=2 if trials > distinct else 1)  # the probe round is a Tune experiment of its own
-    dense = d2d_teacher(cfg, t, extra)
-    if "targets" in stage_plans:  # the teacher's pass, then the d2d baseline's dense teacher's (new actors, Ray Data warm): one row
-        passes = [stage_cost(cfg, "targets", _targets_pass(cfg, shape, targets), place(stage_plans["targets"].request, r.data_gpus_per_actor,
-                             r.threads_per_worker, r.data_actors, nodes, r.data_accelerator), pc.actor_s, cpu, prices, idle_s, rounds=int(i == 0))
-                  for i, shape in enumerate(filter(None, (t, dense)))]
-        out.append(passes[0] if len(passes) == 1 else _before(passes[1], passes[0]))
-    search = None
-    if dense is not None:  # one task before the students: the dense teacher's importance, each candidate's perplexity
-        flops = c.max_tokens * forward_flops(dense, c.seq_len) + d2d_candidates() * eval_tokens(cfg) * forward_flops(m.student, cfg.eval.seq_len)
-        gpus = 1.0 if x.gpus_per_worker > 0 else 0.0
-        search = stage_cost(cfg, "d2d", [flops], place(stage_plans["stage2"].request, gpus, x.threads_per_worker, 1, nodes, x.accelerator),
-                            pc.model_s, cpu, prices, 0.0)  # its node stays for the students: no idle tail of its own
-    pairs = len(cfg.stage2.pairs) or len(cfg.grid.scoring) * len(cfg.grid.grouping)
-    teachers = [t] * (pairs + len([b for b in cfg.stage2.baselines if b != D2D])) + ([dense] if dense is not None else [])
-    ends = asha_ends(cfg, len(teachers), students_at_once)
-    # the dearest students paired with the longest runs (ASHA's order is the students' quality, unknown here)
-    reports = [n for n, k in reversed(ends) for _ in range(k)]
-    by_cost = sorted(teachers, key=lambda s: -forward_flops(s, x.seq_len))
-    students = [stage2_flops(cfg, m, targets, teacher, n) for teacher, n in zip(by_cost, reports)]
-    run("stage2", students, x.workers * x.gpus_per_worker, x.workers * x.threads_per_worker, students_at_once or len(students), x.accelerator,
-        pc.student_s)
-    if search is not None:
-        out[-1] = _before(search, out[-1])
-    tokens, mean_len = suite_tokens(s3.tasks, s3.num_fewshot, s3.limit)
-    finished = ends[-1][1]  # ASHA's stopped students are not exported, so not evaluated
-    models = [("student", m.student)] * finished + ([("teacher", t)] if s3.teacher else []) + list(extra.items())
-    per = {k: tokens * forward_flops(shape, int(mean_len)) for k, shape in models}
-    by_gpus: dict[float, list[float]] = {}
-    for key, _ in models:
-        p = stage_plans.get(f"stage3:{key}")
-        by_gpus.setdefault(p.units * p.share if p else 0.0, []).append(per[key])
-    for i, (gpus, flops) in enumerate(sorted(by_gpus.items())):
-        wanted = len(flops) if gpus > 0 else max(1, int(r.num_cpus // max(s3.cpus_per_task, 1e-9)))
-        name = "stage3" if len(by_gpus) == 1 else f"stage3:{gpus:g}gpu"
-        plan = stage_plans.get(f"stage3:{models[0][0]}") or next(p for k, p in stage_plans.items() if k.startswith("stage3"))
-        out.append(stage_cost(cfg, name, flops, place({**plan.request, "GPU": min(gpus, 1.0) if gpus else 0.0}, gpus, s3.threads_per_task,
-                                                         wanted, nodes, s3.accelerator), pc.model_s, cpu, prices, idle_s))
-    out = _merge_stage3(out)
-    head_node = next((n for n in nodes or () if n.name == head), None)
-    total = _sum(s.seconds for s in out)
-    price = hourly(head_node, prices) if head_node else None
-    bound = None
-    if len(ends) > 1:  # ASHA stops some students: the same run with none stopped is the most it can cost
-        same = replace(cfg, stage2=replace(cfg.stage2, asha=False), plan=replace(cfg.plan, cpu_flops=cpu.rate if cpu else cfg.plan.cpu_flops))
-        bound = estimate(same, m, stage_plans, nodes, head, idle_minutes, targets, extra, students_at_once, cpu_load)
-    return RunCost(tuple(out), None if price is None or total is None else price * total / 3600, cpu.rate if cpu else None, cpu_load,
-                   tuple(ends), bound)
-
-
-def _targets_pass(cfg: SweepConfig, teacher: Shape, targets: str) -> list[float]:
-    """The FLOPs of each actor of `teacher`'s pass over the run's tokens: its forward (no head for hidden
-    states), split over the actors that have a shard to compute (ray.data_actors, at most the shards)."""
-    from m2d_ray.distill.targets import blocks_per_shard, bytes_per_token, state_bytes
-
-    x = cfg.distill
-    per_token = bytes_per_token(cfg.target_spec(), state_bytes(teacher.hidden, cfg.ray.data_gpus_per_actor > 0))
-    actors = max(1, min(cfg.ray.data_actors, math.ceil(x.blocks / blocks_per_shard(x.seq_len, per_token))))
-    f = student_tokens(cfg) * (forward_flops(teacher, x.seq_len) - (head_flops(teacher) if targets == "hidden" else 0.0))
-    return [f / actors] * actors
-
-
-def _before(first: StageCost, stage: StageCost) -> StageCost:
-    """`stage` with `first` run before it (the d2d search before the students: stage 2's one row, one wall)."""
+def before(first: StageCost, stage: StageCost) -> StageCost:
+    """`stage` with `first` run before it, as one row and one wall (a baseline's search before the students)."""
     return replace(stage, flops=stage.flops + first.flops, seconds=_sum([first.seconds, stage.seconds]),
                    gpu_hours=_sum([first.gpu_hours, stage.gpu_hours]), dollars=_sum([first.dollars, stage.dollars]),
                    node_hours=None if stage.node_hours is None else stage.node_hours + (first.node_hours or 0.0))
 
 
-def _merge_stage3(stages: list[StageCost]) -> list[StageCost]:
-    """Stage 3's models of different GPU counts as one row: they run at once, the row's wall is the longest."""
-    parts = [s for s in stages if s.name.startswith("stage3")]
-    if len(parts) <= 1:
-        return stages
-    add = lambda vals: _sum(vals)  # noqa: E731
-    merged = StageCost("stage3", sum(p.flops for p in parts), None if any(p.seconds is None for p in parts) else max(p.seconds for p in parts),
-                       add(p.gpu_hours for p in parts), add(p.dollars for p in parts), sum(p.units for p in parts), sum(p.lanes for p in parts),
-                       " + ".join(p.device for p in parts), " + ".join(dict.fromkeys(filter(None, (p.node for p in parts)))) or None,
-                       add(p.node_hours for p in parts))
-    return [s for s in stages if not s.name.startswith("stage3")] + [merged]
+def side_by_side(name: str, parts: list[StageCost]) -> StageCost:
+    """Rows whose units run at the same time as one row `name`: the longest wall, the sums of the rest."""
+    seconds = None if any(p.seconds is None for p in parts) else max(p.seconds for p in parts)
+    return StageCost(name, sum(p.flops for p in parts), seconds, _sum(p.gpu_hours for p in parts), _sum(p.dollars for p in parts),
+                     sum(p.units for p in parts), sum(p.lanes for p in parts), " + ".join(p.device for p in parts),
+                     " + ".join(dict.fromkeys(filter(None, (p.node for p in parts)))) or None, _sum(p.node_hours for p in parts))

@@ -84,3 +84,22 @@ def smallest_gpu(nodes: list[NodeType]) -> int | None:
     """The memory of the smallest GPU among `nodes` (None when none names its GPU type)."""
     mems = [n.gpu_memory for n in nodes if n.gpus > 0 and n.gpu_memory]
     return min(mems) if mems else None
+
+
+def local_node(num_cpus: int) -> NodeType:
+    """The node a local Ray (started with `num_cpus` logical CPUs) will have: those CPUs, this machine's GPUs and
+    their type as Ray names it; known before Ray starts."""
+    resources: dict = {"CPU": float(num_cpus)}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            resources["GPU"] = float(torch.cuda.device_count())
+            from ray._private.accelerators import get_accelerator_manager_for_resource  # lazy, GPU only; internal: pinned ray==2.60.0
+
+            kind = get_accelerator_manager_for_resource("GPU").get_current_node_accelerator_type()
+            if kind:
+                resources[f"accelerator_type:{kind}"] = 1.0
+    except Exception:
+        pass
+    return NodeType("this machine", resources)

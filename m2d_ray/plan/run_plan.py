@@ -1,33 +1,28 @@
-"""The plan of a run: every stage's bytes per device, its devices and Ray request, and the storage it writes.
+"""The plan of a run: every stage's bytes per device, its devices and Ray request, the storage it writes and
+its bill, from configs and shapes alone (no weights, no Ray).
 
-`make_plan(cfg, teacher_config, devices)` reads configs only. A stage "fits" when one unit of it (a
-calibration actor, a stage-1 trial, a stage-2 rank, a stage-3 model) fits the device share it asks for;
-`first_problem` is the one line `m2d plan` and `m2d run` print when something does not fit or no node type
-can ever hold a stage's request, with what to change.
+Each stage computes its own rows (`Stage.needs`, `storage`, `cost` in its module under stages/) from a
+`Planning` (the config, the shapes, the devices) with the helpers here; `pipeline.plan_run` gathers them into
+a `RunPlan`. A stage "fits" when one unit of it (a calibration actor, a stage-1 trial, a stage-2 rank, a
+stage-3 model) fits the device share it asks for; `RunPlan.problems` gives the lines `m2d plan` and `m2d run`
+refuse a run with, each with what to change.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 
 from m2d_ray.config import SweepConfig
-from m2d_ray.errors import M2DError
 from m2d_ray.plan import memory
-from m2d_ray.plan.cost import RunCost, d2d_teacher, estimate
+from m2d_ray.plan.cost import Host, Place, RunCost, StageCost, asha_ends, place, stage_cost
 from m2d_ray.plan.devices import NodeType, bundle, holders, smallest_gpu
+from m2d_ray.plan.shapes import Models, Shape
 from m2d_ray.sizes import gib
-from m2d_ray.plan.shapes import Models, Shape, models_of, shape_of
 
 HEADROOM = 0.95  # of a device's memory a plan may fill (allocator fragmentation)
 GPU_RESERVE = 1 << 30  # CUDA context and allocator slack (evaluate/placement.RESERVE)
-#: the config keys of each stage's Ray request
-KEYS = {"calibrate": "ray.data_gpus_per_actor / ray.data_accelerator", "targets": "ray.data_gpus_per_actor / ray.data_accelerator",
-        "stage1": "ray.gpus_per_trial / ray.cpus_per_trial / ray.trial_accelerator",
-        "stage2": "distill.gpus_per_worker / distill.cpus_per_worker / distill.accelerator",
-        "stage3": "stage3.gpus_per_task / stage3.cpus_per_task / stage3.accelerator"}
-
-
 @dataclass(frozen=True)
 class Devices:
     """What the plan is checked against: one GPU's memory (None = from the node types, else unknown), the
@@ -153,33 +148,78 @@ def _top(parts: dict, n: int = 3) -> str:
     return ", ".join(f"{k} {gib(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])[:n] if v)
 
 
-# ---- the stages -------------------------------------------------------------------------------
-def make_plan(cfg: SweepConfig, teacher_config, devices: Devices = Devices(), stage3_models: dict | None = None) -> RunPlan:
-    """The plan of `cfg` for the teacher of `teacher_config`. `stage3_models`: extra {key: config} that stage 3
-    evaluates besides the student and the teacher (the d2d baseline's dense teacher)."""
-    from m2d_ray.distill.targets import bytes_per_token, state_bytes
+# ---- what a stage's needs and cost read ------------------------------------------------------------
+@dataclass(frozen=True)
+class Planning:
+    """What a stage's `needs` and `storage` read: the config, the teacher's and student's shapes, the devices,
+    and the teachers the baselines bring (their shapes and configs, by stage 3's key: `teacher-<baseline>`)."""
 
-    m = models_of(teacher_config)
-    spec = cfg.target_spec()
-    per_token = bytes_per_token(spec, state_bytes(m.teacher.hidden, cfg.ray.data_gpus_per_actor > 0)) if spec else 0
-    stages = [_calibrate(cfg, m.teacher, devices), _stage1(cfg, m.student, devices)]
-    if spec:
-        stages.append(_targets(cfg, m.teacher, devices, per_token, logits=not spec.exact))
-    stages.append(_stage2(cfg, m, devices, spec.mode if spec else "online", per_token))
-    stages += _stage3(cfg, m, devices, stage3_models or {})
-    at_once = _students_at_once(cfg, devices)
-    extra = {k: shape_of(c) for k, c in (stage3_models or {}).items()}
-    dense = d2d_teacher(cfg, m.teacher, extra) if spec else None  # with cached targets, the d2d baseline's teacher's states too
-    dense_per_token = bytes_per_token(spec, state_bytes(dense.hidden, cfg.ray.data_gpus_per_actor > 0)) if dense else 0
-    stays, peak = _storage(cfg, m, per_token + dense_per_token, at_once)
-    cost = estimate(cfg, m, {s.name: s for s in stages}, devices.nodes, devices.head, devices.idle_minutes, spec.mode if spec else "online",
-                    extra, at_once, devices.cpu_load)
-    return RunPlan(tuple(stages), stays, devices.gpu_memory, {"teacher_params": m.teacher.params, "student_params": m.student.params}, peak,
-                   cost, cfg.plan.max_dollars)
+    cfg: SweepConfig
+    models: Models
+    devices: Devices = field(default_factory=lambda: Devices())
+    teachers: dict[str, Shape] = field(default_factory=dict)
+    teacher_configs: dict[str, object] = field(default_factory=dict)
+
+    @cached_property
+    def spec(self):
+        """stage2.targets as a TargetSpec; None: online."""
+        return self.cfg.target_spec()
+
+    @property
+    def mode(self) -> str:
+        return self.spec.mode if self.spec else "online"
+
+    def per_token(self, teacher: Shape) -> int:
+        """Bytes a token's cached targets of `teacher` take (0 online)."""
+        from m2d_ray.distill.targets import bytes_per_token, state_bytes  # the targets' own format
+
+        return bytes_per_token(self.spec, state_bytes(teacher.hidden, self.cfg.ray.data_gpus_per_actor > 0)) if self.spec else 0
+
+    @cached_property
+    def pairs(self) -> int:
+        """Promoted students stage 2 distils: the (scoring, grouping) pairs named, else every pair of the grid."""
+        g = self.cfg.grid
+        return len(self.cfg.stage2.pairs) or len(g.scoring) * len(g.grouping)
+
+    @cached_property
+    def students_at_once(self) -> int | None:
+        """The most students training at once: `SweepConfig.students_at_once`, bounded on GPUs by what the node
+        types' max_workers can hold (None: unbounded, or unknown)."""
+        x, n, d = self.cfg.distill, self.cfg.students_at_once(), self.devices
+        if x.gpus_per_worker <= 0 or d.nodes is None:
+            return n
+        types = holders(list(d.nodes), bundle(x.cpus_per_worker, x.gpus_per_worker, x.accelerator))
+        if not types or any(t.max_workers is None for t in types):
+            return n
+        room = sum(t.max_workers * int(t.gpus // (x.workers * x.gpus_per_worker)) for t in types)
+        return min(n, room) if n else room
+
+    @cached_property
+    def ends(self) -> list[tuple[float, int]]:
+        """Where ASHA is expected to stop stage 2's students ([(reports, students)], the last: those that finish)."""
+        return asha_ends(self.cfg, self.pairs + len(self.cfg.stage2.baselines), self.students_at_once)
 
 
-def _unit(name: str, unit: str, parts: dict, share: float, units: int, request: dict, devices: Devices, fix: str,
-          pinned_memory: int | None = None) -> StagePlan:
+@dataclass(frozen=True)
+class Costing:
+    """What a stage's `cost` reads besides the `Planning`: every stage's plan (its request and GPUs) and the CPUs
+    that CPU stages share (None: no stage runs on CPUs)."""
+
+    p: Planning
+    plans: dict[str, StagePlan]
+    cpu: Host | None
+
+    def place(self, name: str, gpus: float, threads: int, wanted: int, accelerator: str | None, request: dict | None = None) -> Place:
+        return place(self.plans[name].request if request is None else request, gpus, threads, wanted, self.p.devices.nodes, accelerator)
+
+    def stage(self, name: str, flops: list[float], where: Place, overhead: float, rounds: int = 1, idle: bool = True) -> StageCost:
+        """The cost of `flops` units run at `where` (`idle`: its nodes wait the autoscaler's idle tail after it)."""
+        d = self.p.devices
+        return stage_cost(self.p.cfg, name, flops, where, overhead, self.cpu, self.p.cfg.plan.prices, d.idle_minutes * 60 if idle else 0.0, rounds)
+
+
+def unit(name: str, unit: str, parts: dict, share: float, units: int, request: dict, devices: Devices, fix: str, keys: str,
+         pinned_memory: int | None = None) -> StagePlan:
     """A stage's plan with its capacity: a GPU share of the smallest GPU that may receive it, or a host's
     memory shared by the units running at once on CPU."""
     found = holders(list(devices.nodes), request) if devices.nodes is not None else None
@@ -191,139 +231,21 @@ def _unit(name: str, unit: str, parts: dict, share: float, units: int, request: 
         capacity = int(devices.host_memory * HEADROOM / max(1, units)) if devices.host_memory else None
     nodes = "; ".join(n.describe() for n in devices.nodes) if devices.nodes is not None else ""
     return StagePlan(name, unit, parts, share, units, request, capacity, fix, tuple(n.name for n in found) if found is not None else None,
-                     KEYS[name.split(":")[0]], nodes)
+                     keys, nodes)
 
 
-def _teacher_pass(name: str, cfg: SweepConfig, d: Devices, parts_of) -> StagePlan:
+def teacher_pass(name: str, p: Planning, keys: str, parts_of) -> StagePlan:
     """A Ray Data actor holding the teacher (calibration, the targets pass): whole, or streamed a layer at a
     time when calib.stream says so or, left unset, when the whole teacher does not fit (what the actor does)."""
-    c, r = cfg.calib, cfg.ray
+    c, r = p.cfg.calib, p.cfg.ray
     share = r.data_gpus_per_actor
     request = bundle(1, share, r.data_accelerator)
     smaller = "a smaller calib.batch_size or a larger GPU"
-    plan = _unit(name, "actor", parts_of(bool(c.stream)), share, r.data_actors, request, d,
-                 smaller if c.stream else "calib.stream=true (the teacher one layer at a time) or a larger GPU")
+    plan = unit(name, "actor", parts_of(bool(c.stream)), share, r.data_actors, request, p.devices,
+                smaller if c.stream else "calib.stream=true (the teacher one layer at a time) or a larger GPU", keys)
     if c.stream is None and plan.fits is False:
-        plan = _unit(name, "actor (streamed)", parts_of(True), share, r.data_actors, request, d, smaller)
+        plan = unit(name, "actor (streamed)", parts_of(True), share, r.data_actors, request, p.devices, smaller, keys)
     return plan
-
-
-def _calibrate(cfg: SweepConfig, t: Shape, d: Devices) -> StagePlan:
-    c, gpu = cfg.calib, cfg.ray.data_gpus_per_actor > 0
-    return _teacher_pass("calibrate", cfg, d, lambda streamed: memory.calibration(t, c.batch_size, c.seq_len, t.dtype_bytes, streamed, gpu))
-
-
-def _stage1(cfg: SweepConfig, s: Shape, d: Devices) -> StagePlan:
-    r, e = cfg.ray, cfg.eval
-    return _unit("stage1", "trial", memory.trial(s, e.batch_size, e.seq_len, s.dtype_bytes), r.gpus_per_trial, r.max_concurrent_trials,
-                 bundle(r.cpus_per_trial, r.gpus_per_trial, r.trial_accelerator), d,
-                 "a larger ray.gpus_per_trial, a smaller eval.batch_size or a larger GPU")
-
-
-def _targets(cfg: SweepConfig, t: Shape, d: Devices, per_token: int, logits: bool) -> StagePlan:
-    c, seq = cfg.calib, cfg.distill.seq_len
-    return _teacher_pass("targets", cfg, d, lambda streamed: memory.targets_pass(t, c.batch_size, seq, t.dtype_bytes, streamed, per_token, logits))
-
-
-def _stage2(cfg: SweepConfig, m: Models, d: Devices, targets: str, per_token: int) -> StagePlan:
-    x = cfg.distill
-    share = x.gpus_per_worker
-    b = 2 if share > 0 else 4  # bf16 on a GPU, fp32 on CPU (distill/loop.py)
-    T = x.batch_size * x.seq_len
-    parts = memory.student_rank(m.student, m.teacher, T, b, x.workers, x.deepspeed, x.zero_stage, x.gradient_checkpointing, x.loss_chunk,
-                                targets, per_token)
-    return _unit("stage2", "rank", parts, share, x.workers, bundle(x.cpus_per_worker, share, x.accelerator), d, _stage2_fix(cfg, parts))
-
-
-def _stage2_fix(cfg: SweepConfig, parts: dict) -> str:
-    x = cfg.distill
-    big = max(parts, key=parts.get)
-    if big == "teacher":
-        return "stage2.targets=hidden (the teacher's final hidden states cached once: a rank holds its output head only, the loss stays exact)"
-    if big == "activations" and not x.gradient_checkpointing:
-        return "distill.gradient_checkpointing=true"
-    if big in ("optimizer", "grads") and x.workers < 8:
-        return f"more distill.workers (ZeRO-2 shards the optimizer over them; now {x.workers})"
-    return f"a smaller distill.batch_size (now {x.batch_size}; raise distill.grad_accum to keep the tokens per step) or a larger GPU"
-
-
-def _stage3(cfg: SweepConfig, m: Models, d: Devices, extra: dict) -> list[StagePlan]:
-    from m2d_ray.sizes import parse_size
-    from m2d_ray.evaluate.placement import model_size, plan_eval
-    from m2d_ray.evaluate.runner import max_length, parse_batch
-
-    c = cfg.stage3
-    gpus = c.gpus_per_task if c.gpus_per_task is not None else float(cfg.uses_gpus())
-    models = {"student": m.student_config, **({"teacher": m.teacher_config} if c.teacher else {}), **extra}
-    out = []
-    request = bundle(c.cpus_per_task, min(gpus, 1), c.accelerator)
-    found = holders(list(d.nodes), request) if d.nodes is not None and gpus > 0 else None
-    mem = d.gpu_memory or (smallest_gpu(found) if found else None) or parse_size(c.gpu_memory)  # (checked at config load)
-    per_node = d.gpus_per_node or c.gpus_per_node or max((int(n.gpus) for n in (found or [])), default=8)
-    for key, config in models.items():
-        size = model_size(config)
-        seq = max_length(config, c.max_length)
-        name = f"stage3:{key}"
-        if gpus <= 0 or mem is None:
-            p = plan_eval(size, None, 0, parse_batch(c.batch_size), max_length=seq, host_bytes=d.host_memory if gpus <= 0 else None)
-            parts = {"weights": p.weights, "batch": p.max_batch_size * p.sequence if c.batch_size == "auto" else p.batch_size * p.sequence}
-            out.append(_unit(name, key, parts, gpus if gpus > 0 else 0, 1, bundle(c.cpus_per_task, gpus, c.accelerator), d,
-                             "a smaller stage3.batch_size or stage3.max_length"))
-            continue
-        try:
-            p = plan_eval(size, mem, per_node, parse_batch(c.batch_size), gpu_fraction=gpus if gpus < 1 else None, max_length=seq, what=key)
-        except M2DError:  # on no number of a node's GPUs: what it would need on all of them
-            parts = {"weights": int(size.weights / per_node * (1.05 if per_node > 1 else 1)), "batch": size.sequence_bytes(seq)}
-            out.append(_unit(name, f"{key}, sharded over {per_node}" if per_node > 1 else key, parts, 1, per_node,
-                             bundle(c.cpus_per_task, per_node, c.accelerator), d, "nodes with more or larger GPUs, or a shorter stage3.max_length",
-                             pinned_memory=mem))
-            continue
-        g = max(p.gpus, gpus) if gpus >= 1 else p.gpus
-        per_gpu = (p.max_memory_per_gpu or p.weights) + (p.max_batch_size if p.batch_size == "auto" else p.batch_size) * p.sequence
-        share = g if g < 1 else 1
-        plan = _unit(name, key, {"weights": p.max_memory_per_gpu or p.weights, "batch": per_gpu - (p.max_memory_per_gpu or p.weights)},
-                     share, int(max(1, g)), bundle(c.cpus_per_task, g, c.accelerator), d, "nodes with more or larger GPUs, or a shorter stage3.max_length",
-                     pinned_memory=mem)
-        out.append(plan)
-    return out
-
-
-# ---- storage ------------------------------------------------------------------------------------
-def _students_at_once(cfg: SweepConfig, d: Devices) -> int | None:
-    """The most students training at once: `SweepConfig.students_at_once`, bounded on GPUs by what the node types'
-    max_workers can hold (None: unbounded, or unknown)."""
-    x, n = cfg.distill, cfg.students_at_once()
-    if x.gpus_per_worker <= 0 or d.nodes is None:
-        return n
-    types = holders(list(d.nodes), bundle(x.cpus_per_worker, x.gpus_per_worker, x.accelerator))
-    if not types or any(t.max_workers is None for t in types):
-        return n
-    room = sum(t.max_workers * int(t.gpus // (x.workers * x.gpus_per_worker)) for t in types)
-    return min(n, room) if n else room
-
-
-def _storage(cfg: SweepConfig, m: Models, per_token: int, at_once: int | None) -> tuple[dict, dict]:
-    """(what the run leaves: statistics, students (initial and distilled), token shards, targets (`per_token`: of every
-    teacher, the d2d baseline's dense one too), and the students'
-    Train checkpoints with stage2.keep_training_state; the most held besides while students train: the
-    checkpoints of the students `at_once` (all of them when None))."""
-    x = cfg.distill
-    t, s = m.teacher, m.student
-    b_train = 2 if x.gpus_per_worker > 0 else 4
-    pairs = len(cfg.stage2.pairs) or len(cfg.grid.scoring) * len(cfg.grid.grouping)
-    n = pairs + len(cfg.stage2.baselines)
-    blocks = x.steps * x.batch_size * x.grad_accum * x.workers
-    optimizer = (12 if b_train < 4 else 8) * s.params if x.deepspeed else 2 * s.params * b_train
-    per_student = x.keep_checkpoints * (s.params * b_train + optimizer)
-    out = {"statistics": t.layers * (t.experts ** 2 + 4 * t.experts + 2) * 8,
-           "initial students": n * s.params * s.dtype_bytes, "distilled students": n * s.params * b_train,
-           "token shards": blocks * x.seq_len * 4 + (x.eval_max_tokens or 0) * 4}
-    if per_token:
-        out["targets"] = blocks * x.seq_len * per_token
-    if cfg.stage2.keep_training_state:
-        return {**out, "checkpoints": n * per_student}, {}
-    return out, {"checkpoints": min(n, at_once or n) * per_student}
-
 
 def plan_line(plan: RunPlan) -> str:
     """The JSON line `m2d plan` prints last."""

@@ -3,7 +3,7 @@
     distillation table   one row per promoted pair (+ baselines, teacher): stage-1 ppl, stage-2 outcome,
                          per-benchmark accuracy and the unweighted mean
     marginal effects     mean accuracy per scoring (over groupings) and per grouping (over scorings)
-    matched parameters   best MoE-to-dense student vs the d2d / random-FFN / random-init baselines
+    matched parameters   best MoE-to-dense student vs the run's baselines
     selection overlap    |S_a ∩ S_b| / K between scorings at K = k, averaged over layers
     effective rank       of the selected experts' output Gram, per scoring and K, averaged over layers
 """
@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from m2d_ray.config import D2D, SweepConfig, load_config
-from m2d_ray.run_dir import D2D_TEACHER_KEY, TEACHER_KEY, RunDir
+from m2d_ray.config import SweepConfig, load_config
+from m2d_ray.run_dir import TEACHER_KEY, RunDir
 
 
 @dataclass
@@ -30,8 +30,9 @@ class RunData:
     stage2: dict[str, dict] = field(default_factory=dict)  # key -> ledger record
     stage3: dict[str, dict] = field(default_factory=dict)  # key -> lm-eval result ("teacher" included)
     timings: dict = field(default_factory=dict)
-    d2d: dict | None = None  # RUN_DIR/stage2/d2d/search.json: the D2D candidate search
     memory_plan: dict | None = None  # RUN_DIR/memory_plan.json: what m2d run planned per device
+    teachers: tuple[tuple[str, str], ...] = ()  # the baselines' own teachers: (the table's label, stage 3's key)
+    matched: tuple[str, ...] = ()  # the baselines of the matched-parameter table, in its order
 
     @property
     def k(self) -> int:
@@ -45,17 +46,18 @@ class RunData:
         return []
 
 
-def load_run(run_dir: str | Path) -> RunData:
+def load_run(run_dir: str | Path, teachers: tuple[tuple[str, str], ...] = (), matched: tuple[str, ...] = ()) -> RunData:
+    """A run directory's records; `teachers` and `matched`: what the run's baselines bring (RunData's fields)."""
     rd = RunDir(run_dir)
     promotions = rd.read_promotions()
     return RunData(rd.path, load_config(rd.config), rd.stage1_ledger().records(), rd.read_plans()["plans"], promotions,
                    stage2={r["key"]: r for r in rd.stage2_records()}, stage3=rd.read_stage3(), timings=rd.stage_times(),
-                   d2d=rd.read_d2d_search(), memory_plan=rd.read_memory_plan())
+                   memory_plan=rd.read_memory_plan(), teachers=tuple(teachers), matched=tuple(matched))
 
 
 def distill_rows(data: RunData) -> list[dict]:
     """Promoted pairs in grid order (those of `stage2.pairs` when it names some), then the baselines, then
-    the teacher (and the d2d baseline's dense teacher); accuracies where measured."""
+    the teacher (and the baselines' own teachers); accuracies where measured."""
     g, only = data.cfg.grid, data.cfg.stage2.pairs
     rows = []
     for s in g.scoring:
@@ -65,7 +67,7 @@ def distill_rows(data: RunData) -> list[dict]:
                 rows.append({"kind": "student", "scoring": s, "grouping": gr, "K": p["K"], "scaling": p["scaling"], "stage1_ppl": p["ppl"], "key": p["key"]})
     for b in data.cfg.stage2.baselines:
         rows.append({"kind": "baseline", "scoring": b, "grouping": "", "K": None, "scaling": "", "stage1_ppl": None, "key": f"baseline-{b}"})
-    teachers = [("teacher", TEACHER_KEY)] + ([("dense teacher", D2D_TEACHER_KEY)] if D2D in data.cfg.stage2.baselines else [])
+    teachers = [("teacher", TEACHER_KEY), *data.teachers]
     rows += [{"kind": "teacher", "scoring": name, "grouping": "", "K": None, "scaling": "", "stage1_ppl": None, "key": key} for name, key in teachers]
     for r in rows:
         s2 = data.stage2.get(r["key"], {})
@@ -76,19 +78,17 @@ def distill_rows(data: RunData) -> list[dict]:
     return rows
 
 
-MATCHED_BASELINES = (D2D, "random-ffn", "random-init")
-
 
 def matched_rows(data: RunData, rows: list[dict]) -> list[dict]:
     """The matched-parameter comparison: the best MoE-to-dense student (highest stage-3 mean accuracy; without
-    accuracies, lowest final validation perplexity), then the d2d, random-FFN and random-init baselines of the run;
+    accuracies, lowest final validation perplexity), then the run's baselines in `data.matched`'s order;
     each with its seconds per training step (tokens per step / the last interval's tokens/s)."""
     def rank(r: dict) -> tuple:
         return (r["mean"] is not None, r["mean"] or 0.0, -(r["val_ppl"] or math.inf))
 
     students = [r for r in rows if r["kind"] == "student" and r["status"] in ("ok", "pruned")]
     picked = ([{**max(students, key=rank), "label": "best MoE-to-dense"}] if students else [])
-    picked += [{**r, "label": r["scoring"]} for b in MATCHED_BASELINES for r in rows if r["kind"] == "baseline" and r["scoring"] == b]
+    picked += [{**r, "label": r["scoring"]} for b in data.matched for r in rows if r["kind"] == "baseline" and r["scoring"] == b]
     d = data.cfg.distill
     per_step = d.batch_size * d.grad_accum * d.workers * d.seq_len
     for r in picked:
@@ -189,21 +189,22 @@ def memory_rows(data: RunData) -> list[dict]:
 
 
 def cost_rows(data: RunData) -> list[dict]:
-    """The plan's bill per stage (RUN_DIR/memory_plan.json) beside the wall time run.json measured: calibration
-    is stage 1's statistics, stage 1 the rest of it; the targets pass is stage 2's, stage 2 the rest of it."""
+    """The plan's bill per stage (RUN_DIR/memory_plan.json) beside the wall time run.json measured for it, in the
+    run's order (the JSON file's keys are sorted). A run of an older m2d timed calibration inside stage 1 and the
+    targets pass inside stage 2 (their `calibrate_s`, `targets_s`): those are taken apart again."""
     cost = (data.memory_plan or {}).get("cost")
     if not cost:
         return []
-    t = data.timings
-    s1, s2 = t.get("stage1", {}), t.get("stage2", {})
-
-    def rest(s: dict, part: str) -> float | None:
-        return s["wall_s"] - s[part] if part in s and "wall_s" in s else None
-
-    measured = {"calibrate": s1.get("calibrate_s"), "stage1": rest(s1, "calibrate_s"), "targets": s2.get("targets_s"),
-                "stage2": rest(s2, "targets_s") if "targets" in cost["stages"] else s2.get("wall_s"), "stage3": t.get("stage3", {}).get("wall_s")}
+    measured: dict[str, float | None] = {}
+    for name, t in data.timings.items():
+        inner = {"stage1": ("calibrate", "calibrate_s"), "stage2": ("targets", "targets_s")}.get(name)
+        if inner and inner[1] in t and inner[0] not in data.timings:  # an older run's layout
+            measured[inner[0]] = t[inner[1]]
+            measured[name] = t["wall_s"] - t[inner[1]]
+        else:
+            measured[name] = t.get("wall_s")
+    order = list(measured)
     rows = []
-    order = list(measured)  # the run's order (the JSON file's keys are sorted)
     for name, c in sorted(cost["stages"].items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)):
         m, est = measured.get(name), c.get("seconds")
         rows.append({"stage": name, "flops": c["flops"], "estimated_s": est, "measured_s": m, "ratio": m / est if m and est else None,

@@ -1,63 +1,24 @@
-"""`m2d report RUN_DIR`: the whole run as RUN_DIR/report/ — index.html, tables (CSV + Markdown), figures (PNG).
+"""The numbers of a run as the report shows them: its tables and figures, built from a run directory's records
+(`analysis.RunData`). The stages choose which go into their sections (`Stage.sections`); `page.py` writes them.
 
-    pre-distillation perplexity grid     stage1.csv/.md + stage1_heatmap.png (the paper's layout)
     distillation table                   distill.csv/.md: per pair (K, scaling, stage-1 ppl, val ppl, accuracies, mean)
-                                         + baseline and teacher rows (+ the d2d baseline's dense teacher)
-    matched parameters                   matched.csv/.md: best MoE-to-dense student vs d2d / random FFN / random init
-    D2D candidate search                 d2d_candidates.csv/.md (with the d2d baseline): the paper's D2D table
+                                         + baseline and teacher rows (+ the baselines' own teachers)
+    matched parameters                   matched.csv/.md: best MoE-to-dense student vs the baselines
     marginal effect of each design axis  marginal.png (mean accuracy per scoring and per grouping)
     selection overlap at K = k           overlap.csv/.md + overlap.png
     effective rank per scoring           erank.csv/.md + erank.png
     validation-loss curves               curves.png
+    memory and time                      memory.csv/.md, cost.csv/.md: the plan beside what the run measured
 """
 
 from __future__ import annotations
 
-import csv
-import html
-import io
-import time
 from pathlib import Path
 
-from m2d_ray.artifacts import atomic_dir, write_text_atomic
-from m2d_ray.report.analysis import (RunData, cost_rows, distill_rows, memory_rows, erank_table, load_run, marginal, matched_rows, outcome, outcome_line, overlap,
-                                     selections, val_loss_curves)
+from m2d_ray.report.analysis import (RunData, cost_rows, erank_table, marginal, matched_rows, memory_rows, overlap, selections,
+                                     val_loss_curves)
 from m2d_ray.report.figures import pyplot, save
-from m2d_ray.report.stage1 import heatmap, write_tables
-from m2d_ray.run_dir import STAGE1_HEATMAP, STAGE1_MD, RunDir
-
-
-
-class Table:
-    """A small table written three ways (CSV for tools, Markdown for READMEs, HTML for the report)."""
-
-    def __init__(self, name: str, headers: list[str], rows: list[list], note: str = "") -> None:
-        self.name, self.headers, self.rows, self.note = name, headers, rows, note
-
-    def write(self, out: Path) -> list[Path]:
-        buf = io.StringIO()
-        w = csv.writer(buf)
-        w.writerow(self.headers)
-        w.writerows([["" if v is None else v for v in r] for r in self.rows])
-        md = ["| " + " | ".join(self.headers) + " |", "|" + "---|" * len(self.headers)]
-        md += ["| " + " | ".join(_fmt(v) for v in r) + " |" for r in self.rows]
-        write_text_atomic(out / f"{self.name}.csv", buf.getvalue())
-        write_text_atomic(out / f"{self.name}.md", "\n".join(md + (["", self.note] if self.note else [])) + "\n")
-        return [out / f"{self.name}.csv", out / f"{self.name}.md"]
-
-    def html(self) -> str:
-        head = "".join(f"<th>{html.escape(h)}</th>" for h in self.headers)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in r) + "</tr>" for r in self.rows)
-        note = f'<p class="note">{html.escape(self.note)}</p>' if self.note else ""
-        return f'<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{note}<p class="files">{self.name}.csv · {self.name}.md</p>'
-
-
-def _fmt(v) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        return f"{v:,.1f}" if abs(v) >= 100 else f"{v:.3f}"
-    return str(v)
+from m2d_ray.report.page import Figure, Table
 
 
 # ---- tables ---------------------------------------------------------------------------------------
@@ -99,25 +60,13 @@ def _round(v):
 def matched_table(data: RunData, rows: list[dict]) -> Table:
     body = [[r["label"], r["key"], r["student_params"], r["teacher_active_params"], r["s_per_step"], r["tokens_per_s"], r["val_ppl"], r["mean"]]
             for r in matched_rows(data, rows)]
+    own = "".join(f"{key.split('-', 1)[1]} from its {label}, " for label, key in data.teachers)  # baselines with their own teacher
     return Table("matched", ["student", "key", "student params", "teacher active params", "s / training step", "tokens/s",
                              "final val ppl", "stage-3 mean acc"], body,
-                 "Every student distilled with the same budget (distill.*); d2d from its dense teacher, the others from the MoE teacher. "
+                 f"Every student distilled with the same budget (distill.*); {own}{'the others' if own else 'all'} from the MoE teacher. "
                  "Best MoE-to-dense: highest stage-3 mean accuracy (else lowest final val ppl). Parameters: model.parameters() "
                  "(tied embeddings once); teacher active: all but the experts a token skips. s / step and tokens/s: the last "
                  "validation interval's training time only.")
-
-
-def d2d_table(data: RunData) -> Table:
-    """The D2D candidate search in the paper's layout: one row per pruned shape at the budget, the promoted one marked."""
-    rows = (data.d2d or {}).get("rows", [])
-    body = [[r["candidate"], r["kind"], r["hidden"], r["ffn"], f"{r['heads']} ({r['kv_heads']})", r["layers"], r["params"],
-             f"{r['params_vs_target']:+.2%}", r["ppl"], "yes" if r["best"] else ""] for r in rows]
-    d = data.d2d or {}
-    note = (f"Minitron pruning of {d.get('teacher')} to {d.get('target', 0):,} parameters (the MoE teacher's K = k student); "
-            f"importance on {d.get('calib_tokens', 0):,} tokens of {d.get('calib_data')}, perplexity before distillation on "
-            f"{d.get('eval_data')}; the lowest is promoted and distilled.") if rows else ""
-    return Table("d2d_candidates", ["candidate", "kind", "d", "FFN", "heads (KV)", "layers", "params", "vs budget", "ppl before distillation",
-                                    "promoted"], body, note)
 
 
 def overlap_table(data: RunData) -> Table:
@@ -211,46 +160,6 @@ def curves_figure(data: RunData, path: Path) -> Path | None:
     return save(fig, path)
 
 
-# ---- the page -------------------------------------------------------------------------------------
-CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
-h1{font-size:1.5em}h2{font-size:1.15em;margin-top:2em;border-bottom:1px solid #ddd}
-table{border-collapse:collapse;font-size:12px;margin:.5em 0}td,th{border:1px solid #ddd;padding:3px 7px;text-align:right}
-td:first-child,th:first-child{text-align:left}tr:nth-child(even){background:#f7f7f7}
-img{max-width:100%;border:1px solid #eee}figure{margin:1em 0}figcaption{color:#444;font-size:13px;max-width:80ch;margin-top:.3em}.note,.files,.meta{color:#666;font-size:12px}"""
-
-
-def write_report(run_dir: str | Path) -> Path:
-    """Write RUN_DIR/report/ (replacing the previous report as a whole) and return the path of its index.html."""
-    data = load_run(run_dir)
-    with atomic_dir(RunDir(data.run_dir).report, "report", overwrite=True, what="report directory") as out:
-        g = data.cfg.grid
-        order = {"scoring": list(g.scoring), "grouping": list(g.grouping), "scaling": list(g.scaling)}
-        write_tables(data.stage1, order, out)
-        rows = distill_rows(data)
-        tables = {"distill": distill_table(data, rows), "matched": matched_table(data, rows), "d2d": d2d_table(data),
-                  "overlap": overlap_table(data), "erank": erank_tables(data), "memory": memory_table(data),
-                  "cost": cost_table(data)}
-        for name, t in tables.items():
-            if t.rows or name not in ("d2d", "memory", "cost"):  # the candidate table only with the d2d baseline, the memory one with a plan
-                t.write(out)
-        figs = {
-            "grid": heatmap(data.stage1, order, out / STAGE1_HEATMAP, title=f"stage 1: pre-distillation perplexity, k={data.k}"),
-            "marginal": marginal_figure(data, rows, out / "marginal.png"),
-            "overlap": overlap_figure(tables["overlap"], out / "overlap.png"),
-            "erank": erank_figure(data, out / "erank.png"),
-            "curves": curves_figure(data, out / "curves.png"),
-        }
-        write_text_atomic(out / "index.html", _page(data, tables, figs, (out / STAGE1_MD).read_text()))
-    return RunDir(data.run_dir).report / "index.html"
-
-
-def _img(path: Path | None, alt: str) -> str:
-    """A figure with its caption (CAPTIONS[alt]: what to read from it), or a note when it has no data yet."""
-    if not path:
-        return f'<p class="note">no data yet for: {html.escape(alt)}</p>'
-    return f'<figure><img src="{path.name}" alt="{html.escape(alt)}"><figcaption>{html.escape(CAPTIONS[alt])}</figcaption></figure>'
-
-
 #: each figure's caption: what it shows and what to read from it
 CAPTIONS = {
     "perplexity grid": "Pre-distillation perplexity of every recipe (rows: scoring · grouping · scaling; columns: experts kept K), "
@@ -269,32 +178,6 @@ CAPTIONS = {
 }
 
 
-def _page(data: RunData, tables: dict[str, Table], figs: dict[str, Path | None], stage1_md: str) -> str:
-    cfg, p = data.cfg, data.promotions
-    timing = " · ".join(f"{k} {v['wall_s']:.0f} s" for k, v in data.timings.items() if "wall_s" in v)
-    stage1 = _md_table_html(stage1_md)
-    sections = [
-        ("Stage 1: pre-distillation perplexity", f"<p class='meta'>{html.escape(p['criterion'])}</p>{stage1}{_img(figs['grid'], 'perplexity grid')}"),
-        ("Stage 2 + 3: distilled students", tables["distill"].html() + _img(figs["marginal"], "marginal effect of scoring and grouping")),
-        ("Matched parameters: MoE-to-dense against the baselines", tables["matched"].html()),
-        *([("Dense-to-dense (Minitron) candidate search", tables["d2d"].html())] if tables["d2d"].rows else []),
-        ("Validation loss during distillation", _img(figs["curves"], "validation-loss curves")),
-        (f"Selection overlap between scorings at K = k = {data.k}", tables["overlap"].html() + _img(figs["overlap"], "overlap matrix")),
-        ("Effective rank of the selected experts", tables["erank"].html() + _img(figs["erank"], "effective rank per scoring")),
-        *([("Memory: planned against measured", tables["memory"].html())] if tables["memory"].rows else []),
-        *([("Time and money: estimated against measured", tables["cost"].html())] if tables["cost"].rows else []),
-    ]
-    body = "".join(f"<h2>{html.escape(title)}</h2>{content}" for title, content in sections)
-    meta = (f"teacher <code>{html.escape(str(p['teacher']))}</code> · k = {p['k']}, E = {p['E']} · config <code>{html.escape(cfg.name)}</code> · "
-            f"{len(data.stage1)} stage-1 configs · {html.escape(outcome_line(outcome(data)))}"
-            + (f" · {timing}" if timing else "") + f" · written {time.strftime('%Y-%m-%d %H:%M')}")
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>m2d report: {html.escape(cfg.name)}</title><style>{CSS}</style></head>"
-            f"<body><h1>MoE → dense: {html.escape(cfg.name)}</h1><p class='meta'>{meta}</p>{body}</body></html>")
-
-
-def _md_table_html(md: str) -> str:
-    """The stage-1 Markdown table as HTML (one source for both)."""
-    lines = [ln for ln in md.splitlines() if ln.startswith("|")]
-    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
-    note = next((ln for ln in md.splitlines() if ln and not ln.startswith("|")), "")
-    return Table("stage1", rows[0], rows[2:], note).html() if rows else ""
+def figure(file: str, alt: str, draw) -> Figure:
+    """A report figure with its caption (CAPTIONS[alt])."""
+    return Figure(file, alt, CAPTIONS[alt], draw)

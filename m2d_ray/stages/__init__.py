@@ -1,4 +1,5 @@
-"""The Ray stages of a run: stage 1 (the recipe grid by pre-distillation perplexity), stage 2
-(distillation of the promoted students and the baselines), stage 3 (lm-eval). Everything a worker
-reads or writes is named by `run_storage.RunStorage`; results go through `record.StageRecorder`.
+"""The stages of a run, one module each (calibrate, stage1, targets, stage2, stage3, report; the contract in
+contract.py, their order in m2d_ray/pipeline.py), on one run context (context.py), and the Ray pieces they share:
+the run's storage (run_storage.py), its resource waiter (demand.py), its recorder (record.py), the baselines
+(baselines/) and what the students read (students.py, shards.py).
 """

@@ -1,16 +1,17 @@
 """While a stage waits for resources: what Ray's autoscaler itself says about them.
 
-`m2d run` checks every stage's request against the node types before any work (plan/run_plan.py), but the
+`m2d run` checks every stage's request against the node types before any work (`Stage.needs`), but the
 driver cannot always read them (Ray's fake provider, KubeRay, a head without ~/ray_bootstrap_config.yaml).
 The autoscaler always knows: it reports a demand no node type can ever hold as an event ("No available node
 types can fulfill resource request {...}", the driver's "(autoscaler …)" lines), and what it is launching in
-its status in the GCS (what `ray status` prints). `Waiting`, around a stage's wait for its workers:
+its status in the GCS (what `ray status` prints). `Waiting` (`RunContext.waiting(stage)`), around every Ray
+request a stage makes (tasks, actors, Ray Data passes, Tune and Train):
 
     an infeasible demand of the stage's   the stage fails with one line (the request, the node types the
                                           autoscaler runs, the config keys to change): `Unservable`, an
                                           M2DError, so the command exits 2 and no later stage runs
     a demand still pending                a progress line about every minute ("waiting for 8 × {GPU: 1}:
-                                          autoscaler launching 1 gpu_h100_8x")
+                                          autoscaler launching 1 gpu_h100_8x"), where an autoscaler runs
 
 A demand is the stage's when it asks only for resources the stage asks for (another job's demand on a shared
 cluster is not this run's). Both reports are internal to Ray (pinned ray==2.60.0); where either cannot be
@@ -30,6 +31,7 @@ from ray import tune
 
 from m2d_ray.console import note, say
 from m2d_ray.errors import M2DError
+from m2d_ray.stages.ray_env import on_cluster
 
 _INFEASIBLE = re.compile(r"No available node types can fulfill resource requests? (.*?)(?:\. Add suitable|$)")
 _BUNDLE = re.compile(r"\{[^{}]*\}")
@@ -127,7 +129,9 @@ def read_status() -> dict | None:
 
 
 class Waiting:
-    """Around a stage's wait for its workers (`with Waiting(...) as w:` … `w.check()` in the stage's loop)."""
+    """Around every Ray request of a stage (`with ctx.waiting(stage) as w:`): `w.get(ref)`, `w.call(fn, ...)` and
+    `w.check()` in the stage's own loops fail the stage once the autoscaler reports one of its requests infeasible.
+    Progress lines only where an autoscaler runs: on a local Ray a stage's units simply queue for its CPUs."""
 
     def __init__(self, stage: str, wanted: dict, keys: str, every: float = 60.0, poll: float = 5.0) -> None:
         self.stage, self.wanted, self.keys, self.every, self.poll = stage, wanted, keys, every, poll
@@ -184,11 +188,39 @@ class Waiting:
         if self.failure:
             raise Unservable(self.failure)
 
+    def get(self, ref):
+        """`ray.get(ref)`, checked every `poll` seconds while it waits."""
+        import ray
+
+        while not ray.wait([ref], timeout=self.poll)[0]:
+            self.check()
+        return ray.get(ref)
+
+    def call(self, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)` (a Ray Data pass, a blocking Ray call) in a thread, checked every `poll` seconds: a
+        stage whose request cannot be served fails here, while the call is left to end with the command's Ray."""
+        out: dict = {}
+
+        def target() -> None:
+            try:
+                out["value"] = fn(*args, **kwargs)
+            except BaseException as exc:  # re-raised in the stage's own thread
+                out["error"] = exc
+
+        thread = threading.Thread(target=target, name=f"m2d-{self.stage}-call", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(self.poll)
+            self.check()
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
+
     def _watch(self) -> None:
-        last = time.monotonic()
+        last, autoscaled = time.monotonic(), on_cluster()
         while not self._done.wait(self.poll):
             self._status = read_status() or {}
-            line = waiting_line(self.stage, self._status, self.wanted)
+            line = waiting_line(self.stage, self._status, self.wanted) if autoscaled else None
             if line is None:
                 last = time.monotonic()
             elif time.monotonic() - last >= self.every:
@@ -209,17 +241,6 @@ class TuneCheck(tune.Callback):
             waiting.check()
 
 
-def tune_check(waiting: Waiting) -> TuneCheck:
-    return TuneCheck(waiting.stage)
-
-
-def for_stage(stage: str, cfg, gpus: float | None = None) -> Waiting:
-    """The `Waiting` of stage1/stage2/stage3 of `cfg`: the request its units make (`gpus`: stage 3's GPUs per
-    model, as it resolved them) and the config keys that set it."""
-    from m2d_ray.plan.devices import bundle
-    from m2d_ray.plan.run_plan import KEYS
-
-    cpus, gpus, accelerator = {"stage1": (cfg.ray.cpus_per_trial, cfg.ray.gpus_per_trial, cfg.ray.trial_accelerator),
-                               "stage2": (cfg.distill.cpus_per_worker, cfg.distill.gpus_per_worker, cfg.distill.accelerator),
-                               "stage3": (cfg.stage3.cpus_per_task, gpus or 0, cfg.stage3.accelerator)}[stage]
-    return Waiting(stage, bundle(cpus, gpus, accelerator if gpus else None), KEYS[stage])
+def tune_check(stage: str) -> TuneCheck:
+    """Tune's callback that fails the stage from Tune's own loop (the stage's `Waiting` must be active)."""
+    return TuneCheck(stage)

@@ -119,24 +119,3 @@ def _autoscaler_running() -> bool:
         return _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS) is not None
     except Exception:
         return False
-
-
-def local_node(cfg: RayConfig):
-    """The node a local Ray (ensure_ray without an address) will have: its logical CPUs, this machine's GPUs
-    and their type as Ray names it; known before Ray starts."""
-    from m2d_ray.plan.devices import NodeType
-
-    resources: dict = {"CPU": float(cfg.num_cpus)}
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            resources["GPU"] = float(torch.cuda.device_count())
-            from ray._private.accelerators import get_accelerator_manager_for_resource  # internal: pinned ray==2.60.0
-
-            kind = get_accelerator_manager_for_resource("GPU").get_current_node_accelerator_type()
-            if kind:
-                resources[f"accelerator_type:{kind}"] = 1.0
-    except Exception:
-        pass
-    return NodeType("this machine", resources)

@@ -66,11 +66,10 @@ class RunStorage:
 
     def drop_training_state(self, key: str | None, student_path: str | None) -> bool:
         """Remove a finished student's Train checkpoints; one that ended with a distilled model (`student_path`)
-        only once that model is complete in storage. True when they are gone."""
+        only once that model is complete in storage. True when some were removed now."""
         if student_path is not None and not storage.exists(student_path):
             return False
-        storage.delete_dir(storage.join(*self.checkpoints(key)))
-        return True
+        return storage.delete_dir(storage.join(*self.checkpoints(key)))
 
     def tokens(self, digest: str) -> str:
         """A tokenised distillation stream (distill/tokens.py), shared by every student that reads it."""

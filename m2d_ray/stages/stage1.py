@@ -1,383 +1,112 @@
-"""Stage 1 on Ray: Ray Data calibration -> plan every config -> Ray Tune over the distinct students.
+"""Stage 1: every recipe of the grid (scoring x grouping x scaling x K) planned from the statistics, deduplicated by
+plan, scored by pre-distillation perplexity on Ray Tune; the best (K, scaling) of every (scoring, grouping) pair
+is promoted to stage 2.
 
-    statistics (Ray Data actor pool)        RUN_DIR/stats/
     plans of the whole grid (one Ray task)  RUN_DIR/plans.json
-    dedupe by plan signature                one Tune trial per distinct student
-    Tune + PairwiseStopper                  chunked perplexity, hopeless configs stopped
-    ledger + MLflow (driver callback)       RUN_DIR/trials/*.json, parent run + one nested run per config
-    table, heatmap, promotions              RUN_DIR/stage1.{csv,md,png}, promotions.json
+    dedupe by plan signature                one Tune trial per distinct student (stage1_tune.py)
+    probe round, then PairwiseStopper       chunked perplexity, hopeless configs stopped (scheduler.py)
+    ledger + MLflow (driver callback)       RUN_DIR/trials/*.json, the run's parent + one nested run per config
+    table, heatmap, promotions              RUN_DIR/stage1.{csv,md}, stage1_heatmap.png, promotions.json
 
-Resume (`m2d sweep --resume RUN_DIR`) re-reads the saved config, reuses the statistics and plans,
-skips every config already in the ledger and reconciles MLflow from the ledger.
+A unit is one trial: a student built a layer at a time and its perplexity batch (`memory.trial`). A resumed run
+reuses the plans, skips every config in the ledger and reconciles MLflow from the ledger; a stage 1 that promoted
+nothing has failed (exit 1).
 """
 
 from __future__ import annotations
 
-import json
-import math
-import time
-import uuid
-from dataclasses import dataclass
+import html
+from functools import partial
 from pathlib import Path
 
-import ray
-import torch
-from ray import tune
-
-from m2d_ray import storage
-from m2d_ray.accelerators import pin
-from m2d_ray.artifacts import write_json_atomic, write_marker
-from m2d_ray.calibrate.artifact import StatsArtifact
-from m2d_ray.calibrate.ray_data import calibrate_ray
-from m2d_ray.calibrate.tokens import calibration_tokens
-from m2d_ray.config import SweepConfig, dump_config, load_config
-from m2d_ray.console import say
-from m2d_ray.data.text import load_text, tokenize
-from m2d_ray.errors import M2DError
+from m2d_ray.errors import RunFailed
+from m2d_ray.plan import memory
+from m2d_ray.plan.cost import distinct_students, eval_tokens, forward_flops, stage1_chunks
+from m2d_ray.plan.devices import bundle
+from m2d_ray.plan.run_plan import unit
+from m2d_ray.report.page import md_table_html, render
+from m2d_ray.report.run import erank_figure, erank_tables, figure, overlap_figure, overlap_table
 from m2d_ray.report.stage1 import heatmap, write_tables
-from m2d_ray.run_dir import RunDir
-from m2d_ray.stages.grid import TrialSpec, Unique, dedupe, expand, plan_all, plan_of
-from m2d_ray.stages.promote import promote, unpromoted
-from m2d_ray.stages.ray_env import ensure_ray, trial_error
-from m2d_ray.stages.record import Logged, StageRecorder, fit_tuner
-from m2d_ray.stages.demand import for_stage, tune_check
-from m2d_ray.stages.run_storage import RunStorage
-from m2d_ray.stages.scheduler import PairwiseStopper
-from m2d_ray.stages.trial import InjectedFault, run_trial
-from m2d_ray.track import NOTE_TAG, run_description, run_tags, run_tracker
+from m2d_ray.run_dir import STAGE1_HEATMAP, STAGE1_MD
+from m2d_ray.stages.contract import Section, Stage
+from m2d_ray.stages.grid import expand
 
 
-@dataclass
-class Stage1Result:
-    run_dir: Path
-    records: list[dict]
-    promotions: dict[str, dict]
-    probed: int  # students whose first chunk was measured in the probe round
-    evaluated: int  # Tune trials run after the probe round (all trials when there is none)
-    full_evaluations: int  # students whose whole perplexity was computed (ok or diverged)
-    chunks_evaluated: int  # perplexity chunks computed in all, probes included (compute, in chunks)
-    wall_s: float
-    calibrate_s: float = 0.0  # of wall_s: the statistics (computed or reused), what the plan's calibrate row estimates
+class Stage1(Stage):
+    name = "stage1"
+    keys = "ray.gpus_per_trial / ray.cpus_per_trial / ray.trial_accelerator"
 
+    def reads(self, cfg) -> dict[str, str]:
+        return {"eval.data": cfg.eval.data}
 
-# ---- the trial (runs in a Tune worker) ---------------------------------------------------------
-_TEACHERS: dict[tuple[str, str], object] = {}
+    def check(self, cfg, teacher: str) -> None:
+        from m2d_ray.data.text import check_spec
+        from m2d_ray.models import check_teacher, load_config
 
+        adapter, config = check_teacher(teacher), load_config(teacher)
+        expand(cfg.grid, adapter.top_k(config), adapter.num_experts(config))  # K within [k, E]
+        check_spec(cfg.eval.data, "eval.data")
 
-def _teacher(model: str, device: str):
-    """One lazy teacher per worker process (Tune reuses actors across trials): no weights are held, each
-    student reads the tensors it is made of."""
-    from m2d_ray.weights import open_teacher
+    def request(self, cfg) -> dict:
+        r = cfg.ray
+        return bundle(r.cpus_per_trial, r.gpus_per_trial, r.trial_accelerator)
 
-    if (model, device) not in _TEACHERS:
-        _TEACHERS[(model, device)] = open_teacher(model, device=device)
-    return _TEACHERS[(model, device)]
+    def needs(self, p):
+        r, e, s = p.cfg.ray, p.cfg.eval, p.models.student
+        return [unit(self.name, "trial", memory.trial(s, e.batch_size, e.seq_len, s.dtype_bytes), r.gpus_per_trial, r.max_concurrent_trials,
+                     self.request(p.cfg), p.devices, "a larger ray.gpus_per_trial, a smaller eval.batch_size or a larger GPU", self.keys)]
 
+    def cost(self, c):
+        """Each distinct student's probe chunk, then the survivors' remaining chunks, over the perplexity tokens."""
+        cfg, r = c.p.cfg, c.p.cfg.ray
+        _, distinct = distinct_students(cfg, c.p.models.teacher)
+        trials, chunks = stage1_chunks(cfg, distinct)
+        per_trial = chunks / trials * eval_tokens(cfg) / cfg.eval.chunks * forward_flops(c.p.models.student, cfg.eval.seq_len)
+        where = c.place(self.name, r.gpus_per_trial, r.threads_per_worker, r.max_concurrent_trials, r.trial_accelerator)
+        return [c.stage(self.name, [per_trial] * trials, where, cfg.plan.trial_s,
+                        rounds=2 if trials > distinct else 1)]  # the probe round is a Tune experiment of its own
 
-def stage1_trainable(config: dict, *, model: str, plans: dict, eval_ids, cfg: SweepConfig, store: RunStorage) -> None:
-    store.ensure_visible()  # this node sees the run's storage (checked once per node): the teacher may be read from it
-    torch.set_num_threads(cfg.ray.threads_per_worker)
-    key = config["key"]
-    if key in cfg.faults.raise_in:
-        raise InjectedFault(f"injected failure in {key} (faults.raise_in)")
-    device = cfg.device or ("cuda" if cfg.ray.gpus_per_trial > 0 else "cpu")
-    teacher = _teacher(model, "cpu")  # the student is built on CPU and moved: a GPU slice holds only the student
-    for metrics in run_trial(teacher, plan_of(plans, key), eval_ids, cfg.eval, poison=key in cfg.faults.nan_in, device=device):
-        tune.report(metrics)
-        if metrics["chunk"] == config.get("max_chunks"):
-            return  # probe round: the first chunk only
+    def finished(self, ctx) -> bool:
+        if not ctx.rd.promotions.exists():
+            return False
+        if not ctx.rd.read_promotions()["pairs"]:
+            raise _nothing_promoted(ctx.rd)
+        return True
 
+    def run(self, ctx):
+        from m2d_ray.stages.stage1_tune import sweep  # lazy: Ray
 
-@ray.remote(num_cpus=1)
-def _plan_task(model: str, stats: dict[str, torch.Tensor], layers: list[int], specs: list[TrialSpec], threads: int) -> dict:
-    from m2d_ray.calibrate.stats import LayerStats
-    from m2d_ray.weights import open_teacher
+        result = sweep(ctx, self)
+        if not result.promotions:
+            raise _nothing_promoted(ctx.rd)
+        return result
 
-    torch.set_num_threads(threads)
-    teacher = open_teacher(model)  # plan_all reads one layer's router and experts at a time
-    return plan_all(teacher, {i: LayerStats.from_tensors(stats, f"layer{i}.") for i in layers}, specs)
+    def sections(self, data) -> list[Section]:
+        g = data.cfg.grid
+        order = {"scoring": list(g.scoring), "grouping": list(g.grouping), "scaling": list(g.scaling)}
 
+        def grid(out: Path) -> str:  # the stage-1 table's own files (as in the run directory), shown as HTML
+            write_tables(data.stage1, order, out)
+            criterion = html.escape(data.promotions["criterion"])
+            return f"<p class='meta'>{criterion}</p>{md_table_html((out / STAGE1_MD).read_text(), 'stage1')}"
 
-# ---- records -------------------------------------------------------------------------------------
-def make_record(spec: TrialSpec, plan: dict, status: str, partials: list[tuple[int, float]], final: dict | None,
-                duplicate_of: str | None, attempt: str, error: str | None = None) -> dict:
-    layers = plan["layers"]
-    return {
-        **spec.params(),
-        "key": spec.key,
-        "signature": plan["signature"],
-        "status": status,
-        "ppl": final["ppl"] if status == "ok" else None,
-        "nll": final["nll"] if final else None,
-        "tokens": final["tokens"] if final else None,
-        "partials": [[c, p if math.isfinite(p) else None] for c, p in partials],
-        "duplicate_of": duplicate_of,
-        "selected": {i: p["selected"] for i, p in layers.items()},
-        "effective_rank": sum(p["erank"] for p in layers.values()) / len(layers),
-        "error": error,
-        "attempt": attempt,
-    }
+        def grid_figure(path: Path) -> Path:
+            return heatmap(data.stage1, order, path, title=f"stage 1: pre-distillation perplexity, k={data.k}")
 
-
-def mlflow_fields(r: dict) -> Logged:
-    """A config's nested MLflow run: its recipe, perplexity (and the partial ones), selection and status."""
-    metrics = {"effective_rank": r["effective_rank"]}
-    if r["ppl"] is not None:
-        metrics["perplexity"] = r["ppl"]
-    tags = {"signature": r["signature"], "duplicate_of": r["duplicate_of"], "selected": json.dumps(r["selected"]),
-            **run_tags(1, f"{r['scoring']}/{r['grouping']}", "config")}
-    return Logged({k: r[k] for k in ("scoring", "grouping", "scaling", "K")}, metrics, tags,
-                  {"partial_perplexity": [tuple(p) for p in r["partials"]]})
-
-
-class Recorder(tune.Callback):
-    """Driver side: on each finished Tune trial, write the ledger for every config of its student, then MLflow."""
-
-    def __init__(self, uniques: dict[str, Unique], plans: dict, out: StageRecorder, attempt: str, max_failures: int = 0) -> None:
-        self.uniques, self.plans, self.out = uniques, plans, out
-        self.attempt, self.max_failures = attempt, max_failures
-        self.partials: dict[str, list[tuple[int, float]]] = {}
-        self.probes: dict[str, float] = {}  # probe round: key -> first-chunk perplexity
-        self.probe_file: Path | None = None
-        self.total = self.finished = self.full = self.chunks = self.trials = 0
-
-    def on_trial_start(self, iteration, trials, trial, **info):
-        key = trial.config["key"]
-        self.partials[key] = []
-        self.out.tracker.trial_run(self.out.parent, key, self.uniques[key].canonical.params())
-
-    def on_trial_result(self, iteration, trials, trial, result, **info):
-        if "chunk" in result:
-            self.partials[trial.config["key"]].append((result["chunk"], result["ppl"]))
-            self.chunks += 1
-
-    def on_trial_complete(self, iteration, trials, trial, **info):
-        last, key = trial.last_result or {}, trial.config["key"]
-        if last.get("final"):
-            self.record(key, "diverged" if last.get("diverged") else "ok", last)
-        elif trial.config.get("max_chunks"):
-            self.probes[key] = last["ppl"]
-            if self.probe_file is not None:  # saved as they come: a killed probe round resumes where it was
-                write_json_atomic(self.probe_file, self.probes)
-            self.finished += 1
-            say(f"[probe {self.finished}/{self.total}] {key}: first chunk ppl {last['ppl']:.2f}")
-        else:
-            self.record(key, "pruned", last)
-
-    def on_trial_error(self, iteration, trials, trial, **info):
-        self.record(trial.config["key"], "failed", trial.last_result or {}, error=trial_error(trial, "stage 1", self.max_failures))
-
-    def record(self, key: str, status: str, last: dict, error: str | None = None) -> None:
-        """Ledger records for every config of this student, then their MLflow runs."""
-        u = self.uniques[key]
-        final = last if last.get("final") else None
-        records = [
-            make_record(m, self.plans[m.key], status, self.partials.get(key, []), final, None if m == u.canonical else key, self.attempt, error)
-            for m in u.members
+        overlap = overlap_table(data)
+        return [
+            Section("Stage 1: pre-distillation perplexity", render([grid, figure(STAGE1_HEATMAP, "perplexity grid", grid_figure)])),
+            Section(f"Selection overlap between scorings at K = k = {data.k}",
+                    render([overlap, figure("overlap.png", "overlap matrix", partial(overlap_figure, overlap))])),
+            Section("Effective rank of the selected experts",
+                    render([erank_tables(data), figure("erank.png", "effective rank per scoring", partial(erank_figure, data))])),
         ]
-        for r in records:  # ledger first (source of truth), then MLflow (reconciled on resume)
-            self.out.ledger.write(r)
-        for r in records:
-            self.out.log(r)
-        self.finished += 1
-        self.full += status in ("ok", "diverged")
-        ppl = f"{last['ppl']:.2f}" if last.get("ppl") is not None and math.isfinite(last["ppl"]) else "-"
-        dup = f" (+{len(u.members) - 1} identical)" if len(u.members) > 1 else ""
-        say(f"[{self.finished}/{self.total}] {key}: {status} ppl {ppl}{dup}")
 
 
-# ---- the sweep -----------------------------------------------------------------------------------
-def read_run_dir(rd: RunDir) -> tuple[SweepConfig, dict]:
-    """The saved config and state of a sweep to resume."""
-    if not rd.state.exists():
-        raise M2DError(f"{rd} holds no sweep to resume (no {rd.state.name}); start one with m2d sweep CONFIG --out {rd}")
-    return load_config(rd.config), json.loads(rd.state.read_text())
+def _nothing_promoted(rd) -> RunFailed:
+    """Stage 1 that promoted nothing (every config failed or diverged) has failed: exit 1, the table says why."""
+    return RunFailed(f"stage 1 promoted no student: every config failed or diverged (see {rd.stage1_md} and {rd.logs})")
 
 
-def new_run_dir(cfg: SweepConfig, rd: RunDir) -> dict:
-    """Refuse a directory that holds a sweep; save the config and a fresh state."""
-    if rd.state.exists():
-        raise M2DError(f"{rd} already holds a sweep; resume it with --resume {rd} or choose another --out")
-    rd.path.mkdir(parents=True, exist_ok=True)
-    write_marker(rd.path, "run")
-    dump_config(cfg, rd.config)
-    state = {"sweep_id": uuid.uuid4().hex, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "attempts": 0}
-    write_json_atomic(rd.state, state)
-    return state
+STAGE = Stage1()
 
-
-def _stats(cfg: SweepConfig, model: str, remote: str, rd: RunDir, tokenizer) -> StatsArtifact:
-    """The run's statistics (driver-side artifact); the actors load the teacher from `remote`."""
-    spec, tokens = calibration_tokens(tokenizer, cfg.calib.data, cfg.model, cfg.calib.seq_len, cfg.calib.max_tokens)
-    art, reused = calibrate_ray(model, tokens, spec, rd.stats, batch_size=cfg.calib.batch_size, actors=cfg.ray.data_actors,
-                                gpus_per_actor=cfg.ray.data_gpus_per_actor, accelerator=cfg.ray.data_accelerator, threads=cfg.ray.threads_per_worker, load_from=remote,
-                                stream=cfg.calib.stream, max_memory=cfg.calib.max_memory)
-    say(f"statistics: {'reused' if reused else 'computed'} {art.manifest['n_tokens']} tokens, sha256 {art.checksum[:12]}")
-    return art
-
-
-def _plans(cfg: SweepConfig, model: str, rd: RunDir, art: StatsArtifact, specs: list[TrialSpec]) -> dict:
-    if rd.plans.exists():
-        saved = rd.read_plans()
-        if saved["stats_sha256"] == art.checksum and set(saved["plans"]) >= {s.key for s in specs}:
-            return saved["plans"]
-    tensors = {k: v for i, st in art.layers.items() for k, v in st.to_tensors(f"layer{i}.").items()}
-    plans = ray.get(_plan_task.remote(model, tensors, sorted(art.layers), specs, cfg.ray.threads_per_worker))
-    write_json_atomic(rd.plans, {"stats_sha256": art.checksum, "plans": plans})
-    return plans
-
-
-def run_stage1(cfg: SweepConfig | None, run_dir: str | Path | RunDir, resume: bool = False, tracking_uri: str | None = None,
-               store: RunStorage | None = None) -> Stage1Result:
-    """Run (or resume: `cfg` None, the saved one) the stage-1 grid into `run_dir`, workers reading and
-    writing `store` (default: the config's storage, else the run directory); see the module docstring."""
-    from m2d_ray.arch import get_adapter
-    from m2d_ray.models import absolute, default_teacher, load_tokenizer
-    from m2d_ray.models import load_config as model_config
-
-    t0 = time.time()
-    rd = RunDir(run_dir.path if isinstance(run_dir, RunDir) else run_dir)
-    if resume:
-        cfg, state = read_run_dir(rd)
-    model = absolute(cfg.model or default_teacher())
-    mcfg = model_config(model)
-    adapter = get_adapter(mcfg)
-    k, E = adapter.top_k(mcfg), adapter.num_experts(mcfg)
-    specs = expand(cfg.grid, k, E)  # validates K against [k, E] before anything is written
-    if not resume:
-        state = new_run_dir(cfg, rd)
-    state["attempts"] += 1
-    attempt = f"{state['sweep_id'][:8]}-{state['attempts']}"
-    write_json_atomic(rd.state, state)
-
-    tracker = run_tracker(cfg, rd, tracking_uri)
-    ensure_ray(cfg.ray)
-    store = store or RunStorage(cfg.storage or str(rd.path))
-    store.mark()
-    remote = store.put_model(model)  # what the workers load
-    tokenizer = load_tokenizer(model)
-    t_stats = time.time()
-    art = _stats(cfg, model, remote, rd, tokenizer)
-    calibrate_s = time.time() - t_stats
-    plans = _plans(cfg, remote, rd, art, specs)
-    uniques = dedupe(specs, plans, cfg.search.dedupe)
-    parent = tracker.parent_run(
-        state["sweep_id"], cfg.name,
-        params={"model": model, "k": k, "E": E, "configs": len(specs), "distinct_students": len(uniques),
-                "stats_sha256": art.checksum, "calib_tokens": art.manifest["n_tokens"], "eval_data": cfg.eval.data,
-                "grid.K": ",".join(map(str, sorted({s.K for s in specs}))), "early_stop": cfg.search.early_stop,
-                "stop_factor": cfg.search.stop_factor, "dedupe": cfg.search.dedupe},
-        tags={"run_dir": str(rd), "teacher": model, NOTE_TAG: run_description(cfg.name, rd, model, len(specs))},
-    )
-    out = StageRecorder(rd.stage1_ledger(), tracker, parent, mlflow_fields)
-    _copy_to_identical(out, uniques)
-    out.reconcile()
-    ledger = out.ledger
-    pending = [u for u in uniques if u.canonical.key not in ledger.done()]
-    say(f"stage 1: {len(specs)} configs, {len(uniques)} distinct students, {len(pending)} to evaluate")
-
-    ids = tokenize(tokenizer, load_text(cfg.eval.data, max_chars=cfg.eval.max_chars), max_chars=cfg.eval.max_chars) if pending else None
-    recorder = Recorder({u.canonical.key: u for u in pending}, plans, out, attempt, cfg.ray.max_failures)
-    run = lambda units, phase, stopper=None, max_chunks=None: _tune(  # noqa: E731
-        cfg, remote, store, plans, units, ids, recorder, f"stage1-{attempt}-{phase}", rd, stopper, max_chunks)
-    stopper = None
-    if pending and cfg.search.early_stop:
-        stopper = PairwiseStopper(cfg.search.stop_factor, cfg.search.grace_chunks, pairs={u.canonical.key: u.pairs for u in uniques})
-        stopper.seed(ledger.records())
-    probed = 0
-    if stopper and cfg.search.probe and cfg.eval.chunks > 1:
-        recorder.probes, recorder.probe_file = _load_probes(rd), rd.probes
-        todo = [u for u in pending if u.canonical.key not in recorder.probes]
-        if todo:
-            run(todo, "probe", max_chunks=1)
-        probed = len(recorder.probes)
-        stopper.seed_probes(recorder.probes)
-        pending = _after_probes([u for u in pending if u.canonical.key not in ledger.done()], recorder.probes, stopper, recorder)
-    if pending:
-        run(pending, "eval", stopper)
-    records = ledger.records()
-    promotions = _finish(cfg, rd, records, tracker, parent, model, art, k, E)
-    return Stage1Result(rd.path, records, promotions, probed, recorder.trials, recorder.full, recorder.chunks, time.time() - t0, calibrate_s)
-
-
-def _load_probes(rd: RunDir) -> dict[str, float]:
-    return json.loads(rd.probes.read_text()) if rd.probes.exists() else {}
-
-
-def _after_probes(pending: list[Unique], probes: dict[str, float], stopper: PairwiseStopper, recorder: Recorder) -> list[Unique]:
-    """Prune students hopeless at chunk 1 against every probe; order the rest best-first (so the
-    scheduler meets each pair's best early and stops the others sooner)."""
-    survivors = []
-    recorder.total, recorder.finished = len(pending), 0
-    for u in sorted(pending, key=lambda u: probes[u.canonical.key]):
-        key = u.canonical.key
-        if stopper.is_hopeless(key, 1, probes[key]):
-            recorder.partials[key] = [(1, probes[key])]
-            recorder.record(key, "pruned", {"ppl": probes[key]})
-        else:
-            survivors.append(u)
-    return survivors
-
-
-def _copy_to_identical(out: StageRecorder, uniques: list[Unique]) -> None:
-    """After a kill: copy finished results to identical configs missing a record."""
-    done = out.ledger.done()
-    for u in uniques:
-        if u.canonical.key in done:
-            src = out.ledger.read(u.canonical.key)
-            for m in u.members[1:]:
-                if m.key not in done:
-                    out.ledger.write({**src, **m.params(), "key": m.key, "duplicate_of": u.canonical.key})
-
-
-def _tune(cfg, model, store: RunStorage, plans, units: list[Unique], ids, recorder: Recorder, name: str, rd: RunDir,
-          stopper: PairwiseStopper | None = None, max_chunks: int | None = None) -> None:
-    """One Tune run over `units` (grid order = the order given); results go through `recorder`."""
-    recorder.total, recorder.finished = len(units), 0
-    recorder.trials += 0 if max_chunks else len(units)
-    resources = {"cpu": cfg.ray.cpus_per_trial, "gpu": cfg.ray.gpus_per_trial, **(pin(cfg.ray.trial_accelerator) if cfg.ray.gpus_per_trial > 0 else {})}
-    trainable = tune.with_resources(tune.with_parameters(stage1_trainable, model=model, plans=plans, eval_ids=ids, cfg=cfg, store=store), resources)
-    waiting = for_stage("stage1", cfg)
-    space = {"key": tune.grid_search([u.canonical.key for u in units])}
-    if max_chunks:
-        space["max_chunks"] = max_chunks
-    tuner = tune.Tuner(
-        trainable,
-        param_space=space,
-        tune_config=tune.TuneConfig(
-            scheduler=stopper, max_concurrent_trials=cfg.ray.max_concurrent_trials, reuse_actors=True,
-            trial_name_creator=lambda t: t.config["key"], trial_dirname_creator=lambda t: t.config["key"],
-        ),
-        run_config=tune.RunConfig(
-            name=name, **storage.ray_storage(store.tune(1)), callbacks=[recorder, tune_check(waiting)], verbose=0,
-            failure_config=tune.FailureConfig(max_failures=cfg.ray.max_failures, fail_fast=False),
-        ),
-    )
-    with waiting:
-        fit_tuner(tuner, f"--resume {rd}")
-
-
-def tag_promoted(tracker, parent: str, promotions: dict[str, dict]) -> None:
-    """Each pair's winner gets kind `promoted` in MLflow (as its student in stages 2 and 3), so one filter shows them."""
-    for p in promotions.values():
-        tracker.log(tracker.trial_run(parent, p["key"], {}), tags={"kind": "promoted"})
-
-
-def _finish(cfg, rd: RunDir, records, tracker, parent, model, art, k, E) -> dict:
-    order = {"scoring": list(cfg.grid.scoring), "grouping": list(cfg.grid.grouping), "scaling": list(cfg.grid.scaling)}
-    outputs = write_tables(records, order, rd.path)
-    outputs.append(heatmap(records, order, rd.stage1_heatmap, title=f"stage 1: {Path(model).name}, k={k}, E={E}"))
-    promotions = promote(records, list(cfg.grid.scaling))
-    write_json_atomic(rd.promotions, {
-        "teacher": model, "stats_sha256": art.checksum, "k": k, "E": E,
-        "criterion": f"lowest pre-distillation perplexity on {cfg.eval.data}",
-        "pairs": promotions, "unpromoted": unpromoted(records),
-    })
-    outputs.append(rd.promotions)
-    counts = {s: sum(r["status"] == s for r in records) for s in ("ok", "pruned", "diverged", "failed")}
-    tracker.log(parent, metrics={f"configs_{s}": n for s, n in counts.items()}, tags={"promotions": json.dumps({p: f"K={v['K']},{v['scaling']}" for p, v in promotions.items()})})
-    tag_promoted(tracker, parent, promotions)
-    tracker.artifacts(parent, outputs)
-    tracker.finish(parent)
-    say(f"stage 1 done: {counts}; table {rd.stage1_md}")
-    return promotions

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from m2d_ray.arch import get_adapter
 from m2d_ray.calibrate.collect import collect_stats
 from m2d_ray.convert import build_from_plan, make_plan
-from m2d_ray.convert.baselines import BASELINES
+from m2d_ray.convert.baselines import RANDOM_BASELINES
 from m2d_ray.convert.export import PLAN_FILE, export_student, verify_student
 from m2d_ray.convert.scaling import SCALINGS
 from m2d_ray.grouping import GROUPINGS
@@ -89,12 +89,12 @@ def test_every_recipe_runs_at_K_greater_than_k(family):
         assert finite_logits(student)
 
 
-@pytest.mark.parametrize("name", BASELINES.names())
+@pytest.mark.parametrize("name", RANDOM_BASELINES.names())
 def test_baselines_have_the_student_shape(family, name):
     spec, teacher, stats = family
     k = teacher.adapter.top_k(teacher.config)
     converted = build_from_plan(teacher, make_plan(teacher, stats, "sf", "rr", "uniform", k))
-    base = BASELINES[name](teacher)
+    base = RANDOM_BASELINES[name](teacher)
     assert type(base).__name__ == spec.student_class
     shapes = {n: p.shape for n, p in converted.named_parameters()}
     assert {n: p.shape for n, p in base.named_parameters()} == shapes

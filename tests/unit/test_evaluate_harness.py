@@ -61,20 +61,20 @@ def test_text_task_items_differ_from_the_truth_only_in_word_order(tmp_path):
 
 
 def test_teacher_beats_a_random_student_on_the_local_task():
-    from m2d_ray.convert.baselines import BASELINES
+    from m2d_ray.convert.baselines import RANDOM_BASELINES
     from m2d_ray.models import load_teacher
 
     teacher = load_teacher()
     suite = [(CONTINUATION, 0)]
     good = evaluate(teacher.model, teacher.tokenizer, suite, limit=40)
-    bad = evaluate(BASELINES["random-init"](teacher), teacher.tokenizer, suite, limit=40)
+    bad = evaluate(RANDOM_BASELINES["random-init"](teacher), teacher.tokenizer, suite, limit=40)
     assert good["tasks"][CONTINUATION]["n"] == 40 and good["mean"] == good["tasks"][CONTINUATION]["acc"]
     assert good["mean"] >= 0.9 and bad["mean"] <= 0.5  # chance is 0.25
 
 
 def test_text_task_through_the_harness(tmp_path):
     """text:PATH builds its JSONL at evaluation time; the embedded teacher knows its corpus' word order."""
-    from m2d_ray.convert.baselines import BASELINES
+    from m2d_ray.convert.baselines import RANDOM_BASELINES
     from m2d_ray.data.synthetic import corpus_text
     from m2d_ray.models import load_teacher
 
@@ -82,7 +82,7 @@ def test_text_task_through_the_harness(tmp_path):
     path.write_text(corpus_text("test"))
     teacher, suite = load_teacher(), parse_tasks(f"text:{path}")
     good = evaluate(teacher.model, teacher.tokenizer, suite, limit=40, text=text_source(f"text:{path}"))
-    bad = evaluate(BASELINES["random-init"](teacher), teacher.tokenizer, suite, limit=40, text=str(path))
+    bad = evaluate(RANDOM_BASELINES["random-init"](teacher), teacher.tokenizer, suite, limit=40, text=str(path))
     assert good["tasks"][TEXT_CONTINUATION]["n"] == 40 and good["mean"] > bad["mean"] + 0.2
 
 

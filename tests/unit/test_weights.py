@@ -28,7 +28,7 @@ from m2d_ray.checkpoint import Checkpoint, Shard
 from m2d_ray.sizes import parse_size
 from m2d_ray.convert import build_from_plan, make_plan
 from m2d_ray.convert.plan import make_plans
-from m2d_ray.convert.baselines import BASELINES
+from m2d_ray.convert.baselines import RANDOM_BASELINES
 from m2d_ray.convert.export import export_student
 from m2d_ray.data.synthetic import build_tokenizer
 from m2d_ray.errors import M2DError
@@ -85,7 +85,7 @@ def test_lazy_student_is_bitwise_the_eager_one(family, layout, tmp_path):
         assert same_state(student, build_from_plan(eager, plan)), recipe
     record = export_student(student, lazy.tokenizer, tmp_path / "s", teacher=lazy, plan=plan)  # the float64 check, lazily
     assert record["max_rel_error"] < 1e-10
-    assert same_state(BASELINES["random-ffn"](lazy), BASELINES["random-ffn"](eager))
+    assert same_state(RANDOM_BASELINES["random-ffn"](lazy), RANDOM_BASELINES["random-ffn"](eager))
 
 
 def test_only_the_planned_experts_are_read(family, monkeypatch):

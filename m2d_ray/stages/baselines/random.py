@@ -1,0 +1,18 @@
+"""The random baselines: the student's architecture with a fresh FFN under the teacher's attention (random-ffn),
+or with nothing kept (random-init), built on the distillation's rank 0 from the MoE teacher (convert/baselines.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from m2d_ray.convert.initial import InitialStudent
+from m2d_ray.stages.baselines.base import Baseline
+
+
+class RandomBaseline(Baseline):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def builder(self, moe: str, prepared: object | None, seed: int) -> Callable[[Path], None]:
+        return InitialStudent(moe, None, self.name, seed)
