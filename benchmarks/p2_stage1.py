@@ -29,16 +29,16 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
 
     from m2d_ray.config import load_config
-    from m2d_ray.stages.stage1 import run_stage1
+    from m2d_ray.pipeline import run_stages
 
     out = Path(a.out)
     if out.exists():
         shutil.rmtree(out)
     print(machine_line())
-    fast = run_stage1(load_config(a.config, a.overrides), out / "pruned")
+    fast = run_stages(load_config(a.config, a.overrides), out / "pruned", "calibrate", "stage1")["stage1"]
     (out / "full").mkdir(parents=True)
     shutil.copytree(out / "pruned" / "stats", out / "full" / "stats")
-    full = run_stage1(load_config(a.config, [*a.overrides, "search.dedupe=false", "search.early_stop=false"]), out / "full")
+    full = run_stages(load_config(a.config, [*a.overrides, "search.dedupe=false", "search.early_stop=false"]), out / "full", "calibrate", "stage1")["stage1"]
 
     win = lambda r: {k: (v["K"], v["scaling"]) for k, v in r.promotions.items()}  # noqa: E731
     same = win(fast) == win(full)

@@ -25,19 +25,21 @@ from _common import REPO, machine_line  # noqa: E402
 def measured(run: Path, load: float | None) -> None:
     """The run's estimate (as `m2d run` made it, or re-planned by this code, with its plan.* defaults, with others'
     load `load` at the CPU rate the run recorded) beside its measured walls."""
-    from m2d_ray.report.analysis import cost_rows, load_run
+    from m2d_ray.report.analysis import cost_rows
+    from m2d_ray.run_dir import RunDir
+    from m2d_ray.stages.report import run_data
 
-    data = load_run(run)
+    data = run_data(RunDir(run))
     if load is not None:
-        from m2d_ray.commands.plan import plan_of
         from m2d_ray.config import PlanConfig, load_config
+        from m2d_ray.pipeline import plan_run
         from m2d_ray.evaluate.runner import host_available
         from m2d_ray.plan.run_plan import Devices, as_record
 
         rate = (data.memory_plan.get("cost") or {}).get("cpu_flops")
         cfg = load_config(run / "config.yaml")  # the plan's constants this code's defaults, at the CPU rate the run measured
         cfg = replace(cfg, plan=replace(PlanConfig(), cpu_flops=rate))
-        data = replace(data, memory_plan=as_record(plan_of(cfg, Devices(host_memory=host_available(), cpu_load=load))))
+        data = replace(data, memory_plan=as_record(plan_run(cfg, Devices(host_memory=host_available(), cpu_load=load))))
         print(f"re-planned with others' load {load} (CPU thread rate {data.memory_plan['cost']['cpu_flops']:.3g} FLOP/s)")
     rows = cost_rows(data)
     print("| stage | FLOPs | estimated s | measured s | measured / estimated |\n|---|---:|---:|---:|---:|")
@@ -61,7 +63,8 @@ def paper() -> None:
     from m2d_ray.models import load_config as model_config
     from m2d_ray.plan import cost
     from m2d_ray.plan.devices import cluster_settings, from_cluster_yaml
-    from m2d_ray.plan.run_plan import Devices, make_plan
+    from m2d_ray.pipeline import plan as make_plan
+    from m2d_ray.plan.run_plan import Devices
     from m2d_ray.plan.shapes import models_of
 
     qwen = model_config(str(REPO / "experiments" / "configs" / "Qwen--Qwen3-30B-A3B"))

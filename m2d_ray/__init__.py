@@ -1,14 +1,15 @@
 """m2d_ray: convert a trained Mixture-of-Experts language model into a dense one.
 
-Data flow: calibrate/ -> scoring/ -> grouping/ -> convert/ -> distill/ -> evaluate/ -> report/, the Ray
-stages above them (stages/), one module per command on top (commands/, cli.py); plan/ is the memory and
-storage arithmetic of a whole run, read from configs before any of it runs.
+Data flow: calibrate/ -> scoring/ -> grouping/ -> convert/ -> distill/ -> evaluate/ -> report/; above them the
+stages of a run on Ray (stages/: one module per stage says what it checks, needs, runs and reports; plan/ is the
+arithmetic they price themselves with), in order in pipeline.py; one module per command on top (commands/, cli.py).
+ARCHITECTURE.md draws it.
 
 Layers, lowest first. A module imports only from its own layer or a lower one, and there are no import
 cycles, except that arch/ registers its families by importing them (tests/unit/test_imports.py checks
 this list against the code):
 
-    1. errors, console, registry, artifacts, storage, checkpoint, assets, accelerators, peaks
+    1. errors, console, registry, artifacts, storage, checkpoint, assets, accelerators, peaks, sizes
     2. arch
     3. models, weights, data
     4. calibrate
@@ -24,8 +25,9 @@ this list against the code):
     14. track
     15. report
     16. stages
-    17. commands
-    18. cli
+    17. pipeline
+    18. commands
+    19. cli
 """
 
 __version__ = "0.1.0"

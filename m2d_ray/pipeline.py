@@ -67,9 +67,10 @@ def wanted(cfg: SweepConfig, stages: Stages = STAGES) -> list[Stage]:
 
 
 # ---- before any work ----------------------------------------------------------------------------
-def check_config(cfg: SweepConfig, stages: Stages = STAGES) -> None:
-    """Settings that cannot run together, from the config alone (every command that plans or runs stages)."""
-    for s in wanted(cfg, stages):
+def check_config(cfg: SweepConfig) -> None:
+    """Settings that cannot run together, from the config alone: every stage's, whichever stages a command runs (a
+    config describes the whole run; `m2d sweep` refuses a misspelt baseline before stage 1, not after it)."""
+    for s in wanted(cfg, STAGES):
         s.check_config(cfg)
 
 
@@ -80,7 +81,7 @@ def check(cfg: SweepConfig, stages: Stages = STAGES, tracking_uri: str | None = 
     from m2d_ray.checkpoint import scan
     from m2d_ray.models import check_teacher, default_teacher
 
-    check_config(cfg, stages)
+    check_config(cfg)
     teacher = cfg.model or default_teacher()
     check_teacher(teacher)
     for s in wanted(cfg, stages):
@@ -135,15 +136,22 @@ def record_corpora(rd: RunDir, cfg: SweepConfig, stages: Stages = STAGES) -> Non
 
 # ---- the plan -----------------------------------------------------------------------------------
 def plan_run(cfg: SweepConfig, devices: Devices = Devices(), model: str | None = None, stages: Stages = STAGES) -> RunPlan:
-    """The plan of `cfg` (m2d plan, and m2d run before any work), every stage's rows added up, from configs alone:
-    the teacher's config read from `model` (a directory with config.json), else the config's model; the baselines'
-    own teachers when their configs can be read here (not with `model` given: then their names may be the hub's)."""
+    """The plan of `cfg` (m2d plan, and m2d run before any work): the teacher's config read from `model` (a directory
+    with config.json), else the config's model; the baselines' own teachers when their configs can be read here
+    (not with `model` given: then their names may be the hub's)."""
     from m2d_ray.models import default_teacher
     from m2d_ray.models import load_config as model_config
 
-    check_config(cfg, stages)
+    check_config(cfg)
     own = {} if model is not None else {b.teacher_key: model_config(b.teacher(cfg)) for b in baselines.of(cfg) if b.has_teacher}
-    p = Planning(cfg, models_of(model_config(model or cfg.model or default_teacher())), devices, {k: shape_of(c) for k, c in own.items()}, own)
+    return plan(cfg, model_config(model or cfg.model or default_teacher()), devices, own, stages)
+
+
+def plan(cfg: SweepConfig, teacher_config, devices: Devices = Devices(), own: dict | None = None, stages: Stages = STAGES) -> RunPlan:
+    """Every stage's rows added up, from configs alone: the MoE teacher's, and the baselines' own teachers' (`own`, by
+    stage 3's key) where known (else planned at the MoE teacher's shape)."""
+    own = own or {}
+    p = Planning(cfg, models_of(teacher_config), devices, {k: shape_of(c) for k, c in own.items()}, own)
     run = wanted(cfg, stages)
     rows = [row for s in run for row in s.needs(p)]
     stays, peak = {}, {}
@@ -190,6 +198,16 @@ def run(ctx, stages: Stages | None = None) -> dict:
                                        "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "runs": before.get("runs", 1 if before else 0) + 1}
         write_json_atomic(ctx.rd.timings, state)
     return results
+
+
+def run_stages(cfg: SweepConfig, run_dir, *names: str, tracking_uri: str | None = None) -> dict:
+    """The stages `names` on `run_dir` (a new run made there, else the run there continued), without the commands'
+    checks: for tests, benchmarks and notebooks. Returns each stage's result."""
+    from m2d_ray.stages.context import RunContext  # lazy: Ray
+
+    rd, stages = RunDir(run_dir), tuple(STAGES)
+    ctx = RunContext(cfg, rd, tracking_uri, stages) if rd.state.exists() else RunContext.create(cfg, rd, tracking_uri, stages)
+    return run(ctx, STAGES.only(*names))
 
 
 def write_report(run_dir) -> Path:

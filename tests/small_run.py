@@ -18,7 +18,7 @@ def finished_run(dest: Path) -> tuple[Path, dict]:
     from m2d_ray.commands.report import report
     from m2d_ray.config import load_config
     from m2d_ray.run_dir import Ledger, RunDir
-    from m2d_ray.stages import stage1, stage2, stage3
+    from m2d_ray.stages import stage1_tune, stage2_tune, stage3
     from m2d_ray.stages.record import StageRecorder
     from m2d_ray.track import run_tracker
 
@@ -27,7 +27,8 @@ def finished_run(dest: Path) -> tuple[Path, dict]:
     tracker = run_tracker(cfg, rd)
     promotions = rd.read_promotions()
     parent = tracker.parent_run(rd.sweep_id(), cfg.name, params={"model": promotions["teacher"]}, tags={"run_dir": str(rd)})
-    for ledger, stage, prefix in ((rd.stage1_ledger(), stage1, ""), (rd.stage2_ledger(), stage2, "stage2/"), (Ledger(rd.stage3_results), stage3, "stage3/")):
+    for ledger, stage, prefix in ((rd.stage1_ledger(), stage1_tune, ""), (rd.stage2_ledger(), stage2_tune, "stage2/"),
+                                  (Ledger(rd.stage3_results), stage3, "stage3/")):
         StageRecorder(ledger, tracker, parent, stage.mlflow_fields, prefix).reconcile()
-    stage1.tag_promoted(tracker, parent, promotions["pairs"])
+    stage1_tune.tag_promoted(tracker, parent, promotions["pairs"])
     return rd.path, report(str(rd))

@@ -45,7 +45,8 @@ def run(config: str | None, overrides: list[str], out: str | None = None, resume
     log_plan(ctx)
     results = pipeline.run(ctx)
     reported = results.get("report") or {}
-    return {"run_dir": str(rd), "report": str(rd.report / "index.html"), "stages": {k: v["wall_s"] for k, v in rd.stage_times().items()},
+    times = rd.stage_times()
+    return {"run_dir": str(rd), "report": str(rd.report / "index.html"), "stages": {s.name: times[s.name]["wall_s"] for s in stages if s.name in times},
             "mlflow_ui": f"mlflow ui --backend-store-uri {ctx.tracker.uri}", "mlflow_url": reported.get("mlflow_url", ctx.tracker.ui_url()),
             "outcome": check_outcome(rd)}
 

@@ -190,8 +190,8 @@ def memory_rows(data: RunData) -> list[dict]:
 
 def cost_rows(data: RunData) -> list[dict]:
     """The plan's bill per stage (RUN_DIR/memory_plan.json) beside the wall time run.json measured for it, in the
-    run's order (the JSON file's keys are sorted). A run of an older m2d timed calibration inside stage 1 and the
-    targets pass inside stage 2 (their `calibrate_s`, `targets_s`): those are taken apart again."""
+    plan's order (its rows'; the JSON objects' keys are sorted). A run of an older m2d timed calibration inside stage 1
+    and the targets pass inside stage 2 (their `calibrate_s`, `targets_s`): those are taken apart again."""
     cost = (data.memory_plan or {}).get("cost")
     if not cost:
         return []
@@ -203,7 +203,7 @@ def cost_rows(data: RunData) -> list[dict]:
             measured[name] = t["wall_s"] - t[inner[1]]
         else:
             measured[name] = t.get("wall_s")
-    order = list(measured)
+    order = list(dict.fromkeys(r["name"].split(":")[0] for r in data.memory_plan.get("rows", [])))
     rows = []
     for name, c in sorted(cost["stages"].items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)):
         m, est = measured.get(name), c.get("seconds")

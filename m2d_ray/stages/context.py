@@ -88,4 +88,4 @@ class RunContext:
     def waiting(self, stage) -> Waiting:
         """The resource waiter of `stage` (its request and keys): `with ctx.waiting(stage) as w:` around every Ray
         request the stage makes, so that a request no node type can hold fails the stage with one line."""
-        return Waiting(stage.name, stage.request(self.cfg), stage.keys)
+        return Waiting.of(stage, self.cfg)

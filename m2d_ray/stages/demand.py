@@ -141,6 +141,11 @@ class Waiting:
         self._thread = threading.Thread(target=self._watch, name=f"m2d-waiting-{stage}", daemon=True)
         self._status: dict = {}
 
+    @classmethod
+    def of(cls, stage, cfg) -> "Waiting":
+        """The waiter of a pipeline stage: the request its units make and the config keys that set it."""
+        return cls(stage.name, stage.request(cfg), stage.keys)
+
     def __enter__(self) -> "Waiting":
         try:
             from ray._private.worker import global_worker_stdstream_dispatcher

@@ -41,6 +41,7 @@ def run_data(rd: RunDir) -> RunData:
     """The run's records, with what its baselines bring (their own teachers' rows, the matched table's order)."""
     from m2d_ray.config import load_config
 
+    rd.read_promotions()  # a run with no finished stage 1 has nothing to report: its error says so
     cfg = load_config(rd.config)
     teachers = tuple((b.teacher_label, b.teacher_key) for b in baselines.of(cfg) if b.has_teacher)
     return load_run(rd.path, teachers, tuple(n for n in BASELINES if n in cfg.stage2.baselines))

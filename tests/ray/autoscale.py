@@ -25,9 +25,10 @@ timestamped console stay for the test to read):
           stage 1 and stage 2 while a trial does, during stage 3 while an evaluation task does
   failed  the same run with ray.max_failures=0, one student at a time, and a node lost during stage 2:
           that student fails, the other is distilled, the run goes on
-  unservable  the same run asking a GPU per distillation rank (distill.gpus_per_worker=1), which no node type
-          has (their GPUs are FAKE_GPU) and which the driver cannot check before the run (the fake provider's
-          node types are not in the GCS): the autoscaler's own report fails stage 2, exit 2
+  unservable  the same run with the d2d baseline, asking a GPU per distillation rank (distill.gpus_per_worker=1),
+          which no node type has (their GPUs are FAKE_GPU) and which the driver cannot check before the run (the
+          fake provider's node types are not in the GCS): stage 2's first request (the d2d search's task) is
+          reported infeasible by the autoscaler, which fails stage 2, exit 2
 """
 
 from __future__ import annotations
@@ -201,7 +202,7 @@ def seen(lines: list, text: str) -> bool:
 
 def in_calibration(lines: list, storage: Path) -> bool:
     """The calibration pass runs (its Ray Data actors: the victim)."""
-    return seen(lines, "== stage1 ==") and not seen(lines, "statistics: ")
+    return seen(lines, "== calibrate ==") and not seen(lines, "statistics: ")
 
 
 in_calibration.victim = "ray::MapWorker"
@@ -217,7 +218,7 @@ in_stage3.victim = "ray::_evaluate_task"
 
 def in_stage1(lines: list, storage: Path) -> bool:
     """Stage 1's trials are running (calibration is done)."""
-    return seen(lines, "== stage1 ==") and seen(lines, "stage 1: ") and not seen(lines, "== stage2 ==")
+    return seen(lines, "== stage1 ==") and seen(lines, "stage 1: ") and not seen(lines, "== targets ==") and not seen(lines, "== stage2 ==")
 
 
 def in_stage2(lines: list, storage: Path) -> bool:
@@ -289,9 +290,11 @@ def wait_idle(temp: str, timeout: float) -> float | None:
 
 
 def phases(lines: list, t0: float, t1: float) -> dict[str, tuple[float, float]]:
-    """Each stage's time window from the run's console: calibration is stage 1 up to its statistics line."""
-    start = lambda text: next((t for t, line in lines if line.startswith(text)), None)  # noqa: E731
-    marks = [("calibration", start("== stage1 ==")), ("stage1", start("statistics: ")), ("stage2", start("== stage2 ==")),
+    """Each stage's time window from the run's console (stage 2's from its targets pass on, when it has one)."""
+    def start(*texts: str) -> float | None:
+        return next((t for t, line in lines if line.startswith(texts)), None)
+
+    marks = [("calibration", start("== calibrate ==")), ("stage1", start("== stage1 ==")), ("stage2", start("== targets ==", "== stage2 ==")),
              ("stage3", start("== stage3 ==")), ("report", start("== report ==")), ("end", t1)]
     return {name: (a, b) for (name, a), (_, b) in zip(marks, marks[1:]) if a and b}
 
@@ -323,7 +326,7 @@ def main(work: Path, only: list[str]) -> None:
         env["RAY_ADDRESS"] = start_cluster(work, env, temp)
         runs = {"plain": ((), RUN), "lost": ((in_calibration, in_stage1, in_stage2, in_stage3), RUN),
                 "failed": ((in_stage2,), [*RUN, "ray.max_failures=0", "stage2.max_concurrent_trials=1"]),
-                "unservable": ((), [*RUN, "distill.gpus_per_worker=1"])}
+                "unservable": ((), [*RUN, "distill.gpus_per_worker=1", "stage2.baselines=[d2d]"])}
         for name, (kills, overrides) in runs.items():
             if only and name not in only:
                 continue

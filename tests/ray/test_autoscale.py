@@ -206,7 +206,8 @@ def test_a_node_lost_more_often_than_max_failures_fails_that_student_only(autosc
 
 def test_a_request_no_node_type_holds_fails_its_stage_on_the_autoscaler_s_word(autoscaled):
     """distill.gpus_per_worker=1 on a CPU-only autoscaling cluster whose node types the driver cannot read: stage 2
-    fails within about a minute of waiting, with one line, exit 2, and stage 3 never starts."""
+    fails within about a minute of waiting, with one line, exit 2, and stage 3 never starts; its first request is
+    the d2d baseline's search task, which goes through the stage's waiter like every other."""
     work, results = autoscaled
     r = results["unservable"]
     assert r["rc"] == 2, r["lines"][-20:]
@@ -216,3 +217,4 @@ def test_a_request_no_node_type_holds_fails_its_stage_on_the_autoscaler_s_word(a
     start2 = next(t for t, line in r["lines"] if line.startswith("== stage2 =="))
     assert r["t1"] - start2 < 150, r["t1"] - start2  # the autoscaler reports every 30 s; no waiting for ever
     assert not any(line.startswith("== stage3 ==") for _, line in r["lines"])
+    assert any("d2d: pruning" in line for _, line in r["lines"])  # it was the search that waited

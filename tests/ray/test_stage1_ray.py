@@ -17,9 +17,9 @@ import torch
 
 from m2d_ray.calibrate import calibrate
 from m2d_ray.config import load_config
+from m2d_ray.pipeline import run_stages
 from m2d_ray.data.synthetic import corpus_text
 from m2d_ray.data.text import calibration_set
-from m2d_ray.stages.stage1 import run_stage1
 from conftest import ROOT
 
 TINY = ROOT / "experiments" / "tiny.yaml"
@@ -73,7 +73,7 @@ def test_ray_data_statistics_equal_single_process(ray_address, tiny_teacher_dir,
 @pytest.fixture(scope="module")
 def pruned_run(ray_address, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("stage1") / "run"
-    return run_stage1(_cfg(), run_dir)
+    return run_stages(_cfg(), run_dir, "calibrate", "stage1")["stage1"]
 
 
 def test_grid_end_to_end_with_mlflow(pruned_run):
@@ -108,7 +108,7 @@ def test_grid_end_to_end_with_mlflow(pruned_run):
 
 
 def test_dedupe_and_early_stopping_keep_the_unpruned_winners(pruned_run, tmp_path):
-    full = run_stage1(_cfg("search.dedupe=false", "search.early_stop=false"), _with_stats(pruned_run.run_dir, tmp_path / "full"))
+    full = run_stages(_cfg("search.dedupe=false", "search.early_stop=false"), _with_stats(pruned_run.run_dir, tmp_path / "full"), "calibrate", "stage1")["stage1"]
     assert full.evaluated == full.full_evaluations == 32
     statuses = [r["status"] for r in pruned_run.records]
     assert pruned_run.probed < 32 and statuses.count("pruned") > 0  # dedupe and pruning both acted
@@ -124,7 +124,7 @@ def test_dedupe_and_early_stopping_keep_the_unpruned_winners(pruned_run, tmp_pat
 def test_failed_and_diverged_trials_are_recorded_and_the_sweep_goes_on(pruned_run, tmp_path):
     cfg = _cfg("grid.scoring=[sf]", "grid.grouping=[rr]", "grid.scaling=[uniform]", "grid.K=[2,4,8]",
                "faults.raise_in=[sf_rr_uniform_K4]", "faults.nan_in=[sf_rr_uniform_K8]")
-    res = run_stage1(cfg, _with_stats(pruned_run.run_dir, tmp_path / "faults"))
+    res = run_stages(cfg, _with_stats(pruned_run.run_dir, tmp_path / "faults"), "calibrate", "stage1")["stage1"]
     status = {r["key"]: r for r in res.records}
     assert status["sf_rr_uniform_K2"]["status"] == "ok"
     assert status["sf_rr_uniform_K4"]["status"] == "failed" and "injected failure" in status["sf_rr_uniform_K4"]["error"]

@@ -15,8 +15,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from m2d_ray.config import load_config
-from m2d_ray.stages.stage1 import run_stage1
-from m2d_ray.stages.stage2 import run_stage2
+from m2d_ray.pipeline import run_stages
 from conftest import ROOT
 
 TINY = ROOT / "experiments" / "tiny.yaml"
@@ -79,7 +78,7 @@ def stage1_dir(ray_address, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("stage2") / "run"
     cfg = load_config(TINY, ["calib.max_tokens=4096", "calib.seq_len=128", "eval.max_chars=20000", "eval.seq_len=128", "eval.chunks=1",
                              "grid.scoring=[sf]", "grid.grouping=[rr]", "grid.scaling=[uniform]", "grid.K=[2]"])
-    run_stage1(cfg, run_dir)
+    run_stages(cfg, run_dir, "calibrate", "stage1")["stage1"]
     return run_dir
 
 
@@ -90,7 +89,7 @@ def test_stage2_sweep_asha_mlflow_and_native_students(stage1_dir):
     overrides = ["stage=2", "distill.steps=12", "distill.eval_every=3", "distill.deepspeed=false", *SMALL_DISTILL,
                  "stage2.baselines=[random-init,random-ffn]", "faults.raise_in=[baseline-random-ffn]", "stage2.grace_evals=1", "stage2.reduction_factor=2", "stage2.max_concurrent_trials=1", "stage2.asha=true"]
     cfg = load_config(stage1_dir / "config.yaml", overrides)
-    records = {r["key"]: r for r in run_stage2(cfg, stage1_dir).records}
+    records = {r["key"]: r for r in run_stages(cfg, stage1_dir, "targets", "stage2")["stage2"].records}
     promotions = json.loads((stage1_dir / "promotions.json").read_text())["pairs"]
     best = min(promotions.values(), key=lambda p: p["ppl"])["key"]
     assert set(records) == {p["key"] for p in promotions.values()} | {"baseline-random-init", "baseline-random-ffn"}
@@ -134,11 +133,11 @@ def test_stage2_sweep_asha_mlflow_and_native_students(stage1_dir):
     assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]
     # resuming a finished stage 2 distils nothing again but retries the failed student (it fails again here)
     t0 = time.time()
-    assert {r["key"]: r["status"] for r in run_stage2(cfg, stage1_dir).records} == {k: r["status"] for k, r in records.items()}
+    assert {r["key"]: r["status"] for r in run_stages(cfg, stage1_dir, "targets", "stage2")["stage2"].records} == {k: r["status"] for k, r in records.items()}
     assert time.time() - t0 < 30
     # with its fault gone, a resume distils the student that failed, and only that one
     fixed = load_config(stage1_dir / "config.yaml", [o for o in overrides if not o.startswith("faults.")])
-    again = {r["key"]: r for r in run_stage2(fixed, stage1_dir).records}
+    again = {r["key"]: r for r in run_stages(fixed, stage1_dir, "targets", "stage2")["stage2"].records}
     assert again["baseline-random-ffn"]["status"] == "ok" and again["baseline-random-ffn"]["steps"] == 12
     assert all(again[k] == r for k, r in records.items() if k != "baseline-random-ffn")
 
@@ -161,7 +160,7 @@ def test_a_failed_d2d_search_is_that_students_failure_not_the_runs(stage1_dir):
     short.write_text("too short.\n")
     cfg = load_config(stage1_dir / "stage2" / "config.yaml",  # the distillation settings stage 2 started with, plus d2d
                       [f"calib.data={short}", "stage2.baselines=[random-init,random-ffn,d2d]", "faults.raise_in=[]"])
-    records = {r["key"]: r for r in run_stage2(cfg, stage1_dir).records}
+    records = {r["key"]: r for r in run_stages(cfg, stage1_dir, "targets", "stage2")["stage2"].records}
     failed = records["baseline-d2d"]
     assert failed["status"] == "failed" and "d2d candidate search failed" in failed["error"] and "need at least 64" in failed["error"], failed
     assert not (stage1_dir / "stage2" / "d2d" / "search.json").exists()
@@ -197,7 +196,7 @@ def test_the_targets_pass_resumes_at_its_first_missing_shard(ray_address, tmp_pa
 
 def test_a_students_trial_is_retried_as_often_as_ray_max_failures():
     # a lost node ends the Tune trial and the Train controller beside it: only Tune can retry that
-    from m2d_ray.stages.stage2 import failures
+    from m2d_ray.stages.stage2_tune import failures
 
     for n in (0, 1, 3):
         f = failures(load_config(TINY, [f"ray.max_failures={n}"]))
@@ -209,7 +208,7 @@ def test_the_stop_board_lives_on_the_drivers_node(ray_address):
     import ray
 
     from m2d_ray.stages.ray_env import on_driver_node
-    from m2d_ray.stages.stage2 import StopBoard
+    from m2d_ray.stages.stage2_tune import StopBoard
 
     strategy = on_driver_node()["scheduling_strategy"]
     assert strategy.node_id == ray.get_runtime_context().get_node_id() and strategy.soft is False
@@ -224,7 +223,8 @@ def test_a_retried_students_curve_reaches_mlflow_whole():
     # reports carry the curve since step 0; the MLflow history gets every validation once
     from types import SimpleNamespace
 
-    from m2d_ray.stages.stage2 import Recorder, Student
+    from m2d_ray.stages.stage2_tune import Recorder
+    from m2d_ray.stages.students import Student
 
     class Tracker:
         def __init__(self, history):

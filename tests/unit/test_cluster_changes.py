@@ -11,6 +11,7 @@ import pytest
 from conftest import ROOT
 from m2d_ray.config import load_config
 from m2d_ray.errors import M2DError
+from m2d_ray.pipeline import STAGES
 from m2d_ray.stages import demand, ray_env, run_storage
 from m2d_ray.stages.run_storage import RunStorage
 
@@ -81,7 +82,7 @@ def test_only_the_stage_s_own_demand_is_its_own():
 
 def test_an_infeasible_demand_fails_the_stage_with_one_line(monkeypatch):
     monkeypatch.setattr(demand, "read_status", lambda: V1_STATUS)
-    w = demand.for_stage("stage2", load_config(ROOT / "experiments" / "tiny.yaml", ["distill.gpus_per_worker=1"]))
+    w = demand.Waiting.of(STAGES["stage2"], load_config(ROOT / "experiments" / "tiny.yaml", ["distill.gpus_per_worker=1"]))
     w._status = V1_STATUS
     w.event("Adding 1 node(s) of type cpu_8x.")
     w.check()  # nothing infeasible yet
@@ -92,7 +93,7 @@ def test_an_infeasible_demand_fails_the_stage_with_one_line(monkeypatch):
     assert isinstance(e.value, M2DError) and "\n" not in line  # exit 2: no later stage runs
     assert line.startswith("stage2: the autoscaler reports that no node type can hold {CPU: 1, GPU: 1}")
     assert "cpu_8x, gpu_a10g_1x, ray.head.default" in line and "distill.gpus_per_worker" in line
-    cpu = demand.for_stage("stage1", load_config(ROOT / "experiments" / "tiny.yaml"))
+    cpu = demand.Waiting.of(STAGES["stage1"], load_config(ROOT / "experiments" / "tiny.yaml"))
     cpu.event(V1_EVENT)
     cpu.check()  # not the CPU stage's request
 
@@ -108,9 +109,31 @@ def test_a_pending_demand_prints_a_progress_line_about_every_minute(monkeypatch)
     monkeypatch.setattr(demand, "say", lines.append)
     import time
 
+    monkeypatch.setattr(demand, "on_cluster", lambda: True)
     with demand.Waiting("stage2", {"CPU": 1.0, "GPU": 1.0}, "distill.gpus_per_worker", every=0.2, poll=0.05):
         time.sleep(0.7)
     assert 2 <= len(lines) <= 4 and all(x.startswith("stage2: waiting for") for x in lines), lines
+    # a local Ray has no autoscaler to launch anything: its units queue for its CPUs, and nothing is said of launching
+    monkeypatch.setattr(demand, "on_cluster", lambda: False)
+    lines.clear()
+    with demand.Waiting("stage3", {"CPU": 1.0}, "stage3.cpus_per_task", every=0.2, poll=0.05):
+        time.sleep(0.5)
+    assert lines == []
+
+
+def test_a_blocking_call_under_the_waiter_fails_its_stage_when_its_request_is_infeasible():
+    """Every Ray request of a stage goes through its waiter (a task's ray.get, a Ray Data pass): one the autoscaler
+    reports infeasible fails the stage instead of blocking for ever; the call's own result and errors pass through."""
+    import threading
+
+    w = demand.Waiting("stage2", {"CPU": 1.0, "GPU": 1.0}, "distill.gpus_per_worker", poll=0.05)
+    assert w.call(lambda x: x + 1, 1) == 2
+    with pytest.raises(ValueError, match="bad"):
+        w.call(lambda: (_ for _ in ()).throw(ValueError("bad")))
+    never = threading.Event()
+    threading.Timer(0.3, lambda: w.event(V1_EVENT)).start()
+    with pytest.raises(demand.Unservable, match="stage2: the autoscaler reports"):
+        w.call(never.wait)  # what a bare ray.get of an unservable task did: wait for ever
 
 
 # ---- failures in the user's words ----------------------------------------------------------------------
@@ -154,7 +177,7 @@ def test_the_tune_check_pickles_with_the_experiment_and_fails_the_stage():
     import pickle
 
     w = demand.Waiting("stage2", {"CPU": 1.0, "GPU": 1.0}, "distill.gpus_per_worker", poll=60)
-    check = pickle.loads(pickle.dumps(demand.tune_check(w)))
+    check = pickle.loads(pickle.dumps(demand.tune_check(w.stage)))
     check.on_step_begin(0, [])  # not waiting: nothing to check
     with w:
         w.event(V1_EVENT)

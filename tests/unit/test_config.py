@@ -9,6 +9,7 @@ import pytest
 from m2d_ray.cli import main
 from m2d_ray.config import SweepConfig, k_values, load_config
 from m2d_ray.errors import M2DError
+from m2d_ray.pipeline import check_config
 from conftest import ROOT
 
 EXPERIMENTS = ROOT / "experiments"
@@ -25,6 +26,7 @@ TEACHERS = {
 @pytest.mark.parametrize("path", sorted(EXPERIMENTS.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_yaml_loads_and_fits_its_teacher(path):
     cfg = load_config(path)
+    check_config(cfg)  # what its stages check from the config alone (the baselines' names and settings)
     assert isinstance(cfg, SweepConfig)
     if path.name.startswith("_"):  # an include-only base
         return
@@ -68,7 +70,14 @@ def test_auto_K_and_overrides():
 )
 def test_bad_values_fail_with_one_line(override, message):
     with pytest.raises(M2DError, match=message.replace("[", r"\[").replace(".", r"\.")):
-        load_config(EXPERIMENTS / "tiny.yaml", [override])
+        _checked(EXPERIMENTS / "tiny.yaml", override)
+
+
+def _checked(path: Path, *overrides: str) -> SweepConfig:
+    """A config loaded and checked as every command that plans or runs its stages checks it."""
+    cfg = load_config(path, list(overrides))
+    check_config(cfg)
+    return cfg
 
 
 @pytest.mark.parametrize("loss", ["rkl", "fkl+mse"])
@@ -83,9 +92,9 @@ def test_d2d_needs_a_dense_teacher_and_the_baseline():
     assert "d2d" in cfg.stage2.baselines and cfg.stage2.d2d_teacher is None  # the embedded pair: the dense twin by default
     assert load_config(EXPERIMENTS / "wiki4.yaml").stage2.d2d_teacher == "../shared/teachers/qwen3dense-wiki4"
     with pytest.raises(M2DError, match="no stage2.d2d_teacher: give the dense model matched to ../shared/teachers/qwen3moe-wiki4"):
-        load_config(EXPERIMENTS / "wiki4.yaml", ["stage2.d2d_teacher=null"])
+        _checked(EXPERIMENTS / "wiki4.yaml", "stage2.d2d_teacher=null")
     with pytest.raises(M2DError, match="d2d_teacher is set but d2d is not in stage2.baselines"):
-        load_config(EXPERIMENTS / "tiny.yaml", ["stage2.baselines=[random-init]", "stage2.d2d_teacher=some/dense"])
+        _checked(EXPERIMENTS / "tiny.yaml", "stage2.baselines=[random-init]", "stage2.d2d_teacher=some/dense")
     assert main(["sweep", str(EXPERIMENTS / "tiny.yaml"), "stage2.baselines=[d2]", "--out", "/nonexistent/x"]) == 2
 
 
@@ -124,10 +133,10 @@ def test_a_relative_d2d_teacher_reaches_ray_workers_as_an_absolute_path(tmp_path
     import os
 
     from m2d_ray.models import default_dense_teacher
-    from m2d_ray.stages.d2d import dense_teacher
+    from m2d_ray.stages.baselines import BASELINES
 
     monkeypatch.chdir(tmp_path)
     rel = os.path.relpath(default_dense_teacher(), tmp_path)
     cfg = load_config(EXPERIMENTS / "tiny.yaml", [f"stage2.d2d_teacher={rel}"])
     assert not Path(cfg.stage2.d2d_teacher).is_absolute()
-    assert dense_teacher(cfg) == str(Path(default_dense_teacher()).resolve())
+    assert BASELINES["d2d"].teacher(cfg) == str(Path(default_dense_teacher()).resolve())

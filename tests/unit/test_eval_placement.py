@@ -134,12 +134,12 @@ def test_stage3_placements_ask_ray_for_the_gpus_a_model_needs(monkeypatch, tmp_p
     qwen3_30b_a3b().save_pretrained(t)
     qwen3_student().save_pretrained(s)
     c = replace(Stage3Config(), gpu_memory="80GB", gpus_per_node=8, batch_size="auto")
-    monkeypatch.setattr(runner, "probe_gpus", lambda: pytest.fail("sizes were configured: no probe"))
+    monkeypatch.setattr(runner, "probe_gpus", lambda get=None: pytest.fail("sizes were configured: no probe"))
     places = runner.stage3_placements({"teacher": str(t), "do-acp-rr": str(s)}, c, 0.5)
     assert (places["teacher"].gpus, places["teacher"].shard) == (2, True)
     assert (places["do-acp-rr"].gpus, places["do-acp-rr"].shard, places["do-acp-rr"].batch_size) == (0.5, False, "auto")
     cpu = runner.stage3_placements({"do-acp-rr": str(s)}, replace(c, batch_size=16), 0)
     assert cpu["do-acp-rr"].gpus == 0 and not cpu["do-acp-rr"].shard
-    monkeypatch.setattr(runner, "probe_gpus", lambda: (40 * 10**9, 1))  # measured: one 40 GB GPU per node
+    monkeypatch.setattr(runner, "probe_gpus", lambda get=None: (40 * 10**9, 1))  # measured: one 40 GB GPU per node
     with pytest.raises(M2DError, match="stage-3 model teacher .* does not fit"):
         runner.stage3_placements({"teacher": str(t)}, replace(c, gpu_memory=None, gpus_per_node=None), 1)

@@ -17,7 +17,8 @@ from m2d_ray.models import default_teacher
 from m2d_ray.models import load_config as model_config
 from m2d_ray.plan import memory
 from m2d_ray.plan.devices import NodeType, from_cluster_yaml
-from m2d_ray.plan.run_plan import Devices, make_plan, plan_line
+from m2d_ray.pipeline import plan as make_plan
+from m2d_ray.plan.run_plan import Devices, plan_line
 from m2d_ray.plan.shapes import models_of
 
 GiB = 1 << 30

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 from m2d_ray.errors import M2DError
-from m2d_ray.report.analysis import distill_rows, erank_table, load_run, marginal, matched_rows, overlap, selections
-from m2d_ray.report.run import write_report
+from m2d_ray.pipeline import write_report
+from m2d_ray.report.analysis import distill_rows, erank_table, marginal, matched_rows, overlap, selections
+from m2d_ray.run_dir import RunDir
+from m2d_ray.stages.report import run_data
 from small_run import STORED
 
 
@@ -22,7 +24,7 @@ def run_dir(tmp_path) -> Path:
 
 
 def test_overlap_and_effective_rank_from_the_stage1_records(run_dir):
-    data = load_run(run_dir)
+    data = run_data(RunDir(run_dir))
     k = data.k
     sel = selections(data, k)
     ov = overlap(sel, k)
@@ -43,7 +45,7 @@ def test_overlap_and_effective_rank_from_the_stage1_records(run_dir):
 
 
 def test_distill_rows_and_marginal_effects(run_dir):
-    data = load_run(run_dir)
+    data = run_data(RunDir(run_dir))
     rows = distill_rows(data)
     students = [r for r in rows if r["kind"] == "student"]
     assert len(students) == len(data.promotions["pairs"])
@@ -58,7 +60,7 @@ def test_distill_rows_and_marginal_effects(run_dir):
 
 
 def test_matched_parameters_rows(run_dir):
-    data = load_run(run_dir)
+    data = run_data(RunDir(run_dir))
     rows = matched_rows(data, distill_rows(data))
     students = [r for r in distill_rows(data) if r["kind"] == "student"]
     assert [r["label"] for r in rows] == ["best MoE-to-dense", "d2d", "random-init"]  # the run's baselines, in the table's order
@@ -132,7 +134,7 @@ def test_no_two_labels_of_a_figure_overlap_and_references_are_in_a_legend(run_di
         for i, (a, ba) in enumerate(texts):
             for b, bb in texts[i + 1:]:
                 assert not ba.overlaps(bb), f"{name}: {a!r} overlaps {b!r}"
-    data = load_run(run_dir)
+    data = run_data(RunDir(run_dir))
     refs = [r for r in distill_rows(data) if r["kind"] != "student"]
     labels = [t for t, _ in figures["marginal.png"]]
     for r in refs:  # the reference lines (close together here: d2d 0.917, dense teacher 0.938) named once each, with the value
@@ -147,7 +149,7 @@ def test_pruned_stage1_cells_show_their_partial_perplexity(run_dir, figures):
     write_report(run_dir)
     labels = [t for t, _ in figures["stage1_heatmap.png"]]
     assert "61 partial" in labels  # the last finite partial, marked
-    full = [r["ppl"] for r in load_run(run_dir).stage1 if r["status"] == "ok"]
+    full = [r["ppl"] for r in run_data(RunDir(run_dir)).stage1 if r["status"] == "ok"]
     assert all(f"{p:.0f}" in labels for p in full)
 
 

@@ -161,7 +161,7 @@ def test_gpu_use_is_decided_by_the_config_not_by_the_gpus_up_now(monkeypatch):
 
 def test_a_promoted_plan_repeated_by_another_pair_is_distilled_once():
     """Stage 2 distils the better-ranked of two promotions with one plan signature; the other gets its record."""
-    from m2d_ray.stages.stage2 import Student, duplicates
+    from m2d_ray.stages.students import Student, duplicates
 
     todo = [Student("a", "sf/rr", 1.0), Student("b", "sf/oc", 1.0), Student("c", "cp/rr", 2.0), Student("baseline-random-ffn", "random-ffn", None, "random-ffn")]
     plans = {"a": {"signature": "s1"}, "b": {"signature": "s1"}, "c": {"signature": "s2"}}
