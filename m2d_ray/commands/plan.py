@@ -27,9 +27,8 @@ def show(plan: RunPlan, where: str, out=say) -> None:
         out("  " + line)
 
 
-def refuse(plan: RunPlan) -> None:
+def refuse(problems: list[str]) -> None:
     """Exit 2 with the first stage that cannot run (the others are in the table)."""
-    problems = plan.problems()
     if problems:
         more = f" (+{len(problems) - 1} more in the table)" if len(problems) > 1 else ""
         raise M2DError(problems[0] + more + " (`m2d plan CONFIG` shows every stage)")
@@ -86,7 +85,7 @@ def check_run(cfg: SweepConfig, gpu_memory: int | None = None, cluster: str | No
     plan = plan_run(cfg, devices)
     problems = plan.problems()
     show(plan, f"against {where}" + (f", GPUs of {gpu_memory / 2**30:.1f} GiB" if gpu_memory else ""), note if problems else say)
-    refuse(plan)
+    refuse(problems)
     return plan
 
 
@@ -134,4 +133,4 @@ def main(args) -> None:
                                     f"node types of {args.cluster}" if args.cluster else None])) or "this machine"
     show(plan, where, emit)  # the table and the JSON line are the command's result: stdout
     emit(plan_line(plan))
-    refuse(plan)
+    refuse(plan.problems())

@@ -46,7 +46,19 @@ class Section:
     render: Callable[[Path], str]
 
 
-class Stage:
+class Checked:
+    """What a stage, or a part of one (a baseline), says of a config before any work."""
+
+    def check_config(self, cfg: SweepConfig) -> None:
+        """Settings that cannot run together, from the config alone."""
+        return None
+
+    def reads(self, cfg: SweepConfig) -> dict[str, str]:
+        """The data specs it reads: key -> spec."""
+        return {}
+
+
+class Stage(Checked):
     """A stage of a run; see the module docstring for what each hook means."""
 
     name: str = ""
@@ -54,12 +66,6 @@ class Stage:
 
     def wanted(self, cfg: SweepConfig) -> bool:
         return True
-
-    def check_config(self, cfg: SweepConfig) -> None:
-        return None
-
-    def reads(self, cfg: SweepConfig) -> dict[str, str]:
-        return {}
 
     def check(self, cfg: SweepConfig, teacher: str) -> None:
         return None

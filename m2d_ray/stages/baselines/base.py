@@ -20,6 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from m2d_ray.stages.contract import Checked, Section
+
 if TYPE_CHECKING:  # argument types only
     from m2d_ray.config import SweepConfig
     from m2d_ray.distill.config import DistillConfig
@@ -27,42 +29,28 @@ if TYPE_CHECKING:  # argument types only
     from m2d_ray.plan.run_plan import Costing
     from m2d_ray.report.analysis import RunData
     from m2d_ray.stages.context import RunContext
-    from m2d_ray.stages.contract import Section
 
 
 class BaselineFailed(RuntimeError):
     """A baseline's preparation failed on its worker (the message says why, in one line)."""
 
 
-class Baseline:
-    """A stage-2 baseline; see the module docstring. The base is a student built from the MoE teacher alone."""
+class Baseline(Checked):
+    """A stage-2 baseline; see the module docstring. The base is a student built from the MoE teacher alone.
+    `key`: its student's key in stage 2's ledger and stage 3's results; `teacher_key`: stage 3's key of its own teacher."""
 
-    name: str = ""
     teacher_label: str | None = None
+
+    def __init__(self, name: str) -> None:
+        self.name, self.key, self.teacher_key = name, f"baseline-{name}", f"teacher-{name}"
 
     @property
     def has_teacher(self) -> bool:
         """Whether it is distilled from a teacher of its own (then stage 3 evaluates that teacher too)."""
         return self.teacher_label is not None
 
-    @property
-    def key(self) -> str:
-        """Its student's key in stage 2's ledger and stage 3's results."""
-        return f"baseline-{self.name}"
-
-    @property
-    def teacher_key(self) -> str:
-        """Stage 3's key of its own teacher."""
-        return f"teacher-{self.name}"
-
-    def check_config(self, cfg: SweepConfig) -> None:
-        return None
-
     def check(self, cfg: SweepConfig) -> None:
         return None
-
-    def reads(self, cfg: SweepConfig) -> dict[str, str]:
-        return {}
 
     def teacher(self, cfg: SweepConfig) -> str | None:
         return None

@@ -45,8 +45,10 @@ SEARCH, CANDIDATES = "search.json", "candidates"  # in RUN_DIR/stage2/d2d/: the 
 
 
 class D2D(Baseline):
-    name = NAME
     teacher_label = "dense teacher"
+
+    def __init__(self) -> None:
+        super().__init__(NAME)
 
     def teacher(self, cfg: SweepConfig) -> str:
         """`stage2.d2d_teacher`, else the embedded MoE teacher's dense twin."""

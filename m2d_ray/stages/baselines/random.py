@@ -11,8 +11,5 @@ from m2d_ray.stages.baselines.base import Baseline
 
 
 class RandomBaseline(Baseline):
-    def __init__(self, name: str) -> None:
-        self.name = name
-
     def builder(self, moe: str, prepared: object | None, seed: int) -> Callable[[Path], None]:
         return InitialStudent(moe, None, self.name, seed)
