@@ -26,7 +26,7 @@ from m2d_ray.scoring import SCORINGS
 
 @dataclass(frozen=True)
 class CalibConfig:
-    data: str | None = None  # data spec; None = the teacher's default (pipeline.resolve_calib)
+    data: str | None = None  # data spec; None = the teacher's default (calibrate.tokens.resolve_calib)
     max_tokens: int = 32768
     seq_len: int = 256
     batch_size: int = 8
