@@ -196,7 +196,7 @@ def evaluate(ctx, stage: Stage3) -> dict[str, dict]:
                 **({"accelerator_type": c.accelerator} if gpus > 0 and c.accelerator else {})}
         text = Path(suite["text"]).read_bytes() if suite["text"] else None
         teachers = {j.key: ctx.store.put_model(j.model) for j in pending if j.key == TEACHER_KEY or j.key.startswith(f"{TEACHER_KEY}-")}
-        task = ray.remote(_evaluate)
+        task = ray.remote(_evaluate_task)
         with ctx.waiting(stage) as waiting:
             places = stage3_placements({j.key: teachers.get(j.key, j.model) for j in pending}, c, gpus, get=waiting.get)
             data = data_ref(suite["tasks"])
@@ -226,7 +226,7 @@ def evaluate(ctx, stage: Stage3) -> dict[str, dict]:
     return done
 
 
-def _evaluate(model: str, suite: list, c: dict, device: str, text: bytes | None, placement=None, data=None, store=None) -> dict:
+def _evaluate_task(model: str, suite: list, c: dict, device: str, text: bytes | None, placement=None, data=None, store=None) -> dict:
     """A Ray task on any node: fetch and load one model (sharded over its GPUs when its placement says so),
     run the lm-eval suite on it (1 thread on CPU: tasks run side by side). A text:PATH task's file arrives
     as bytes and the paper suite's data as a Ray object (the node need not see the driver's disk)."""

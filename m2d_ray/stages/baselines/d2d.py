@@ -91,7 +91,7 @@ class D2D(Baseline):
             return PrunedSpec(teacher, DenseSizes(**saved["sizes"]), Importance.load(where / IMPORTANCE_FILE), saved["candidate"])
         say(f"stage 2: d2d: pruning {self.teacher(cfg)} to the K = k student's parameter count (candidate search)")
         gpus = 1.0 if cfg.distill.gpus_per_worker > 0 else 0.0
-        task = ray.remote(_search).options(num_cpus=cfg.distill.cpus_per_worker, num_gpus=gpus, max_retries=cfg.ray.max_failures)
+        task = ray.remote(_search_task).options(num_cpus=cfg.distill.cpus_per_worker, num_gpus=gpus, max_retries=cfg.ray.max_failures)
         calib, ev = replace(cfg.calib, data=ctx.store.put_data(cfg.calib.data)), replace(cfg.eval, data=ctx.store.put_data(cfg.eval.data))
         try:
             out = waiting.get(task.remote(teacher, moe, calib, ev, "cuda" if gpus else "cpu", cfg.distill.threads_per_worker))
@@ -134,7 +134,7 @@ class D2D(Baseline):
         return [Section("Dense-to-dense (Minitron) candidate search", render([candidates(d)]))]
 
 
-def _search(dense: str, moe: str, calib: CalibConfig, ev: EvalConfig, device: str, threads: int) -> dict:
+def _search_task(dense: str, moe: str, calib: CalibConfig, ev: EvalConfig, device: str, threads: int) -> dict:
     """On any node (a Ray task): the candidate search of `dense` at the parameters of `moe`'s K = k student."""
     import torch
 
