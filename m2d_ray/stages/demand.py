@@ -183,7 +183,7 @@ class Waiting:
         for request in infeasible_requests(message):
             if self.failure is None and is_ours(request, self.wanted):
                 note(f"autoscaler: {message}")  # its own words, in the log
-                types = node_types_seen(self._status, self.launched)
+                types = node_types_seen(self._status or read_status() or {}, self.launched)  # (a report before the first poll)
                 self.failure = (f"{self.stage}: the autoscaler reports that no node type can hold {fmt(request)} "
                                 f"(node types it runs or launched: {', '.join(types) or 'none'}); change {self.keys}, "
                                 "or add a node type that has it to the cluster")

@@ -74,7 +74,7 @@ def test_m2d_run_whole_pipeline_then_resume(ray_address, tmp_path, capfd):
     assert shown and set(shown) <= ours, [ln for ln in shown if ln not in ours]
     assert "== stage3 ==" in shown and any(ln.startswith("[stage 2 ") for ln in shown)
     assert "Configuration for experiment" in log and "Configuration for experiment" not in captured.err
-    assert set(out["stages"]) == {"stage1", "stage2", "stage3", "report"} and "mlflow ui --backend-store-uri sqlite:///" in out["mlflow_ui"]
+    assert list(out["stages"]) == ["calibrate", "stage1", "stage2", "stage3", "report"] and "mlflow ui --backend-store-uri sqlite:///" in out["mlflow_ui"]
 
     # every promoted pair and the baselines were distilled, and every student + both teachers evaluated
     promotions = json.loads((run_dir / "promotions.json").read_text())["pairs"]
@@ -116,7 +116,7 @@ def test_m2d_run_whole_pipeline_then_resume(ray_address, tmp_path, capfd):
     assert time.time() - t0 < 60
     assert {p.name: p.stat().st_mtime for p in (run_dir / "stage3" / "results").iterdir()} == before
     again = json.loads((run_dir / "run.json").read_text())["stages"]  # the resume's seconds are added, the first run's kept
-    assert again["stage1"] == first["stage1"] and again["stage3"]["runs"] == 2 and again["stage3"]["wall_s"] >= first["stage3"]["wall_s"]
+    assert again["calibrate"] == first["calibrate"] and again["stage1"] == first["stage1"] and again["stage3"]["runs"] == 2 and again["stage3"]["wall_s"] >= first["stage3"]["wall_s"]
     # a changed suite on resume is refused (it would mix two suites in one table)
     assert main(["run", "--resume", str(run_dir), "stage3.limit=10"]) == 2
     assert "another suite" in capfd.readouterr().err
