@@ -48,7 +48,7 @@ def make_targets(out, tokens, text: str, cfg: DistillConfig = CFG, stream: bool 
     from m2d_ray.stages.shards import targets_here
 
     spec = parse_targets(text, cfg.temperature, cfg.seed)
-    targets_here(default_teacher(), str(tokens), str(out), spec, cfg.teacher_topk, 4, [(0, 14), (14, BLOCKS - 14)], stream)
+    targets_here(default_teacher(), str(tokens), str(out), spec, cfg.teacher_topk, 4, [(0, 14), (14, BLOCKS - 14)], stream, cfg.dtype)
     return spec
 
 
@@ -163,3 +163,83 @@ def test_targets_of_another_token_stream_are_refused(student, tokens, tmp_path):
     (tmp_path / "t" / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(M2DError, match="tokens"):
         _train(student, tmp_path / "s", tokens, str(tmp_path / "t"), spec)
+
+
+# ---- a GPU's dtypes rehearsed on the CPU (distill.dtype=bfloat16: the code path a GPU takes with auto) -------------
+
+BF16 = dataclasses.replace(CFG, dtype="bfloat16")
+
+
+def _spy(monkeypatch, module, name: str, seen: list, what) -> None:
+    """Record what(result, *args) of every call of module.name (looked up by name at call time)."""
+    fn = getattr(module, name)
+
+    def spied(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        seen.append(what(out, *args))
+        return out
+
+    monkeypatch.setattr(module, name, spied)
+
+
+def _shard_dtypes(directory) -> dict:
+    from m2d_ray.distill.targets import TargetsManifest, read_shard
+
+    return {k: v.dtype for e in TargetsManifest.load(directory).shards for k, v in read_shard(directory, e).items()}
+
+
+def _rank_dtypes(monkeypatch) -> tuple[list, list]:
+    """Spies on a rank's boundaries: (the head applied: (states, head, log-probs) dtypes; each micro-batch's loss dtype)."""
+    from m2d_ray.distill import losses, step
+
+    heads, loss = [], []
+    _spy(monkeypatch, losses, "log_probs", heads, lambda out, h, w, t: (h.dtype, w.dtype, out.dtype))
+    _spy(monkeypatch, step.StudentLoss, "forward", loss, lambda out, *a: out.dtype)
+    return heads, loss
+
+
+def test_bf16_on_the_cpu_hidden_targets_train_as_the_online_teacher(student, tokens, tmp_path, monkeypatch):
+    """A GPU's dtypes, on the CPU: the teacher in bf16 (online and in the targets pass), its hidden states stored in
+    bf16, its head applied to them in bf16 with the log-softmax and KL in float32, the student in bf16; the cached
+    `hidden` loss is the online one within bf16's tolerance, 1e-2 (on this CPU it is bitwise the same: the same bf16
+    products; a GPU's kernels may differ with the batch's shape), and the float32 test above holds it to 1e-5."""
+    from m2d_ray.distill import step
+
+    t_last, heads_online, loss_online = [], *_rank_dtypes(monkeypatch)
+    _spy(monkeypatch, step, "teacher_outputs", t_last, lambda out, *a: out[0].dtype)
+    online = _train(student, tmp_path / "online", tokens, cfg=BF16)
+    assert set(t_last) == {torch.bfloat16} and len(t_last) == BF16.steps
+    assert set(heads_online) == {(torch.bfloat16, torch.bfloat16, torch.float32)} and set(loss_online) == {torch.float32}
+
+    spec = make_targets(tmp_path / "targets", tokens, "hidden", BF16, stream=False)
+    assert _shard_dtypes(tmp_path / "targets") == {"hidden": torch.bfloat16}
+    monkeypatch.undo()
+    heads, loss = _rank_dtypes(monkeypatch)
+    cached = _train(student, tmp_path / "cached", tokens, str(tmp_path / "targets"), spec, BF16)
+    assert set(heads) == {(torch.bfloat16, torch.bfloat16, torch.float32)} and set(loss) == {torch.float32} and len(loss) == BF16.steps
+    assert [r["step"] for r in cached] == [r["step"] for r in online] == [3, 6]
+    for a, b in zip(online, cached):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-2) and b["val_ppl"] == pytest.approx(a["val_ppl"], rel=1e-2)
+    fp32 = _online(student, tokens, tmp_path)  # bf16 really ran: its losses are not float32's to float32's precision
+    assert online[-1]["train_loss"] != pytest.approx(fp32[-1]["train_loss"], rel=1e-5)
+    assert cached[-1]["val_ppl"] < cached[-1]["val_ppl_initial"]
+
+
+STORED = {"topk:8": {"ids": torch.int32, "logp": torch.float16, "tail": torch.float32},
+          "sampled:8": {"ids": torch.int32, "counts": torch.uint8, "logp": torch.float16}}
+
+
+@pytest.mark.parametrize("text", sorted(STORED))
+def test_bf16_on_the_cpu_sparse_targets_reach_the_loss_in_their_stored_dtypes(student, tokens, tmp_path, monkeypatch, text):
+    """The bf16 teacher's top-K / sampled targets are stored in their own dtypes (int32 ids, fp16 log-probs, fp32 tail,
+    uint8 counts) and reach the loss in them, beside the bf16 student's states and head (nothing widened on the way)."""
+    from m2d_ray.distill import step
+
+    spec = make_targets(tmp_path / "t", tokens, text, BF16)
+    assert _shard_dtypes(tmp_path / "t") == STORED[text]
+    name = "sparse_kl" if spec.mode == "topk" else "sampled_kl"
+    seen: list = []
+    _spy(monkeypatch, step, name, seen, lambda out, h, w, *t: (h.dtype, w.dtype, {k: x.dtype for k, x in zip(STORED[text], t)}, out.dtype))
+    reports = _train(student, tmp_path / "s", tokens, str(tmp_path / "t"), spec, BF16)
+    assert set(map(str, seen)) == {str((torch.bfloat16, torch.bfloat16, STORED[text], torch.float32))} and len(seen) == BF16.steps
+    assert reports[-1]["val_ppl"] < reports[-1]["val_ppl_initial"] and all(np.isfinite(r[loss_metric(spec)]) for r in reports)
