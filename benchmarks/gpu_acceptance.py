@@ -35,6 +35,7 @@ when a part failed or timed out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -144,16 +145,13 @@ class Ctx:
 
 
 def kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to the process group, then SIGKILL what is left after 10 s (Ray's processes share the group)."""
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        try:
+    """SIGTERM to the process group, SIGKILL to what is left of it once the child has gone or after 10 s (Ray's
+    processes share the group, or die with the driver that started them)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
-            proc.wait(timeout=wait)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
 
 
 def json_lines(text: str) -> list[dict]:
@@ -180,13 +178,19 @@ def run_p7(ctx: Ctx, v: Variant) -> dict:
     lines = json_lines(out)
     final = next((x for x in reversed(lines) if "targets" in x), None)
     modes = final["targets"] if final else {x["mode"]: x for x in lines if "mode" in x}
-    device = final["device"] if final else None
+    device = final["device"] if final else gpu_name() if ctx.cuda else None
     rows = [(f"P7 {m}", p7_figures(r)) for m, r in modes.items()]
     eff = efficiency(modes, device, ctx) if modes else None
     if eff:
         rows.append(("efficiency", f"{eff['key']} = {eff['efficiency']:.3f} ({eff['from']}, the lowest mode; {eff['peak']}) -> "
                                    f"{ctx.work / 'efficiency.json'}"))
     return {"rows": rows or [("P7", "no mode finished")], "failed": failed, "p7": final or {"targets": modes}, "efficiency": eff}
+
+
+def gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0)
 
 
 def p7_figures(r: dict) -> str:
@@ -422,7 +426,7 @@ def main(argv=None) -> int:
     ctx = Ctx(Path(a.work), cuda, a.cpu_smoke, t0 + a.budget_s)
     ctx.logs.mkdir(parents=True, exist_ok=True)
     (ctx.work / "efficiency.json").unlink(missing_ok=True)
-    env = f"torch {torch.__version__}, " + (torch.cuda.get_device_name(0) + f" x {torch.cuda.device_count()}" if cuda else "CPU smoke (tiny shapes)")
+    env = f"torch {torch.__version__}, " + (gpu_name() + f" x {torch.cuda.device_count()}" if cuda else "CPU smoke (tiny shapes)")
     rows, results, bad = [], {"env": env, "budget_s": a.budget_s, "parts": {}}, False
     while todo:
         left = ctx.deadline - time.monotonic() - RESERVE_S
