@@ -182,8 +182,8 @@ def run_p7(ctx: Ctx, v: Variant) -> dict:
     rows = [(f"P7 {m}", p7_figures(r)) for m, r in modes.items()]
     eff = efficiency(modes, device, ctx) if modes else None
     if eff:
-        rows.append(("efficiency", f"{eff['key']} = {eff['efficiency']:.3f} ({eff['from']}, the lowest mode; {eff['peak']}) -> "
-                                   f"{ctx.work / 'efficiency.json'}"))
+        fig = f"{eff['key']} = {eff['efficiency']:.3f} ({eff['from']}, the lowest mode; {eff['peak']}) -> {ctx.work / 'efficiency.json'}"
+        rows.append(("efficiency", fig))
     return {"rows": rows or [("P7", "no mode finished")], "failed": failed, "p7": final or {"targets": modes}, "efficiency": eff}
 
 

@@ -256,7 +256,7 @@ class HostProbe(TorchFunctionMode):
     `.cpu()`, `float(t)`, `int(t)`, `bool(t)` as in `if t:`, formatting) or names a CUDA device (`.cuda()`, a
     `"cuda"` / cuda `torch.device` argument): (call, file, line) of its innermost caller outside torch."""
 
-    READS = {"item", "tolist", "numpy", "cpu", "__float__", "__int__", "__index__", "__bool__", "__complex__", "__format__", "__repr__"}
+    READS = frozenset({"item", "tolist", "numpy", "cpu", "__float__", "__int__", "__index__", "__bool__", "__complex__", "__format__", "__repr__"})
 
     def __init__(self) -> None:
         super().__init__()
@@ -286,9 +286,9 @@ def _caller() -> tuple[str, str]:
 
 #: read-backs in third-party code that a step runs, each allowed for a reason (file suffix, source line)
 KNOWN_READS = {
-    # transformers >= 5 looks for packed sequences in position_ids whenever no attention mask is given: one bool per
-    # model forward (the teacher's and the student's), on a GPU too; avoidable only by handing the model a prepared
-    # mask mapping (not done here: a model-level change)
+    # transformers 5 looks for packed sequences in position_ids whenever no attention mask is given: one bool per
+    # model forward (the teacher's and the student's), on a GPU too; the MoE forward takes no prepared mask mapping
+    # and a 4-D mask would give up SDPA's causal path, so it stays (benchmarks/RESULTS.md, "The GPU acceptance call")
     ("transformers/masking_utils.py", "if not is_tracing(packed_sequence_mask) and (packed_sequence_mask[:, -1] == 0).all():"),
     # the eager experts loop, which only a CPU runs (models.load_model: eager on CPU; a GPU runs grouped_mm)
     ("transformers/models/qwen3_moe/modeling_qwen3_moe.py", "if expert_idx == self.num_experts:"),

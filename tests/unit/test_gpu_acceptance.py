@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -34,7 +35,7 @@ PARTS = [_part("A", True, 100, 50), _part("B", True, 200, 80), _part("C", True, 
 def test_the_plan_covers_the_required_parts_first_then_grows_them_in_priority_order(left, want):
     choice, lines = acc.plan(PARTS, left)
     assert choice == want
-    assert sum(PARTS[i].variants[choice[p.name]].est_s for i, p in enumerate(PARTS) if p.name in choice) <= left
+    assert sum(p.variants[choice[p.name]].est_s for p in PARTS if p.name in choice) <= left
     for p, line in zip(PARTS, lines):
         assert line.startswith(f"{p.name}: ") and (("skipped: its smallest variant" in line) == (p.name not in choice))
         assert ("shrunk from" in line) == bool(choice.get(p.name))
@@ -52,10 +53,8 @@ def test_a_command_past_the_parts_timeout_is_killed_with_its_process_group(tmp_p
     assert time.monotonic() - t < 30
     child = int(pid_file.read_text())
     time.sleep(0.5)
-    try:
-        state = open(f"/proc/{child}/stat").read().split()[2]
-    except FileNotFoundError:
-        state = "gone"
+    stat = Path(f"/proc/{child}/stat")
+    state = stat.read_text().split()[2] if stat.exists() else "gone"
     assert state in ("gone", "Z"), f"the part's child {child} outlived its timeout (state {state})"
     assert ctx.sh(["bash", "-c", "echo '{\"a\": 1}'; exit 3"], "fails", check=False) == (3, '{"a": 1}\n')
     with pytest.raises(RuntimeError, match="exited 3; see .*fails.log"):
@@ -67,7 +66,7 @@ def test_cpu_smoke_runs_every_required_part_and_writes_the_table_results_and_eff
     (hidden targets, one student) and the Ray Data token pass, on the CPU with tiny shapes; one table at the end and
     efficiency.json (on the CPU: `plan.cpu_efficiency`'s figure, tiny shapes: plumbing only)."""
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_acceptance.py"), "--cpu-smoke", "--work", str(tmp_path)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=900)
+                          capture_output=True, text=True, cwd=ROOT, timeout=900, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert {k: v["status"] for k, v in results["parts"].items()} == {"P7": "ok", "run": "ok", "tokens": "ok"}
