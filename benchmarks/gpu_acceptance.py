@@ -169,7 +169,7 @@ def json_lines(text: str) -> list[dict]:
 def run_p7(ctx: Ctx, v: Variant) -> dict:
     a = v.args
     cmd = [PY, HERE / "p7_distill_throughput.py", "--preset", a["preset"], "--targets", a["targets"], "--paths", a["paths"]]
-    cmd += [x for k in ("steps", "warmup") if k in a for x in (f"--{k}", a[k])]
+    cmd += [x for k in ("steps", "warmup", "threads") if k in a for x in (f"--{k}", a[k])]
     try:
         rc, out = ctx.sh(cmd, "p7", check=False)
         failed = f"exit {rc}: the first-step losses of a mode differ, or it failed; see logs/p7.log" if rc else None
@@ -351,6 +351,11 @@ RUN_SMOKE = ["calib.max_tokens=4096", "calib.seq_len=128", "eval.max_chars=20000
              "stage2.targets=hidden", "stage3.limit=24", "stage3.teacher=false"]
 
 
+# no DeepSpeed path (its CPU op compiles for ~80 s the first time in a checkout; the path is the same code with a flag);
+# one thread (a core busy with another process stalls every 2-thread OpenMP region: RESULTS.md's header)
+P7_SMOKE = {"preset": "smoke", "targets": "online,hidden,sampled:8", "paths": "platform,reference", "threads": 1}
+
+
 def gpu_overrides(gpus: int) -> list[str]:
     """The demo on one GPU: stage-1 trials on eighths of it, the calibration and targets actors on quarters, each
     student a Train worker on a quarter with DeepSpeed ZeRO-2 in bf16, lm-eval on quarters; with two GPUs or more,
@@ -365,8 +370,7 @@ def parts(cuda: bool, gpus: int) -> list[Part]:
     (priors, to be corrected from a measured table), or for the CPU smoke on 2 cores."""
     if not cuda:
         return [
-            Part("P7", True, (Variant("smoke preset, online + hidden + sampled:8, platform + plain loop", 25,
-                                      {"preset": "smoke", "targets": "online,hidden,sampled:8", "paths": "platform,reference"}),), run_p7),
+            Part("P7", True, (Variant("smoke preset, online + hidden + sampled:8, platform + plain loop", 25, P7_SMOKE),), run_p7),
             Part("run", True, (Variant("1 config, 1 student, 4 steps, hidden targets", 90, {"overrides": RUN_SMOKE}),), run_whole),
             Part("tokens", True, (Variant("0.5 MB corpus, loop + ray1", 35, {"mb": 0.5, "shard_mb": 0.25, "modes": ["loop", "ray1"]}),), run_tokens),
             Part("memory", False, (Variant("--small, 1 case", 40, {"flags": ["--small", "--cases", "1"]}),), run_memory),
