@@ -1,97 +1,306 @@
-"""GPU acceptance run (driven by benchmarks/gpu_acceptance.sh): the whole platform on a bf16 random-weight
-teacher with Qwen3-30B-A3B's full layer shapes (d 2048, expert width 768, E 128, k 8; a few layers).
+"""GPU acceptance call (driven by benchmarks/gpu_acceptance.sh): what stage 2 runs now, planned against a device budget.
 
-    stage          what runs                                                    measured
-    teacher        benchmarks/make_teacher.py (bf16, sharded, per-expert keys)  seconds
-    matmul         bf16 8192^3 products                                        the reference TFLOP/s (P5)
-    calib-whole    calibrate() on the loaded teacher                            s, GPU peak, tokens/s, stats TFLOP/s
-    calib-stream   calibrate() streamed layer by layer (compared with whole)    the same
-    convert        m2d convert --stats (lazy teacher, export check)             s, GPU peak
-    stage1         m2d sweep: Ray Data calibration on GPU actors, Tune trials on fractional GPUs
-    distill        m2d distill: Ray Train, DeepSpeed ZeRO-2, bf16               s, GPU peak, tokens/s
-    stage3         m2d eval --tasks local (lm-eval, offline)                    s, GPU peak
-    distill-2gpu   m2d distill --workers 2 (one student on two GPUs, NCCL), when two GPUs are present
-    run-1gpu       m2d run experiments/tiny.yaml (the demo, short budgets) on one GPU: fractional trials
-    P7             benchmarks/p7_distill_throughput.py --preset h100, when that file exists
+    part    what runs                                                                  figures
+    P7      p7_distill_throughput.py --preset h100 --targets online,hidden,sampled:64:     per mode: platform and DeepSpeed tok/s,
+            DistillStep (plain torch, DeepSpeed ZeRO-2) against a plain PyTorch loop     the ratio to the loop, MFU;
+            on a 2.52B Qwen3-MoE teacher -> 0.40B student, bf16                           WORK/efficiency.json
+    run     m2d run experiments/tiny.yaml on the GPU (short budgets): calibration and     stage walls against the bill,
+            stage-1 trials on fractions of it, the bf16 hidden-states targets pass        students ok / failed
+            (Ray Data), students on DeepSpeed ZeRO-2 in bf16 (two GPUs each when there
+            are two: NCCL), lm-eval, the report
+    tokens  p9_corpus_tokens.py: the Ray Data token pass (4 actors) against one loop,     tokens/s, ratio, identical shards
+            on a generated Parquet corpus
+    memory  plan_measured.py --device cuda: the memory plan against                     the largest deviation (bound 25%)
+            torch.cuda.max_memory_allocated (when the budget allows)
+    P5      calibration at Qwen3-30B-A3B's layer shapes (make_teacher.py; calibrate()     stats TFLOP/s vs the bf16 matmul
+            whole and layer-streamed) against a bf16 8192^3 matmul (when the budget allows)  (target >= 60%), streamed = whole
 
-Statistics TFLOP/s counts what P1 counts (every expert on every token, 2*T*E*3*I*d, plus the Gram
-2*E^2*T*d, per MoE layer) over the wall time of the whole collection (the model's own forward
-included, so it is a lower bound); target (P5): >= 60% of the bf16 matmul rate measured here.
-GPU peak = the most `nvidia-smi` memory.used seen during the stage, minus what was used before it.
+Planning. Each part has variants, largest first, with a prior estimate of its seconds on one H100 (guesses until a
+GPU has run this call: the table prints them beside the measured seconds, so that the next session corrects them).
+Before each part, the parts still to run are planned against what is left of --budget-s: all at their largest, then,
+lowest priority first (the table's order is the priority), a part is shrunk to its next variant, or dropped when it
+has none, until the estimates fit; the plan is printed, each shrink and drop with what it needed. A part runs with a
+timeout that leaves the smallest variants of the required parts after it their time; one that overruns is killed
+(its whole process group, Ray's processes included) and recorded as timed out, and the call goes on.
 
-`--cpu-smoke` runs every stage on the CPU with tiny shapes (no GPU numbers): a check of the plumbing.
+Output: one table at the end (also WORK/table.md), every figure in WORK/results.json, WORK/efficiency.json (the
+efficiency the platform's step reached: what `plan.efficiency` should default to), logs in WORK/logs. Exit status 1
+when a part failed or timed out.
+
+    bash benchmarks/gpu_acceptance.sh [--budget-s 540] [--work /tmp/m2d-gpu-acceptance] [--parts P7,run,tokens]
+    python benchmarks/gpu_acceptance.py --cpu-smoke [--parts P7,run,tokens]   # the same plumbing on the CPU, tiny shapes:
+                                                                               # no figure of it means anything
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
-import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 PY = sys.executable
-FULL = dict(d=2048, I=768, E=128, k=8, heads=32, kv_heads=4, head_dim=128, dtype="bfloat16")
+M2D = [PY, "-m", "m2d_ray.cli"]
+RESERVE_S = 15.0  # the table, results and efficiency files after the last part
+FULL = dict(d=2048, I=768, E=128, k=8, heads=32, kv_heads=4, head_dim=128, dtype="bfloat16")  # Qwen3-30B-A3B's layer shapes
 TINY = dict(d=64, I=32, E=16, k=2, heads=4, kv_heads=2, head_dim=16, dtype="float32")
 
 
-class GpuPeak:
-    """Most GPU memory in use (MiB, all processes) while the block runs, minus the level before it."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled, self.peak, self._stop = enabled and shutil.which("nvidia-smi") is not None, 0, threading.Event()
-
-    @staticmethod
-    def used() -> int:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True, text=True)
-        return sum(int(x) for x in out.stdout.split() if x.strip().isdigit())
-
-    def __enter__(self):
-        if self.enabled:
-            self.base = self.peak = self.used()
-            self._thread = threading.Thread(target=self._poll, daemon=True)
-            self._thread.start()
-        return self
-
-    def _poll(self) -> None:
-        while not self._stop.wait(0.2):
-            self.peak = max(self.peak, self.used())
-
-    def __exit__(self, *exc) -> None:
-        if self.enabled:
-            self._stop.set()
-            self._thread.join()
-            self.peak = max(self.peak, self.used()) - self.base
-
-    def mib(self) -> str:
-        return f"{self.peak / 1024:.1f} GiB" if self.enabled else "-"
+class TimedOut(Exception):
+    pass
 
 
-def sh(cmd: list[str], log: Path) -> str:
-    """Run a command, its output teed into `log`; the last line that parses as JSON is returned."""
-    print("$ " + " ".join(map(str, cmd)), flush=True)
-    with open(log, "w") as f:
-        proc = subprocess.run(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=f, text=True, cwd=REPO)
-    f_out = proc.stdout
-    Path(str(log) + ".out").write_text(f_out)
-    if proc.returncode:
-        tail = Path(log).read_text()[-4000:]
-        raise SystemExit(f"gpu_acceptance: `{' '.join(map(str, cmd[:3]))} ...` failed (exit {proc.returncode}); log {log}:\n{tail}")
-    return next((ln for ln in reversed(f_out.splitlines()) if ln.startswith("{")), "{}")
+@dataclass(frozen=True)
+class Variant:
+    """One size of a part: a label for the plan, its estimated seconds, and the settings its runner reads."""
+
+    label: str
+    est_s: float
+    args: dict = field(default_factory=dict)
 
 
-# ---- calibration timed in-process (P5) ----------------------------------------------------------
+@dataclass(frozen=True)
+class Part:
+    name: str
+    required: bool
+    variants: tuple[Variant, ...]  # largest first
+    run: Callable[["Ctx", Variant], dict]  # -> {"rows": [(row name, figures)], "failed": why or None, ...figures}
+
+
+def plan(parts: list[Part], left_s: float) -> tuple[dict[str, int], list[str]]:
+    """{part name: variant index} of the parts that fit `left_s` seconds (a part left out is skipped), and one line
+    per part saying what it runs, or why it shrank or was skipped. Coverage first, then size, required parts
+    before optional ones: each group's parts join at their smallest variant in priority order (the order of
+    `parts`) while they fit, then grow towards their largest in the same order."""
+    choice: dict[str, int] = {}
+
+    def est(p: Part, i: int) -> float:
+        return p.variants[i].est_s
+
+    def total() -> float:
+        return sum(est(p, choice[p.name]) for p in parts if p.name in choice)
+
+    for group in ([p for p in parts if p.required], [p for p in parts if not p.required]):
+        for p in group:
+            if total() + est(p, -1) <= left_s:
+                choice[p.name] = len(p.variants) - 1
+        for p in group:
+            while p.name in choice and choice[p.name] > 0 and total() - est(p, choice[p.name]) + est(p, choice[p.name] - 1) <= left_s:
+                choice[p.name] -= 1
+    lines = []
+    for p in parts:
+        if p.name not in choice:
+            lines.append(f"{p.name}: skipped: its smallest variant ({p.variants[-1].label}) needs ~{est(p, -1):.0f} s, "
+                         f"{max(0.0, left_s - total()):.0f} s of {left_s:.0f} s are left beside the parts kept")
+            continue
+        v = p.variants[choice[p.name]]
+        shrunk = f" (shrunk from {p.variants[0].label}, ~{est(p, 0):.0f} s, to fit {left_s:.0f} s)" if choice[p.name] else ""
+        lines.append(f"{p.name}: {v.label}, ~{v.est_s:.0f} s{shrunk}")
+    return choice, lines
+
+
+@dataclass
+class Ctx:
+    """What every part's runner shares: where it writes, the device, and the call's deadline."""
+
+    work: Path
+    cuda: bool
+    smoke: bool
+    deadline: float
+    timeout_s: float = 0.0  # the running part's, from `started`
+    started: float = 0.0
+
+    @property
+    def logs(self) -> Path:
+        return self.work / "logs"
+
+    def sh(self, cmd: list, log: str, check: bool = True) -> tuple[int, str]:
+        """Run `cmd` in its own process group within the running part's timeout: (exit status, stdout); stderr to
+        logs/LOG.log, stdout to logs/LOG.out. Past the timeout the whole group is killed (TimedOut); a nonzero
+        exit raises RuntimeError naming the log, unless not `check`."""
+        cmd = [str(c) for c in cmd]
+        print("$ " + " ".join(cmd), flush=True)
+        left = self.timeout_s - (time.monotonic() - self.started)
+        with open(self.logs / f"{log}.log", "w") as err, open(self.logs / f"{log}.out", "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=REPO, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=max(1.0, left))
+            except subprocess.TimeoutExpired:
+                kill_group(proc)
+                raise TimedOut(f"killed after {self.timeout_s:.0f} s (the part's share of the budget)") from None
+        stdout = (self.logs / f"{log}.out").read_text()
+        if rc and check:
+            raise RuntimeError(f"`{' '.join(cmd[:4])} ...` exited {rc}; see {self.logs / log}.log")
+        return rc, stdout
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the process group, SIGKILL to what is left of it once the child has gone or after 10 s (Ray's
+    processes share the group, or die with the driver that started them)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+
+
+def json_lines(text: str) -> list[dict]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+# ---- P7: the step per targets mode, and the efficiency the bill should use -----------------------------------------
+def run_p7(ctx: Ctx, v: Variant) -> dict:
+    a = v.args
+    cmd = [PY, HERE / "p7_distill_throughput.py", "--preset", a["preset"], "--targets", a["targets"], "--paths", a["paths"]]
+    cmd += [x for k in ("steps", "warmup", "threads") if k in a for x in (f"--{k}", a[k])]
+    try:
+        rc, out = ctx.sh(cmd, "p7", check=False)
+        failed = f"exit {rc}: the first-step losses of a mode differ, or it failed; see logs/p7.log" if rc else None
+    except TimedOut as exc:  # the modes that finished printed their lines
+        out, failed = (ctx.logs / "p7.out").read_text(), str(exc)
+    lines = json_lines(out)
+    final = next((x for x in reversed(lines) if "targets" in x), None)
+    modes = final["targets"] if final else {x["mode"]: x for x in lines if "mode" in x}
+    device = final["device"] if final else gpu_name() if ctx.cuda else None
+    rows = [(f"P7 {m}", p7_figures(r)) for m, r in modes.items()]
+    eff = efficiency(modes, device, ctx) if modes else None
+    if eff:
+        fig = f"{eff['key']} = {eff['efficiency']:.3f} ({eff['from']}, the lowest mode; {eff['peak']}) -> {ctx.work / 'efficiency.json'}"
+        rows.append(("efficiency", fig))
+    return {"rows": rows or [("P7", "no mode finished")], "failed": failed, "p7": final or {"targets": modes}, "efficiency": eff}
+
+
+def gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0)
+
+
+def p7_figures(r: dict) -> str:
+    tps = lambda k: f"{r[k]:,.0f}" if r.get(k) else "-"  # noqa: E731
+    mfu = f"MFU {r['mfu']:.1%} (plain loop {r['reference_mfu']:.1%})" if r.get("mfu") and r.get("reference_mfu") else "MFU -"
+    ratio = f"{r['ratio']:.2f}x" if r.get("ratio") else "-"
+    agree = "" if r.get("losses_agree", True) else "; FIRST-STEP LOSSES DIFFER"
+    return (f"tok/s platform {tps('platform_tokens_per_s')}, DeepSpeed {tps('platform_deepspeed_tokens_per_s')}, "
+            f"plain loop {tps('reference_tokens_per_s')}: ratio {ratio}; {mfu}{agree}")
+
+
+def efficiency(modes: dict, device: str | None, ctx: Ctx) -> dict | None:
+    """The fraction of the peak the platform's step reached per mode, at the bill's FLOPs per token: on a GPU against
+    its data-sheet bf16 peak (accelerators.GPU_PEAK_BF16), the figure `plan.efficiency` is; on the CPU against the
+    measured matmul rate (P7's MFU), the figure `plan.cpu_efficiency` is. The lowest mode's is the one to set (one
+    number prices every targets mode: the lowest keeps the bill an upper bound). Written to WORK/efficiency.json."""
+    from m2d_ray.accelerators import GPU_PEAK_BF16
+
+    per = {}
+    for m, r in modes.items():
+        tps = max(filter(None, (r.get("platform_tokens_per_s"), r.get("platform_deepspeed_tokens_per_s"))), default=None)
+        if tps:
+            per[m] = {"tokens_per_s": tps, "flops_per_token": r["flops_per_token"], "mfu_vs_measured_matmul": r.get("mfu"),
+                      "ratio_to_plain_loop": r.get("ratio")}
+    if not per:
+        return None
+    if ctx.cuda:
+        name = next((k for k in sorted(GPU_PEAK_BF16, key=len, reverse=True) if device and k in device), None)
+        if name is None:
+            print(f"plan.efficiency: not measured ({device} has no data-sheet peak in accelerators.GPU_PEAK_BF16)")
+            return None
+        peak, key, what = GPU_PEAK_BF16[name], "plan.efficiency", f"{name}'s data-sheet bf16 peak"
+        for x in per.values():
+            x["efficiency"] = x["tokens_per_s"] * x["flops_per_token"] / peak
+    else:
+        if any(x["mfu_vs_measured_matmul"] is None for x in per.values()):
+            return None
+        peak, key, what = None, "plan.cpu_efficiency", "the measured fp32 matmul rate" + (" (CPU smoke, tiny shapes: plumbing only)" if ctx.smoke else "")
+        for x in per.values():
+            x["efficiency"] = x["mfu_vs_measured_matmul"]
+    low = min(per, key=lambda m: per[m]["efficiency"])
+    out = {"device": device, "key": key, "efficiency": per[low]["efficiency"], "from": low, "peak_flops": peak, "peak": what, "modes": per}
+    (ctx.work / "efficiency.json").write_text(json.dumps(out, indent=1))
+    return out
+
+
+# ---- run: m2d run of the demo config on the device -----------------------------------------------------------------
+def run_whole(ctx: Ctx, v: Variant) -> dict:
+    out_dir = ctx.work / "run"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    _, out = ctx.sh(M2D + ["run", REPO / "experiments" / "tiny.yaml", "--out", out_dir, *v.args["overrides"]], "run")
+    res = json_lines(out)[-1]
+    walls = res.get("stages", {})
+    bill = json.loads((out_dir / "memory_plan.json").read_text()).get("cost", {})
+    est = {k: s["seconds"] for k, s in bill.get("stages", {}).items()}
+    students = ", ".join(f"{n} {k}" for k, n in res.get("outcome", {}).get("students", {}).items() if n)
+    fig = (f"walls {', '.join(f'{k} {s:.0f} s' for k, s in walls.items())} (the bill: {', '.join(f'{k} {s:.0f} s' for k, s in est.items())}); "
+           f"students {students}; evaluated {res.get('outcome', {}).get('evaluated')}")
+    failed = None if not res.get("outcome", {}).get("students", {}).get("failed") else "a student failed (see the run's logs)"
+    return {"rows": [("run", fig)], "failed": failed, "result": res, "bill": bill}
+
+
+# ---- tokens: the Ray Data token pass against one loop --------------------------------------------------------------
+def run_tokens(ctx: Ctx, v: Variant) -> dict:
+    a = v.args
+    _, out = ctx.sh([PY, HERE / "p9_corpus_tokens.py", "--mb", a["mb"], "--shard-mb", a["shard_mb"], "--modes", *a["modes"],
+                     "--cache", ctx.work / "p9"], "tokens")
+    rows = json_lines(out)[-1]["p9"]
+    same = len({r["shards_sha"] for r in rows}) == 1
+    fig = "; ".join(f"{r['mode']} {r['tokens_per_s']:,} tok/s" + (f" ({r['vs_loop']:.2f}x the loop)" if r["mode"] != "loop" and r["vs_loop"] else "")
+                    for r in rows) + f"; {rows[0]['tokens']:,} tokens; shards {'identical' if same else 'DIFFER'}"
+    return {"rows": [("tokens", fig)], "failed": None if same else "the modes wrote different token shards", "p9": rows}
+
+
+# ---- memory: the memory plan against the device's peaks ------------------------------------------------------------
+def run_memory(ctx: Ctx, v: Variant) -> dict:
+    _, out = ctx.sh([PY, HERE / "plan_measured.py", "--device", "cuda" if ctx.cuda else "cpu", *v.args["flags"]], "memory", check=False)
+    worst = next((ln for ln in out.splitlines() if ln.startswith("largest deviation")), None)
+    return {"rows": [("memory", worst or "no result; see logs/memory.log")], "failed": None if worst else "plan_measured failed"}
+
+
+# ---- P5: calibration at full layer shapes against the matmul rate --------------------------------------------------
+def run_p5(ctx: Ctx, v: Variant) -> dict:
+    a, shape = v.args, FULL if ctx.cuda else TINY
+    teacher = ctx.work / "teacher"
+    ctx.sh([PY, HERE / "make_teacher.py", "--out", teacher, "--layers", a["layers"], "--E", shape["E"], "--k", shape["k"], "--d", shape["d"],
+            "--I", shape["I"], "--heads", shape["heads"], "--kv-heads", shape["kv_heads"], "--head-dim", shape["head_dim"],
+            "--dtype", shape["dtype"]], "teacher")
+    mm = matmul_tflops(ctx.cuda)
+    calib = {}
+    for mode in ("whole", "streamed"):
+        out = ctx.work / f"stats-{mode}"
+        shutil.rmtree(out, ignore_errors=True)
+        _, text = ctx.sh([PY, __file__, "--child-calibrate", mode, "--teacher", teacher, "--out", out, "--tokens", a["tokens"],
+                          "--seq-len", a["seq_len"]], f"calib-{mode}")
+        calib[mode] = json_lines(text)[-1]
+    diff = stats_agree(ctx.work / "stats-whole", ctx.work / "stats-streamed")
+    w, s = calib["whole"], calib["streamed"]
+    fig = (f"{a['layers']} layers, {w['tokens']:,} tokens: stats {w['tflops']:.1f} TFLOP/s = {w['tflops'] / mm:.0%} of the "
+           f"{'bf16 8192^3' if ctx.cuda else 'fp32 1024^3'} matmul's {mm:,.1f} (P5 target >= 60%); streamed {s['seconds'] / w['seconds']:.2f}x "
+           f"the whole's time, max rel diff {diff:.1e}")
+    return {"rows": [("P5", fig)], "failed": None, "calibration": calib, "matmul_tflops": mm}
+
+
 def child_calibrate(a) -> None:
     import torch
 
     from m2d_ray.calibrate import calibrate
-    from m2d_ray.models import load_teacher
     from m2d_ray.calibrate.tokens import calibration_tokens
+    from m2d_ray.models import load_teacher
     from m2d_ray.weights import open_teacher
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -100,18 +309,15 @@ def child_calibrate(a) -> None:
     spec, tokens = calibration_tokens(teacher.tokenizer, "synthetic:valid", a.teacher, a.seq_len, a.tokens)
     if device == "cuda":
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
-    art, _ = calibrate(teacher, tokens, spec, out=a.out, batch_size=a.batch_size, device=device, stream=streamed, progress=False)
+    art, _ = calibrate(teacher, tokens, spec, out=a.out, batch_size=8, device=device, stream=streamed, progress=False)
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t
     cfg, adapter = teacher.config, teacher.adapter
-    E, T, d, L = adapter.num_experts(cfg), tokens.n_tokens, cfg.hidden_size, len(art.layers)
-    I = cfg.moe_intermediate_size
-    flops = L * (2.0 * T * E * 3 * I * d + 2.0 * E * E * T * d)
-    print(json.dumps({"seconds": seconds, "tokens": T, "tflops": flops / seconds / 1e12, "sha256": art.checksum,
-                      "torch_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}), flush=True)
+    E, T, d, L, I = adapter.num_experts(cfg), tokens.n_tokens, cfg.hidden_size, len(art.layers), cfg.moe_intermediate_size
+    flops = L * (2.0 * T * E * 3 * I * d + 2.0 * E * E * T * d)  # P1's count: every expert on every token, plus the Gram
+    print(json.dumps({"seconds": seconds, "tokens": T, "tflops": flops / seconds / 1e12, "sha256": art.checksum}), flush=True)
 
 
 def matmul_tflops(cuda: bool) -> float:
@@ -131,161 +337,137 @@ def stats_agree(a: Path, b: Path) -> float:
     return max(rel_error(v, y[i].to_tensors("")[n]) for i in x for n, v in x[i].to_tensors("").items())
 
 
-def sweep_config(path: Path, teacher: Path, cuda: bool, tokens: int) -> None:
-    gpu = {"data_gpus_per_actor": 0.5, "gpus_per_trial": 0.25, "max_concurrent_trials": 4, "num_cpus": 16} if cuda else {}
-    cfg = {
-        "name": "gpu-acceptance", "model": str(teacher),
-        "calib": {"data": "synthetic:valid", "max_tokens": tokens, "seq_len": 512, "batch_size": 8},
-        "eval": {"data": "synthetic:test", "max_chars": 100_000, "seq_len": 512, "batch_size": 8, "chunks": 2},
-        "grid": {"scoring": ["sf", "do-acp"], "grouping": ["rr", "oc"], "scaling": ["uniform"], "K": "auto"},
-        "ray": {"data_actors": 2, "threads_per_worker": 1, **gpu},
-        "mlflow": {"experiment": "m2d-gpu-acceptance"},
-    }
-    import yaml
+# ---- the parts, their variants and estimates ----------------------------------------------------------------------
+RUN_SHORT = ["calib.max_tokens=8192", "stage2.targets=hidden", "grid.scaling=[uniform]"]
+RUN_GRIDS = {  # label -> overrides of experiments/tiny.yaml
+    "4 configs, 4 + 2 students, 20 steps": ["grid.scoring=[sf,do-acp]", "grid.grouping=[rr,oc]", "grid.K=[2,4]", "distill.steps=20",
+                                            "distill.eval_every=10", "stage2.baselines=[random-ffn,random-init]", "stage3.limit=100"],
+    "1 config, 1 + 1 students, 10 steps": ["grid.scoring=[sf]", "grid.grouping=[rr]", "grid.K=[2]", "distill.steps=10", "distill.eval_every=5",
+                                           "stage2.baselines=[random-init]", "stage3.limit=50"],
+}
+RUN_SMOKE = ["calib.max_tokens=4096", "calib.seq_len=128", "eval.max_chars=20000", "eval.seq_len=128", "eval.chunks=1", "grid.scoring=[sf]",
+             "grid.grouping=[rr]", "grid.scaling=[uniform]", "grid.K=[2]", "distill.steps=4", "distill.eval_every=2", "distill.seq_len=64",
+             "distill.batch_size=4", "distill.eval_max_tokens=2048", "distill.warmup_steps=1", "stage2.baselines=[]",
+             "stage2.targets=hidden", "stage3.limit=24", "stage3.teacher=false"]
 
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+# no DeepSpeed path (its CPU op compiles for ~80 s the first time in a checkout; the path is the same code with a flag);
+# one thread (a core busy with another process stalls every 2-thread OpenMP region: RESULTS.md's header)
+P7_SMOKE = {"preset": "smoke", "targets": "online,hidden,sampled:8", "paths": "platform,reference", "threads": 1}
 
 
-def main(argv=None) -> None:
+def gpu_overrides(gpus: int) -> list[str]:
+    """The demo on one GPU: stage-1 trials on eighths of it, the calibration and targets actors on quarters, each
+    student a Train worker on a quarter with DeepSpeed ZeRO-2 in bf16, lm-eval on quarters; with two GPUs or more,
+    each student on two workers of a whole GPU (NCCL between GPUs: below half a GPU two ranks would share one)."""
+    students = ["distill.workers=2", "distill.gpus_per_worker=1"] if gpus >= 2 else ["distill.gpus_per_worker=0.25"]
+    return [f"ray.num_cpus={os.cpu_count()}", "ray.gpus_per_trial=0.125", "ray.max_concurrent_trials=8", "ray.data_gpus_per_actor=0.25",
+            *students, "distill.deepspeed=true", "stage3.gpus_per_task=0.25"]
+
+
+def parts(cuda: bool, gpus: int) -> list[Part]:
+    """The call's parts in priority order, with their variants (largest first) and estimated seconds: on one H100
+    (priors, to be corrected from a measured table), or for the CPU smoke on 2 cores."""
+    if not cuda:
+        return [
+            Part("P7", True, (Variant("smoke preset, online + hidden + sampled:8, platform + plain loop", 25, P7_SMOKE),), run_p7),
+            Part("run", True, (Variant("1 config, 1 student, 4 steps, hidden targets", 90, {"overrides": RUN_SMOKE}),), run_whole),
+            Part("tokens", True, (Variant("0.5 MB corpus, loop + ray1", 35, {"mb": 0.5, "shard_mb": 0.25, "modes": ["loop", "ray1"]}),), run_tokens),
+            Part("memory", False, (Variant("--small, 1 case", 40, {"flags": ["--small", "--cases", "1"]}),), run_memory),
+            Part("P5", False, (Variant("tiny shapes, 2 layers, 4,096 tokens", 45, {"layers": 2, "tokens": 4096, "seq_len": 256}),), run_p5),
+        ]
+    modes = "online,hidden,sampled:64"
+    run = gpu_overrides(gpus) + RUN_SHORT
+    return [
+        Part("P7", True, (Variant(f"h100 preset, {modes}, 3 paths, 3 + 10 steps", 150, {"preset": "h100", "targets": modes,
+                                                                                        "paths": "platform,platform_deepspeed,reference"}),
+                          Variant(f"h100 preset, {modes}, 3 paths, 2 + 5 steps", 110, {"preset": "h100", "targets": modes, "warmup": 2, "steps": 5,
+                                                                                      "paths": "platform,platform_deepspeed,reference"}),
+                          Variant(f"h100 preset, {modes}, platform + plain loop, 2 + 5 steps", 80,
+                                  {"preset": "h100", "targets": modes, "warmup": 2, "steps": 5, "paths": "platform,reference"})), run_p7),
+        Part("run", True, tuple(Variant(f"tiny.yaml, {label}, hidden targets", est, {"overrides": run + grid})
+                                for (label, grid), est in zip(RUN_GRIDS.items(), (240, 150))), run_whole),
+        Part("tokens", True, (Variant("50 MB corpus, loop + ray4", 100, {"mb": 50, "shard_mb": 25, "modes": ["loop", "ray4"]}),
+                              Variant("25 MB corpus, loop + ray4", 60, {"mb": 25, "shard_mb": 25, "modes": ["loop", "ray4"]})), run_tokens),
+        Part("memory", False, (Variant("all cases, mid sizes", 150, {"flags": []}), Variant("all cases, --small", 60, {"flags": ["--small"]})),
+             run_memory),
+        Part("P5", False, (Variant("4 layers, 262,144 tokens", 150, {"layers": 4, "tokens": 262144, "seq_len": 2048}),
+                           Variant("2 layers, 65,536 tokens", 70, {"layers": 2, "tokens": 65536, "seq_len": 2048})), run_p5),
+    ]
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work", default="/tmp/m2d-gpu-acceptance")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--calib-tokens", type=int, default=262144, help="calibration tokens of the P5 runs")
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=6, help="distillation steps")
-    p.add_argument("--cpu-smoke", action="store_true", help="every stage on the CPU with tiny shapes (plumbing check)")
+    p.add_argument("--budget-s", type=float, default=540.0, help="the call's seconds (default 540: 9 minutes on one H100 after the bundle is installed)")
+    p.add_argument("--parts", help="comma-separated subset of P7,run,tokens,memory,P5 (default: all, as the budget allows)")
+    p.add_argument("--cpu-smoke", action="store_true", help="every part on the CPU with tiny shapes (plumbing check)")
     p.add_argument("--child-calibrate", dest="mode", choices=["whole", "streamed"])
     p.add_argument("--teacher")
     p.add_argument("--out")
     p.add_argument("--tokens", type=int)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=2048)
     a = p.parse_args(argv)
     if a.mode:
-        return child_calibrate(a)
+        child_calibrate(a)
+        return 0
+    t0 = time.monotonic()
     import torch
 
     cuda = torch.cuda.is_available() and not a.cpu_smoke
     if not cuda and not a.cpu_smoke:
         raise SystemExit("gpu_acceptance: no CUDA device (torch.cuda.is_available() is False); use --cpu-smoke for the CPU plumbing check")
-    shape = FULL if cuda else TINY
-    if a.cpu_smoke:
-        a.layers, a.calib_tokens, a.seq_len, a.steps = 2, 4096, 256, 2
-    work = Path(a.work)
-    work.mkdir(parents=True, exist_ok=True)
-    logs = work / "logs"
-    logs.mkdir(exist_ok=True)
-    env_note = f"torch {torch.__version__}, " + (torch.cuda.get_device_name(0) if cuda else "CPU smoke (tiny shapes)")
-    rows: list[tuple] = []
-
-    def stage(name: str, fn, tokens_per_s=None) -> dict:
-        t = time.perf_counter()
-        with GpuPeak(cuda) as peak:
-            out = fn()
-        secs = time.perf_counter() - t
-        tps = tokens_per_s(out, secs) if tokens_per_s else None
-        rows.append((name, secs, peak.mib(), f"{tps:,.0f}" if tps else "-", out.get("note", "")))
-        print(f"[{name}] {secs:.1f} s, GPU peak {peak.mib()}", flush=True)
-        return out
-
-    teacher = work / "teacher"
-    stage("teacher", lambda: json.loads(sh([PY, HERE / "make_teacher.py", "--out", teacher, "--layers", a.layers, "--E", shape["E"],
-                                            "--k", shape["k"], "--d", shape["d"], "--I", shape["I"], "--heads", shape["heads"],
-                                            "--kv-heads", shape["kv_heads"], "--head-dim", shape["head_dim"], "--dtype", shape["dtype"]],
-                                           logs / "teacher.log")) | {"note": f"{a.layers} layers, {shape}"})
-    mm = matmul_tflops(cuda)
-    rows.append(("matmul", 0.0, "-", "-", f"{'bf16 8192^3' if cuda else 'fp32 1024^3 (CPU)'}: {mm:,.1f} TFLOP/s"))
-    calib = {}
-    for mode in ("whole", "streamed"):
-        out = work / f"stats-{mode}"
-        shutil.rmtree(out, ignore_errors=True)
-        res = stage(f"calib-{mode}", lambda out=out, mode=mode: json.loads(sh(
-            [PY, HERE / "gpu_acceptance.py", "--child-calibrate", mode, "--teacher", teacher, "--out", out, "--tokens", a.calib_tokens,
-             "--seq-len", a.seq_len], logs / f"calib-{mode}.log")), lambda r, s: r["tokens"] / r["seconds"])
-        res["note"] = f"stats {res['tflops']:.1f} TFLOP/s = {res['tflops'] / mm:.0%} of matmul (P5 target >= 60%)"
-        rows[-1] = rows[-1][:4] + (res["note"],)
-        calib[mode] = res
-    diff = stats_agree(work / "stats-whole", work / "stats-streamed")
-    rows.append(("calib check", 0.0, "-", "-", f"streamed vs whole: max rel diff {diff:.1e}; streamed/whole time "
-                 f"{calib['streamed']['seconds'] / calib['whole']['seconds']:.2f}x"))
-    m2d = [PY, "-m", "m2d_ray.cli"]
-    student = work / "student"
-    shutil.rmtree(student, ignore_errors=True)
-    stage("convert", lambda: json.loads(sh(m2d + ["convert", "--model", teacher, "--stats", work / "stats-whole", "--K", shape["k"],
-                                                  "--out", student], logs / "convert.log")) | {"note": "K = k, do-acp/rr, export check"})
-    cfg = work / "sweep.yaml"
-    sweep_config(cfg, teacher, cuda, min(a.calib_tokens, 65536))
-    run_dir = work / "stage1"
-    shutil.rmtree(run_dir, ignore_errors=True)
-
-    def stage1() -> dict:
-        res = json.loads(sh(m2d + ["sweep", cfg, "--out", run_dir], logs / "stage1.log"))
-        tokens = sum(json.loads(f.read_text()).get("tokens") or 0 for f in (run_dir / "trials").glob("*.json")
-                     if not json.loads(f.read_text()).get("duplicate_of"))
-        return res | {"eval_tokens": tokens, "note": f"{res['configs']} configs, {res['full_evaluations']} full evaluations, {res['status']}"}
-
-    stage("stage1", stage1, lambda r, s: r["eval_tokens"] / s)
-    dist = work / "distill"
-    shutil.rmtree(dist, ignore_errors=True)
-    gpu_kw = ["gpus_per_worker=1", f"seq_len={a.seq_len}", "batch_size=8"] if cuda else ["seq_len=128", "batch_size=4", "threads_per_worker=1"]
-    gpu_kw.append("epochs=8")  # the embedded train split (38k tokens) read up to 8 times: a shorter corpus is refused
-    stage("distill", lambda: json.loads(sh(m2d + ["distill", "--teacher", teacher, "--student", student, "--train-data", "synthetic:train",
-                                                  "--eval-data", "synthetic:valid", "--steps", a.steps, "--workers", 1, "--deepspeed",
-                                                  "--out", dist, f"eval_every={a.steps}", "eval_max_tokens=16384", *gpu_kw],
-                                                 logs / "distill.log")) | {"note": "DeepSpeed ZeRO-2, " + ("bf16" if cuda else "fp32 (CPU)")},
-          lambda r, s: r["tokens_per_s"])
-    stage("stage3", lambda: json.loads(sh(m2d + ["eval", "--model", dist / "student", "--tasks", "local", "--limit", 100,
-                                                 "--device", "cuda" if cuda else "cpu"], logs / "stage3.log")) | {"note": "lm-eval, local task"})
-    # ---- issue 17: one student on two GPUs (collectives on CUDA tensors), the whole run on one GPU -----------
-    if cuda and torch.cuda.device_count() >= 2:
-        dist2 = work / "distill-2gpu"
-        shutil.rmtree(dist2, ignore_errors=True)
-        stage("distill-2gpu", lambda: json.loads(sh(m2d + ["distill", "--teacher", teacher, "--student", student, "--train-data",
-                                                           "synthetic:train", "--eval-data", "synthetic:valid", "--steps", a.steps,
-                                                           "--workers", 2, "--deepspeed", "--out", dist2, f"eval_every={a.steps}",
-                                                           "eval_max_tokens=16384", *gpu_kw], logs / "distill-2gpu.log"))
-              | {"note": "2 Ray Train workers x 1 GPU, DeepSpeed ZeRO-2, NCCL"}, lambda r, s: r["tokens_per_s"])
-    elif cuda:
-        rows.append(("distill-2gpu", 0.0, "-", "-", f"skipped: {torch.cuda.device_count()} GPU (needs 2)"))
-    run = work / "run-1gpu"
-    shutil.rmtree(run, ignore_errors=True)
-    short = ["calib.max_tokens=8192", "grid.K=[2,4]", "distill.steps=20", "distill.eval_every=10", "stage3.limit=100"]
-    if not cuda:  # the smoke: a few students
-        short += ["grid.scoring=[sf,do-acp]", "grid.grouping=[rr]", "grid.scaling=[uniform]", "stage2.baselines=[random-init]"]
-    stage("run-1gpu" if cuda else "run-cpu", lambda: json.loads(sh(m2d + ["run", REPO / "experiments" / "tiny.yaml", "--out", run, *short],
-                                                                    logs / "run.log")) | {"note": "m2d run, the demo config, short budgets"})
-    # ---- P7 (issue 17: stage-2 throughput): run when benchmarks/p7_distill_throughput.py exists -------------
-    p7 = HERE / "p7_distill_throughput.py"
-    if p7.exists() and cuda:
-        res = stage("P7", lambda: json.loads(sh([PY, p7, "--preset", "h100"], logs / "p7.log").strip().splitlines()[-1]))
-        _efficiency(res, work)
-    elif p7.exists():
-        rows.append(("P7", 0.0, "-", "-", "skipped on CPU (--preset h100 needs the GPU)"))
-    print(f"\n# GPU acceptance ({env_note}); logs in {logs}\n")
-    print("| stage | seconds | peak GPU memory | tokens/s | notes |\n|---|---|---|---|---|")
-    for name, secs, peak, tps, note in rows:
-        print(f"| {name} | {secs:.1f} | {peak} | {tps} | {note} |")
-    if cuda and calib["whole"]["tflops"] / mm < 0.6:
-        print(f"P5: calibration at {calib['whole']['tflops'] / mm:.0%} of the bf16 matmul rate: MISSED (target >= 60%)")
-
-
-def _efficiency(p7: dict, work: Path) -> None:
-    """The MFU the platform's stage-2 step reached against the GPU's data-sheet peak (accelerators.GPU_PEAK_BF16):
-    what `plan.efficiency` (m2d plan's time and dollars) defaults to once a GPU has measured it. Written to
-    WORK/efficiency.json and printed."""
-    from m2d_ray.accelerators import GPU_PEAK_BF16
-
-    name = next((k for k in sorted(GPU_PEAK_BF16, key=len, reverse=True) if k in p7["device"]), None)
-    tps = max(filter(None, (p7.get("platform_tokens_per_s"), p7.get("platform_deepspeed_tokens_per_s"))), default=None)
-    if name is None or tps is None:
-        print(f"plan.efficiency: not measured ({p7['device']} has no data-sheet peak in accelerators.GPU_PEAK_BF16)")
-        return
-    eff = tps * p7["flops_per_token"] / GPU_PEAK_BF16[name]
-    out = {"device": p7["device"], "accelerator": name, "tokens_per_s": tps, "flops_per_token": p7["flops_per_token"],
-           "peak_flops": GPU_PEAK_BF16[name], "efficiency": eff, "mfu_vs_measured_matmul": p7.get("mfu")}
-    (work / "efficiency.json").write_text(json.dumps(out, indent=1))
-    print(f"plan.efficiency measured on {name}: {eff:.3f} (P7's step against the data-sheet peak; {work / 'efficiency.json'}): "
-          "the default of PlanConfig.efficiency in m2d_ray/config.py")
+    todo = parts(cuda, torch.cuda.device_count() if cuda else 0)
+    if a.parts:
+        names = a.parts.split(",")
+        unknown = set(names) - {x.name for x in todo}
+        if unknown:
+            raise SystemExit(f"gpu_acceptance: unknown part(s) {', '.join(sorted(unknown))}; choose from {', '.join(x.name for x in todo)}")
+        todo = [x for x in todo if x.name in names]
+    elif a.cpu_smoke:  # the optional parts have tests of their own (test_plan_measured.py, test_calibrate.py)
+        print("cpu smoke: the required parts; name memory and P5 in --parts to run them too", flush=True)
+        todo = [x for x in todo if x.required]
+    ctx = Ctx(Path(a.work), cuda, a.cpu_smoke, t0 + a.budget_s)
+    ctx.logs.mkdir(parents=True, exist_ok=True)
+    (ctx.work / "efficiency.json").unlink(missing_ok=True)
+    env = f"torch {torch.__version__}, " + (gpu_name() + f" x {torch.cuda.device_count()}" if cuda else "CPU smoke (tiny shapes)")
+    rows, results, bad = [], {"env": env, "budget_s": a.budget_s, "parts": {}}, False
+    while todo:
+        left = ctx.deadline - time.monotonic() - RESERVE_S
+        choice, lines = plan(todo, left)
+        print(f"== plan, {left:.0f} s left ==\n  " + "\n  ".join(lines), flush=True)
+        part, todo = todo[0], todo[1:]
+        if part.name not in choice:
+            rows.append((part.name, "-", "-", "-", "skipped", lines[0].split(": ", 1)[1]))
+            results["parts"][part.name] = {"status": "skipped", "why": lines[0]}
+            continue
+        v = part.variants[choice[part.name]]
+        later = sum(x.variants[-1].est_s for x in todo if x.required and x.name in choice)
+        ctx.timeout_s, ctx.started = max(1.0, left - later), time.monotonic()
+        print(f"== {part.name}: {v.label} (estimate ~{v.est_s:.0f} s, timeout {ctx.timeout_s:.0f} s) ==", flush=True)
+        try:
+            res = part.run(ctx, v)
+            status = f"FAILED: {res['failed']}" if res.get("failed") else "ok"
+        except TimedOut as exc:
+            res, status = {"rows": [(part.name, "-")]}, f"TIMED OUT: {exc}"
+        except Exception as exc:  # a part's failure is recorded; the call goes on with the next
+            res, status = {"rows": [(part.name, "-")]}, f"FAILED: {type(exc).__name__}: {str(exc).strip()[:300]}"
+        secs = time.monotonic() - ctx.started
+        bad |= status != "ok"
+        results["parts"][part.name] = {"variant": v.label, "estimate_s": v.est_s, "seconds": secs, "status": status,
+                                       **{k: x for k, x in res.items() if k != "rows"}}
+        for i, (name, fig) in enumerate(res["rows"]):
+            rows.append((name, v.label, f"{v.est_s:.0f}", f"{secs:.0f}", status, fig) if i == 0 else (name, "", "", "", "", fig))
+        print(f"[{part.name}] {status} in {secs:.0f} s", flush=True)
+    total = time.monotonic() - t0
+    table = [f"# GPU acceptance ({env}); {total:.0f} s of a {a.budget_s:.0f}-s budget; logs in {ctx.logs}", "",
+             "| part | variant | planned s | s | status | figures |", "|---|---|---:|---:|---|---|"]
+    table += [f"| {' | '.join(map(str, r))} |" for r in rows]
+    (ctx.work / "table.md").write_text("\n".join(table) + "\n")
+    (ctx.work / "results.json").write_text(json.dumps({**results, "seconds": total}, indent=1, default=str))
+    print("\n" + "\n".join(table), flush=True)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,17 +1,28 @@
 #!/usr/bin/env bash
-# GPU acceptance run (issue 13): calibrate (whole and streamed, P5 rate vs the bf16 matmul rate), convert,
-# a small stage-1 grid on fractional GPUs, a few DeepSpeed ZeRO-2 bf16 distillation steps and stage 3 on the
-# offline lm-eval task, on a random-weight bf16 teacher with Qwen3-30B-A3B's full layer shapes (d 2048,
-# expert width 768, E 128, k 8; LAYERS layers). Prints one table; logs under WORK/logs.
+# GPU acceptance call (issue 42): what stage 2 runs now, within a device budget. P7 (the stage-2 step against a plain
+# PyTorch loop, online / hidden / sampled:64 targets: ratio, MFU; WORK/efficiency.json, the figure plan.efficiency
+# should default to), a whole `m2d run` on the GPU (bf16 hidden-states targets, DeepSpeed ZeRO-2 students, lm-eval),
+# the Ray Data token pass, then, as the budget allows, the memory plan against torch.cuda.max_memory_allocated and
+# the calibration rate at Qwen3-30B-A3B's layer shapes (P5). Parts are planned against --budget-s (default 540 s:
+# 9 minutes on one H100 once the bundle is installed), shrunk or skipped with a line saying so; one table at the end
+# (WORK/table.md), every figure in WORK/results.json, logs in WORK/logs. See benchmarks/gpu_acceptance.py.
 #
-#   bash benchmarks/gpu_acceptance.sh [--layers 4] [--calib-tokens 262144] [--work /tmp/m2d-gpu-acceptance]
-#   python benchmarks/gpu_acceptance.py --cpu-smoke      # the same stages on the CPU with tiny shapes (no GPU figures)
+#   bash benchmarks/gpu_acceptance.sh [--budget-s 540] [--work /tmp/m2d-gpu-acceptance] [--parts P7,run,tokens,memory,P5]
+#   python benchmarks/gpu_acceptance.py --cpu-smoke      # the same plumbing on the CPU with tiny shapes (no GPU figures)
 #
-# On the lent GPU machine, first install the bundle (../shared/gpu/README.md) and export PYTHONPATH/PATH as it says.
-# The P7 stage (issue 17) runs benchmarks/p7_distill_throughput.py --preset h100 when that file exists.
-# First: the memory plan's estimates against the GPU's measured peaks (benchmarks/plan_measured.py --device cuda).
-# Last (P7): the efficiency the platform's stage-2 step reaches against the GPU's data-sheet peak -> WORK/efficiency.json, the
-# figure PlanConfig.efficiency (m2d plan's time and dollars) should default to once a GPU has measured it.
+# From a session that is lent a GPU (the device tool; ../shared/gpu/README.md):
+#   1. once per checkout, here (about 4 minutes, ~48 MB; needs PyPI):
+#        echo /.gpu-bundle/ >> "$(git rev-parse --git-common-dir)/info/exclude" && bash ../shared/gpu/make_bundle.sh .gpu-bundle
+#   2. one call (install ~1 min + a 480-s budget fits the 600-s limit of a call):
+#        run(kind="nvidia-h100-x1", timeout_s=600, carry=[".gpu-bundle"], command=
+#            "bash .gpu-bundle/install.sh && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 &&
+#             (bash benchmarks/gpu_acceptance.sh --budget-s 480 --work /tmp/acc; echo rc=$?);
+#             cp /tmp/acc/table.md /tmp/acc/results.json /tmp/acc/efficiency.json $OUT/ 2>/dev/null;
+#             tar czf $OUT/logs.tgz -C /tmp/acc logs")
+#      (or install in a first call and, while the machine is warm, run with the default --budget-s 540 in a second).
+#   3. Paste WORK/table.md into benchmarks/RESULTS.md ("GPU acceptance") with the card's name, set PlanConfig.efficiency
+#      (m2d_ray/config.py) from efficiency.json, and replace the planned seconds in gpu_acceptance.parts() by the
+#      measured ones.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -21,7 +32,4 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
     exit 2
 fi
 "$PY" -c 'import deepspeed' 2>/dev/null || { echo "gpu_acceptance.sh: deepspeed does not import (it also breaks transformers' loading); fix the environment first" >&2; exit 2; }
-# The memory plan (issue 24) against torch.cuda.max_memory_allocated: training steps, calibration and lm-eval in bf16.
-echo "== memory plan vs measured (benchmarks/plan_measured.py --device cuda) =="
-"$PY" benchmarks/plan_measured.py --device cuda || echo "plan_measured: failed (see above); the acceptance run goes on" >&2
 exec "$PY" benchmarks/gpu_acceptance.py "$@"

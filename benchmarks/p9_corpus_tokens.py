@@ -3,16 +3,18 @@ a generated Parquet corpus; tokens/s, the token shards' identity, and the pass's
 
     python benchmarks/p9_corpus_tokens.py --mb 200 --modes loop ray1 ray2     # throughput, >= 200 MB corpus
     python benchmarks/p9_corpus_tokens.py --mb 50 --modes ray2                 # peak RSS, a corpus 4x smaller
+    python benchmarks/p9_corpus_tokens.py --mb 0.5 --shard-mb 0.25 --modes loop ray1   # plumbing (gpu_acceptance --cpu-smoke)
 
 The corpus: documents of 3-40 sentences drawn (seeded) from the embedded corpus' train split, in uncompressed
-Parquet shards of ~25 MB (the file size is the text's size), column `text`; tokenizer: the embedded teacher's.
+Parquet shards of ~25 MB (--shard-mb; the file size is the text's size), column `text`; tokenizer: the embedded teacher's.
 The budget is 90% of the corpus's tokens (estimated from its first shard), so every mode reads nearly all of it.
-Each mode runs in a fresh process (a local Ray of 4 CPUs for the Ray modes, started before the clock):
+Each mode runs in a fresh process (a local Ray of max(4, N + 2) CPUs for rayN, started before the clock):
   loop  main 31f1149's `_tokenize_task` body: one process, one tokenizer call per document, a Python list buffer
   rayN  `write_tokens(stream=token_blocks(...))` with N tokenizer actors (what stages/shards.tokens runs)
 Peak memory, sampled every 0.2 s: the driver's and the largest Ray worker's (read task / tokenizer actor) RSS, and
 their private part (RSS - shared: a Ray process's RSS also counts the object-store pages it has touched, which
-grow with the bytes that passed through it, not with what it holds); plus the driver's VmHWM.
+grow with the bytes that passed through it, not with what it holds); plus the driver's VmHWM. The last line is
+all the rows as JSON ({"p9": [...]}).
 """
 
 from __future__ import annotations
@@ -36,15 +38,15 @@ SEQ_LEN = 2048
 SHARD_MB = 25
 
 
-def make_corpus(root: Path, mb: int) -> Path:
-    """Uncompressed Parquet shards of generated documents until the files hold `mb` MB (cached in `root`)."""
+def make_corpus(root: Path, mb: float, shard_mb: float = SHARD_MB) -> Path:
+    """Uncompressed Parquet shards of ~`shard_mb` MB of generated documents until the files hold `mb` MB (cached in `root`)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from m2d_ray.data.synthetic import corpus_text
 
-    out = root / f"corpus-{mb}mb"
+    out = root / (f"corpus-{mb:g}mb" if shard_mb == SHARD_MB else f"corpus-{mb:g}mb-{shard_mb:g}mb")
     if (out / "done").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
@@ -53,7 +55,7 @@ def make_corpus(root: Path, mb: int) -> Path:
     size, i = 0, 0
     while size < mb * 1e6:
         docs, n = [], 0
-        while n < SHARD_MB * 1e6:
+        while n < shard_mb * 1e6:
             doc = " ".join(sentences[j] for j in rng.integers(0, len(sentences), rng.integers(3, 41)))
             docs.append(doc)
             n += len(doc)
@@ -136,8 +138,9 @@ def run_mode(mode: str, corpus: Path, blocks: int) -> dict:
 
         from m2d_ray.data.ray_tokens import token_blocks
 
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-        stream = token_blocks(spec, teacher, SEQ_LEN, blocks, int(mode.removeprefix("ray")))
+        actors = int(mode.removeprefix("ray"))
+        ray.init(address="local", num_cpus=max(4, actors + 2), include_dashboard=False, log_to_driver=False)
+        stream = token_blocks(spec, teacher, SEQ_LEN, blocks, actors)
     sampler = RssSampler()
     sampler.start()
     with tempfile.TemporaryDirectory(prefix="m2d-p9-") as tmp:
@@ -153,13 +156,14 @@ def run_mode(mode: str, corpus: Path, blocks: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mb", type=int, default=200)
+    ap.add_argument("--mb", type=float, default=200)
+    ap.add_argument("--shard-mb", type=float, default=SHARD_MB, help="size of one Parquet shard (MB)")
     ap.add_argument("--modes", nargs="+", default=["loop", "ray1", "ray2"])
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "m2d-p9"))
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one mode and print its JSON
     ap.add_argument("--blocks", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    corpus = make_corpus(Path(args.cache), args.mb)
+    corpus = make_corpus(Path(args.cache), args.mb, args.shard_mb)
     if args.one:
         print(json.dumps(run_mode(args.one, corpus, args.blocks)))
         return
@@ -172,15 +176,17 @@ def main() -> None:
           f"= {blocks * SEQ_LEN / 1e6:,.1f}M tokens")
     print("| mode | tokens | s | tokens/s | vs loop | shards sha256 | driver VmHWM MiB | driver RSS / private MiB | largest Ray worker RSS / private MiB |")
     print("|---|---|---|---|---|---|---|---|---|")
-    base = None
+    base, rows = None, []
     for mode in args.modes:
-        out = subprocess.run([sys.executable, __file__, "--mb", str(args.mb), "--cache", args.cache, "--one", mode, "--blocks", str(blocks)],
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run([sys.executable, __file__, "--mb", str(args.mb), "--shard-mb", str(args.shard_mb), "--cache", args.cache,
+                              "--one", mode, "--blocks", str(blocks)], capture_output=True, text=True, check=True)
         r = json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith("{")))  # Ray may print after it
         base = base or (r["tokens_per_s"] if mode == "loop" else None)
+        rows.append({**r, "vs_loop": r["tokens_per_s"] / base if base else None})
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         print(f"| {mode} | {r['tokens']:,} | {r['s']} | {r['tokens_per_s']:,} | {ratio} | {r['shards_sha']} | {r['driver_hwm_mb']} | "
               f"{r['driver_rss']} / {r['driver_private']} | {r['worker_rss']} / {r['worker_private']} |", flush=True)
+    print(json.dumps({"p9": rows, "corpus_mb": round(size / 1e6, 1)}))
 
 
 if __name__ == "__main__":

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from m2d_ray.distill.losses import LOSSES
 from m2d_ray.errors import M2DError
 
 STOP_POLL_STEPS = 10  # a stop request (ASHA's) is looked at every this many steps (or every eval_every, if fewer)
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # distill.dtype besides auto (float16 would need loss scaling)
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,10 @@ class DistillConfig:
     eval_every: int = 50  # steps between validations (each one is a report, a checkpoint and an ASHA rung step)
     eval_batch_size: int = 4
     loss_chunk: int = 1024  # tokens per vocabulary chunk of the KL
-    deepspeed: bool = True  # ZeRO-2 (bf16 on GPU, fp32 + gloo on CPU); false = plain torch
+    deepspeed: bool = True  # ZeRO-2 (in `dtype`; gloo on CPU); false = plain torch
+    # what the teacher, its cached hidden states, its head and the student run in: auto = bfloat16 on a GPU, float32 on
+    # CPU; bfloat16 on CPU rehearses a GPU's dtypes where there is none (the tests do), at CPU bf16 speed
+    dtype: str = "auto"
     zero_stage: int = 2
     workers: int = 1  # Ray Train workers per student
     gpus_per_worker: float = 0.0
@@ -57,6 +63,13 @@ class DistillConfig:
         return min(self.eval_every, STOP_POLL_STEPS)
 
 
+def train_dtype(name: str, device: str | torch.device) -> torch.dtype:
+    """distill.dtype on `device`: auto = bfloat16 on a GPU, float32 on CPU. One choice for a rank's models and
+    for the teacher of the targets pass, so cached hidden states are in the dtype the online teacher runs in."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return DTYPES[name]
+
 
 def check_distill(d: DistillConfig) -> None:
     """One-line errors for a distillation config that cannot run."""
@@ -68,5 +81,7 @@ def check_distill(d: DistillConfig) -> None:
         raise M2DError(f"{', '.join(bad)}: must be >= 1")
     if not (d.lr > 0 and 0 <= d.min_lr <= d.lr and d.temperature > 0 and len(d.betas) == 2):
         raise M2DError("distill: need lr > 0, 0 <= min_lr <= lr, temperature > 0 and betas = [beta1, beta2]")
+    if d.dtype not in ("auto", *DTYPES):
+        raise M2DError(f"distill.dtype={d.dtype!r}: use auto (bfloat16 on a GPU, float32 on CPU), {' or '.join(DTYPES)}")
     if d.zero_stage not in (0, 1, 2):
         raise M2DError(f"distill.zero_stage={d.zero_stage}: use 2 (ZeRO-2), 1 or 0; ZeRO-3 would shard the weights the loss reads")

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from m2d_ray.distill.config import DistillConfig
+from m2d_ray.distill.config import DistillConfig, train_dtype
 from m2d_ray.distill.targets import TargetSpec, loss_metric
 from m2d_ray.distill.data import train_batches
 from m2d_ray.distill.flops import active_params, flops_per_token, matmul_rate
@@ -183,7 +183,7 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
     cfg = job.cfg
     torch.manual_seed(cfg.seed)
     reset_peaks()  # the student's peak, above what the worker held before it
-    dtype = torch.bfloat16 if job.device == "cuda" else torch.float32
+    dtype = train_dtype(cfg.dtype, job.device)
     teacher, head, student = _load_models(job, io, dtype)
     tokenizer = teacher.tokenizer
     flops = flops_per_token(teacher.model, teacher.adapter, student, cfg.seq_len, cfg.teacher_topk, teacher_forward=job.targets is None)

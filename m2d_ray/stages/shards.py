@@ -83,7 +83,7 @@ class TargetsActor:
     (`hidden`: the final hidden states themselves, in the dtype the teacher runs in)."""
 
     def __init__(self, teacher: str, tokens_url: str, targets_url: str, spec, teacher_topk: int | None, device: str, threads: int,
-                 batch_size: int, stream: bool | None, max_memory: str | None, store: RunStorage | None = None) -> None:
+                 batch_size: int, stream: bool | None, max_memory: str | None, store: RunStorage | None = None, dtype: str = "auto") -> None:
         import torch
 
         if store is not None:
@@ -93,7 +93,7 @@ class TargetsActor:
         torch.set_num_threads(threads)
         self.tokens = TokenShards(storage.fetch_dir(tokens_url))
         self.url, self.spec = targets_url, spec
-        self.hidden, self.head = _teacher_forward(teacher, teacher_topk, device, batch_size, stream, max_memory, head=not spec.exact)
+        self.hidden, self.head = _teacher_forward(teacher, teacher_topk, device, batch_size, stream, max_memory, head=not spec.exact, dtype=dtype)
 
     def __call__(self, batch: dict) -> dict:
         import numpy as np
@@ -128,15 +128,17 @@ def _entry(d: dict):
 
 
 def _teacher_forward(name: str, teacher_topk: int | None, device: str, batch_size: int, stream: bool | None, max_memory: str | None,
-                     head: bool = True):
+                     head: bool = True, dtype: str = "auto"):
     """(ids [n, L] -> the final hidden states of `batch_size` blocks at a time on `device`, in order; the output
     projection [V, d], or None when not `head`) of a teacher: an MoE teacher that does not fit its budget is
     streamed one decoder layer at a time over all n blocks (calibrate/stream.py), any other is loaded whole;
-    the head is read only when the targets need logits (a streamed teacher's is not read for hidden states)."""
+    the head is read only when the targets need logits (a streamed teacher's is not read for hidden states). A whole
+    teacher runs in distill.dtype (`dtype`), as the students' online teacher does."""
     import torch
 
     from m2d_ray.arch.dense import dense_types
     from m2d_ray.calibrate.stream import final_hidden_streamed, should_stream
+    from m2d_ray.distill.config import train_dtype
     from m2d_ray.models import load_config, load_distill_teacher
     from m2d_ray.weights import open_teacher
 
@@ -152,7 +154,7 @@ def _teacher_forward(name: str, teacher_topk: int | None, device: str, batch_siz
                 return (h[i : i + batch_size].to(device) for i in range(0, h.shape[0], batch_size))
 
             return streamed, w
-    teacher = load_distill_teacher(name, dtype=torch.bfloat16 if device == "cuda" else torch.float32, device=device)
+    teacher = load_distill_teacher(name, dtype=train_dtype(dtype, device), device=device)
     if teacher_topk is not None:
         teacher.adapter.set_top_k(teacher.model, teacher_topk)
     base = teacher.model.base_model
@@ -199,7 +201,7 @@ def targets(store: RunStorage, teacher: str, tokens_url: str, spec, cfg: Distill
             fn_constructor_kwargs={"teacher": teacher, "tokens_url": tokens_url, "targets_url": url, "spec": spec,
                                    "teacher_topk": cfg.teacher_topk, "device": "cuda" if gpus > 0 else "cpu",
                                    "threads": ray_cfg.threads_per_worker, "batch_size": calib.batch_size, "stream": calib.stream,
-                                   "max_memory": calib.max_memory, "store": store})
+                                   "max_memory": calib.max_memory, "store": store, "dtype": cfg.dtype})
         for row in _whole_stage(lambda: list(out.iter_rows()), f"the teacher's {spec} targets pass"):
             e = json.loads(row["entry"])
             have[e["first_block"]] = e
@@ -216,9 +218,10 @@ def targets(store: RunStorage, teacher: str, tokens_url: str, spec, cfg: Distill
 
 
 def targets_here(teacher: str, tokens_dir: str, out: str, spec, teacher_topk: int | None = None, batch_size: int = 8,
-                 ranges: list[tuple[int, int]] | None = None, stream: bool | None = None) -> None:
+                 ranges: list[tuple[int, int]] | None = None, stream: bool | None = None, dtype: str = "auto") -> None:
     """The targets pass in this process on CPU (one `TargetsActor`, no Ray) over `ranges` of (first block,
-    blocks) (default: all blocks at once), with the manifest a run writes: for tests and benchmarks."""
+    blocks) (default: all blocks at once), the teacher in distill.dtype `dtype`, with the manifest a run writes:
+    for tests and benchmarks."""
     import numpy as np
 
     from m2d_ray.distill.targets import ShardEntry, TargetsManifest, fingerprint
@@ -226,7 +229,7 @@ def targets_here(teacher: str, tokens_dir: str, out: str, spec, teacher_topk: in
 
     tok_manifest = TokenShards(Path(tokens_dir)).manifest
     ranges = ranges or [(0, tok_manifest["blocks"])]
-    actor = TargetsActor(teacher, tokens_dir, out, spec, teacher_topk, "cpu", 1, batch_size, stream, None)
+    actor = TargetsActor(teacher, tokens_dir, out, spec, teacher_topk, "cpu", 1, batch_size, stream, None, dtype=dtype)
     rows = actor({"first_block": np.array([f for f, _ in ranges]), "blocks": np.array([n for _, n in ranges])})
     fp = fingerprint(spec, teacher, tok_manifest["tokenizer"], manifest_sha256(tok_manifest), teacher_topk, spec.temperature)
     shards = tuple(ShardEntry(**json.loads(e)) for e in rows["entry"])

@@ -66,6 +66,7 @@ def test_auto_K_and_overrides():
         ("stage2.baselines=[randominit]", "did you mean 'random-init'"),
         ("stage2.targets=top:16", "unknown mode 'top'"),
         ("stage2.targets=sampled:300", "sampled"),
+        ("distill.dtype=float16", "distill.dtype='float16': use auto"),
     ],
 )
 def test_bad_values_fail_with_one_line(override, message):
