@@ -1,14 +1,14 @@
 """The memory plan against measurement: `m2d plan`'s per-device estimate of a stage vs the peak it reaches.
 
-Each case runs in a fresh process that builds (or loads) the models the way the stage's code does; the
-measured figure is the peak growth of its anonymous resident memory from after the imports to the end, read
-from the kernel's own high-water mark so that no peak is missed however busy the machine is: VmHWM (reset
-when the case starts) minus the resident set then, minus the growth of its file-mapped and shared pages
-(RssFile, RssShmem) by the end. Anonymous memory, not VmRSS: transformers maps a checkpoint's file while it
-loads it, and those clean file pages are page cache the kernel drops under pressure (they would count the
-weights twice on CPU). A 2 ms sampler of RssAnon runs alongside as a check of that accounting ("sampled": it
-may miss a peak on a busy machine, but never sees more than the high-water mark). The estimate is
-`m2d_ray.plan.memory`'s, on CPU (fp32).
+Each case's models are saved by one fresh process, then loaded and run the way the stage's code does by another,
+on seeded inputs, so that the figure is the work's and not what ran before it. The measured figure is the peak
+growth of the process's anonymous resident memory from after the imports to the end, read from the kernel's own
+high-water mark so that no peak is missed however busy the machine is: VmHWM, reset every 2 ms, less the
+file-mapped and shared pages (RssFile, RssShmem) at the window's ends (AnonPeak). Anonymous memory, not VmRSS:
+transformers keeps a loaded checkpoint's file mapped, and those clean file pages are page cache the kernel drops
+under pressure (they would count the weights twice on CPU), resident or not as the page cache was warm or cold.
+The largest RssAnon read at the window ends is kept as a check ("sampled": it may miss a peak on a busy machine,
+but never sees more than the high-water mark). The estimate is `m2d_ray.plan.memory`'s, on CPU (fp32).
 
     train     one student's DistillStep (plain torch, one rank): online teacher, cached topk:64 targets (with and
               without gradient checkpointing) or cached hidden states with the teacher's head read alone
@@ -67,40 +67,59 @@ class CudaPeak:
 
 
 class AnonPeak:
-    """The peak of this process's anonymous resident memory above its value at start: the kernel's VmHWM
-    (reset here) less the file-mapped and shared pages the process gained by the end, and a 2 ms sampler of
-    RssAnon beside it (`sampled`, the check that the file pages were accounted for, not a figure to use)."""
+    """The peak of this process's anonymous resident memory above its value at start, from the kernel's
+    high-water mark taken in 2 ms windows: a thread reads VmHWM (the largest resident set since the window
+    began, however briefly held) and starts the next window (resets it through /proc/self/clear_refs, Linux >=
+    4.0); a window's anonymous peak is its VmHWM less the file-mapped and shared pages at the lower of its two
+    ends. So file pages count only as far as they were mapped or dropped inside one window: a checkpoint's
+    mapped pages, more or fewer of them resident by the end as the page cache was warm or cold, move nothing.
+    `sampled`: the largest RssAnon read at the window ends (a lower bound, the check of the upper one)."""
 
-    FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
+    FIELDS = ("VmHWM", "RssAnon", "RssFile", "RssShmem")
 
     def __init__(self, every: float = 0.002) -> None:
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM starts again from the resident set now (Linux >= 4.0)
-        self.start = self.read()
-        self.sampled = self.start["RssAnon"]
         self.every, self.done = every, False
+        self.start = self.last = self._window()
+        self.peak = self.sampled = self.start["RssAnon"]
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     @classmethod
     def read(cls) -> dict[str, int]:
-        from m2d_ray.peaks import proc_kib
-
-        out = {k: proc_kib("/proc/self/status", k) for k in cls.FIELDS}
-        if None in out.values():
-            raise RuntimeError(f"no {', '.join(k for k, v in out.items() if v is None)} in /proc/self/status (Linux only)")
+        """The fields of one read of /proc/self/status (one moment), in bytes."""
+        out = {}
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in cls.FIELDS:
+                out[key] = int(value.split()[0]) * 1024
+        if len(out) < len(cls.FIELDS):
+            raise RuntimeError(f"no {', '.join(k for k in cls.FIELDS if k not in out)} in /proc/self/status (Linux only)")
         return out
+
+    def _window(self) -> dict[str, int]:
+        """The figures of the window now ending; the next one starts (VmHWM = the resident set now)."""
+        s = self.read()
+        Path("/proc/self/clear_refs").write_text("5")
+        return s
+
+    def _tick(self) -> None:
+        s = self._window()
+        mapped = min(self.last["RssFile"] + self.last["RssShmem"], s["RssFile"] + s["RssShmem"])
+        self.peak = max(self.peak, s["VmHWM"] - mapped)
+        self.sampled = max(self.sampled, s["RssAnon"])
+        self.last = s
 
     def _run(self) -> None:
         while not self.done:
-            self.sampled = max(self.sampled, self.read()["RssAnon"])
             time.sleep(self.every)
+            self._tick()
 
     def stop(self) -> int:
         self.done = True
         self.thread.join()
-        a, b = self.start, self.read()
-        self.sampled = max(self.sampled, b["RssAnon"]) - a["RssAnon"]
-        return b["VmHWM"] - a["VmRSS"] - (b["RssFile"] - a["RssFile"]) - (b["RssShmem"] - a["RssShmem"])
+        self._tick()
+        self.sampled -= self.start["RssAnon"]
+        return self.peak - self.start["RssAnon"]
 
 
 def _configs(size: str, experts: int = 32):
@@ -127,19 +146,34 @@ def _save(config, path: Path) -> str:
     return str(path)
 
 
+def _models(size: str, experts: int, work: Path) -> tuple[Path, Path]:
+    """Where a case's student and teacher are saved."""
+    return work / f"dense-{size}", work / f"moe{experts}-{size}"
+
+
+def build(size: str, experts: int, work: Path) -> None:
+    """Save a case's models, in a process of its own: the memory building leaves in the allocator was reused by
+    the measured work when it ran in the same process and hid part of its peak (one run in three measured the
+    online case at 567 MiB, 1.29 of the estimate; benchmarks/RESULTS.md, issue 43)."""
+    for config, path in zip(_configs(size, experts), _models(size, experts, work)):
+        _save(config, path)
+
+
 def child(case: str, size: str, kw: dict, work: Path, device: str = "cpu") -> dict:
-    """Build the case's models on disk (unmeasured), then load and run them as the stage does."""
+    """Load the case's models (saved by `build`) and run them as the stage does, on seeded inputs: the tokens
+    decide the teacher's routing, and with it the sizes the allocator is asked for (the online case's peak was
+    660-769 MiB over five seeds)."""
     import torch
 
     torch.set_num_threads(1)
+    torch.manual_seed(0)
     gpu = device == "cuda"
     dtype, b, Peak = (torch.bfloat16, 2, CudaPeak) if gpu else (torch.float32, 4, AnonPeak)
     from m2d_ray.plan import memory
     from m2d_ray.plan.shapes import shape_of
 
     dense, moe = _configs(size, kw.get("experts", 32))
-    student = _save(dense, work / f"dense-{size}")
-    teacher = _save(moe, work / f"moe{kw.get('experts', 32)}-{size}")
+    student, teacher = map(str, _models(size, kw.get("experts", 32), work))
     if case == "train":
         from transformers import AutoModelForCausalLM
 
@@ -217,15 +251,22 @@ def _eval_size(config, b: int):
     return model_size(config, b)
 
 
-def measure(case: str, kw: dict, size: str = "mid", work: Path | None = None, device: str = "cpu") -> dict:
-    """One case in a fresh Python (its own peak), models cached under `work`."""
-    work = work or Path(tempfile.gettempdir()) / "m2d-plan-measured"
-    work.mkdir(parents=True, exist_ok=True)
-    out = subprocess.run([sys.executable, __file__, "--child", json.dumps([case, size, kw, str(work), device])], capture_output=True, text=True,
+def _python(what: str, flag: str, args: list) -> str:
+    """The standard output of this script run with `flag` in a fresh Python."""
+    out = subprocess.run([sys.executable, __file__, flag, json.dumps(args)], capture_output=True, text=True,
                          env={**__import__("os").environ, "PYTHONPATH": str(REPO)}, check=False)
     if out.returncode:
-        raise RuntimeError(f"{case} {kw}: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"{what}: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
+    return out.stdout
+
+
+def measure(case: str, kw: dict, size: str = "mid", work: Path | None = None, device: str = "cpu") -> dict:
+    """One case in a fresh Python (its own peak), models saved under `work` first by another."""
+    work = work or Path(tempfile.gettempdir()) / "m2d-plan-measured"
+    work.mkdir(parents=True, exist_ok=True)
+    if not all((p / "config.json").exists() for p in _models(size, kw.get("experts", 32), work)):
+        _python(f"building {size} models", "--build", [size, kw.get("experts", 32), str(work)])
+    return json.loads(_python(f"{case} {kw}", "--child", [case, size, kw, str(work), device]).strip().splitlines()[-1])
 
 
 def main(argv=None) -> None:
@@ -235,7 +276,12 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=1, help="runs of each case: the table shows the spread (min-max) over them")
     ap.add_argument("--cases", help="indices into CASES, comma-separated (default: all)")
     ap.add_argument("--child")
+    ap.add_argument("--build")
     a = ap.parse_args(argv)
+    if a.build:
+        size, experts, work = json.loads(a.build)
+        build(size, experts, Path(work))
+        return
     if a.child:
         case, size, kw, work, device = json.loads(a.child)
         print(json.dumps(child(case, size, kw, Path(work), device)))

@@ -79,6 +79,27 @@ def tiny_teacher_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def byte_teacher_dir(tiny_teacher_dir, tmp_path_factory) -> Path:
+    """The tiny teacher's weights with a byte-level tokenizer (ids 0-255 one per byte, EOS 256): unlike the
+    word-level one, it sees every byte of the text, line endings included."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<|endoftext|>"] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(["<|endoftext|>"])
+    out = tmp_path_factory.mktemp("teacher") / "byte_qwen3_moe"
+    out.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_teacher_dir / f, out / f)
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", pad_token="<|endoftext|>").save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_teacher(tiny_teacher_dir):
     from m2d_ray.models import load_teacher
 

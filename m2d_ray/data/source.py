@@ -12,7 +12,8 @@ A data spec is one of
 
 Any spec but synthetic / wikitext may end in ``#column=NAME`` (default ``text``) for a Parquet / JSON / hub
 column. Documents come in a fixed order: files sorted by path, rows in file order; a text file is one
-document; null and empty rows are skipped. synthetic and wikitext are one document each (their text).
+document, read with universal newlines (`decode`); null and empty rows are skipped. synthetic and wikitext
+are one document each (their text).
 """
 
 from __future__ import annotations
@@ -176,9 +177,17 @@ def _open(f: CorpusFile):
     return fs.open_input_stream(path, compression=f.compression)
 
 
+def decode(raw: bytes) -> str:
+    """A text file's bytes as Python's text mode reads them: UTF-8 (undecodable bytes replaced) with universal
+    newlines (``\\r\\n`` and a lone ``\\r`` become ``\\n``), so a corpus gives the same tokens whichever system
+    wrote its line endings. Every reader of a text file goes through here; JSON Lines and Parquet values do not."""
+    text = raw.decode("utf-8", errors="replace")
+    return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
+
+
 def _text_of(f: CorpusFile) -> str:
     with _open(f) as s:
-        return s.read().decode("utf-8", errors="replace")
+        return decode(s.read())
 
 
 def file_documents(f: CorpusFile, column: str = "text") -> Iterator[list[str]]:

@@ -19,6 +19,7 @@ import random
 import re
 from pathlib import Path
 
+from m2d_ray.data import source
 from m2d_ray.errors import M2DError
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
@@ -26,12 +27,12 @@ CONTINUATION, TEXT_CONTINUATION = "synthetic_continuation", "text_continuation"
 
 
 def paragraphs(text: str) -> list[list[str]]:
-    """Paragraphs as lists of ` . `-separated sentences; headings `= … =` dropped.
+    """Paragraphs as lists of ` . `-separated sentences; headings `= … =` dropped (`text` with `\\n` line ends).
 
     Blocks are blank-line separated; a block of long lines (WikiText: one paragraph per line) is split at
     its lines, a block of hard-wrapped short lines is one paragraph."""
     out = []
-    for block in re.split(r"\n\s*\n", text.replace("\r\n", "\n")):
+    for block in re.split(r"\n\s*\n", text):
         lines = [ln.strip() for ln in block.split("\n") if ln.strip()]
         paras = lines if lines and max(map(len, lines)) > 200 else [" ".join(lines)]
         out += [sents for sents in map(_sentences, paras) if sents]
@@ -112,7 +113,7 @@ def _swapped(ending: str, rng: random.Random) -> list[str] | None:
 def text_rows(path: str | Path, n_test: int = 400, n_fewshot: int = 50, context_sents: int = 3) -> dict[str, list[dict]]:
     """{"train", "test"} items of `text_continuation` from a text file (disjoint paragraphs); contexts keep
     the last `context_sents` sentences (WikiText paragraphs are long: whole ones cost 5x and fill the window)."""
-    paras = paragraphs(Path(path).read_text(encoding="utf-8", errors="replace"))
+    paras = paragraphs(source.decode(Path(path).read_bytes()))  # universal newlines, as every corpus reader
     cut = len(paras) // 4
     if cut < 4:
         raise M2DError(f"{path} has {len(paras)} usable paragraphs; text:PATH needs a WikiText-style file with at least 16")

@@ -1,6 +1,6 @@
 """The distillation stream tokenised by Ray Data (data/ray_tokens.py via stages/shards.tokens): 1 and 2
 actors (and the driver, for a small corpus) write identical token shards, equal to the single-process stream; a corpus on S3 (moto on
-127.0.0.1) is read where it is, never copied, and a resume against a changed S3 corpus is refused."""
+127.0.0.1) is read where it is, never copied, and a resume against a changed S3 corpus is refused; a CRLF text corpus gives the LF shards."""
 
 from __future__ import annotations
 
@@ -93,3 +93,24 @@ def test_a_corpus_shorter_than_the_budget_is_refused(ray_address, tmp_path):
     with pytest.raises(M2DError, match=r"makes \d+ blocks of 64 tokens but the budget needs 40,000"):
         tokens(RunStorage(str(tmp_path / "store")), teacher, load_tokenizer(teacher), cfg, "synthetic:valid", actors=1)
     assert not any((tmp_path / "store").rglob("manifest.json"))
+
+
+def test_a_crlf_text_corpus_on_s3_tokenised_by_an_actor_gives_the_lf_shards(ray_address, tmp_path, s3, byte_teacher_dir):
+    """Universal newlines in the tokens pass's Ray tasks too (issue 43): a byte-level tokenizer sees every \\r."""
+    import gzip
+
+    from m2d_ray.data.synthetic import corpus_text
+    from m2d_ray.models import load_tokenizer
+    from m2d_ray.stages.run_storage import RunStorage
+    from m2d_ray.stages.shards import tokens
+
+    teacher, text = str(byte_teacher_dir), corpus_text("train")[:8000]
+    tok = load_tokenizer(teacher)
+    (tmp_path / "lf.txt").write_bytes(text.encode())
+    client, query = s3
+    client.put_object(Bucket=BUCKET, Key="crlf/corpus.txt.gz", Body=gzip.compress(text.replace("\n", "\r\n").encode()))
+    cfg = dataclasses.replace(CFG, train_data=str(tmp_path / "lf.txt"))
+    lf = tokens(RunStorage(str(tmp_path / "store-lf")), teacher, tok, cfg, "synthetic:valid", actors=0)
+    crlf = tokens(RunStorage(str(tmp_path / "store-crlf")), teacher, tok,
+                  dataclasses.replace(cfg, train_data=f"s3://{BUCKET}/crlf/corpus.txt.gz?{query}"), "synthetic:valid", actors=1)
+    assert _shards(crlf) == _shards(lf)
