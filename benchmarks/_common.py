@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -29,6 +29,7 @@ def cpu_model() -> str:
 
 def cpu_busy(seconds: float = 0.5) -> float:
     """Fraction of all cores busy over `seconds` (from /proc/stat): what other processes are using."""
+
     def read():
         vals = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
         idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
@@ -74,11 +75,13 @@ def best_time(fn: Callable[[], object], repeats: int, device: str = "cpu", warmu
     return best, out
 
 
-def interleaved(fns: dict[str, Callable[[], object]], repeats: int, device: str = "cpu", warmup: int = 0) -> dict[str, tuple[float, object]]:
+def interleaved(
+    fns: dict[str, Callable[[], object]], repeats: int, device: str = "cpu", warmup: int = 0
+) -> dict[str, tuple[float, object]]:
     """Best wall time of each function over `repeats` rounds, the functions taking turns within a round
     (so a burst of load from another process hits every path alike rather than one of them)."""
     best = {name: (float("inf"), None) for name in fns}
-    for name, fn in fns.items():
+    for fn in fns.values():
         for _ in range(warmup):
             fn()
     for _ in range(repeats):
@@ -92,7 +95,9 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int, device: str 
     return best
 
 
-def matmul_gflops(n: int = 2048, dtype: torch.dtype = torch.float32, device: str = "cpu", iters: int = 10, repeats: int = 3) -> float:
+def matmul_gflops(
+    n: int = 2048, dtype: torch.dtype = torch.float32, device: str = "cpu", iters: int = 10, repeats: int = 3
+) -> float:
     """Plain n x n @ n x n rate (best of `repeats` runs of `iters` products), GFLOP/s."""
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)

@@ -1,6 +1,7 @@
 """Stage 2's bill under ASHA (plan/cost.asha_ends) against Ray's own scheduler (issue 33).
 
-    python benchmarks/asha_bill.py                  # the paper's 37 students, tiny.yaml's 11 with ASHA on, and more, at 4 correlations
+    python benchmarks/asha_bill.py                  # the paper's 37 students, tiny.yaml's 11 with ASHA on, and more, at
+    4 correlations
     python benchmarks/asha_bill.py --runs 2000
 
 The plan expects where ASHA stops each student by its own copy of ASHA's rule, over students in random order
@@ -27,8 +28,12 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 #: (name, students, reports, grace, reduction factor, students at once)
-CASES = [("paper (37 students, 8 reports, 2 at once)", 37, 8, 2, 3, 2), ("tiny.yaml with ASHA (11 students, 4 reports)", 11, 4, 2, 3, 2),
-         ("100 students, 27 reports, 4 at once", 100, 27, 1, 3, 4), ("20 students, 16 reports, rf 2", 20, 16, 1, 2, 2)]
+CASES = [
+    ("paper (37 students, 8 reports, 2 at once)", 37, 8, 2, 3, 2),
+    ("tiny.yaml with ASHA (11 students, 4 reports)", 11, 4, 2, 3, 2),
+    ("100 students, 27 reports, 4 at once", 100, 27, 1, 3, 4),
+    ("20 students, 16 reports, rf 2", 20, 16, 1, 2, 2),
+]
 RHOS = (0.0, 0.5, 0.9, 1.0)
 
 
@@ -37,8 +42,14 @@ def simulate(n: int, reports: int, grace: int, rf: float, lanes: int, rho: float
     from ray.tune.schedulers import ASHAScheduler, TrialScheduler
 
     rng = random.Random(seed)
-    sched = ASHAScheduler(time_attr="training_iteration", metric="val_loss", mode="min", max_t=reports, grace_period=grace,
-                          reduction_factor=rf)
+    sched = ASHAScheduler(
+        time_attr="training_iteration",
+        metric="val_loss",
+        mode="min",
+        max_t=reports,
+        grace_period=grace,
+        reduction_factor=rf,
+    )
     quality = [rng.gauss(0, 1) for _ in range(n)]
     trials = [SimpleNamespace(trial_id=f"s{i:04d}") for i in range(n)]
     running: list[tuple[float, int, int]] = []  # (time of its next report, start order, report number)
@@ -70,8 +81,11 @@ def plan_ends(n: int, reports: int, grace: int, rf: float, lanes: int) -> list[t
     from m2d_ray.plan.cost import asha_ends
 
     cfg = load_config(None)
-    cfg = replace(cfg, distill=replace(cfg.distill, steps=reports, eval_every=1),
-                  stage2=replace(cfg.stage2, asha=True, grace_evals=grace, reduction_factor=rf))
+    cfg = replace(
+        cfg,
+        distill=replace(cfg.distill, steps=reports, eval_every=1),
+        stage2=replace(cfg.stage2, asha=True, grace_evals=grace, reduction_factor=rf),
+    )
     return asha_ends(cfg, n, lanes)
 
 
@@ -82,8 +96,15 @@ def compare(n: int, reports: int, grace: int, rf: float, lanes: int, rho: float,
     finish = sum(s[reports] for s in sims) / runs
     total = sum(sum(r * k for r, k in s.items()) for s in sims) / runs
     plan_total = sum(r * k for r, k in plan)
-    return {"rho": rho, "plan_finish": plan[-1][1], "ray_finish": finish, "plan_reports": plan_total, "ray_reports": total,
-            "ratio": plan_total / total, "plan": plan}
+    return {
+        "rho": rho,
+        "plan_finish": plan[-1][1],
+        "ray_finish": finish,
+        "plan_reports": plan_total,
+        "ray_reports": total,
+        "ratio": plan_total / total,
+        "plan": plan,
+    }
 
 
 def main() -> None:
@@ -100,8 +121,11 @@ def main() -> None:
         for rho in RHOS:
             c = compare(n, reports, grace, rf, lanes, rho, args.runs)
             out.append({"case": name, **c})
-            print(f"| {name} | {rho:g} | {c['plan_finish']} | {c['ray_finish']:.2f} | {c['plan_reports']:g} | {c['ray_reports']:.1f} | "
-                  f"{c['ratio']:.3f} |")
+            print(
+                f"| {name} | {rho:g} | {c['plan_finish']} | {c['ray_finish']:.2f} | {c['plan_reports']:g} | "
+                f"{c['ray_reports']:.1f} | "
+                f"{c['ratio']:.3f} |"
+            )
     print(json.dumps(out))
 
 

@@ -1,19 +1,24 @@
 """GPU acceptance call (driven by benchmarks/gpu_acceptance.sh): what stage 2 runs now, planned against a device budget.
 
     part    what runs                                                                  figures
-    P7      p7_distill_throughput.py --preset h100 --targets online,hidden,sampled:64:     per mode: platform and DeepSpeed tok/s,
+    P7      p7_distill_throughput.py --preset h100 --targets online,hidden,sampled:64:     per mode: platform and
+    DeepSpeed tok/s,
             DistillStep (plain torch, DeepSpeed ZeRO-2) against a plain PyTorch loop     the ratio to the loop, MFU;
             on a 2.52B Qwen3-MoE teacher -> 0.40B student, bf16                           WORK/efficiency.json
     run     m2d run experiments/tiny.yaml on the GPU (short budgets): calibration and     stage walls against the bill,
             stage-1 trials on fractions of it, the bf16 hidden-states targets pass        students ok / failed
             (Ray Data), students on DeepSpeed ZeRO-2 in bf16 (two GPUs each when there
             are two: NCCL), lm-eval, the report
-    tokens  p9_corpus_tokens.py: the Ray Data token pass (4 actors) against one loop,     tokens/s, ratio, identical shards
+    tokens  p9_corpus_tokens.py: the Ray Data token pass (4 actors) against one loop,     tokens/s, ratio, identical
+    shards
             on a generated Parquet corpus
-    memory  plan_measured.py --device cuda: the memory plan against                     the largest deviation (bound 25%)
+    memory  plan_measured.py --device cuda: the memory plan against                     the largest deviation (bound
+    25%)
             torch.cuda.max_memory_allocated (when the budget allows)
-    P5      calibration at Qwen3-30B-A3B's layer shapes (make_teacher.py; calibrate()     stats TFLOP/s vs the bf16 matmul
-            whole and layer-streamed) against a bf16 8192^3 matmul (when the budget allows)  (target >= 60%), streamed = whole
+    P5      calibration at Qwen3-30B-A3B's layer shapes (make_teacher.py; calibrate()     stats TFLOP/s vs the bf16
+    matmul
+            whole and layer-streamed) against a bf16 8192^3 matmul (when the budget allows)  (target >= 60%), streamed =
+            whole
 
 Planning. Each part has variants, largest first, with a prior estimate of its seconds on one H100 (guesses until a
 GPU has run this call: the table prints them beside the measured seconds, so that the next session corrects them).
@@ -28,7 +33,8 @@ efficiency the platform's step reached: what `plan.efficiency` should default to
 when a part failed or timed out.
 
     bash benchmarks/gpu_acceptance.sh [--budget-s 540] [--work /tmp/m2d-gpu-acceptance] [--parts P7,run,tokens]
-    python benchmarks/gpu_acceptance.py --cpu-smoke [--parts P7,run,tokens]   # the same plumbing on the CPU, tiny shapes:
+    python benchmarks/gpu_acceptance.py --cpu-smoke [--parts P7,run,tokens]   # the same plumbing on the CPU, tiny
+    shapes:
                                                                                # no figure of it means anything
 """
 
@@ -43,16 +49,18 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 PY = sys.executable
 M2D = [PY, "-m", "m2d_ray.cli"]
 RESERVE_S = 15.0  # the table, results and efficiency files after the last part
-FULL = dict(d=2048, I=768, E=128, k=8, heads=32, kv_heads=4, head_dim=128, dtype="bfloat16")  # Qwen3-30B-A3B's layer shapes
+FULL = dict(
+    d=2048, I=768, E=128, k=8, heads=32, kv_heads=4, head_dim=128, dtype="bfloat16"
+)  # Qwen3-30B-A3B's layer shapes
 TINY = dict(d=64, I=32, E=16, k=2, heads=4, kv_heads=2, head_dim=16, dtype="float32")
 
 
@@ -74,7 +82,7 @@ class Part:
     name: str
     required: bool
     variants: tuple[Variant, ...]  # largest first
-    run: Callable[["Ctx", Variant], dict]  # -> {"rows": [(row name, figures)], "failed": why or None, ...figures}
+    run: Callable[[Ctx, Variant], dict]  # -> {"rows": [(row name, figures)], "failed": why or None, ...figures}
 
 
 def plan(parts: list[Part], left_s: float) -> tuple[dict[str, int], list[str]]:
@@ -95,16 +103,24 @@ def plan(parts: list[Part], left_s: float) -> tuple[dict[str, int], list[str]]:
             if total() + est(p, -1) <= left_s:
                 choice[p.name] = len(p.variants) - 1
         for p in group:
-            while p.name in choice and choice[p.name] > 0 and total() - est(p, choice[p.name]) + est(p, choice[p.name] - 1) <= left_s:
+            while (
+                p.name in choice
+                and choice[p.name] > 0
+                and total() - est(p, choice[p.name]) + est(p, choice[p.name] - 1) <= left_s
+            ):
                 choice[p.name] -= 1
     lines = []
     for p in parts:
         if p.name not in choice:
-            lines.append(f"{p.name}: skipped: its smallest variant ({p.variants[-1].label}) needs ~{est(p, -1):.0f} s, "
-                         f"{max(0.0, left_s - total()):.0f} s of {left_s:.0f} s are left beside the parts kept")
+            lines.append(
+                f"{p.name}: skipped: its smallest variant ({p.variants[-1].label}) needs ~{est(p, -1):.0f} s, "
+                f"{max(0.0, left_s - total()):.0f} s of {left_s:.0f} s are left beside the parts kept"
+            )
             continue
         v = p.variants[choice[p.name]]
-        shrunk = f" (shrunk from {p.variants[0].label}, ~{est(p, 0):.0f} s, to fit {left_s:.0f} s)" if choice[p.name] else ""
+        shrunk = (
+            f" (shrunk from {p.variants[0].label}, ~{est(p, 0):.0f} s, to fit {left_s:.0f} s)" if choice[p.name] else ""
+        )
         lines.append(f"{p.name}: {v.label}, ~{v.est_s:.0f} s{shrunk}")
     return choice, lines
 
@@ -168,7 +184,16 @@ def json_lines(text: str) -> list[dict]:
 # ---- P7: the step per targets mode, and the efficiency the bill should use -----------------------------------------
 def run_p7(ctx: Ctx, v: Variant) -> dict:
     a = v.args
-    cmd = [PY, HERE / "p7_distill_throughput.py", "--preset", a["preset"], "--targets", a["targets"], "--paths", a["paths"]]
+    cmd = [
+        PY,
+        HERE / "p7_distill_throughput.py",
+        "--preset",
+        a["preset"],
+        "--targets",
+        a["targets"],
+        "--paths",
+        a["paths"],
+    ]
     cmd += [x for k in ("steps", "warmup", "threads") if k in a for x in (f"--{k}", a[k])]
     try:
         rc, out = ctx.sh(cmd, "p7", check=False)
@@ -182,9 +207,15 @@ def run_p7(ctx: Ctx, v: Variant) -> dict:
     rows = [(f"P7 {m}", p7_figures(r)) for m, r in modes.items()]
     eff = efficiency(modes, device, ctx) if modes else None
     if eff:
-        fig = f"{eff['key']} = {eff['efficiency']:.3f} ({eff['from']}, the lowest mode; {eff['peak']}) -> {ctx.work / 'efficiency.json'}"
+        where = ctx.work / "efficiency.json"
+        fig = f"{eff['key']} = {eff['efficiency']:.3f} ({eff['from']}, the lowest mode; {eff['peak']}) -> {where}"
         rows.append(("efficiency", fig))
-    return {"rows": rows or [("P7", "no mode finished")], "failed": failed, "p7": final or {"targets": modes}, "efficiency": eff}
+    return {
+        "rows": rows or [("P7", "no mode finished")],
+        "failed": failed,
+        "p7": final or {"targets": modes},
+        "efficiency": eff,
+    }
 
 
 def gpu_name() -> str:
@@ -194,12 +225,20 @@ def gpu_name() -> str:
 
 
 def p7_figures(r: dict) -> str:
-    tps = lambda k: f"{r[k]:,.0f}" if r.get(k) else "-"  # noqa: E731
-    mfu = f"MFU {r['mfu']:.1%} (plain loop {r['reference_mfu']:.1%})" if r.get("mfu") and r.get("reference_mfu") else "MFU -"
+    def tps(k):
+        return f"{r[k]:,.0f}" if r.get(k) else "-"
+
+    mfu = (
+        f"MFU {r['mfu']:.1%} (plain loop {r['reference_mfu']:.1%})"
+        if r.get("mfu") and r.get("reference_mfu")
+        else "MFU -"
+    )
     ratio = f"{r['ratio']:.2f}x" if r.get("ratio") else "-"
     agree = "" if r.get("losses_agree", True) else "; FIRST-STEP LOSSES DIFFER"
-    return (f"tok/s platform {tps('platform_tokens_per_s')}, DeepSpeed {tps('platform_deepspeed_tokens_per_s')}, "
-            f"plain loop {tps('reference_tokens_per_s')}: ratio {ratio}; {mfu}{agree}")
+    return (
+        f"tok/s platform {tps('platform_tokens_per_s')}, DeepSpeed {tps('platform_deepspeed_tokens_per_s')}, "
+        f"plain loop {tps('reference_tokens_per_s')}: ratio {ratio}; {mfu}{agree}"
+    )
 
 
 def efficiency(modes: dict, device: str | None, ctx: Ctx) -> dict | None:
@@ -211,10 +250,16 @@ def efficiency(modes: dict, device: str | None, ctx: Ctx) -> dict | None:
 
     per = {}
     for m, r in modes.items():
-        tps = max(filter(None, (r.get("platform_tokens_per_s"), r.get("platform_deepspeed_tokens_per_s"))), default=None)
+        tps = max(
+            filter(None, (r.get("platform_tokens_per_s"), r.get("platform_deepspeed_tokens_per_s"))), default=None
+        )
         if tps:
-            per[m] = {"tokens_per_s": tps, "flops_per_token": r["flops_per_token"], "mfu_vs_measured_matmul": r.get("mfu"),
-                      "ratio_to_plain_loop": r.get("ratio")}
+            per[m] = {
+                "tokens_per_s": tps,
+                "flops_per_token": r["flops_per_token"],
+                "mfu_vs_measured_matmul": r.get("mfu"),
+                "ratio_to_plain_loop": r.get("ratio"),
+            }
     if not per:
         return None
     if ctx.cuda:
@@ -228,11 +273,23 @@ def efficiency(modes: dict, device: str | None, ctx: Ctx) -> dict | None:
     else:
         if any(x["mfu_vs_measured_matmul"] is None for x in per.values()):
             return None
-        peak, key, what = None, "plan.cpu_efficiency", "the measured fp32 matmul rate" + (" (CPU smoke, tiny shapes: plumbing only)" if ctx.smoke else "")
+        peak, key, what = (
+            None,
+            "plan.cpu_efficiency",
+            "the measured fp32 matmul rate" + (" (CPU smoke, tiny shapes: plumbing only)" if ctx.smoke else ""),
+        )
         for x in per.values():
             x["efficiency"] = x["mfu_vs_measured_matmul"]
     low = min(per, key=lambda m: per[m]["efficiency"])
-    out = {"device": device, "key": key, "efficiency": per[low]["efficiency"], "from": low, "peak_flops": peak, "peak": what, "modes": per}
+    out = {
+        "device": device,
+        "key": key,
+        "efficiency": per[low]["efficiency"],
+        "from": low,
+        "peak_flops": peak,
+        "peak": what,
+        "modes": per,
+    }
     (ctx.work / "efficiency.json").write_text(json.dumps(out, indent=1))
     return out
 
@@ -247,51 +304,127 @@ def run_whole(ctx: Ctx, v: Variant) -> dict:
     bill = json.loads((out_dir / "memory_plan.json").read_text()).get("cost", {})
     est = {k: s["seconds"] for k, s in bill.get("stages", {}).items()}
     students = ", ".join(f"{n} {k}" for k, n in res.get("outcome", {}).get("students", {}).items() if n)
-    fig = (f"walls {', '.join(f'{k} {s:.0f} s' for k, s in walls.items())} (the bill: {', '.join(f'{k} {s:.0f} s' for k, s in est.items())}); "
-           f"students {students}; evaluated {res.get('outcome', {}).get('evaluated')}")
-    failed = None if not res.get("outcome", {}).get("students", {}).get("failed") else "a student failed (see the run's logs)"
+    fig = (
+        f"walls {', '.join(f'{k} {s:.0f} s' for k, s in walls.items())} (the bill: "
+        f"{', '.join(f'{k} {s:.0f} s' for k, s in est.items())}); "
+        f"students {students}; evaluated {res.get('outcome', {}).get('evaluated')}"
+    )
+    failed = (
+        None
+        if not res.get("outcome", {}).get("students", {}).get("failed")
+        else "a student failed (see the run's logs)"
+    )
     return {"rows": [("run", fig)], "failed": failed, "result": res, "bill": bill}
 
 
 # ---- tokens: the Ray Data token pass against one loop --------------------------------------------------------------
 def run_tokens(ctx: Ctx, v: Variant) -> dict:
     a = v.args
-    _, out = ctx.sh([PY, HERE / "p9_corpus_tokens.py", "--mb", a["mb"], "--shard-mb", a["shard_mb"], "--modes", *a["modes"],
-                     "--cache", ctx.work / "p9"], "tokens")
+    _, out = ctx.sh(
+        [
+            PY,
+            HERE / "p9_corpus_tokens.py",
+            "--mb",
+            a["mb"],
+            "--shard-mb",
+            a["shard_mb"],
+            "--modes",
+            *a["modes"],
+            "--cache",
+            ctx.work / "p9",
+        ],
+        "tokens",
+    )
     rows = json_lines(out)[-1]["p9"]
     same = len({r["shards_sha"] for r in rows}) == 1
-    fig = "; ".join(f"{r['mode']} {r['tokens_per_s']:,} tok/s" + (f" ({r['vs_loop']:.2f}x the loop)" if r["mode"] != "loop" and r["vs_loop"] else "")
-                    for r in rows) + f"; {rows[0]['tokens']:,} tokens; shards {'identical' if same else 'DIFFER'}"
+    fig = (
+        "; ".join(
+            f"{r['mode']} {r['tokens_per_s']:,} tok/s"
+            + (f" ({r['vs_loop']:.2f}x the loop)" if r["mode"] != "loop" and r["vs_loop"] else "")
+            for r in rows
+        )
+        + f"; {rows[0]['tokens']:,} tokens; shards {'identical' if same else 'DIFFER'}"
+    )
     return {"rows": [("tokens", fig)], "failed": None if same else "the modes wrote different token shards", "p9": rows}
 
 
 # ---- memory: the memory plan against the device's peaks ------------------------------------------------------------
 def run_memory(ctx: Ctx, v: Variant) -> dict:
-    _, out = ctx.sh([PY, HERE / "plan_measured.py", "--device", "cuda" if ctx.cuda else "cpu", *v.args["flags"]], "memory", check=False)
+    _, out = ctx.sh(
+        [PY, HERE / "plan_measured.py", "--device", "cuda" if ctx.cuda else "cpu", *v.args["flags"]],
+        "memory",
+        check=False,
+    )
     worst = next((ln for ln in out.splitlines() if ln.startswith("largest deviation")), None)
-    return {"rows": [("memory", worst or "no result; see logs/memory.log")], "failed": None if worst else "plan_measured failed"}
+    return {
+        "rows": [("memory", worst or "no result; see logs/memory.log")],
+        "failed": None if worst else "plan_measured failed",
+    }
 
 
 # ---- P5: calibration at full layer shapes against the matmul rate --------------------------------------------------
 def run_p5(ctx: Ctx, v: Variant) -> dict:
     a, shape = v.args, FULL if ctx.cuda else TINY
     teacher = ctx.work / "teacher"
-    ctx.sh([PY, HERE / "make_teacher.py", "--out", teacher, "--layers", a["layers"], "--E", shape["E"], "--k", shape["k"], "--d", shape["d"],
-            "--I", shape["I"], "--heads", shape["heads"], "--kv-heads", shape["kv_heads"], "--head-dim", shape["head_dim"],
-            "--dtype", shape["dtype"]], "teacher")
+    ctx.sh(
+        [
+            PY,
+            HERE / "make_teacher.py",
+            "--out",
+            teacher,
+            "--layers",
+            a["layers"],
+            "--E",
+            shape["E"],
+            "--k",
+            shape["k"],
+            "--d",
+            shape["d"],
+            "--I",
+            shape["I"],
+            "--heads",
+            shape["heads"],
+            "--kv-heads",
+            shape["kv_heads"],
+            "--head-dim",
+            shape["head_dim"],
+            "--dtype",
+            shape["dtype"],
+        ],
+        "teacher",
+    )
     mm = matmul_tflops(ctx.cuda)
     calib = {}
     for mode in ("whole", "streamed"):
         out = ctx.work / f"stats-{mode}"
         shutil.rmtree(out, ignore_errors=True)
-        _, text = ctx.sh([PY, __file__, "--child-calibrate", mode, "--teacher", teacher, "--out", out, "--tokens", a["tokens"],
-                          "--seq-len", a["seq_len"]], f"calib-{mode}")
+        _, text = ctx.sh(
+            [
+                PY,
+                __file__,
+                "--child-calibrate",
+                mode,
+                "--teacher",
+                teacher,
+                "--out",
+                out,
+                "--tokens",
+                a["tokens"],
+                "--seq-len",
+                a["seq_len"],
+            ],
+            f"calib-{mode}",
+        )
         calib[mode] = json_lines(text)[-1]
     diff = stats_agree(ctx.work / "stats-whole", ctx.work / "stats-streamed")
     w, s = calib["whole"], calib["streamed"]
-    fig = (f"{a['layers']} layers, {w['tokens']:,} tokens: stats {w['tflops']:.1f} TFLOP/s = {w['tflops'] / mm:.0%} of the "
-           f"{'bf16 8192^3' if ctx.cuda else 'fp32 1024^3'} matmul's {mm:,.1f} (P5 target >= 60%); streamed {s['seconds'] / w['seconds']:.2f}x "
-           f"the whole's time, max rel diff {diff:.1e}")
+    fig = (
+        f"{a['layers']} layers, {w['tokens']:,} tokens: stats {w['tflops']:.1f} TFLOP/s = {w['tflops'] / mm:.0%} of "
+        "the "
+        f"{'bf16 8192^3' if ctx.cuda else 'fp32 1024^3'} matmul's {mm:,.1f} (P5 target >= 60%); streamed "
+        f"{s['seconds'] / w['seconds']:.2f}x "
+        f"the whole's time, max rel diff {diff:.1e}"
+    )
     return {"rows": [("P5", fig)], "failed": None, "calibration": calib, "matmul_tflops": mm}
 
 
@@ -315,9 +448,20 @@ def child_calibrate(a) -> None:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t
     cfg, adapter = teacher.config, teacher.adapter
-    E, T, d, L, I = adapter.num_experts(cfg), tokens.n_tokens, cfg.hidden_size, len(art.layers), cfg.moe_intermediate_size
-    flops = L * (2.0 * T * E * 3 * I * d + 2.0 * E * E * T * d)  # P1's count: every expert on every token, plus the Gram
-    print(json.dumps({"seconds": seconds, "tokens": T, "tflops": flops / seconds / 1e12, "sha256": art.checksum}), flush=True)
+    E, T, d, L, I = (
+        adapter.num_experts(cfg),
+        tokens.n_tokens,
+        cfg.hidden_size,
+        len(art.layers),
+        cfg.moe_intermediate_size,
+    )
+    flops = L * (
+        2.0 * T * E * 3 * I * d + 2.0 * E * E * T * d
+    )  # P1's count: every expert on every token, plus the Gram
+    print(
+        json.dumps({"seconds": seconds, "tokens": T, "tflops": flops / seconds / 1e12, "sha256": art.checksum}),
+        flush=True,
+    )
 
 
 def matmul_tflops(cuda: bool) -> float:
@@ -325,7 +469,11 @@ def matmul_tflops(cuda: bool) -> float:
     import torch
     from _common import matmul_gflops
 
-    return matmul_gflops(8192, torch.bfloat16, "cuda", iters=20) / 1e3 if cuda else matmul_gflops(1024, torch.float32, "cpu") / 1e3
+    return (
+        matmul_gflops(8192, torch.bfloat16, "cuda", iters=20) / 1e3
+        if cuda
+        else matmul_gflops(1024, torch.float32, "cpu") / 1e3
+    )
 
 
 def stats_agree(a: Path, b: Path) -> float:
@@ -340,15 +488,46 @@ def stats_agree(a: Path, b: Path) -> float:
 # ---- the parts, their variants and estimates ----------------------------------------------------------------------
 RUN_SHORT = ["calib.max_tokens=8192", "stage2.targets=hidden", "grid.scaling=[uniform]"]
 RUN_GRIDS = {  # label -> overrides of experiments/tiny.yaml
-    "4 configs, 4 + 2 students, 20 steps": ["grid.scoring=[sf,do-acp]", "grid.grouping=[rr,oc]", "grid.K=[2,4]", "distill.steps=20",
-                                            "distill.eval_every=10", "stage2.baselines=[random-ffn,random-init]", "stage3.limit=100"],
-    "1 config, 1 + 1 students, 10 steps": ["grid.scoring=[sf]", "grid.grouping=[rr]", "grid.K=[2]", "distill.steps=10", "distill.eval_every=5",
-                                           "stage2.baselines=[random-init]", "stage3.limit=50"],
+    "4 configs, 4 + 2 students, 20 steps": [
+        "grid.scoring=[sf,do-acp]",
+        "grid.grouping=[rr,oc]",
+        "grid.K=[2,4]",
+        "distill.steps=20",
+        "distill.eval_every=10",
+        "stage2.baselines=[random-ffn,random-init]",
+        "stage3.limit=100",
+    ],
+    "1 config, 1 + 1 students, 10 steps": [
+        "grid.scoring=[sf]",
+        "grid.grouping=[rr]",
+        "grid.K=[2]",
+        "distill.steps=10",
+        "distill.eval_every=5",
+        "stage2.baselines=[random-init]",
+        "stage3.limit=50",
+    ],
 }
-RUN_SMOKE = ["calib.max_tokens=4096", "calib.seq_len=128", "eval.max_chars=20000", "eval.seq_len=128", "eval.chunks=1", "grid.scoring=[sf]",
-             "grid.grouping=[rr]", "grid.scaling=[uniform]", "grid.K=[2]", "distill.steps=4", "distill.eval_every=2", "distill.seq_len=64",
-             "distill.batch_size=4", "distill.eval_max_tokens=2048", "distill.warmup_steps=1", "stage2.baselines=[]",
-             "stage2.targets=hidden", "stage3.limit=24", "stage3.teacher=false"]
+RUN_SMOKE = [
+    "calib.max_tokens=4096",
+    "calib.seq_len=128",
+    "eval.max_chars=20000",
+    "eval.seq_len=128",
+    "eval.chunks=1",
+    "grid.scoring=[sf]",
+    "grid.grouping=[rr]",
+    "grid.scaling=[uniform]",
+    "grid.K=[2]",
+    "distill.steps=4",
+    "distill.eval_every=2",
+    "distill.seq_len=64",
+    "distill.batch_size=4",
+    "distill.eval_max_tokens=2048",
+    "distill.warmup_steps=1",
+    "stage2.baselines=[]",
+    "stage2.targets=hidden",
+    "stage3.limit=24",
+    "stage3.teacher=false",
+]
 
 
 # no DeepSpeed path (its CPU op compiles for ~80 s the first time in a checkout; the path is the same code with a flag);
@@ -361,8 +540,15 @@ def gpu_overrides(gpus: int) -> list[str]:
     student a Train worker on a quarter with DeepSpeed ZeRO-2 in bf16, lm-eval on quarters; with two GPUs or more,
     each student on two workers of a whole GPU (NCCL between GPUs: below half a GPU two ranks would share one)."""
     students = ["distill.workers=2", "distill.gpus_per_worker=1"] if gpus >= 2 else ["distill.gpus_per_worker=0.25"]
-    return [f"ray.num_cpus={os.cpu_count()}", "ray.gpus_per_trial=0.125", "ray.max_concurrent_trials=8", "ray.data_gpus_per_actor=0.25",
-            *students, "distill.deepspeed=true", "stage3.gpus_per_task=0.25"]
+    return [
+        f"ray.num_cpus={os.cpu_count()}",
+        "ray.gpus_per_trial=0.125",
+        "ray.max_concurrent_trials=8",
+        "ray.data_gpus_per_actor=0.25",
+        *students,
+        "distill.deepspeed=true",
+        "stage3.gpus_per_task=0.25",
+    ]
 
 
 def parts(cuda: bool, gpus: int) -> list[Part]:
@@ -370,37 +556,116 @@ def parts(cuda: bool, gpus: int) -> list[Part]:
     (priors, to be corrected from a measured table), or for the CPU smoke on 2 cores."""
     if not cuda:
         return [
-            Part("P7", True, (Variant("smoke preset, online + hidden + sampled:8, platform + plain loop", 25, P7_SMOKE),), run_p7),
-            Part("run", True, (Variant("1 config, 1 student, 4 steps, hidden targets", 90, {"overrides": RUN_SMOKE}),), run_whole),
-            Part("tokens", True, (Variant("0.5 MB corpus, loop + ray1", 35, {"mb": 0.5, "shard_mb": 0.25, "modes": ["loop", "ray1"]}),), run_tokens),
-            Part("memory", False, (Variant("--small, 1 case", 40, {"flags": ["--small", "--cases", "1"]}),), run_memory),
-            Part("P5", False, (Variant("tiny shapes, 2 layers, 4,096 tokens", 45, {"layers": 2, "tokens": 4096, "seq_len": 256}),), run_p5),
+            Part(
+                "P7",
+                True,
+                (Variant("smoke preset, online + hidden + sampled:8, platform + plain loop", 25, P7_SMOKE),),
+                run_p7,
+            ),
+            Part(
+                "run",
+                True,
+                (Variant("1 config, 1 student, 4 steps, hidden targets", 90, {"overrides": RUN_SMOKE}),),
+                run_whole,
+            ),
+            Part(
+                "tokens",
+                True,
+                (Variant("0.5 MB corpus, loop + ray1", 35, {"mb": 0.5, "shard_mb": 0.25, "modes": ["loop", "ray1"]}),),
+                run_tokens,
+            ),
+            Part(
+                "memory", False, (Variant("--small, 1 case", 40, {"flags": ["--small", "--cases", "1"]}),), run_memory
+            ),
+            Part(
+                "P5",
+                False,
+                (Variant("tiny shapes, 2 layers, 4,096 tokens", 45, {"layers": 2, "tokens": 4096, "seq_len": 256}),),
+                run_p5,
+            ),
         ]
     modes = "online,hidden,sampled:64"
     run = gpu_overrides(gpus) + RUN_SHORT
     return [
-        Part("P7", True, (Variant(f"h100 preset, {modes}, 3 paths, 3 + 10 steps", 150, {"preset": "h100", "targets": modes,
-                                                                                        "paths": "platform,platform_deepspeed,reference"}),
-                          Variant(f"h100 preset, {modes}, 3 paths, 2 + 5 steps", 110, {"preset": "h100", "targets": modes, "warmup": 2, "steps": 5,
-                                                                                      "paths": "platform,platform_deepspeed,reference"}),
-                          Variant(f"h100 preset, {modes}, platform + plain loop, 2 + 5 steps", 80,
-                                  {"preset": "h100", "targets": modes, "warmup": 2, "steps": 5, "paths": "platform,reference"})), run_p7),
-        Part("run", True, tuple(Variant(f"tiny.yaml, {label}, hidden targets", est, {"overrides": run + grid})
-                                for (label, grid), est in zip(RUN_GRIDS.items(), (240, 150))), run_whole),
-        Part("tokens", True, (Variant("50 MB corpus, loop + ray4", 100, {"mb": 50, "shard_mb": 25, "modes": ["loop", "ray4"]}),
-                              Variant("25 MB corpus, loop + ray4", 60, {"mb": 25, "shard_mb": 25, "modes": ["loop", "ray4"]})), run_tokens),
-        Part("memory", False, (Variant("all cases, mid sizes", 150, {"flags": []}), Variant("all cases, --small", 60, {"flags": ["--small"]})),
-             run_memory),
-        Part("P5", False, (Variant("4 layers, 262,144 tokens", 150, {"layers": 4, "tokens": 262144, "seq_len": 2048}),
-                           Variant("2 layers, 65,536 tokens", 70, {"layers": 2, "tokens": 65536, "seq_len": 2048})), run_p5),
+        Part(
+            "P7",
+            True,
+            (
+                Variant(
+                    f"h100 preset, {modes}, 3 paths, 3 + 10 steps",
+                    150,
+                    {"preset": "h100", "targets": modes, "paths": "platform,platform_deepspeed,reference"},
+                ),
+                Variant(
+                    f"h100 preset, {modes}, 3 paths, 2 + 5 steps",
+                    110,
+                    {
+                        "preset": "h100",
+                        "targets": modes,
+                        "warmup": 2,
+                        "steps": 5,
+                        "paths": "platform,platform_deepspeed,reference",
+                    },
+                ),
+                Variant(
+                    f"h100 preset, {modes}, platform + plain loop, 2 + 5 steps",
+                    80,
+                    {"preset": "h100", "targets": modes, "warmup": 2, "steps": 5, "paths": "platform,reference"},
+                ),
+            ),
+            run_p7,
+        ),
+        Part(
+            "run",
+            True,
+            tuple(
+                Variant(f"tiny.yaml, {label}, hidden targets", est, {"overrides": run + grid})
+                for (label, grid), est in zip(RUN_GRIDS.items(), (240, 150))
+            ),
+            run_whole,
+        ),
+        Part(
+            "tokens",
+            True,
+            (
+                Variant("50 MB corpus, loop + ray4", 100, {"mb": 50, "shard_mb": 25, "modes": ["loop", "ray4"]}),
+                Variant("25 MB corpus, loop + ray4", 60, {"mb": 25, "shard_mb": 25, "modes": ["loop", "ray4"]}),
+            ),
+            run_tokens,
+        ),
+        Part(
+            "memory",
+            False,
+            (
+                Variant("all cases, mid sizes", 150, {"flags": []}),
+                Variant("all cases, --small", 60, {"flags": ["--small"]}),
+            ),
+            run_memory,
+        ),
+        Part(
+            "P5",
+            False,
+            (
+                Variant("4 layers, 262,144 tokens", 150, {"layers": 4, "tokens": 262144, "seq_len": 2048}),
+                Variant("2 layers, 65,536 tokens", 70, {"layers": 2, "tokens": 65536, "seq_len": 2048}),
+            ),
+            run_p5,
+        ),
     ]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work", default="/tmp/m2d-gpu-acceptance")
-    p.add_argument("--budget-s", type=float, default=540.0, help="the call's seconds (default 540: 9 minutes on one H100 after the bundle is installed)")
-    p.add_argument("--parts", help="comma-separated subset of P7,run,tokens,memory,P5 (default: all, as the budget allows)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=540.0,
+        help="the call's seconds (default 540: 9 minutes on one H100 after the bundle is installed)",
+    )
+    p.add_argument(
+        "--parts", help="comma-separated subset of P7,run,tokens,memory,P5 (default: all, as the budget allows)"
+    )
     p.add_argument("--cpu-smoke", action="store_true", help="every part on the CPU with tiny shapes (plumbing check)")
     p.add_argument("--child-calibrate", dest="mode", choices=["whole", "streamed"])
     p.add_argument("--teacher")
@@ -416,13 +681,19 @@ def main(argv=None) -> int:
 
     cuda = torch.cuda.is_available() and not a.cpu_smoke
     if not cuda and not a.cpu_smoke:
-        raise SystemExit("gpu_acceptance: no CUDA device (torch.cuda.is_available() is False); use --cpu-smoke for the CPU plumbing check")
+        raise SystemExit(
+            "gpu_acceptance: no CUDA device (torch.cuda.is_available() is False); use --cpu-smoke for the CPU plumbing "
+            "check"
+        )
     todo = parts(cuda, torch.cuda.device_count() if cuda else 0)
     if a.parts:
         names = a.parts.split(",")
         unknown = set(names) - {x.name for x in todo}
         if unknown:
-            raise SystemExit(f"gpu_acceptance: unknown part(s) {', '.join(sorted(unknown))}; choose from {', '.join(x.name for x in todo)}")
+            raise SystemExit(
+                f"gpu_acceptance: unknown part(s) {', '.join(sorted(unknown))}; choose from "
+                f"{', '.join(x.name for x in todo)}"
+            )
         todo = [x for x in todo if x.name in names]
     elif a.cpu_smoke:  # the optional parts have tests of their own (test_plan_measured.py, test_calibrate.py)
         print("cpu smoke: the required parts; name memory and P5 in --parts to run them too", flush=True)
@@ -430,7 +701,9 @@ def main(argv=None) -> int:
     ctx = Ctx(Path(a.work), cuda, a.cpu_smoke, t0 + a.budget_s)
     ctx.logs.mkdir(parents=True, exist_ok=True)
     (ctx.work / "efficiency.json").unlink(missing_ok=True)
-    env = f"torch {torch.__version__}, " + (gpu_name() + f" x {torch.cuda.device_count()}" if cuda else "CPU smoke (tiny shapes)")
+    env = f"torch {torch.__version__}, " + (
+        gpu_name() + f" x {torch.cuda.device_count()}" if cuda else "CPU smoke (tiny shapes)"
+    )
     rows, results, bad = [], {"env": env, "budget_s": a.budget_s, "parts": {}}, False
     while todo:
         left = ctx.deadline - time.monotonic() - RESERVE_S
@@ -454,14 +727,25 @@ def main(argv=None) -> int:
             res, status = {"rows": [(part.name, "-")]}, f"FAILED: {type(exc).__name__}: {str(exc).strip()[:300]}"
         secs = time.monotonic() - ctx.started
         bad |= status != "ok"
-        results["parts"][part.name] = {"variant": v.label, "estimate_s": v.est_s, "seconds": secs, "status": status,
-                                       **{k: x for k, x in res.items() if k != "rows"}}
+        results["parts"][part.name] = {
+            "variant": v.label,
+            "estimate_s": v.est_s,
+            "seconds": secs,
+            "status": status,
+            **{k: x for k, x in res.items() if k != "rows"},
+        }
         for i, (name, fig) in enumerate(res["rows"]):
-            rows.append((name, v.label, f"{v.est_s:.0f}", f"{secs:.0f}", status, fig) if i == 0 else (name, "", "", "", "", fig))
+            rows.append(
+                (name, v.label, f"{v.est_s:.0f}", f"{secs:.0f}", status, fig) if i == 0 else (name, "", "", "", "", fig)
+            )
         print(f"[{part.name}] {status} in {secs:.0f} s", flush=True)
     total = time.monotonic() - t0
-    table = [f"# GPU acceptance ({env}); {total:.0f} s of a {a.budget_s:.0f}-s budget; logs in {ctx.logs}", "",
-             "| part | variant | planned s | s | status | figures |", "|---|---|---:|---:|---|---|"]
+    table = [
+        f"# GPU acceptance ({env}); {total:.0f} s of a {a.budget_s:.0f}-s budget; logs in {ctx.logs}",
+        "",
+        "| part | variant | planned s | s | status | figures |",
+        "|---|---|---:|---:|---|---|",
+    ]
     table += [f"| {' | '.join(map(str, r))} |" for r in rows]
     (ctx.work / "table.md").write_text("\n".join(table) + "\n")
     (ctx.work / "results.json").write_text(json.dumps({**results, "seconds": total}, indent=1, default=str))

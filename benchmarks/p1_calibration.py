@@ -48,10 +48,10 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import TEACHER_DIR, WIKI_VALID, interleaved, machine_line, matmul_gflops  # noqa: E402
 
+from m2d_ray.arch.base import rel_error  # noqa: E402
 from m2d_ray.arch.qwen3_moe import Qwen3MoeAdapter  # noqa: E402
 from m2d_ray.calibrate.collect import collect_stats  # noqa: E402
 from m2d_ray.calibrate.stats import LayerStats, gram_dtype, layer_stats  # noqa: E402
-from m2d_ray.arch.base import rel_error  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,7 +95,9 @@ def loop_layer_stats(block: nn.Module, h: Tensor, gram_mode: str = "stack") -> L
 
 
 @torch.no_grad()
-def collect_stats_loop(model, adapter, ids: Tensor, mask: Tensor, batch_size: int = 8, gram_mode: str = "stack") -> dict[int, LayerStats]:
+def collect_stats_loop(
+    model, adapter, ids: Tensor, mask: Tensor, batch_size: int = 8, gram_mode: str = "stack"
+) -> dict[int, LayerStats]:
     """`collect_stats` with the per-expert loop in the hooks (same forward pre-hooks, same masking)."""
     blocks = adapter.moe_blocks(model)
     device = next(model.parameters()).device
@@ -125,7 +127,11 @@ def collect_stats_loop(model, adapter, ids: Tensor, mask: Tensor, batch_size: in
 def forward_only(model, ids: Tensor, mask: Tensor, batch_size: int = 8) -> None:
     device = next(model.parameters()).device
     for start in range(0, ids.shape[0], batch_size):
-        model(input_ids=ids[start : start + batch_size].to(device), attention_mask=mask[start : start + batch_size].to(device), use_cache=False)
+        model(
+            input_ids=ids[start : start + batch_size].to(device),
+            attention_mask=mask[start : start + batch_size].to(device),
+            use_cache=False,
+        )
 
 
 def stats_flops(T: int, E: int, I: int, d: int) -> float:
@@ -146,7 +152,10 @@ def compare(a: LayerStats, b: LayerStats) -> dict[str, float]:
 def table(rows: list[tuple], header: tuple) -> str:
     cells = [tuple(str(c) for c in r) for r in [header, *rows]]
     w = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    line = lambda r: "| " + " | ".join(c.ljust(w[i]) for i, c in enumerate(r)) + " |"  # noqa: E731
+
+    def line(r):
+        return "| " + " | ".join(c.ljust(w[i]) for i, c in enumerate(r)) + " |"
+
     return "\n".join([line(cells[0]), "|" + "|".join("-" * (x + 2) for x in w) + "|", *map(line, cells[1:])])
 
 
@@ -157,7 +166,9 @@ def synthetic_block(d: int, I: int, E: int, k: int, dtype: torch.dtype, device: 
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    cfg = Qwen3MoeConfig(hidden_size=d, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k, norm_topk_prob=True)
+    cfg = Qwen3MoeConfig(
+        hidden_size=d, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k, norm_topk_prob=True
+    )
     block = Qwen3MoeSparseMoeBlock(cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -167,11 +178,15 @@ def synthetic_block(d: int, I: int, E: int, k: int, dtype: torch.dtype, device: 
     return block.to(device=device, dtype=dtype).eval()
 
 
-def run_layer(args, d: int, I: int, E: int, k: int, T: int, dtype: torch.dtype, device: str, mm_rate: float, tol: float) -> list[str]:
+def run_layer(
+    args, d: int, I: int, E: int, k: int, T: int, dtype: torch.dtype, device: str, mm_rate: float, tol: float
+) -> list[str]:
     adapter = Qwen3MoeAdapter()
     block = synthetic_block(d, I, E, k, dtype, device)
     h = torch.randn(T, d, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
-    batches = [h[s : s + args.batch_tokens] for s in range(0, T, args.batch_tokens)]  # what a hook sees per forward batch
+    batches = [
+        h[s : s + args.batch_tokens] for s in range(0, T, args.batch_tokens)
+    ]  # what a hook sees per forward batch
     weights = adapter.experts(block)
 
     def ours():
@@ -189,7 +204,10 @@ def run_layer(args, d: int, I: int, E: int, k: int, T: int, dtype: torch.dtype, 
 
         return fn
 
-    print(f"\n## Synthetic layer: d={d} I={I} E={E} k={k}, T={T} tokens in batches of {args.batch_tokens}, {dtype}, {device}")
+    print(
+        f"\n## Synthetic layer: d={d} I={I} E={E} k={k}, T={T} tokens in batches of {args.batch_tokens}, {dtype}, "
+        f"{device}"
+    )
     modes = ["stack", "pairwise"] if args.loop_gram == "both" else [args.loop_gram]
     fns = {"ours": ours, **{m: loop(m) for m in modes}}
     timed = interleaved(fns, args.repeats, device, warmup=1 if device == "cuda" else 0)
@@ -203,21 +221,38 @@ def run_layer(args, d: int, I: int, E: int, k: int, T: int, dtype: torch.dtype, 
         t_loop, st_loop = timed[mode]
         err = compare(st_ours, st_loop)
         ratios[mode] = t_loop / t_ours
-        rows.append((f"loop over experts (Gram: {mode})", f"{t_loop:.3f}", f"{T / t_loop:,.0f}", f"{flops / t_loop / 1e9:,.1f}",
-                     f"{t_loop / t_ours:.2f}x", f"{err['gram']:.2e}"))
+        rows.append(
+            (
+                f"loop over experts (Gram: {mode})",
+                f"{t_loop:.3f}",
+                f"{T / t_loop:,.0f}",
+                f"{flops / t_loop / 1e9:,.1f}",
+                f"{t_loop / t_ours:.2f}x",
+                f"{err['gram']:.2e}",
+            )
+        )
         ok = err["gram"] < tol and max(err["count"], err["psum"], err["psel"], err["wsel"]) < tol
-        out.append(f"check[{mode}]: Gram rel err {err['gram']:.3e} (tol {tol:g}), count {err['count']:.1e}, psum {err['psum']:.1e}, "
-                   f"psel {err['psel']:.1e}, wsel {err['wsel']:.1e} -> {'OK' if ok else 'MISMATCH'}")
+        out.append(
+            f"check[{mode}]: Gram rel err {err['gram']:.3e} (tol {tol:g}), count {err['count']:.1e}, psum "
+            f"{err['psum']:.1e}, "
+            f"psel {err['psel']:.1e}, wsel {err['wsel']:.1e} -> {'OK' if ok else 'MISMATCH'}"
+        )
         if not ok:
             raise SystemExit(f"P1: loop baseline ({mode}) disagrees with layer_stats: {err}")
     print(table(rows, ("path", "best s", "tokens/s", "stats GFLOP/s", "time / ours", "Gram rel err vs ours")))
     for line in out:
         print(line)
     for mode, r in ratios.items():
-        print(f"RATIO synthetic-layer speed-up ours vs loop(Gram {mode}): {r:.2f}x  (target >= 5x: {'met' if r >= 5 else 'MISSED'})")
+        print(
+            f"RATIO synthetic-layer speed-up ours vs loop(Gram {mode}): {r:.2f}x  (target >= 5x: "
+            f"{'met' if r >= 5 else 'MISSED'})"
+        )
     print(f"RATIO synthetic-layer ours {gf:,.1f} GFLOP/s / plain matmul {mm_rate:,.1f} GFLOP/s = {gf / mm_rate:.2f}")
-    print(f"  counted FLOPs: expert GEMMs {2.0 * T * E * 3 * I * d / 1e9:,.1f} G + Gram {2.0 * E * E * T * d / 1e9:,.1f} G"
-          f" (Gram in {gram_dtype(torch.device(device))})")
+    print(
+        f"  counted FLOPs: expert GEMMs {2.0 * T * E * 3 * I * d / 1e9:,.1f} G + Gram {2.0 * E * E * T * d / 1e9:,.1f} "
+        "G"
+        f" (Gram in {gram_dtype(torch.device(device))})"
+    )
     return out
 
 
@@ -233,14 +268,18 @@ def run_model(args, mm_rate: float) -> None:
 
     teacher = load_teacher(str(TEACHER_DIR), device="cpu")
     model, adapter, cfg = teacher.model, teacher.adapter, teacher.config
-    tok = calibration_set(teacher.tokenizer, WIKI_VALID.read_text(encoding="utf-8"), seq_len=args.seq_len, max_tokens=args.tokens)
+    tok = calibration_set(
+        teacher.tokenizer, WIKI_VALID.read_text(encoding="utf-8"), seq_len=args.seq_len, max_tokens=args.tokens
+    )
     ids, mask = tok.ids, tok.mask
     T = tok.n_tokens
     E, k = adapter.num_experts(cfg), adapter.top_k(cfg)
     block0 = next(iter(adapter.moe_blocks(model).values()))
     I, d, L = adapter.experts(block0).width, cfg.hidden_size, len(adapter.moe_blocks(model))
-    print(f"\n## Model: {TEACHER_DIR.name} ({L} MoE layers, d={d} I={I} E={E} k={k}), {T} tokens of {WIKI_VALID.name}, "
-          f"seq {args.seq_len}, batch {args.batch_size} sequences")
+    print(
+        f"\n## Model: {TEACHER_DIR.name} ({L} MoE layers, d={d} I={I} E={E} k={k}), {T} tokens of {WIKI_VALID.name}, "
+        f"seq {args.seq_len}, batch {args.batch_size} sequences"
+    )
     modes = ["stack", "pairwise"] if args.loop_gram == "both" else [args.loop_gram]
     fns = {
         "fwd": lambda: forward_only(model, ids, mask, args.batch_size),
@@ -262,7 +301,17 @@ def run_model(args, mm_rate: float) -> None:
     rows = [("model forward only (no hooks)", f"{t_fwd:.3f}", f"{T / t_fwd:,.0f}", "-", "-", "-", "-")]
     s_ours = stats_s(t_ours)
     gf_ours = flops / s_ours / 1e9 if s_ours else float("nan")
-    rows.append(("ours: collect_stats", f"{t_ours:.3f}", f"{T / t_ours:,.0f}", f"{s_ours:.3f}" if s_ours else "n/a", f"{gf_ours:,.1f}", "1.00x / 1.00x", "-"))
+    rows.append(
+        (
+            "ours: collect_stats",
+            f"{t_ours:.3f}",
+            f"{T / t_ours:,.0f}",
+            f"{s_ours:.3f}" if s_ours else "n/a",
+            f"{gf_ours:,.1f}",
+            "1.00x / 1.00x",
+            "-",
+        )
+    )
     ratios, checks = {}, []
     for mode in modes:
         t_loop, st_loop = timed[mode]
@@ -271,38 +320,93 @@ def run_model(args, mm_rate: float) -> None:
         s_loop = stats_s(t_loop)
         r_stats = s_loop / s_ours if (s_loop and s_ours) else float("nan")
         ratios[mode] = (t_loop / t_ours, r_stats)
-        rows.append((f"loop hooks (Gram: {mode})", f"{t_loop:.3f}", f"{T / t_loop:,.0f}", f"{s_loop:.3f}" if s_loop else "n/a",
-                     f"{flops / s_loop / 1e9:,.1f}" if s_loop else "n/a", f"{ratios[mode][0]:.2f}x / {r_stats:.2f}x", f"{worst['gram']:.2e}"))
+        rows.append(
+            (
+                f"loop hooks (Gram: {mode})",
+                f"{t_loop:.3f}",
+                f"{T / t_loop:,.0f}",
+                f"{s_loop:.3f}" if s_loop else "n/a",
+                f"{flops / s_loop / 1e9:,.1f}" if s_loop else "n/a",
+                f"{ratios[mode][0]:.2f}x / {r_stats:.2f}x",
+                f"{worst['gram']:.2e}",
+            )
+        )
         ok = worst["gram"] < 1e-5 and max(worst["count"], worst["psum"], worst["psel"], worst["wsel"]) < 1e-5
-        checks.append(f"check[{mode}]: worst layer Gram rel err {worst['gram']:.3e}, count {worst['count']:.1e}, psum {worst['psum']:.1e}, "
-                      f"psel {worst['psel']:.1e}, wsel {worst['wsel']:.1e} -> {'OK' if ok else 'MISMATCH'}")
+        checks.append(
+            f"check[{mode}]: worst layer Gram rel err {worst['gram']:.3e}, count {worst['count']:.1e}, psum "
+            f"{worst['psum']:.1e}, "
+            f"psel {worst['psel']:.1e}, wsel {worst['wsel']:.1e} -> {'OK' if ok else 'MISMATCH'}"
+        )
         if not ok:
             raise SystemExit(f"P1: loop baseline ({mode}) disagrees with collect_stats: {worst}")
     if noisy:
-        checks.append("WARNING: a forward-only time exceeded a forward+stats time: load from another process; stats-only figures are n/a")
-    print(table(rows, ("path", "best s", "tokens/s (end-to-end)", "stats s (minus fwd)", "stats GFLOP/s", "time / ours (e2e / stats)", "Gram rel err")))
+        checks.append(
+            "WARNING: a forward-only time exceeded a forward+stats time: load from another process; stats-only figures "
+            "are n/a"
+        )
+    print(
+        table(
+            rows,
+            (
+                "path",
+                "best s",
+                "tokens/s (end-to-end)",
+                "stats s (minus fwd)",
+                "stats GFLOP/s",
+                "time / ours (e2e / stats)",
+                "Gram rel err",
+            ),
+        )
+    )
     for c in checks:
         print(c)
     for mode, (e2e, st) in ratios.items():
-        print(f"RATIO model speed-up ours vs loop(Gram {mode}): end-to-end {e2e:.2f}x, stats-only {st:.2f}x  (target >= 5x: "
-              f"{'met' if st >= 5 else 'MISSED'} on stats-only, {'met' if e2e >= 5 else 'MISSED'} end-to-end)")
-    print(f"RATIO model ours stats {gf_ours:,.1f} GFLOP/s / plain matmul {mm_rate:,.1f} GFLOP/s = {gf_ours / mm_rate:.2f}")
-    print(f"  counted FLOPs: {L} layers x (expert GEMMs {2.0 * T * E * 3 * I * d / 1e9:.2f} G + Gram {2.0 * E * E * T * d / 1e9:.2f} G)"
-          f" = {flops / 1e9:.2f} G; model forward excluded (timed separately: {t_fwd:.3f} s)")
+        print(
+            f"RATIO model speed-up ours vs loop(Gram {mode}): end-to-end {e2e:.2f}x, stats-only {st:.2f}x  (target >= "
+            "5x: "
+            f"{'met' if st >= 5 else 'MISSED'} on stats-only, {'met' if e2e >= 5 else 'MISSED'} end-to-end)"
+        )
+    print(
+        f"RATIO model ours stats {gf_ours:,.1f} GFLOP/s / plain matmul {mm_rate:,.1f} GFLOP/s = {gf_ours / mm_rate:.2f}"
+    )
+    print(
+        f"  counted FLOPs: {L} layers x (expert GEMMs {2.0 * T * E * 3 * I * d / 1e9:.2f} G + Gram "
+        f"{2.0 * E * E * T * d / 1e9:.2f} G)"
+        f" = {flops / 1e9:.2f} G; model forward excluded (timed separately: {t_fwd:.3f} s)"
+    )
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=16384, help="calibration tokens of the real-teacher run (default 16384)")
-    p.add_argument("--layer-tokens", type=int, default=None, help="tokens of the synthetic layer (default 4096 CPU, 32768 --gpu)")
-    p.add_argument("--batch-tokens", type=int, default=None, help="tokens per hook call in the layer case (default 2048 CPU, 4096 --gpu)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--tokens", type=int, default=16384, help="calibration tokens of the real-teacher run (default 16384)"
+    )
+    p.add_argument(
+        "--layer-tokens", type=int, default=None, help="tokens of the synthetic layer (default 4096 CPU, 32768 --gpu)"
+    )
+    p.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=None,
+        help="tokens per hook call in the layer case (default 2048 CPU, 4096 --gpu)",
+    )
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward in the model case")
-    p.add_argument("--repeats", type=int, default=2, help="timed rounds (paths take turns within a round); the best is reported")
-    p.add_argument("--loop-gram", choices=["stack", "pairwise", "both"], default="both", help="Gram form of the loop baseline")
-    p.add_argument("--threads", type=int, default=2,
-                   help="torch threads (default 2). On a 2-core machine shared with a busy process, 2 OpenMP threads make "
-                        "small ops tens of times slower in bursts; compare --threads 1 then")
+    p.add_argument(
+        "--repeats", type=int, default=2, help="timed rounds (paths take turns within a round); the best is reported"
+    )
+    p.add_argument(
+        "--loop-gram", choices=["stack", "pairwise", "both"], default="both", help="Gram form of the loop baseline"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch threads (default 2). On a 2-core machine shared with a busy process, 2 OpenMP threads make "
+        "small ops tens of times slower in bursts; compare --threads 1 then",
+    )
     p.add_argument("--skip-model", action="store_true")
     p.add_argument("--skip-layer", action="store_true")
     p.add_argument("--gpu", action="store_true", help="full-size Qwen3-30B-A3B layer on CUDA in bf16 (untested here)")
@@ -315,15 +419,26 @@ def main(argv=None) -> None:
     if args.gpu:
         # Untested in the session that wrote it (no GPU was lent). One Qwen3-30B-A3B MoE layer, bf16 weights and
         # activations; Gram products in fp32 summed in fp64 (gram_dtype on CUDA). The loop baseline holds E fp32
-        # output blocks of batch_tokens x d per hook call (128 x 4096 x 2048 x 4 B = 4 GiB), so keep batch_tokens <= 8192.
+        # output blocks of batch_tokens x d per hook call (128 x 4096 x 2048 x 4 B = 4 GiB), so keep batch_tokens <=
+        # 8192.
         if not torch.cuda.is_available():
             raise SystemExit("P1 --gpu: no CUDA device")
         args.layer_tokens = args.layer_tokens or 32768
         args.batch_tokens = args.batch_tokens or 4096
         mm = matmul_gflops(8192, torch.bfloat16, "cuda", iters=20)
         print(f"plain bf16 matmul 8192^3 on CUDA: {mm:,.0f} GFLOP/s")
-        run_layer(args, d=2048, I=768, E=128, k=8, T=args.layer_tokens, dtype=torch.bfloat16, device="cuda", mm_rate=mm,
-                  tol=1e-2)  # bf16 outputs from differently shaped GEMMs differ at ~1e-3
+        run_layer(
+            args,
+            d=2048,
+            I=768,
+            E=128,
+            k=8,
+            T=args.layer_tokens,
+            dtype=torch.bfloat16,
+            device="cuda",
+            mm_rate=mm,
+            tol=1e-2,
+        )  # bf16 outputs from differently shaped GEMMs differ at ~1e-3
         return
 
     args.layer_tokens = args.layer_tokens or 4096
@@ -334,7 +449,9 @@ def main(argv=None) -> None:
     if not args.skip_model:
         run_model(args, mm)
     if not args.skip_layer:
-        run_layer(args, d=1024, I=384, E=64, k=8, T=args.layer_tokens, dtype=torch.float32, device="cpu", mm_rate=mm, tol=1e-5)
+        run_layer(
+            args, d=1024, I=384, E=64, k=8, T=args.layer_tokens, dtype=torch.float32, device="cpu", mm_rate=mm, tol=1e-5
+        )
     print(machine_line())
 
 

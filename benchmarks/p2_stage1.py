@@ -38,20 +38,48 @@ def main(argv=None) -> None:
     fast = run_stages(load_config(a.config, a.overrides), out / "pruned", "calibrate", "stage1")["stage1"]
     (out / "full").mkdir(parents=True)
     shutil.copytree(out / "pruned" / "stats", out / "full" / "stats")
-    full = run_stages(load_config(a.config, [*a.overrides, "search.dedupe=false", "search.early_stop=false"]), out / "full", "calibrate", "stage1")["stage1"]
+    full = run_stages(
+        load_config(a.config, [*a.overrides, "search.dedupe=false", "search.early_stop=false"]),
+        out / "full",
+        "calibrate",
+        "stage1",
+    )["stage1"]
 
-    win = lambda r: {k: (v["K"], v["scaling"]) for k, v in r.promotions.items()}  # noqa: E731
+    def win(r):
+        return {k: (v["K"], v["scaling"]) for k, v in r.promotions.items()}
+
     same = win(fast) == win(full)
     diff = sorted(k for k in win(full) if win(fast).get(k) != win(full)[k])
     chunks = load_config(a.config, a.overrides).eval.chunks
-    eq = lambda r: r.chunks_evaluated / chunks  # noqa: E731  (compute in full-evaluation equivalents)
-    print(f"\nconfigs {len(full.records)}; distinct students {fast.probed or fast.evaluated}; {chunks} chunks per evaluation")
-    print("| search | probe trials | evaluation trials | full perplexity evaluations | compute (full-eval equivalents) | wall (s) |")
+
+    def eq(r):  # compute in full-evaluation equivalents
+        return r.chunks_evaluated / chunks
+
+    print(
+        f"\nconfigs {len(full.records)}; distinct students {fast.probed or fast.evaluated}; {chunks} chunks per "
+        "evaluation"
+    )
+    print(
+        "| search | probe trials | evaluation trials | full perplexity evaluations | compute (full-eval equivalents) | "
+        "wall (s) |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
-    print(f"| full grid | {full.probed} | {full.evaluated} | {full.full_evaluations} | {eq(full):.1f} | {full.wall_s:.0f} |")
-    print(f"| dedupe + probe + early stopping | {fast.probed} | {fast.evaluated} | {fast.full_evaluations} | {eq(fast):.1f} | {fast.wall_s:.0f} |")
-    print(f"| ratio full / ours | | | {full.full_evaluations / max(fast.full_evaluations, 1):.2f}x | {eq(full) / eq(fast):.2f}x | {full.wall_s / fast.wall_s:.2f}x |")
-    print(f"same winners for all {len(win(full))} (scoring, grouping) pairs: {same}" + (f" (differ: {diff})" if diff else ""))
+    print(
+        f"| full grid | {full.probed} | {full.evaluated} | {full.full_evaluations} | {eq(full):.1f} | "
+        f"{full.wall_s:.0f} |"
+    )
+    print(
+        f"| dedupe + probe + early stopping | {fast.probed} | {fast.evaluated} | {fast.full_evaluations} | "
+        f"{eq(fast):.1f} | {fast.wall_s:.0f} |"
+    )
+    print(
+        f"| ratio full / ours | | | {full.full_evaluations / max(fast.full_evaluations, 1):.2f}x | "
+        f"{eq(full) / eq(fast):.2f}x | {full.wall_s / fast.wall_s:.2f}x |"
+    )
+    print(
+        f"same winners for all {len(win(full))} (scoring, grouping) pairs: {same}"
+        + (f" (differ: {diff})" if diff else "")
+    )
 
 
 if __name__ == "__main__":

@@ -53,16 +53,25 @@ def distill_throughput(steps: int, threads: int) -> dict:
 
     import torch
 
+    from m2d_ray.commands.convert import convert_one
     from m2d_ray.config import DistillConfig
     from m2d_ray.distill.loop import DistillJob, WorkerIO, run_distill
     from m2d_ray.models import default_teacher
-    from m2d_ray.commands.convert import convert_one
 
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
         convert_one(None, "do-acp", "rr", "uniform", None, f"{tmp}/s", calib_kwargs={"max_tokens": 8192})
-        cfg = DistillConfig(train_data="synthetic:train", steps=steps, lr=3e-3, warmup_steps=2, batch_size=8, seq_len=256,
-                            eval_every=steps, eval_max_tokens=2048, deepspeed=False)
+        cfg = DistillConfig(
+            train_data="synthetic:train",
+            steps=steps,
+            lr=3e-3,
+            warmup_steps=2,
+            batch_size=8,
+            seq_len=256,
+            eval_every=steps,
+            eval_max_tokens=2048,
+            deepspeed=False,
+        )
         return run_distill(DistillJob(default_teacher(), f"{tmp}/s", cfg, "synthetic:valid"), WorkerIO())
 
 
@@ -78,25 +87,50 @@ def main() -> None:
     if a.one:
         print(json.dumps(measure(a.one[0], int(a.one[1]), a.d, a.chunk, a.threads)))
         return
-    print(f"vocab {V:,}, hidden {a.d}, chunk {a.chunk} tokens, {a.threads} threads; forward + backward, fresh process each")
-    print("| tokens | naive extra MiB | chunked extra MiB | memory ratio | naive s | chunked s | speed ratio | |loss diff| |")
+    print(
+        f"vocab {V:,}, hidden {a.d}, chunk {a.chunk} tokens, {a.threads} threads; forward + backward, fresh process "
+        "each"
+    )
+    print(
+        "| tokens | naive extra MiB | chunked extra MiB | memory ratio | naive s | chunked s | speed ratio | |loss "
+        "diff| |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for T in a.tokens:
         r = {}
         for kind in ("naive", "chunked"):
-            cmd = [sys.executable, __file__, "--one", kind, str(T), "--d", str(a.d), "--chunk", str(a.chunk), "--threads", str(a.threads)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--one",
+                kind,
+                str(T),
+                "--d",
+                str(a.d),
+                "--chunk",
+                str(a.chunk),
+                "--threads",
+                str(a.threads),
+            ]
             p = subprocess.run(cmd, capture_output=True, text=True)
             r[kind] = json.loads(p.stdout) if p.returncode == 0 else None
         n, c = r["naive"], r["chunked"]
         if n is None:
             print(f"| {T:,} | out of memory | {c['extra_mib']:,.0f} | | | {c['s']:.2f} | | |")
             continue
-        print(f"| {T:,} | {n['extra_mib']:,.0f} | {c['extra_mib']:,.0f} | {n['extra_mib'] / max(c['extra_mib'], 1):.1f}x less | "
-              f"{n['s']:.2f} | {c['s']:.2f} | {n['s'] / c['s']:.2f}x | {abs(n['loss'] - c['loss']):.1e} |")
+        print(
+            f"| {T:,} | {n['extra_mib']:,.0f} | {c['extra_mib']:,.0f} | {n['extra_mib'] / max(c['extra_mib'], 1):.1f}x "
+            "less | "
+            f"{n['s']:.2f} | {c['s']:.2f} | {n['s'] / c['s']:.2f}x | {abs(n['loss'] - c['loss']):.1e} |"
+        )
     if a.distill_steps:
         m = distill_throughput(a.distill_steps, a.threads)
-        print(f"\ndistillation, embedded teacher (vocab 880, 4 layers, d 64), {a.threads} threads: {m['tokens_per_s']:,.0f} tokens/s "
-              f"over {m['tokens']:,} tokens (training time only); val ppl {m['val_ppl_initial']:.1f} -> {m['val_ppl']:.1f}")
+        print(
+            f"\ndistillation, embedded teacher (vocab 880, 4 layers, d 64), {a.threads} threads: "
+            f"{m['tokens_per_s']:,.0f} tokens/s "
+            f"over {m['tokens']:,} tokens (training time only); val ppl {m['val_ppl_initial']:.1f} -> "
+            f"{m['val_ppl']:.1f}"
+        )
 
 
 if __name__ == "__main__":

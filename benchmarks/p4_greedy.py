@@ -93,9 +93,16 @@ def main(argv=None) -> None:
     p.add_argument("--E", type=int, nargs="+", default=[128, 512])
     p.add_argument("--K", type=int, nargs="+", default=[8, 64])
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--seeds", type=int, default=3, help="kernels per (E, K); every pick order is checked, times are of seed 0")
-    p.add_argument("--threads", type=int, nargs="+", default=[2, 1],
-                   help="torch thread counts to run (each a separate table; default 2 then 1)")
+    p.add_argument(
+        "--seeds", type=int, default=3, help="kernels per (E, K); every pick order is checked, times are of seed 0"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=[2, 1],
+        help="torch thread counts to run (each a separate table; default 2 then 1)",
+    )
     args = p.parse_args(argv)
     print("# P4 greedy log-det: incremental Cholesky vs naive inverse")
     for threads in args.threads:
@@ -122,8 +129,18 @@ def run(args) -> None:
             t_np, _ = timeit(lambda: greedy_logdet_numpy(Km, K, lam), args.repeats)
             ratio = t_naive / t_fast
             ratios.append((E, K, ratio, t_naive / t_np))
-            rows.append((E, K, f"{t_fast * 1e3:.3f}", f"{t_naive * 1e3:.3f}", f"{ratio:.1f}x", f"{t_np * 1e3:.3f}",
-                         f"{t_naive / t_np:.1f}x", f"same ({args.seeds} kernels)"))
+            rows.append(
+                (
+                    E,
+                    K,
+                    f"{t_fast * 1e3:.3f}",
+                    f"{t_naive * 1e3:.3f}",
+                    f"{ratio:.1f}x",
+                    f"{t_np * 1e3:.3f}",
+                    f"{t_naive / t_np:.1f}x",
+                    f"same ({args.seeds} kernels)",
+                )
+            )
     w = [4, 3, 16, 10, 16, 24, 20, 16]
     head = ("E", "K", "incremental ms", "naive ms", "speed-up", "numpy-port ref ms", "naive / numpy-port", "picks")
     print("| " + " | ".join(h.ljust(x) for h, x in zip(head, w)) + " |")
@@ -131,8 +148,10 @@ def run(args) -> None:
     for r in rows:
         print("| " + " | ".join(str(c).ljust(x) for c, x in zip(r, w)) + " |")
     for E, K, r, rnp in ratios:
-        print(f"RATIO threads={torch.get_num_threads()} E={E} K={K}: greedy_logdet vs naive {r:.1f}x (target >= 10x: "
-              f"{'met' if r >= 10 else 'MISSED'}); numpy-port reference vs naive {rnp:.1f}x")
+        print(
+            f"RATIO threads={torch.get_num_threads()} E={E} K={K}: greedy_logdet vs naive {r:.1f}x (target >= 10x: "
+            f"{'met' if r >= 10 else 'MISSED'}); numpy-port reference vs naive {rnp:.1f}x"
+        )
     print(machine_line())
 
 

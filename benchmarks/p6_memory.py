@@ -106,8 +106,16 @@ def case_trial(a, eager: bool) -> dict:
         del del_me
         t = time.perf_counter()
         final = list(run_trial(teacher, plan, ids, cfg))[-1]
-        rows.append({"recipe": "/".join(map(str, recipe)), "signature": plan.signature(), "build_s": build,
-                     "trial_s": time.perf_counter() - t, "ppl": final["ppl"], "nll": final["nll"]})
+        rows.append(
+            {
+                "recipe": "/".join(map(str, recipe)),
+                "signature": plan.signature(),
+                "build_s": build,
+                "trial_s": time.perf_counter() - t,
+                "ppl": final["ppl"],
+                "nll": final["nll"],
+            }
+        )
     return {"open_s": opened, "students": rows}
 
 
@@ -125,16 +133,42 @@ def case_stage2(a, eager: bool) -> dict:
 def case_calibrate(a, eager: bool) -> dict:
     from m2d_ray.cli import main
 
-    if main(["calibrate", "--model", a.teacher, "--calib-data", "synthetic:valid", "--max-tokens", str(a.calib_tokens),
-             "--out", a.out, "--no-stream" if eager else "--stream"]):
+    if main(
+        [
+            "calibrate",
+            "--model",
+            a.teacher,
+            "--calib-data",
+            "synthetic:valid",
+            "--max-tokens",
+            str(a.calib_tokens),
+            "--out",
+            a.out,
+            "--no-stream" if eager else "--stream",
+        ]
+    ):
         raise SystemExit("m2d calibrate failed (its line is above)")
     return {"sha256": json.loads((Path(a.out) / "manifest.json").read_text())["sha256"]}
 
 
-CASES = {"convert": case_convert, "plan": case_plan, "trial": case_trial, "stage2": case_stage2, "calibrate": case_calibrate}
-WARM = ("transformers.modeling_utils", "transformers.models.qwen3_moe.modeling_qwen3_moe", "transformers.models.qwen3.modeling_qwen3",
-        "m2d_ray.cli", "m2d_ray.weights", "m2d_ray.stages.trial", "m2d_ray.calibrate.stream",
-        "m2d_ray.convert.initial", "deepspeed")
+CASES = {
+    "convert": case_convert,
+    "plan": case_plan,
+    "trial": case_trial,
+    "stage2": case_stage2,
+    "calibrate": case_calibrate,
+}
+WARM = (
+    "transformers.modeling_utils",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "transformers.models.qwen3.modeling_qwen3",
+    "m2d_ray.cli",
+    "m2d_ray.weights",
+    "m2d_ray.stages.trial",
+    "m2d_ray.calibrate.stream",
+    "m2d_ray.convert.initial",
+    "deepspeed",
+)
 
 
 def child(argv) -> None:
@@ -159,8 +193,20 @@ def child(argv) -> None:
     t = time.perf_counter()
     result = CASES[a.case](a, a.eager)
     peak = vm("VmHWM")
-    print("P6 " + json.dumps({"extra": peak - warm, "extra_bare": peak - bare, "warm_imports": warm - bare, "base": bare,
-                              "seconds": time.perf_counter() - t, **result}), flush=True)
+    print(
+        "P6 "
+        + json.dumps(
+            {
+                "extra": peak - warm,
+                "extra_bare": peak - bare,
+                "warm_imports": warm - bare,
+                "base": bare,
+                "seconds": time.perf_counter() - t,
+                **result,
+            }
+        ),
+        flush=True,
+    )
 
 
 # ---- the driver --------------------------------------------------------------------------------
@@ -212,8 +258,16 @@ def measure(E: int, a) -> list[tuple]:
     for old in ("stats-whole", "stats-streamed"):  # a reused output would measure nothing
         if (work / old).exists():
             subprocess.run(["rm", "-rf", str(work / old)], check=True)
-    cal = {eager: run_case("calibrate", eager, out=work / f"stats-{'whole' if eager else 'streamed'}", calib_tokens=a.calib_tokens, **common)
-           for eager in (True, False)}
+    cal = {
+        eager: run_case(
+            "calibrate",
+            eager,
+            out=work / f"stats-{'whole' if eager else 'streamed'}",
+            calib_tokens=a.calib_tokens,
+            **common,
+        )
+        for eager in (True, False)
+    }
     stats = work / "stats-whole"
     out = {}
     for case in ("convert", "stage2", "plan", "trial"):
@@ -221,12 +275,28 @@ def measure(E: int, a) -> list[tuple]:
             dest = work / f"{case}-{'today' if eager else 'lazy'}"
             if dest.exists():
                 subprocess.run(["rm", "-rf", str(dest)], check=True)
-            out[case, eager] = run_case(case, eager, stats=stats, plans=work / "plan-lazy", out=dest, eval_chars=a.eval_chars, **common)
+            out[case, eager] = run_case(
+                case, eager, stats=stats, plans=work / "plan-lazy", out=dest, eval_chars=a.eval_chars, **common
+            )
     student = sum(f.stat().st_size for f in (work / "convert-lazy").glob("*.safetensors"))
     hidden = a.calib_tokens * 512 * 4
     budget = 2 * student + L
-    rows = [("E", E, "teacher MB", t_bytes / MB, "layer MB", L / MB, "student MB", student / MB, "hidden MB", hidden / MB,
-             "warm imports MB", out["convert", False]["warm_imports"] / MB)]
+    rows = [
+        (
+            "E",
+            E,
+            "teacher MB",
+            t_bytes / MB,
+            "layer MB",
+            L / MB,
+            "student MB",
+            student / MB,
+            "hidden MB",
+            hidden / MB,
+            "warm imports MB",
+            out["convert", False]["warm_imports"] / MB,
+        )
+    ]
     checks = {
         "convert: plans equal": out["convert", True]["signature"] == out["convert", False]["signature"],
         "convert: students bitwise equal": same_files(work / "convert-today", work / "convert-lazy"),
@@ -240,10 +310,30 @@ def measure(E: int, a) -> list[tuple]:
     for case, target in (("convert", budget), ("trial", budget), ("stage2", budget), ("plan", L)):
         for eager in (True, False):
             r = out[case, eager]
-            table.append((E, case, "today" if eager else "lazy", r["extra_bare"] / MB, r["extra"] / MB, target / MB, r["seconds"]))
+            table.append(
+                (
+                    E,
+                    case,
+                    "today" if eager else "lazy",
+                    r["extra_bare"] / MB,
+                    r["extra"] / MB,
+                    target / MB,
+                    r["seconds"],
+                )
+            )
     for eager in (True, False):
         r = cal[eager]
-        table.append((E, "calibrate", "whole (today)" if eager else "streamed", r["extra_bare"] / MB, r["extra"] / MB, (2 * L + hidden) / MB, r["seconds"]))
+        table.append(
+            (
+                E,
+                "calibrate",
+                "whole (today)" if eager else "streamed",
+                r["extra_bare"] / MB,
+                r["extra"] / MB,
+                (2 * L + hidden) / MB,
+                r["seconds"],
+            )
+        )
     per_student = {eager: out["trial", eager] for eager in (True, False)}
     return rows, table, checks, per_student
 
@@ -260,25 +350,45 @@ def main(argv=None) -> None:
     print("# P6 memory: peak RSS above `import torch, transformers, m2d_ray`")
     print(machine_line())
     results = {E: measure(E, a) for E in a.E}
-    print("\n| E | case | path | peak MB above bare import | above warm imports | target MB | met (warm) | seconds |\n"
-          "|---|---|---|---|---|---|---|---|")
-    for E, (_, table, _, _) in results.items():
+    print(
+        "\n| E | case | path | peak MB above bare import | above warm imports | target MB | met (warm) | seconds |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
+    for _, table, _, _ in results.values():
         for e, case, path, bare, extra, target, secs in table:
             met = "-" if path.startswith(("today", "whole")) else ("yes" if extra <= target else "NO")
             print(f"| {e} | {case} | {path} | {bare:,.0f} | {extra:,.0f} | {target:,.0f} | {met} | {secs:.1f} |")
     for E, (rows, _, checks, per) in results.items():
-        print(f"\nE {E}: " + ", ".join(f"{rows[0][i]} {rows[0][i + 1]:,.0f}" if isinstance(rows[0][i + 1], float) else f"{rows[0][i]} {rows[0][i + 1]}"
-                                  for i in range(0, len(rows[0]), 2)))
+        print(
+            f"\nE {E}: "
+            + ", ".join(
+                f"{rows[0][i]} {rows[0][i + 1]:,.0f}"
+                if isinstance(rows[0][i + 1], float)
+                else f"{rows[0][i]} {rows[0][i + 1]}"
+                for i in range(0, len(rows[0]), 2)
+            )
+        )
         for name, ok in checks.items():
             print(f"CHECK E{E} {name}: {'OK' if ok else 'MISMATCH'}")
-        print(f"teacher load (today, once per worker): {per[True]['open_s']:.2f} s; lazy open: {per[False]['open_s']:.2f} s")
-        print("| recipe | build today s | build lazy s | trial today s | trial lazy s | ppl |\n|---|---|---|---|---|---|")
+        print(
+            f"teacher load (today, once per worker): {per[True]['open_s']:.2f} s; lazy open: "
+            f"{per[False]['open_s']:.2f} s"
+        )
+        print(
+            "| recipe | build today s | build lazy s | trial today s | trial lazy s | ppl |\n|---|---|---|---|---|---|"
+        )
         for t, l in zip(per[True]["students"], per[False]["students"]):
-            print(f"| {t['recipe']} | {t['build_s']:.2f} | {l['build_s']:.2f} | {t['trial_s']:.2f} | {l['trial_s']:.2f} | {l['ppl']:.4g} |")
+            print(
+                f"| {t['recipe']} | {t['build_s']:.2f} | {l['build_s']:.2f} | {t['trial_s']:.2f} | {l['trial_s']:.2f} "
+                f"| {l['ppl']:.4g} |"
+            )
     if len(results) > 1:
         lo, hi = min(results), max(results)
         for case in ("convert", "trial", "stage2", "plan"):
-            get = lambda E: next(r[4] for r in results[E][1] if r[1] == case and r[2] == "lazy")  # noqa: E731
+
+            def get(E):
+                return next(r[4] for r in results[E][1] if r[1] == case and r[2] == "lazy")
+
             print(f"RATIO {case} lazy peak E{hi} / E{lo}: {get(hi) / get(lo):.2f}")
     print(machine_line())
     if not all(ok for _, (_, _, checks, _) in results.items() for ok in checks.values()):

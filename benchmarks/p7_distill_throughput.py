@@ -29,7 +29,8 @@ Output: one JSON line per mode as it finishes ({"mode": ...}), then one line wit
 
     python benchmarks/p7_distill_throughput.py                # CPU preset, online (< 5 min on 2 cores)
     python benchmarks/p7_distill_throughput.py --preset h100 --targets online,hidden,sampled:64
-                                                              # the issue's 2.52B teacher -> 0.40B student, 8 x 2048 tokens, bf16
+                                                              # the issue's 2.52B teacher -> 0.40B student, 8 x 2048
+                                                              tokens, bf16
     python benchmarks/p7_distill_throughput.py --preset smoke --targets online,hidden,sampled:8   # plumbing, seconds
 """
 
@@ -55,12 +56,54 @@ from benchmarks._common import cpu_model, machine_line  # noqa: E402
 
 #: model shape, batch and timing of each preset (the teacher is Qwen3-MoE; student width = top_k x expert width)
 PRESETS = {
-    "cpu": dict(device="cpu", hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, experts=16, expert_width=128, top_k=4,
-                vocab=4096, seq_len=256, batch=4, warmup=2, steps=12),
-    "h100": dict(device="cuda", hidden=2048, layers=8, heads=16, kv_heads=4, head_dim=128, experts=64, expert_width=768, top_k=8,
-                 vocab=4096, seq_len=2048, batch=8, warmup=3, steps=10),
-    "smoke": dict(device="cpu", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=8, expert_width=32, top_k=2,
-                  vocab=512, seq_len=64, batch=2, warmup=1, steps=2),
+    "cpu": dict(
+        device="cpu",
+        hidden=256,
+        layers=4,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        experts=16,
+        expert_width=128,
+        top_k=4,
+        vocab=4096,
+        seq_len=256,
+        batch=4,
+        warmup=2,
+        steps=12,
+    ),
+    "h100": dict(
+        device="cuda",
+        hidden=2048,
+        layers=8,
+        heads=16,
+        kv_heads=4,
+        head_dim=128,
+        experts=64,
+        expert_width=768,
+        top_k=8,
+        vocab=4096,
+        seq_len=2048,
+        batch=8,
+        warmup=3,
+        steps=10,
+    ),
+    "smoke": dict(
+        device="cpu",
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        experts=8,
+        expert_width=32,
+        top_k=2,
+        vocab=512,
+        seq_len=64,
+        batch=2,
+        warmup=1,
+        steps=2,
+    ),
 }
 
 
@@ -72,10 +115,21 @@ def build_models(p: dict, dtype: torch.dtype):
     from m2d_ray.convert.baselines import RANDOM_BASELINES
     from m2d_ray.models import Teacher
 
-    config = Qwen3MoeConfig(vocab_size=p["vocab"], hidden_size=p["hidden"], num_hidden_layers=p["layers"], num_attention_heads=p["heads"],
-                            num_key_value_heads=p["kv_heads"], head_dim=p["head_dim"], num_experts=p["experts"],
-                            moe_intermediate_size=p["expert_width"], num_experts_per_tok=p["top_k"], intermediate_size=p["top_k"] * p["expert_width"],
-                            max_position_embeddings=p["seq_len"], tie_word_embeddings=False, norm_topk_prob=True)
+    config = Qwen3MoeConfig(
+        vocab_size=p["vocab"],
+        hidden_size=p["hidden"],
+        num_hidden_layers=p["layers"],
+        num_attention_heads=p["heads"],
+        num_key_value_heads=p["kv_heads"],
+        head_dim=p["head_dim"],
+        num_experts=p["experts"],
+        moe_intermediate_size=p["expert_width"],
+        num_experts_per_tok=p["top_k"],
+        intermediate_size=p["top_k"] * p["expert_width"],
+        max_position_embeddings=p["seq_len"],
+        tie_word_embeddings=False,
+        norm_topk_prob=True,
+    )
     kwargs = {"experts_implementation": "eager"} if p["device"] == "cpu" else {}  # as models.load_model on CPU
     torch.manual_seed(0)
     with torch.device(p["device"]):
@@ -107,20 +161,30 @@ def platform_path(student, teacher, cfg, device: str, dtype: torch.dtype, spec=N
     """DistillStep: online (`teacher`), or from cached targets of `spec` (hidden: with the teacher's `head`)."""
     from m2d_ray.distill.step import DistillStep
 
-    trainer = DistillStep(student, teacher if spec is None else None, cfg, device, world=1, dtype=dtype, targets=spec, head=head)
+    trainer = DistillStep(
+        student, teacher if spec is None else None, cfg, device, world=1, dtype=dtype, targets=spec, head=head
+    )
     return (lambda batch: trainer.step([_to(batch, device)])), trainer.take_loss
 
 
 def _to(batch, device: str):
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()} if isinstance(batch, dict) else batch.to(device, non_blocking=True)
+    return (
+        {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        if isinstance(batch, dict)
+        else batch.to(device, non_blocking=True)
+    )
 
 
 def reference_path(student, teacher, cfg, device: str, dtype: torch.dtype, spec=None, head=None):
     """A hand-written loop: the whole logits, the mode's loss on them (F.kl_div / a gather), fused AdamW."""
     decay = [w for w in student.parameters() if w.ndim >= 2]
     rest = [w for w in student.parameters() if w.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                            lr=cfg.lr, betas=tuple(cfg.betas), fused=True)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        fused=True,
+    )
     from m2d_ray.distill.step import lr_factor
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
@@ -134,7 +198,9 @@ def reference_path(student, teacher, cfg, device: str, dtype: torch.dtype, spec=
         if spec is not None and spec.mode == "sampled":
             w = batch["counts"].float().view(ls.shape[0], -1)
             w = w / w.sum(-1, keepdim=True).clamp_min(1.0)
-            return (w * (batch["logp"].float().view_as(w) - ls.gather(1, batch["ids"].view_as(w).long()))).sum(-1).mean()
+            return (
+                (w * (batch["logp"].float().view_as(w) - ls.gather(1, batch["ids"].view_as(w).long()))).sum(-1).mean()
+            )
         with torch.no_grad():
             t = (batch["hidden"] @ head.T) if spec is not None else teacher(input_ids=ids, use_cache=False).logits
         return F.kl_div(ls, F.log_softmax(t.float().view(-1, V), -1), log_target=True, reduction="batchmean")
@@ -187,19 +253,24 @@ def run_mode(text: str, p: dict, teacher, student0, ids: list, cfg, names: list[
     device = p["device"]
     spec = parse_targets(text)
     if spec is not None and spec.mode not in ("hidden", "sampled"):
-        raise SystemExit(f"--targets {text}: P7 compares online, hidden and sampled:N (its plain loop has no top-K loss)")
+        raise SystemExit(
+            f"--targets {text}: P7 compares online, hidden and sampled:N (its plain loop has no top-K loss)"
+        )
     head = teacher.model.get_output_embeddings().weight.detach()
     batches = mode_batches(ids, teacher.model, spec, pin=device == "cuda")
-    builders = {"platform": lambda s: platform_path(s, teacher.model, cfg, device, dtype, spec, head),
-                "platform_deepspeed": lambda s: platform_path(s, teacher.model, DistillConfig(**{**cfg.__dict__, "deepspeed": True}), device,
-                                                              dtype, spec, head),
-                "reference": lambda s: reference_path(s, teacher.model, cfg, device, dtype, spec, head)}
+    builders = {
+        "platform": lambda s: platform_path(s, teacher.model, cfg, device, dtype, spec, head),
+        "platform_deepspeed": lambda s: platform_path(
+            s, teacher.model, DistillConfig(**{**cfg.__dict__, "deepspeed": True}), device, dtype, spec, head
+        ),
+        "reference": lambda s: reference_path(s, teacher.model, cfg, device, dtype, spec, head),
+    }
     paths = {n: builders[n](copy.deepcopy(student0).to(device).train()) for n in names}
     times: dict[str, list[float]] = {n: [] for n in names}
     losses: dict[str, list[float]] = {n: [] for n in names}
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for i, batch in enumerate(batches):
-        for n in names[i % len(names):] + names[: i % len(names)]:  # each path goes first in turn
+        for n in names[i % len(names) :] + names[: i % len(names)]:  # each path goes first in turn
             step, take_loss = paths[n]
             sync()
             t = time.perf_counter()
@@ -216,20 +287,28 @@ def run_mode(text: str, p: dict, teacher, student0, ids: list, cfg, names: list[
     tps = {n: tokens / statistics.median(ts) for n, ts in times.items()}
     first = [losses[n][0] for n in names]
     platform = max((tps[n] for n in ("platform", "platform_deepspeed") if n in tps), default=None)
-    return {"mode": text, "platform_tokens_per_s": tps.get("platform"), "platform_deepspeed_tokens_per_s": tps.get("platform_deepspeed"),
-            "reference_tokens_per_s": tps.get("reference"),
-            "ratio": platform / tps["reference"] if platform and "reference" in tps else None,
-            "flops_per_token": mode_flops(teacher, student0, spec, p["seq_len"]),
-            "step_s": {n: [round(t, 4) for t in ts] for n, ts in times.items()},
-            "loss_first": dict(zip(names, first)), "loss_last": {n: losses[n][-1] for n in names},
-            "losses_agree": max(first) - min(first) <= (2e-2 if dtype == torch.bfloat16 else 1e-4) * max(abs(x) for x in first)}
+    return {
+        "mode": text,
+        "platform_tokens_per_s": tps.get("platform"),
+        "platform_deepspeed_tokens_per_s": tps.get("platform_deepspeed"),
+        "reference_tokens_per_s": tps.get("reference"),
+        "ratio": platform / tps["reference"] if platform and "reference" in tps else None,
+        "flops_per_token": mode_flops(teacher, student0, spec, p["seq_len"]),
+        "step_s": {n: [round(t, 4) for t in ts] for n, ts in times.items()},
+        "loss_first": dict(zip(names, first)),
+        "loss_last": {n: losses[n][-1] for n in names},
+        "losses_agree": max(first) - min(first)
+        <= (2e-2 if dtype == torch.bfloat16 else 1e-4) * max(abs(x) for x in first),
+    }
 
 
 def add_mfu(m: dict, rate: float) -> dict:
     """The mode's MFU (its best platform path) and the plain loop's, against the matmul rate `rate`."""
     platform = max(filter(None, (m["platform_tokens_per_s"], m["platform_deepspeed_tokens_per_s"])), default=None)
     m["mfu"] = platform * m["flops_per_token"] / rate if platform else None
-    m["reference_mfu"] = m["reference_tokens_per_s"] * m["flops_per_token"] / rate if m["reference_tokens_per_s"] else None
+    m["reference_mfu"] = (
+        m["reference_tokens_per_s"] * m["flops_per_token"] / rate if m["reference_tokens_per_s"] else None
+    )
     return m
 
 
@@ -259,26 +338,42 @@ def main() -> None:
     teacher, student0 = build_models(p, dtype)
     rate = matmul_rate(device, dtype)
     n_steps = p["warmup"] + p["steps"]
-    cfg = DistillConfig(steps=n_steps, warmup_steps=max(1, n_steps // 4), batch_size=p["batch"], seq_len=p["seq_len"], deepspeed=False)
+    cfg = DistillConfig(
+        steps=n_steps, warmup_steps=max(1, n_steps // 4), batch_size=p["batch"], seq_len=p["seq_len"], deepspeed=False
+    )
     gen = torch.Generator().manual_seed(1)
     ids = [torch.randint(0, p["vocab"], (p["batch"], p["seq_len"]), generator=gen).to(device) for _ in range(n_steps)]
     names = [n for n in a.paths.split(",") if n]
     if "platform_deepspeed" in names:
         init_process_group(device)
-    print(f"built in {time.perf_counter() - t0:.1f} s; {len(names)} paths x {p['warmup']} warm-up + {p['steps']} timed steps", file=sys.stderr)
+    print(
+        f"built in {time.perf_counter() - t0:.1f} s; {len(names)} paths x {p['warmup']} warm-up + {p['steps']} timed "
+        "steps",
+        file=sys.stderr,
+    )
     modes = {}
     for text in [t.strip() for t in a.targets.split(",") if t.strip()]:
         modes[text] = add_mfu(run_mode(text, p, teacher, student0, ids, cfg, names, dtype), rate)
-        print(json.dumps(modes[text]), flush=True)  # MFU against the rate before the steps (a caller killed later keeps it)
+        print(
+            json.dumps(modes[text]), flush=True
+        )  # MFU against the rate before the steps (a caller killed later keeps it)
     rate = max(rate, matmul_rate(device, dtype))  # before and after the steps: the best this run saw
     for m in modes.values():
         add_mfu(m, rate)
     out = {
-        "preset": a.preset, "device": torch.cuda.get_device_name() if device == "cuda" else f"{cpu_model()} ({torch.get_num_threads()} threads)",
-        "dtype": str(dtype).removeprefix("torch."), "teacher_params": sum(w.numel() for w in teacher.model.parameters()),
-        "student_params": sum(w.numel() for w in student0.parameters()), "tokens": p["batch"] * p["seq_len"], "timed_steps": p["steps"],
+        "preset": a.preset,
+        "device": torch.cuda.get_device_name()
+        if device == "cuda"
+        else f"{cpu_model()} ({torch.get_num_threads()} threads)",
+        "dtype": str(dtype).removeprefix("torch."),
+        "teacher_params": sum(w.numel() for w in teacher.model.parameters()),
+        "student_params": sum(w.numel() for w in student0.parameters()),
+        "tokens": p["batch"] * p["seq_len"],
+        "timed_steps": p["steps"],
         "matmul_flops_per_s": rate,
-        "peak_memory_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_memory_bytes": torch.cuda.max_memory_allocated()
+        if device == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "targets": modes,
     }
     print(machine_line(), file=sys.stderr)

@@ -47,20 +47,49 @@ def child(args) -> None:
     if args.piece == "pass":
         from m2d_ray.stages.shards import targets_here
 
-        targets_here(str(work / "teacher"), str(work / "tokens"), str(work / "targets"), spec, batch_size=BATCH, stream=False)
+        targets_here(
+            str(work / "teacher"), str(work / "tokens"), str(work / "targets"), spec, batch_size=BATCH, stream=False
+        )
     else:
-        cfg = DistillConfig(train_data="synthetic:train", steps=args.steps, lr=1e-3, warmup_steps=1, batch_size=BATCH, seq_len=SEQ,
-                            eval_every=args.steps, eval_max_tokens=1024, deepspeed=False)
+        cfg = DistillConfig(
+            train_data="synthetic:train",
+            steps=args.steps,
+            lr=1e-3,
+            warmup_steps=1,
+            batch_size=BATCH,
+            seq_len=SEQ,
+            eval_every=args.steps,
+            eval_max_tokens=1024,
+            deepspeed=False,
+        )
         cached = args.piece == "cached"
-        job = DistillJob(str(work / "teacher"), str(work / "student"), cfg, "synthetic:valid", tokens=str(work / "tokens"),
-                         targets=str(work / "targets") if cached else None, target_spec=spec if cached else None)
+        job = DistillJob(
+            str(work / "teacher"),
+            str(work / "student"),
+            cfg,
+            "synthetic:valid",
+            tokens=str(work / "tokens"),
+            targets=str(work / "targets") if cached else None,
+            target_spec=spec if cached else None,
+        )
         run_distill(job, WorkerIO())
     peak = vm("VmHWM")  # this process's own peak (ru_maxrss would carry the parent's across exec)
     print(json.dumps({"wall_s": time.perf_counter() - t0, "peak_rss": peak, "import_rss": base}))
 
 
 def run(piece: str, args) -> dict:
-    cmd = [sys.executable, __file__, "--child", piece, "--work", args.work, "--steps", str(args.steps), "--targets", args.targets]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        piece,
+        "--work",
+        args.work,
+        "--steps",
+        str(args.steps),
+        "--targets",
+        args.targets,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if out.returncode:
         raise SystemExit(out.stderr[-3000:])
@@ -80,8 +109,8 @@ def main() -> None:
         child(args)
         return
     import torch
-
     from make_teacher import make_teacher
+
     from m2d_ray.commands.convert import convert_one
     from m2d_ray.distill.flops import active_params, attention_flops, matmul_params
     from m2d_ray.distill.targets import bytes_per_token, parse_targets, state_bytes
@@ -95,7 +124,9 @@ def main() -> None:
         convert_one(str(teacher), "sf", "rr", "uniform", None, work / "student", baseline="random-ffn")
     blocks = args.steps * BATCH
     if not (work / "tokens" / "manifest.json").exists():
-        write_tokens(work / "tokens", load_tokenizer(str(teacher)), "synthetic:train", SEQ, blocks, "synthetic:valid", 1024)
+        write_tokens(
+            work / "tokens", load_tokenizer(str(teacher)), "synthetic:train", SEQ, blocks, "synthetic:valid", 1024
+        )
     pas, online, cached = run("pass", args), run("online", args), run("cached", args)
 
     lazy = open_teacher(str(teacher))
@@ -105,22 +136,39 @@ def main() -> None:
     teacher_bytes = sum(p.stat().st_size for p in Path(teacher).glob("*.safetensors"))
     stored = sum(p.stat().st_size for p in (work / "targets").glob("*.safetensors"))
     spec = parse_targets(args.targets)
-    print(f"P8: teacher E {args.E} ({teacher_bytes / 2**20:,.0f} MiB fp32), {tokens:,} tokens per student ({args.steps} steps x {BATCH} x {SEQ}), "
-          f"{args.targets}; {machine_line()}; torch {torch.__version__}\n")
-    print("| students N | teacher FLOPs / student, online | cached | ratio | wall, online (s) | cached (s) | cached / online |")
+    print(
+        f"P8: teacher E {args.E} ({teacher_bytes / 2**20:,.0f} MiB fp32), {tokens:,} tokens per student ({args.steps} "
+        f"steps x {BATCH} x {SEQ}), "
+        f"{args.targets}; {machine_line()}; torch {torch.__version__}\n"
+    )
+    print(
+        "| students N | teacher FLOPs / student, online | cached | ratio | wall, online (s) | cached (s) | cached / "
+        "online |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for n in (1, 4, 8):
         on, ca = n * online["wall_s"], pas["wall_s"] + n * cached["wall_s"]
-        print(f"| {n} | {teacher_flops * tokens:.3g} | {teacher_flops * tokens / n:.3g} | 1/{n} | {on:,.1f} | {ca:,.1f} | {ca / on:.2f} |")
-    mib = lambda b: f"{b / 2**20:,.0f}"  # noqa: E731
+        print(
+            f"| {n} | {teacher_flops * tokens:.3g} | {teacher_flops * tokens / n:.3g} | 1/{n} | {on:,.1f} | {ca:,.1f} "
+            f"| {ca / on:.2f} |"
+        )
+
+    def mib(b):
+        return f"{b / 2**20:,.0f}"
+
     print("\n| process | wall (s) | peak RSS (MiB) | above its imports (MiB) |")
     print("|---|---:|---:|---:|")
     for name, r in (("targets pass (teacher)", pas), ("student, online", online), ("student, cached", cached)):
         print(f"| {name} | {r['wall_s']:.1f} | {mib(r['peak_rss'])} | {mib(r['peak_rss'] - r['import_rss'])} |")
-    print(f"\nOnline student's peak RSS - cached student's: {mib(online['peak_rss'] - cached['peak_rss'])} MiB "
-          f"(the teacher's weights: {mib(teacher_bytes)} MiB).")
-    print(f"Storage: {stored:,} bytes of targets for {tokens:,} tokens = {stored / tokens:.1f} B/token "
-          f"(format: {bytes_per_token(spec, state_bytes(lazy.config.hidden_size, False))} B/token + one safetensors header per shard).")
+    print(
+        f"\nOnline student's peak RSS - cached student's: {mib(online['peak_rss'] - cached['peak_rss'])} MiB "
+        f"(the teacher's weights: {mib(teacher_bytes)} MiB)."
+    )
+    print(
+        f"Storage: {stored:,} bytes of targets for {tokens:,} tokens = {stored / tokens:.1f} B/token "
+        f"(format: {bytes_per_token(spec, state_bytes(lazy.config.hidden_size, False))} B/token + one safetensors "
+        "header per shard)."
+    )
 
 
 if __name__ == "__main__":

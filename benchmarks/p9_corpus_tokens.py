@@ -3,10 +3,12 @@ a generated Parquet corpus; tokens/s, the token shards' identity, and the pass's
 
     python benchmarks/p9_corpus_tokens.py --mb 200 --modes loop ray1 ray2     # throughput, >= 200 MB corpus
     python benchmarks/p9_corpus_tokens.py --mb 50 --modes ray2                 # peak RSS, a corpus 4x smaller
-    python benchmarks/p9_corpus_tokens.py --mb 0.5 --shard-mb 0.25 --modes loop ray1   # plumbing (gpu_acceptance --cpu-smoke)
+    python benchmarks/p9_corpus_tokens.py --mb 0.5 --shard-mb 0.25 --modes loop ray1   # plumbing (gpu_acceptance
+    --cpu-smoke)
 
 The corpus: documents of 3-40 sentences drawn (seeded) from the embedded corpus' train split, in uncompressed
-Parquet shards of ~25 MB (--shard-mb; the file size is the text's size), column `text`; tokenizer: the embedded teacher's.
+Parquet shards of ~25 MB (--shard-mb; the file size is the text's size), column `text`; tokenizer: the embedded
+teacher's.
 The budget is 90% of the corpus's tokens (estimated from its first shard), so every mode reads nearly all of it.
 Each mode runs in a fresh process (a local Ray of max(4, N + 2) CPUs for rayN, started before the clock):
   loop  main 31f1149's `_tokenize_task` body: one process, one tokenizer call per document, a Python list buffer
@@ -39,7 +41,8 @@ SHARD_MB = 25
 
 
 def make_corpus(root: Path, mb: float, shard_mb: float = SHARD_MB) -> Path:
-    """Uncompressed Parquet shards of ~`shard_mb` MB of generated documents until the files hold `mb` MB (cached in `root`)."""
+    """Uncompressed Parquet shards of ~`shard_mb` MB of generated documents until the files hold `mb` MB (cached in
+    `root`)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -72,7 +75,9 @@ def budget_blocks(corpus: Path, tokenizer) -> int:
 
     files = sorted(corpus.glob("*.parquet"))
     docs = pq.read_table(files[0]).column("text").to_pylist()
-    per_byte = sum(len(ids) + 1 for ids in tokenizer(docs, add_special_tokens=False)["input_ids"]) / files[0].stat().st_size
+    per_byte = (
+        sum(len(ids) + 1 for ids in tokenizer(docs, add_special_tokens=False)["input_ids"]) / files[0].stat().st_size
+    )
     return int(0.9 * per_byte * sum(f.stat().st_size for f in files) / SEQ_LEN)
 
 
@@ -150,8 +155,15 @@ def run_mode(mode: str, corpus: Path, blocks: int) -> dict:
     sampler.stop.set()
     sampler.join()
     digest = hashlib.sha256("".join(s["sha256"] for s in manifest["shards"]).encode()).hexdigest()[:16]
-    return {"mode": mode, "tokens": blocks * SEQ_LEN, "s": round(wall, 1), "tokens_per_s": round(blocks * SEQ_LEN / wall),
-            "shards_sha": digest, "driver_hwm_mb": round(vm_hwm() / 2**20), **{k: round(v / 2**20) for k, v in sampler.peak.items()}}
+    return {
+        "mode": mode,
+        "tokens": blocks * SEQ_LEN,
+        "s": round(wall, 1),
+        "tokens_per_s": round(blocks * SEQ_LEN / wall),
+        "shards_sha": digest,
+        "driver_hwm_mb": round(vm_hwm() / 2**20),
+        **{k: round(v / 2**20) for k, v in sampler.peak.items()},
+    }
 
 
 def main() -> None:
@@ -172,20 +184,49 @@ def main() -> None:
     blocks = budget_blocks(corpus, load_tokenizer(default_teacher()))
     size = sum(f.stat().st_size for f in corpus.glob("*.parquet"))
     print(machine_line())
-    print(f"corpus {corpus}: {len(list(corpus.glob('*.parquet')))} shards, {size / 1e6:,.0f} MB; budget {blocks:,} blocks x {SEQ_LEN} "
-          f"= {blocks * SEQ_LEN / 1e6:,.1f}M tokens")
-    print("| mode | tokens | s | tokens/s | vs loop | shards sha256 | driver VmHWM MiB | driver RSS / private MiB | largest Ray worker RSS / private MiB |")
+    print(
+        f"corpus {corpus}: {len(list(corpus.glob('*.parquet')))} shards, {size / 1e6:,.0f} MB; budget {blocks:,} "
+        f"blocks x {SEQ_LEN} "
+        f"= {blocks * SEQ_LEN / 1e6:,.1f}M tokens"
+    )
+    print(
+        "| mode | tokens | s | tokens/s | vs loop | shards sha256 | driver VmHWM MiB | driver RSS / private MiB | "
+        "largest Ray worker RSS / private MiB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     base, rows = None, []
     for mode in args.modes:
-        out = subprocess.run([sys.executable, __file__, "--mb", str(args.mb), "--shard-mb", str(args.shard_mb), "--cache", args.cache,
-                              "--one", mode, "--blocks", str(blocks)], capture_output=True, text=True, check=True)
-        r = json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith("{")))  # Ray may print after it
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--mb",
+                str(args.mb),
+                "--shard-mb",
+                str(args.shard_mb),
+                "--cache",
+                args.cache,
+                "--one",
+                mode,
+                "--blocks",
+                str(blocks),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        r = json.loads(
+            next(line for line in reversed(out.stdout.splitlines()) if line.startswith("{"))
+        )  # Ray may print after it
         base = base or (r["tokens_per_s"] if mode == "loop" else None)
         rows.append({**r, "vs_loop": r["tokens_per_s"] / base if base else None})
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
-        print(f"| {mode} | {r['tokens']:,} | {r['s']} | {r['tokens_per_s']:,} | {ratio} | {r['shards_sha']} | {r['driver_hwm_mb']} | "
-              f"{r['driver_rss']} / {r['driver_private']} | {r['worker_rss']} / {r['worker_private']} |", flush=True)
+        print(
+            f"| {mode} | {r['tokens']:,} | {r['s']} | {r['tokens_per_s']:,} | {ratio} | {r['shards_sha']} | "
+            f"{r['driver_hwm_mb']} | "
+            f"{r['driver_rss']} / {r['driver_private']} | {r['worker_rss']} / {r['worker_private']} |",
+            flush=True,
+        )
     print(json.dumps({"p9": rows, "corpus_mb": round(size / 1e6, 1)}))
 
 

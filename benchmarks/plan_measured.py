@@ -93,7 +93,9 @@ class AnonPeak:
             if key in cls.FIELDS:
                 out[key] = int(value.split()[0]) * 1024
         if len(out) < len(cls.FIELDS):
-            raise RuntimeError(f"no {', '.join(k for k in cls.FIELDS if k not in out)} in /proc/self/status (Linux only)")
+            raise RuntimeError(
+                f"no {', '.join(k for k in cls.FIELDS if k not in out)} in /proc/self/status (Linux only)"
+            )
         return out
 
     def _window(self) -> dict[str, int]:
@@ -126,10 +128,22 @@ def _configs(size: str, experts: int = 32):
     from transformers import Qwen3Config, Qwen3MoeConfig
 
     h, n, f, v = SIZES[size]
-    common = dict(vocab_size=v, hidden_size=h, num_hidden_layers=n, num_attention_heads=h // 64, num_key_value_heads=max(1, h // 128),
-                  head_dim=64, tie_word_embeddings=False, dtype="float32")
-    return (Qwen3Config(intermediate_size=f, **common),
-            Qwen3MoeConfig(intermediate_size=f, moe_intermediate_size=f // 8, num_experts=experts, num_experts_per_tok=8, **common))
+    common = dict(
+        vocab_size=v,
+        hidden_size=h,
+        num_hidden_layers=n,
+        num_attention_heads=h // 64,
+        num_key_value_heads=max(1, h // 128),
+        head_dim=64,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    return (
+        Qwen3Config(intermediate_size=f, **common),
+        Qwen3MoeConfig(
+            intermediate_size=f, moe_intermediate_size=f // 8, num_experts=experts, num_experts_per_tok=8, **common
+        ),
+    )
 
 
 def _save(config, path: Path) -> str:
@@ -187,14 +201,26 @@ def child(case: str, size: str, kw: dict, work: Path, device: str = "cpu") -> di
         spec = None if online else parse_targets(kw["targets"])
         cfg = DistillConfig(deepspeed=False, batch_size=B, seq_len=L, gradient_checkpointing=kw["ckpt"])
         V, d = dense.vocab_size, moe.hidden_size
-        ids = lambda: torch.randint(0, V, (B, L), device=device)  # noqa: E731
+
+        def ids():
+            return torch.randint(0, V, (B, L), device=device)
+
         if online:
             batch = ids
         elif spec.exact:
-            batch = lambda: {"tokens": ids(), "hidden": torch.randn(B, L, d, dtype=dtype, device=device)}  # noqa: E731
+
+            def batch():
+                return {"tokens": ids(), "hidden": torch.randn(B, L, d, dtype=dtype, device=device)}
         else:
-            batch = lambda: {"tokens": ids(), "ids": torch.randint(0, V, (B, L, spec.k), dtype=torch.int32, device=device),  # noqa: E731
-                             "logp": torch.log_softmax(torch.randn(B, L, spec.k, device=device), -1).half(), "tail": torch.full((B, L), -5.0, device=device)}
+
+            def batch():
+                return {
+                    "tokens": ids(),
+                    "ids": torch.randint(0, V, (B, L, spec.k), dtype=torch.int32, device=device),
+                    "logp": torch.log_softmax(torch.randn(B, L, spec.k, device=device), -1).half(),
+                    "tail": torch.full((B, L), -5.0, device=device),
+                }
+
         peak = Peak()
         t = load_distill_teacher(teacher, dtype=dtype, device=device).model if online else None
         head = read_output_head(teacher, dtype).to(device) if spec is not None and spec.exact else None
@@ -207,8 +233,19 @@ def child(case: str, size: str, kw: dict, work: Path, device: str = "cpu") -> di
             step.step([batch()])
         measured = peak.stop()
         per_token = bytes_per_token(spec, state_bytes(d, gpu)) if spec else 0
-        parts = memory.student_rank(shape_of(dense), shape_of(moe), B * L, b, 1, False, 2, kw["ckpt"], cfg.loss_chunk,
-                                    spec.mode if spec else "online", per_token)
+        parts = memory.student_rank(
+            shape_of(dense),
+            shape_of(moe),
+            B * L,
+            b,
+            1,
+            False,
+            2,
+            kw["ckpt"],
+            cfg.loss_chunk,
+            spec.mode if spec else "online",
+            per_token,
+        )
     elif case == "calibrate":
         from m2d_ray.calibrate.collect import collect_stats
         from m2d_ray.models import load_teacher
@@ -231,18 +268,32 @@ def child(case: str, size: str, kw: dict, work: Path, device: str = "cpu") -> di
         # random contexts longer than max_length (every sequence is truncated to it; lm-eval merges equal ones), three
         # full batches (lm-eval keeps a batch's log-probs while the next one runs)
         tok, g = load_tokenizer(student), torch.Generator().manual_seed(0)
-        reqs = [Instance("loglikelihood", {}, (tok.decode(torch.randint(0, len(tok), (2 * L,), generator=g).tolist()), " end"), i)
-                for i in range(3 * B)]
+        reqs = [
+            Instance(
+                "loglikelihood", {}, (tok.decode(torch.randint(0, len(tok), (2 * L,), generator=g).tolist()), " end"), i
+            )
+            for i in range(3 * B)
+        ]
         peak = Peak()
         model, tok = load_model(student, device=device, dtype=dtype)
-        HFLM(pretrained=model, tokenizer=tok, batch_size=B, max_length=L, device=device).loglikelihood(reqs, disable_tqdm=True)
+        HFLM(pretrained=model, tokenizer=tok, batch_size=B, max_length=L, device=device).loglikelihood(
+            reqs, disable_tqdm=True
+        )
         measured = peak.stop()
         p = plan_eval(_eval_size(dense, b), None, 0, B, max_length=L)
         parts = {"weights": p.weights, "batch": p.batch_size * p.sequence}
     est = memory.total(parts)
-    return {"case": case, **kw, "size": size, "device": device, "measured": measured, "sampled": getattr(peak, "sampled", None),
-            "estimate": est, "ratio": round(est / measured, 3),
-            "parts_mib": {k: round(v / 2**20) for k, v in parts.items()}}
+    return {
+        "case": case,
+        **kw,
+        "size": size,
+        "device": device,
+        "measured": measured,
+        "sampled": getattr(peak, "sampled", None),
+        "estimate": est,
+        "ratio": round(est / measured, 3),
+        "parts_mib": {k: round(v / 2**20) for k, v in parts.items()},
+    }
 
 
 def _eval_size(config, b: int):
@@ -253,8 +304,13 @@ def _eval_size(config, b: int):
 
 def _python(what: str, flag: str, args: list) -> str:
     """The standard output of this script run with `flag` in a fresh Python."""
-    out = subprocess.run([sys.executable, __file__, flag, json.dumps(args)], capture_output=True, text=True,
-                         env={**__import__("os").environ, "PYTHONPATH": str(REPO)}, check=False)
+    out = subprocess.run(
+        [sys.executable, __file__, flag, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+        check=False,
+    )
     if out.returncode:
         raise RuntimeError(f"{what}: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
     return out.stdout
@@ -273,7 +329,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--repeat", type=int, default=1, help="runs of each case: the table shows the spread (min-max) over them")
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="runs of each case: the table shows the spread (min-max) over them"
+    )
     ap.add_argument("--cases", help="indices into CASES, comma-separated (default: all)")
     ap.add_argument("--child")
     ap.add_argument("--build")
@@ -288,18 +346,32 @@ def main(argv=None) -> None:
         return
     size = "small" if a.small else "mid"
     cases = [CASES[int(i)] for i in a.cases.split(",")] if a.cases else CASES
-    mib = lambda xs: f"{min(xs) / 2**20:.0f}" + (f"-{max(xs) / 2**20:.0f}" if len(xs) > 1 else "") + " MiB"  # noqa: E731
-    print("| case | settings | estimate | measured (high-water mark) | sampled every 2 ms | estimate / measured |\n|---|---|---|---|---|---|")
+
+    def mib(xs):
+        return f"{min(xs) / 2**20:.0f}" + (f"-{max(xs) / 2**20:.0f}" if len(xs) > 1 else "") + " MiB"
+
+    print(
+        "| case | settings | estimate | measured (high-water mark) | sampled every 2 ms | estimate / measured "
+        "|\n|---|---|---|---|---|---|"
+    )
     worst = 0.0
     for case, kw in cases:
         rs = [measure(case, kw, size, device=a.device) for _ in range(a.repeat)]
         ratios = [r["ratio"] for r in rs]
         worst = max([worst] + [abs(x - 1) for x in ratios])
         settings = ", ".join(f"{k} {v}" for k, v in kw.items())
-        sampled = (mib([r["sampled"] for r in rs]) + f" (lowest {min(r['sampled'] / r['measured'] for r in rs):.0%} of measured)"
-                   if rs[0]["sampled"] is not None else "-")
-        print(f"| {case} | {settings} | {rs[0]['estimate'] / 2**20:.0f} MiB | {mib([r['measured'] for r in rs])} | {sampled} | "
-              f"{min(ratios):.2f}" + (f"-{max(ratios):.2f}" if len(rs) > 1 else "") + " |", flush=True)
+        sampled = (
+            mib([r["sampled"] for r in rs])
+            + f" (lowest {min(r['sampled'] / r['measured'] for r in rs):.0%} of measured)"
+            if rs[0]["sampled"] is not None
+            else "-"
+        )
+        print(
+            f"| {case} | {settings} | {rs[0]['estimate'] / 2**20:.0f} MiB | {mib([r['measured'] for r in rs])} | "
+            f"{sampled} | "
+            f"{min(ratios):.2f}" + (f"-{max(ratios):.2f}" if len(rs) > 1 else "") + " |",
+            flush=True,
+        )
     print(f"\nlargest deviation: {worst:.0%} (bound: 25%)")
 
 

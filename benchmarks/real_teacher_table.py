@@ -51,25 +51,32 @@ def main(argv=None) -> None:
         print(f"SKIPPED: {TEACHER_DIR}, {WIKI_VALID} or {WIKI_TEST} absent")
         return
 
-    from m2d_ray.convert import build_from_plan, make_plan
-    from m2d_ray.convert.baselines import RANDOM_BASELINES
     from m2d_ray.commands.calibrate import run_calibrate
     from m2d_ray.commands.convert import evaluate_ppl
+    from m2d_ray.convert import build_from_plan, make_plan
+    from m2d_ray.convert.baselines import RANDOM_BASELINES
 
     t0 = time.perf_counter()
     teacher, art, reused = run_calibrate(
         str(TEACHER_DIR), str(WIKI_VALID), args.cache, max_tokens=args.max_tokens, seq_len=args.seq_len, device="cpu"
     )
     k, E = teacher.adapter.top_k(teacher.config), teacher.adapter.num_experts(teacher.config)
-    print(f"calibration: {art.manifest['n_tokens']} tokens, {len(art.layers)} MoE layers, E={E}, k={k}, "
-          f"{'reused' if reused else 'computed'} in {time.perf_counter() - t0:.1f} s -> {args.cache}")
+    print(
+        f"calibration: {art.manifest['n_tokens']} tokens, {len(art.layers)} MoE layers, E={E}, k={k}, "
+        f"{'reused' if reused else 'computed'} in {time.perf_counter() - t0:.1f} s -> {args.cache}"
+    )
     eval_spec = str(WIKI_TEST)
-    ppl = lambda model: evaluate_ppl(model, teacher.tokenizer, eval_spec, seq_len=args.seq_len)  # noqa: E731
+
+    def ppl(model):
+        return evaluate_ppl(model, teacher.tokenizer, eval_spec, seq_len=args.seq_len)
 
     t = time.perf_counter()
     teacher_ppl = ppl(teacher.model)
     eval_s = time.perf_counter() - t
-    print(f"teacher: ppl {fmt(teacher_ppl)} over {teacher_ppl.tokens} predicted tokens, {teacher_ppl.windows} windows ({eval_s:.1f} s)")
+    print(
+        f"teacher: ppl {fmt(teacher_ppl)} over {teacher_ppl.tokens} predicted tokens, {teacher_ppl.windows} windows "
+        f"({eval_s:.1f} s)"
+    )
 
     Ks = (k, 2 * k)
     res: dict[str, dict[int, object]] = {}
@@ -90,8 +97,12 @@ def main(argv=None) -> None:
         print(f"  {name}: ppl {fmt(base[name])}")
 
     print()
-    print(f"Perplexity on wiki.test.raw (first 300,000 chars, {args.seq_len}-token windows, {teacher_ppl.tokens} predicted tokens); "
-          f"grouping {args.grouping}, scaling {args.scaling}; calibration {art.manifest['n_tokens']} tokens of wiki.valid.tokens")
+    print(
+        f"Perplexity on wiki.test.raw (first 300,000 chars, {args.seq_len}-token windows, {teacher_ppl.tokens} "
+        "predicted tokens); "
+        f"grouping {args.grouping}, scaling {args.scaling}; calibration {art.manifest['n_tokens']} tokens of "
+        "wiki.valid.tokens"
+    )
     print()
     print(f"| scoring | K={Ks[0]} (=k) | K={Ks[1]} (=2k) | mean erank at K={k} |")
     print("|---|---|---|---|")

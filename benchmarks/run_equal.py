@@ -24,10 +24,37 @@ import sys
 from pathlib import Path
 
 #: keys that hold a wall time, a throughput, a memory peak, the machine's rate or load, or an attempt id
-VOLATILE = {"tokens_per_s", "mean_tokens_per_s", "mfu", "train_s", "eval_s", "ckpt_s", "peak_rss_bytes", "peak_cuda_bytes",
-            "peak_work_bytes", "attempt", "seconds", "cpu_flops", "cpu_load", "capacity", "wall_s", "finished", "created",
-            "node_hours", "s / training step", "tokens/s", "tok/s", "estimated s", "measured s", "measured / estimated",
-            "measured peak MiB", "measured / planned", "peak RSS / rank (MB)", "sweep_id", "placement"}
+VOLATILE = {
+    "tokens_per_s",
+    "mean_tokens_per_s",
+    "mfu",
+    "train_s",
+    "eval_s",
+    "ckpt_s",
+    "peak_rss_bytes",
+    "peak_cuda_bytes",
+    "peak_work_bytes",
+    "attempt",
+    "seconds",
+    "cpu_flops",
+    "cpu_load",
+    "capacity",
+    "wall_s",
+    "finished",
+    "created",
+    "node_hours",
+    "s / training step",
+    "tokens/s",
+    "tok/s",
+    "estimated s",
+    "measured s",
+    "measured / estimated",
+    "measured peak MiB",
+    "measured / planned",
+    "peak RSS / rank (MB)",
+    "sweep_id",
+    "placement",
+}
 TABLES = ("stage1", "stage2", "distill", "matched", "overlap", "erank", "d2d_candidates", "memory", "cost")
 LEDGERS = ("trials", "stage2/trials", "stage3/results")
 JSONS = ("promotions.json", "plans.json", "memory_plan.json", "stage2/d2d/search.json")
@@ -87,19 +114,36 @@ def mlflow_runs(run: Path) -> dict:
     for exp in client.search_experiments():
         for r in client.search_runs([exp.experiment_id], max_results=50_000):
             key = r.data.tags.get("m2d.trial") or ("parent" if "m2d.sweep_id" in r.data.tags else r.info.run_name)
-            tags = {k: v for k, v in r.data.tags.items() if not k.startswith("mlflow.") or k in ("mlflow.note.content",)}
+            tags = {
+                k: v for k, v in r.data.tags.items() if not k.startswith("mlflow.") or k in ("mlflow.note.content",)
+            }
             tags.pop("m2d.sweep_id", None)
             tags.pop("mlflow.parentRunId", None)
-            history = {m: [(x.step, x.value) for x in client.get_metric_history(r.info.run_id, m)] for m in r.data.metrics if m not in VOLATILE}
-            out[key] = neutral({"status": r.info.status, "params": r.data.params, "tags": tags, "metrics": r.data.metrics, "history": history}, run)
+            history = {
+                m: [(x.step, x.value) for x in client.get_metric_history(r.info.run_id, m)]
+                for m in r.data.metrics
+                if m not in VOLATILE
+            }
+            out[key] = neutral(
+                {
+                    "status": r.info.status,
+                    "params": r.data.params,
+                    "tags": tags,
+                    "metrics": r.data.metrics,
+                    "history": history,
+                },
+                run,
+            )
     return out
 
 
 def compare_runs(a: Path, b: Path) -> list[str]:
     diffs = []
     for d in (".", "report"):
-        names = sorted({p.name for p in (a / d).glob("*") if p.suffix in (".csv", ".md") and p.stem in TABLES}
-                       | {p.name for p in (b / d).glob("*") if p.suffix in (".csv", ".md") and p.stem in TABLES})
+        names = sorted(
+            {p.name for p in (a / d).glob("*") if p.suffix in (".csv", ".md") and p.stem in TABLES}
+            | {p.name for p in (b / d).glob("*") if p.suffix in (".csv", ".md") and p.stem in TABLES}
+        )
         for n in names:
             pa, pb = a / d / n, b / d / n
             if not (pa.exists() and pb.exists()):
@@ -111,7 +155,11 @@ def compare_runs(a: Path, b: Path) -> list[str]:
         kb = {p.stem: neutral(json.loads(p.read_text()), b) for p in sorted((b / sub).glob("*.json"))}
         if ka.keys() != kb.keys():
             diffs.append(f"{sub}: keys {sorted(ka.keys() ^ kb.keys())} in one only")
-        diffs += [f"{sub}/{k}.json differs: {_first(ka[k], kb[k])}" for k in sorted(ka.keys() & kb.keys()) if not same(ka[k], kb[k])]
+        diffs += [
+            f"{sub}/{k}.json differs: {_first(ka[k], kb[k])}"
+            for k in sorted(ka.keys() & kb.keys())
+            if not same(ka[k], kb[k])
+        ]
     for n in JSONS:
         pa, pb = a / n, b / n
         if pa.exists() != pb.exists():
@@ -123,7 +171,11 @@ def compare_runs(a: Path, b: Path) -> list[str]:
     ma, mb = mlflow_runs(a), mlflow_runs(b)
     if ma.keys() != mb.keys():
         diffs.append(f"MLflow runs {sorted(ma.keys() ^ mb.keys())} in one only")
-    diffs += [f"MLflow run {k} differs: {_first(ma[k], mb[k])}" for k in sorted(ma.keys() & mb.keys()) if not same(ma[k], mb[k])]
+    diffs += [
+        f"MLflow run {k} differs: {_first(ma[k], mb[k])}"
+        for k in sorted(ma.keys() & mb.keys())
+        if not same(ma[k], mb[k])
+    ]
     return diffs
 
 

@@ -36,14 +36,26 @@ def main() -> None:
     if prom.exists():
         pairs = json.loads(prom.read_text())["pairs"]
         sf = min((v for k, v in pairs.items() if k.startswith("sf/")), key=lambda v: v["ppl"])
-    recipes = {"DO-ACP K=k": ("do-acp", "rr", "uniform", None), f"SF {sf['grouping']} K={sf['K']} {sf['scaling']}": ("sf", sf["grouping"], sf["scaling"], sf["K"])}
+    recipes = {
+        "DO-ACP K=k": ("do-acp", "rr", "uniform", None),
+        f"SF {sf['grouping']} K={sf['K']} {sf['scaling']}": ("sf", sf["grouping"], sf["scaling"], sf["K"]),
+    }
     students, slugs = {}, {}
     for name, (s, g, c, K) in recipes.items():
         slugs[name] = s
         d = out / "init" / s
         if not (d / "config.json").exists():
-            convert_one(str(TEACHER), s, g, c, K, d, stats=str(stats) if stats.exists() else None,
-                        calib_data=None if stats.exists() else str(TRAIN), calib_kwargs={"max_tokens": 32768, "seq_len": 256})
+            convert_one(
+                str(TEACHER),
+                s,
+                g,
+                c,
+                K,
+                d,
+                stats=str(stats) if stats.exists() else None,
+                calib_data=None if stats.exists() else str(TRAIN),
+                calib_kwargs={"max_tokens": 32768, "seq_len": 256},
+            )
         students[name] = str(d)
     for name, baseline in (("random FFN + teacher attention", "random-ffn"), ("random init", "random-init")):
         students[name] = slugs[name] = baseline
@@ -51,10 +63,33 @@ def main() -> None:
     for name, student in students.items():
         run = out / slugs[name]
         if not (run / "result.json").exists():
-            cmd = [sys.executable, "-m", "m2d_ray.cli", "distill", "--teacher", str(TEACHER), "--student", student,
-                   "--train-data", str(TRAIN), "--eval-data", str(EVAL), "--steps", str(args.steps), "--no-deepspeed", "--out", str(run),
-                   "lr=1e-3", "min_lr=1e-4", "warmup_steps=10", "batch_size=8", "seq_len=256", "eval_every=25",
-                   "eval_max_tokens=65536", "threads_per_worker=2"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "m2d_ray.cli",
+                "distill",
+                "--teacher",
+                str(TEACHER),
+                "--student",
+                student,
+                "--train-data",
+                str(TRAIN),
+                "--eval-data",
+                str(EVAL),
+                "--steps",
+                str(args.steps),
+                "--no-deepspeed",
+                "--out",
+                str(run),
+                "lr=1e-3",
+                "min_lr=1e-4",
+                "warmup_steps=10",
+                "batch_size=8",
+                "seq_len=256",
+                "eval_every=25",
+                "eval_max_tokens=65536",
+                "threads_per_worker=2",
+            ]
             subprocess.run(cmd, check=True)
         lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         curves[name] = [(0, lines[0]["val_ppl_initial"])] + [(m["step"], m["val_ppl"]) for m in lines]

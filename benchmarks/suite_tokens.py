@@ -50,7 +50,14 @@ def measure(name: str, shots: int, root: Path, limit: int | None) -> dict:
         out[k] = (rows, len(reqs) / rows, sum(len(c) + len(x) for c, x in reqs) / len(reqs))
     rows, per_row, chars0 = out[0]
     shot = (out[shots][2] - chars0) / shots if shots else 0.0
-    return {"task": name, "shots": shots, "rows": rows, "per_row": per_row, "chars_0shot": chars0, "chars_per_shot": shot}
+    return {
+        "task": name,
+        "shots": shots,
+        "rows": rows,
+        "per_row": per_row,
+        "chars_0shot": chars0,
+        "chars_per_shot": shot,
+    }
 
 
 def main() -> None:
@@ -66,7 +73,10 @@ def main() -> None:
 
     print(machine_line())
     root = paper_data.verify()
-    print("| task | shots | rows | requests / row | chars, 0-shot request | chars a shot adds | PAPER: rows, chars 0-shot, chars a shot |")
+    print(
+        "| task | shots | rows | requests / row | chars, 0-shot request | chars a shot adds | PAPER: rows, chars "
+        "0-shot, chars a shot |"
+    )
     print("|---|---:|---:|---:|---:|---:|---|")
     rows = []
     for task, shots in PAPER_SUITE:
@@ -74,11 +84,21 @@ def main() -> None:
         r = measure(name, shots, root, args.limit)
         rows.append(r)
         p = PAPER[name]
-        print(f"| {name} | {shots} | {r['rows']} | {r['per_row']:.2f} | {r['chars_0shot']:.0f} | {r['chars_per_shot']:.0f} | "
-              f"{p[0]}, {p[2] * CHARS_PER_TOKEN:.0f}, {p[3] * CHARS_PER_TOKEN:.0f} |")
+        print(
+            f"| {name} | {shots} | {r['rows']} | {r['per_row']:.2f} | {r['chars_0shot']:.0f} | "
+            f"{r['chars_per_shot']:.0f} | "
+            f"{p[0]}, {p[2] * CHARS_PER_TOKEN:.0f}, {p[3] * CHARS_PER_TOKEN:.0f} |"
+        )
     print(json.dumps(rows))
-    table = {r["task"]: (r["rows"], round(r["per_row"], 2), round(r["chars_0shot"] / CHARS_PER_TOKEN), round(r["chars_per_shot"] / CHARS_PER_TOKEN))
-             for r in rows}
+    table = {
+        r["task"]: (
+            r["rows"],
+            round(r["per_row"], 2),
+            round(r["chars_0shot"] / CHARS_PER_TOKEN),
+            round(r["chars_per_shot"] / CHARS_PER_TOKEN),
+        )
+        for r in rows
+    }
     print("PAPER = " + repr(table))
 
 

@@ -96,8 +96,12 @@ def make_dense_config(vocab_size: int, seq_len: int = 128):
     from m2d_ray.arch.base import copy_config
 
     moe = make_config(vocab_size, seq_len)
-    return copy_config(Qwen3Config, moe, intermediate_size=moe.num_experts * moe.moe_intermediate_size,
-                       architectures=["Qwen3ForCausalLM"])
+    return copy_config(
+        Qwen3Config,
+        moe,
+        intermediate_size=moe.num_experts * moe.moe_intermediate_size,
+        architectures=["Qwen3ForCausalLM"],
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -148,7 +152,11 @@ def evaluate(model, ids: torch.Tensor, doms: torch.Tensor, seq_len: int = 128, b
     counts = torch.zeros(L, D, E, dtype=torch.float64)
     for start in range(0, x_all.shape[0], batch_size):
         x, dm = x_all[start : start + batch_size], d_all[start : start + batch_size]
-        out = model(input_ids=x, output_router_logits=True, use_cache=False) if moe else model(input_ids=x, use_cache=False)
+        out = (
+            model(input_ids=x, output_router_logits=True, use_cache=False)
+            if moe
+            else model(input_ids=x, use_cache=False)
+        )
         logp = torch.log_softmax(out.logits[:, :-1].float(), dim=-1)
         nll = -logp.gather(-1, x[:, 1:, None])[..., 0].double()
         tgt_dom = dm[:, 1:]
@@ -219,9 +227,7 @@ def routing_specialisation(counts: torch.Tensor) -> dict:
         "m": m,
         "uniform_top_m_share": m / E,
         "mean_nmi": sum(x["nmi_domain_expert"] for x in layers) / L,
-        "mean_top_m_share": {
-            name: sum(x["top_m_share"][name] for x in layers) / L for name in synthetic.DOMAINS
-        },
+        "mean_top_m_share": {name: sum(x["top_m_share"][name] for x in layers) / L for name in synthetic.DOMAINS},
         "mean_top_m_share_other_domains": {
             name: sum(x["top_m_share_other_domains"][name] for x in layers) / L for name in synthetic.DOMAINS
         },
@@ -270,11 +276,18 @@ def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float) -> 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=None,
-                    help=f"output directory (replaced atomically; default {DEFAULT_OUT.relative_to(REPO)}, with --dense "
-                         f"{DEFAULT_DENSE_OUT.relative_to(REPO)})")
-    ap.add_argument("--dense", action="store_true",
-                    help="train the dense twin (Qwen3, FFN width E x expert width) on cross-entropy alone")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"output directory (replaced atomically; default {DEFAULT_OUT.relative_to(REPO)}, with --dense "
+        f"{DEFAULT_DENSE_OUT.relative_to(REPO)})",
+    )
+    ap.add_argument(
+        "--dense",
+        action="store_true",
+        help="train the dense twin (Qwen3, FFN width E x expert width) on cross-entropy alone",
+    )
     ap.add_argument("--steps", type=int, default=3500)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (keep 1-2 on a shared machine)")
@@ -285,16 +298,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--min-lr-ratio", type=float, default=0.05)
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--experts-implementation", default="grouped_mm", choices=["grouped_mm", "eager", "batched_mm"])
-    ap.add_argument("--eval-chars", type=int, default=synthetic.DEFAULT_CORPUS_CHARS,
-                    help="characters of the synthetic test split used for the held-out figures")
-    ap.add_argument("--aux-per-layer", action=argparse.BooleanOptionalAction, default=False,
-                    help="balance every layer separately (sum of per-layer losses) instead of transformers' pooled "
-                         "loss")
-    ap.add_argument("--domain-warmup-steps", type=int, default=None,
-                    help="steps during which the router is also pushed towards the experts assigned to each token's "
-                         "domain (expert e <-> domain e %% 6); default 30%% of --steps; 0 = plain training")
-    ap.add_argument("--domain-warmup-decay", type=int, default=None,
-                    help="steps over which that push then fades out linearly (default 15%% of --steps)")
+    ap.add_argument(
+        "--eval-chars",
+        type=int,
+        default=synthetic.DEFAULT_CORPUS_CHARS,
+        help="characters of the synthetic test split used for the held-out figures",
+    )
+    ap.add_argument(
+        "--aux-per-layer",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="balance every layer separately (sum of per-layer losses) instead of transformers' pooled loss",
+    )
+    ap.add_argument(
+        "--domain-warmup-steps",
+        type=int,
+        default=None,
+        help="steps during which the router is also pushed towards the experts assigned to each token's "
+        "domain (expert e <-> domain e %% 6); default 30%% of --steps; 0 = plain training",
+    )
+    ap.add_argument(
+        "--domain-warmup-decay",
+        type=int,
+        default=None,
+        help="steps over which that push then fades out linearly (default 15%% of --steps)",
+    )
     ap.add_argument("--domain-warmup-coef", type=float, default=0.1)
     ap.add_argument("--log-every", type=int, default=100)
     ap.add_argument("--valid-every", type=int, default=1000)
@@ -336,11 +364,16 @@ def main(argv=None) -> dict:
     train_windows, train_dom_windows = windows(train_ids, args.seq_len), windows(train_doms, args.seq_len)
     # expert e is "assigned" to domain e % D; only used by the router's domain warm-up
     D = len(synthetic.DOMAINS)
-    group_mask = (torch.arange(getattr(config, "num_experts", 0))[None, :] % D == torch.arange(D)[:, None]).float()  # [D, E]
+    group_mask = (
+        torch.arange(getattr(config, "num_experts", 0))[None, :] % D == torch.arange(D)[:, None]
+    ).float()  # [D, E]
     gen = torch.Generator().manual_seed(args.seed)
     order = torch.randperm(train_windows.shape[0], generator=gen)
-    print(f"params {n_params:,}  vocab {len(tok)} (model {config.vocab_size})  train tokens {train_ids.numel():,} "
-          f"({time.time() - t0:.1f}s to generate)", flush=True)
+    print(
+        f"params {n_params:,}  vocab {len(tok)} (model {config.vocab_size})  train tokens {train_ids.numel():,} "
+        f"({time.time() - t0:.1f}s to generate)",
+        flush=True,
+    )
 
     valid_docs = synthetic.corpus_documents("valid", 20_000)
     valid_ids, valid_doms = encode_documents(tok, valid_docs)
@@ -350,7 +383,9 @@ def main(argv=None) -> dict:
         (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
     coef = None if args.dense else config.router_aux_loss_coef
     history = []
@@ -392,9 +427,15 @@ def main(argv=None) -> dict:
         aux_acc += aux
         n_acc += 1
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            rec = {"step": step + 1, "lr": lr, "train_ce": ce_acc / n_acc, "aux_loss": aux_acc / n_acc,
-                   "domain_guide_coef": guide, "domain_guide_loss": guide_acc / n_acc,
-                   "elapsed_s": round(time.time() - t_train, 1)}
+            rec = {
+                "step": step + 1,
+                "lr": lr,
+                "train_ce": ce_acc / n_acc,
+                "aux_loss": aux_acc / n_acc,
+                "domain_guide_coef": guide,
+                "domain_guide_loss": guide_acc / n_acc,
+                "elapsed_s": round(time.time() - t_train, 1),
+            }
             if (step + 1) % args.valid_every == 0 or step + 1 == args.steps:
                 rec["valid_ppl"] = evaluate(model, valid_ids, valid_doms, args.seq_len)["perplexity"]
             history.append(rec)
@@ -423,14 +464,24 @@ def main(argv=None) -> dict:
         "tokens_seen": args.steps * args.batch_size * args.seq_len,
         "train_wall_time_s": round(train_time, 1),
         "total_wall_time_s": None,  # filled below
-        "optimizer": {"name": "AdamW", "lr": args.lr, "betas": [0.9, 0.95], "weight_decay": args.weight_decay,
-                      "schedule": f"linear warm-up {args.warmup} steps, cosine to {args.min_lr_ratio} x lr",
-                      "grad_clip": 1.0},
+        "optimizer": {
+            "name": "AdamW",
+            "lr": args.lr,
+            "betas": [0.9, 0.95],
+            "weight_decay": args.weight_decay,
+            "schedule": f"linear warm-up {args.warmup} steps, cosine to {args.min_lr_ratio} x lr",
+            "grad_clip": 1.0,
+        },
         "experts_implementation_for_training": None if args.dense else args.experts_implementation,
         "router_aux_loss_coef": coef,
-        "router_aux_loss": None if args.dense else "per layer, summed over layers" if args.aux_per_layer
+        "router_aux_loss": None
+        if args.dense
+        else "per layer, summed over layers"
+        if args.aux_per_layer
         else "transformers' load_balancing_loss_func (router logits of all layers pooled)",
-        "domain_warmup": None if args.dense else {
+        "domain_warmup": None
+        if args.dense
+        else {
             "steps": args.domain_warmup_steps,
             "decay_steps": args.domain_warmup_decay,
             "coef": args.domain_warmup_coef,
@@ -445,8 +496,8 @@ def main(argv=None) -> dict:
             "split": "test",
             "chars": len(synthetic.corpus_text("test", args.eval_chars)),
             "protocol": f"m2d_ray.data.synthetic.corpus_text('test', {args.eval_chars}) tokenised with the bundled "
-                        f"tokenizer, non-overlapping {args.seq_len}-token windows (last partial window dropped), "
-                        "mean cross-entropy over every predicted position",
+            f"tokenizer, non-overlapping {args.seq_len}-token windows (last partial window dropped), "
+            "mean cross-entropy over every predicted position",
             "n_windows": ev["n_windows"],
             "n_predicted_tokens": ev["n_predicted_tokens"],
         },
@@ -468,7 +519,9 @@ def main(argv=None) -> dict:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        reloaded = AutoModelForCausalLM.from_pretrained(tmp, **({} if args.dense else {"experts_implementation": "eager"})).eval()
+        reloaded = AutoModelForCausalLM.from_pretrained(
+            tmp, **({} if args.dense else {"experts_implementation": "eager"})
+        ).eval()
         tok2 = AutoTokenizer.from_pretrained(tmp)
         x = test_ids[: args.seq_len][None]
         with torch.no_grad():
@@ -493,11 +546,24 @@ def main(argv=None) -> dict:
             shutil.rmtree(tmp)
 
     size = sum(f.stat().st_size for f in out_dir.iterdir() if f.is_file())
-    print(json.dumps({k: info[k] for k in ("heldout_perplexity", "uniform_perplexity", "unigram_perplexity",
-                                           "train_wall_time_s")}))
+    print(
+        json.dumps(
+            {
+                k: info[k]
+                for k in ("heldout_perplexity", "uniform_perplexity", "unigram_perplexity", "train_wall_time_s")
+            }
+        )
+    )
     if spec is not None:
-        print(json.dumps({"mean_nmi": spec["mean_nmi"], "mean_top_m_share": spec["mean_top_m_share"],
-                          "per_layer_nmi": [x["nmi_domain_expert"] for x in spec["layers"]]}))
+        print(
+            json.dumps(
+                {
+                    "mean_nmi": spec["mean_nmi"],
+                    "mean_top_m_share": spec["mean_top_m_share"],
+                    "per_layer_nmi": [x["nmi_domain_expert"] for x in spec["layers"]],
+                }
+            )
+        )
     print(f"saved to {out_dir} ({size / 1e6:.2f} MB)")
     return info
 

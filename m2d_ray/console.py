@@ -24,8 +24,13 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator, TextIO, TypeVar
+from typing import TextIO, TypeVar
+
+from tqdm.auto import tqdm
+
+from m2d_ray.errors import M2DError
 
 T = TypeVar("T")
 
@@ -70,7 +75,9 @@ def _user_stream(stream: TextIO) -> TextIO:
     except (AttributeError, OSError, io.UnsupportedOperation):
         return stream
     stream.flush()
-    return os.fdopen(os.dup(fd), "w", buffering=1, encoding=getattr(stream, "encoding", None) or "utf-8", errors="replace")
+    return os.fdopen(
+        os.dup(fd), "w", buffering=1, encoding=getattr(stream, "encoding", None) or "utf-8", errors="replace"
+    )
 
 
 def active() -> bool:
@@ -83,7 +90,6 @@ def _user_err() -> TextIO:
 
 def say(message: str) -> None:
     """One platform line for the user (stderr, above any live progress bar), also written to the log."""
-    from tqdm.auto import tqdm
 
     tqdm.write(message, file=_user_err())
     if _session is not None:
@@ -103,7 +109,6 @@ def emit(message: str) -> None:
 
 def bar(total: int | None, desc: str, unit: str = "it"):
     """A live progress bar on the user's stderr when it is a terminal (a silent no-op bar otherwise)."""
-    from tqdm.auto import tqdm
 
     stream = _user_err()
     tty = bool(getattr(stream, "isatty", lambda: False)())
@@ -158,7 +163,6 @@ def session(command: str, verbose: bool = False) -> Iterator[None]:
 
     A block that raises keeps the log unless the exception is bad input (M2DError): that costs nothing.
     """
-    from m2d_ray.errors import M2DError
 
     global _session
     if _session is not None:  # nested (a command calling another): the outer session owns the output

@@ -8,17 +8,33 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from torch import Tensor
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+)
 
-from m2d_ray.arch import get_adapter
-from m2d_ray.arch.base import DenseFFN, ExpertWeights, MoEAdapter, SharedExpert, dense_from_mlp
+from m2d_ray import storage
+from m2d_ray.arch import get_adapter, supported_types
+from m2d_ray.arch.base import (
+    DenseFFN,
+    ExpertWeights,
+    MoEAdapter,
+    SharedExpert,
+    dense_from_mlp,
+)
+from m2d_ray.arch.dense import dense_types
+from m2d_ray.assets import TINY_DENSE_TEACHER_DIR, TINY_TEACHER_DIR
+from m2d_ray.checkpoint import WEIGHT_SUFFIXES, check_files, check_model_finite
 from m2d_ray.errors import M2DError
+from m2d_ray.storage import local_model
 
 
 def device_default() -> str:
@@ -27,14 +43,12 @@ def device_default() -> str:
 
 
 def default_teacher() -> str:
-    from m2d_ray.assets import TINY_TEACHER_DIR
 
     return str(TINY_TEACHER_DIR)
 
 
 def default_dense_teacher() -> str:
     """The embedded MoE teacher's dense twin (same tokens and schedule): its dense-to-dense baseline's teacher."""
-    from m2d_ray.assets import TINY_DENSE_TEACHER_DIR
 
     return str(TINY_DENSE_TEACHER_DIR)
 
@@ -50,7 +64,10 @@ def is_embedded(name: str | None) -> bool:
     if name is None:
         return True
     path = Path(name).expanduser()
-    return path.exists() and path.resolve() in {Path(default_teacher()).resolve(), Path(default_dense_teacher()).resolve()}
+    return path.exists() and path.resolve() in {
+        Path(default_teacher()).resolve(),
+        Path(default_dense_teacher()).resolve(),
+    }
 
 
 @dataclass
@@ -101,13 +118,15 @@ class Teacher:
 
 def load_config(name: str):
     """The transformers config of a directory, hub name or storage URL (only its config.json is fetched)."""
-    from m2d_ray import storage
 
     if storage.is_remote(name):
         try:
             return AutoConfig.from_pretrained(str(storage.fetch_file(storage.join(name, "config.json")).parent))
         except Exception as exc:
-            raise M2DError(f"cannot read {storage.join(name, 'config.json')} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); give a model saved there") from None
+            raise M2DError(
+                f"cannot read {storage.join(name, 'config.json')} ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:160]}); give a model saved there"
+            ) from None
     path = Path(name).expanduser()
     if not path.exists() and (name.startswith((".", "/", "~")) or "/" not in name):
         raise M2DError(f"model {name!r} not found: give a model directory or a hub name like Qwen/Qwen3-30B-A3B")
@@ -118,12 +137,13 @@ def load_config(name: str):
     try:
         return AutoConfig.from_pretrained(str(path) if path.exists() else name)
     except Exception as exc:
-        raise M2DError(f"cannot read a model config from {name!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
+        raise M2DError(
+            f"cannot read a model config from {name!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+        ) from None
 
 
 def check_teacher(name: str | None) -> MoEAdapter:
     """Everything about a teacher that can be checked without reading its weights: config, family, files."""
-    from m2d_ray.checkpoint import check_files
 
     name = name or default_teacher()
     adapter = get_adapter(load_config(name))
@@ -141,7 +161,6 @@ def load_teacher(name: str | None = None, dtype: torch.dtype | None = None, devi
 
 def load_distill_teacher(name: str, dtype: torch.dtype | None = None, device: str = "cpu") -> Teacher:
     """A distillation teacher: an MoE one (with its adapter), or a dense one (the D2D baseline's, no adapter)."""
-    from m2d_ray.arch.dense import dense_types
 
     if load_config(name).model_type not in dense_types():
         return load_teacher(name, dtype=dtype, device=device)
@@ -166,7 +185,6 @@ def model_fingerprint(name: str, config) -> dict:
 
 def _source(name: str) -> str:
     """What from_pretrained opens: a storage URL fetched into this node's cache, a local path, a hub name."""
-    from m2d_ray.storage import local_model
 
     name = local_model(name)
     return str(Path(name).expanduser()) if Path(name).expanduser().exists() else name
@@ -174,14 +192,14 @@ def _source(name: str) -> str:
 
 def load_tokenizer(name: str):
     """A model's tokenizer; from a storage URL only the files beside the weights are fetched."""
-    from m2d_ray import storage
-    from m2d_ray.checkpoint import WEIGHT_SUFFIXES
 
     src = str(storage.fetch_dir(name, without=WEIGHT_SUFFIXES)) if storage.is_remote(name) else _source(name)
     try:
         return AutoTokenizer.from_pretrained(src)
     except Exception as exc:
-        raise M2DError(f"cannot load a tokenizer from {name!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
+        raise M2DError(
+            f"cannot load a tokenizer from {name!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+        ) from None
 
 
 def load_model(name: str, device: str = "cpu", dtype: torch.dtype | None = None, what: str = "model"):
@@ -189,8 +207,6 @@ def load_model(name: str, device: str = "cpu", dtype: torch.dtype | None = None,
 
     Damaged checkpoints (a truncated file, NaN/inf weights) fail with one line naming the file or tensor.
     """
-    from m2d_ray.arch import supported_types
-    from m2d_ray.checkpoint import check_files, check_model_finite
 
     config = load_config(name)
     src = _source(name)
@@ -201,7 +217,10 @@ def load_model(name: str, device: str = "cpu", dtype: torch.dtype | None = None,
     try:
         model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
     except Exception as exc:  # unreadable weights: name the model, not transformers' internals
-        raise M2DError(f"cannot load the weights of {what} {name!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); re-download or re-export it") from None
+        raise M2DError(
+            f"cannot load the weights of {what} {name!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); "
+            "re-download or re-export it"
+        ) from None
     check_model_finite(model, what)
     return model.to(device).eval(), load_tokenizer(src)
 

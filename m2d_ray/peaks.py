@@ -9,7 +9,10 @@ libraries are not the work's, and not what the plan counts).
 
 from __future__ import annotations
 
+import resource
 from pathlib import Path
+
+import torch
 
 
 def proc_kib(path: str, field: str) -> int | None:
@@ -27,7 +30,6 @@ def peak_rss() -> int:
     hwm = proc_kib("/proc/self/status", "VmHWM")
     if hwm is not None:
         return hwm
-    import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -43,7 +45,6 @@ def reset_peaks() -> None:
         _base = proc_kib("/proc/self/status", "VmRSS")
     except OSError:
         _base = None
-    import torch
 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -52,9 +53,11 @@ def reset_peaks() -> None:
 def peaks() -> dict:
     """{"peak_rss_bytes", "peak_work_bytes" (after a reset), "peak_cuda_bytes" (on CUDA)} of this process since the
     start or the last reset."""
-    import torch
 
     cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
     rss = peak_rss()
-    return {"peak_rss_bytes": rss, **({"peak_work_bytes": max(0, rss - _base)} if _base is not None else {}),
-            **({"peak_cuda_bytes": int(cuda)} if cuda else {})}
+    return {
+        "peak_rss_bytes": rss,
+        **({"peak_work_bytes": max(0, rss - _base)} if _base is not None else {}),
+        **({"peak_cuda_bytes": int(cuda)} if cuda else {}),
+    }

@@ -13,14 +13,18 @@ import difflib
 import json
 import os
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from m2d_ray.artifacts import write_json_atomic
-from m2d_ray.config import SweepConfig
+from m2d_ray.checkpoint import scan
+from m2d_ray.config import SweepConfig, load_config
 from m2d_ray.console import say
+from m2d_ray.data import source
 from m2d_ray.errors import M2DError
+from m2d_ray.models import check_teacher, default_teacher
+from m2d_ray.models import load_config as model_config
 from m2d_ray.plan.cost import Host, RunCost, cpu_rate
 from m2d_ray.plan.prices import hourly
 from m2d_ray.plan.run_plan import Costing, Devices, Planning, RunPlan
@@ -28,6 +32,9 @@ from m2d_ray.plan.shapes import models_of, shape_of
 from m2d_ray.run_dir import RunDir
 from m2d_ray.stages import baselines, calibrate, report, stage1, stage2, stage3, targets
 from m2d_ray.stages.contract import Stage
+from m2d_ray.track import Tracker
+
+# Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
 
 
 class Stages:
@@ -44,7 +51,11 @@ class Stages:
             if s.name == name:
                 return s
         close = difflib.get_close_matches(name, self.names(), n=1)
-        raise M2DError(f"unknown stage {name!r};" + (f" did you mean {close[0]!r}?" if close else "") + f" the stages: {', '.join(self.names())}")
+        raise M2DError(
+            f"unknown stage {name!r};"
+            + (f" did you mean {close[0]!r}?" if close else "")
+            + f" the stages: {', '.join(self.names())}"
+        )
 
     def names(self) -> list[str]:
         return [s.name for s in self._all]
@@ -78,8 +89,6 @@ def check(cfg: SweepConfig, stages: Stages = STAGES, tracking_uri: str | None = 
     """Every input the stages will read, checked on the driver before anything is written. The teacher's weights
     are read once, one tensor at a time, for NaN/inf (local checkpoints): workers that load it later need not fail
     one by one. A tracking server named by the user must answer; the storage must read back what is written."""
-    from m2d_ray.checkpoint import scan
-    from m2d_ray.models import check_teacher, default_teacher
 
     check_config(cfg)
     teacher = cfg.model or default_teacher()
@@ -87,8 +96,6 @@ def check(cfg: SweepConfig, stages: Stages = STAGES, tracking_uri: str | None = 
     for s in wanted(cfg, stages):
         s.check(cfg, teacher)
     if tracking_uri or cfg.mlflow.tracking_uri:
-        from m2d_ray.track import Tracker
-
         Tracker(tracking_uri or cfg.mlflow.tracking_uri, cfg.mlflow.experiment)
     if cfg.storage:
         from m2d_ray.stages.run_storage import RunStorage
@@ -100,7 +107,6 @@ def check(cfg: SweepConfig, stages: Stages = STAGES, tracking_uri: str | None = 
 def check_resume(rd: RunDir, cfg: SweepConfig, stages: Stages = STAGES, tracking_uri: str | None = None) -> None:
     """A resumed run keeps what its finished stages were computed with, and its inputs are checked again (the corpora
     it read unchanged)."""
-    from m2d_ray.config import load_config
 
     saved = load_config(rd.config).storage
     if cfg.storage != saved:
@@ -108,19 +114,20 @@ def check_resume(rd: RunDir, cfg: SweepConfig, stages: Stages = STAGES, tracking
     for s in wanted(cfg, stages):
         s.check_resume(rd, cfg)
     check(cfg, stages, tracking_uri)
-    from m2d_ray.data import source
 
     before = json.loads(rd.corpora.read_text()) if rd.corpora.exists() else {}
     for key, fp in corpora(cfg, stages).items():
         if key in before and before[key]["spec"] == fp["spec"]:
             changed = source.changes(before[key], fp)
             if changed:
-                raise M2DError(f"{key} {fp['spec']} changed since {rd} started ({changed}); restore it, or start a new run with another --out")
+                raise M2DError(
+                    f"{key} {fp['spec']} changed since {rd} started ({changed}); restore it, or start a new run with "
+                    "another --out"
+                )
 
 
 def corpora(cfg: SweepConfig, stages: Stages = STAGES) -> dict:
     """Fingerprints of the file corpora the stages read (data spec key -> data.source.fingerprint)."""
-    from m2d_ray.data import source
 
     specs = {k: v for s in wanted(cfg, stages) for k, v in s.reads(cfg).items()}
     return {k: source.fingerprint(v) for k, v in specs.items() if source.parse(v).kind == "files"}
@@ -135,19 +142,25 @@ def record_corpora(rd: RunDir, cfg: SweepConfig, stages: Stages = STAGES) -> Non
 
 
 # ---- the plan -----------------------------------------------------------------------------------
-def plan_run(cfg: SweepConfig, devices: Devices = Devices(), model: str | None = None, stages: Stages = STAGES) -> RunPlan:
+def plan_run(
+    cfg: SweepConfig, devices: Devices = Devices(), model: str | None = None, stages: Stages = STAGES
+) -> RunPlan:
     """The plan of `cfg` (m2d plan, and m2d run before any work): the teacher's config read from `model` (a directory
     with config.json), else the config's model; the baselines' own teachers when their configs can be read here
     (not with `model` given: then their names may be the hub's)."""
-    from m2d_ray.models import default_teacher
-    from m2d_ray.models import load_config as model_config
 
     check_config(cfg)
-    own = {} if model is not None else {b.teacher_key: model_config(b.teacher(cfg)) for b in baselines.of(cfg) if b.has_teacher}
+    own = (
+        {}
+        if model is not None
+        else {b.teacher_key: model_config(b.teacher(cfg)) for b in baselines.of(cfg) if b.has_teacher}
+    )
     return plan(cfg, model_config(model or cfg.model or default_teacher()), devices, own, stages)
 
 
-def plan(cfg: SweepConfig, teacher_config, devices: Devices = Devices(), own: dict | None = None, stages: Stages = STAGES) -> RunPlan:
+def plan(
+    cfg: SweepConfig, teacher_config, devices: Devices = Devices(), own: dict | None = None, stages: Stages = STAGES
+) -> RunPlan:
     """Every stage's rows added up, from configs alone: the MoE teacher's, and the baselines' own teachers' (`own`, by
     stage 3's key) where known (else planned at the MoE teacher's shape)."""
     own = own or {}
@@ -158,8 +171,15 @@ def plan(cfg: SweepConfig, teacher_config, devices: Devices = Devices(), own: di
     for s in run:
         a, b = s.storage(p)
         stays, peak = {**stays, **a}, {**peak, **b}
-    return RunPlan(tuple(rows), stays, devices.gpu_memory, {"teacher_params": p.models.teacher.params, "student_params": p.models.student.params},
-                   peak, _bill(p, run, {r.name: r for r in rows}), cfg.plan.max_dollars)
+    return RunPlan(
+        tuple(rows),
+        stays,
+        devices.gpu_memory,
+        {"teacher_params": p.models.teacher.params, "student_params": p.models.student.params},
+        peak,
+        _bill(p, run, {r.name: r for r in rows}),
+        cfg.plan.max_dollars,
+    )
 
 
 def _bill(p: Planning, run: list[Stage], plans: dict, cpu: Host | None = None) -> RunCost:
@@ -177,8 +197,14 @@ def _bill(p: Planning, run: list[Stage], plans: dict, cpu: Host | None = None) -
     if len(p.ends) > 1:  # ASHA stops some students: the same run with none stopped is the most it can cost
         same = replace(cfg, stage2=replace(cfg.stage2, asha=False))
         bound = _bill(replace(p, cfg=same), run, plans, cpu)
-    return RunCost(tuple(rows), None if price is None or wall is None else price * wall / 3600, cpu.rate if cpu else None, d.cpu_load,
-                   tuple(p.ends), bound)
+    return RunCost(
+        tuple(rows),
+        None if price is None or wall is None else price * wall / 3600,
+        cpu.rate if cpu else None,
+        d.cpu_load,
+        tuple(p.ends),
+        bound,
+    )
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -194,8 +220,12 @@ def run(ctx, stages: Stages | None = None) -> dict:
         say(f"== {stage.name} ==")
         results[stage.name] = stage.run(ctx)
         before = state["stages"].get(stage.name, {})
-        state["stages"][stage.name] = {**before, "wall_s": round(before.get("wall_s", 0.0) + time.time() - t0, 1),
-                                       "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "runs": before.get("runs", 1 if before else 0) + 1}
+        state["stages"][stage.name] = {
+            **before,
+            "wall_s": round(before.get("wall_s", 0.0) + time.time() - t0, 1),
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "runs": before.get("runs", 1 if before else 0) + 1,
+        }
         write_json_atomic(ctx.rd.timings, state)
     return results
 
@@ -203,10 +233,14 @@ def run(ctx, stages: Stages | None = None) -> dict:
 def run_stages(cfg: SweepConfig, run_dir, *names: str, tracking_uri: str | None = None) -> dict:
     """The stages `names` on `run_dir` (a new run made there, else the run there continued), without the commands'
     checks: for tests, benchmarks and notebooks. Returns each stage's result."""
-    from m2d_ray.stages.context import RunContext  # lazy: Ray
+    from m2d_ray.stages.context import RunContext
 
     rd, stages = RunDir(run_dir), tuple(STAGES)
-    ctx = RunContext(cfg, rd, tracking_uri, stages) if rd.state.exists() else RunContext.create(cfg, rd, tracking_uri, stages)
+    ctx = (
+        RunContext(cfg, rd, tracking_uri, stages)
+        if rd.state.exists()
+        else RunContext.create(cfg, rd, tracking_uri, stages)
+    )
     return run(ctx, STAGES.only(*names))
 
 

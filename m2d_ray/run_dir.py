@@ -26,7 +26,11 @@ from m2d_ray.errors import M2DError
 #: trial outcomes: ok (finished), pruned (early-stopped), diverged (NaN/inf), failed (raised)
 STATUSES = ("ok", "pruned", "diverged", "failed")
 TEACHER_KEY = "teacher"  # stage 3's key of the MoE teacher (the table's reference row); a baseline's own: teacher-NAME
-STAGE1_CSV, STAGE1_MD, STAGE1_HEATMAP = "stage1.csv", "stage1.md", "stage1_heatmap.png"  # in the run directory and its report
+STAGE1_CSV, STAGE1_MD, STAGE1_HEATMAP = (
+    "stage1.csv",
+    "stage1.md",
+    "stage1_heatmap.png",
+)  # in the run directory and its report
 
 
 class Ledger:
@@ -153,7 +157,10 @@ class RunDir:
 
     def read_promotions(self) -> dict:
         if not self.promotions.exists():
-            raise M2DError(f"{self.path} holds no finished stage 1 (no {self.promotions.name}); run m2d run CONFIG --out {self.path} first")
+            raise M2DError(
+                f"{self.path} holds no finished stage 1 (no {self.promotions.name}); run m2d run CONFIG --out "
+                f"{self.path} first"
+            )
         return json.loads(self.promotions.read_text())
 
     # ---- stage 2 ---------------------------------------------------------------------------
@@ -185,7 +192,8 @@ class RunDir:
         return self.stage2_ledger().records() if (self.stage2 / "trials").exists() else []
 
     def baseline(self, name: str) -> Path:
-        """A stage-2 baseline's own records (its preparation: the d2d search's candidates, ...); the files in it are the baseline's."""
+        """A stage-2 baseline's own records (its preparation: the d2d search's candidates, ...); the files in it are
+        the baseline's."""
         return self.stage2 / name
 
     # ---- stage 3 ---------------------------------------------------------------------------

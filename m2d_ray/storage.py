@@ -18,8 +18,10 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
+
+import pyarrow.fs as pafs
 
 from m2d_ray.artifacts import MARKER
 
@@ -40,7 +42,6 @@ def join(url: str, *parts: str) -> str:
 
 def filesystem(url: str):
     """(pyarrow filesystem, path on it) of a storage URL."""
-    import pyarrow.fs as pafs
 
     if not is_remote(url):
         return pafs.LocalFileSystem(), str(Path(str(url).removeprefix("file://")).expanduser().resolve())
@@ -55,7 +56,6 @@ def ray_storage(url: str) -> dict:
 
 def exists(url: str) -> bool:
     """A complete directory (its marker is written last) or a file is at `url`."""
-    import pyarrow.fs as pafs
 
     fs, path = filesystem(url)
     info = fs.get_file_info(path)
@@ -118,7 +118,6 @@ def fetch_dir(url: str, without: tuple[str, ...] = ()) -> Path:
     fs, path = filesystem(url)
     if not is_remote(url):
         return Path(path)
-    import pyarrow.fs as pafs
 
     dest = cache_root() / "storage" / hashlib.sha256((url + "|".join(("", *without))).encode()).hexdigest()[:24]
     if (dest / MARKER).exists():
@@ -130,7 +129,7 @@ def fetch_dir(url: str, without: tuple[str, ...] = ()) -> Path:
         for info in infos:
             if info.type != pafs.FileType.File or info.base_name.endswith(without):
                 continue
-            target = tmp / info.path[len(path):].lstrip("/")
+            target = tmp / info.path[len(path) :].lstrip("/")
             target.parent.mkdir(parents=True, exist_ok=True)
             with fs.open_input_stream(info.path) as src, target.open("wb") as dst:
                 shutil.copyfileobj(src, dst, _COPY_BLOCK)
@@ -188,7 +187,6 @@ def fetch_file(url: str) -> Path:
 
 def list_names(url: str) -> list[str]:
     """Names of the files directly in the directory at `url` (none when it does not exist)."""
-    import pyarrow.fs as pafs
 
     fs, path = filesystem(url)
     infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
@@ -197,7 +195,6 @@ def list_names(url: str) -> list[str]:
 
 def delete(url: str) -> None:
     """Remove the file at `url` (gone already is fine)."""
-    import pyarrow.fs as pafs
 
     fs, path = filesystem(url)
     if fs.get_file_info(path).type == pafs.FileType.File:
@@ -206,7 +203,6 @@ def delete(url: str) -> None:
 
 def delete_dir(url: str) -> bool:
     """Remove the directory at `url` and everything below it (gone already is fine); True when there was one."""
-    import pyarrow.fs as pafs
 
     fs, path = filesystem(url)
     if fs.get_file_info(path).type != pafs.FileType.Directory:

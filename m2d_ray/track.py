@@ -8,6 +8,7 @@ callbacks on the driver can log from any thread.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -15,11 +16,14 @@ from pathlib import Path
 from m2d_ray.errors import M2DError
 from m2d_ray.run_dir import TEACHER_KEY, RunDir
 
+# Imported inside functions: MLflow (seconds to import; only where a run is tracked).
+
 PARENT_TAG, TRIAL_TAG, LOGGED_TAG = "m2d.sweep_id", "m2d.trial", "m2d.logged"
 #: MLflow 3's experiment kind: a model-training experiment opens on its runs table, not on the GenAI overview
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 NOTE_TAG = "mlflow.note.content"  # a run's description in the UI (Markdown)
-#: the runs-table view m2d prints the link of: an experiment tag MLflow's UI reads as a shared view (`viewStateShareKey`)
+# : the runs-table view m2d prints the link of: an experiment tag MLflow's UI reads as a shared view
+# (`viewStateShareKey`)
 VIEW_KEY = "m2d-compare"
 VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
 #: each stage's key metric, under one name in every nested run of that stage (one runs-table column compares them)
@@ -32,7 +36,7 @@ def run_tracking_uri(cfg, rd: RunDir, override: str | None = None) -> str:
     return override or cfg.mlflow.tracking_uri or f"sqlite:///{rd.mlflow_db}"
 
 
-def run_tracker(cfg, rd: RunDir, override: str | None = None) -> "Tracker":
+def run_tracker(cfg, rd: RunDir, override: str | None = None) -> Tracker:
     """The tracker of a run directory (artifacts under RUN_DIR/mlartifacts for a sqlite store)."""
     return Tracker(run_tracking_uri(cfg, rd, override), cfg.mlflow.experiment, rd.mlartifacts)
 
@@ -48,8 +52,14 @@ class Tracker:
         try:
             exp = self.client.get_experiment_by_name(experiment)
             if exp is None:
-                location = Path(artifact_root).resolve().as_uri() if artifact_root and tracking_uri.startswith("sqlite") else None
-                self.experiment_id = self.client.create_experiment(experiment, artifact_location=location, tags=dict([EXPERIMENT_KIND]))
+                location = (
+                    Path(artifact_root).resolve().as_uri()
+                    if artifact_root and tracking_uri.startswith("sqlite")
+                    else None
+                )
+                self.experiment_id = self.client.create_experiment(
+                    experiment, artifact_location=location, tags=dict([EXPERIMENT_KIND])
+                )
             else:
                 self.experiment_id = exp.experiment_id
                 if EXPERIMENT_KIND[0] not in exp.tags:  # an experiment of an older m2d; a kind someone chose is kept
@@ -57,7 +67,10 @@ class Tracker:
             if exp is None or exp.tags.get(VIEW_TAG) != COMPARE_VIEW:
                 self.client.set_experiment_tag(self.experiment_id, VIEW_TAG, COMPARE_VIEW)
         except Exception as exc:  # unreachable server, bad URI ...
-            raise M2DError(f"MLflow tracking at {tracking_uri} is not usable ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); check --tracking-uri") from None
+            raise M2DError(
+                f"MLflow tracking at {tracking_uri} is not usable ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:160]}); check --tracking-uri"
+            ) from None
 
     def ui_url(self) -> str:
         return ui_url(self.uri, self.experiment_id)
@@ -73,7 +86,9 @@ class Tracker:
         whichever stage logs first creates it, the stage that knows the run's parameters adds them."""
         run_id = self._find(PARENT_TAG, sweep_id)
         if run_id is None:
-            run_id = self.client.create_run(self.experiment_id, run_name=name, tags={PARENT_TAG: sweep_id, **_str(tags)}).info.run_id
+            run_id = self.client.create_run(
+                self.experiment_id, run_name=name, tags={PARENT_TAG: sweep_id, **_str(tags)}
+            ).info.run_id
             self.log(run_id, params=params)
             return run_id
         self.client.update_run(run_id, status="RUNNING")
@@ -97,7 +112,14 @@ class Tracker:
         return {r.data.tags[TRIAL_TAG] for r in runs if TRIAL_TAG in r.data.tags}
 
     # ---- logging ---------------------------------------------------------------------------
-    def log(self, run_id: str, params: dict | None = None, metrics: dict | None = None, tags: dict | None = None, steps: dict[str, list[tuple[int, float]]] | None = None) -> None:
+    def log(
+        self,
+        run_id: str,
+        params: dict | None = None,
+        metrics: dict | None = None,
+        tags: dict | None = None,
+        steps: dict[str, list[tuple[int, float]]] | None = None,
+    ) -> None:
         from mlflow.entities import Metric, Param, RunTag
 
         now = int(time.time() * 1000)
@@ -122,7 +144,8 @@ class Tracker:
 
 def ui_url(tracking_uri: str, experiment_id: str) -> str:
     """An experiment's runs table opened on the comparison view, in the tracking server's UI (a local store: in
-    `mlflow ui` on its default address). MLflow 3's UI starts on its GenAI pages; `workflowType` picks model training."""
+    `mlflow ui` on its default address). MLflow 3's UI starts on its GenAI pages; `workflowType` picks model
+    training."""
     host = tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
     return f"{host}/#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey={VIEW_KEY}"
 
@@ -132,21 +155,52 @@ def _compare_view() -> str:
     by stage (stage-1 configs, students, evaluations; each group open), the recipe and every stage's key metric as
     columns. Charts, one per run (not per group): parallel coordinates of K and scaling against stage 1's
     perplexity, and a bar per run of stage 2's and stage 3's key metrics."""
-    import json
 
-    columns = ([f"params.`{p}`" for p in ("K", "scaling")] + [f"tags.`{t}`" for t in ("pair", "kind")]
-               + [f"metrics.`{m}`" for m in KEY_METRICS.values()])
+    columns = (
+        [f"params.`{p}`" for p in ("K", "scaling")]
+        + [f"tags.`{t}`" for t in ("pair", "kind")]
+        + [f"metrics.`{m}`" for m in KEY_METRICS.values()]
+    )
     card = {"runsCountToCompare": 100, "metricSectionId": "m2d", "deleted": False, "isGenerated": False}
-    charts = [{**card, "uuid": "m2d-grid", "type": "PARALLEL", "selectedParams": ["K", "scaling"], "selectedMetrics": [KEY_METRICS[1]], "showAllRuns": True},
-              *({**card, "uuid": f"m2d-{m}", "type": "BAR", "metricKey": m} for m in (KEY_METRICS[2], KEY_METRICS[3]))]
-    return json.dumps({
-        "searchFilter": "", "orderByKey": "attributes.start_time", "orderByAsc": True, "startTime": "ALL", "lifecycleFilter": "Active",
-        "modelVersionFilter": "All Runs", "datasetsFilter": [], "selectedColumns": columns, "runsHiddenMode": "SHOW_ALL",
-        "groupBy": {"aggregateFunction": "min", "groupByKeys": [{"mode": "tag", "groupByData": "stage"}]},
-        "groupsExpanded": {f"tag.stage.{s}": True for s in KEY_METRICS}, "useGroupedValuesInCharts": False, "compareRunCharts": charts,
-        "compareRunSections": [{"uuid": "m2d", "name": "m2d: recipes (stage 1), students (stage 2), accuracy (stage 3)", "display": True,
-                                "isReordered": False, "deleted": False, "isGenerated": False}],
-    }, sort_keys=True)
+    charts = [
+        {
+            **card,
+            "uuid": "m2d-grid",
+            "type": "PARALLEL",
+            "selectedParams": ["K", "scaling"],
+            "selectedMetrics": [KEY_METRICS[1]],
+            "showAllRuns": True,
+        },
+        *({**card, "uuid": f"m2d-{m}", "type": "BAR", "metricKey": m} for m in (KEY_METRICS[2], KEY_METRICS[3])),
+    ]
+    return json.dumps(
+        {
+            "searchFilter": "",
+            "orderByKey": "attributes.start_time",
+            "orderByAsc": True,
+            "startTime": "ALL",
+            "lifecycleFilter": "Active",
+            "modelVersionFilter": "All Runs",
+            "datasetsFilter": [],
+            "selectedColumns": columns,
+            "runsHiddenMode": "SHOW_ALL",
+            "groupBy": {"aggregateFunction": "min", "groupByKeys": [{"mode": "tag", "groupByData": "stage"}]},
+            "groupsExpanded": {f"tag.stage.{s}": True for s in KEY_METRICS},
+            "useGroupedValuesInCharts": False,
+            "compareRunCharts": charts,
+            "compareRunSections": [
+                {
+                    "uuid": "m2d",
+                    "name": "m2d: recipes (stage 1), students (stage 2), accuracy (stage 3)",
+                    "display": True,
+                    "isReordered": False,
+                    "deleted": False,
+                    "isGenerated": False,
+                }
+            ],
+        },
+        sort_keys=True,
+    )
 
 
 COMPARE_VIEW = _compare_view()
@@ -162,17 +216,28 @@ def run_tags(stage: int, pair: str, kind: str) -> dict[str, str]:
 def model_kind(key: str) -> str:
     """The kind of a stage-2/3 model from its key (`baseline-NAME`, the teachers' `teacher` and `teacher-NAME`, else a
     promoted config)."""
-    return "teacher" if key == TEACHER_KEY or key.startswith(f"{TEACHER_KEY}-") else "baseline" if key.startswith("baseline-") else "promoted"
+    return (
+        "teacher"
+        if key == TEACHER_KEY or key.startswith(f"{TEACHER_KEY}-")
+        else "baseline"
+        if key.startswith("baseline-")
+        else "promoted"
+    )
 
 
 def run_description(name: str, rd: RunDir, teacher: str, configs: int) -> str:
     """The parent run's description (Markdown): what the run is, where its report is, how to compare its runs."""
-    return (f"**m2d run `{name}`**: MoE → dense recipes for `{teacher}`. Stage 1 scores {configs} recipe configs by "
-            "pre-distillation perplexity (nested runs tagged `stage=1`, metric `perplexity`); stage 2 distils each "
-            "(scoring, grouping) pair's best and the baselines (`stage=2`, `final_val_ppl`); stage 3 evaluates them and the "
-            f"teacher (`stage=3`, `mean_acc`).\n\nReport: `{rd.report / 'index.html'}` (also in this run's Artifacts, `report/`).\n\n"
-            "Compare: search `tags.stage = '1'` (or `'2'`, `'3'`), *Group by* the tag `pair` or `kind`, add the metric's column, "
-            "or open *Chart* → parallel coordinates (params K, scaling against `perplexity`).")
+    return (
+        f"**m2d run `{name}`**: MoE → dense recipes for `{teacher}`. Stage 1 scores {configs} recipe configs by "
+        "pre-distillation perplexity (nested runs tagged `stage=1`, metric `perplexity`); stage 2 distils each "
+        "(scoring, grouping) pair's best and the baselines (`stage=2`, `final_val_ppl`); stage 3 evaluates them and "
+        "the "
+        f"teacher (`stage=3`, `mean_acc`).\n\nReport: `{rd.report / 'index.html'}` (also in this run's Artifacts, "
+        "`report/`).\n\n"
+        "Compare: search `tags.stage = '1'` (or `'2'`, `'3'`), *Group by* the tag `pair` or `kind`, add the metric's "
+        "column, "
+        "or open *Chart* → parallel coordinates (params K, scaling against `perplexity`)."
+    )
 
 
 def _finite(v) -> bool:

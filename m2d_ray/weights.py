@@ -18,18 +18,32 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import torch
+from huggingface_hub import hf_hub_download, snapshot_download
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from m2d_ray import checkpoint, storage
 from m2d_ray.arch import get_adapter, supported_types
-from m2d_ray.arch.base import DenseFFN, ExpertWeights, MoEAdapter, SharedExpert, dense_from_mlp
-from m2d_ray import checkpoint
-from m2d_ray.checkpoint import Checkpoint, check_files
+from m2d_ray.arch.base import (
+    DenseFFN,
+    ExpertWeights,
+    MoEAdapter,
+    SharedExpert,
+    dense_from_mlp,
+)
+from m2d_ray.arch.head import check_plain_head, head_names
+from m2d_ray.checkpoint import (
+    INDEX_FILE,
+    Checkpoint,
+    Shard,
+    check_files,
+    read_stored_tensor,
+)
 from m2d_ray.errors import M2DError
 from m2d_ray.models import default_teacher, load_config, model_fingerprint
 
@@ -40,26 +54,30 @@ def check_finite(name: str, t: Tensor, experts: Sequence[int] | None = None) -> 
 
     `experts` maps the rows of a fused [E, ...] expert tensor to expert ids (default: row = id).
     """
-    checkpoint.check_finite([(name, t)], "teacher weight", "the checkpoint is damaged: re-download or re-export the model", experts)
+    checkpoint.check_finite(
+        [(name, t)], "teacher weight", "the checkpoint is damaged: re-download or re-export the model", experts
+    )
     return t
 
 
 def checkpoint_dir(name: str) -> Path:
     """The local directory of a model: itself, a storage URL's copy in this node's cache (`storage.fetch_dir`),
     or the hub snapshot (downloaded once into the hub cache)."""
-    from m2d_ray import storage
 
     if storage.is_remote(name):
         return storage.fetch_dir(name)
     path = Path(name).expanduser()
     if path.is_dir():
         return path
-    from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]))
+        return Path(
+            snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"])
+        )
     except Exception as exc:
-        raise M2DError(f"cannot fetch the weights of {name!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
+        raise M2DError(
+            f"cannot fetch the weights of {name!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+        ) from None
 
 
 def skeleton(config, dtype: torch.dtype, device: str = "cpu") -> PreTrainedModel:
@@ -71,7 +89,11 @@ def skeleton(config, dtype: torch.dtype, device: str = "cpu") -> PreTrainedModel
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), **kwargs)
     for module in model.modules():
-        lost = [n for n in module._non_persistent_buffers_set if module._buffers.get(n) is not None and module._buffers[n].is_meta]
+        lost = [
+            n
+            for n in module._non_persistent_buffers_set
+            if module._buffers.get(n) is not None and module._buffers[n].is_meta
+        ]
         for n in lost:
             module._buffers[n] = torch.empty_like(module._buffers[n], device="cpu")
         if lost:
@@ -199,7 +221,11 @@ class LazyTeacher:
             if any(k in ckpt for k in self.adapter.checkpoint_names(other)):
                 return self.tensor(other, rows)
         quantized = any(f"{k}_blocks" in ckpt for k in self.adapter.checkpoint_names(name))
-        hint = "it is stored quantized: dequantize the checkpoint first" if quantized else "is it a checkpoint of this model?"
+        hint = (
+            "it is stored quantized: dequantize the checkpoint first"
+            if quantized
+            else "is it a checkpoint of this model?"
+        )
         raise M2DError(f"checkpoint {ckpt.dir} has no tensor {name} ({hint})")
 
     def _per_expert(self, name: str) -> list[str]:
@@ -231,7 +257,10 @@ class LazyTeacher:
                     dst.copy_(check_finite(key, shard.read(key)))
                 at += rows_e
             if at != out.shape[1]:
-                raise M2DError(f"checkpoint {self.checkpoint.dir}: per-expert tensors {parts} of expert {e} do not fill {list(target.shape)}")
+                raise M2DError(
+                    f"checkpoint {self.checkpoint.dir}: per-expert tensors {parts} of expert {e} do not fill "
+                    f"{list(target.shape)}"
+                )
         return out
 
     def name_of(self, module: nn.Module) -> str:
@@ -252,10 +281,13 @@ def open_teacher(name: str | None = None, device: str = "cpu") -> LazyTeacher:
     check_files(str(directory), "teacher")  # the same checks (and messages) as loading it whole
     ckpt = Checkpoint(directory)
     return LazyTeacher(
-        name=name, config=config, tokenizer=AutoTokenizer.from_pretrained(str(directory)), adapter=adapter,
-        skeleton=skeleton(config, _checkpoint_dtype(config, ckpt), device), checkpoint=ckpt,
+        name=name,
+        config=config,
+        tokenizer=AutoTokenizer.from_pretrained(str(directory)),
+        adapter=adapter,
+        skeleton=skeleton(config, _checkpoint_dtype(config, ckpt), device),
+        checkpoint=ckpt,
     )
-
 
 
 def read_output_head(name: str, dtype: torch.dtype) -> Tensor:
@@ -263,9 +295,6 @@ def read_output_head(name: str, dtype: torch.dtype) -> Tensor:
     arch/head.py): all a student's rank holds of its teacher with `hidden` targets. A teacher in object
     storage is read by ranged reads of that tensor only (no copy of the checkpoint on the node); MoE and
     dense teachers (the d2d baseline's) alike; checked for NaN/inf like every lazy read."""
-    from m2d_ray import storage
-    from m2d_ray.arch.head import check_plain_head, head_names
-    from m2d_ray.checkpoint import read_stored_tensor
 
     config = load_config(name)
     check_plain_head(config)
@@ -282,21 +311,22 @@ def read_output_head(name: str, dtype: torch.dtype) -> Tensor:
         ckpt = Checkpoint(directory)
         found = next(((k, ckpt.read(k)) for k in keys if k in ckpt), None)
     if found is None:
-        raise M2DError(f"the checkpoint of {name} has no output head ({' or '.join(wanted)}); is it a causal language model?")
+        raise M2DError(
+            f"the checkpoint of {name} has no output head ({' or '.join(wanted)}); is it a causal language model?"
+        )
     return check_finite(*found).to(dtype)
 
 
 def _read_hub_tensor(name: str, keys: Sequence[str]) -> tuple[str, Tensor] | None:
     """(key, tensor) of the first of `keys` in a hub model, downloading its JSON files and only the weight shard
     that holds the tensor (into the hub cache), not the whole checkpoint."""
-    from huggingface_hub import hf_hub_download, snapshot_download
-
-    from m2d_ray.checkpoint import INDEX_FILE, Shard
 
     try:
         meta = Path(snapshot_download(name, allow_patterns=["*.json"]))
         index = meta / INDEX_FILE
-        files = json.loads(index.read_text())["weight_map"] if index.exists() else {k: "model.safetensors" for k in keys}
+        files = (
+            json.loads(index.read_text())["weight_map"] if index.exists() else {k: "model.safetensors" for k in keys}
+        )
         for key in (k for k in keys if k in files):
             shard = Shard(Path(hf_hub_download(name, files[key])))
             if key in shard.entries:
@@ -304,5 +334,7 @@ def _read_hub_tensor(name: str, keys: Sequence[str]) -> tuple[str, Tensor] | Non
     except M2DError:
         raise
     except Exception as exc:
-        raise M2DError(f"cannot fetch the output head of {name!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
+        raise M2DError(
+            f"cannot fetch the output head of {name!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+        ) from None
     return None

@@ -30,8 +30,15 @@ def multinode_unavailable() -> str | None:
 
     if tuple(int(x) for x in version("moto").split(".")[:3]) < (5, 2, 5):
         return "needs moto >= 5.2.5 (5.2.1's CompleteMultipartUpload reply breaks pyarrow): pip install -e '.[test]'"
-    probe = subprocess.run(["unshare", "-pf", "--mount-proc", "unshare", "-m", "sh", "-c", "mount -t tmpfs tmpfs /mnt"], capture_output=True)
-    return None if probe.returncode == 0 else f"cannot make PID/mount namespaces here (root needed): {probe.stderr.decode()[:200]}"
+    probe = subprocess.run(
+        ["unshare", "-pf", "--mount-proc", "unshare", "-m", "sh", "-c", "mount -t tmpfs tmpfs /mnt"],
+        capture_output=True,
+    )
+    return (
+        None
+        if probe.returncode == 0
+        else f"cannot make PID/mount namespaces here (root needed): {probe.stderr.decode()[:200]}"
+    )
 
 
 def shared_path(*parts: str) -> Path:
@@ -61,10 +68,20 @@ def tiny_teacher_dir(tmp_path_factory) -> Path:
     tok = build_tokenizer()
     vocab = -(-len(tok) // 8) * 8
     cfg = Qwen3MoeConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=256,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
@@ -95,7 +112,9 @@ def byte_teacher_dir(tiny_teacher_dir, tmp_path_factory) -> Path:
     out.mkdir()
     for f in ("config.json", "model.safetensors"):
         shutil.copy(tiny_teacher_dir / f, out / f)
-    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", pad_token="<|endoftext|>").save_pretrained(out)
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", pad_token="<|endoftext|>").save_pretrained(
+        out
+    )
     return out
 
 
@@ -131,3 +150,18 @@ def ray_address():
     ensure_ray(RayConfig())
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
+
+
+def forbid(monkeypatch, module, name: str, why: str) -> None:
+    """`module.name` raises AssertionError(why) wherever the package calls it: at its definition and in every m2d_ray
+    module that imported it by name (a patch of the defining module alone would miss those)."""
+    import sys
+
+    original = getattr(module, name)
+
+    def refused(*args, **kwargs):
+        raise AssertionError(why)
+
+    for mod in [m for n, m in sys.modules.items() if n == "m2d_ray" or n.startswith("m2d_ray.")]:
+        if getattr(mod, name, None) is original:
+            monkeypatch.setattr(mod, name, refused)

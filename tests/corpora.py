@@ -20,7 +20,11 @@ def write_corpus(root, docs=DOCS, files=3, column="text"):
     pdir.mkdir(parents=True)
     shards = [docs[i::files] for i in range(files)]
     for i, part in enumerate(shards):
-        pq.write_table(pa.table({column: part + [None, ""], "n": list(range(len(part) + 2))}), pdir / f"part-{i:03d}.parquet", row_group_size=40)
+        pq.write_table(
+            pa.table({column: part + [None, ""], "n": list(range(len(part) + 2))}),
+            pdir / f"part-{i:03d}.parquet",
+            row_group_size=40,
+        )
     (pdir / "_SUCCESS").write_text("")
     order = [d for part in shards for d in part]
     jgz = root / "corpus.jsonl.gz"

@@ -9,8 +9,8 @@ routing is far from uniform.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from transformers import (
@@ -55,29 +55,55 @@ class ArchSpec:
 def _qwen3_moe():
     # dense layer 0 of width 24 < k*I = 32: padded up in the student
     return Qwen3MoeConfig(
-        **COMMON, head_dim=16, num_hidden_layers=3, num_experts=E, num_experts_per_tok=K,
-        moe_intermediate_size=16, intermediate_size=24, mlp_only_layers=[0], norm_topk_prob=True,
+        **COMMON,
+        head_dim=16,
+        num_hidden_layers=3,
+        num_experts=E,
+        num_experts_per_tok=K,
+        moe_intermediate_size=16,
+        intermediate_size=24,
+        mlp_only_layers=[0],
+        norm_topk_prob=True,
     )
 
 
 def _qwen2_moe():
     # sigmoid-gated shared expert, q/k/v biases, no top-k renormalisation
     return Qwen2MoeConfig(
-        **COMMON, num_hidden_layers=2, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=16,
-        shared_expert_intermediate_size=32, intermediate_size=48, qkv_bias=True, norm_topk_prob=False,
+        **COMMON,
+        num_hidden_layers=2,
+        num_experts=E,
+        num_experts_per_tok=K,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        intermediate_size=48,
+        qkv_bias=True,
+        norm_topk_prob=False,
     )
 
 
 def _mixtral():
     return MixtralConfig(
-        **COMMON, head_dim=16, num_hidden_layers=2, num_local_experts=E, num_experts_per_tok=K, intermediate_size=32,
+        **COMMON,
+        head_dim=16,
+        num_hidden_layers=2,
+        num_local_experts=E,
+        num_experts_per_tok=K,
+        intermediate_size=32,
     )
 
 
 def _olmoe():
     return OlmoeConfig(
-        **COMMON, num_hidden_layers=2, num_experts=E, num_experts_per_tok=K, intermediate_size=16,
-        norm_topk_prob=False, clip_qkv=8.0, eos_token_id=None, pad_token_id=None,
+        **COMMON,
+        num_hidden_layers=2,
+        num_experts=E,
+        num_experts_per_tok=K,
+        intermediate_size=16,
+        norm_topk_prob=False,
+        clip_qkv=8.0,
+        eos_token_id=None,
+        pad_token_id=None,
     )
 
 
@@ -89,10 +115,21 @@ def _deepseek_v2():
     # group-limited routing (topk_group < k, else it never changes the choice) with a scaling factor,
     # no renormalisation
     return DeepseekV2Config(
-        **{**COMMON, "num_key_value_heads": 4}, **_MLA, q_lora_rank=None, num_hidden_layers=3,
-        n_routed_experts=E, num_experts_per_tok=K, moe_intermediate_size=16, n_shared_experts=2,
-        intermediate_size=96, first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4, topk_group=1,
-        routed_scaling_factor=1.5, norm_topk_prob=False,
+        **{**COMMON, "num_key_value_heads": 4},
+        **_MLA,
+        q_lora_rank=None,
+        num_hidden_layers=3,
+        n_routed_experts=E,
+        num_experts_per_tok=K,
+        moe_intermediate_size=16,
+        n_shared_experts=2,
+        intermediate_size=96,
+        first_k_dense_replace=1,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=1,
+        routed_scaling_factor=1.5,
+        norm_topk_prob=False,
     )
 
 
@@ -100,9 +137,19 @@ def _deepseek_v3():
     # sigmoid router, correction bias, 4 groups / 2 kept, renormalised then scaled by 2.5;
     # dense layer 0 of width 40 < k*I + shared = 2*16 + 16 = 48
     return DeepseekV3Config(
-        **{**COMMON, "num_key_value_heads": 4}, **_MLA, q_lora_rank=32, num_hidden_layers=3,
-        n_routed_experts=E, num_experts_per_tok=K, moe_intermediate_size=16, n_shared_experts=1,
-        intermediate_size=40, first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        **{**COMMON, "num_key_value_heads": 4},
+        **_MLA,
+        q_lora_rank=32,
+        num_hidden_layers=3,
+        n_routed_experts=E,
+        num_experts_per_tok=K,
+        moe_intermediate_size=16,
+        n_shared_experts=1,
+        intermediate_size=40,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
         norm_topk_prob=True,
     )
 
@@ -110,10 +157,23 @@ def _deepseek_v3():
 def _gpt_oss():
     # sliding/full alternating layers, attention sinks and biases, expert biases, clamped SwiGLU
     return GptOssConfig(
-        **COMMON, head_dim=16, num_hidden_layers=2, num_local_experts=E, num_experts_per_tok=K,
-        intermediate_size=16, sliding_window=4, swiglu_limit=1.5,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32},
+        **COMMON,
+        head_dim=16,
+        num_hidden_layers=2,
+        num_local_experts=E,
+        num_experts_per_tok=K,
+        intermediate_size=16,
+        sliding_window=4,
+        swiglu_limit=1.5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 32,
+        },
     )
 
 
@@ -129,8 +189,12 @@ FAMILIES: list[ArchSpec] = [
     ArchSpec("olmoe", _olmoe, "OlmoeForCausalLM", "OlmoeForCausalLM"),
     ArchSpec("deepseek_v2", _deepseek_v2, "DeepseekV2ForCausalLM", "DeepseekV2ForCausalLM", plain_topk=False),
     ArchSpec(
-        "deepseek_v3", _deepseek_v3, "DeepseekV3ForCausalLM", "DeepseekV3ForCausalLM",
-        plain_topk=False, probs_of_logits=_normalised_sigmoid,
+        "deepseek_v3",
+        _deepseek_v3,
+        "DeepseekV3ForCausalLM",
+        "DeepseekV3ForCausalLM",
+        plain_topk=False,
+        probs_of_logits=_normalised_sigmoid,
     ),
     ArchSpec("gpt_oss", _gpt_oss, "GptOssForCausalLM", "GptOssForCausalLM"),
 ]

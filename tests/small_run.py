@@ -26,9 +26,14 @@ def finished_run(dest: Path) -> tuple[Path, dict]:
     cfg = load_config(rd.config)
     tracker = run_tracker(cfg, rd)
     promotions = rd.read_promotions()
-    parent = tracker.parent_run(rd.sweep_id(), cfg.name, params={"model": promotions["teacher"]}, tags={"run_dir": str(rd)})
-    for ledger, stage, prefix in ((rd.stage1_ledger(), stage1_tune, ""), (rd.stage2_ledger(), stage2_tune, "stage2/"),
-                                  (Ledger(rd.stage3_results), stage3, "stage3/")):
+    parent = tracker.parent_run(
+        rd.sweep_id(), cfg.name, params={"model": promotions["teacher"]}, tags={"run_dir": str(rd)}
+    )
+    for ledger, stage, prefix in (
+        (rd.stage1_ledger(), stage1_tune, ""),
+        (rd.stage2_ledger(), stage2_tune, "stage2/"),
+        (Ledger(rd.stage3_results), stage3, "stage3/"),
+    ):
         StageRecorder(ledger, tracker, parent, stage.mlflow_fields, prefix).reconcile()
     stage1_tune.tag_promoted(tracker, parent, promotions["pairs"])
     return rd.path, report(str(rd))

@@ -6,7 +6,8 @@ from m2d_ray.arch.base import MoEAdapter
 from m2d_ray.registry import Registry
 
 ADAPTERS: Registry[MoEAdapter] = Registry(
-    "Mixture-of-Experts model", "model_type {name!r} is not a supported {kind}{hint}; supported: {names}")
+    "Mixture-of-Experts model", "model_type {name!r} is not a supported {kind}{hint}; supported: {names}"
+)
 
 
 def register(cls: type[MoEAdapter]) -> type[MoEAdapter]:
@@ -26,5 +27,12 @@ def get_adapter(config) -> MoEAdapter:
 
 
 # Importing the family modules registers them.
-from m2d_ray.arch import qwen3_moe  # noqa: E402,F401
-from m2d_ray.arch import deepseek_v2, deepseek_v3, gpt_oss, mixtral, olmoe, qwen2_moe  # noqa: E402,F401
+from m2d_ray.arch import (  # noqa: E402,F401
+    deepseek_v2,
+    deepseek_v3,
+    gpt_oss,
+    mixtral,
+    olmoe,
+    qwen2_moe,
+    qwen3_moe,  # noqa: E402,F401
+)

@@ -13,8 +13,9 @@ scoring, grouping, merging, export) only sees the plain tensors defined here:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -61,8 +62,10 @@ class ExpertWeights:
     def width(self) -> int:
         return self.gate.shape[1]
 
-    def to(self, dtype: torch.dtype) -> "ExpertWeights":
-        cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    def to(self, dtype: torch.dtype) -> ExpertWeights:
+        def cast(t):
+            return None if t is None else t.to(dtype)
+
         return replace(
             self,
             gate=cast(self.gate),
@@ -73,8 +76,10 @@ class ExpertWeights:
             down_bias=cast(self.down_bias),
         )
 
-    def select(self, idx: list[int]) -> "ExpertWeights":
-        pick = lambda t: None if t is None else t[idx]  # noqa: E731
+    def select(self, idx: list[int]) -> ExpertWeights:
+        def pick(t):
+            return None if t is None else t[idx]
+
         return replace(
             self,
             gate=pick(self.gate),
@@ -108,7 +113,11 @@ def stacked_gate_up(w: ExpertWeights) -> Tensor:
     E, I, d = w.gate.shape
     g, u = w.gate, w.up
     fused = g.stride() == u.stride() == (2 * I * d, d, 1) and u.data_ptr() == g.data_ptr() + I * d * g.element_size()
-    return g.as_strided((E * 2 * I, d), (d, 1)) if fused and g.dtype == u.dtype else torch.cat([g, u], dim=1).reshape(E * 2 * I, d)
+    return (
+        g.as_strided((E * 2 * I, d), (d, 1))
+        if fused and g.dtype == u.dtype
+        else torch.cat([g, u], dim=1).reshape(E * 2 * I, d)
+    )
 
 
 def expert_outputs(w: ExpertWeights, h: Tensor) -> Tensor:
@@ -163,7 +172,7 @@ class DenseFFN:
     def width(self) -> int:
         return self.gate.shape[0]
 
-    def pad_to(self, width: int) -> "DenseFFN":
+    def pad_to(self, width: int) -> DenseFFN:
         """Append zero hidden units; zero down-columns make the padding exact for any activation."""
         extra = width - self.width
         if extra < 0:
@@ -261,7 +270,9 @@ class MoEAdapter:
         """Expanded routing uses at least the model's own k and at most all E experts."""
         own, E = self.top_k(config), self.num_experts(config)
         if not own <= k <= E:
-            raise M2DError(f"teacher top-k {k} outside [k, E] = [{own}, {E}]: expanded routing uses at least the teacher's own k")
+            raise M2DError(
+                f"teacher top-k {k} outside [k, E] = [{own}, {E}]: expanded routing uses at least the teacher's own k"
+            )
 
     def set_top_k(self, model: nn.Module, k: int) -> None:
         """Expanded routing: every MoE block uses its top-`k` experts, weighted by the router's own rule
@@ -334,7 +345,9 @@ def copy_config(target_cls, config, **overrides):
     """Build `target_cls` from the fields of `config` it knows, then apply overrides."""
     known = set(target_cls().to_dict())
     src = config.to_dict()
-    kwargs = {k: v for k, v in src.items() if k in known and k not in ("model_type", "architectures", "transformers_version")}
+    kwargs = {
+        k: v for k, v in src.items() if k in known and k not in ("model_type", "architectures", "transformers_version")
+    }
     kwargs.update(overrides)
     return target_cls(**kwargs)
 

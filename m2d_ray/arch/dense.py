@@ -19,6 +19,7 @@ from typing import ClassVar
 
 from torch import nn
 
+from m2d_ray.arch import supported_types
 from m2d_ray.errors import M2DError
 from m2d_ray.registry import Registry
 
@@ -78,8 +79,12 @@ class DenseAdapter:
 
     # ---- sizes -------------------------------------------------------------------------------------
     def sizes(self, config) -> DenseSizes:
-        return DenseSizes(hidden=int(config.hidden_size), ffn=int(config.intermediate_size),
-                          heads=int(config.num_attention_heads), layers=int(config.num_hidden_layers))
+        return DenseSizes(
+            hidden=int(config.hidden_size),
+            ffn=int(config.intermediate_size),
+            heads=int(config.num_attention_heads),
+            layers=int(config.num_hidden_layers),
+        )
 
     def kv_heads(self, config) -> int:
         return int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
@@ -94,9 +99,14 @@ class DenseAdapter:
     def pruned_config(self, config, sizes: DenseSizes, kept_layers: list[int]):
         """The teacher's config class at the new sizes; head_dim explicit (it no longer follows from hidden)."""
         d = config.to_dict()
-        d.update(hidden_size=sizes.hidden, intermediate_size=sizes.ffn, num_attention_heads=sizes.heads,
-                 num_key_value_heads=sizes.heads // self.group_size(config), num_hidden_layers=sizes.layers,
-                 head_dim=self.head_dim(config))
+        d.update(
+            hidden_size=sizes.hidden,
+            intermediate_size=sizes.ffn,
+            num_attention_heads=sizes.heads,
+            num_key_value_heads=sizes.heads // self.group_size(config),
+            num_hidden_layers=sizes.layers,
+            head_dim=self.head_dim(config),
+        )
         if d.get("layer_types") is not None:
             d["layer_types"] = [d["layer_types"][i] for i in kept_layers]
         return type(config).from_dict(d)
@@ -128,11 +138,15 @@ class DenseAdapter:
         kinds = self.AXES.get(".".join(name.split(".")[-2:]))
         if kinds is not None:
             return kinds
-        raise M2DError(f"parameter {name!r} has no known layout for pruning; this model is not a plain "
-                       f"{'/'.join(self.model_types)} decoder: use one of those")
+        raise M2DError(
+            f"parameter {name!r} has no known layout for pruning; this model is not a plain "
+            f"{'/'.join(self.model_types)} decoder: use one of those"
+        )
 
 
-DENSE_ADAPTERS: Registry[DenseAdapter] = Registry("dense model", "model_type {name!r} is not a supported {kind}{hint}; use one of: {names}")
+DENSE_ADAPTERS: Registry[DenseAdapter] = Registry(
+    "dense model", "model_type {name!r} is not a supported {kind}{hint}; use one of: {names}"
+)
 for _type in DenseAdapter.model_types:
     DENSE_ADAPTERS.register(_type)(DenseAdapter())
 
@@ -143,10 +157,11 @@ def dense_types() -> list[str]:
 
 def get_dense_adapter(config) -> DenseAdapter:
     """The adapter of a dense teacher; an MoE or unknown model fails with one line."""
-    from m2d_ray.arch import supported_types
 
     model_type = getattr(config, "model_type", None)
     if model_type in supported_types():
-        raise M2DError(f"model_type {model_type!r} is a Mixture-of-Experts model; dense-to-dense pruning takes a dense "
-                       f"teacher ({', '.join(dense_types())}): give its dense twin, e.g. m2d_ray/assets/tiny_qwen3_dense")
+        raise M2DError(
+            f"model_type {model_type!r} is a Mixture-of-Experts model; dense-to-dense pruning takes a dense "
+            f"teacher ({', '.join(dense_types())}): give its dense twin, e.g. m2d_ray/assets/tiny_qwen3_dense"
+        )
     return DENSE_ADAPTERS[model_type]

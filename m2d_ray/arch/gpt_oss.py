@@ -17,14 +17,20 @@ router weight and bias zero: softmax over the single top-1 logit is exactly 1. A
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 from transformers import GptOssConfig
 
 from m2d_ray.arch import register
-from m2d_ray.arch.base import DenseFFN, ExpertWeights, MoEAdapter, clamped_swiglu, copy_config
+from m2d_ray.arch.base import (
+    DenseFFN,
+    ExpertWeights,
+    MoEAdapter,
+    clamped_swiglu,
+    copy_config,
+)
 
 
 @register
@@ -71,7 +77,10 @@ class GptOssAdapter(MoEAdapter):
 
     def student_ffn_state(self, prefix: str, ffn: DenseFFN) -> dict[str, Tensor]:
         W, d = ffn.gate.shape
-        zeros = lambda *shape: torch.zeros(*shape, dtype=ffn.gate.dtype)  # noqa: E731
+
+        def zeros(*shape):
+            return torch.zeros(*shape, dtype=ffn.gate.dtype)
+
         gate_bias = ffn.gate_bias if ffn.gate_bias is not None else zeros(W)
         up_bias = ffn.up_bias if ffn.up_bias is not None else zeros(W)
         down_bias = ffn.down_bias if ffn.down_bias is not None else zeros(d)

@@ -25,8 +25,10 @@ def check_plain_head(config) -> None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     odd = [f"{a}={getattr(text, a)}" for a in NOT_PLAIN if getattr(text, a, None) not in (None, 1, 1.0)]
     if odd:
-        raise M2DError(f"{getattr(config, 'model_type', 'this model')}'s logits are not its final hidden state times its output "
-                       f"projection ({', '.join(odd)}); use stage2.targets=online or sampled:N")
+        raise M2DError(
+            f"{getattr(config, 'model_type', 'this model')}'s logits are not its final hidden state times its output "
+            f"projection ({', '.join(odd)}); use stage2.targets=online or sampled:N"
+        )
 
 
 def head_names(model: nn.Module) -> tuple[str, ...]:

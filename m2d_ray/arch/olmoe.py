@@ -9,7 +9,7 @@ a single weight divides by 1), so the block computes the dense FFN exactly.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn

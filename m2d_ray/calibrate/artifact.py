@@ -38,13 +38,23 @@ def _prefix(layer: int) -> str:
     return f"layer{layer}."
 
 
-def save_stats(out: str | Path, layers: dict[int, LayerStats], model: dict, data: dict, extra: dict | None = None,
-               overwrite: bool = False) -> StatsArtifact:
+def save_stats(
+    out: str | Path,
+    layers: dict[int, LayerStats],
+    model: dict,
+    data: dict,
+    extra: dict | None = None,
+    overwrite: bool = False,
+) -> StatsArtifact:
     """Write the artifact atomically; statistics with NaN/inf are refused (the teacher overflowed on the data)."""
     tensors = {}
     for i, st in layers.items():
         tensors.update(st.to_tensors(_prefix(i)))
-    check_finite(tensors.items(), "statistic", "the teacher's outputs overflow on this data; check the teacher and the calibration text")
+    check_finite(
+        tensors.items(),
+        "statistic",
+        "the teacher's outputs overflow on this data; check the teacher and the calibration text",
+    )
     with atomic_dir(out, "statistics", overwrite) as tmp:
         save_file(tensors, str(tmp / STATS_FILE))
         first = next(iter(layers.values()))
@@ -68,13 +78,18 @@ def load_stats(path: str | Path) -> StatsArtifact:
     path = Path(path)
     mf = path / MANIFEST_FILE
     if not mf.exists():
-        raise M2DError(f"{path} is not a statistics directory (no {MANIFEST_FILE}); run `m2d calibrate --out {path}` first")
+        raise M2DError(
+            f"{path} is not a statistics directory (no {MANIFEST_FILE}); run `m2d calibrate --out {path}` first"
+        )
     try:
         manifest = json.loads(mf.read_text())
     except ValueError:
         raise M2DError(f"{mf} is not valid JSON (corrupted?); recalibrate") from None
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise M2DError(f"{path} holds {manifest.get('format')} v{manifest.get('version')}; expected {FORMAT} v{VERSION}: recalibrate")
+        raise M2DError(
+            f"{path} holds {manifest.get('format')} v{manifest.get('version')}; expected {FORMAT} v{VERSION}: "
+            "recalibrate"
+        )
     if not (path / STATS_FILE).is_file() or sha256_file(path / STATS_FILE) != manifest["sha256"]:
         raise M2DError(f"{path / STATS_FILE} does not match its manifest checksum (corrupted?); recalibrate")
     tensors = load_file(str(path / STATS_FILE))

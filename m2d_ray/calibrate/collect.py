@@ -6,7 +6,7 @@ the hooks only observe. Padding positions (attention_mask == 0) are removed befo
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn

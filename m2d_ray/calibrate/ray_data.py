@@ -15,12 +15,15 @@ import ray
 import torch
 
 from m2d_ray.accelerators import pin
+from m2d_ray.arch import get_adapter
 from m2d_ray.calibrate import data_fingerprint
 from m2d_ray.calibrate.artifact import StatsArtifact, load_matching, save_stats
 from m2d_ray.calibrate.collect import collect_stats
 from m2d_ray.calibrate.stats import LayerStats
+from m2d_ray.calibrate.stream import collect_stats_streamed, should_stream
 from m2d_ray.data.text import TokenSet
-from m2d_ray.models import load_config, model_fingerprint
+from m2d_ray.models import load_config, load_teacher, model_fingerprint
+from m2d_ray.weights import open_teacher
 
 
 class StatsActor:
@@ -28,10 +31,9 @@ class StatsActor:
     called with a block of sequences, returns that block's partial sums, computed `batch_size` sequences
     at a time exactly as the single-process pass batches them."""
 
-    def __init__(self, model: str, device: str, threads: int, batch_size: int, stream: bool | None, max_memory: str | None) -> None:
-        from m2d_ray.calibrate.stream import should_stream
-        from m2d_ray.models import load_teacher
-        from m2d_ray.weights import open_teacher
+    def __init__(
+        self, model: str, device: str, threads: int, batch_size: int, stream: bool | None, max_memory: str | None
+    ) -> None:
 
         torch.set_num_threads(threads)
         self.device, self.batch_size = device, batch_size
@@ -40,7 +42,6 @@ class StatsActor:
         self.teacher = lazy if self.streamed else load_teacher(model, device=device)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from m2d_ray.calibrate.stream import collect_stats_streamed
 
         t = self.teacher
         seqs = torch.from_numpy(np.ascontiguousarray(batch["data"]))  # [B, 2, L]: ids, mask
@@ -80,7 +81,6 @@ def calibrate_ray(
     model_fp, data_fp = model_fingerprint(model, config), data_fingerprint(data_spec, tokens)
     if (found := load_matching(out, model_fp, data_fp)) is not None:
         return found, True
-    from m2d_ray.arch import get_adapter
 
     adapter = get_adapter(config)
     seqs = torch.stack([tokens.ids, tokens.mask], dim=1).numpy()
@@ -95,8 +95,14 @@ def calibrate_ray(
         num_gpus=gpus_per_actor,
         num_cpus=1,
         **({"resources": pin(accelerator)} if gpus_per_actor > 0 and accelerator else {}),
-        fn_constructor_kwargs={"model": load_from or model, "device": "cuda" if gpus_per_actor > 0 else "cpu", "threads": threads,
-                               "batch_size": batch_size, "stream": stream, "max_memory": max_memory},
+        fn_constructor_kwargs={
+            "model": load_from or model,
+            "device": "cuda" if gpus_per_actor > 0 else "cpu",
+            "threads": threads,
+            "batch_size": batch_size,
+            "stream": stream,
+            "max_memory": max_memory,
+        },
         batch_format="numpy",
     )
     total: dict[str, np.ndarray] = {}
@@ -107,4 +113,6 @@ def calibrate_ray(
     tensors = {name: torch.from_numpy(np.asarray(v)) for name, v in total.items()}
     layers = sorted({int(name.split(".")[0].removeprefix("layer")) for name in tensors})
     stats = {i: LayerStats.from_tensors(tensors, f"layer{i}.") for i in layers}
-    return save_stats(out, stats, model_fp, data_fp, {"top_k": adapter.top_k(config), "engine": "ray-data"}, overwrite=True), False
+    return save_stats(
+        out, stats, model_fp, data_fp, {"top_k": adapter.top_k(config), "engine": "ray-data"}, overwrite=True
+    ), False

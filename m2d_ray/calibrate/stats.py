@@ -34,8 +34,10 @@ class LayerStats:
     shared_gate: Tensor  # [] sum of the shared-expert gate (0 when the layer has none / ungated)
 
     @classmethod
-    def zeros(cls, num_experts: int, device: torch.device | str = "cpu") -> "LayerStats":
-        z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=device)  # noqa: E731
+    def zeros(cls, num_experts: int, device: torch.device | str = "cpu") -> LayerStats:
+        def z(*s):
+            return torch.zeros(*s, dtype=torch.float64, device=device)
+
         E = num_experts
         return cls(tokens=z(()), count=z(E), psum=z(E), psel=z(E), wsel=z(E), gram=z(E, E), shared_gate=z(()))
 
@@ -47,7 +49,7 @@ class LayerStats:
     def n(self) -> float:
         return float(self.tokens)
 
-    def add_(self, other: "LayerStats") -> "LayerStats":
+    def add_(self, other: LayerStats) -> LayerStats:
         for f in fields(self):
             getattr(self, f.name).add_(getattr(other, f.name).to(getattr(self, f.name).device))
         return self
@@ -56,7 +58,7 @@ class LayerStats:
         return {f"{prefix}{f.name}": getattr(self, f.name).detach().cpu().contiguous() for f in fields(self)}
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, Tensor], prefix: str) -> "LayerStats":
+    def from_tensors(cls, tensors: dict[str, Tensor], prefix: str) -> LayerStats:
         return cls(**{f.name: tensors[f"{prefix}{f.name}"].to(torch.float64) for f in fields(cls)})
 
     # ---- derived quantities (method.md) ---------------------------------------------
@@ -105,7 +107,9 @@ def routing_stats(r: Routing, num_experts: int) -> LayerStats:
 
 
 @torch.no_grad()
-def layer_stats(adapter: MoEAdapter, block: torch.nn.Module, h: Tensor, weights: ExpertWeights | None = None) -> LayerStats:
+def layer_stats(
+    adapter: MoEAdapter, block: torch.nn.Module, h: Tensor, weights: ExpertWeights | None = None
+) -> LayerStats:
     """Statistics of one MoE block on tokens h [T, d] (padding already removed)."""
     weights = weights if weights is not None else adapter.experts(block)
     if h.shape[0] == 0:
@@ -125,7 +129,10 @@ def gram_chunk(weights: ExpertWeights, act: torch.dtype, gdt: torch.dtype, devic
     weights, the host's hidden states and this working set share one memory and GEMMs are already efficient
     at a few dozen rows (at least `_MIN_CHUNK` tokens either way)."""
     E, I, d = weights.num_experts, weights.width, weights.down.shape[1]
-    size = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
+
+    def size(dt):
+        return torch.empty((), dtype=dt).element_size()
+
     per_token = E * ((5 * I + d) * size(act) + d * size(gdt) // _GRAM_PARTS)
     budget = 3 * E * I * d * weights.gate.element_size() // (4 if device.type == "cpu" else 1)
     return max(_MIN_CHUNK, budget // per_token)

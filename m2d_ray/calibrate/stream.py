@@ -18,15 +18,14 @@ import tempfile
 
 import torch
 from torch import Tensor, nn
-
 from tqdm.auto import tqdm
 
 from m2d_ray import console
 from m2d_ray.calibrate.collect import observe, token_batches
 from m2d_ray.calibrate.stats import LayerStats
-from m2d_ray.sizes import parse_size
-from m2d_ray.peaks import proc_kib
 from m2d_ray.checkpoint import read_at
+from m2d_ray.peaks import proc_kib
+from m2d_ray.sizes import parse_size
 
 #: room left beside the weights for activations and the statistics' working set
 RESERVE_BYTES = 1 << 30
@@ -66,7 +65,9 @@ class HiddenStates:
     no resident memory). Writing in place matters: a new host tensor per batch and layer, interleaved with
     the layer's short-lived buffers, fragments the heap and the process keeps growing layer after layer."""
 
-    def __init__(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, spill_above: int, spill_dir: str | None = None) -> None:
+    def __init__(
+        self, shapes: list[tuple[int, ...]], dtype: torch.dtype, spill_above: int, spill_dir: str | None = None
+    ) -> None:
         self.shapes, self.dtype = shapes, dtype
         item = torch.empty((), dtype=dtype).element_size()
         self.sizes = [int(torch.Size(s).numel()) * item for s in shapes]
@@ -154,8 +155,16 @@ def run_until(teacher, index: int, stop: nn.Module, **inputs) -> Tensor:
 
 
 @torch.no_grad()
-def stream_layers(teacher, batches: list[tuple[Tensor, Tensor]], upto: int, device: str, bar, hook=None,
-                  spill_above: int | None = None, spill_dir: str | None = None) -> HiddenStates:
+def stream_layers(
+    teacher,
+    batches: list[tuple[Tensor, Tensor]],
+    upto: int,
+    device: str,
+    bar,
+    hook=None,
+    spill_above: int | None = None,
+    spill_dir: str | None = None,
+) -> HiddenStates:
     """Decoder layers 0..`upto` of every batch, one layer on `device` at a time; returns the host store of
     the hidden states after layer `upto` (the caller closes it). `hook(i, layer, masks)` may observe layer i
     (returns handles to remove, and sees the current batch's mask in `masks["mask"]`)."""
@@ -168,7 +177,10 @@ def stream_layers(teacher, batches: list[tuple[Tensor, Tensor]], upto: int, devi
         skel.set_input_embeddings(teacher.module(teacher.name_of(embed)).to(device))
         try:
             for b, (b_ids, b_mask) in enumerate(batches):
-                store.put(b, run_until(teacher, 0, _StopBefore(), input_ids=b_ids.to(device), attention_mask=b_mask.to(device)))
+                store.put(
+                    b,
+                    run_until(teacher, 0, _StopBefore(), input_ids=b_ids.to(device), attention_mask=b_mask.to(device)),
+                )
                 bar.update()
         finally:
             skel.set_input_embeddings(embed)
@@ -179,7 +191,16 @@ def stream_layers(teacher, batches: list[tuple[Tensor, Tensor]], upto: int, devi
             try:
                 for b, (_, b_mask) in enumerate(batches):
                     current["mask"] = b_mask.to(device)
-                    store.put(b, run_until(teacher, i, _StopAfter(layer), inputs_embeds=store.get(b).to(device), attention_mask=current["mask"]))
+                    store.put(
+                        b,
+                        run_until(
+                            teacher,
+                            i,
+                            _StopAfter(layer),
+                            inputs_embeds=store.get(b).to(device),
+                            attention_mask=current["mask"],
+                        ),
+                    )
                     bar.update()
             finally:
                 for h in handles:
@@ -194,8 +215,14 @@ def stream_layers(teacher, batches: list[tuple[Tensor, Tensor]], upto: int, devi
 
 @torch.no_grad()
 def collect_stats_streamed(
-    teacher, ids: Tensor, mask: Tensor, batch_size: int = 8, device: str = "cpu", progress: bool = True,
-    spill_above: int | None = None, spill_dir: str | None = None,
+    teacher,
+    ids: Tensor,
+    mask: Tensor,
+    batch_size: int = 8,
+    device: str = "cpu",
+    progress: bool = True,
+    spill_above: int | None = None,
+    spill_dir: str | None = None,
 ) -> dict[int, LayerStats]:
     """`collect_stats` of a `LazyTeacher` with one decoder layer on `device` at a time (see module doc).
     Hidden states go to a temporary file in `spill_dir` above `spill_above` bytes (default: half the

@@ -8,12 +8,19 @@ from pathlib import Path
 from m2d_ray.artifacts import check_output
 from m2d_ray.calibrate import StatsArtifact, calibrate, data_fingerprint
 from m2d_ray.calibrate.artifact import load_matching
-from m2d_ray.sizes import parse_size
 from m2d_ray.calibrate.tokens import calibration_tokens, resolve_calib
 from m2d_ray.console import emit
 from m2d_ray.data.text import check_spec
-from m2d_ray.models import Teacher, check_teacher, default_teacher, device_default, load_tokenizer, model_fingerprint
+from m2d_ray.models import (
+    Teacher,
+    check_teacher,
+    default_teacher,
+    device_default,
+    load_tokenizer,
+    model_fingerprint,
+)
 from m2d_ray.models import load_config as model_config
+from m2d_ray.sizes import parse_size
 from m2d_ray.weights import LazyTeacher, open_teacher
 
 
@@ -52,18 +59,41 @@ def run_calibrate(
         check_output(out, "statistics", overwrite, what)  # other statistics: replaced only on --overwrite
     device = device or device_default()
     teacher = teacher or open_teacher(name, device=device)
-    art, _ = calibrate(teacher, tokens, spec, out=out, batch_size=batch_size, device=device, stream=stream, max_memory=max_memory,
-                       overwrite=overwrite)
+    art, _ = calibrate(
+        teacher,
+        tokens,
+        spec,
+        out=out,
+        batch_size=batch_size,
+        device=device,
+        stream=stream,
+        max_memory=max_memory,
+        overwrite=overwrite,
+    )
     return teacher, art, False
 
 
 def main(args) -> None:
-    _, art, reused = run_calibrate(args.model, args.calib_data, args.out, device=args.device, overwrite=args.overwrite, **calib_options(args))
+    _, art, reused = run_calibrate(
+        args.model, args.calib_data, args.out, device=args.device, overwrite=args.overwrite, **calib_options(args)
+    )
     m = art.manifest
-    emit(json.dumps({"out": args.out, "reused": reused, "n_tokens": m["n_tokens"], "layers": m["layers"], "num_experts": m["num_experts"],
-                     "sha256": m["sha256"]}))
+    emit(
+        json.dumps(
+            {
+                "out": args.out,
+                "reused": reused,
+                "n_tokens": m["n_tokens"],
+                "layers": m["layers"],
+                "num_experts": m["num_experts"],
+                "sha256": m["sha256"],
+            }
+        )
+    )
 
 
 def calib_options(args) -> dict:
     """The calibration options a command's parser has (cli._add_calib)."""
-    return {k: getattr(args, k) for k in ("max_tokens", "seq_len", "batch_size", "max_memory", "stream") if hasattr(args, k)}
+    return {
+        k: getattr(args, k) for k in ("max_tokens", "seq_len", "batch_size", "max_memory", "stream") if hasattr(args, k)
+    }

@@ -16,12 +16,20 @@ from m2d_ray.convert.plan import check_K, check_methods
 from m2d_ray.data.text import check_spec, load_text, tokenize
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.perplexity import EVAL_MAX_CHARS, Perplexity, perplexity
-from m2d_ray.models import check_teacher, default_teacher, device_default, model_fingerprint
+from m2d_ray.models import (
+    check_teacher,
+    default_teacher,
+    device_default,
+    load_model,
+    model_fingerprint,
+)
 from m2d_ray.models import load_config as model_config
 from m2d_ray.weights import open_teacher
 
 
-def evaluate_ppl(model, tokenizer, eval_data: str, seq_len: int = 256, max_chars: int | None = EVAL_MAX_CHARS, batch_size: int = 8) -> Perplexity:
+def evaluate_ppl(
+    model, tokenizer, eval_data: str, seq_len: int = 256, max_chars: int | None = EVAL_MAX_CHARS, batch_size: int = 8
+) -> Perplexity:
     ids = tokenize(tokenizer, load_text(eval_data, max_chars=max_chars), max_chars=max_chars)
     return perplexity(model, ids, seq_len=seq_len, batch_size=batch_size, progress=True)
 
@@ -61,12 +69,16 @@ def convert_one(
     if not baseline and stats and not calib_data:
         art = load_stats(stats)
         if art.manifest["model"]["config_sha256"] != model_fingerprint(name, config)["config_sha256"]:
-            raise M2DError(f"statistics in {stats} were computed for {art.manifest['model']['name']}, not this model; recalibrate")
+            raise M2DError(
+                f"statistics in {stats} were computed for {art.manifest['model']['name']}, not this model; recalibrate"
+            )
     if eval_data:
         check_spec(eval_data, "evaluation data")
     teacher = None
     if not baseline and art is None:
-        teacher, art, _ = run_calibrate(model, calib_data, stats, device=device, overwrite=overwrite, what="--stats", **(calib_kwargs or {}))
+        teacher, art, _ = run_calibrate(
+            model, calib_data, stats, device=device, overwrite=overwrite, what="--stats", **(calib_kwargs or {})
+        )
     teacher = teacher or open_teacher(name, device=device or device_default())  # weights read as the student needs them
     result: dict = {"model": teacher.name, "k": k, "E": E}
     if baseline:
@@ -74,10 +86,20 @@ def convert_one(
         result.update(baseline=baseline)
     else:
         plan = make_plan(teacher, art.layers, scoring, grouping, scaling, K)
-        check = export_student(build_from_plan(teacher, plan), teacher.tokenizer, out, teacher=teacher, plan=plan,
-                               extra={"stats_sha256": art.checksum}, overwrite=overwrite)  # one student in memory at a time
+        check = export_student(
+            build_from_plan(teacher, plan),
+            teacher.tokenizer,
+            out,
+            teacher=teacher,
+            plan=plan,
+            extra={"stats_sha256": art.checksum},
+            overwrite=overwrite,
+        )  # one student in memory at a time
         result.update(
-            scoring=scoring, grouping=grouping, scaling=scaling, K=K,
+            scoring=scoring,
+            grouping=grouping,
+            scaling=scaling,
+            K=K,
             selected={str(i): p.selected for i, p in plan.layers.items()},
             groups={str(i): p.groups for i, p in plan.layers.items()},
             scales={str(i): p.alphas for i, p in plan.layers.items()},
@@ -88,17 +110,27 @@ def convert_one(
         )
     result.update(dense_class=json.loads((Path(out) / "config.json").read_text())["architectures"][0], out=str(out))
     if eval_data:
-        from m2d_ray.models import load_model
-
         student, _ = load_model(str(out), device=device or device_default())  # the exported student, as users load it
         result["perplexity"] = evaluate_ppl(student, teacher.tokenizer, eval_data).to_json()
     return result
 
 
 def main(args) -> None:
-    result = convert_one(args.model, args.scoring, args.grouping, args.scaling, args.K, args.out, stats=args.stats,
-                         calib_data=args.calib_data, eval_data=args.eval_data, baseline=args.baseline, device=args.device,
-                         calib_kwargs=calib_options(args), overwrite=args.overwrite)
+    result = convert_one(
+        args.model,
+        args.scoring,
+        args.grouping,
+        args.scaling,
+        args.K,
+        args.out,
+        stats=args.stats,
+        calib_data=args.calib_data,
+        eval_data=args.eval_data,
+        baseline=args.baseline,
+        device=args.device,
+        calib_kwargs=calib_options(args),
+        overwrite=args.overwrite,
+    )
     for layer, sel in result.get("selected", {}).items():
         say(f"layer {layer}: experts {sel} groups {result['groups'][layer]}")
     emit(json.dumps(result))

@@ -21,28 +21,44 @@ from m2d_ray.commands.runs import keep_logs
 from m2d_ray.config import RayConfig, load_config
 from m2d_ray.console import emit
 from m2d_ray.convert.baselines import RANDOM_BASELINES
+from m2d_ray.convert.initial import InitialStudent
 from m2d_ray.data.text import check_spec
 from m2d_ray.distill.data import check_source
+from m2d_ray.distill.trainer import MetricsLog, fit, follow
 from m2d_ray.errors import M2DError, RunFailed
-from m2d_ray.models import absolute, check_teacher, check_teacher_topk, default_teacher, load_tokenizer
+from m2d_ray.models import (
+    absolute,
+    check_teacher,
+    check_teacher_topk,
+    default_teacher,
+    load_tokenizer,
+)
 from m2d_ray.models import load_config as model_config
+from m2d_ray.stages.ray_env import ensure_ray
 from m2d_ray.stages.run_storage import RunStorage
+from m2d_ray.stages.shards import targets, tokens
+from m2d_ray.stages.student import job
 
 
-def distill_one(teacher: str | None, student: str, out: str | Path, eval_data: str, config: str | None = None,
-                overrides: list[str] = (), overwrite: bool = False, store: str | None = None) -> dict:
-    from m2d_ray.convert.initial import InitialStudent
-    from m2d_ray.distill.trainer import MetricsLog, fit, follow
-    from m2d_ray.stages.ray_env import ensure_ray
-    from m2d_ray.stages.shards import targets, tokens
-    from m2d_ray.stages.student import job
+def distill_one(
+    teacher: str | None,
+    student: str,
+    out: str | Path,
+    eval_data: str,
+    config: str | None = None,
+    overrides: list[str] = (),
+    overwrite: bool = False,
+    store: str | None = None,
+) -> dict:
 
     full = load_config(config, overrides)
     cfg, spec = full.distill, full.target_spec()
     out = check_output(out, "distillation", overwrite=True).resolve()  # never a file or a foreign directory
     finished = (out / "result.json").exists()
     if finished and not overwrite:
-        raise M2DError(f"--out {out} already holds a finished distillation; pass --overwrite to replace it, or choose a new path")
+        raise M2DError(
+            f"--out {out} already holds a finished distillation; pass --overwrite to replace it, or choose a new path"
+        )
     teacher = absolute(teacher or default_teacher())
     check_teacher(teacher)
     check_teacher_topk(teacher, cfg.teacher_topk)
@@ -50,7 +66,10 @@ def distill_one(teacher: str | None, student: str, out: str | Path, eval_data: s
     if student not in RANDOM_BASELINES:
         student_dir = Path(student).expanduser().resolve()
         if not (student_dir / "config.json").is_file():
-            raise M2DError(f"student {student!r} is neither a model directory nor a baseline: give a directory from m2d convert, or one of {', '.join(RANDOM_BASELINES.names())}")
+            raise M2DError(
+                f"student {student!r} is neither a model directory nor a baseline: give a directory from m2d convert, "
+                f"or one of {', '.join(RANDOM_BASELINES.names())}"
+            )
         model_config(str(student_dir))
         check_files(str(student_dir), "student")
     check_spec(eval_data, "--eval-data")
@@ -76,16 +95,41 @@ def distill_one(teacher: str | None, student: str, out: str | Path, eval_data: s
     toks = tokens(storage, teacher, load_tokenizer(local_teacher), cfg, eval_data)
     targ = targets(storage, teacher, toks, spec, cfg, full.calib, full.ray) if spec else None
     with follow(work / "metrics.jsonl", out.name, total=cfg.steps):
-        result = fit(job(storage, None, teacher, cfg, eval_data, build=build, init=init, tokens=toks, targets=targ, target_spec=spec),
-                     callbacks=[MetricsLog(work / "metrics.jsonl")])
+        result = fit(
+            job(
+                storage,
+                None,
+                teacher,
+                cfg,
+                eval_data,
+                build=build,
+                init=init,
+                tokens=toks,
+                targets=targ,
+                target_spec=spec,
+            ),
+            callbacks=[MetricsLog(work / "metrics.jsonl")],
+        )
     if result.error is not None:
-        raise RunFailed(f"distillation failed: {str(result.error).splitlines()[0][:300]}; fix it and run the same command to resume")
+        raise RunFailed(
+            f"distillation failed: {str(result.error).splitlines()[0][:300]}; fix it and run the same command to resume"
+        )
     m = result.metrics
     summary = {
-        "student": RunStorage(store or str(out)).student(), "steps": m["step"], "tokens": m["tokens"], "resumed_from": m["resumed_from"],
-        "first_val_ppl": m["val_ppl_initial"], "last_val_ppl": m["val_ppl"], "tokens_per_s": m["tokens_per_s"],
-        "loss": cfg.loss, "teacher_topk": cfg.teacher_topk, "deepspeed": cfg.deepspeed, "workers": cfg.workers,
-        "targets": str(spec or "online"), "peak_rss_bytes": m.get("peak_rss_bytes"), "peak_cuda_bytes": m.get("peak_cuda_bytes"),
+        "student": RunStorage(store or str(out)).student(),
+        "steps": m["step"],
+        "tokens": m["tokens"],
+        "resumed_from": m["resumed_from"],
+        "first_val_ppl": m["val_ppl_initial"],
+        "last_val_ppl": m["val_ppl"],
+        "tokens_per_s": m["tokens_per_s"],
+        "loss": cfg.loss,
+        "teacher_topk": cfg.teacher_topk,
+        "deepspeed": cfg.deepspeed,
+        "workers": cfg.workers,
+        "targets": str(spec or "online"),
+        "peak_rss_bytes": m.get("peak_rss_bytes"),
+        "peak_cuda_bytes": m.get("peak_cuda_bytes"),
         "metrics": str(out / "metrics.jsonl"),
     }
     if not full.stage2.keep_training_state:  # the exported student is in storage (the last report waits for it)
@@ -97,5 +141,17 @@ def distill_one(teacher: str | None, student: str, out: str | Path, eval_data: s
 
 
 def main(args) -> None:
-    emit(json.dumps(distill_one(args.teacher, args.student, args.out, args.eval_data, config=args.config, overrides=args.overrides,
-                                overwrite=args.overwrite, store=args.storage)))
+    emit(
+        json.dumps(
+            distill_one(
+                args.teacher,
+                args.student,
+                args.out,
+                args.eval_data,
+                config=args.config,
+                overrides=args.overrides,
+                overwrite=args.overwrite,
+                store=args.storage,
+            )
+        )
+    )

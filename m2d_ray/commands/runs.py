@@ -6,11 +6,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from m2d_ray import console
 from m2d_ray.artifacts import check_output
 from m2d_ray.config import SweepConfig
 from m2d_ray.console import say
 from m2d_ray.errors import M2DError, RunFailed
+from m2d_ray.report.analysis import outcome, outcome_line
 from m2d_ray.run_dir import RunDir
+from m2d_ray.stages.report import run_data
 
 
 def new_run(out: str | None, cfg: SweepConfig) -> RunDir:
@@ -32,7 +35,6 @@ def existing_run(path: str) -> RunDir:
 
 def keep_logs(where: Path) -> None:
     """From here on the command's log (libraries, Ray workers) lives in WHERE/logs/."""
-    from m2d_ray import console
 
     path = console.keep_logs_in(where / "logs")
     if path is not None:
@@ -42,16 +44,17 @@ def keep_logs(where: Path) -> None:
 def check_outcome(run_dir: str | Path | RunDir) -> dict:
     """The run's final line (students by status, models evaluated); a run that distilled no promoted
     student, or evaluated no student, has failed (exit 1) whatever else it did — the report says why."""
-    from m2d_ray.report.analysis import outcome, outcome_line
-    from m2d_ray.stages.report import run_data
 
     rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     o = outcome(run_data(rd))
     say(f"run done: {outcome_line(o)}")
     index = rd.report / "index.html"
     if o["promoted"] and not o["promoted_distilled"]:
-        raise RunFailed(f"no promoted student was distilled ({o['students']['failed']} failed, {o['students']['diverged']} diverged): "
-                        f"see {index} and {rd.logs}")
+        raise RunFailed(
+            f"no promoted student was distilled ({o['students']['failed']} failed, {o['students']['diverged']} "
+            "diverged): "
+            f"see {index} and {rd.logs}"
+        )
     if not o["evaluated"]:
         raise RunFailed(f"no student was evaluated: see {index} and {rd.logs}")
     return o

@@ -13,13 +13,21 @@ from m2d_ray.errors import M2DError
 from m2d_ray.stages.context import RunContext
 
 
-def sweep(config: str | None, overrides: list[str], out: str | None = None, resume: str | None = None,
-          tracking_uri: str | None = None) -> dict:
+def sweep(
+    config: str | None,
+    overrides: list[str],
+    out: str | None = None,
+    resume: str | None = None,
+    tracking_uri: str | None = None,
+) -> dict:
     if resume:
         rd = existing_run(resume)
         cfg = load_config(config or rd.config, overrides)
         if cfg.stage == 1 and (config or overrides or out):
-            raise M2DError("--resume RUN_DIR reuses the run's saved config; drop the config, overrides and --out/--model/--*-data (or add stage=2)")
+            raise M2DError(
+                "--resume RUN_DIR reuses the run's saved config; drop the config, overrides and --out/--model/--*-data "
+                "(or add stage=2)"
+            )
         stages = _stages(cfg.stage)
         pipeline.check_resume(rd, cfg, stages, tracking_uri)
         ctx = RunContext(cfg, rd, tracking_uri, tuple(stages))
@@ -46,7 +54,12 @@ def _stages(stage: int) -> pipeline.Stages:
 def _stage1(rd, res) -> dict:
     if res is None:  # a finished stage 1, resumed: nothing was run
         res_records = rd.stage1_ledger().records()
-        return {"run_dir": str(rd), "configs": len(res_records), "status": _statuses(res_records), "promotions": _promoted(rd.read_promotions()["pairs"])}
+        return {
+            "run_dir": str(rd),
+            "configs": len(res_records),
+            "status": _statuses(res_records),
+            "promotions": _promoted(rd.read_promotions()["pairs"]),
+        }
     return {
         "run_dir": str(res.run_dir),
         "configs": len(res.records),
@@ -74,10 +87,19 @@ def _stage2(rd, res) -> dict:
         "run_dir": str(rd),
         "stage": 2,
         "table": str(rd.stage2_csv),
-        "students": {r["key"]: {"status": r["status"], "val_ppl_initial": r["val_ppl_initial"], "val_ppl": r["val_ppl"], "student": r["student_path"]}
-                     for r in res.records},
+        "students": {
+            r["key"]: {
+                "status": r["status"],
+                "val_ppl_initial": r["val_ppl_initial"],
+                "val_ppl": r["val_ppl"],
+                "student": r["student_path"],
+            }
+            for r in res.records
+        },
     }
 
 
 def main(args) -> None:
-    emit(json.dumps(sweep(args.config, args.overrides, out=args.out, resume=args.resume, tracking_uri=args.tracking_uri)))
+    emit(
+        json.dumps(sweep(args.config, args.overrides, out=args.out, resume=args.resume, tracking_uri=args.tracking_uri))
+    )

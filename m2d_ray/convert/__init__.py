@@ -23,7 +23,10 @@ def merged_groups(teacher, layer: int, plan: LayerPlan) -> list[ExpertWeights]:
     needed = sorted({e for g in plan.groups for e in g})
     experts = teacher.experts(layer, needed)
     pos = {e: j for j, e in enumerate(needed)}
-    return [merge_group(experts, [pos[e] for e in g], torch.tensor(c, dtype=torch.float64)) for g, c in zip(plan.groups, plan.coefs)]
+    return [
+        merge_group(experts, [pos[e] for e in g], torch.tensor(c, dtype=torch.float64))
+        for g, c in zip(plan.groups, plan.coefs)
+    ]
 
 
 def layer_ffn(teacher, layer: int, plan: LayerPlan) -> DenseFFN:
@@ -41,7 +44,9 @@ def build_from_plan(teacher, plan: ConversionPlan) -> PreTrainedModel:
     return build_student(teacher, ffns)
 
 
-def convert(teacher, stats: dict[int, LayerStats], scoring: str, grouping: str, scaling: str, K: int) -> tuple[PreTrainedModel, ConversionPlan]:
+def convert(
+    teacher, stats: dict[int, LayerStats], scoring: str, grouping: str, scaling: str, K: int
+) -> tuple[PreTrainedModel, ConversionPlan]:
     """Dense student of `teacher` for one (scoring, grouping, scaling, K) recipe."""
     plan = make_plan(teacher, stats, scoring, grouping, scaling, K)
     return build_from_plan(teacher, plan), plan

@@ -3,7 +3,7 @@ random init (nothing kept). They bound what the MoE-derived initialisation buys 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -27,10 +27,22 @@ def _random_ffn(teacher, width: int, gen: torch.Generator) -> DenseFFN:
     d = teacher.config.hidden_size
     std = float(getattr(teacher.config, "initializer_range", 0.02))
     layout = teacher.adapter.experts(next(iter(teacher.adapter.moe_blocks(teacher.skeleton).values())))
-    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64) * std  # noqa: E731
-    zeros = lambda n: torch.zeros(n, dtype=torch.float64) if layout.gate_bias is not None else None  # noqa: E731
-    return DenseFFN(gate=rnd(width, d), up=rnd(width, d), down=rnd(d, width), act=layout.act,
-                    gate_bias=zeros(width), up_bias=zeros(width), down_bias=zeros(d))
+
+    def rnd(*s):
+        return torch.randn(*s, generator=gen, dtype=torch.float64) * std
+
+    def zeros(n):
+        return torch.zeros(n, dtype=torch.float64) if layout.gate_bias is not None else None
+
+    return DenseFFN(
+        gate=rnd(width, d),
+        up=rnd(width, d),
+        down=rnd(d, width),
+        act=layout.act,
+        gate_bias=zeros(width),
+        up_bias=zeros(width),
+        down_bias=zeros(d),
+    )
 
 
 @RANDOM_BASELINES.register("random-ffn")

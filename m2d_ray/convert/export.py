@@ -29,11 +29,21 @@ PLAN_FILE = "m2d_plan.json"
 def reference_output(teacher, layer: int, plan: ConversionPlan, h: Tensor, dtype: torch.dtype) -> Tensor:
     """sum_g alpha_g f_g(h) (+ shared) in float64, group by group, blocks rounded to `dtype` as stored."""
     lp = plan.layers[layer]
-    rnd = lambda t: None if t is None else t.to(dtype).double()  # noqa: E731
+
+    def rnd(t):
+        return None if t is None else t.to(dtype).double()
+
     out = torch.zeros(h.shape[0], h.shape[1], dtype=torch.float64)
     bias = None
     for m, a in zip(merged_groups(teacher, layer, lp), lp.alphas):
-        w = ExpertWeights(gate=rnd(m.gate), up=rnd(m.up), down=rnd(a * m.down), act=m.act, gate_bias=rnd(m.gate_bias), up_bias=rnd(m.up_bias))
+        w = ExpertWeights(
+            gate=rnd(m.gate),
+            up=rnd(m.up),
+            down=rnd(a * m.down),
+            act=m.act,
+            gate_bias=rnd(m.gate_bias),
+            up_bias=rnd(m.up_bias),
+        )
         out += expert_outputs(w, h)[0]
         if m.down_bias is not None:
             bias = a * m.down_bias[0] if bias is None else bias + a * m.down_bias[0]
@@ -47,7 +57,9 @@ def reference_output(teacher, layer: int, plan: ConversionPlan, h: Tensor, dtype
     return out
 
 
-def verify_student(student: PreTrainedModel, teacher, plan: ConversionPlan, n_tokens: int = 64, seed: int = 0) -> dict[int, float]:
+def verify_student(
+    student: PreTrainedModel, teacher, plan: ConversionPlan, n_tokens: int = 64, seed: int = 0
+) -> dict[int, float]:
     """Relative error per MoE layer between the student's FFN and the reference (float64)."""
     gen = torch.Generator().manual_seed(seed)
     dtype = next(student.parameters()).dtype
@@ -66,8 +78,15 @@ def verify_student(student: PreTrainedModel, teacher, plan: ConversionPlan, n_to
     return errors
 
 
-def export_student(student: PreTrainedModel, tokenizer, out: str | Path, teacher=None, plan: ConversionPlan | None = None,
-                   extra: dict | None = None, overwrite: bool = False) -> dict:
+def export_student(
+    student: PreTrainedModel,
+    tokenizer,
+    out: str | Path,
+    teacher=None,
+    plan: ConversionPlan | None = None,
+    extra: dict | None = None,
+    overwrite: bool = False,
+) -> dict:
     """save_pretrained + tokenizer into `out` atomically; with a plan, reload and verify exactness first.
 
     Returns the verification record (max relative error per layer). Raises RuntimeError — and leaves
@@ -90,7 +109,11 @@ def export_student(student: PreTrainedModel, tokenizer, out: str | Path, teacher
             errors = verify_student(reloaded, teacher, plan)
             worst = max(errors.values(), default=0.0)
             if not worst < EXACT_TOL:
-                raise RuntimeError(f"exported student is not exact: max relative FFN error {worst:.3e} >= {EXACT_TOL:g}")
+                raise RuntimeError(
+                    f"exported student is not exact: max relative FFN error {worst:.3e} >= {EXACT_TOL:g}"
+                )
             record = {"max_rel_error": worst, "per_layer": {str(k): v for k, v in errors.items()}}
-            (tmp / PLAN_FILE).write_text(json.dumps({"plan": plan.to_json(), "verification": record, **(extra or {})}, indent=1))
+            (tmp / PLAN_FILE).write_text(
+                json.dumps({"plan": plan.to_json(), "verification": record, **(extra or {})}, indent=1)
+            )
     return record

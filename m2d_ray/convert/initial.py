@@ -5,17 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from m2d_ray.convert import build_from_plan
+from m2d_ray.convert.baselines import RANDOM_BASELINES
+from m2d_ray.convert.export import export_student
 from m2d_ray.convert.plan import ConversionPlan
+from m2d_ray.weights import open_teacher
 
 
-def materialize(teacher, out: str | Path, plan: ConversionPlan | None = None, baseline: str | None = None, seed: int = 0) -> Path:
+def materialize(
+    teacher, out: str | Path, plan: ConversionPlan | None = None, baseline: str | None = None, seed: int = 0
+) -> Path:
     """Build and export the student once (a converted one is verified exact); reuse `out` when it exists."""
     out = Path(out)
     if (out / "config.json").exists():
         return out
-    from m2d_ray.convert import build_from_plan
-    from m2d_ray.convert.baselines import RANDOM_BASELINES
-    from m2d_ray.convert.export import export_student
 
     if baseline is not None:
         export_student(RANDOM_BASELINES[baseline](teacher, seed=seed), teacher.tokenizer, out)
@@ -37,7 +40,6 @@ class InitialStudent:
     seed: int = 0
 
     def __call__(self, out: Path) -> None:
-        from m2d_ray.weights import open_teacher
 
         # lazy: the builder reads only the tensors the student is made of, never the whole teacher
         materialize(open_teacher(self.teacher), out, plan=self.plan, baseline=self.baseline, seed=self.seed)

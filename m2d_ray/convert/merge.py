@@ -7,7 +7,7 @@ unit). These functions compute in float64 and leave the cast to the caller.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor

@@ -9,8 +9,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 from m2d_ray.calibrate.stats import LayerStats
 from m2d_ray.convert.merge import merge_weights
@@ -41,9 +41,18 @@ class ConversionPlan:
 
     def signature(self, digits: int = 12) -> str:
         """Digest of everything that determines the student's weights (not the method names)."""
-        r = lambda xs: [round(float(x), digits) for x in xs]  # noqa: E731
+
+        def r(xs):
+            return [round(float(x), digits) for x in xs]
+
         body = [
-            (i, p.groups, [r(c) for c in p.coefs], r(p.alphas), None if p.shared_scale is None else round(p.shared_scale, digits))
+            (
+                i,
+                p.groups,
+                [r(c) for c in p.coefs],
+                r(p.alphas),
+                None if p.shared_scale is None else round(p.shared_scale, digits),
+            )
             for i, p in sorted(self.layers.items())
         ]
         return hashlib.sha256(json.dumps(body).encode()).hexdigest()[:16]
@@ -60,10 +69,12 @@ class ConversionPlan:
         }
 
     @classmethod
-    def from_json(cls, d: dict) -> "ConversionPlan":
+    def from_json(cls, d: dict) -> ConversionPlan:
         """Inverse of to_json (plans travel to sweep trials as JSON)."""
         layers = {int(i): LayerPlan(**p) for i, p in d["layers"].items()}
-        return cls(scoring=d["scoring"], grouping=d["grouping"], scaling=d["scaling"], K=d["K"], k=d["k"], layers=layers)
+        return cls(
+            scoring=d["scoring"], grouping=d["grouping"], scaling=d["scaling"], K=d["K"], k=d["k"], layers=layers
+        )
 
 
 def check_methods(scoring: str, grouping: str, scaling: str) -> None:
@@ -78,8 +89,16 @@ def check_K(K: int, k: int, E: int) -> None:
 
 
 def plan_layer(
-    st: LayerStats, inputs_for, scoring: str, grouping: str, scaling: str, K: int, k: int,
-    has_shared: bool, gated_shared: bool, routed_scale: float = 1.0,
+    st: LayerStats,
+    inputs_for,
+    scoring: str,
+    grouping: str,
+    scaling: str,
+    K: int,
+    k: int,
+    has_shared: bool,
+    gated_shared: bool,
+    routed_scale: float = 1.0,
 ) -> LayerPlan:
     """Plan one MoE layer. `inputs_for(selected, scores)` builds the GroupingInputs (lazy weights)."""
     sel = select(scoring, st, K)
@@ -97,7 +116,9 @@ def plan_layer(
     )
 
 
-def make_plans(teacher, stats: dict[int, LayerStats], recipes: Sequence[tuple[str, str, str, int]]) -> list[ConversionPlan]:
+def make_plans(
+    teacher, stats: dict[int, LayerStats], recipes: Sequence[tuple[str, str, str, int]]
+) -> list[ConversionPlan]:
     """Plans of several (scoring, grouping, scaling, K) recipes of `teacher` (a `models.Teacher` or a
     `weights.LazyTeacher`), layer by layer: a layer's router rows, and the experts any recipe selects when a
     grouping clusters weights, are read once for every recipe and dropped before the next layer, so
@@ -109,7 +130,9 @@ def make_plans(teacher, stats: dict[int, LayerStats], recipes: Sequence[tuple[st
         check_K(K, k, E)
     blocks = adapter.moe_blocks(teacher.skeleton)
     if sorted(blocks) != sorted(stats):
-        raise M2DError(f"statistics cover layers {sorted(stats)} but the model's MoE layers are {sorted(blocks)}; recalibrate")
+        raise M2DError(
+            f"statistics cover layers {sorted(stats)} but the model's MoE layers are {sorted(blocks)}; recalibrate"
+        )
     layers: list[dict[int, LayerPlan]] = [{} for _ in recipes]
     for i, block in blocks.items():
         shared = adapter.shared(block)  # structure only: whether the layer has a (gated) shared expert
@@ -120,18 +143,34 @@ def make_plans(teacher, stats: dict[int, LayerStats], recipes: Sequence[tuple[st
         experts = functools.cache(lambda i=i, needed=needed: teacher.experts(i, needed))
 
         def inputs_for(selected, scores, st=stats[i], router=router, experts=experts, at=at):
-            return GroupingInputs(selected=selected, scores=scores, gram=st.gram_mean, router=router,
-                                  experts=lambda: experts().select([at[e] for e in selected]))
+            return GroupingInputs(
+                selected=selected,
+                scores=scores,
+                gram=st.gram_mean,
+                router=router,
+                experts=lambda: experts().select([at[e] for e in selected]),
+            )
 
         for plans, (scoring, grouping, scaling, K) in zip(layers, recipes):
             plans[i] = plan_layer(
-                stats[i], inputs_for, scoring, grouping, scaling, K, k,
-                has_shared=shared is not None, gated_shared=shared is not None and shared.gate is not None,
+                stats[i],
+                inputs_for,
+                scoring,
+                grouping,
+                scaling,
+                K,
+                k,
+                has_shared=shared is not None,
+                gated_shared=shared is not None and shared.gate is not None,
                 routed_scale=adapter.routed_scale(config),
             )
-    return [ConversionPlan(scoring=s, grouping=g, scaling=c, K=K, k=k, layers=p) for (s, g, c, K), p in zip(recipes, layers)]
+    return [
+        ConversionPlan(scoring=s, grouping=g, scaling=c, K=K, k=k, layers=p) for (s, g, c, K), p in zip(recipes, layers)
+    ]
 
 
-def make_plan(teacher, stats: dict[int, LayerStats], scoring: str, grouping: str, scaling: str, K: int) -> ConversionPlan:
+def make_plan(
+    teacher, stats: dict[int, LayerStats], scoring: str, grouping: str, scaling: str, K: int
+) -> ConversionPlan:
     """Plan every MoE layer of `teacher` from its calibration statistics."""
     return make_plans(teacher, stats, [(scoring, grouping, scaling, K)])[0]

@@ -51,7 +51,9 @@ def build_student(teacher, ffns: dict[int, DenseFFN]) -> PreTrainedModel:
     missing = set(student.state_dict()) - set(state)
     unexpected = set(state) - set(student.state_dict())
     if unexpected or missing:
-        raise RuntimeError(f"student state mismatch: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        raise RuntimeError(
+            f"student state mismatch: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
     student.load_state_dict(state, strict=True, assign=True)
     materialise_buffers(student, skeleton)
     student.eval()

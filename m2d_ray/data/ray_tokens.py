@@ -10,12 +10,18 @@ executor holds a bounded number of batches in flight, so memory does not grow wi
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
+import pyarrow as pa
+import torch
 
+from m2d_ray import storage
 from m2d_ray.data import source
 from m2d_ray.errors import M2DError
+from m2d_ray.models import load_tokenizer
+
+# Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
 
 BYTES_PER_ACTOR = 64 << 20  # a smaller corpus does not pay for more actors
 TOKENIZE_BATCH = 256  # documents per tokenizer call
@@ -54,16 +60,11 @@ class _Tokenize:
     """Ray Data actor: a batch of documents -> one row holding their ids (each followed by EOS), concatenated."""
 
     def __init__(self, model: str) -> None:
-        import torch
-
-        from m2d_ray import storage
-        from m2d_ray.models import load_tokenizer
 
         torch.set_num_threads(1)
         self.tokenizer = load_tokenizer(storage.local_model(model))
 
     def __call__(self, batch: dict):
-        import pyarrow as pa
 
         ids = doc_ids(self.tokenizer, [str(t) for t in batch["text"]], self.tokenizer.eos_token_id)
         return pa.table({"ids": pa.array([ids.astype(np.int32)], type=pa.list_(pa.int32()))})
@@ -96,7 +97,10 @@ def _token_chunks(spec: str, model: str, actors: int) -> Iterator[np.ndarray]:
 
     src = source.parse(spec)
     parts = source.parts(src)
-    rows = [{"spec": spec, "url": p.url if p else "", "size": p.size if p else 0, "mtime_ns": p.mtime_ns if p else 0} for p in parts]
+    rows = [
+        {"spec": spec, "url": p.url if p else "", "size": p.size if p else 0, "mtime_ns": p.mtime_ns if p else 0}
+        for p in parts
+    ]
     ctx = ray.data.DataContext.get_current()
     before = ctx.execution_options.preserve_order, ctx.target_max_block_size
     ctx.execution_options.preserve_order = True  # blocks in document order, whatever finishes first
@@ -104,8 +108,13 @@ def _token_chunks(spec: str, model: str, actors: int) -> Iterator[np.ndarray]:
     try:
         ds = ray.data.from_items(rows, override_num_blocks=len(rows))
         ds = ds.map_batches(_read, batch_size=1, num_cpus=1)
-        ds = ds.map_batches(_Tokenize, batch_size=TOKENIZE_BATCH, num_cpus=1, fn_constructor_kwargs={"model": model},
-                            compute=ray.data.ActorPoolStrategy(size=actors))
+        ds = ds.map_batches(
+            _Tokenize,
+            batch_size=TOKENIZE_BATCH,
+            num_cpus=1,
+            fn_constructor_kwargs={"model": model},
+            compute=ray.data.ActorPoolStrategy(size=actors),
+        )
         for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
             for ids in batch.column("ids").chunks:
                 yield ids.values.to_numpy().astype(np.int64)
@@ -113,7 +122,9 @@ def _token_chunks(spec: str, model: str, actors: int) -> Iterator[np.ndarray]:
         ctx.execution_options.preserve_order, ctx.target_max_block_size = before
 
 
-def token_blocks(spec: str, model: str, seq_len: int, blocks: int, actors: int, epochs: int = 1, tokenizer=None) -> Iterator[np.ndarray]:
+def token_blocks(
+    spec: str, model: str, seq_len: int, blocks: int, actors: int, epochs: int = 1, tokenizer=None
+) -> Iterator[np.ndarray]:
     """The first `blocks` [seq_len] blocks of `spec` tokenised by `model`'s tokenizer on `actors` Ray Data actors
     (0: here, by `tokenizer`, the same), the corpus read again from its start at most `epochs` times; a corpus
     that holds fewer is refused, saying how many blocks it makes."""
@@ -134,5 +145,9 @@ def token_blocks(spec: str, model: str, seq_len: int, blocks: int, actors: int, 
 def short_corpus(spec: str, per_pass: int, blocks: int, seq_len: int, epochs: int, bound: bool = False) -> str:
     """The one line of a corpus shorter than the budget (`bound`: `per_pass` is an upper bound from its size)."""
     have = f"{'at most ' if bound else ''}{per_pass:,} blocks of {seq_len} tokens" + (" per pass" if epochs > 1 else "")
-    return (f"training data {spec!r} makes {have} but the budget needs {blocks:,} (steps x batch_size x grad_accum x workers"
-            f"{f', over {epochs} passes' if epochs > 1 else ''}); give more text, fewer distill.steps or more distill.epochs")
+    return (
+        f"training data {spec!r} makes {have} but the budget needs {blocks:,} (steps x batch_size x grad_accum x "
+        "workers"
+        f"{f', over {epochs} passes' if epochs > 1 else ''}); give more text, fewer distill.steps or more "
+        "distill.epochs"
+    )

@@ -22,14 +22,21 @@ import fnmatch
 import io
 import json
 import os
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
 from m2d_ray import storage
 from m2d_ray.artifacts import MARKER
+from m2d_ray.data.synthetic import SPLITS, corpus_text
 from m2d_ray.errors import M2DError
+
+# Imported inside functions: what may be missing (optional packages, Ray's internal API), where its absence is handled;
+# datasets (only for a hub dataset).
 
 FINEWEB = ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train")
 WIKITEXT = {"wikitext2": "wikitext-2-raw-v1", "wikitext103": "wikitext-103-raw-v1"}
@@ -87,7 +94,6 @@ def file_format(name: str) -> str:
 
 def parse(spec: str, what: str = "data") -> Source:
     """The Source of a spec; an unknown split or an empty column name is refused (one line)."""
-    from m2d_ray.data.synthetic import SPLITS
 
     body, sep, suffix = str(spec).partition("#")
     column = "text"
@@ -118,7 +124,11 @@ def parse(spec: str, what: str = "data") -> Source:
 
 # ---- files ------------------------------------------------------------------------------------------
 def _glob(location: str) -> bool:
-    return any(c in location.partition("?")[0] for c in "*?[") if storage.is_remote(location) else any(c in location for c in "*?[")
+    return (
+        any(c in location.partition("?")[0] for c in "*?[")
+        if storage.is_remote(location)
+        else any(c in location for c in "*?[")
+    )
 
 
 def _with_query(path: str, location: str) -> str:
@@ -132,18 +142,22 @@ def _with_query(path: str, location: str) -> str:
 
 def files(src: Source, what: str = "data") -> list[CorpusFile]:
     """The files of a files spec, sorted by path (one line when nothing matches)."""
-    import pyarrow.fs as pafs
 
     loc = src.location
     if _glob(loc):
         base, _, query = loc.partition("?")
         prefix = base[: min(base.index(c) for c in "*?[" if c in base)]
         root, _, rest = prefix.rpartition("/")
-        rest = base[len(root) + 1:] if root or prefix.startswith("/") else base
-        fs, root_path = storage.filesystem((root or ("/" if prefix.startswith("/") else ".")) + (f"?{query}" if query else ""))
+        rest = base[len(root) + 1 :] if root or prefix.startswith("/") else base
+        fs, root_path = storage.filesystem(
+            (root or ("/" if prefix.startswith("/") else ".")) + (f"?{query}" if query else "")
+        )
         pattern = f"{root_path.rstrip('/')}/{rest}"
-        infos = [i for i in fs.get_file_info(pafs.FileSelector(root_path, recursive=True, allow_not_found=True))
-                 if i.type == pafs.FileType.File and fnmatch.fnmatchcase(i.path, pattern)]
+        infos = [
+            i
+            for i in fs.get_file_info(pafs.FileSelector(root_path, recursive=True, allow_not_found=True))
+            if i.type == pafs.FileType.File and fnmatch.fnmatchcase(i.path, pattern)
+        ]
         if not infos:
             raise M2DError(f"{what} {src.spec!r}: no file matches {loc}; check the pattern")
     else:
@@ -151,23 +165,38 @@ def files(src: Source, what: str = "data") -> list[CorpusFile]:
         try:
             info = fs.get_file_info(path)
         except OSError as exc:
-            raise M2DError(f"{what} {src.spec!r} cannot be listed ({str(exc).splitlines()[0][:160]}); check the URL and credentials") from None
+            raise M2DError(
+                f"{what} {src.spec!r} cannot be listed ({str(exc).splitlines()[0][:160]}); check the URL and "
+                "credentials"
+            ) from None
         if info.type == pafs.FileType.NotFound:
-            raise M2DError(f"{what} {src.spec!r} is neither a file nor one of {', '.join(DATASET_SPECS)}; "
-                           "give an existing file, directory or glob")
+            raise M2DError(
+                f"{what} {src.spec!r} is neither a file nor one of {', '.join(DATASET_SPECS)}; "
+                "give an existing file, directory or glob"
+            )
         if info.type == pafs.FileType.File:
             infos = [info]
         else:
-            infos = [i for i in fs.get_file_info(pafs.FileSelector(path, recursive=True))
-                     if i.type == pafs.FileType.File and not i.base_name.startswith((".", "_")) and i.base_name != MARKER
-                     and (Path(i.base_name).suffix in _FORMATS or Path(i.base_name).suffix in _COMPRESSION)]
+            infos = [
+                i
+                for i in fs.get_file_info(pafs.FileSelector(path, recursive=True))
+                if i.type == pafs.FileType.File
+                and not i.base_name.startswith((".", "_"))
+                and i.base_name != MARKER
+                and (Path(i.base_name).suffix in _FORMATS or Path(i.base_name).suffix in _COMPRESSION)
+            ]
             if not infos:
-                raise M2DError(f"{what} {src.spec!r} is a directory with no .parquet, .jsonl, .json or .txt file; "
-                               "give a directory of corpus shards, or a file")
+                raise M2DError(
+                    f"{what} {src.spec!r} is a directory with no .parquet, .jsonl, .json or .txt file; "
+                    "give a directory of corpus shards, or a file"
+                )
     out = sorted((CorpusFile(_with_query(i.path, loc), i.size, i.mtime_ns or 0) for i in infos), key=lambda f: f.url)
     formats = {f.format for f in out}
     if len(formats) > 1:
-        raise M2DError(f"{what} {src.spec!r} mixes {' and '.join(sorted(formats))} files; give one format (e.g. a glob such as DIR/*.parquet)")
+        raise M2DError(
+            f"{what} {src.spec!r} mixes {' and '.join(sorted(formats))} files; give one format (e.g. a glob such as "
+            "DIR/*.parquet)"
+        )
     return out
 
 
@@ -197,8 +226,6 @@ def file_documents(f: CorpusFile, column: str = "text") -> Iterator[list[str]]:
         if text:
             yield [text]
     elif f.format == PARQUET:
-        import pyarrow.parquet as pq
-
         fs, path = storage.filesystem(f.url)
         with fs.open_input_file(path) as raw:
             for batch in pq.ParquetFile(raw).iter_batches(columns=[column], batch_size=_BATCH):
@@ -214,7 +241,9 @@ def file_documents(f: CorpusFile, column: str = "text") -> Iterator[list[str]]:
                 try:
                     doc = json.loads(line)[column]
                 except (ValueError, KeyError, TypeError):
-                    raise M2DError(f"{f.url}:{n} is not a JSON object with a {column!r} field; fix the line or give #column=NAME") from None
+                    raise M2DError(
+                        f"{f.url}:{n} is not a JSON object with a {column!r} field; fix the line or give #column=NAME"
+                    ) from None
                 if doc:
                     batch.append(doc)
                 if len(batch) == _BATCH:
@@ -235,8 +264,6 @@ def part_documents(src: Source, part) -> Iterator[list[str]]:
     if src.kind == "files":
         yield from file_documents(part, src.column)
     elif src.kind == "synthetic":
-        from m2d_ray.data.synthetic import corpus_text
-
         yield [corpus_text(src.split)]
     elif src.kind == "wikitext":
         yield ["".join(_hub_rows(src, streaming=False)["text"])]
@@ -275,10 +302,14 @@ def _hub_rows(src: Source, streaming: bool):
 
         return datasets.load_dataset(src.location, src.config, split=src.split, streaming=streaming)
     except Exception as exc:  # offline without a cache, unknown dataset or split ...
-        how = (f"run once online (python -c \"import datasets; datasets.load_dataset('{src.location}', "
-               f"{src.config!r}, split='{src.split}')\") to cache it, or pass local Parquet / JSON Lines files")
-        raise M2DError(f"cannot load {src.location}{':' + src.config if src.config else ''} ({src.split}) through datasets "
-                       f"({type(exc).__name__}{', offline' if _offline() else ''}); {how}") from None
+        how = (
+            f"run once online (python -c \"import datasets; datasets.load_dataset('{src.location}', "
+            f"{src.config!r}, split='{src.split}')\") to cache it, or pass local Parquet / JSON Lines files"
+        )
+        raise M2DError(
+            f"cannot load {src.location}{':' + src.config if src.config else ''} ({src.split}) through datasets "
+            f"({type(exc).__name__}{', offline' if _offline() else ''}); {how}"
+        ) from None
 
 
 def _hub_batches(src: Source) -> Iterator[list[str]]:
@@ -308,7 +339,9 @@ def check(spec: str, what: str = "data") -> Source:
         if first is None:
             raise M2DError(f"{what} {spec!r} holds no rows; give another dataset or split")
         if src.column not in first:
-            raise M2DError(f"{what} {spec!r} has no column {src.column!r} (columns: {', '.join(first)}); add #column=NAME")
+            raise M2DError(
+                f"{what} {spec!r} has no column {src.column!r} (columns: {', '.join(first)}); add #column=NAME"
+            )
     elif src.kind == "files":
         found = files(src, what)
         with ThreadPoolExecutor(8) as pool:
@@ -325,15 +358,20 @@ def _check_file(f: CorpusFile, column: str, what: str) -> None:
             with fs.open_input_file(path) as raw:
                 names = pq.ParquetFile(raw).schema_arrow.names
             if column not in names:
-                raise M2DError(f"{what}: {f.url} has no column {column!r} (columns: {', '.join(names)}); add #column=NAME to the spec")
+                raise M2DError(
+                    f"{what}: {f.url} has no column {column!r} (columns: {', '.join(names)}); add #column=NAME to the "
+                    "spec"
+                )
             return
         with _open(f) as s:
             head = s.read(_SNIFF)
     except M2DError:
         raise
     except Exception as exc:  # a truncated / corrupt Parquet footer, a bad gzip or zstd stream, no permission ...
-        raise M2DError(f"{what}: {f.url} is corrupt or unreadable ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); "
-                       "fix or remove that file") from None
+        raise M2DError(
+            f"{what}: {f.url} is corrupt or unreadable ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); "
+            "fix or remove that file"
+        ) from None
     if b"\0" in head or _undecodable(head):
         raise M2DError(f"{what} {f.url} is not a UTF-8 text file (binary content); give plain text")
     if f.format == JSONL and head.strip():
@@ -363,14 +401,14 @@ def max_tokens(src: Source) -> int | None:
     total = 0
     for f in files(src):
         if f.format == PARQUET:
-            import pyarrow.parquet as pq
-
             fs, path = storage.filesystem(f.url)
             with fs.open_input_file(path) as raw:
                 meta = pq.ParquetFile(raw).metadata
             col = meta.schema.to_arrow_schema().get_field_index(src.column)
-            total += sum(meta.row_group(g).column(col).total_uncompressed_size + 2 * meta.row_group(g).num_rows
-                         for g in range(meta.num_row_groups))
+            total += sum(
+                meta.row_group(g).column(col).total_uncompressed_size + 2 * meta.row_group(g).num_rows
+                for g in range(meta.num_row_groups)
+            )
         elif f.compression is None:
             total += f.size + 1
         else:
@@ -382,7 +420,11 @@ def fingerprint(spec: str) -> dict:
     """What identifies a spec's content: its files (names, sizes, mtimes), or the dataset and revision asked for."""
     src = parse(spec)
     if src.kind == "files":
-        return {"spec": spec, "column": src.column, "files": [[f.url.partition("?")[0], f.size, f.mtime_ns] for f in files(src)]}
+        return {
+            "spec": spec,
+            "column": src.column,
+            "files": [[f.url.partition("?")[0], f.size, f.mtime_ns] for f in files(src)],
+        }
     return {"spec": spec, "column": src.column, "dataset": [src.location, src.config, src.split]}
 
 
@@ -391,8 +433,13 @@ def changes(old: dict, new: dict) -> str | None:
     if old == new:
         return None
     if old.get("spec") != new.get("spec") or old.get("column") != new.get("column"):
-        return f"spec {old.get('spec')!r} (column {old.get('column')!r}) is now {new.get('spec')!r} (column {new.get('column')!r})"
+        was, now = (f"{d.get('spec')!r} (column {d.get('column')!r})" for d in (old, new))
+        return f"spec {was} is now {now}"
     a, b = {f[0]: f[1:] for f in old.get("files", [])}, {f[0]: f[1:] for f in new.get("files", [])}
     said = [f"{n} removed" for n in sorted(a.keys() - b.keys())] + [f"{n} added" for n in sorted(b.keys() - a.keys())]
-    said += [f"{n} size {a[n][0]} -> {b[n][0]}" if a[n][0] != b[n][0] else f"{n} modified" for n in sorted(a.keys() & b.keys()) if a[n] != b[n]]
+    said += [
+        f"{n} size {a[n][0]} -> {b[n][0]}" if a[n][0] != b[n][0] else f"{n} modified"
+        for n in sorted(a.keys() & b.keys())
+        if a[n] != b[n]
+    ]
     return "; ".join(said[:3]) + (f" (+{len(said) - 3} more)" if len(said) > 3 else "") or "the dataset changed"

@@ -27,8 +27,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import random
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 __all__ = [
     "DOMAINS",
@@ -163,17 +166,14 @@ _DOMAIN_SPECS: dict[str, dict[str, tuple]] = {
         extra=_words("light years away kilometres million billion days orbits through night appears"),
     ),
     "law": dict(
-        agents=_nouns(
-            "judge lawyer attorney defendant plaintiff witness jury:juries clerk prosecutor tenant landlord"
-        ),
+        agents=_nouns("judge lawyer attorney defendant plaintiff witness jury:juries clerk prosecutor tenant landlord"),
         things=_nouns(
             "contract statute clause verdict lawsuit warrant treaty deed licence sanction testimony:testimonies "
             "subpoena claim ordinance"
         ),
         places=_words("courtroom tribunal chamber parliament archive"),
         verbs=_verbs(
-            "sign enforce overturn dismiss review draft file approve reject breach amend sue prosecute "
-            "uphold::upheld"
+            "sign enforce overturn dismiss review draft file approve reject breach amend sue prosecute uphold::upheld"
         ),
         adjs=_words("legal binding void lawful unlawful criminal civil federal valid formal contractual"),
         advs=_words("hereby formally unanimously"),
@@ -197,9 +197,7 @@ _DOMAIN_SPECS: dict[str, dict[str, tuple]] = {
         extra=_words("beat ended draw point points scored"),
     ),
     "music": dict(
-        agents=_nouns(
-            "pianist violinist singer composer drummer conductor guitarist cellist choir orchestra"
-        ),
+        agents=_nouns("pianist violinist singer composer drummer conductor guitarist cellist choir orchestra"),
         things=_nouns(
             "song melody:melodies chord symphony:symphonies sonata rhythm harmony:harmonies note album concerto "
             "ballad anthem opera lyric"
@@ -216,9 +214,7 @@ _DOMAIN_SPECS: dict[str, dict[str, tuple]] = {
         extra=_words("beats minute major minor sharp flat bars verses movements played sang"),
     ),
     "medicine": dict(
-        agents=_nouns(
-            "doctor nurse surgeon patient pharmacist therapist paramedic midwife:midwives physician dentist"
-        ),
+        agents=_nouns("doctor nurse surgeon patient pharmacist therapist paramedic midwife:midwives physician dentist"),
         things=_nouns(
             "tablet pill dose vaccine injection symptom fever infection wound fracture rash tumour bandage "
             "prescription capsule"
@@ -762,7 +758,7 @@ def domain_vocabulary(domain: str) -> list[str]:
     """Every content word that belongs to ``domain`` (nouns in both numbers, verb forms, adjectives, extras)."""
     spec = _DOMAIN_SPECS[domain]
     words: list[str] = []
-    for key, items in spec.items():
+    for items in spec.values():
         for item in items:
             if isinstance(item, tuple):
                 words.extend(item)
@@ -792,8 +788,6 @@ def build_tokenizer():
     so generated documents round-trip exactly. ``save_pretrained`` / ``AutoTokenizer.from_pretrained`` work
     offline.
     """
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     vocab = {EOS_TOKEN: 0, UNK_TOKEN: 1}
     for w in _vocabulary():

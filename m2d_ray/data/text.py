@@ -64,9 +64,7 @@ def calibration_set(tokenizer, text: str, seq_len: int, max_tokens: int | None, 
         raise M2DError("calibration text is empty; give a file with text in it")
     ids = tokenize(tokenizer, text, max_tokens=max_tokens)
     if ids.numel() < MIN_CALIB_TOKENS:
-        raise M2DError(
-            f"calibration text has {ids.numel()} tokens; need at least {MIN_CALIB_TOKENS} (give more text)"
-        )
+        raise M2DError(f"calibration text has {ids.numel()} tokens; need at least {MIN_CALIB_TOKENS} (give more text)")
     n = -(-ids.numel() // seq_len)
     padded = torch.full((n * seq_len,), pad_id, dtype=torch.int64)
     padded[: ids.numel()] = ids

@@ -10,14 +10,19 @@ from m2d_ray.distill.losses import LOSSES
 from m2d_ray.errors import M2DError
 
 STOP_POLL_STEPS = 10  # a stop request (ASHA's) is looked at every this many steps (or every eval_every, if fewer)
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # distill.dtype besides auto (float16 would need loss scaling)
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}  # distill.dtype besides auto (float16 would need loss scaling)
 
 
 @dataclass(frozen=True)
 class DistillConfig:
     """Stage 2 training of one student (the paper's values are the defaults; tiny configs shrink them)."""
 
-    train_data: str = "fineweb-edu"  # any data spec (data/source.py): hf:, Parquet / JSON Lines / text shards, local or s3://
+    train_data: str = (
+        "fineweb-edu"  # any data spec (data/source.py): hf:, Parquet / JSON Lines / text shards, local or s3://
+    )
     eval_data: str | None = None  # validation text; None = the sweep's eval.data
     eval_max_tokens: int | None = 65536
     loss: str = "fkl"  # fkl | rkl | fkl+mse
@@ -75,13 +80,31 @@ def check_distill(d: DistillConfig) -> None:
     """One-line errors for a distillation config that cannot run."""
     if d.loss not in LOSSES:
         raise M2DError(f"distill.loss: {LOSSES.unknown_message(d.loss)}")
-    positive = {k: getattr(d, k) for k in ("steps", "batch_size", "grad_accum", "seq_len", "eval_every", "eval_batch_size", "loss_chunk", "workers", "threads_per_worker", "epochs")}
+    positive = {
+        k: getattr(d, k)
+        for k in (
+            "steps",
+            "batch_size",
+            "grad_accum",
+            "seq_len",
+            "eval_every",
+            "eval_batch_size",
+            "loss_chunk",
+            "workers",
+            "threads_per_worker",
+            "epochs",
+        )
+    }
     bad = [f"distill.{k}={v}" for k, v in positive.items() if v < 1]
     if bad:
         raise M2DError(f"{', '.join(bad)}: must be >= 1")
     if not (d.lr > 0 and 0 <= d.min_lr <= d.lr and d.temperature > 0 and len(d.betas) == 2):
         raise M2DError("distill: need lr > 0, 0 <= min_lr <= lr, temperature > 0 and betas = [beta1, beta2]")
     if d.dtype not in ("auto", *DTYPES):
-        raise M2DError(f"distill.dtype={d.dtype!r}: use auto (bfloat16 on a GPU, float32 on CPU), {' or '.join(DTYPES)}")
+        raise M2DError(
+            f"distill.dtype={d.dtype!r}: use auto (bfloat16 on a GPU, float32 on CPU), {' or '.join(DTYPES)}"
+        )
     if d.zero_stage not in (0, 1, 2):
-        raise M2DError(f"distill.zero_stage={d.zero_stage}: use 2 (ZeRO-2), 1 or 0; ZeRO-3 would shard the weights the loss reads")
+        raise M2DError(
+            f"distill.zero_stage={d.zero_stage}: use 2 (ZeRO-2), 1 or 0; ZeRO-3 would shard the weights the loss reads"
+        )

@@ -10,7 +10,7 @@ are cycled; a run tokenises once on Ray instead (`data/ray_tokens.py`, `distill/
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -45,11 +45,14 @@ def global_blocks(tokenizer, spec: str, seq_len: int) -> Iterator[Tensor]:
             n += 1
             yield block
         if n == 0:
-            raise M2DError(f"training data {spec!r} has fewer than seq_len={seq_len} tokens; give more text or a shorter seq_len")
+            raise M2DError(
+                f"training data {spec!r} has fewer than seq_len={seq_len} tokens; give more text or a shorter seq_len"
+            )
 
 
-def train_batches(tokenizer, spec: str, seq_len: int, batch_size: int, rank: int = 0, world: int = 1,
-                  start_block: int = 0) -> Iterator[Tensor]:
+def train_batches(
+    tokenizer, spec: str, seq_len: int, batch_size: int, rank: int = 0, world: int = 1, start_block: int = 0
+) -> Iterator[Tensor]:
     """[batch_size, seq_len] batches of this rank's blocks, from global block `start_block` on, forever
     (tokenised here; a run reads the same batches from its token shards, distill/tokens.py)."""
     batch: list[Tensor] = []

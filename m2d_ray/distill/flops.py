@@ -45,7 +45,11 @@ def inactive_expert_params(model: nn.Module, adapter, top_k: int) -> int:
 
 def _inactive(teacher: nn.Module, adapter, teacher_topk: int | None) -> int:
     """Expert weights a token skips at k' (none in a dense teacher: `adapter` None)."""
-    return 0 if adapter is None else inactive_expert_params(teacher, adapter, teacher_topk or adapter.top_k(teacher.config))
+    return (
+        0
+        if adapter is None
+        else inactive_expert_params(teacher, adapter, teacher_topk or adapter.top_k(teacher.config))
+    )
 
 
 def active_params(teacher: nn.Module, adapter, teacher_topk: int | None = None) -> int:
@@ -53,17 +57,27 @@ def active_params(teacher: nn.Module, adapter, teacher_topk: int | None = None) 
     return sum(p.numel() for p in teacher.parameters()) - _inactive(teacher, adapter, teacher_topk)
 
 
-def flops_per_token(teacher: nn.Module, adapter, student: nn.Module, seq_len: int, teacher_topk: int | None = None,
-                    teacher_forward: bool = True) -> float:
+def flops_per_token(
+    teacher: nn.Module,
+    adapter,
+    student: nn.Module,
+    seq_len: int,
+    teacher_topk: int | None = None,
+    teacher_forward: bool = True,
+) -> float:
     """Model FLOPs of one training token: teacher forward (k' experts; a dense teacher: all of it; none when
     its targets were cached) + student forward and backward."""
-    t = 2.0 * (matmul_params(teacher) - _inactive(teacher, adapter, teacher_topk)) + attention_flops(teacher.config, seq_len)
+    t = 2.0 * (matmul_params(teacher) - _inactive(teacher, adapter, teacher_topk)) + attention_flops(
+        teacher.config, seq_len
+    )
     t = t if teacher_forward else 0.0
     s = 2.0 * matmul_params(student) + attention_flops(student.config, seq_len)
     return t + 3.0 * s
 
 
-def matmul_rate(device: str | torch.device, dtype: torch.dtype, n: int | None = None, iters: int = 4, repeats: int = 10) -> float:
+def matmul_rate(
+    device: str | torch.device, dtype: torch.dtype, n: int | None = None, iters: int = 4, repeats: int = 10
+) -> float:
     """Measured FLOP/s of an n x n matmul in the training dtype on this device (best of `repeats`, so that
     a burst of other work does not lower it): the MFU denominator. What the device really reaches, so an
     MFU against it is a little above one against a data sheet. ~0.5 s on a CPU core, milliseconds on a GPU."""

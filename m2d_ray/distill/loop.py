@@ -16,21 +16,30 @@ from __future__ import annotations
 import math
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from transformers import AutoModelForCausalLM
 
+from m2d_ray import storage
+from m2d_ray.arch import ADAPTERS
+from m2d_ray.convert.export import export_student
+from m2d_ray.data.text import load_text, tokenize
 from m2d_ray.distill.config import DistillConfig, train_dtype
-from m2d_ray.distill.targets import TargetSpec, loss_metric
 from m2d_ray.distill.data import train_batches
 from m2d_ray.distill.flops import active_params, flops_per_token, matmul_rate
+from m2d_ray.distill.gpu import attention_implementation
 from m2d_ray.distill.step import DistillStep, all_reduce_max, all_reduce_sum
+from m2d_ray.distill.targets import TargetsManifest, TargetSpec, fingerprint, loss_metric, read_shard
+from m2d_ray.distill.tokens import TokenShards, manifest_sha256, rank_batches
 from m2d_ray.evaluate.perplexity import window_nll, windows
+from m2d_ray.models import Teacher, load_config, load_distill_teacher, load_tokenizer
 from m2d_ray.peaks import peaks, reset_peaks
+from m2d_ray.weights import read_output_head
 
 STATE_FILE = "m2d_state.pt"  # plain-torch checkpoint (DeepSpeed writes its own layout next to it)
 DS_TAG = "state"
@@ -51,12 +60,22 @@ class DistillJob:
     out: str | None = None  # exported student (written by rank 0 after the last step)
     device: str = "cpu"
     stop: Callable[[], bool] | None = None  # early stop requested from outside (ASHA): the run ends cleanly
-    build: Callable[[Path], object] | None = None  # writes the initial student into a directory, when `student` is missing
-    tokens: str | None = None  # the stream tokenised once (distill/tokens.py; a path or storage URL); None = tokenise here
-    targets: str | None = None  # the teacher's cached targets over `tokens` (distill/targets.py): then no teacher weights are loaded
+    build: Callable[[Path], object] | None = (
+        None  # writes the initial student into a directory, when `student` is missing
+    )
+    tokens: str | None = (
+        None  # the stream tokenised once (distill/tokens.py; a path or storage URL); None = tokenise here
+    )
+    targets: str | None = (
+        None  # the teacher's cached targets over `tokens` (distill/targets.py): then no teacher weights are loaded
+    )
     target_spec: TargetSpec | None = None
-    checkpoints: str | None = None  # where Ray Train keeps its checkpoints (checkpoints/run_name); None: the host's default
-    run_name: str = "train"  # Ray Train's run name there: fitting the same name again resumes from its latest checkpoint
+    checkpoints: str | None = (
+        None  # where Ray Train keeps its checkpoints (checkpoints/run_name); None: the host's default
+    )
+    run_name: str = (
+        "train"  # Ray Train's run name there: fitting the same name again resumes from its latest checkpoint
+    )
     max_failures: int = 0  # Ray Train's retries of a lost worker group
 
 
@@ -88,7 +107,6 @@ def validate(model, windows: Tensor, masks: Tensor, io: WorkerIO, cfg: DistillCo
 
 
 def validation_windows(tokenizer, spec: str, seq_len: int, max_tokens: int | None) -> tuple[Tensor, Tensor]:
-    from m2d_ray.data.text import load_text, tokenize
 
     return windows(tokenize(tokenizer, load_text(spec, max_tokens=max_tokens), max_tokens=max_tokens), seq_len)
 
@@ -98,10 +116,10 @@ def data(job: DistillJob, io: WorkerIO, tokenizer, start_block: int) -> tuple[It
     token shards, or tokenised here when the job has none (the same batches either way)."""
     cfg = job.cfg
     if job.tokens is None:
-        return (train_batches(tokenizer, cfg.train_data, cfg.seq_len, cfg.batch_size, io.rank, io.world, start_block),
-                validation_windows(tokenizer, job.eval_data, cfg.seq_len, cfg.eval_max_tokens))
-    from m2d_ray import storage
-    from m2d_ray.distill.tokens import TokenShards
+        return (
+            train_batches(tokenizer, cfg.train_data, cfg.seq_len, cfg.batch_size, io.rank, io.world, start_block),
+            validation_windows(tokenizer, job.eval_data, cfg.seq_len, cfg.eval_max_tokens),
+        )
 
     shards = TokenShards(storage.fetch_dir(job.tokens))
     shards.check(tokenizer, cfg.seq_len, cfg.train_data)
@@ -109,60 +127,68 @@ def data(job: DistillJob, io: WorkerIO, tokenizer, start_block: int) -> tuple[It
     valid = windows(shards.valid_ids(), cfg.seq_len)
     if job.targets is None:
         return shards.batches(cfg.batch_size, io.rank, io.world, start_block, pin=pin), valid
-    from m2d_ray.distill.targets import TargetsManifest, fingerprint, read_shard
-    from m2d_ray.distill.tokens import manifest_sha256, rank_batches
 
     where = storage.fetch_dir(job.targets)
     manifest = TargetsManifest.load(where, where=job.targets)
-    manifest.check_matches(fingerprint(job.target_spec, job.teacher, shards.manifest["tokenizer"], manifest_sha256(shards.manifest),
-                                       cfg.teacher_topk, cfg.temperature), job.target_spec)  # what this job says, not what the manifest says
+    manifest.check_matches(
+        fingerprint(
+            job.target_spec,
+            job.teacher,
+            shards.manifest["tokenizer"],
+            manifest_sha256(shards.manifest),
+            cfg.teacher_topk,
+            cfg.temperature,
+        ),
+        job.target_spec,
+    )  # what this job says, not what the manifest says
     ids = shards.batches(cfg.batch_size, io.rank, io.world, start_block, pin=pin)
-    targets = rank_batches(manifest.shards, lambda e: read_shard(where, e), cfg.batch_size, io.rank, io.world, start_block, pin)
+    targets = rank_batches(
+        manifest.shards, lambda e: read_shard(where, e), cfg.batch_size, io.rank, io.world, start_block, pin
+    )
     return ({"tokens": i, **t} for i, t in zip(ids, targets)), valid
 
 
 def _teacher_shape(name: str):
     """A teacher with no weights (cached targets): its tokenizer, and a meta-device model and adapter for
     counting FLOPs and active parameters."""
-    from transformers import AutoModelForCausalLM
-
-    from m2d_ray.arch import ADAPTERS
-    from m2d_ray.models import Teacher, load_config, load_tokenizer
 
     config = load_config(name)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return Teacher(name=name, model=model, tokenizer=load_tokenizer(name), adapter=ADAPTERS[config.model_type] if config.model_type in ADAPTERS else None)
+    return Teacher(
+        name=name,
+        model=model,
+        tokenizer=load_tokenizer(name),
+        adapter=ADAPTERS[config.model_type] if config.model_type in ADAPTERS else None,
+    )
 
 
 def _load_models(job: DistillJob, io: WorkerIO, dtype: torch.dtype):
     """Teacher, its output head and the student on this rank. With cached targets the teacher has no weights
     (`_teacher_shape`); with `hidden` targets its output head alone is read (else None: online, DistillStep
     takes the loaded teacher's). Rank 0 first builds the initial student into storage if it is missing."""
-    from transformers import AutoModelForCausalLM
-
-    from m2d_ray import storage
-    from m2d_ray.models import load_distill_teacher
 
     if job.build is not None and io.rank == 0 and not storage.exists(job.student):
         storage.save_dir(job.student, job.build)
     if io.world > 1 and dist.is_initialized():
         dist.barrier()  # every rank reads the student rank 0 made
 
-    teacher = _teacher_shape(job.teacher) if job.targets else load_distill_teacher(job.teacher, dtype=dtype, device=job.device)
-    if job.cfg.teacher_topk is not None and teacher.adapter is not None:  # (an MoE teacher: the D2D baseline's dense one runs with teacher_topk None)
+    teacher = (
+        _teacher_shape(job.teacher)
+        if job.targets
+        else load_distill_teacher(job.teacher, dtype=dtype, device=job.device)
+    )
+    if (
+        job.cfg.teacher_topk is not None and teacher.adapter is not None
+    ):  # (an MoE teacher: the D2D baseline's dense one runs with teacher_topk None)
         teacher.adapter.set_top_k(teacher.model, job.cfg.teacher_topk)
     for p in teacher.model.parameters():
         p.requires_grad_(False)
     head = None
     if job.targets and job.target_spec.exact:
-        from m2d_ray.weights import read_output_head
-
         head = read_output_head(job.teacher, dtype).to(job.device)
     kwargs = {"dtype": dtype}
     if job.device == "cuda":
-        from m2d_ray.distill.gpu import attention_implementation
-
         kwargs["attn_implementation"] = attention_implementation()
     student = AutoModelForCausalLM.from_pretrained(storage.local_model(job.student), **kwargs).to(job.device)
     if job.cfg.gradient_checkpointing:
@@ -186,11 +212,17 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
     dtype = train_dtype(cfg.dtype, job.device)
     teacher, head, student = _load_models(job, io, dtype)
     tokenizer = teacher.tokenizer
-    flops = flops_per_token(teacher.model, teacher.adapter, student, cfg.seq_len, cfg.teacher_topk, teacher_forward=job.targets is None)
-    sizes = {"student_params": sum(p.numel() for p in student.parameters()),  # for the matched-parameter table
-             "teacher_active_params": active_params(teacher.model, teacher.adapter, cfg.teacher_topk)}
+    flops = flops_per_token(
+        teacher.model, teacher.adapter, student, cfg.seq_len, cfg.teacher_topk, teacher_forward=job.targets is None
+    )
+    sizes = {
+        "student_params": sum(p.numel() for p in student.parameters()),  # for the matched-parameter table
+        "teacher_active_params": active_params(teacher.model, teacher.adapter, cfg.teacher_topk),
+    }
     peak = matmul_rate(job.device, dtype)
-    trainer = DistillStep(student, None if job.targets else teacher.model, cfg, job.device, io.world, dtype, job.target_spec, head)
+    trainer = DistillStep(
+        student, None if job.targets else teacher.model, cfg, job.device, io.world, dtype, job.target_spec, head
+    )
     step, extra = _restore(io.restore, trainer)
     per_step = cfg.batch_size * cfg.grad_accum * io.world
     batches, (win, wmask) = data(job, io, tokenizer, start_block=step * per_step)
@@ -201,9 +233,18 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
     poll = cfg.stop_poll
     last, resumed_from, since = {}, step, step
     if step >= cfg.steps:  # the final checkpoint was saved but its report never reached the host (it was killed)
-        last = {"step": step, "tokens": step * per_step * cfg.seq_len, **validate(student, win, wmask, io, cfg, job.device),
-                "val_ppl_initial": initial, "lr": trainer.lr, "resumed_from": step, "final": True, "curve": curve, **sizes,
-                **peak_memory(job.device, io.world)}
+        last = {
+            "step": step,
+            "tokens": step * per_step * cfg.seq_len,
+            **validate(student, win, wmask, io, cfg, job.device),
+            "val_ppl_initial": initial,
+            "lr": trainer.lr,
+            "resumed_from": step,
+            "final": True,
+            "curve": curve,
+            **sizes,
+            **peak_memory(job.device, io.world),
+        }
         _finish(student, tokenizer, job, io, last)
         io.report(last, None)
         return last
@@ -217,14 +258,30 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
             continue
         train_s = _elapsed(t0, job.device)  # training only: no validation, checkpoint or report in it
         t0 = time.perf_counter()
-        last = {"step": step, "tokens": step * per_step * cfg.seq_len, loss_metric(job.target_spec): trainer.take_loss(),
-                **validate(student, win, wmask, io, cfg, job.device), "val_ppl_initial": initial}
+        last = {
+            "step": step,
+            "tokens": step * per_step * cfg.seq_len,
+            loss_metric(job.target_spec): trainer.take_loss(),
+            **validate(student, win, wmask, io, cfg, job.device),
+            "val_ppl_initial": initial,
+        }
         eval_s = _elapsed(t0, job.device)
         tokens_per_s = (step - since) * per_step * cfg.seq_len / max(train_s, 1e-9)
         curve.append([step, last["val_ppl"]])
-        last.update({"lr": trainer.lr, "tokens_per_s": tokens_per_s, "mfu": flops * tokens_per_s / (peak * io.world),
-                     "train_s": train_s, "eval_s": eval_s, "resumed_from": resumed_from, "final": step >= cfg.steps, "curve": list(curve), **sizes,
-                     **peak_memory(job.device, io.world)})
+        last.update(
+            {
+                "lr": trainer.lr,
+                "tokens_per_s": tokens_per_s,
+                "mfu": flops * tokens_per_s / (peak * io.world),
+                "train_s": train_s,
+                "eval_s": eval_s,
+                "resumed_from": resumed_from,
+                "final": step >= cfg.steps,
+                "curve": list(curve),
+                **sizes,
+                **peak_memory(job.device, io.world),
+            }
+        )
         t0 = time.perf_counter()
         if last["final"]:
             _finish(student, tokenizer, job, io, last)
@@ -257,7 +314,11 @@ def peak_memory(device: str, world: int) -> dict:
     p = peaks()
     cuda = p.get("peak_cuda_bytes", 0) if torch.device(device).type == "cuda" else 0
     rss, work, cuda = all_reduce_max([p["peak_rss_bytes"], p.get("peak_work_bytes", 0), cuda], device, world)
-    return {"peak_rss_bytes": int(rss), **({"peak_work_bytes": int(work)} if work else {}), **({"peak_cuda_bytes": int(cuda)} if cuda else {})}
+    return {
+        "peak_rss_bytes": int(rss),
+        **({"peak_work_bytes": int(work)} if work else {}),
+        **({"peak_cuda_bytes": int(cuda)} if cuda else {}),
+    }
 
 
 def _elapsed(t0: float, device: str) -> float:
@@ -269,8 +330,6 @@ def _elapsed(t0: float, device: str) -> float:
 
 def _export(student, tokenizer, job: DistillJob) -> None:
     """The distilled student, natively, at job.out (a path or a storage URL); a resumed last step exports again."""
-    from m2d_ray import storage
-    from m2d_ray.convert.export import export_student
 
     module = getattr(student, "module", student)
     storage.save_dir(job.out, lambda path: export_student(module, tokenizer, path, overwrite=True))
@@ -281,8 +340,15 @@ def _save(path: Path, trainer: DistillStep, step: int, extra: dict, rank: int) -
     if trainer.engine is not None:  # every rank writes its ZeRO partition; rank 0 the weights
         trainer.engine.save_checkpoint(str(path), tag=DS_TAG, client_state=state)
     elif rank == 0:
-        torch.save({**state, "model": trainer.student.state_dict(), "optimizer": trainer.opt.state_dict(),
-                    "scheduler": trainer.sched.state_dict()}, path / STATE_FILE)
+        torch.save(
+            {
+                **state,
+                "model": trainer.student.state_dict(),
+                "optimizer": trainer.opt.state_dict(),
+                "scheduler": trainer.sched.state_dict(),
+            },
+            path / STATE_FILE,
+        )
 
 
 def _restore(path: Path | None, trainer: DistillStep) -> tuple[int, dict]:

@@ -18,7 +18,7 @@ Losses are means over the tokens given (the caller drops padding before calling)
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -66,8 +66,14 @@ class _Chunked(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h_s: Tensor, w_s: Tensor, per_chunk: Callable[[int, Tensor], tuple[Tensor, Tensor]],
-                temperature: float, chunk: int) -> Tensor:
+    def forward(
+        ctx,
+        h_s: Tensor,
+        w_s: Tensor,
+        per_chunk: Callable[[int, Tensor], tuple[Tensor, Tensor]],
+        temperature: float,
+        chunk: int,
+    ) -> Tensor:
         n = h_s.shape[0]
         grad_h = torch.empty_like(h_s)
         grad_w = torch.zeros(w_s.shape, dtype=torch.float32, device=w_s.device) if ctx.needs_input_grad[1] else None
@@ -94,7 +100,9 @@ class _Chunked(torch.autograd.Function):
         return gh, gw, None, None, None
 
 
-def chunked_kl(h_s: Tensor, w_s: Tensor, h_t: Tensor, w_t: Tensor, kind: str = "fkl", temperature: float = 1.0, chunk: int = 1024) -> Tensor:
+def chunked_kl(
+    h_s: Tensor, w_s: Tensor, h_t: Tensor, w_t: Tensor, kind: str = "fkl", temperature: float = 1.0, chunk: int = 1024
+) -> Tensor:
     """Mean per-token divergence between softmax(h_s @ w_s.T) and softmax(h_t @ w_t.T), chunked.
 
     h_s [N, d] student hidden states (after the final norm), w_s [V, d] the student's output
@@ -103,7 +111,9 @@ def chunked_kl(h_s: Tensor, w_s: Tensor, h_t: Tensor, w_t: Tensor, kind: str = "
     if kind not in DIVERGENCES:
         raise ValueError(f"unknown divergence {kind!r}")
     div, h_t, w_t, t = DIVERGENCES[kind], h_t.detach(), w_t.detach(), float(temperature)
-    return _Chunked.apply(h_s, w_s, lambda s, ls: div(ls, log_probs(h_t[s : s + ls.shape[0]], w_t, t)), t, max(1, int(chunk)))
+    return _Chunked.apply(
+        h_s, w_s, lambda s, ls: div(ls, log_probs(h_t[s : s + ls.shape[0]], w_t, t)), t, max(1, int(chunk))
+    )
 
 
 def _sparse_chunk(ids: Tensor, logp: Tensor, tail: Tensor) -> Callable[[int, Tensor], tuple[Tensor, Tensor]]:
@@ -125,14 +135,18 @@ def _sparse_chunk(ids: Tensor, logp: Tensor, tail: Tensor) -> Callable[[int, Ten
         ls_ids = ls.gather(1, idx)
         log_tail = ls.scatter_(1, idx, -math.inf).logsumexp(-1)  # -inf when the ids cover the vocabulary
         kl = torch.where(q > 0, q * (logq - torch.cat([ls_ids, log_tail[:, None]], dim=1)), 0.0).sum(-1)
-        in_tail = ls.sub(torch.where(torch.isfinite(log_tail), log_tail, 0.0)[:, None]).exp_()  # p_j / P_tail; 0 at the ids
+        in_tail = ls.sub(
+            torch.where(torch.isfinite(log_tail), log_tail, 0.0)[:, None]
+        ).exp_()  # p_j / P_tail; 0 at the ids
         g = ls.exp_().sub_(in_tail.mul_(q[:, -1:]))
         return kl, g.scatter_(1, idx, ls_ids.exp() - q[:, :-1])
 
     return per_chunk
 
 
-def sparse_kl(h_s: Tensor, w_s: Tensor, ids: Tensor, logp: Tensor, tail: Tensor, temperature: float = 1.0, chunk: int = 1024) -> Tensor:
+def sparse_kl(
+    h_s: Tensor, w_s: Tensor, ids: Tensor, logp: Tensor, tail: Tensor, temperature: float = 1.0, chunk: int = 1024
+) -> Tensor:
     """Mean forward KL from cached top-K targets: the teacher's distribution coarse-grained to K+1 buckets
     (ids [N, K] distinct token ids, logp [N, K] their log-probs, tail [N] the log of the remaining mass)
     against the student's on the same buckets; the dense forward KL when K = V. Temperature and memory as
@@ -154,7 +168,9 @@ def _sampled_chunk(ids: Tensor, counts: Tensor, logp: Tensor) -> Callable[[int, 
     return per_chunk
 
 
-def sampled_kl(h_s: Tensor, w_s: Tensor, ids: Tensor, counts: Tensor, logp: Tensor, temperature: float = 1.0, chunk: int = 1024) -> Tensor:
+def sampled_kl(
+    h_s: Tensor, w_s: Tensor, ids: Tensor, counts: Tensor, logp: Tensor, temperature: float = 1.0, chunk: int = 1024
+) -> Tensor:
     """Mean forward KL from N cached draws per token (Sparse Logit Sampling): ids [N_tok, N] the distinct
     drawn ids, counts [N_tok, N] how often each was drawn (0 = padding), logp [N_tok, N] their teacher
     log-probs. Value and gradient are unbiased estimates of the dense forward KL's. Temperature and memory
@@ -170,10 +186,16 @@ def naive_kl(logits_s: Tensor, logits_t: Tensor, kind: str = "fkl", temperature:
     return temperature**2 * F.kl_div(b, a, log_target=True, reduction="batchmean")
 
 
-def hidden_mse(student_states: tuple[Tensor, ...], teacher_states: tuple[Tensor, ...], mask: Tensor | None = None) -> Tensor:
+def hidden_mse(
+    student_states: tuple[Tensor, ...], teacher_states: tuple[Tensor, ...], mask: Tensor | None = None
+) -> Tensor:
     """Mean squared error between the hidden states of every layer (the embeddings excluded), over real
     tokens (`mask`; None = every position, as in packed training blocks)."""
     pairs = list(zip(student_states[1:], teacher_states[1:]))
-    pick = (lambda x: x) if mask is None else (lambda x: x[mask.bool()])  # noqa: E731
+    keep = None if mask is None else mask.bool()
+
+    def pick(x: Tensor) -> Tensor:
+        return x if keep is None else x[keep]
+
     per_layer = [F.mse_loss(pick(s).float(), pick(t).float().detach()) for s, t in pairs]
     return torch.stack(per_layer).mean()

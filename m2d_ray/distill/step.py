@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,8 @@ from torch import Tensor, nn
 from m2d_ray.distill.config import DistillConfig
 from m2d_ray.distill.losses import LOSSES, chunked_kl, hidden_mse, sampled_kl, sparse_kl
 from m2d_ray.distill.targets import TargetSpec
+
+# Imported inside functions: DeepSpeed (only where a student trains with it).
 
 
 def lr_factor(step: int, cfg: DistillConfig) -> float:
@@ -92,13 +94,23 @@ class StudentLoss(nn.Module):
         self.kind, self.with_states = LOSSES[cfg.loss]
         self.cfg, self.targets = cfg, targets
 
-    def forward(self, ids: Tensor, t_last: Tensor | dict[str, Tensor], w_t: Tensor | None = None,
-                t_states: tuple[Tensor, ...] | None = None) -> Tensor:
+    def forward(
+        self,
+        ids: Tensor,
+        t_last: Tensor | dict[str, Tensor],
+        w_t: Tensor | None = None,
+        t_states: tuple[Tensor, ...] | None = None,
+    ) -> Tensor:
         """Online and from cached hidden states: `t_last` is the teacher's final hidden states and `w_t` its
         output head (the same exact loss); top-K / sampled: the batch's targets (distill/targets.py)."""
         out = self.student.base_model(input_ids=ids, output_hidden_states=self.with_states, use_cache=False)
         h = out.last_hidden_state
-        h, w_s, t, c = h.reshape(-1, h.shape[-1]), self.student.get_output_embeddings().weight, self.cfg.temperature, self.cfg.loss_chunk
+        h, w_s, t, c = (
+            h.reshape(-1, h.shape[-1]),
+            self.student.get_output_embeddings().weight,
+            self.cfg.temperature,
+            self.cfg.loss_chunk,
+        )
         if self.targets is not None and not self.targets.exact:
             flat = {k: v.reshape(h.shape[0], *v.shape[2:]) for k, v in t_last.items()}
             if self.targets.mode == "topk":
@@ -118,26 +130,43 @@ class DistillStep:
     DeepSpeed, or `world` > 1, needs an initialised process group (Ray Train's, or deepspeed.init_distributed).
     """
 
-    def __init__(self, student: nn.Module, teacher: nn.Module | None, cfg: DistillConfig, device: str,
-                 world: int = 1, dtype: torch.dtype = torch.float32, targets: TargetSpec | None = None,
-                 head: Tensor | None = None) -> None:
+    def __init__(
+        self,
+        student: nn.Module,
+        teacher: nn.Module | None,
+        cfg: DistillConfig,
+        device: str,
+        world: int = 1,
+        dtype: torch.dtype = torch.float32,
+        targets: TargetSpec | None = None,
+        head: Tensor | None = None,
+    ) -> None:
         self.cfg, self.student, self.teacher, self.device, self.world = cfg, student, teacher, device, world
-        self.head = (teacher.get_output_embeddings().weight if teacher is not None else head)
+        self.head = teacher.get_output_embeddings().weight if teacher is not None else head
         self.head = self.head.detach() if self.head is not None else None
         self.loss_module = StudentLoss(student, cfg, targets)
-        fused = torch.device(device).type in ("cpu", "cuda")  # one kernel for all tensors (P7, 1 thread: -2.6% step time)
-        self.opt = torch.optim.AdamW(param_groups(student, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), fused=fused)
+        fused = torch.device(device).type in (
+            "cpu",
+            "cuda",
+        )  # one kernel for all tensors (P7, 1 thread: -2.6% step time)
+        self.opt = torch.optim.AdamW(
+            param_groups(student, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), fused=fused
+        )
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, cfg))
         self.engine = self.ddp = None
         if cfg.deepspeed:
             import deepspeed
 
-            self.engine, self.opt, _, self.sched = deepspeed.initialize(model=student, optimizer=self.opt, lr_scheduler=self.sched,
-                                                                        config=ds_config(cfg, dtype))
+            self.engine, self.opt, _, self.sched = deepspeed.initialize(
+                model=student, optimizer=self.opt, lr_scheduler=self.sched, config=ds_config(cfg, dtype)
+            )
         elif world > 1:
             cuda = torch.device(device).type == "cuda"
-            self.ddp = nn.parallel.DistributedDataParallel(self.loss_module, device_ids=[torch.cuda.current_device()] if cuda else None,
-                                                           gradient_as_bucket_view=True)
+            self.ddp = nn.parallel.DistributedDataParallel(
+                self.loss_module,
+                device_ids=[torch.cuda.current_device()] if cuda else None,
+                gradient_as_bucket_view=True,
+            )
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self._losses = 0
 

@@ -78,8 +78,10 @@ def parse_targets(text: str, temperature: float = 1.0, seed: int = 0) -> TargetS
     except ValueError:
         raise M2DError(f"stage2.targets={text!r}: {k!r} is not a whole number; {usage}") from None
     if n < 1 or (mode == "sampled" and n > MAX_DRAWS):
-        raise M2DError(f"stage2.targets={text!r}: {mode} needs 1 <= {'K' if mode == 'topk' else 'N'}"
-                       f"{'' if mode == 'topk' else ' <= 255 (counts are stored as uint8)'}; {usage}")
+        raise M2DError(
+            f"stage2.targets={text!r}: {mode} needs 1 <= {'K' if mode == 'topk' else 'N'}"
+            f"{'' if mode == 'topk' else ' <= 255 (counts are stored as uint8)'}; {usage}"
+        )
     return TargetSpec(mode, n, float(temperature), int(seed))
 
 
@@ -91,10 +93,14 @@ def check_targets_loss(loss: str, spec: TargetSpec | None) -> None:
         return
     kind, with_states = LOSSES[loss]
     if with_states:
-        raise M2DError(f"distill.loss={loss} needs the teacher's hidden states of every layer, which no cache keeps; "
-                       "use stage2.targets=online or distill.loss=fkl")
+        raise M2DError(
+            f"distill.loss={loss} needs the teacher's hidden states of every layer, which no cache keeps; "
+            "use stage2.targets=online or distill.loss=fkl"
+        )
     if kind != "fkl" and not spec.exact:
-        raise M2DError(f"distill.loss={loss} needs the teacher's full distribution; use stage2.targets=hidden (exact) or online")
+        raise M2DError(
+            f"distill.loss={loss} needs the teacher's full distribution; use stage2.targets=hidden (exact) or online"
+        )
 
 
 def bytes_per_token(spec: TargetSpec, state_bytes: int = 0) -> int:
@@ -110,7 +116,9 @@ def bytes_per_token(spec: TargetSpec, state_bytes: int = 0) -> int:
     return 6 * spec.k + 4 if spec.mode == "topk" else 7 * spec.k
 
 
-TARGET_SHARD_BYTES = 128 << 20  # one target shard (topk:64 at seq_len 4096: 80 blocks; hidden, d 2048 in bf16: 8 blocks)
+TARGET_SHARD_BYTES = (
+    128 << 20
+)  # one target shard (topk:64 at seq_len 4096: 80 blocks; hidden, d 2048 in bf16: 8 blocks)
 
 
 def blocks_per_shard(seq_len: int, per_token: int) -> int:
@@ -137,7 +145,9 @@ def block_generator(seed: int, block: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def teacher_targets(h_t: Tensor, w_t: Tensor | None, spec: TargetSpec, first_block: int = 0, chunk: int = 1024) -> dict[str, Tensor]:
+def teacher_targets(
+    h_t: Tensor, w_t: Tensor | None, spec: TargetSpec, first_block: int = 0, chunk: int = 1024
+) -> dict[str, Tensor]:
     """The targets of B consecutive global blocks first_block.. from the teacher's final hidden states
     h_t [B, L, d] and output projection w_t [V, d]; tensors [B, L, ...] on h_t's device (the shard layout).
     Hidden targets are the states themselves (no head: None).
@@ -149,19 +159,31 @@ def teacher_targets(h_t: Tensor, w_t: Tensor | None, spec: TargetSpec, first_blo
     b, length, _ = h_t.shape
     k, dev, t = spec.k, h_t.device, float(spec.temperature)
     if spec.mode == "topk" and k > w_t.shape[0]:
-        raise M2DError(f"stage2.targets={spec}: K is larger than the teacher's vocabulary ({w_t.shape[0]}); use a smaller K")
+        raise M2DError(
+            f"stage2.targets={spec}: K is larger than the teacher's vocabulary ({w_t.shape[0]}); use a smaller K"
+        )
     if spec.mode == "topk":
-        out = {"ids": torch.empty(b, length, k, dtype=torch.int32, device=dev),
-               "logp": torch.empty(b, length, k, dtype=torch.float16, device=dev),
-               "tail": torch.empty(b, length, dtype=torch.float32, device=dev)}
+        out = {
+            "ids": torch.empty(b, length, k, dtype=torch.int32, device=dev),
+            "logp": torch.empty(b, length, k, dtype=torch.float16, device=dev),
+            "tail": torch.empty(b, length, dtype=torch.float32, device=dev),
+        }
     else:
-        out = {"ids": torch.zeros(b, length, k, dtype=torch.int32, device=dev),
-               "counts": torch.zeros(b, length, k, dtype=torch.uint8, device=dev),
-               "logp": torch.zeros(b, length, k, dtype=torch.float16, device=dev)}
+        out = {
+            "ids": torch.zeros(b, length, k, dtype=torch.int32, device=dev),
+            "counts": torch.zeros(b, length, k, dtype=torch.uint8, device=dev),
+            "logp": torch.zeros(b, length, k, dtype=torch.float16, device=dev),
+        }
     with torch.no_grad():
         for i in range(b):
             # a block's uniforms are drawn whole, before chunking, so chunk size cannot change the draws
-            u = torch.rand(length, k, generator=block_generator(spec.seed, first_block + i), dtype=torch.float64).to(dev) if spec.mode == "sampled" else None
+            u = (
+                torch.rand(length, k, generator=block_generator(spec.seed, first_block + i), dtype=torch.float64).to(
+                    dev
+                )
+                if spec.mode == "sampled"
+                else None
+            )
             for s in range(0, length, chunk):
                 lp = log_probs(h_t[i, s : s + chunk], w_t, t)
                 rows = {name: x[i, s : s + chunk] for name, x in out.items()}
@@ -201,13 +223,19 @@ def _sampled(lp: Tensor, u: Tensor, ids: Tensor, counts: Tensor, logp: Tensor) -
     logp.copy_(torch.where(counts > 0, lp.gather(1, distinct), 0.0))
 
 
-def fingerprint(spec: TargetSpec, teacher: str, tokenizer: str, tokens: str, teacher_topk: int | None, temperature: float) -> dict:
+def fingerprint(
+    spec: TargetSpec, teacher: str, tokenizer: str, tokens: str, teacher_topk: int | None, temperature: float
+) -> dict:
     """What targets of `spec` depend on besides the spec: teacher, tokenizer, the token manifest's sha256, the
     teacher's (expanded) routing k' (None = its own k) and the temperature (None for hidden states, which
     every temperature shares). The pass and a student's rank both build it, each from its own settings."""
-    return {"teacher": str(teacher), "tokenizer": str(tokenizer), "tokens": str(tokens),
-            "teacher_topk": None if teacher_topk is None else int(teacher_topk),
-            "temperature": None if spec.exact else float(temperature)}
+    return {
+        "teacher": str(teacher),
+        "tokenizer": str(tokenizer),
+        "tokens": str(tokens),
+        "teacher_topk": None if teacher_topk is None else int(teacher_topk),
+        "temperature": None if spec.exact else float(temperature),
+    }
 
 
 @dataclass(frozen=True)
@@ -239,11 +267,15 @@ def read_shard(directory: str | Path, entry: ShardEntry) -> dict[str, Tensor]:
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        raise M2DError(f"targets shard {path} is missing; compute the targets again or use stage2.targets=online") from None
+        raise M2DError(
+            f"targets shard {path} is missing; compute the targets again or use stage2.targets=online"
+        ) from None
     actual = sha256_bytes(data)
     if actual != entry.sha256:
-        raise M2DError(f"targets shard {path} is truncated or corrupted: sha256 {actual}, manifest says {entry.sha256} "
-                       f"({len(data)} bytes); compute the targets again or use stage2.targets=online")
+        raise M2DError(
+            f"targets shard {path} is truncated or corrupted: sha256 {actual}, manifest says {entry.sha256} "
+            f"({len(data)} bytes); compute the targets again or use stage2.targets=online"
+        )
     return load_tensors(data)
 
 
@@ -262,8 +294,11 @@ class TargetsManifest:
         start = 0
         for s in self.shards:
             if s.first_block != start or s.blocks < 1:
-                raise M2DError(f"targets manifest in {self.where or 'this directory'}: shard {s.file} holds blocks from {s.first_block}, "
-                               f"expected {start} (shards must tile blocks 0.. in order); compute the targets again")
+                raise M2DError(
+                    f"targets manifest in {self.where or 'this directory'}: shard {s.file} holds blocks from "
+                    f"{s.first_block}, "
+                    f"expected {start} (shards must tile blocks 0.. in order); compute the targets again"
+                )
             start += s.blocks
 
     @property
@@ -271,9 +306,18 @@ class TargetsManifest:
         return sum(s.blocks for s in self.shards)
 
     def to_json(self) -> dict:
-        return {"spec": {"mode": self.spec.mode, "k": self.spec.k, "temperature": self.spec.temperature, "seed": self.spec.seed},
-                "fingerprint": self.fingerprint, "seq_len": self.seq_len, "blocks": self.blocks,
-                "shards": [vars(s) for s in self.shards]}
+        return {
+            "spec": {
+                "mode": self.spec.mode,
+                "k": self.spec.k,
+                "temperature": self.spec.temperature,
+                "seed": self.spec.seed,
+            },
+            "fingerprint": self.fingerprint,
+            "seq_len": self.seq_len,
+            "blocks": self.blocks,
+            "shards": [vars(s) for s in self.shards],
+        }
 
     def save(self, directory: str | Path) -> None:
         write_json_atomic(Path(directory) / MANIFEST, self.to_json())
@@ -285,29 +329,49 @@ class TargetsManifest:
         where = str(directory) if where is None else where
         try:
             d = json.loads(path.read_text())
-            return cls(TargetSpec(**d["spec"]), d["fingerprint"], int(d["seq_len"]),
-                       tuple(ShardEntry(**s) for s in d["shards"]), where)
+            return cls(
+                TargetSpec(**d["spec"]),
+                d["fingerprint"],
+                int(d["seq_len"]),
+                tuple(ShardEntry(**s) for s in d["shards"]),
+                where,
+            )
         except FileNotFoundError:
-            raise M2DError(f"no targets manifest in {where} ({MANIFEST}); compute the targets first or use stage2.targets=online") from None
+            raise M2DError(
+                f"no targets manifest in {where} ({MANIFEST}); compute the targets first or use stage2.targets=online"
+            ) from None
         except (ValueError, KeyError, TypeError) as exc:
-            raise M2DError(f"targets manifest {path} is unreadable ({type(exc).__name__}: {exc}); compute the targets again") from None
+            raise M2DError(
+                f"targets manifest {path} is unreadable ({type(exc).__name__}: {exc}); compute the targets again"
+            ) from None
 
     def check_matches(self, expected: dict, spec: TargetSpec | None = None) -> None:
         """Refuse targets made from anything else than this run's teacher, tokenizer, tokens, routing k' and
         temperature (`fingerprint(...)`), or, given `spec`, of another mode or size."""
         theirs = f"targets in {self.where or 'this directory'}"
-        diffs = [f"{f} {self.fingerprint.get(f)!r}, this run's is {expected[f]!r}"
-                 for f in FINGERPRINT if self.fingerprint.get(f) != expected[f]]
+        diffs = [
+            f"{f} {self.fingerprint.get(f)!r}, this run's is {expected[f]!r}"
+            for f in FINGERPRINT
+            if self.fingerprint.get(f) != expected[f]
+        ]
         if diffs:
-            raise M2DError(f"{theirs} were made with {'; '.join(diffs)}; compute targets for this run (another directory) or use stage2.targets=online")
+            raise M2DError(
+                f"{theirs} were made with {'; '.join(diffs)}; compute targets for this run (another directory) or use "
+                "stage2.targets=online"
+            )
         if spec is not None and (spec.mode, spec.k) != (self.spec.mode, self.spec.k):
-            raise M2DError(f"{theirs} are {self.spec}, this run asks for {spec}; compute {spec} targets (another directory) or ask for {self.spec}")
+            raise M2DError(
+                f"{theirs} are {self.spec}, this run asks for {spec}; compute {spec} targets (another directory) or "
+                f"ask for {self.spec}"
+            )
 
     def locate(self, block: int) -> tuple[ShardEntry, int]:
         """The shard holding global block `block` and the block's index in it."""
         starts = [s.first_block for s in self.shards]
         i = bisect.bisect_right(starts, block) - 1
         if i < 0 or block >= starts[i] + self.shards[i].blocks:
-            raise M2DError(f"targets in {self.where or 'this directory'} cover blocks 0..{self.blocks - 1}, not block {block}; "
-                           "compute targets for more blocks or train fewer steps")
+            raise M2DError(
+                f"targets in {self.where or 'this directory'} cover blocks 0..{self.blocks - 1}, not block {block}; "
+                "compute targets for more blocks or train fewer steps"
+            )
         return self.shards[i], block - starts[i]

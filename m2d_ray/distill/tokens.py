@@ -18,15 +18,21 @@ import hashlib
 import json
 import queue
 import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 from safetensors.torch import load_file, save
 from torch import Tensor
 
-from m2d_ray.artifacts import sha256_bytes, sha256_file, write_json_atomic, write_text_atomic
+from m2d_ray.artifacts import (
+    sha256_bytes,
+    sha256_file,
+    write_json_atomic,
+    write_text_atomic,
+)
+from m2d_ray.data.text import load_text, tokenize
 from m2d_ray.distill.data import global_blocks
 from m2d_ray.distill.targets import ShardEntry
 from m2d_ray.errors import M2DError
@@ -50,12 +56,21 @@ def _save(tensors: dict[str, Tensor], path: Path) -> str:
     return sha256_bytes(data)
 
 
-def write_tokens(out: Path, tokenizer, source: str, seq_len: int, blocks: int, valid: str, valid_max_tokens: int | None,
-                 shard_blocks: int = SHARD_BLOCKS, stream: Iterable | None = None, corpus: dict | None = None) -> dict:
+def write_tokens(
+    out: Path,
+    tokenizer,
+    source: str,
+    seq_len: int,
+    blocks: int,
+    valid: str,
+    valid_max_tokens: int | None,
+    shard_blocks: int = SHARD_BLOCKS,
+    stream: Iterable | None = None,
+    corpus: dict | None = None,
+) -> dict:
     """Write `blocks` global blocks of `source` and the validation text's ids into `out`; returns the manifest.
     `stream`: the blocks (a run's, tokenised by Ray Data: data/ray_tokens.py); None = tokenised here, cycled.
     `corpus`: the source's fingerprint (data.source.fingerprint), recorded in the manifest."""
-    from m2d_ray.data.text import load_text, tokenize
 
     out.mkdir(parents=True, exist_ok=True)
     shards, first = [], 0
@@ -66,10 +81,18 @@ def write_tokens(out: Path, tokenizer, source: str, seq_len: int, blocks: int, v
         name = f"tokens-{len(shards):05d}.safetensors"
         shards.append(vars(ShardEntry(name, first, n, _save({"tokens": rows}, out / name))))
         first += n
-    ids = tokenize(tokenizer, load_text(valid, max_tokens=valid_max_tokens), max_tokens=valid_max_tokens).to(torch.int32)
+    ids = tokenize(tokenizer, load_text(valid, max_tokens=valid_max_tokens), max_tokens=valid_max_tokens).to(
+        torch.int32
+    )
     manifest = {
-        "tokenizer": tokenizer_fingerprint(tokenizer), "source": source, "corpus": corpus, "valid_source": valid, "seq_len": seq_len, "blocks": blocks,
-        "shards": shards, "valid": {"file": VALID_FILE, "tokens": int(ids.numel()), "sha256": _save({"ids": ids}, out / VALID_FILE)},
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "source": source,
+        "corpus": corpus,
+        "valid_source": valid,
+        "seq_len": seq_len,
+        "blocks": blocks,
+        "shards": shards,
+        "valid": {"file": VALID_FILE, "tokens": int(ids.numel()), "sha256": _save({"ids": ids}, out / VALID_FILE)},
     }
     write_json_atomic(out / MANIFEST, manifest)
     return manifest
@@ -94,18 +117,25 @@ class TokenShards:
         path = self.dir / entry["file"]
         actual = sha256_file(path) if path.exists() else "missing"
         if actual != entry["sha256"]:
-            raise M2DError(f"token shard {path} is damaged (sha256 {actual[:16]}, expected {entry['sha256'][:16]}); "
-                           "delete the token directory to tokenise again")
+            raise M2DError(
+                f"token shard {path} is damaged (sha256 {actual[:16]}, expected {entry['sha256'][:16]}); "
+                "delete the token directory to tokenise again"
+            )
         return load_file(str(path))[key]
 
     def check(self, tokenizer, seq_len: int, source: str) -> None:
         """These tokens were made by this tokenizer, at this seq_len, from this source (else one line)."""
         m = self.manifest
-        for what, mine, theirs in (("tokenizer", tokenizer_fingerprint(tokenizer), m["tokenizer"]), ("seq_len", seq_len, m["seq_len"]),
-                                   ("source", source, m["source"])):
+        for what, mine, theirs in (
+            ("tokenizer", tokenizer_fingerprint(tokenizer), m["tokenizer"]),
+            ("seq_len", seq_len, m["seq_len"]),
+            ("source", source, m["source"]),
+        ):
             if mine != theirs:
-                raise M2DError(f"tokens in {self.dir} were made with another {what} ({str(theirs)[:60]}, not {str(mine)[:60]}); "
-                               "use a new storage path or delete that directory")
+                raise M2DError(
+                    f"tokens in {self.dir} were made with another {what} ({str(theirs)[:60]}, not {str(mine)[:60]}); "
+                    "use a new storage path or delete that directory"
+                )
 
     def rows(self, entry: ShardEntry) -> Tensor:
         """The [blocks, seq_len] int64 token rows of one shard (checked)."""
@@ -114,7 +144,9 @@ class TokenShards:
     def valid_ids(self) -> Tensor:
         return self._read(self.manifest["valid"], "ids").to(torch.int64)
 
-    def batches(self, batch_size: int, rank: int = 0, world: int = 1, start_block: int = 0, pin: bool = False) -> Iterator[Tensor]:
+    def batches(
+        self, batch_size: int, rank: int = 0, world: int = 1, start_block: int = 0, pin: bool = False
+    ) -> Iterator[Tensor]:
         """[batch_size, seq_len] int64 batches of this rank's blocks from global block `start_block` on, in
         `train_batches`' order (see `rank_batches`)."""
         entries = [ShardEntry(**e) for e in self.manifest["shards"]]
@@ -122,8 +154,15 @@ class TokenShards:
             yield b["ids"]
 
 
-def rank_batches(shards: Sequence[ShardEntry], read: Callable[[ShardEntry], dict[str, Tensor]], batch_size: int, rank: int = 0,
-                 world: int = 1, start_block: int = 0, pin: bool = False) -> Iterator[dict[str, Tensor]]:
+def rank_batches(
+    shards: Sequence[ShardEntry],
+    read: Callable[[ShardEntry], dict[str, Tensor]],
+    batch_size: int,
+    rank: int = 0,
+    world: int = 1,
+    start_block: int = 0,
+    pin: bool = False,
+) -> Iterator[dict[str, Tensor]]:
     """Batches of the rows of this rank's global blocks (g % world == rank) from `start_block` on, each a dict
     of [batch_size, ...] tensors stacked from `read(shard)` (rows = blocks); only the shards holding this
     rank's blocks are read, the next one on a background thread (pinned for CUDA). Past the last stored

@@ -13,17 +13,24 @@ import contextlib
 import json
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from ray import train
-from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import (
+    Checkpoint,
+    CheckpointConfig,
+    FailureConfig,
+    RunConfig,
+    ScalingConfig,
+)
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.v2.api.callback import UserCallback
 
 from m2d_ray import console
 from m2d_ray.distill.loop import DistillJob, WorkerIO, run_distill
+from m2d_ray.storage import ray_storage
 
 #: environment forwarded to the workers (DeepSpeed's compiled-ops cache: a stale lock there hangs every run)
 FORWARDED_ENV = ("TORCH_EXTENSIONS_DIR", "DS_ACCELERATOR")
@@ -68,9 +75,15 @@ def progress_line(m: dict, label: str = "") -> str:
     val = f"val ppl {m['val_ppl']:.2f} (start {m['val_ppl_initial']:.2f})"
     if "tokens_per_s" not in m:  # the final report repeated after a resume: no training in it
         return head + val
-    loss = f"train loss {m['train_loss']:.4f}" if "train_loss" in m else f"train loss (top-K buckets, a lower bound) {m['train_loss_buckets']:.4f}"
-    return (head + f"{loss}, {val}, {m['tokens_per_s']:,.0f} tok/s training "
-            f"(MFU {m['mfu']:.1%}; eval {m['eval_s']:.1f} s, checkpoint {m['ckpt_s']:.1f} s)")
+    loss = (
+        f"train loss {m['train_loss']:.4f}"
+        if "train_loss" in m
+        else f"train loss (top-K buckets, a lower bound) {m['train_loss_buckets']:.4f}"
+    )
+    return (
+        head + f"{loss}, {val}, {m['tokens_per_s']:,.0f} tok/s training "
+        f"(MFU {m['mfu']:.1%}; eval {m['eval_s']:.1f} s, checkpoint {m['ckpt_s']:.1f} s)"
+    )
 
 
 @contextlib.contextmanager
@@ -106,7 +119,6 @@ def follow(path: str | Path, label: str = "", every_s: float = 1.0, total: int |
 def fit(job: DistillJob, callbacks: list | None = None):
     """Build and fit the TorchTrainer of one student, its checkpoints in `job.checkpoints` (a path or a storage
     URL every node reaches) under `job.run_name`; returns Ray Train's Result."""
-    from m2d_ray.storage import ray_storage
 
     cfg = job.cfg
     use_gpu = cfg.gpus_per_worker > 0
@@ -116,11 +128,15 @@ def fit(job: DistillJob, callbacks: list | None = None):
         train_loop_config={"job": job, "env": env},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(
-            num_workers=cfg.workers, use_gpu=use_gpu, accelerator_type=cfg.accelerator if use_gpu else None,
+            num_workers=cfg.workers,
+            use_gpu=use_gpu,
+            accelerator_type=cfg.accelerator if use_gpu else None,
             resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": cfg.gpus_per_worker} if use_gpu else {})},
         ),
         run_config=RunConfig(
-            name=job.run_name, **(ray_storage(job.checkpoints) if job.checkpoints else {}), callbacks=callbacks or [],
+            name=job.run_name,
+            **(ray_storage(job.checkpoints) if job.checkpoints else {}),
+            callbacks=callbacks or [],
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
             failure_config=FailureConfig(max_failures=job.max_failures),
         ),

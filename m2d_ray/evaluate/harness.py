@@ -20,7 +20,14 @@ import yaml
 
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate import paper_tasks
-from m2d_ray.evaluate.local_tasks import CONTINUATION, TEXT_CONTINUATION, write_task_yamls
+from m2d_ray.evaluate.local_tasks import (
+    CONTINUATION,
+    TEXT_CONTINUATION,
+    write_task_yamls,
+)
+from m2d_ray.evaluate.paper_data import verify
+
+# Imported inside functions: lm-eval (seconds to import; only where a suite runs).
 
 HUB_PAPER_SUITE = (("winogrande", 5), ("hellaswag", 10), ("arc_easy", 25), ("arc_challenge", 25), ("mmlu", 5))
 PAPER_SUITE = tuple((paper_tasks.PREFIX + name, shots) for name, shots in HUB_PAPER_SUITE)  # offline (paper_tasks.py)
@@ -53,7 +60,9 @@ def parse_tasks(spec: str, num_fewshot: int | None = None) -> list[tuple[str, in
         try:
             out.append((name, int(shots) if shots else (num_fewshot or 0)))
         except ValueError:
-            raise M2DError(f"task {item!r}: write name or name:shots (e.g. hellaswag:10), or a suite: {', '.join(SUITES)}") from None
+            raise M2DError(
+                f"task {item!r}: write name or name:shots (e.g. hellaswag:10), or a suite: {', '.join(SUITES)}"
+            ) from None
     if not out:
         raise M2DError(f"no tasks in {spec!r}; give a suite ({', '.join(SUITES)}, text:PATH) or task[:shots],…")
     return out
@@ -74,8 +83,6 @@ def check_tasks(spec: str, num_fewshot: int | None = None) -> tuple[list[tuple[s
     suite, text = parse_tasks(spec, num_fewshot), text_source(spec)
     ours = LOCAL_TASKS + (TEXT_TASKS if text else ()) + PAPER_NAMES
     if any(name in PAPER_NAMES for name, _ in suite):
-        from m2d_ray.evaluate.paper_data import verify
-
         verify()  # fetched and intact, else one line with the command that fetches it
     for name, _ in suite:
         if name in ours:
@@ -84,7 +91,10 @@ def check_tasks(spec: str, num_fewshot: int | None = None) -> tuple[list[tuple[s
         if name not in known:
             close = difflib.get_close_matches(name, [*known, *LOCAL_TASKS, *PAPER_NAMES], n=2, cutoff=0.75)
             hint = f"; did you mean {' or '.join(close)}?" if close else ""
-            raise M2DError(f"unknown lm-eval task {name!r}{hint} (`lm-eval ls tasks` lists them; offline suites: paper, local, text:PATH)")
+            raise M2DError(
+                f"unknown lm-eval task {name!r}{hint} (`lm-eval ls tasks` lists them; offline suites: paper, local, "
+                "text:PATH)"
+            )
     return suite, text
 
 
@@ -99,13 +109,25 @@ def lm_eval_tasks() -> frozenset[str]:
 def _group_yaml(tasks: list[tuple[str, int]], dest: Path, groups: set[str] = frozenset()) -> None:
     """The suite as one group; a member that is itself a group (mmlu) is referenced as `group:` (as `task:`,
     lm-eval 0.4.13 renames every subtask to the group's name and recurses forever)."""
-    group = {"group": GROUP, "task": [{"group" if name in groups else "task": name, "num_fewshot": shots} for name, shots in tasks],
-             "aggregate_metric_list": [{"metric": "acc", "aggregation": "mean", "weight_by_size": False}], "metadata": {"version": 1.0}}
+    group = {
+        "group": GROUP,
+        "task": [{"group" if name in groups else "task": name, "num_fewshot": shots} for name, shots in tasks],
+        "aggregate_metric_list": [{"metric": "acc", "aggregation": "mean", "weight_by_size": False}],
+        "metadata": {"version": 1.0},
+    }
     (dest / f"{GROUP}.yaml").write_text(yaml.safe_dump(group, sort_keys=False))
 
 
-def evaluate(model, tokenizer, tasks: list[tuple[str, int]], batch_size: int | str = 16, device: str = "cpu", limit: int | None = None,
-             text: str | None = None, lm_kwargs: dict | None = None) -> dict:
+def evaluate(
+    model,
+    tokenizer,
+    tasks: list[tuple[str, int]],
+    batch_size: int | str = 16,
+    device: str = "cpu",
+    limit: int | None = None,
+    text: str | None = None,
+    lm_kwargs: dict | None = None,
+) -> dict:
     """{"tasks": {name: {"acc", "acc_norm", "score", "shots", "n"}}, "mean": unweighted mean score}.
 
     `text`: the file `text_continuation` is built from (`text_source` of a `text:PATH` spec). Paper tasks
@@ -121,8 +143,6 @@ def evaluate(model, tokenizer, tasks: list[tuple[str, int]], batch_size: int | s
     with tempfile.TemporaryDirectory(prefix="m2d-lmeval-") as tmp:
         include = write_task_yamls(Path(tmp), text)
         if paper:
-            from m2d_ray.evaluate.paper_data import verify
-
             paper_tasks.write_yamls(include, verify(), paper)
         _group_yaml(tasks, include)
         try:
@@ -137,8 +157,11 @@ def evaluate(model, tokenizer, tasks: list[tuple[str, int]], batch_size: int | s
             names = ", ".join(t for t, _ in tasks if t not in ours)
             if not names:
                 raise
-            raise M2DError(f"lm-eval could not load the data of {names} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); "
-                           "these datasets come from the Hugging Face hub: offline? use --tasks paper (after m2d fetch-data), local or text:PATH") from None
+            raise M2DError(
+                f"lm-eval could not load the data of {names} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); "
+                "these datasets come from the Hugging Face hub: offline? use --tasks paper (after m2d fetch-data), "
+                "local or text:PATH"
+            ) from None
     by_alias = {v.get("alias", k).strip(" -"): v for k, v in out["results"].items() if k != GROUP}
     results = {}
     for name, shots in tasks:
@@ -150,5 +173,8 @@ def evaluate(model, tokenizer, tasks: list[tuple[str, int]], batch_size: int | s
         if name in PAPER_NAMES:
             results[name].update(paper_tasks.details(base_name(name), out))
     scores = [r["score"] for r in results.values() if r["score"] is not None]
-    return {"tasks": results, "mean": sum(scores) / len(scores) if scores else None,
-            **({"data": paper_tasks.data_note()} if paper else {})}
+    return {
+        "tasks": results,
+        "mean": sum(scores) / len(scores) if scores else None,
+        **({"data": paper_tasks.data_note()} if paper else {}),
+    }

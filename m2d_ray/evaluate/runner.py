@@ -1,20 +1,38 @@
 """One model through lm-eval, placed by its memory (placement.py): what `m2d eval` and stage 3 call.
 
-    plan(model, ...)          the EvalPlacement of a model from its config alone (no weights read)
-    gpu_facts()               this process' GPU memory and count (None, 0 without CUDA)
-    evaluate_model(...)       load (whole, or sharded over the visible GPUs by HFLM) and run the suite
+plan(model, ...)          the EvalPlacement of a model from its config alone (no weights read)
+gpu_facts()               this process' GPU memory and count (None, 0 without CUDA)
+evaluate_model(...)       load (whole, or sharded over the visible GPUs by HFLM) and run the suite
 """
 
 from __future__ import annotations
 
 import functools
+import json
+from dataclasses import replace
 
-from m2d_ray.evaluate.placement import DEFAULT_SEQ, EvalPlacement, hflm_kwargs, model_size, plan_eval
+import torch
+from transformers import AutoConfig
+
+from m2d_ray.errors import M2DError
+from m2d_ray.evaluate.harness import PAPER_NAMES, evaluate
+from m2d_ray.evaluate.paper_data import pack
+from m2d_ray.evaluate.placement import (
+    DEFAULT_SEQ,
+    EvalPlacement,
+    hflm_kwargs,
+    model_size,
+    plan_eval,
+)
+from m2d_ray.models import _source, load_config, load_model
+from m2d_ray.sizes import parse_size
+
+# Imported inside functions: what may be missing (optional packages, Ray's internal API), where its absence is handled;
+# Ray (`m2d plan` and the checks read this module without importing it).
 
 
 def parse_batch(value) -> int | str:
     """A batch size as configured: a positive int or "auto"."""
-    from m2d_ray.errors import M2DError
 
     if value == "auto":
         return "auto"
@@ -23,7 +41,9 @@ def parse_batch(value) -> int | str:
     except (TypeError, ValueError):
         n = 0
     if n < 1 or isinstance(value, bool):
-        raise M2DError(f"batch size {value!r}: write a positive integer or auto (the largest that fits the device's memory)")
+        raise M2DError(
+            f"batch size {value!r}: write a positive integer or auto (the largest that fits the device's memory)"
+        )
     return n
 
 
@@ -35,7 +55,6 @@ def max_length(config, cap: int = DEFAULT_SEQ) -> int:
 
 def gpu_facts() -> tuple[int | None, int]:
     """(one GPU's total memory in bytes, GPUs visible) here; (None, 0) without CUDA."""
-    import torch
 
     if not torch.cuda.is_available():
         return None, 0
@@ -54,45 +73,65 @@ def host_available() -> int | None:
 @functools.lru_cache(maxsize=64)
 def _size(config_json: str):
     """model_size of a config given as JSON (students of one K share it: counted once per process)."""
-    import json
-
-    from transformers import AutoConfig
 
     d = json.loads(config_json)
     return model_size(AutoConfig.for_model(d.pop("model_type"), **d))
 
 
-def plan(model: str, gpu_bytes: int | None, gpus_per_node: int, batch_size: int | str = 16, batch_memory: int | None = None,
-         gpu_fraction: float | None = None, seq_cap: int = DEFAULT_SEQ, what: str | None = None) -> EvalPlacement:
+def plan(
+    model: str,
+    gpu_bytes: int | None,
+    gpus_per_node: int,
+    batch_size: int | str = 16,
+    batch_memory: int | None = None,
+    gpu_fraction: float | None = None,
+    seq_cap: int = DEFAULT_SEQ,
+    what: str | None = None,
+) -> EvalPlacement:
     """The placement of `model` (a directory, storage URL or hub name) from its config."""
-    from m2d_ray.models import load_config
 
     config = load_config(model)
-    return plan_eval(_size(config.to_json_string()), gpu_bytes, gpus_per_node, batch_size, batch_memory, gpu_fraction,
-                     max_length(config, seq_cap), host_available() if gpu_bytes is None else None, what or f"model {model!r}")
+    return plan_eval(
+        _size(config.to_json_string()),
+        gpu_bytes,
+        gpus_per_node,
+        batch_size,
+        batch_memory,
+        gpu_fraction,
+        max_length(config, seq_cap),
+        host_available() if gpu_bytes is None else None,
+        what or f"model {model!r}",
+    )
 
 
-def evaluate_model(model: str, suite, placement: EvalPlacement, device: str, limit: int | None = None, text=None) -> dict:
+def evaluate_model(
+    model: str, suite, placement: EvalPlacement, device: str, limit: int | None = None, text=None
+) -> dict:
     """Run `suite` on `model`: sharded placements are loaded by HFLM itself with an accelerate device map over
     the visible GPUs; others by our loader (checked weights, eager experts on CPU) onto `device`."""
-    from m2d_ray.evaluate.harness import evaluate
 
     kwargs = hflm_kwargs(placement)
     if placement.shard:
-        from m2d_ray.models import _source
-
-        return evaluate(_source(model), None, suite, batch_size=placement.batch_size, device="cuda", limit=limit, text=text,
-                        lm_kwargs={**kwargs, "dtype": "auto"})
-    from m2d_ray.models import load_model
+        return evaluate(
+            _source(model),
+            None,
+            suite,
+            batch_size=placement.batch_size,
+            device="cuda",
+            limit=limit,
+            text=text,
+            lm_kwargs={**kwargs, "dtype": "auto"},
+        )
 
     lm, tok = load_model(model, device=device)
-    return evaluate(lm, tok, suite, batch_size=placement.batch_size, device=device, limit=limit, text=text, lm_kwargs=kwargs)
+    return evaluate(
+        lm, tok, suite, batch_size=placement.batch_size, device=device, limit=limit, text=text, lm_kwargs=kwargs
+    )
 
 
 # ---- stage 3 (a Ray task per model) --------------------------------------------------------------
 def check_stage3(c) -> None:
     """One-line errors for stage3 settings that cannot run (config load, before anything is written)."""
-    from m2d_ray.errors import M2DError
 
     parse_batch(c.batch_size)
     if c.limit is not None and c.limit < 1:
@@ -105,8 +144,6 @@ def check_stage3(c) -> None:
 
 
 def _bytes(v: str, what: str) -> int:
-    from m2d_ray.sizes import parse_size
-    from m2d_ray.errors import M2DError
 
     try:
         return parse_size(v)
@@ -121,7 +158,6 @@ def probe_gpus(get=None) -> tuple[int, int]:
 
     @ray.remote(num_gpus=1, num_cpus=0)
     def _memory() -> int:
-        import torch
 
         return torch.cuda.get_device_properties(0).total_memory
 
@@ -136,7 +172,10 @@ def stage3_placements(models: dict[str, str], c, gpus: float, get=None) -> dict[
     (0 = CPU); a model that needs more whole GPUs gets them, sharded. `get`: how to wait for the GPU probe."""
     batch, budget = parse_batch(c.batch_size), _bytes(c.batch_memory, "stage3.batch_memory") if c.batch_memory else None
     if gpus <= 0:
-        return {k: plan(m, None, 0, batch, budget, seq_cap=c.max_length, what=f"stage-3 model {k}") for k, m in models.items()}
+        return {
+            k: plan(m, None, 0, batch, budget, seq_cap=c.max_length, what=f"stage-3 model {k}")
+            for k, m in models.items()
+        }
     mem = _bytes(c.gpu_memory, "stage3.gpu_memory") if c.gpu_memory else None
     per_node = c.gpus_per_node
     if mem is None or per_node is None:
@@ -144,10 +183,10 @@ def stage3_placements(models: dict[str, str], c, gpus: float, get=None) -> dict[
         mem, per_node = mem or probed_mem, per_node or probed_n
     out = {}
     for k, m in models.items():
-        p = plan(m, mem, per_node, batch, budget, gpus if gpus < 1 else None, c.max_length, what=f"stage-3 model {k} ({m})")
+        p = plan(
+            m, mem, per_node, batch, budget, gpus if gpus < 1 else None, c.max_length, what=f"stage-3 model {k} ({m})"
+        )
         if gpus >= 1 and p.gpus < gpus:  # more GPUs were asked for than needed: keep the configured count
-            from dataclasses import replace
-
             p = replace(p, gpus=gpus)
         out[k] = p
     return out
@@ -156,13 +195,10 @@ def stage3_placements(models: dict[str, str], c, gpus: float, get=None) -> dict[
 def data_ref(suite_tasks) -> list | None:
     """The paper suite's verified data as one Ray object (in a list, so a task fetches it only when its
     node lacks the data), or None when the suite has no paper task."""
-    from m2d_ray.evaluate.harness import PAPER_NAMES
 
     if not any(t in PAPER_NAMES for t, _ in suite_tasks):
         return None
     import ray
-
-    from m2d_ray.evaluate.paper_data import pack
 
     return [ray.put(pack())]
 
@@ -177,5 +213,12 @@ def check_teacher_fits(cfg, model: str) -> None:
     """Before a run starts: with stage3.gpu_memory given, the teacher must fit a node (else one line)."""
     c = cfg.stage3
     if c.teacher and c.gpu_memory:
-        plan(model, _bytes(c.gpu_memory, "stage3.gpu_memory"), c.gpus_per_node or 8, parse_batch(c.batch_size),
-             _bytes(c.batch_memory, "stage3.batch_memory") if c.batch_memory else None, seq_cap=c.max_length, what=f"teacher {model}")
+        plan(
+            model,
+            _bytes(c.gpu_memory, "stage3.gpu_memory"),
+            c.gpus_per_node or 8,
+            parse_batch(c.batch_size),
+            _bytes(c.batch_memory, "stage3.batch_memory") if c.batch_memory else None,
+            seq_cap=c.max_length,
+            what=f"teacher {model}",
+        )

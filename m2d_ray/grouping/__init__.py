@@ -6,9 +6,9 @@ and members by score (descending), so identical partitions give identical studen
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable
 
 import torch
 from torch import Tensor

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-
 #: columns converted to float64 at a time: distances of long rows (flattened experts) never need a
 #: float64 copy of all of them
 _COLS = 1 << 16

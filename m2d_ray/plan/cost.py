@@ -9,7 +9,8 @@ where ASHA is expected to stop it (asha_ends).
 
 Time: a unit's FLOPs / (its devices' peak x plan.efficiency; plan.cpu_efficiency on CPUs) + a fixed start-up
 (plan.*_s), its units spread over the lanes the run will have (trials at once, students at once, models at
-once, bounded by the node types' max_workers), longest first. GPU-hours: the units' seconds x their GPUs. Dollars: the nodes a
+once, bounded by the node types' max_workers), longest first. GPU-hours: the units' seconds x their GPUs. Dollars: the
+nodes a
 stage holds (its lanes' GPUs over a node's GPUs) x its wall time plus the autoscaler's idle tail
 (idle_timeout_minutes) x the node type's hourly price (plan/prices.py; the dearest type that can hold the
 request: an upper bound), and the head node for the whole run. With ASHA on, the bill is the expected one and
@@ -24,9 +25,11 @@ import random
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
 
+import torch
+
 from m2d_ray.accelerators import GPU_PEAK_BF16
 from m2d_ray.config import SweepConfig, k_values
-from m2d_ray.distill.flops import causal_attention_flops
+from m2d_ray.distill.flops import causal_attention_flops, matmul_rate
 from m2d_ray.plan.devices import NodeType, holders
 from m2d_ray.plan.prices import hourly
 from m2d_ray.plan.shapes import Models, Shape
@@ -54,10 +57,16 @@ class StageCost:
 class RunCost:
     stages: tuple[StageCost, ...]
     head_dollars: float | None = None
-    cpu_flops: float | None = None  # one CPU thread's FLOP/s the CPU stages were timed with (measured or plan.cpu_flops)
+    cpu_flops: float | None = (
+        None  # one CPU thread's FLOP/s the CPU stages were timed with (measured or plan.cpu_flops)
+    )
     cpu_load: float = 0.0  # others' runnable processes the CPU stages shared the cores with
-    asha: tuple[tuple[float, int], ...] = ()  # stage 2's students: (reports, students that end there), expected (asha_ends)
-    bound: RunCost | None = None  # the same run with no student stopped early: the most it can cost (when ASHA stops some)
+    asha: tuple[
+        tuple[float, int], ...
+    ] = ()  # stage 2's students: (reports, students that end there), expected (asha_ends)
+    bound: RunCost | None = (
+        None  # the same run with no student stopped early: the most it can cost (when ASHA stops some)
+    )
 
     @property
     def seconds(self) -> float | None:
@@ -79,23 +88,35 @@ class RunCost:
         most = self.bound or self
         if most.dollars is None:
             unpriced = ", ".join(s.name for s in most.stages if s.dollars is None)
-            return (f"plan.max_dollars={max_dollars:g} but {unpriced} cannot be priced (no GPU type's peak or node type's price known); "
-                    "give --cluster CLUSTER_YAML and plan.prices.<node type>=DOLLARS_PER_HOUR")
+            return (
+                f"plan.max_dollars={max_dollars:g} but {unpriced} cannot be priced (no GPU type's peak or node type's "
+                "price known); "
+                "give --cluster CLUSTER_YAML and plan.prices.<node type>=DOLLARS_PER_HOUR"
+            )
         if most.dollars > max_dollars:
             top = max(most.stages, key=lambda s: s.dollars or 0.0)
             asha = f" if ASHA stops no student (expected {_usd(self.dollars)})" if self.bound else ""
-            return (f"the run would cost {'up to ' if self.bound else ''}{_usd(most.dollars)}{asha} (most in {top.name}: {_usd(top.dollars)}, "
-                    f"{_num(top.gpu_hours)} GPU-hours) but plan.max_dollars is {_usd(max_dollars)}; give a smaller grid, fewer distill.steps "
-                    "or students (stage2.pairs), or raise plan.max_dollars")
+            return (
+                f"the run would cost {'up to ' if self.bound else ''}{_usd(most.dollars)}{asha} (most in {top.name}: "
+                f"{_usd(top.dollars)}, "
+                f"{_num(top.gpu_hours)} GPU-hours) but plan.max_dollars is {_usd(max_dollars)}; give a smaller grid, "
+                "fewer distill.steps "
+                "or students (stage2.pairs), or raise plan.max_dollars"
+            )
         return None
 
     def by_name(self) -> dict[str, StageCost]:
         return {s.name: s for s in self.stages}
 
     def to_json(self) -> dict:
-        return {"stages": {s.name: asdict(s) for s in self.stages}, "head_dollars": self.head_dollars, "cpu_flops": self.cpu_flops,
-                "cpu_load": self.cpu_load, **self.totals(),
-                **({"asha": [list(e) for e in self.asha], "bound": self.bound.to_json()} if self.bound else {})}
+        return {
+            "stages": {s.name: asdict(s) for s in self.stages},
+            "head_dollars": self.head_dollars,
+            "cpu_flops": self.cpu_flops,
+            "cpu_load": self.cpu_load,
+            **self.totals(),
+            **({"asha": [list(e) for e in self.asha], "bound": self.bound.to_json()} if self.bound else {}),
+        }
 
     def totals(self) -> dict:
         return {"seconds": self.seconds, "gpu_hours": self.gpu_hours, "dollars": self.dollars}
@@ -103,21 +124,48 @@ class RunCost:
     def table(self) -> str:
         rows = [("stage", "units", "at once", "device", "FLOPs", "wall", "GPU-hours", "dollars")]
         for s in self.stages:
-            rows.append((s.name, str(s.units), str(s.lanes), s.device + (f" on {s.node}" if s.node else ""), f"{s.flops:.3g}",
-                         duration(s.seconds), _num(s.gpu_hours), _usd(s.dollars)))
+            rows.append(
+                (
+                    s.name,
+                    str(s.units),
+                    str(s.lanes),
+                    s.device + (f" on {s.node}" if s.node else ""),
+                    f"{s.flops:.3g}",
+                    duration(s.seconds),
+                    _num(s.gpu_hours),
+                    _usd(s.dollars),
+                )
+            )
         if self.head_dollars is not None:
             rows.append(("head node", "", "", "the whole run", "", "", "", _usd(self.head_dollars)))
-        rows.append(("total", "", "", "", f"{sum(s.flops for s in self.stages):.3g}", duration(self.seconds), _num(self.gpu_hours),
-                     _usd(self.dollars)))
+        rows.append(
+            (
+                "total",
+                "",
+                "",
+                "",
+                f"{sum(s.flops for s in self.stages):.3g}",
+                duration(self.seconds),
+                _num(self.gpu_hours),
+                _usd(self.dollars),
+            )
+        )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         if self.bound:
             n, (last, done) = sum(k for _, k in self.asha), self.asha[-1]
-            stops = ", ".join(f"{k} stopped after {r:g} reports" if i == 0 else f"{k} after {r:g}" for i, (r, k) in enumerate(self.asha[:-1]))
-            lines += [f"stage 2 under ASHA (stage2.asha; expected, students keeping their order of quality): of {n} students, {stops}; "
-                      f"{done} finish all {last:g} and only they are evaluated",
-                      f"with none stopped, the most it can cost (what plan.max_dollars is held to): {duration(self.bound.seconds)}, "
-                      f"{_num(self.bound.gpu_hours)} GPU-hours, {_usd(self.bound.dollars)}"]
+            stops = ", ".join(
+                f"{k} stopped after {r:g} reports" if i == 0 else f"{k} after {r:g}"
+                for i, (r, k) in enumerate(self.asha[:-1])
+            )
+            lines += [
+                f"stage 2 under ASHA (stage2.asha; expected, students keeping their order of quality): of {n} "
+                f"students, {stops}; "
+                f"{done} finish all {last:g} and only they are evaluated",
+                "with none stopped, the most it can cost (what plan.max_dollars is held to): "
+                f"{duration(self.bound.seconds)}, "
+                f"{_num(self.bound.gpu_hours)} GPU-hours, {_usd(self.bound.dollars)}",
+            ]
         return "\n".join(lines)
 
 
@@ -143,7 +191,9 @@ def duration(s: float | None) -> str:
 # ---- FLOPs per token -------------------------------------------------------------------------------
 def forward_flops(s: Shape, seq: int, all_experts: bool = False) -> float:
     """One token's forward: its matmuls (every expert, or the top-k) and causal attention over `seq`."""
-    return 2.0 * (s.matmul_params - (0 if all_experts else s.inactive_expert_params)) + causal_attention_flops(s.q_width, s.layers, seq)
+    return 2.0 * (s.matmul_params - (0 if all_experts else s.inactive_expert_params)) + causal_attention_flops(
+        s.q_width, s.layers, seq
+    )
 
 
 def calibration_flops(t: Shape, seq: int) -> float:
@@ -186,7 +236,9 @@ def student_tokens(cfg: SweepConfig) -> int:
     return x.steps * x.batch_size * x.grad_accum * x.workers * x.seq_len
 
 
-def stage2_flops(cfg: SweepConfig, m: Models, targets: str, teacher: Shape | None = None, reports: float | None = None) -> float:
+def stage2_flops(
+    cfg: SweepConfig, m: Models, targets: str, teacher: Shape | None = None, reports: float | None = None
+) -> float:
     """One student's distillation: its training tokens and validations (the first, then one per report);
     `reports`: stopped by ASHA after that many (None: the whole budget)."""
     x = cfg.distill
@@ -200,7 +252,9 @@ def stage2_flops(cfg: SweepConfig, m: Models, targets: str, teacher: Shape | Non
         side = 0.0
     full = student_reports(cfg)
     reports = full if reports is None else reports
-    trained = min(1.0, (reports * x.eval_every + (x.stop_poll if reports < full else 0)) / x.steps)  # it sees the stop at its next poll
+    trained = min(
+        1.0, (reports * x.eval_every + (x.stop_poll if reports < full else 0)) / x.steps
+    )  # it sees the stop at its next poll
     train = trained * student_tokens(cfg) * ((4.0 if x.gradient_checkpointing else 3.0) * student + side)
     return train + (1 + reports) * (x.eval_max_tokens or 0) * (student + side)
 
@@ -291,9 +345,6 @@ def cpu_rate(cfg: SweepConfig) -> float:
     """One CPU thread's fp32 FLOP/s: plan.cpu_flops, else a 512 x 512 matmul measured on one thread (~0.1 s)."""
     if cfg.plan.cpu_flops:
         return cfg.plan.cpu_flops
-    import torch
-
-    from m2d_ray.distill.flops import matmul_rate
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -314,7 +365,9 @@ class Place:
     node: NodeType | None
 
 
-def place(request: dict, gpus: float, threads: int, wanted: int, nodes: tuple[NodeType, ...] | None, accelerator: str | None) -> Place:
+def place(
+    request: dict, gpus: float, threads: int, wanted: int, nodes: tuple[NodeType, ...] | None, accelerator: str | None
+) -> Place:
     """The lanes a stage gets: `wanted` at once, bounded by what the node types that hold one unit can take
     (max_workers of them); the GPU type: the pin, else the slowest among them; priced at the dearest."""
     found = holders(list(nodes), request) if nodes is not None and gpus > 0 else []
@@ -322,7 +375,9 @@ def place(request: dict, gpus: float, threads: int, wanted: int, nodes: tuple[No
     if found and gpus > 0 and all(n.max_workers is not None for n in found):
         room = sum(n.max_workers * max(1, int(n.gpus // gpus)) if gpus <= n.gpus else n.max_workers for n in found)
         lanes = max(1, min(lanes, room))
-    acc = accelerator or min((n.accelerator for n in found if n.accelerator in GPU_PEAK_BF16), key=GPU_PEAK_BF16.get, default=None)
+    acc = accelerator or min(
+        (n.accelerator for n in found if n.accelerator in GPU_PEAK_BF16), key=GPU_PEAK_BF16.get, default=None
+    )
     node = max(found, key=lambda n: hourly(n) or 0.0) if found else None
     return Place(gpus, threads, lanes, acc, node)
 
@@ -341,10 +396,20 @@ class Host:
         return threads * min(1.0, self.cores / (self.load + lanes * threads))
 
 
-def stage_cost(cfg: SweepConfig, name: str, unit_flops: list[float], p: Place, overhead: float, cpu: Host | None, prices: dict,
-               idle_s: float, rounds: int = 1) -> StageCost:
+def stage_cost(
+    cfg: SweepConfig,
+    name: str,
+    unit_flops: list[float],
+    p: Place,
+    overhead: float,
+    cpu: Host | None,
+    prices: dict,
+    idle_s: float,
+    rounds: int = 1,
+) -> StageCost:
     """Seconds, GPU-hours and dollars of `unit_flops` run at `p` in `rounds` Ray rounds (Tune experiments, Ray
-    Data passes), each with its fixed start and finish (plan.stage_s); on CPUs the start-up slows as the compute does."""
+    Data passes), each with its fixed start and finish (plan.stage_s); on CPUs the start-up slows as the compute
+    does."""
     if p.gpus > 0:
         peak = GPU_PEAK_BF16.get(p.accelerator or "")
         rate = p.gpus * peak * cfg.plan.efficiency if peak else None
@@ -358,7 +423,9 @@ def stage_cost(cfg: SweepConfig, name: str, unit_flops: list[float], p: Place, o
     if rate is None:
         return StageCost(name, sum(unit_flops), None, None, None, len(unit_flops), p.lanes, device)
     unit_s = [f / rate + overhead for f in unit_flops]
-    wall = lanes_wall(unit_s, p.lanes) + rounds * cfg.plan.stage_s * (1.0 if p.gpus > 0 or cpu is None else max(1.0, (cpu.load + 1) / cpu.cores))
+    wall = lanes_wall(unit_s, p.lanes) + rounds * cfg.plan.stage_s * (
+        1.0 if p.gpus > 0 or cpu is None else max(1.0, (cpu.load + 1) / cpu.cores)
+    )
     gpu_hours = sum(unit_s) * p.gpus / 3600
     dollars = node_hours = None
     if p.gpus == 0:
@@ -368,20 +435,44 @@ def stage_cost(cfg: SweepConfig, name: str, unit_flops: list[float], p: Place, o
         node_hours = nodes * (wall + idle_s) / 3600
         price = hourly(p.node, prices)
         dollars = None if price is None else node_hours * price
-    return StageCost(name, sum(unit_flops), wall, gpu_hours, dollars, len(unit_flops), min(p.lanes, len(unit_flops)), device,
-                     p.node.name if p.node else None, node_hours)
+    return StageCost(
+        name,
+        sum(unit_flops),
+        wall,
+        gpu_hours,
+        dollars,
+        len(unit_flops),
+        min(p.lanes, len(unit_flops)),
+        device,
+        p.node.name if p.node else None,
+        node_hours,
+    )
 
 
 def before(first: StageCost, stage: StageCost) -> StageCost:
     """`stage` with `first` run before it, as one row and one wall (a baseline's search before the students)."""
-    return replace(stage, flops=stage.flops + first.flops, seconds=_sum([first.seconds, stage.seconds]),
-                   gpu_hours=_sum([first.gpu_hours, stage.gpu_hours]), dollars=_sum([first.dollars, stage.dollars]),
-                   node_hours=None if stage.node_hours is None else stage.node_hours + (first.node_hours or 0.0))
+    return replace(
+        stage,
+        flops=stage.flops + first.flops,
+        seconds=_sum([first.seconds, stage.seconds]),
+        gpu_hours=_sum([first.gpu_hours, stage.gpu_hours]),
+        dollars=_sum([first.dollars, stage.dollars]),
+        node_hours=None if stage.node_hours is None else stage.node_hours + (first.node_hours or 0.0),
+    )
 
 
 def side_by_side(name: str, parts: list[StageCost]) -> StageCost:
     """Rows whose units run at the same time as one row `name`: the longest wall, the sums of the rest."""
     seconds = None if any(p.seconds is None for p in parts) else max(p.seconds for p in parts)
-    return StageCost(name, sum(p.flops for p in parts), seconds, _sum(p.gpu_hours for p in parts), _sum(p.dollars for p in parts),
-                     sum(p.units for p in parts), sum(p.lanes for p in parts), " + ".join(p.device for p in parts),
-                     " + ".join(dict.fromkeys(filter(None, (p.node for p in parts)))) or None, _sum(p.node_hours for p in parts))
+    return StageCost(
+        name,
+        sum(p.flops for p in parts),
+        seconds,
+        _sum(p.gpu_hours for p in parts),
+        _sum(p.dollars for p in parts),
+        sum(p.units for p in parts),
+        sum(p.lanes for p in parts),
+        " + ".join(p.device for p in parts),
+        " + ".join(dict.fromkeys(filter(None, (p.node for p in parts)))) or None,
+        _sum(p.node_hours for p in parts),
+    )

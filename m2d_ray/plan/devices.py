@@ -10,8 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from m2d_ray.accelerators import GPU_MEMORY, RESOURCE, pin
 from m2d_ray.errors import M2DError
+
+# Imported inside functions: what may be missing (optional packages, Ray's internal API), where its absence is handled;
+# Ray (`m2d plan` and the checks read this module without importing it).
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,6 @@ def bundle(cpus: float, gpus: float, accelerator: str | None = None) -> dict:
 
 def from_cluster_yaml(path: str | Path) -> list[NodeType]:
     """The node types of a Ray cluster launcher config (its `available_node_types`)."""
-    import yaml
 
     p = Path(path)
     if not p.is_file():
@@ -64,13 +68,14 @@ def from_cluster_yaml(path: str | Path) -> list[NodeType]:
 def _node_type(name: str, t: dict) -> NodeType:
     nc = t.get("node_config") or {}
     market = ((nc.get("InstanceMarketOptions") or {}).get("MarketType") or "").lower()
-    return NodeType(name, dict(t.get("resources") or {}), t.get("max_workers"), nc.get("InstanceType"), market == "spot")
+    return NodeType(
+        name, dict(t.get("resources") or {}), t.get("max_workers"), nc.get("InstanceType"), market == "spot"
+    )
 
 
 def cluster_settings(path: str | Path) -> tuple[str | None, float]:
     """(the head node type's name, idle_timeout_minutes) of a cluster launcher config: what a plan prices
     besides the stages (the head for the whole run, every worker node's idle tail)."""
-    import yaml
 
     raw = yaml.safe_load(Path(path).read_text()) or {}
     return raw.get("head_node_type"), float(raw.get("idle_timeout_minutes", 5))
@@ -95,7 +100,9 @@ def local_node(num_cpus: int) -> NodeType:
 
         if torch.cuda.is_available():
             resources["GPU"] = float(torch.cuda.device_count())
-            from ray._private.accelerators import get_accelerator_manager_for_resource  # lazy, GPU only; internal: pinned ray==2.60.0
+            from ray._private.accelerators import (
+                get_accelerator_manager_for_resource,  # lazy, GPU only; internal: pinned ray==2.60.0
+            )
 
             kind = get_accelerator_manager_for_resource("GPU").get_current_node_accelerator_type()
             if kind:

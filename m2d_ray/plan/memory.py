@@ -32,8 +32,12 @@ from __future__ import annotations
 from m2d_ray.plan.shapes import Shape
 
 FP32 = 4
-KL_TENSORS = {True: 5, False: 3}  # fp32 [chunk x V] tensors alive in one chunk of the KL: the student's logits, log-probs and
-# gradient, and where the teacher's logits are formed (online, hidden states) also those and their log-probs (top-K / sampled: [chunk x K])
+KL_TENSORS = {
+    True: 5,
+    False: 3,
+}  # fp32 [chunk x V] tensors alive in one chunk of the KL: the student's logits, log-probs and
+# gradient, and where the teacher's logits are formed (online, hidden states) also those and their log-probs (top-K /
+# sampled: [chunk x K])
 DS_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements)
 CPU_GRAM_SHARE = 4  # calibrate/stats.gram_chunk: the CPU working set is a quarter of the GPU one
 
@@ -49,8 +53,17 @@ def forward_transient(s: Shape, tokens: int, b: int) -> int:
     return tokens * (4 * s.hidden + s.q_width + 2 * s.kv_width + 2 * s.ffn) * b
 
 
-def training(student: Shape, tokens: int, b: int, world: int, deepspeed: bool, zero_stage: int,
-             checkpointing: bool, chunk: int, teacher_logits: bool = True) -> dict[str, int]:
+def training(
+    student: Shape,
+    tokens: int,
+    b: int,
+    world: int,
+    deepspeed: bool,
+    zero_stage: int,
+    checkpointing: bool,
+    chunk: int,
+    teacher_logits: bool = True,
+) -> dict[str, int]:
     """One rank's student: weights, gradients, optimizer state, activations and the KL's buffers
     (`teacher_logits`: the KL forms the teacher's logits chunk by chunk)."""
     P = student.params
@@ -62,15 +75,24 @@ def training(student: Shape, tokens: int, b: int, world: int, deepspeed: bool, z
         out["grads"] = P * b
         out["optimizer"] = 2 * P * b + (FP32 * P if deepspeed and b < FP32 else 0)  # ZeRO-0 keeps an fp32 master
     per_layer = tokens * layer_activation(student) * b
-    out["activations"] = (student.layers * tokens * student.hidden * b + per_layer) if checkpointing else student.layers * per_layer
+    out["activations"] = (
+        (student.layers * tokens * student.hidden * b + per_layer) if checkpointing else student.layers * per_layer
+    )
     c = min(chunk, tokens)
-    out["kl"] = tokens * student.hidden * b + student.vocab * student.hidden * FP32 + KL_TENSORS[teacher_logits] * c * student.vocab * FP32
+    out["kl"] = (
+        tokens * student.hidden * b
+        + student.vocab * student.hidden * FP32
+        + KL_TENSORS[teacher_logits] * c * student.vocab * FP32
+    )
     return out
 
 
 def online_teacher(teacher: Shape, tokens: int, b: int) -> dict[str, int]:
     """The teacher beside a student (stage2.targets=online): its weights and its no-grad forward."""
-    return {"teacher": teacher.params * b, "teacher forward": forward_transient(teacher, tokens, b) + tokens * teacher.hidden * b}
+    return {
+        "teacher": teacher.params * b,
+        "teacher forward": forward_transient(teacher, tokens, b) + tokens * teacher.hidden * b,
+    }
 
 
 def cached_targets(tokens: int, per_token: int) -> dict[str, int]:
@@ -78,8 +100,19 @@ def cached_targets(tokens: int, per_token: int) -> dict[str, int]:
     return {"targets": 2 * tokens * per_token}
 
 
-def student_rank(student: Shape, teacher: Shape, tokens: int, b: int, world: int, deepspeed: bool, zero_stage: int,
-                 checkpointing: bool, chunk: int, targets: str = "online", per_token: int = 0) -> dict[str, int]:
+def student_rank(
+    student: Shape,
+    teacher: Shape,
+    tokens: int,
+    b: int,
+    world: int,
+    deepspeed: bool,
+    zero_stage: int,
+    checkpointing: bool,
+    chunk: int,
+    targets: str = "online",
+    per_token: int = 0,
+) -> dict[str, int]:
     """One stage-2 rank: `training` and what it holds of its teacher for `targets` (online, hidden, topk,
     sampled; `per_token`: the cache's bytes per token)."""
     exact = targets in ("online", "hidden")
@@ -105,7 +138,7 @@ def calibration(teacher: Shape, batch: int, seq: int, b: int, streamed: bool, gp
         per_token = E * ((5 * I + d) * b + d * gram_b // 4)
         budget = 3 * E * I * d * b // (1 if gpu else CPU_GRAM_SHARE)
         out["gram"] = min(T, max(64, budget // per_token)) * per_token
-        out["statistics"] = teacher.layers * (teacher.experts ** 2 + 4 * teacher.experts) * 8 * 2
+        out["statistics"] = teacher.layers * (teacher.experts**2 + 4 * teacher.experts) * 8 * 2
     return out
 
 
@@ -113,16 +146,25 @@ def trial(student: Shape, batch: int, seq: int, b: int) -> dict[str, int]:
     """One stage-1 trial: the student (built a layer at a time in float64) and its perplexity batch
     (hidden states, one layer's forward, one 1,024-token chunk of logits in fp32)."""
     T = batch * seq
-    return {"student": student.params * b, "build": 3 * student.ffn * student.hidden * 8 * 2,
-            "forward": forward_transient(student, T, b) + min(T, 1024) * student.vocab * (b + 2 * FP32)}
+    return {
+        "student": student.params * b,
+        "build": 3 * student.ffn * student.hidden * 8 * 2,
+        "forward": forward_transient(student, T, b) + min(T, 1024) * student.vocab * (b + 2 * FP32),
+    }
 
 
-def targets_pass(teacher: Shape, batch: int, seq: int, b: int, streamed: bool, per_token: int, logits: bool = True) -> dict[str, int]:
+def targets_pass(
+    teacher: Shape, batch: int, seq: int, b: int, streamed: bool, per_token: int, logits: bool = True
+) -> dict[str, int]:
     """The teacher-once pass of cached targets: a calibration-sized forward without the Gram, and the
     chunked log-softmax over the vocabulary (`logits`: top-K / sampled; hidden states need none)."""
     T = batch * seq
     weights = (teacher.outer_params + teacher.layer_params) * b if streamed else teacher.params * b
-    out = {"teacher": weights, "forward": forward_transient(teacher, T, b) + T * teacher.hidden * b, "targets": T * per_token}
+    out = {
+        "teacher": weights,
+        "forward": forward_transient(teacher, T, b) + T * teacher.hidden * b,
+        "targets": T * per_token,
+    }
     return {**out, "log-softmax": 3 * min(T, 1024) * teacher.vocab * FP32} if logits else out
 
 

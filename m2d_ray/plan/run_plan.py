@@ -10,19 +10,34 @@ refuse a run with, each with what to change.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
 from m2d_ray.config import SweepConfig
+from m2d_ray.distill.targets import (  # the targets' own format
+    bytes_per_token,
+    state_bytes,
+)
 from m2d_ray.plan import memory
-from m2d_ray.plan.cost import Host, Place, RunCost, StageCost, asha_ends, place, stage_cost
+from m2d_ray.plan.cost import (
+    Host,
+    Place,
+    RunCost,
+    StageCost,
+    asha_ends,
+    place,
+    stage_cost,
+)
 from m2d_ray.plan.devices import NodeType, bundle, holders, smallest_gpu
 from m2d_ray.plan.shapes import Models, Shape
 from m2d_ray.sizes import gib
 
 HEADROOM = 0.95  # of a device's memory a plan may fill (allocator fragmentation)
 GPU_RESERVE = 1 << 30  # CUDA context and allocator slack (evaluate/placement.RESERVE)
+
+
 @dataclass(frozen=True)
 class Devices:
     """What the plan is checked against: one GPU's memory (None = from the node types, else unknown), the
@@ -91,13 +106,28 @@ class RunPlan:
 
     def to_json(self) -> dict:
         bill = self.cost.by_name() if self.cost else {}
-        return {"gpu_memory": self.gpu_memory, "models": self.models,
-                "stages": {k: {"per_gpu_bytes": s.per_device, "gpus": int(s.gpus) if float(s.gpus).is_integer() else s.gpus, "fits": False if not s.feasible else s.fits,
-                               "unit": s.unit, "parts": s.parts, "request": s.request, "capacity": s.capacity, **_bill(bill.get(k))}
-                           for k, s in self.by_stage().items()},
-                "cost": self.cost.to_json() if self.cost else None,
-                "storage_bytes": memory.total(self.storage), "storage": self.storage,
-                "storage_peak_bytes": memory.total(self.storage) + memory.total(self.storage_peak), "storage_peak": self.storage_peak}
+        return {
+            "gpu_memory": self.gpu_memory,
+            "models": self.models,
+            "stages": {
+                k: {
+                    "per_gpu_bytes": s.per_device,
+                    "gpus": int(s.gpus) if float(s.gpus).is_integer() else s.gpus,
+                    "fits": False if not s.feasible else s.fits,
+                    "unit": s.unit,
+                    "parts": s.parts,
+                    "request": s.request,
+                    "capacity": s.capacity,
+                    **_bill(bill.get(k)),
+                }
+                for k, s in self.by_stage().items()
+            },
+            "cost": self.cost.to_json() if self.cost else None,
+            "storage_bytes": memory.total(self.storage),
+            "storage": self.storage,
+            "storage_peak_bytes": memory.total(self.storage) + memory.total(self.storage_peak),
+            "storage_peak": self.storage_peak,
+        }
 
     def problems(self) -> list[str]:
         """One line per stage that cannot run: a request no node type holds, or memory that does not fit."""
@@ -105,12 +135,19 @@ class RunPlan:
         for s in self.stages:
             req = ", ".join(f"{k} {v:g}" for k, v in s.request.items() if v)
             if not s.feasible:
-                out.append(f"{s.name}: no node type can ever hold one {s.unit} ({req}; node types: {s.nodes}); change {s.keys} "
-                           "or add a node type that has it")
+                out.append(
+                    f"{s.name}: no node type can ever hold one {s.unit} ({req}; node types: {s.nodes}); change "
+                    f"{s.keys} "
+                    "or add a node type that has it"
+                )
             elif s.fits is False:
-                where = f"{s.share:g} GPU of {gib(s.capacity / HEADROOM / min(1.0, s.share))}" if s.share else "this host"
-                out.append(f"{s.name}: one {s.unit} needs {gib(s.per_device)} ({_top(s.parts)}) but {where} gives it "
-                           f"{gib(s.capacity)}; {s.fix}")
+                where = (
+                    f"{s.share:g} GPU of {gib(s.capacity / HEADROOM / min(1.0, s.share))}" if s.share else "this host"
+                )
+                out.append(
+                    f"{s.name}: one {s.unit} needs {gib(s.per_device)} ({_top(s.parts)}) but {where} gives it "
+                    f"{gib(s.capacity)}; {s.fix}"
+                )
         budget = self.cost.over_budget(self.max_dollars) if self.cost else None
         return out + ([budget] if budget else [])
 
@@ -119,17 +156,27 @@ class RunPlan:
         for s in self.stages:
             fits = "?" if s.fits is None else ("yes" if s.fits else "NO")
             fits += "" if s.feasible else " (no node type)"
-            device = (f"{s.units} GPUs, sharded" if s.name.startswith("stage3") and s.units > 1 else f"{s.share:g} GPU") if s.share else "CPU"
+            device = (
+                (f"{s.units} GPUs, sharded" if s.name.startswith("stage3") and s.units > 1 else f"{s.share:g} GPU")
+                if s.share
+                else "CPU"
+            )
             rows.append((s.name, f"{s.unit} ({device})", gib(s.per_device), f"{s.gpus:g}", fits, _top(s.parts, 4)))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5] for r in rows]
         lines.append(f"storage written: {gib(memory.total(self.storage))} stays ({_top(self.storage, 6)})")
         if self.storage_peak:
-            lines.append(f"  peak while students train: {gib(memory.total(self.storage) + memory.total(self.storage_peak))} "
-                         f"({_top(self.storage_peak)}; an ended student's training state is removed: stage2.keep_training_state)")
+            lines.append(
+                f"  peak while students train: {gib(memory.total(self.storage) + memory.total(self.storage_peak))} "
+                f"({_top(self.storage_peak)}; an ended student's training state is removed: stage2.keep_training_state)"
+            )
         if self.cost:
-            lines += ["", "the bill (plan/cost.py: FLOPs / (peak x plan.efficiency, plan.cpu_efficiency on CPUs) + start-up; dollars: node-hours with the idle tail):",
-                      *self.cost.table().splitlines()]
+            lines += [
+                "",
+                "the bill (plan/cost.py: FLOPs / (peak x plan.efficiency, plan.cpu_efficiency on CPUs) + start-up; "
+                "dollars: node-hours with the idle tail):",
+                *self.cost.table().splitlines(),
+            ]
         return "\n".join(lines)
 
 
@@ -171,9 +218,12 @@ class Planning:
 
     def per_token(self, teacher: Shape) -> int:
         """Bytes a token's cached targets of `teacher` take (0 online)."""
-        from m2d_ray.distill.targets import bytes_per_token, state_bytes  # the targets' own format
 
-        return bytes_per_token(self.spec, state_bytes(teacher.hidden, self.cfg.ray.data_gpus_per_actor > 0)) if self.spec else 0
+        return (
+            bytes_per_token(self.spec, state_bytes(teacher.hidden, self.cfg.ray.data_gpus_per_actor > 0))
+            if self.spec
+            else 0
+        )
 
     @cached_property
     def pairs(self) -> int:
@@ -209,17 +259,48 @@ class Costing:
     plans: dict[str, StagePlan]
     cpu: Host | None
 
-    def place(self, name: str, gpus: float, threads: int, wanted: int, accelerator: str | None, request: dict | None = None) -> Place:
-        return place(self.plans[name].request if request is None else request, gpus, threads, wanted, self.p.devices.nodes, accelerator)
+    def place(
+        self, name: str, gpus: float, threads: int, wanted: int, accelerator: str | None, request: dict | None = None
+    ) -> Place:
+        return place(
+            self.plans[name].request if request is None else request,
+            gpus,
+            threads,
+            wanted,
+            self.p.devices.nodes,
+            accelerator,
+        )
 
-    def stage(self, name: str, flops: list[float], where: Place, overhead: float, rounds: int = 1, idle: bool = True) -> StageCost:
+    def stage(
+        self, name: str, flops: list[float], where: Place, overhead: float, rounds: int = 1, idle: bool = True
+    ) -> StageCost:
         """The cost of `flops` units run at `where` (`idle`: its nodes wait the autoscaler's idle tail after it)."""
         d = self.p.devices
-        return stage_cost(self.p.cfg, name, flops, where, overhead, self.cpu, self.p.cfg.plan.prices, d.idle_minutes * 60 if idle else 0.0, rounds)
+        return stage_cost(
+            self.p.cfg,
+            name,
+            flops,
+            where,
+            overhead,
+            self.cpu,
+            self.p.cfg.plan.prices,
+            d.idle_minutes * 60 if idle else 0.0,
+            rounds,
+        )
 
 
-def unit(name: str, unit: str, parts: dict, share: float, units: int, request: dict, devices: Devices, fix: str, keys: str,
-         pinned_memory: int | None = None) -> StagePlan:
+def unit(
+    name: str,
+    unit: str,
+    parts: dict,
+    share: float,
+    units: int,
+    request: dict,
+    devices: Devices,
+    fix: str,
+    keys: str,
+    pinned_memory: int | None = None,
+) -> StagePlan:
     """A stage's plan with its capacity: a GPU share of the smallest GPU that may receive it, or a host's
     memory shared by the units running at once on CPU."""
     found = holders(list(devices.nodes), request) if devices.nodes is not None else None
@@ -230,8 +311,19 @@ def unit(name: str, unit: str, parts: dict, share: float, units: int, request: d
     else:
         capacity = int(devices.host_memory * HEADROOM / max(1, units)) if devices.host_memory else None
     nodes = "; ".join(n.describe() for n in devices.nodes) if devices.nodes is not None else ""
-    return StagePlan(name, unit, parts, share, units, request, capacity, fix, tuple(n.name for n in found) if found is not None else None,
-                     keys, nodes)
+    return StagePlan(
+        name,
+        unit,
+        parts,
+        share,
+        units,
+        request,
+        capacity,
+        fix,
+        tuple(n.name for n in found) if found is not None else None,
+        keys,
+        nodes,
+    )
 
 
 def teacher_pass(name: str, p: Planning, keys: str, parts_of) -> StagePlan:
@@ -241,23 +333,39 @@ def teacher_pass(name: str, p: Planning, keys: str, parts_of) -> StagePlan:
     share = r.data_gpus_per_actor
     request = bundle(1, share, r.data_accelerator)
     smaller = "a smaller calib.batch_size or a larger GPU"
-    plan = unit(name, "actor", parts_of(bool(c.stream)), share, r.data_actors, request, p.devices,
-                smaller if c.stream else "calib.stream=true (the teacher one layer at a time) or a larger GPU", keys)
+    plan = unit(
+        name,
+        "actor",
+        parts_of(bool(c.stream)),
+        share,
+        r.data_actors,
+        request,
+        p.devices,
+        smaller if c.stream else "calib.stream=true (the teacher one layer at a time) or a larger GPU",
+        keys,
+    )
     if c.stream is None and plan.fits is False:
         plan = unit(name, "actor (streamed)", parts_of(True), share, r.data_actors, request, p.devices, smaller, keys)
     return plan
 
+
 def plan_line(plan: RunPlan) -> str:
     """The JSON line `m2d plan` prints last."""
-    import json
 
     j = plan.to_json()
     keys = ("per_gpu_bytes", "gpus", "fits", "flops", "seconds", "gpu_hours", "dollars")
     total = plan.cost.totals() if plan.cost else {}
     if plan.cost and plan.cost.bound:  # ASHA on: the most the run can cost, with no student stopped early
         total["bound"] = plan.cost.bound.totals()
-    return json.dumps({"gpu_memory": j["gpu_memory"], "stages": {k: {kk: v[kk] for kk in keys if kk in v} for k, v in j["stages"].items()},
-                       "storage_bytes": j["storage_bytes"], "storage_peak_bytes": j["storage_peak_bytes"], **total})
+    return json.dumps(
+        {
+            "gpu_memory": j["gpu_memory"],
+            "stages": {k: {kk: v[kk] for kk in keys if kk in v} for k, v in j["stages"].items()},
+            "storage_bytes": j["storage_bytes"],
+            "storage_peak_bytes": j["storage_peak_bytes"],
+            **total,
+        }
+    )
 
 
 def as_record(plan: RunPlan) -> dict:

@@ -5,6 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import torch
+
+from m2d_ray.arch import ADAPTERS
+from m2d_ray.convert.baselines import dense_width
+from m2d_ray.convert.student import student_width
+from m2d_ray.weights import skeleton
+
 GiB = 1 << 30
 
 
@@ -57,10 +64,6 @@ def _dtype_bytes(config) -> int:
 
 def shape_of(config) -> Shape:
     """A model's Shape from its transformers config (an MoE's expert sizes through its arch adapter)."""
-    import torch
-
-    from m2d_ray.arch import ADAPTERS
-    from m2d_ray.weights import skeleton
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     model = skeleton(config, torch.bfloat16, device="meta")
@@ -79,9 +82,23 @@ def shape_of(config) -> Shape:
         E, k, I = adapter.num_experts(config), adapter.top_k(config), adapter.experts(block).width
         shared = adapter.shared(block)
         ffn = max(ffn, k * I + (shared.weights.width if shared else 0))
-    return Shape(params, layer_params, _dtype_bytes(config), text.vocab_size, text.hidden_size, len(layers), heads * head_dim,
-                 kv * head_dim, ffn, E, k, I, len(moe), model.get_input_embeddings().weight is model.get_output_embeddings().weight,
-                 sum(p.numel() for p in model.parameters() if p.ndim < 2))
+    return Shape(
+        params,
+        layer_params,
+        _dtype_bytes(config),
+        text.vocab_size,
+        text.hidden_size,
+        len(layers),
+        heads * head_dim,
+        kv * head_dim,
+        ffn,
+        E,
+        k,
+        I,
+        len(moe),
+        model.get_input_embeddings().weight is model.get_output_embeddings().weight,
+        sum(p.numel() for p in model.parameters() if p.ndim < 2),
+    )
 
 
 @dataclass(frozen=True)
@@ -97,12 +114,6 @@ class Models:
 
 def models_of(config) -> Models:
     """Teacher and student shapes from the teacher's config (the student's config as convert/ makes it)."""
-    import torch
-
-    from m2d_ray.arch import ADAPTERS
-    from m2d_ray.convert.baselines import dense_width
-    from m2d_ray.convert.student import student_width
-    from m2d_ray.weights import skeleton
 
     adapter = ADAPTERS[config.model_type]
     model = skeleton(config, torch.bfloat16, device="meta")

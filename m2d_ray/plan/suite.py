@@ -11,17 +11,30 @@ from that file, at the same 4 characters a token (a shot adds its context and it
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
-from m2d_ray.evaluate.harness import CONTINUATION, TEXT_CONTINUATION, base_name, parse_tasks, text_source
+from m2d_ray.evaluate import local_tasks
+from m2d_ray.evaluate.harness import (
+    CONTINUATION,
+    TEXT_CONTINUATION,
+    base_name,
+    parse_tasks,
+    text_source,
+)
+from m2d_ray.evaluate.local_tasks import text_rows
 from m2d_ray.evaluate.paper_tasks import PREFIX
 
 CHARS_PER_TOKEN = 4.0
 #: task -> (rows, requests per row, tokens of a 0-shot request, tokens each shot adds): lm-eval's own requests over
 #: the fetched data, counted by benchmarks/suite_tokens.py (2026-11-25; its characters / CHARS_PER_TOKEN)
-PAPER = {"winogrande": (1267, 2.0, 26, 27), "hellaswag": (10042, 4.0, 91, 91), "arc_easy": (570, 4.0, 39, 39),
-         "arc_challenge": (299, 3.99, 46, 46), "mmlu": (14042, 1.0, 138, 124)}
+PAPER = {
+    "winogrande": (1267, 2.0, 26, 27),
+    "hellaswag": (10042, 4.0, 91, 91),
+    "arc_easy": (570, 4.0, 39, 39),
+    "arc_challenge": (299, 3.99, 46, 46),
+    "mmlu": (14042, 1.0, 138, 124),
+}
 SUBTASKS = {"mmlu": 57}  # lm-eval's limit applies to each subtask of a group
 UNKNOWN = (1000, 4, 100, 100)  # a hub task m2d has no figures for
 
@@ -29,27 +42,29 @@ UNKNOWN = (1000, 4, 100, 100)  # a hub task m2d has no figures for
 def _figures(test: list[dict], shots: list[dict]) -> tuple[int, int, float, float]:
     """(rows, choices, tokens of a 0-shot request, tokens a shot adds) of a multiple-choice task's rows."""
     choices = max(len(r["choices"]) for r in test)
-    request = sum(len(r["context"]) for r in test) / len(test) + sum(len(c) for r in test for c in r["choices"]) / sum(len(r["choices"]) for r in test)
+    request = sum(len(r["context"]) for r in test) / len(test) + sum(len(c) for r in test for c in r["choices"]) / sum(
+        len(r["choices"]) for r in test
+    )
     shot = sum(len(r["context"]) + len(r["choices"][r["label"]]) for r in shots) / len(shots) if shots else request
     return len(test), choices, request / CHARS_PER_TOKEN, shot / CHARS_PER_TOKEN
 
 
-@lru_cache(maxsize=None)
+@cache
 def _local() -> tuple[int, int, float, float]:
     """The local task's figures from its shipped rows."""
-    from m2d_ray.evaluate import local_tasks
 
     base = Path(local_tasks.__file__).parent / "tasks"
-    test, train = ([json.loads(line) for line in (base / f"{CONTINUATION}.{split}.jsonl").read_text().splitlines() if line.strip()]
-                   for split in ("test", "train"))
+    test, train = (
+        [json.loads(line) for line in (base / f"{CONTINUATION}.{split}.jsonl").read_text().splitlines() if line.strip()]
+        for split in ("test", "train")
+    )
     return _figures(test, train)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _text(path: str) -> tuple[int, int, float, float]:
     """The `text:PATH` task's figures from the rows lm-eval will get (built from the file as stage 3 builds them:
     WikiText contexts are several times the synthetic task's)."""
-    from m2d_ray.evaluate.local_tasks import text_rows
 
     rows = text_rows(path)
     return _figures(rows["test"], rows["train"])

@@ -9,7 +9,24 @@ export.py      save + reload check; command.py: `m2d prune-dense`
 from m2d_ray.arch.dense import DenseSizes
 from m2d_ray.prune.importance import Importance, collect_importance
 from m2d_ray.prune.prune import PrunedSpec, check_sizes, prune
-from m2d_ray.prune.search import SearchResult, candidates, count_params, moe_student_params, search
+from m2d_ray.prune.search import (
+    SearchResult,
+    candidates,
+    count_params,
+    moe_student_params,
+    search,
+)
 
-__all__ = ["DenseSizes", "Importance", "collect_importance", "PrunedSpec", "check_sizes", "prune", "SearchResult",
-           "candidates", "count_params", "moe_student_params", "search"]
+__all__ = [
+    "DenseSizes",
+    "Importance",
+    "collect_importance",
+    "PrunedSpec",
+    "check_sizes",
+    "prune",
+    "SearchResult",
+    "candidates",
+    "count_params",
+    "moe_student_params",
+    "search",
+]

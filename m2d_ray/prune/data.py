@@ -23,8 +23,13 @@ def data_specs(name: str, calib_data: str | None, eval_data: str | None, scored:
     return calib, ev
 
 
-def load_tokens(name: str, tokenizer, calib_spec: str, eval_spec: str | None, seq_len: int, max_tokens: int,
-                max_chars: int | None) -> tuple[str, TokenSet, Tensor | None]:
+def load_tokens(
+    name: str, tokenizer, calib_spec: str, eval_spec: str | None, seq_len: int, max_tokens: int, max_chars: int | None
+) -> tuple[str, TokenSet, Tensor | None]:
     """(calibration spec, calibration tokens, evaluation ids or None) for the importance pass and the scoring."""
     spec, calib = calibration_tokens(tokenizer, calib_spec, None if is_embedded(name) else name, seq_len, max_tokens)
-    return spec, calib, tokenize(tokenizer, load_text(eval_spec, max_chars=max_chars), max_chars=max_chars) if eval_spec else None
+    return (
+        spec,
+        calib,
+        tokenize(tokenizer, load_text(eval_spec, max_chars=max_chars), max_chars=max_chars) if eval_spec else None,
+    )

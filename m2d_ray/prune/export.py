@@ -22,7 +22,19 @@ from m2d_ray.prune.importance import Importance
 
 INFO_FILE = "m2d_prune.json"
 IMPORTANCE_FILE = "importance.safetensors"
-TABLE_COLUMNS = ("candidate", "kind", "hidden", "ffn", "heads", "kv_heads", "layers", "params", "params_vs_target", "ppl", "best")
+TABLE_COLUMNS = (
+    "candidate",
+    "kind",
+    "hidden",
+    "ffn",
+    "heads",
+    "kv_heads",
+    "layers",
+    "params",
+    "params_vs_target",
+    "ppl",
+    "best",
+)
 
 
 def candidates_table(rows: list[dict]) -> tuple[str, str]:
@@ -32,7 +44,10 @@ def candidates_table(rows: list[dict]) -> tuple[str, str]:
     w.writeheader()
     w.writerows(rows)
     fmt = {"params": "{:,}", "params_vs_target": "{:+.2%}", "ppl": "{:.3f}"}
-    cell = lambda k, v: "--" if v is None else ("**yes**" if v is True else "" if v is False else fmt.get(k, "{}").format(v))  # noqa: E731
+
+    def cell(k, v):
+        return "--" if v is None else ("**yes**" if v is True else "" if v is False else fmt.get(k, "{}").format(v))
+
     md = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
     md += ["| " + " | ".join(cell(k, r.get(k)) for k in TABLE_COLUMNS) + " |" for r in rows]
     return buf.getvalue(), "\n".join(md) + "\n"
@@ -50,11 +65,21 @@ def check_reloaded(path: Path, model: PreTrainedModel, sizes: DenseSizes) -> Non
     new = reloaded.state_dict()
     differ = [k for k in want if k not in new or not torch.equal(new[k], want[k].to(new[k].device))]
     if differ or new.keys() != want.keys():
-        raise RuntimeError(f"reloaded model differs from the pruned model in {(differ or sorted(new.keys() ^ want.keys()))[:3]}")
+        raise RuntimeError(
+            f"reloaded model differs from the pruned model in {(differ or sorted(new.keys() ^ want.keys()))[:3]}"
+        )
 
 
-def export_pruned(model: PreTrainedModel, tokenizer, out: str | Path, sizes: DenseSizes, importance: Importance,
-                  info: dict, rows: list[dict] | None = None, overwrite: bool = False) -> None:
+def export_pruned(
+    model: PreTrainedModel,
+    tokenizer,
+    out: str | Path,
+    sizes: DenseSizes,
+    importance: Importance,
+    info: dict,
+    rows: list[dict] | None = None,
+    overwrite: bool = False,
+) -> None:
     with atomic_dir(out, "pruned", overwrite) as tmp:
         model.save_pretrained(tmp)
         if tokenizer is not None:

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import Tensor
 
 from m2d_ray import console
@@ -34,9 +36,9 @@ from m2d_ray.data.text import TokenSet
 CHOICES = {
     "ffn": "mean over the sequence, L2 over the batch, of |act(gate) * up| (the down_proj input)",
     "heads": "mean over the sequence, L2 over the batch, of each head's attention-output L2 norm (the o_proj input); "
-             "a key/value group scores the sum of its heads",
+    "a key/value group scores the sum of its heads",
     "hidden": "sum over every hidden-size norm (both per layer, and the final one) of mean over the sequence, L2 over "
-              "the batch, of |norm output|",
+    "the batch, of |norm output|",
     "layers": "block importance 1 - mean over tokens of cos(layer input, layer output)",
 }
 
@@ -60,17 +62,19 @@ class Importance:
         return {"hidden": self.hidden, "ffn": self.ffn, "heads": self.heads, "layers": self.layers}
 
     def save(self, path: str | Path) -> None:
-        from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in self.tensors().items()}, str(path), metadata={"n_tokens": str(self.n_tokens)})
+        save_file(
+            {k: v.contiguous() for k, v in self.tensors().items()}, str(path), metadata={"n_tokens": str(self.n_tokens)}
+        )
 
     @classmethod
-    def load(cls, path: str | Path) -> "Importance":
-        from safetensors import safe_open
+    def load(cls, path: str | Path) -> Importance:
 
         with safe_open(str(path), framework="pt") as f:
-            return cls(**{k: f.get_tensor(k) for k in ("hidden", "ffn", "heads", "layers")},
-                       n_tokens=int(f.metadata()["n_tokens"]))
+            return cls(
+                **{k: f.get_tensor(k) for k in ("hidden", "ffn", "heads", "layers")},
+                n_tokens=int(f.metadata()["n_tokens"]),
+            )
 
 
 def seq_mean_sq(x: Tensor, mask: Tensor) -> Tensor:
@@ -89,8 +93,15 @@ class _Recorder:
     def __init__(self, model, adapter: DenseAdapter) -> None:
         cfg = model.config
         L, self.head_dim = len(adapter.layers(model)), adapter.head_dim(cfg)
-        z = lambda *s: torch.zeros(*s, dtype=torch.float64)  # noqa: E731
-        self.ffn, self.heads, self.hidden = z(L, cfg.intermediate_size), z(L, cfg.num_attention_heads), z(cfg.hidden_size)
+
+        def z(*s):
+            return torch.zeros(*s, dtype=torch.float64)
+
+        self.ffn, self.heads, self.hidden = (
+            z(L, cfg.intermediate_size),
+            z(L, cfg.num_attention_heads),
+            z(cfg.hidden_size),
+        )
         self.norms = adapter.hidden_norms(model)
         self.norm_sq = [z(cfg.hidden_size) for _ in self.norms]
         self.cos_sum, self.cos_n = z(L), 0
@@ -137,12 +148,19 @@ class _Recorder:
         for h in self.handles:
             h.remove()
         hidden = sum(sq.sqrt() for sq in self.norm_sq)
-        return Importance(hidden=hidden, ffn=self.ffn.sqrt(), heads=self.heads.sqrt(),
-                          layers=1.0 - self.cos_sum / max(n_tokens, 1), n_tokens=n_tokens)
+        return Importance(
+            hidden=hidden,
+            ffn=self.ffn.sqrt(),
+            heads=self.heads.sqrt(),
+            layers=1.0 - self.cos_sum / max(n_tokens, 1),
+            n_tokens=n_tokens,
+        )
 
 
 @torch.no_grad()
-def collect_importance(model, adapter: DenseAdapter, tokens: TokenSet, batch_size: int = 8, progress: bool = False) -> Importance:
+def collect_importance(
+    model, adapter: DenseAdapter, tokens: TokenSet, batch_size: int = 8, progress: bool = False
+) -> Importance:
     """Importance of every FFN neuron, head, hidden channel and layer of `model` on the calibration tokens."""
     device = next(model.parameters()).device
     rec = _Recorder(model, adapter)

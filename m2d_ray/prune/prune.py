@@ -17,9 +17,19 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from m2d_ray.arch.dense import FFN, HIDDEN, KV, Q, DenseAdapter, DenseSizes, get_dense_adapter
+from m2d_ray.arch.dense import (
+    FFN,
+    HIDDEN,
+    KV,
+    DenseAdapter,
+    DenseSizes,
+    Q,
+    get_dense_adapter,
+)
 from m2d_ray.convert.student import materialise_buffers
 from m2d_ray.errors import M2DError
+from m2d_ray.models import load_model, load_tokenizer
+from m2d_ray.prune.export import export_pruned
 from m2d_ray.prune.importance import Importance
 
 
@@ -32,8 +42,10 @@ def check_sizes(config, sizes: DenseSizes) -> None:
         if not 1 <= v <= top:
             raise M2DError(f"--{field} {v} is outside [1, {top}] (the teacher's {field}); give a size in that range")
     if sizes.heads % g:
-        raise M2DError(f"--heads {sizes.heads} is not a multiple of {g}, the teacher's query heads per key/value head: "
-                       f"heads are pruned a whole group at a time; use one of {list(range(g, full.heads + 1, g))}")
+        raise M2DError(
+            f"--heads {sizes.heads} is not a multiple of {g}, the teacher's query heads per key/value head: "
+            f"heads are pruned a whole group at a time; use one of {list(range(g, full.heads + 1, g))}"
+        )
 
 
 def _top(scores: Tensor, k: int) -> Tensor:
@@ -116,7 +128,6 @@ class PrunedSpec:
     name: str = ""
 
     def build(self, device: str = "cpu", dtype: torch.dtype | None = None) -> PreTrainedModel:
-        from m2d_ray.models import load_model
 
         teacher, _ = load_model(self.teacher, device=device, dtype=dtype, what="teacher")
         return prune(teacher, self.sizes, self.importance)
@@ -124,8 +135,6 @@ class PrunedSpec:
     def __call__(self, out: Path) -> None:
         """Build the student and save it at `out` (checked to reload natively): how a stage-2 worker
         materialises the D2D student where it trains, instead of reading it from the driver's disk."""
-        from m2d_ray.models import load_tokenizer
-        from m2d_ray.prune.export import export_pruned
 
         info = {"model": self.teacher, "sizes": self.sizes.to_json(), "candidate": self.name}
         export_pruned(self.build(), load_tokenizer(self.teacher), out, self.sizes, self.importance, info)

@@ -23,9 +23,12 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from m2d_ray import console
 from m2d_ray.arch.dense import DenseAdapter, DenseSizes, get_dense_adapter
+from m2d_ray.convert.baselines import dense_width
+from m2d_ray.convert.student import student_width
 from m2d_ray.data.text import TokenSet
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.perplexity import perplexity
+from m2d_ray.models import Teacher, check_teacher, load_config, load_model
 from m2d_ray.prune.importance import Importance, collect_importance
 from m2d_ray.prune.prune import PrunedSpec, prune
 
@@ -55,9 +58,6 @@ def sizes_params(config, adapter: DenseAdapter, sizes: DenseSizes) -> int:
 def moe_student_params(moe_teacher: str) -> int:
     """Parameters of the dense student that `m2d convert` builds from an MoE teacher at K = k (the matched
     budget of the dense-to-dense baseline), from the config alone: the teacher is built on the meta device."""
-    from m2d_ray.convert.baselines import dense_width
-    from m2d_ray.convert.student import student_width
-    from m2d_ray.models import Teacher, check_teacher, load_config
 
     adapter, config = check_teacher(moe_teacher), load_config(moe_teacher)
     with torch.device("meta"):
@@ -70,7 +70,10 @@ def moe_student_params(moe_teacher: str) -> int:
 def solve_ffn(config, adapter: DenseAdapter, hidden: int, heads: int, layers: int, target: int) -> DenseSizes | None:
     """The shape with this hidden size, heads and layers whose FFN width brings it closest to `target`
     parameters; None when no width in [1, the teacher's] gets within one FFN neuron's worth of it."""
-    at = lambda f: sizes_params(config, adapter, DenseSizes(hidden, f, heads, layers))  # noqa: E731
+
+    def at(f):
+        return sizes_params(config, adapter, DenseSizes(hidden, f, heads, layers))
+
     p1, slope = at(1), at(2) - at(1)
     ffn = 1 + round((target - p1) / slope)
     if not 1 <= ffn <= int(config.intermediate_size):
@@ -84,7 +87,9 @@ def candidates(config, target: int) -> list[tuple[str, DenseSizes]]:
     full, g = adapter.sizes(config), adapter.group_size(config)
     teacher_params = count_params(config)
     if target >= teacher_params:
-        raise M2DError(f"a budget of {target:,} parameters is not below the teacher's {teacher_params:,}; give a smaller budget")
+        raise M2DError(
+            f"a budget of {target:,} parameters is not below the teacher's {teacher_params:,}; give a smaller budget"
+        )
     out, seen = [], set()
     for kind, fd, fh, fl in MIXES:
         hidden = min(full.hidden, max(8, 8 * round(full.hidden * fd / 8)))
@@ -92,15 +97,22 @@ def candidates(config, target: int) -> list[tuple[str, DenseSizes]]:
         layers = max(1, min(full.layers - 1, round(full.layers * fl))) if fl < 1 else full.layers
         shape = (hidden, heads, layers)
         # a mix counts only if every size it shrinks really shrank (and it is not another mix again)
-        if (hidden < full.hidden, heads < full.heads, layers < full.layers) != (fd < 1, fh < 1, fl < 1) or shape in seen:
+        if (hidden < full.hidden, heads < full.heads, layers < full.layers) != (
+            fd < 1,
+            fh < 1,
+            fl < 1,
+        ) or shape in seen:
             continue
         seen.add(shape)
         sizes = solve_ffn(config, adapter, hidden, heads, layers, target)
         if sizes is not None:
             out.append((kind, sizes))
     if len(out) < MIN_CANDIDATES:
-        raise M2DError(f"only {len(out)} candidate shape(s) of this teacher reach {target:,} parameters (need {MIN_CANDIDATES}); "
-                       f"give a --target-params between the embeddings' share and the teacher's {teacher_params:,}, or explicit sizes")
+        raise M2DError(
+            f"only {len(out)} candidate shape(s) of this teacher reach {target:,} parameters (need {MIN_CANDIDATES}); "
+            f"give a --target-params between the embeddings' share and the teacher's {teacher_params:,}, or explicit "
+            "sizes"
+        )
     return out
 
 
@@ -117,12 +129,21 @@ def score(model, eval_ids: Tensor, seq_len: int, batch_size: int) -> dict:
     return {"ppl": None if p.diverged else p.ppl, "diverged": p.diverged}
 
 
-def search(teacher: str, calib: TokenSet, target: int, eval_ids: Tensor, *, model: PreTrainedModel | None = None,
-           shapes: list[tuple[str, DenseSizes]] | None = None, seq_len: int = 256, batch_size: int = 8,
-           device: str = "cpu", progress: bool = False) -> SearchResult:
+def search(
+    teacher: str,
+    calib: TokenSet,
+    target: int,
+    eval_ids: Tensor,
+    *,
+    model: PreTrainedModel | None = None,
+    shapes: list[tuple[str, DenseSizes]] | None = None,
+    seq_len: int = 256,
+    batch_size: int = 8,
+    device: str = "cpu",
+    progress: bool = False,
+) -> SearchResult:
     """Prune the dense teacher `teacher` (loaded unless `model` is given) to every candidate shape at `target`
     parameters, score each by perplexity on `eval_ids` before any distillation and promote the lowest."""
-    from m2d_ray.models import load_model
 
     if model is None:
         model, _ = load_model(teacher, device=device, what="teacher")
@@ -133,19 +154,34 @@ def search(teacher: str, calib: TokenSet, target: int, eval_ids: Tensor, *, mode
     for kind, sizes in shapes:
         student = prune(model, sizes, imp)
         params = sum(p.numel() for p in student.parameters())
-        row = {"candidate": sizes.label(), "kind": kind, **sizes.to_json(), "kv_heads": sizes.heads // adapter.group_size(model.config),
-               "params": params, "params_vs_target": params / target - 1, **score(student, eval_ids, seq_len, batch_size)}
+        row = {
+            "candidate": sizes.label(),
+            "kind": kind,
+            **sizes.to_json(),
+            "kv_heads": sizes.heads // adapter.group_size(model.config),
+            "params": params,
+            "params_vs_target": params / target - 1,
+            **score(student, eval_ids, seq_len, batch_size),
+        }
         rows.append(row)
-        console.say(f"candidate {row['candidate']} ({kind}): {params:,} parameters, perplexity "
-                    + ("diverged" if row["diverged"] else f"{row['ppl']:.3f}"))
+        console.say(
+            f"candidate {row['candidate']} ({kind}): {params:,} parameters, perplexity "
+            + ("diverged" if row["diverged"] else f"{row['ppl']:.3f}")
+        )
         if not row["diverged"] and (best is None or row["ppl"] < best["ppl"]):
             best, best_model = row, student
         del student
     if best is None:
-        raise M2DError("every candidate diverged before distillation (NaN/inf perplexity); check the teacher and the evaluation data")
+        raise M2DError(
+            "every candidate diverged before distillation (NaN/inf perplexity); check the teacher and the evaluation "
+            "data"
+        )
     for row in rows:
         row["best"] = row is best
-    spec = PrunedSpec(teacher=teacher, sizes=DenseSizes(*(best[k] for k in ("hidden", "ffn", "heads", "layers"))),
-                      importance=imp, name=best["candidate"])
+    spec = PrunedSpec(
+        teacher=teacher,
+        sizes=DenseSizes(*(best[k] for k in ("hidden", "ffn", "heads", "layers"))),
+        importance=imp,
+        name=best["candidate"],
+    )
     return SearchResult(rows=rows, best=spec, model=best_model, importance=imp)
-

@@ -1,11 +1,11 @@
 """The numbers behind the run report, read from a run directory (no plotting, no HTML).
 
-    distillation table   one row per promoted pair (+ baselines, teacher): stage-1 ppl, stage-2 outcome,
-                         per-benchmark accuracy and the unweighted mean
-    marginal effects     mean accuracy per scoring (over groupings) and per grouping (over scorings)
-    matched parameters   best MoE-to-dense student vs the run's baselines
-    selection overlap    |S_a ∩ S_b| / K between scorings at K = k, averaged over layers
-    effective rank       of the selected experts' output Gram, per scoring and K, averaged over layers
+distillation table   one row per promoted pair (+ baselines, teacher): stage-1 ppl, stage-2 outcome,
+                     per-benchmark accuracy and the unweighted mean
+marginal effects     mean accuracy per scoring (over groupings) and per grouping (over scorings)
+matched parameters   best MoE-to-dense student vs the run's baselines
+selection overlap    |S_a ∩ S_b| / K between scorings at K = k, averaged over layers
+effective rank       of the selected experts' output Gram, per scoring and K, averaged over layers
 """
 
 from __future__ import annotations
@@ -50,9 +50,19 @@ def load_run(run_dir: str | Path, teachers: tuple[tuple[str, str], ...] = (), ma
     """A run directory's records; `teachers` and `matched`: what the run's baselines bring (RunData's fields)."""
     rd = RunDir(run_dir)
     promotions = rd.read_promotions()
-    return RunData(rd.path, load_config(rd.config), rd.stage1_ledger().records(), rd.read_plans()["plans"], promotions,
-                   stage2={r["key"]: r for r in rd.stage2_records()}, stage3=rd.read_stage3(), timings=rd.stage_times(),
-                   memory_plan=rd.read_memory_plan(), teachers=tuple(teachers), matched=tuple(matched))
+    return RunData(
+        rd.path,
+        load_config(rd.config),
+        rd.stage1_ledger().records(),
+        rd.read_plans()["plans"],
+        promotions,
+        stage2={r["key"]: r for r in rd.stage2_records()},
+        stage3=rd.read_stage3(),
+        timings=rd.stage_times(),
+        memory_plan=rd.read_memory_plan(),
+        teachers=tuple(teachers),
+        matched=tuple(matched),
+    )
 
 
 def distill_rows(data: RunData) -> list[dict]:
@@ -64,31 +74,67 @@ def distill_rows(data: RunData) -> list[dict]:
         for gr in g.grouping:
             p = data.promotions["pairs"].get(f"{s}/{gr}")
             if p is not None and (not only or f"{s}/{gr}" in only):
-                rows.append({"kind": "student", "scoring": s, "grouping": gr, "K": p["K"], "scaling": p["scaling"], "stage1_ppl": p["ppl"], "key": p["key"]})
+                rows.append(
+                    {
+                        "kind": "student",
+                        "scoring": s,
+                        "grouping": gr,
+                        "K": p["K"],
+                        "scaling": p["scaling"],
+                        "stage1_ppl": p["ppl"],
+                        "key": p["key"],
+                    }
+                )
     for b in data.cfg.stage2.baselines:
-        rows.append({"kind": "baseline", "scoring": b, "grouping": "", "K": None, "scaling": "", "stage1_ppl": None, "key": f"baseline-{b}"})
+        rows.append(
+            {
+                "kind": "baseline",
+                "scoring": b,
+                "grouping": "",
+                "K": None,
+                "scaling": "",
+                "stage1_ppl": None,
+                "key": f"baseline-{b}",
+            }
+        )
     teachers = [("teacher", TEACHER_KEY), *data.teachers]
-    rows += [{"kind": "teacher", "scoring": name, "grouping": "", "K": None, "scaling": "", "stage1_ppl": None, "key": key} for name, key in teachers]
+    rows += [
+        {"kind": "teacher", "scoring": name, "grouping": "", "K": None, "scaling": "", "stage1_ppl": None, "key": key}
+        for name, key in teachers
+    ]
     for r in rows:
         s2 = data.stage2.get(r["key"], {})
         s3 = data.stage3.get(r["key"], {})
-        r.update(status=s2.get("status", "-" if r["kind"] == "teacher" else "not distilled"), steps=s2.get("steps"), val_ppl=s2.get("val_ppl"),
-                 student_params=s2.get("student_params"), teacher_active_params=s2.get("teacher_active_params"), tokens_per_s=s2.get("tokens_per_s"),
-                 acc={t: v.get("score") for t, v in s3.get("tasks", {}).items()}, mean=s3.get("mean"), eval=s3.get("status", "-"))
+        r.update(
+            status=s2.get("status", "-" if r["kind"] == "teacher" else "not distilled"),
+            steps=s2.get("steps"),
+            val_ppl=s2.get("val_ppl"),
+            student_params=s2.get("student_params"),
+            teacher_active_params=s2.get("teacher_active_params"),
+            tokens_per_s=s2.get("tokens_per_s"),
+            acc={t: v.get("score") for t, v in s3.get("tasks", {}).items()},
+            mean=s3.get("mean"),
+            eval=s3.get("status", "-"),
+        )
     return rows
-
 
 
 def matched_rows(data: RunData, rows: list[dict]) -> list[dict]:
     """The matched-parameter comparison: the best MoE-to-dense student (highest stage-3 mean accuracy; without
     accuracies, lowest final validation perplexity), then the run's baselines in `data.matched`'s order;
     each with its seconds per training step (tokens per step / the last interval's tokens/s)."""
+
     def rank(r: dict) -> tuple:
         return (r["mean"] is not None, r["mean"] or 0.0, -(r["val_ppl"] or math.inf))
 
     students = [r for r in rows if r["kind"] == "student" and r["status"] in ("ok", "pruned")]
-    picked = ([{**max(students, key=rank), "label": "best MoE-to-dense"}] if students else [])
-    picked += [{**r, "label": r["scoring"]} for b in data.matched for r in rows if r["kind"] == "baseline" and r["scoring"] == b]
+    picked = [{**max(students, key=rank), "label": "best MoE-to-dense"}] if students else []
+    picked += [
+        {**r, "label": r["scoring"]}
+        for b in data.matched
+        for r in rows
+        if r["kind"] == "baseline" and r["scoring"] == b
+    ]
     d = data.cfg.distill
     per_step = d.batch_size * d.grad_accum * d.workers * d.seq_len
     for r in picked:
@@ -116,7 +162,9 @@ def outcome_line(o: dict) -> str:
     line = f"students: {s['ok']} ok, {s['pruned']} pruned, {s['failed']} failed, {s['diverged']} diverged"
     if s["not distilled"]:
         line += f", {s['not distilled']} not distilled"
-    line += f"; {o['evaluated']} students evaluated" + (f", {o['eval_failed']} failed to evaluate" if o["eval_failed"] else "")
+    line += f"; {o['evaluated']} students evaluated" + (
+        f", {o['eval_failed']} failed to evaluate" if o["eval_failed"] else ""
+    )
     return line + ("; teacher evaluated" if o["teacher_evaluated"] else "")
 
 
@@ -141,7 +189,9 @@ def selections(data: RunData, K: int) -> dict[str, dict[str, list[int]]]:
 
 def overlap(sel: dict[str, dict[str, list[int]]], K: int) -> dict[str, dict[str, float]]:
     """|S_a ∩ S_b| / K averaged over layers, for every pair of scorings."""
-    return {a: {b: sum(len(set(sa[i]) & set(sel[b][i])) for i in sa) / (K * len(sa)) for b in sel} for a, sa in sel.items()}
+    return {
+        a: {b: sum(len(set(sa[i]) & set(sel[b][i])) for i in sa) / (K * len(sa)) for b in sel} for a, sa in sel.items()
+    }
 
 
 def erank_table(data: RunData) -> tuple[list[int], dict[str, dict[int, float]]]:
@@ -177,14 +227,26 @@ def memory_rows(data: RunData) -> list[dict]:
             peaks = [_peak(s) for s in data.stage2.values() if not s.get("duplicate_of")]
         elif name.startswith("stage3:"):
             key = name.split(":", 1)[1]
-            keys = [k for k, s in data.stage2.items() if s.get("student_path") and not s.get("duplicate_of")] if key == "student" else [key]
+            keys = (
+                [k for k, s in data.stage2.items() if s.get("student_path") and not s.get("duplicate_of")]
+                if key == "student"
+                else [key]
+            )
             peaks = [_peak(data.stage3.get(k, {})) for k in keys]
         else:
             peaks = []
         peaks = [p for p in peaks if p]
         measured = max(peaks) if peaks else None
-        rows.append({"stage": name, "unit": r["unit"], "planned": r["per_device"], "measured": measured,
-                     "ratio": measured / r["per_device"] if measured and r["per_device"] else None, "fits": r["fits"]})
+        rows.append(
+            {
+                "stage": name,
+                "unit": r["unit"],
+                "planned": r["per_device"],
+                "measured": measured,
+                "ratio": measured / r["per_device"] if measured and r["per_device"] else None,
+                "fits": r["fits"],
+            }
+        )
     return rows
 
 
@@ -207,8 +269,17 @@ def cost_rows(data: RunData) -> list[dict]:
     rows = []
     for name, c in sorted(cost["stages"].items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)):
         m, est = measured.get(name), c.get("seconds")
-        rows.append({"stage": name, "flops": c["flops"], "estimated_s": est, "measured_s": m, "ratio": m / est if m and est else None,
-                     "gpu_hours": c.get("gpu_hours"), "dollars": c.get("dollars")})
+        rows.append(
+            {
+                "stage": name,
+                "flops": c["flops"],
+                "estimated_s": est,
+                "measured_s": m,
+                "ratio": m / est if m and est else None,
+                "gpu_hours": c.get("gpu_hours"),
+                "dollars": c.get("dollars"),
+            }
+        )
     return rows
 
 

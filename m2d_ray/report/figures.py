@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# Imported inside functions: matplotlib (only where a figure is drawn).
+
 
 def pyplot():
     import matplotlib

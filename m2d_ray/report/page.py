@@ -11,9 +11,9 @@ import csv
 import html
 import io
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 from m2d_ray.artifacts import atomic_dir, write_text_atomic
 
@@ -39,7 +39,8 @@ class Table:
         head = "".join(f"<th>{html.escape(h)}</th>" for h in self.headers)
         body = "".join("<tr>" + "".join(f"<td>{html.escape(fmt(v))}</td>" for v in r) + "</tr>" for r in self.rows)
         note = f'<p class="note">{html.escape(self.note)}</p>' if self.note else ""
-        return f'<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{note}<p class="files">{self.name}.csv · {self.name}.md</p>'
+        files = f'<p class="files">{self.name}.csv · {self.name}.md</p>'
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{note}{files}"
 
 
 def fmt(v) -> str:
@@ -82,7 +83,8 @@ def _part(p: Part, out: Path) -> str:
         path = p.draw(out / p.file)
         if not path:
             return f'<p class="note">no data yet for: {html.escape(p.alt)}</p>'
-        return f'<figure><img src="{path.name}" alt="{html.escape(p.alt)}"><figcaption>{html.escape(p.caption)}</figcaption></figure>'
+        caption = f"<figcaption>{html.escape(p.caption)}</figcaption>"
+        return f'<figure><img src="{path.name}" alt="{html.escape(p.alt)}">{caption}</figure>'
     return p if isinstance(p, str) else p(out)
 
 
@@ -96,9 +98,11 @@ def md_table_html(md: str, name: str) -> str:
 
 CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
 h1{font-size:1.5em}h2{font-size:1.15em;margin-top:2em;border-bottom:1px solid #ddd}
-table{border-collapse:collapse;font-size:12px;margin:.5em 0}td,th{border:1px solid #ddd;padding:3px 7px;text-align:right}
+table{border-collapse:collapse;font-size:12px;margin:.5em 0}td,th{border:1px solid #ddd;padding:3px
+7px;text-align:right}
 td:first-child,th:first-child{text-align:left}tr:nth-child(even){background:#f7f7f7}
-img{max-width:100%;border:1px solid #eee}figure{margin:1em 0}figcaption{color:#444;font-size:13px;max-width:80ch;margin-top:.3em}.note,.files,.meta{color:#666;font-size:12px}"""
+img{max-width:100%;border:1px solid #eee}figure{margin:1em
+0}figcaption{color:#444;font-size:13px;max-width:80ch;margin-top:.3em}.note,.files,.meta{color:#666;font-size:12px}"""
 
 
 def write_page(report: Path, title: str, meta: str, sections: Sequence) -> Path:
@@ -106,8 +110,12 @@ def write_page(report: Path, title: str, meta: str, sections: Sequence) -> Path:
     returns its index.html. `meta`: the line under the title (HTML)."""
     with atomic_dir(report, "report", overwrite=True, what="report directory") as out:
         body = "".join(f"<h2>{html.escape(s.title)}</h2>{s.render(out)}" for s in sections)
-        page = (f"<!doctype html><html><head><meta charset='utf-8'><title>m2d report: {html.escape(title)}</title><style>{CSS}</style></head>"
-                f"<body><h1>MoE → dense: {html.escape(title)}</h1><p class='meta'>{meta} · written {time.strftime('%Y-%m-%d %H:%M')}</p>"
-                f"{body}</body></html>")
+        page = (
+            "<!doctype html><html><head><meta charset='utf-8'><title>m2d report: "
+            f"{html.escape(title)}</title><style>{CSS}</style></head>"
+            f"<body><h1>MoE → dense: {html.escape(title)}</h1><p class='meta'>{meta} · written "
+            f"{time.strftime('%Y-%m-%d %H:%M')}</p>"
+            f"{body}</body></html>"
+        )
         write_text_atomic(out / "index.html", page)
     return report / "index.html"

@@ -10,8 +10,23 @@ from m2d_ray.artifacts import write_text_atomic
 from m2d_ray.report.figures import pyplot, save
 from m2d_ray.run_dir import RunDir
 
-COLUMNS = ("key", "pair", "baseline", "stage1_ppl", "status", "steps", "val_ppl_initial", "val_ppl", "best_val_ppl", "tokens_per_s", "student_path",
-           "targets", "duplicate_of", "peak_rss_bytes", "peak_cuda_bytes")
+COLUMNS = (
+    "key",
+    "pair",
+    "baseline",
+    "stage1_ppl",
+    "status",
+    "steps",
+    "val_ppl_initial",
+    "val_ppl",
+    "best_val_ppl",
+    "tokens_per_s",
+    "student_path",
+    "targets",
+    "duplicate_of",
+    "peak_rss_bytes",
+    "peak_cuda_bytes",
+)
 NOTE = "`pruned`: stopped early by ASHA on validation loss; `--`: diverged (NaN/inf)."
 
 
@@ -35,13 +50,20 @@ def write_stage2(records: list[dict], order: list[str], run_dir: str | Path) -> 
     w.writerow(COLUMNS)
     for r in rows:
         w.writerow([r.get(c) if r.get(c) is not None else "" for c in COLUMNS])
-    md = ["| student | stage-1 ppl | status | steps | val ppl at start | final val ppl | best val ppl | tok/s | targets | peak RSS / rank (MB) |",
-          "|---|---:|---|---:|---:|---:|---:|---:|---|---:|"]
+    md = [
+        "| student | stage-1 ppl | status | steps | val ppl at start | final val ppl | best val ppl | tok/s | targets "
+        "| peak RSS / rank (MB) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---|---:|",
+    ]
     for r in rows:
         final = "--" if r["status"] == "diverged" else _fmt(r.get("val_ppl"))
-        md.append(f"| {r['pair']} ({r['key']}) | {_fmt(r.get('stage1_ppl'), '{:,.1f}')} | {r['status']} | {_fmt(r.get('steps'), '{}')} | "
-                  f"{_fmt(r.get('val_ppl_initial'))} | {final} | {_fmt(r.get('best_val_ppl'))} | {_fmt(r.get('tokens_per_s'), '{:,.0f}')} | "
-                  f"{_targets(r)} | {_fmt(r['peak_rss_bytes'] / 1e6 if r.get('peak_rss_bytes') else None, '{:,.0f}')} |")
+        md.append(
+            f"| {r['pair']} ({r['key']}) | {_fmt(r.get('stage1_ppl'), '{:,.1f}')} | {r['status']} | "
+            f"{_fmt(r.get('steps'), '{}')} | "
+            f"{_fmt(r.get('val_ppl_initial'))} | {final} | {_fmt(r.get('best_val_ppl'))} | "
+            f"{_fmt(r.get('tokens_per_s'), '{:,.0f}')} | "
+            f"{_targets(r)} | {_fmt(r['peak_rss_bytes'] / 1e6 if r.get('peak_rss_bytes') else None, '{:,.0f}')} |"
+        )
     md += ["", NOTE]
     write_text_atomic(rd.stage2_csv, buf.getvalue())
     write_text_atomic(rd.stage2_md, "\n".join(md) + "\n")

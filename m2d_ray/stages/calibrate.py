@@ -12,13 +12,17 @@ makes it finished too.
 
 from __future__ import annotations
 
-from m2d_ray.calibrate.tokens import resolve_calib
+from m2d_ray.calibrate.tokens import calibration_tokens, resolve_calib
 from m2d_ray.console import say
+from m2d_ray.data.text import check_spec
+from m2d_ray.models import load_tokenizer
 from m2d_ray.plan import memory
 from m2d_ray.plan.cost import calibration_flops
 from m2d_ray.plan.devices import bundle
 from m2d_ray.plan.run_plan import teacher_pass
 from m2d_ray.stages.contract import Stage
+
+# Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
 
 
 class Calibrate(Stage):
@@ -29,7 +33,6 @@ class Calibrate(Stage):
         return {"calib.data": resolve_calib(cfg.calib.data, cfg.model)}
 
     def check(self, cfg, teacher: str) -> None:
-        from m2d_ray.data.text import check_spec
 
         check_spec(resolve_calib(cfg.calib.data, cfg.model), "calib.data")
 
@@ -38,7 +41,14 @@ class Calibrate(Stage):
 
     def needs(self, p):
         c, t, gpu = p.cfg.calib, p.models.teacher, p.cfg.ray.data_gpus_per_actor > 0
-        return [teacher_pass(self.name, p, self.keys, lambda streamed: memory.calibration(t, c.batch_size, c.seq_len, t.dtype_bytes, streamed, gpu))]
+        return [
+            teacher_pass(
+                self.name,
+                p,
+                self.keys,
+                lambda streamed: memory.calibration(t, c.batch_size, c.seq_len, t.dtype_bytes, streamed, gpu),
+            )
+        ]
 
     def storage(self, p):
         t = p.models.teacher
@@ -55,18 +65,31 @@ class Calibrate(Stage):
         return ctx.rd.promotions.exists()  # stage 1 read the statistics already
 
     def run(self, ctx) -> None:
-        from m2d_ray.calibrate.ray_data import calibrate_ray  # lazy: Ray
-        from m2d_ray.calibrate.tokens import calibration_tokens
-        from m2d_ray.models import load_tokenizer
+        from m2d_ray.calibrate.ray_data import calibrate_ray
 
         cfg, c, r = ctx.cfg, ctx.cfg.calib, ctx.cfg.ray
         ctx.ray()
         spec, tokens = calibration_tokens(load_tokenizer(ctx.teacher), c.data, cfg.model, c.seq_len, c.max_tokens)
         with ctx.waiting(self) as waiting:
-            art, reused = waiting.call(calibrate_ray, ctx.teacher, tokens, spec, ctx.rd.stats, batch_size=c.batch_size, actors=r.data_actors,
-                                       gpus_per_actor=r.data_gpus_per_actor, accelerator=r.data_accelerator, threads=r.threads_per_worker,
-                                       load_from=ctx.workers_teacher, stream=c.stream, max_memory=c.max_memory)
-        say(f"statistics: {'reused' if reused else 'computed'} {art.manifest['n_tokens']} tokens, sha256 {art.checksum[:12]}")
+            art, reused = waiting.call(
+                calibrate_ray,
+                ctx.teacher,
+                tokens,
+                spec,
+                ctx.rd.stats,
+                batch_size=c.batch_size,
+                actors=r.data_actors,
+                gpus_per_actor=r.data_gpus_per_actor,
+                accelerator=r.data_accelerator,
+                threads=r.threads_per_worker,
+                load_from=ctx.workers_teacher,
+                stream=c.stream,
+                max_memory=c.max_memory,
+            )
+        say(
+            f"statistics: {'reused' if reused else 'computed'} {art.manifest['n_tokens']} tokens, sha256 "
+            f"{art.checksum[:12]}"
+        )
 
 
 STAGE = Calibrate()

@@ -12,11 +12,13 @@ from functools import cached_property
 
 from m2d_ray.artifacts import write_json_atomic, write_marker
 from m2d_ray.config import SweepConfig, dump_config
+from m2d_ray.models import absolute, default_teacher, load_tokenizer
 from m2d_ray.run_dir import Ledger, RunDir
 from m2d_ray.stages.demand import Waiting
 from m2d_ray.stages.ray_env import ensure_ray
 from m2d_ray.stages.record import StageRecorder
 from m2d_ray.stages.run_storage import RunStorage
+from m2d_ray.track import run_tracker
 
 
 @dataclass
@@ -35,7 +37,9 @@ class RunContext:
         rd.path.mkdir(parents=True, exist_ok=True)
         write_marker(rd.path, "run")
         dump_config(cfg, rd.config)
-        write_json_atomic(rd.state, {"sweep_id": uuid.uuid4().hex, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "attempts": 0})
+        write_json_atomic(
+            rd.state, {"sweep_id": uuid.uuid4().hex, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "attempts": 0}
+        )
         return cls(cfg, rd, tracking_uri, stages)
 
     @cached_property
@@ -46,7 +50,6 @@ class RunContext:
     @cached_property
     def teacher(self) -> str:
         """The MoE teacher as the driver names it (a directory made absolute, a hub name or a storage URL)."""
-        from m2d_ray.models import absolute, default_teacher
 
         return absolute(self.cfg.model or default_teacher())
 
@@ -58,18 +61,17 @@ class RunContext:
 
     @cached_property
     def tokenizer(self):
-        from m2d_ray.models import load_tokenizer
 
         return load_tokenizer(self.teacher)
 
     @cached_property
     def tracker(self):
-        from m2d_ray.track import run_tracker
 
         return run_tracker(self.cfg, self.rd, self.tracking_uri)
 
     def parent(self, params: dict | None = None, tags: dict | None = None) -> str:
-        """The run's MLflow parent run (made by the first stage that logs, with `params` and `tags`; found by the run's id)."""
+        """The run's MLflow parent run (made by the first stage that logs, with `params` and `tags`; found by the run's
+        id)."""
         return self.tracker.parent_run(self.rd.sweep_id(), self.cfg.name, params or {}, tags or {})
 
     def recorder(self, ledger: Ledger, fields, prefix: str = "") -> StageRecorder:

@@ -24,9 +24,10 @@ reads every stage without starting or importing Ray.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the types of the hooks' arguments; importing them here would tie the contract to Ray
     from m2d_ray.config import SweepConfig

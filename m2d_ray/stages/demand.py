@@ -27,17 +27,21 @@ import threading
 import time
 from collections import Counter
 
+import ray
 from ray import tune
+from ray._private.worker import filter_autoscaler_events
 
 from m2d_ray.console import note, say
 from m2d_ray.errors import M2DError
 from m2d_ray.stages.ray_env import on_cluster
 
+# Imported inside functions: what may be missing (optional packages, Ray's internal API), where its absence is handled.
+
 _INFEASIBLE = re.compile(r"No available node types can fulfill resource requests? (.*?)(?:\. Add suitable|$)")
 _BUNDLE = re.compile(r"\{[^{}]*\}")
 _TYPE = re.compile(r"Adding \d+ node\(s\) of type (\S+?)\.")
 ALWAYS = {"memory", "object_store_memory"}  # what Ray may add to any request
-_ACTIVE: dict[str, "Waiting"] = {}  # stage -> its Waiting while it waits (TuneCheck looks it up)
+_ACTIVE: dict[str, Waiting] = {}  # stage -> its Waiting while it waits (TuneCheck looks it up)
 
 
 class Unservable(M2DError):
@@ -65,7 +69,8 @@ def is_ours(request: dict, wanted: dict) -> bool:
 
 
 def fmt(bundle: dict) -> str:
-    """A resource bundle in one fixed order (CPU, GPU, then the rest by name): the autoscaler's dicts come in any order."""
+    """A resource bundle in one fixed order (CPU, GPU, then the rest by name): the autoscaler's dicts come in any
+    order."""
     return "{" + ", ".join(f"{k}: {bundle[k]:g}" for k in sorted(bundle) if bundle[k]) + "}"
 
 
@@ -90,14 +95,20 @@ def waiting_line(stage: str, status: dict, wanted: dict) -> str | None:
     if not mine:
         return None
     up = launching(status)
-    how = ("autoscaler launching " + ", ".join(f"{n} {t}" for t, n in sorted(up.items()))) if up else "no node launching yet"
+    how = (
+        ("autoscaler launching " + ", ".join(f"{n} {t}" for t, n in sorted(up.items())))
+        if up
+        else "no node launching yet"
+    )
     return f"{stage}: waiting for " + ", ".join(f"{n} × {fmt(b)}" for b, n in mine) + f": {how}"
 
 
 def node_types_seen(status: dict, launched: set[str]) -> list[str]:
     """The node types the autoscaler runs or has launched (all the driver can know without its config)."""
     ar = status.get("autoscaler_report") or {}
-    return sorted(set(ar.get("active_nodes") or {}) | set(ar.get("idle_nodes") or {}) | set(launching(status)) | launched)
+    return sorted(
+        set(ar.get("active_nodes") or {}) | set(ar.get("idle_nodes") or {}) | set(launching(status)) | launched
+    )
 
 
 def read_status() -> dict | None:
@@ -118,12 +129,20 @@ def read_status() -> dict | None:
 
         s = get_cluster_status(ray.get_runtime_context().gcs_address)
         d = s.resource_demands
-        return {"load_metrics_report": {"resource_demand": [(r.bundle, r.count) for x in d.ray_task_actor_demand for r in x.bundles_by_count],
-                                        "pg_demand": [({"bundles": [(r.bundle, r.count) for r in x.bundles_by_count]}, 1)
-                                                      for x in d.placement_group_demand]},
-                "autoscaler_report": {"pending_launches": dict(Counter({lr.ray_node_type_name: lr.count for lr in s.pending_launches})),
-                                      "pending_nodes": [(n.ip_address, n.ray_node_type_name, "pending") for n in s.pending_nodes],
-                                      "active_nodes": dict(Counter(n.ray_node_type_name for n in s.active_nodes))}}
+        return {
+            "load_metrics_report": {
+                "resource_demand": [(r.bundle, r.count) for x in d.ray_task_actor_demand for r in x.bundles_by_count],
+                "pg_demand": [
+                    ({"bundles": [(r.bundle, r.count) for r in x.bundles_by_count]}, 1)
+                    for x in d.placement_group_demand
+                ],
+            },
+            "autoscaler_report": {
+                "pending_launches": dict(Counter({lr.ray_node_type_name: lr.count for lr in s.pending_launches})),
+                "pending_nodes": [(n.ip_address, n.ray_node_type_name, "pending") for n in s.pending_nodes],
+                "active_nodes": dict(Counter(n.ray_node_type_name for n in s.active_nodes)),
+            },
+        }
     except Exception:
         return None
 
@@ -142,11 +161,11 @@ class Waiting:
         self._status: dict = {}
 
     @classmethod
-    def of(cls, stage, cfg) -> "Waiting":
+    def of(cls, stage, cfg) -> Waiting:
         """The waiter of a pipeline stage: the request its units make and the config keys that set it."""
         return cls(stage.name, stage.request(cfg), stage.keys)
 
-    def __enter__(self) -> "Waiting":
+    def __enter__(self) -> Waiting:
         try:
             from ray._private.worker import global_worker_stdstream_dispatcher
 
@@ -172,7 +191,6 @@ class Waiting:
         """The driver's log stream: the autoscaler's events (its monitor's, published by Ray's log monitor)."""
         if data.get("pid") != "autoscaler":
             return
-        from ray._private.worker import filter_autoscaler_events
 
         for message in filter_autoscaler_events(data.get("lines", [])):
             self.event(message)
@@ -183,10 +201,14 @@ class Waiting:
         for request in infeasible_requests(message):
             if self.failure is None and is_ours(request, self.wanted):
                 note(f"autoscaler: {message}")  # its own words, in the log
-                types = node_types_seen(self._status or read_status() or {}, self.launched)  # (a report before the first poll)
-                self.failure = (f"{self.stage}: the autoscaler reports that no node type can hold {fmt(request)} "
-                                f"(node types it runs or launched: {', '.join(types) or 'none'}); change {self.keys}, "
-                                "or add a node type that has it to the cluster")
+                types = node_types_seen(
+                    self._status or read_status() or {}, self.launched
+                )  # (a report before the first poll)
+                self.failure = (
+                    f"{self.stage}: the autoscaler reports that no node type can hold {fmt(request)} "
+                    f"(node types it runs or launched: {', '.join(types) or 'none'}); change {self.keys}, "
+                    "or add a node type that has it to the cluster"
+                )
 
     def check(self) -> None:
         """Fail the stage (raise Unservable) once the autoscaler has reported one of its demands infeasible."""
@@ -195,7 +217,6 @@ class Waiting:
 
     def get(self, ref):
         """`ray.get(ref)`, checked every `poll` seconds while it waits."""
-        import ray
 
         while not ray.wait([ref], timeout=self.poll)[0]:
             self.check()

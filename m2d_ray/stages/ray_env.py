@@ -7,10 +7,13 @@ import re
 from pathlib import Path
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from m2d_ray import console
 from m2d_ray.config import RayConfig
+from m2d_ray.plan.devices import NodeType, from_cluster_yaml
 
+# Imported inside functions: what may be missing (optional packages, Ray's internal API), where its absence is handled.
 
 _CONNECTED: bool | None = None  # whether ensure_ray joined an existing cluster (None: Ray was up already)
 
@@ -41,23 +44,28 @@ def ensure_ray(cfg: RayConfig) -> None:
         _CONNECTED = True
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=logs)  # never a cluster found in /tmp/ray
+    ray.init(
+        address="local", num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=logs
+    )  # never a cluster found in /tmp/ray
     _CONNECTED = False
 
 
 def on_driver_node() -> dict:
     """Ray options that place an actor on the driver's node: it lives as long as the run's driver, not as
     long as a worker node that the autoscaler removes when idle or a spot market reclaims."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)}
 
 
 # a unit's failure because its node went away (Ray's own words, from its exceptions and its core's messages)
-_NODE_LOST = re.compile(r"ActorDiedError|ActorUnavailableError|NodeDiedError|WorkerCrashedError|OwnerDiedError|its node has died|"
-                        r"node it was running on is dead|node was terminated|is unavailable|worker died unexpectedly")
+_NODE_LOST = re.compile(
+    r"ActorDiedError|ActorUnavailableError|NodeDiedError|WorkerCrashedError|OwnerDiedError|its node has died|"
+    r"node it was running on is dead|node was terminated|is unavailable|worker died unexpectedly"
+)
 _ADDRESS = re.compile(r"Node IP: ([^\s,]+)|\bip: (\S+)|node_ip(?:_address)?[=:] ?'?([\w.:-]+)|Node Id: ([0-9a-f]{12})")
-_BLIND = re.compile(r"node [^\s{]+ cannot see the run's storage [^\n]*")  # RunStorage.ensure_visible's line (not its source, quoted in a traceback)
+_BLIND = re.compile(
+    r"node [^\s{]+ cannot see the run's storage [^\n]*"
+)  # RunStorage.ensure_visible's line (not its source, quoted in a traceback)
 
 
 def failure(text: str, stage: str, retried: int, retries: int, address: str | None = None) -> str:
@@ -72,7 +80,8 @@ def failure(text: str, stage: str, retried: int, retries: int, address: str | No
         address = next((g for g in m.groups() if g), None) if m else address
         console.note(f"{stage}: Ray's error for a lost node:\n{text.strip()}")
         where = f" (Ray's error: {console.log_path()})" if console.log_path() else ""
-        return f"node {address or '(address not reported)'} lost during {stage} (spot reclaim or crash); retried {retried} of {retries} times{where}"
+        node = address or "(address not reported)"
+        return f"node {node} lost during {stage} (spot reclaim or crash); retried {retried} of {retries} times{where}"
     lines = [ln for ln in text.splitlines() if ln.strip()]
     return lines[-1][:500] if lines else "failed"
 
@@ -83,14 +92,15 @@ def trial_error(trial, stage: str, retries: int) -> str:
     local = trial.error_file
     err = Path(local).read_text() if local and Path(local).exists() else trial.get_error()
     last = trial.last_result or {}  # Tune's results carry the node each came from
-    return failure(str(err or "trial raised"), stage, max(0, min(trial.num_failures - 1, retries)), retries, last.get("node_ip"))
+    return failure(
+        str(err or "trial raised"), stage, max(0, min(trial.num_failures - 1, retries)), retries, last.get("node_ip")
+    )
 
 
 def node_types() -> tuple[list | None, str]:
     """(node types, where from) of the Ray this process is connected to: the autoscaler's node types when
     there is one (reported to the GCS, or the cluster launcher's config on the head), else the live nodes;
     None when an autoscaler runs whose node types are not known here (then the live nodes say nothing)."""
-    from m2d_ray.plan.devices import NodeType, from_cluster_yaml
 
     try:
         from ray._private.state import state  # internal API: pinned ray==2.60.0
@@ -99,15 +109,23 @@ def node_types() -> tuple[list | None, str]:
     except Exception:
         reported = None
     if reported is not None and reported.node_group_configs:
-        return [NodeType(g.name, dict(g.resources), g.max_count if g.max_count > 0 else None)
-                for g in reported.node_group_configs if g.max_count != 0], "the autoscaler's node types"
+        return [
+            NodeType(g.name, dict(g.resources), g.max_count if g.max_count > 0 else None)
+            for g in reported.node_group_configs
+            if g.max_count != 0
+        ], "the autoscaler's node types"
     boot = Path.home() / "ray_bootstrap_config.yaml"  # what `ray up` gives the head's autoscaler
     if on_cluster() and boot.is_file():
         return from_cluster_yaml(boot), f"the autoscaler's node types ({boot})"
     if on_cluster() and _autoscaler_running():  # (a local instance's monitor reports a status too, but adds no node)
-        return None, "an autoscaler whose node types are unknown here (give --cluster CLUSTER_YAML to check against them)"
+        return (
+            None,
+            "an autoscaler whose node types are unknown here (give --cluster CLUSTER_YAML to check against them)",
+        )
     live = [n for n in ray.nodes() if n.get("Alive")]
-    return [NodeType(n.get("NodeManagerAddress") or n["NodeID"][:8], dict(n.get("Resources") or {})) for n in live], "the live nodes"
+    return [
+        NodeType(n.get("NodeManagerAddress") or n["NodeID"][:8], dict(n.get("Resources") or {})) for n in live
+    ], "the live nodes"
 
 
 def _autoscaler_running() -> bool:

@@ -6,8 +6,8 @@ one Tune runner, whose own failure (not a trial's) keeps what the ledgers hold.
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from m2d_ray.errors import M2DError, RunFailed
 from m2d_ray.run_dir import Ledger
@@ -48,7 +48,9 @@ class StageRecorder:
     def log(self, r: dict) -> None:
         f = self.fields(r)
         run = self.tracker.trial_run(self.parent, self.prefix + r["key"], f.params)
-        self.tracker.log(run, metrics=f.metrics, tags={"status": r["status"], "error": r.get("error"), **f.tags}, steps=f.steps)
+        self.tracker.log(
+            run, metrics=f.metrics, tags={"status": r["status"], "error": r.get("error"), **f.tags}, steps=f.steps
+        )
         self.tracker.finish(run, RUN_STATUS[r["status"]])
         self.tracker.log(run, tags={LOGGED_TAG: "1"})
 
@@ -68,4 +70,6 @@ def fit_tuner(tuner, resume: str) -> None:
         raise
     except Exception as exc:
         traceback.print_exc()
-        raise RunFailed(f"Ray Tune stopped ({type(exc).__name__}); finished results are saved: resume with {resume}") from None
+        raise RunFailed(
+            f"Ray Tune stopped ({type(exc).__name__}); finished results are saved: resume with {resume}"
+        ) from None

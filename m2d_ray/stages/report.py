@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
+from m2d_ray.config import load_config
 from m2d_ray.report.analysis import RunData, load_run, outcome, outcome_line
 from m2d_ray.report.page import render, write_page
 from m2d_ray.report.run import cost_table, memory_table
@@ -16,30 +17,38 @@ from m2d_ray.run_dir import RunDir
 from m2d_ray.stages import baselines
 from m2d_ray.stages.baselines import BASELINES
 from m2d_ray.stages.contract import Section, Stage
+from m2d_ray.track import NOTE_TAG, run_description
 
 
 class Report(Stage):
     name = "report"
 
     def run(self, ctx) -> dict:
-        from m2d_ray.track import NOTE_TAG, run_description
 
         index = write(ctx.rd, ctx.stages)
         parent, tracker = ctx.parent(), ctx.tracker
-        description = run_description(ctx.cfg.name, ctx.rd, ctx.rd.read_promotions()["teacher"], len(ctx.rd.stage1_ledger().records()))
+        description = run_description(
+            ctx.cfg.name, ctx.rd, ctx.rd.read_promotions()["teacher"], len(ctx.rd.stage1_ledger().records())
+        )
         tracker.log(parent, tags={NOTE_TAG: description})  # a run of an older m2d gets it too
         tracker.client.log_artifacts(parent, str(index.parent), artifact_path="report")
         tracker.finish(parent)
-        return {"report": str(index), "mlflow_url": tracker.ui_url(), "files": sorted(p.name for p in index.parent.iterdir() if not p.name.startswith("."))}
+        return {
+            "report": str(index),
+            "mlflow_url": tracker.ui_url(),
+            "files": sorted(p.name for p in index.parent.iterdir() if not p.name.startswith(".")),
+        }
 
     def sections(self, data: RunData) -> list[Section]:
-        tables = [("Memory: planned against measured", memory_table(data)), ("Time and money: estimated against measured", cost_table(data))]
+        tables = [
+            ("Memory: planned against measured", memory_table(data)),
+            ("Time and money: estimated against measured", cost_table(data)),
+        ]
         return [Section(title, render([t])) for title, t in tables if t.rows]  # with a plan (m2d run) only
 
 
 def run_data(rd: RunDir) -> RunData:
     """The run's records, with what its baselines bring (their own teachers' rows, the matched table's order)."""
-    from m2d_ray.config import load_config
 
     rd.read_promotions()  # a run with no finished stage 1 has nothing to report: its error says so
     cfg = load_config(rd.config)
@@ -52,8 +61,12 @@ def write(rd: RunDir, stages) -> Path:
     data = run_data(rd)
     p, cfg = data.promotions, data.cfg
     timing = " · ".join(f"{k} {v['wall_s']:.0f} s" for k, v in data.timings.items() if "wall_s" in v)
-    meta = (f"teacher <code>{html.escape(str(p['teacher']))}</code> · k = {p['k']}, E = {p['E']} · config <code>{html.escape(cfg.name)}</code> · "
-            f"{len(data.stage1)} stage-1 configs · {html.escape(outcome_line(outcome(data)))}" + (f" · {timing}" if timing else ""))
+    meta = (
+        f"teacher <code>{html.escape(str(p['teacher']))}</code> · k = {p['k']}, E = {p['E']} · config "
+        f"<code>{html.escape(cfg.name)}</code> · "
+        f"{len(data.stage1)} stage-1 configs · {html.escape(outcome_line(outcome(data)))}"
+        + (f" · {timing}" if timing else "")
+    )
     return write_page(rd.report, cfg.name, meta, [s for stage in stages for s in stage.sections(data)])
 
 

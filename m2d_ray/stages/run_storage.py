@@ -27,6 +27,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
+import shutil
+import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,12 +37,17 @@ from pathlib import Path
 import ray
 
 from m2d_ray import storage
-from m2d_ray.artifacts import sha256_file
+from m2d_ray.artifacts import sha256_file, write_marker
 from m2d_ray.console import say
+from m2d_ray.data import source
 from m2d_ray.errors import M2DError
+from m2d_ray.models import is_embedded
 from m2d_ray.stages.ray_env import on_cluster
 
+# Imported inside functions: what may be missing (optional packages, Ray's internal API), where its absence is handled.
+
 MARK = ".m2d-storage"  # written by the driver (RunStorage.mark), looked for by each node (ensure_visible)
+
 
 @dataclass(frozen=True)
 class RunStorage:
@@ -93,8 +101,11 @@ class RunStorage:
         except Exception as exc:  # unreachable endpoint, no bucket, no permission, a file in the way ...
             with contextlib.suppress(Exception):
                 storage.delete(probe)
-            raise M2DError(f"storage {self.root} cannot be written and read back ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); "
-                           "give --storage a writable path every node mounts, or an s3:// / gs:// URI with credentials") from None
+            raise M2DError(
+                f"storage {self.root} cannot be written and read back ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:160]}); "
+                "give --storage a writable path every node mounts, or an s3:// / gs:// URI with credentials"
+            ) from None
         if not ok:
             raise M2DError(f"storage {self.root} does not read back what was written; give another --storage")
 
@@ -117,8 +128,11 @@ class RunStorage:
             return
         if not storage.exists(self._mark()):
             address = _node_address()
-            raise M2DError(f"node {address} cannot see the run's storage {self.root} (Ray node {node[:12]}); give --storage a path "
-                           "every node mounts (NFS/EFS) or an s3:// / gs:// URI")
+            raise M2DError(
+                f"node {address} cannot see the run's storage {self.root} (Ray node {node[:12]}); give --storage a "
+                "path "
+                "every node mounts (NFS/EFS) or an s3:// / gs:// URI"
+            )
         cached.parent.mkdir(parents=True, exist_ok=True)
         cached.touch()
 
@@ -130,7 +144,6 @@ class RunStorage:
         """How workers reach a model (a teacher, or a student given by directory): a hub name, a storage URL
         or an embedded teacher as they are; a directory on the driver's disk as is on a one-machine Ray,
         else copied into the storage once (STORAGE/KIND/NAME-DIGEST)."""
-        from m2d_ray.models import is_embedded
 
         path = Path(model).expanduser()
         if storage.is_remote(model) or not path.exists() or is_embedded(model) or not on_cluster():
@@ -138,18 +151,23 @@ class RunStorage:
         if self._holds(path):
             return model  # already inside the (shared) storage
         files = sorted(p for p in path.rglob("*") if p.is_file())
-        digest = hashlib.sha256(json.dumps([(str(p.relative_to(path)), p.stat().st_size) for p in files]).encode()).hexdigest()[:12]
+        digest = hashlib.sha256(
+            json.dumps([(str(p.relative_to(path)), p.stat().st_size) for p in files]).encode()
+        ).hexdigest()[:12]
         target = storage.join(self.root, kind, f"{path.name}-{digest}")
         if not storage.exists(target):
             size = sum(p.stat().st_size for p in files)
-            say(f"{kind}: copying {path} ({size / 1e6:,.1f} MB) into the run's storage once, so that every node reads it")
-            from m2d_ray.artifacts import write_marker
+            say(
+                f"{kind}: copying {path} ({size / 1e6:,.1f} MB) into the run's storage once, so that every node reads "
+                "it"
+            )
 
             def build(dest: Path) -> None:
-                import shutil
 
                 shutil.copytree(path, dest, dirs_exist_ok=True)
-                write_marker(dest, "teacher" if kind == "teacher" else "student")  # last: the copy is complete or absent
+                write_marker(
+                    dest, "teacher" if kind == "teacher" else "student"
+                )  # last: the copy is complete or absent
 
             storage.save_dir(target, build)
         return target
@@ -158,7 +176,6 @@ class RunStorage:
         """A data spec as workers read it (data/source.py): a corpus on the driver's disk (a file, a directory,
         a glob) is put in the storage once, named by its content's sha256 (the same text is stored once), and
         given by its storage URL (with its #column); dataset names and storage URLs (s3://) are kept: read in place."""
-        from m2d_ray.data import source
 
         if spec is None:
             return None
@@ -174,19 +191,21 @@ class RunStorage:
             if not storage.exists(target):
                 storage.put_file(found[0], target)
             return target + suffix
-        import os
 
         base = Path(os.path.commonpath([str(p.parent) for p in found]))
         names = [p.relative_to(base).as_posix() for p in found]
-        target = self._data(hashlib.sha256(json.dumps([[n, sha256_file(p)] for n, p in zip(names, found)]).encode()).hexdigest()[:16], "corpus")
+        target = self._data(
+            hashlib.sha256(json.dumps([[n, sha256_file(p)] for n, p in zip(names, found)]).encode()).hexdigest()[:16],
+            "corpus",
+        )
         if not storage.exists(target):
             size = sum(p.stat().st_size for p in found)
-            say(f"data: copying {len(found)} files of {spec} ({size / 1e6:,.1f} MB) into the run's storage once, so that every node reads them")
+            say(
+                f"data: copying {len(found)} files of {spec} ({size / 1e6:,.1f} MB) into the run's storage once, so "
+                "that every node reads them"
+            )
 
             def build(dest: Path) -> None:
-                import shutil
-
-                from m2d_ray.artifacts import write_marker
 
                 for n, p in zip(names, found):
                     (dest / n).parent.mkdir(parents=True, exist_ok=True)
@@ -207,7 +226,9 @@ class RunStorage:
 def _node_address() -> str:
     """This node's address as Ray knows it (its --node-ip-address), else this machine's."""
     try:
-        from ray._private.worker import global_worker  # internal API: pinned ray==2.60.0
+        from ray._private.worker import (
+            global_worker,  # internal API: pinned ray==2.60.0
+        )
 
         return global_worker.node_ip_address
     except Exception:
@@ -216,6 +237,5 @@ def _node_address() -> str:
 
 def _node_cache() -> Path:
     """This node's own record of the storages it has seen (its temp directory, keyed by Ray node id)."""
-    import tempfile
 
     return Path(tempfile.gettempdir()) / "m2d-storage-seen"

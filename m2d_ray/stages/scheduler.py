@@ -16,7 +16,9 @@ from collections import defaultdict
 from ray.tune.schedulers import FIFOScheduler, TrialScheduler
 
 
-def hopeless(ppl: float, chunk: int, pairs: list[str], best: dict[str, dict[int, float]], factor: float, grace: int) -> bool:
+def hopeless(
+    ppl: float, chunk: int, pairs: list[str], best: dict[str, dict[int, float]], factor: float, grace: int
+) -> bool:
     """The stopping rule (pure, for tests): far worse than each pair's best at the same chunk."""
     if not math.isfinite(ppl):
         return True

@@ -13,14 +13,36 @@ import json
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import ray
+import ray.data
+import torch
 
 from m2d_ray import storage
 from m2d_ray.accelerators import pin
+from m2d_ray.arch.dense import dense_types
+from m2d_ray.artifacts import MARKER, atomic_dir, write_marker
+from m2d_ray.calibrate.stream import final_hidden_streamed, should_stream
 from m2d_ray.console import say
-from m2d_ray.distill.config import DistillConfig
+from m2d_ray.data import source
+from m2d_ray.data.ray_tokens import actors_for, token_blocks
+from m2d_ray.distill.config import DistillConfig, train_dtype
+from m2d_ray.distill.targets import (
+    MANIFEST,
+    ShardEntry,
+    TargetsManifest,
+    blocks_per_shard,
+    bytes_per_token,
+    fingerprint,
+    state_bytes,
+    teacher_targets,
+    write_shard,
+)
+from m2d_ray.distill.tokens import TokenShards, manifest_sha256, rank_batches, tokenizer_fingerprint, write_tokens
 from m2d_ray.errors import M2DError, RunFailed
+from m2d_ray.models import load_config, load_distill_teacher
 from m2d_ray.stages.run_storage import RunStorage
+from m2d_ray.weights import open_teacher
 
 
 def _whole_stage(fn, what: str):
@@ -32,24 +54,30 @@ def _whole_stage(fn, what: str):
         raise
     except Exception as exc:
         cause = getattr(exc, "cause", None) or exc
-        raise RunFailed(f"{what} failed on a Ray worker ({type(cause).__name__}: {str(cause).strip().splitlines()[-1][:200]}); "
-                        "fix it and resume the run") from None
+        raise RunFailed(
+            f"{what} failed on a Ray worker ({type(cause).__name__}: {str(cause).strip().splitlines()[-1][:200]}); "
+            "fix it and resume the run"
+        ) from None
 
 
-def tokens(store: RunStorage, teacher: str, tokenizer, cfg: DistillConfig, eval_data: str, actors: int | None = None) -> str:
+def tokens(
+    store: RunStorage, teacher: str, tokenizer, cfg: DistillConfig, eval_data: str, actors: int | None = None
+) -> str:
     """The run's token directory (storage URL) for `cfg`'s stream and validation text, made once: Ray Data
     reads the corpus where the workers reach it and `actors` (default: one per 64 MiB of corpus, at most the
     cluster's CPUs; 0 below 64 MiB: the driver) tokenise it with `teacher`'s tokenizer (`tokenizer`: the same,
     on the driver). `teacher`,
     `cfg.train_data` and `eval_data` are as the workers reach them (RunStorage.put_*). Tokens of a corpus
     that changed since (files, sizes, mtimes) are refused, naming the change."""
-    from m2d_ray.artifacts import atomic_dir
-    from m2d_ray.data import source
-    from m2d_ray.data.ray_tokens import actors_for, token_blocks
-    from m2d_ray.distill.tokens import TokenShards, tokenizer_fingerprint, write_tokens
 
-    key = {"tokenizer": tokenizer_fingerprint(tokenizer), "source": cfg.train_data, "seq_len": cfg.seq_len, "blocks": cfg.blocks,
-           "valid": eval_data, "valid_max_tokens": cfg.eval_max_tokens}
+    key = {
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "source": cfg.train_data,
+        "seq_len": cfg.seq_len,
+        "blocks": cfg.blocks,
+        "valid": eval_data,
+        "valid_max_tokens": cfg.eval_max_tokens,
+    }
     if cfg.epochs != 1:
         key["epochs"] = cfg.epochs
     url = store.tokens(hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16])
@@ -58,17 +86,30 @@ def tokens(store: RunStorage, teacher: str, tokenizer, cfg: DistillConfig, eval_
         made = TokenShards(storage.fetch_dir(url)).manifest.get("corpus")
         changed = source.changes(made, corpus) if made else None
         if changed:
-            raise M2DError(f"training data {cfg.train_data} changed since its tokens in {url} were made ({changed}); "
-                           "restore it, or start a new run on another storage")
+            raise M2DError(
+                f"training data {cfg.train_data} changed since its tokens in {url} were made ({changed}); "
+                "restore it, or start a new run on another storage"
+            )
         return url
     n = actors_for(cfg.train_data, int(ray.cluster_resources().get("CPU", 1))) if actors is None else actors
-    say(f"tokenising {key['blocks']:,} blocks of {cfg.seq_len} tokens of {cfg.train_data} once, for every student "
-        f"({f'{n} Ray Data actors' if n else 'a small corpus: here'})")
+    say(
+        f"tokenising {key['blocks']:,} blocks of {cfg.seq_len} tokens of {cfg.train_data} once, for every student "
+        f"({f'{n} Ray Data actors' if n else 'a small corpus: here'})"
+    )
 
     def build(dest: Path) -> None:  # built aside and renamed in, its marker last: complete or absent
         with atomic_dir(dest, "tokens", overwrite=True, what="token directory") as tmp:
-            write_tokens(tmp, tokenizer, cfg.train_data, cfg.seq_len, key["blocks"], eval_data, cfg.eval_max_tokens, corpus=corpus,
-                         stream=token_blocks(cfg.train_data, teacher, cfg.seq_len, key["blocks"], n, cfg.epochs, tokenizer))
+            write_tokens(
+                tmp,
+                tokenizer,
+                cfg.train_data,
+                cfg.seq_len,
+                key["blocks"],
+                eval_data,
+                cfg.eval_max_tokens,
+                corpus=corpus,
+                stream=token_blocks(cfg.train_data, teacher, cfg.seq_len, key["blocks"], n, cfg.epochs, tokenizer),
+            )
 
     _whole_stage(lambda: storage.save_dir(url, build), "tokenising the distillation data")
     return url
@@ -82,25 +123,33 @@ class TargetsActor:
     streamed calibration) over ranges of token blocks, writing one target shard per range to the storage
     (`hidden`: the final hidden states themselves, in the dtype the teacher runs in)."""
 
-    def __init__(self, teacher: str, tokens_url: str, targets_url: str, spec, teacher_topk: int | None, device: str, threads: int,
-                 batch_size: int, stream: bool | None, max_memory: str | None, store: RunStorage | None = None, dtype: str = "auto") -> None:
-        import torch
+    def __init__(
+        self,
+        teacher: str,
+        tokens_url: str,
+        targets_url: str,
+        spec,
+        teacher_topk: int | None,
+        device: str,
+        threads: int,
+        batch_size: int,
+        stream: bool | None,
+        max_memory: str | None,
+        store: RunStorage | None = None,
+        dtype: str = "auto",
+    ) -> None:
 
         if store is not None:
             store.ensure_visible()
-        from m2d_ray.distill.tokens import TokenShards
 
         torch.set_num_threads(threads)
         self.tokens = TokenShards(storage.fetch_dir(tokens_url))
         self.url, self.spec = targets_url, spec
-        self.hidden, self.head = _teacher_forward(teacher, teacher_topk, device, batch_size, stream, max_memory, head=not spec.exact, dtype=dtype)
+        self.hidden, self.head = _teacher_forward(
+            teacher, teacher_topk, device, batch_size, stream, max_memory, head=not spec.exact, dtype=dtype
+        )
 
     def __call__(self, batch: dict) -> dict:
-        import numpy as np
-        import torch
-
-        from m2d_ray.distill.targets import teacher_targets, write_shard
-        from m2d_ray.distill.tokens import rank_batches
 
         entries = []
         shards = [_entry(e) for e in self.tokens.manifest["shards"]]
@@ -108,7 +157,9 @@ class TargetsActor:
             ids = next(rank_batches(shards, lambda e: {"ids": self.tokens.rows(e)}, n, start_block=first))["ids"]
             parts, done = [], 0
             for h in self.hidden(ids):  # a batch of blocks at a time, in order
-                parts.append({k: v.cpu() for k, v in teacher_targets(h, self.head, self.spec, first_block=first + done).items()})
+                parts.append(
+                    {k: v.cpu() for k, v in teacher_targets(h, self.head, self.spec, first_block=first + done).items()}
+                )
                 done += h.shape[0]
             targets = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
             with tempfile.TemporaryDirectory(prefix="m2d-targets-") as tmp:
@@ -116,31 +167,33 @@ class TargetsActor:
                 entry = write_shard(local, first, targets)
                 if local == tmp:
                     storage.put_file(Path(tmp) / entry.file, storage.join(self.url, entry.file))
-            storage.write_bytes(storage.join(self.url, f"{entry.file}.entry.json"), json.dumps(vars(entry)).encode())  # after the shard
+            storage.write_bytes(
+                storage.join(self.url, f"{entry.file}.entry.json"), json.dumps(vars(entry)).encode()
+            )  # after the shard
             entries.append(json.dumps(vars(entry)))
         return {"entry": np.array(entries, dtype=object)}
 
 
 def _entry(d: dict):
-    from m2d_ray.distill.targets import ShardEntry
 
     return ShardEntry(**d)
 
 
-def _teacher_forward(name: str, teacher_topk: int | None, device: str, batch_size: int, stream: bool | None, max_memory: str | None,
-                     head: bool = True, dtype: str = "auto"):
+def _teacher_forward(
+    name: str,
+    teacher_topk: int | None,
+    device: str,
+    batch_size: int,
+    stream: bool | None,
+    max_memory: str | None,
+    head: bool = True,
+    dtype: str = "auto",
+):
     """(ids [n, L] -> the final hidden states of `batch_size` blocks at a time on `device`, in order; the output
     projection [V, d], or None when not `head`) of a teacher: an MoE teacher that does not fit its budget is
     streamed one decoder layer at a time over all n blocks (calibrate/stream.py), any other is loaded whole;
     the head is read only when the targets need logits (a streamed teacher's is not read for hidden states). A whole
     teacher runs in distill.dtype (`dtype`), as the students' online teacher does."""
-    import torch
-
-    from m2d_ray.arch.dense import dense_types
-    from m2d_ray.calibrate.stream import final_hidden_streamed, should_stream
-    from m2d_ray.distill.config import train_dtype
-    from m2d_ray.models import load_config, load_distill_teacher
-    from m2d_ray.weights import open_teacher
 
     if load_config(name).model_type not in dense_types():
         lazy = open_teacher(name, device=device)
@@ -172,41 +225,62 @@ def targets(store: RunStorage, teacher: str, tokens_url: str, spec, cfg: Distill
     teacher (`calib` gives its device budget and batch; `ray_cfg` the actors); a killed pass resumes at the
     first shard it had not written. Targets of another teacher, tokenizer, tokens, k' or temperature
     live in another directory (the digest of their fingerprint) and are never mixed."""
-    import ray.data
-
-    from m2d_ray.distill.targets import TargetsManifest, blocks_per_shard, bytes_per_token, fingerprint, state_bytes
-    from m2d_ray.distill.tokens import TokenShards, manifest_sha256
-    from m2d_ray.models import load_config
 
     tok_manifest = TokenShards(storage.fetch_dir(tokens_url)).manifest
-    fp = fingerprint(spec, teacher, tok_manifest["tokenizer"], manifest_sha256(tok_manifest), cfg.teacher_topk, spec.temperature)
-    url = store.targets(hashlib.sha256(json.dumps({**fp, "spec": str(spec), "seed": spec.seed}, sort_keys=True).encode()).hexdigest()[:16])
+    fp = fingerprint(
+        spec, teacher, tok_manifest["tokenizer"], manifest_sha256(tok_manifest), cfg.teacher_topk, spec.temperature
+    )
+    url = store.targets(
+        hashlib.sha256(json.dumps({**fp, "spec": str(spec), "seed": spec.seed}, sort_keys=True).encode()).hexdigest()[
+            :16
+        ]
+    )
     if storage.exists(url):
         TargetsManifest.load(storage.fetch_dir(url), where=url).check_matches(fp, spec)
         return url
     gpus = ray_cfg.data_gpus_per_actor
     per_token = bytes_per_token(spec, state_bytes(load_config(teacher).hidden_size, gpus > 0))
     per = blocks_per_shard(tok_manifest["seq_len"], per_token)
-    done = [json.loads(storage.read_bytes(storage.join(url, n))) for n in storage.list_names(url) if n.endswith(".entry.json")]
+    done = [
+        json.loads(storage.read_bytes(storage.join(url, n)))
+        for n in storage.list_names(url)
+        if n.endswith(".entry.json")
+    ]
     have = {e["first_block"]: e for e in done}  # shards a killed pass wrote (each entry file follows its shard)
     ranges = [(f, min(per, tok_manifest["blocks"] - f)) for f in range(0, tok_manifest["blocks"], per)]
     todo = [(f, n) for f, n in ranges if f not in have]
-    say(f"teacher targets {spec} over {tok_manifest['blocks']:,} blocks ({len(todo)} of {len(ranges)} shards to compute, "
-        f"{per_token:,} B/token)")
+    say(
+        f"teacher targets {spec} over {tok_manifest['blocks']:,} blocks ({len(todo)} of {len(ranges)} shards to "
+        "compute, "
+        f"{per_token:,} B/token)"
+    )
     if todo:
         ds = ray.data.from_items([{"first_block": f, "blocks": n} for f, n in todo])
         out = ds.map_batches(
-            TargetsActor, batch_size=1, compute=ray.data.ActorPoolStrategy(size=max(1, min(ray_cfg.data_actors, len(todo)))),
-            num_gpus=gpus, num_cpus=1, **({"resources": pin(ray_cfg.data_accelerator)} if gpus > 0 and ray_cfg.data_accelerator else {}),
-            fn_constructor_kwargs={"teacher": teacher, "tokens_url": tokens_url, "targets_url": url, "spec": spec,
-                                   "teacher_topk": cfg.teacher_topk, "device": "cuda" if gpus > 0 else "cpu",
-                                   "threads": ray_cfg.threads_per_worker, "batch_size": calib.batch_size, "stream": calib.stream,
-                                   "max_memory": calib.max_memory, "store": store, "dtype": cfg.dtype})
+            TargetsActor,
+            batch_size=1,
+            compute=ray.data.ActorPoolStrategy(size=max(1, min(ray_cfg.data_actors, len(todo)))),
+            num_gpus=gpus,
+            num_cpus=1,
+            **({"resources": pin(ray_cfg.data_accelerator)} if gpus > 0 and ray_cfg.data_accelerator else {}),
+            fn_constructor_kwargs={
+                "teacher": teacher,
+                "tokens_url": tokens_url,
+                "targets_url": url,
+                "spec": spec,
+                "teacher_topk": cfg.teacher_topk,
+                "device": "cuda" if gpus > 0 else "cpu",
+                "threads": ray_cfg.threads_per_worker,
+                "batch_size": calib.batch_size,
+                "stream": calib.stream,
+                "max_memory": calib.max_memory,
+                "store": store,
+                "dtype": cfg.dtype,
+            },
+        )
         for row in _whole_stage(lambda: list(out.iter_rows()), f"the teacher's {spec} targets pass"):
             e = json.loads(row["entry"])
             have[e["first_block"]] = e
-    from m2d_ray.artifacts import MARKER, write_marker
-    from m2d_ray.distill.targets import MANIFEST
 
     manifest = TargetsManifest(spec, fp, tok_manifest["seq_len"], tuple(_entry(have[f]) for f, _ in ranges), where=url)
     with tempfile.TemporaryDirectory(prefix="m2d-targets-") as tmp:
@@ -217,20 +291,27 @@ def targets(store: RunStorage, teacher: str, tokens_url: str, spec, cfg: Distill
     return url
 
 
-def targets_here(teacher: str, tokens_dir: str, out: str, spec, teacher_topk: int | None = None, batch_size: int = 8,
-                 ranges: list[tuple[int, int]] | None = None, stream: bool | None = None, dtype: str = "auto") -> None:
+def targets_here(
+    teacher: str,
+    tokens_dir: str,
+    out: str,
+    spec,
+    teacher_topk: int | None = None,
+    batch_size: int = 8,
+    ranges: list[tuple[int, int]] | None = None,
+    stream: bool | None = None,
+    dtype: str = "auto",
+) -> None:
     """The targets pass in this process on CPU (one `TargetsActor`, no Ray) over `ranges` of (first block,
     blocks) (default: all blocks at once), the teacher in distill.dtype `dtype`, with the manifest a run writes:
     for tests and benchmarks."""
-    import numpy as np
-
-    from m2d_ray.distill.targets import ShardEntry, TargetsManifest, fingerprint
-    from m2d_ray.distill.tokens import TokenShards, manifest_sha256
 
     tok_manifest = TokenShards(Path(tokens_dir)).manifest
     ranges = ranges or [(0, tok_manifest["blocks"])]
     actor = TargetsActor(teacher, tokens_dir, out, spec, teacher_topk, "cpu", 1, batch_size, stream, None, dtype=dtype)
     rows = actor({"first_block": np.array([f for f, _ in ranges]), "blocks": np.array([n for _, n in ranges])})
-    fp = fingerprint(spec, teacher, tok_manifest["tokenizer"], manifest_sha256(tok_manifest), teacher_topk, spec.temperature)
+    fp = fingerprint(
+        spec, teacher, tok_manifest["tokenizer"], manifest_sha256(tok_manifest), teacher_topk, spec.temperature
+    )
     shards = tuple(ShardEntry(**json.loads(e)) for e in rows["entry"])
     TargetsManifest(spec, fp, tok_manifest["seq_len"], shards).save(out)

@@ -19,17 +19,32 @@ import html
 from functools import partial
 from pathlib import Path
 
+from m2d_ray.data.text import check_spec
 from m2d_ray.errors import RunFailed
+from m2d_ray.models import check_teacher, load_config
 from m2d_ray.plan import memory
-from m2d_ray.plan.cost import distinct_students, eval_tokens, forward_flops, stage1_chunks
+from m2d_ray.plan.cost import (
+    distinct_students,
+    eval_tokens,
+    forward_flops,
+    stage1_chunks,
+)
 from m2d_ray.plan.devices import bundle
 from m2d_ray.plan.run_plan import unit
 from m2d_ray.report.page import md_table_html, render
-from m2d_ray.report.run import erank_figure, erank_tables, figure, overlap_figure, overlap_table
+from m2d_ray.report.run import (
+    erank_figure,
+    erank_tables,
+    figure,
+    overlap_figure,
+    overlap_table,
+)
 from m2d_ray.report.stage1 import heatmap, write_tables
 from m2d_ray.run_dir import STAGE1_HEATMAP, STAGE1_MD
 from m2d_ray.stages.contract import Section, Stage
 from m2d_ray.stages.grid import expand
+
+# Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
 
 
 class Stage1(Stage):
@@ -40,8 +55,6 @@ class Stage1(Stage):
         return {"eval.data": cfg.eval.data}
 
     def check(self, cfg, teacher: str) -> None:
-        from m2d_ray.data.text import check_spec
-        from m2d_ray.models import check_teacher, load_config
 
         adapter, config = check_teacher(teacher), load_config(teacher)
         expand(cfg.grid, adapter.top_k(config), adapter.num_experts(config))  # K within [k, E]
@@ -53,18 +66,32 @@ class Stage1(Stage):
 
     def needs(self, p):
         r, e, s = p.cfg.ray, p.cfg.eval, p.models.student
-        return [unit(self.name, "trial", memory.trial(s, e.batch_size, e.seq_len, s.dtype_bytes), r.gpus_per_trial, r.max_concurrent_trials,
-                     self.request(p.cfg), p.devices, "a larger ray.gpus_per_trial, a smaller eval.batch_size or a larger GPU", self.keys)]
+        return [
+            unit(
+                self.name,
+                "trial",
+                memory.trial(s, e.batch_size, e.seq_len, s.dtype_bytes),
+                r.gpus_per_trial,
+                r.max_concurrent_trials,
+                self.request(p.cfg),
+                p.devices,
+                "a larger ray.gpus_per_trial, a smaller eval.batch_size or a larger GPU",
+                self.keys,
+            )
+        ]
 
     def cost(self, c):
         """Each distinct student's probe chunk, then the survivors' remaining chunks, over the perplexity tokens."""
         cfg, r = c.p.cfg, c.p.cfg.ray
         _, distinct = distinct_students(cfg, c.p.models.teacher)
         trials, chunks = stage1_chunks(cfg, distinct)
-        per_trial = chunks / trials * eval_tokens(cfg) / cfg.eval.chunks * forward_flops(c.p.models.student, cfg.eval.seq_len)
+        per_trial = (
+            chunks / trials * eval_tokens(cfg) / cfg.eval.chunks * forward_flops(c.p.models.student, cfg.eval.seq_len)
+        )
         where = c.place(self.name, r.gpus_per_trial, r.threads_per_worker, r.max_concurrent_trials, r.trial_accelerator)
-        return [c.stage(self.name, [per_trial] * trials, where, cfg.plan.trial_s,
-                        rounds=2 if trials > distinct else 1)]  # the probe round is a Tune experiment of its own
+        return [
+            c.stage(self.name, [per_trial] * trials, where, cfg.plan.trial_s, rounds=2 if trials > distinct else 1)
+        ]  # the probe round is a Tune experiment of its own
 
     def finished(self, ctx) -> bool:
         if not ctx.rd.promotions.exists():
@@ -74,7 +101,7 @@ class Stage1(Stage):
         return True
 
     def run(self, ctx):
-        from m2d_ray.stages.stage1_tune import sweep  # lazy: Ray
+        from m2d_ray.stages.stage1_tune import sweep
 
         result = sweep(ctx, self)
         if not result.promotions:
@@ -95,11 +122,20 @@ class Stage1(Stage):
 
         overlap = overlap_table(data)
         return [
-            Section("Stage 1: pre-distillation perplexity", render([grid, figure(STAGE1_HEATMAP, "perplexity grid", grid_figure)])),
-            Section(f"Selection overlap between scorings at K = k = {data.k}",
-                    render([overlap, figure("overlap.png", "overlap matrix", partial(overlap_figure, overlap))])),
-            Section("Effective rank of the selected experts",
-                    render([erank_tables(data), figure("erank.png", "effective rank per scoring", partial(erank_figure, data))])),
+            Section(
+                "Stage 1: pre-distillation perplexity",
+                render([grid, figure(STAGE1_HEATMAP, "perplexity grid", grid_figure)]),
+            ),
+            Section(
+                f"Selection overlap between scorings at K = k = {data.k}",
+                render([overlap, figure("overlap.png", "overlap matrix", partial(overlap_figure, overlap))]),
+            ),
+            Section(
+                "Effective rank of the selected experts",
+                render(
+                    [erank_tables(data), figure("erank.png", "effective rank per scoring", partial(erank_figure, data))]
+                ),
+            ),
         ]
 
 
@@ -109,4 +145,3 @@ def _nothing_promoted(rd) -> RunFailed:
 
 
 STAGE = Stage1()
-

@@ -17,11 +17,14 @@ from ray import tune
 
 from m2d_ray import storage
 from m2d_ray.accelerators import pin
+from m2d_ray.arch import get_adapter
 from m2d_ray.artifacts import write_json_atomic
 from m2d_ray.calibrate.artifact import StatsArtifact, load_stats
+from m2d_ray.calibrate.stats import LayerStats
 from m2d_ray.config import SweepConfig
 from m2d_ray.console import say
 from m2d_ray.data.text import load_text, tokenize
+from m2d_ray.models import load_config as model_config
 from m2d_ray.report.stage1 import heatmap, write_tables
 from m2d_ray.run_dir import RunDir
 from m2d_ray.stages.demand import tune_check
@@ -33,6 +36,7 @@ from m2d_ray.stages.run_storage import RunStorage
 from m2d_ray.stages.scheduler import PairwiseStopper
 from m2d_ray.stages.trial import InjectedFault, run_trial
 from m2d_ray.track import NOTE_TAG, run_description, run_tags
+from m2d_ray.weights import open_teacher
 
 
 @dataclass
@@ -54,7 +58,6 @@ _TEACHERS: dict[tuple[str, str], object] = {}
 def _teacher(model: str, device: str):
     """One lazy teacher per worker process (Tune reuses actors across trials): no weights are held, each
     student reads the tensors it is made of."""
-    from m2d_ray.weights import open_teacher
 
     if (model, device) not in _TEACHERS:
         _TEACHERS[(model, device)] = open_teacher(model, device=device)
@@ -69,16 +72,18 @@ def stage1_trainable(config: dict, *, model: str, plans: dict, eval_ids, cfg: Sw
         raise InjectedFault(f"injected failure in {key} (faults.raise_in)")
     device = cfg.device or ("cuda" if cfg.ray.gpus_per_trial > 0 else "cpu")
     teacher = _teacher(model, "cpu")  # the student is built on CPU and moved: a GPU slice holds only the student
-    for metrics in run_trial(teacher, plan_of(plans, key), eval_ids, cfg.eval, poison=key in cfg.faults.nan_in, device=device):
+    for metrics in run_trial(
+        teacher, plan_of(plans, key), eval_ids, cfg.eval, poison=key in cfg.faults.nan_in, device=device
+    ):
         tune.report(metrics)
         if metrics["chunk"] == config.get("max_chunks"):
             return  # probe round: the first chunk only
 
 
 @ray.remote(num_cpus=1)
-def _plan_task(model: str, stats: dict[str, torch.Tensor], layers: list[int], specs: list[TrialSpec], threads: int) -> dict:
-    from m2d_ray.calibrate.stats import LayerStats
-    from m2d_ray.weights import open_teacher
+def _plan_task(
+    model: str, stats: dict[str, torch.Tensor], layers: list[int], specs: list[TrialSpec], threads: int
+) -> dict:
 
     torch.set_num_threads(threads)
     teacher = open_teacher(model)  # plan_all reads one layer's router and experts at a time
@@ -86,8 +91,16 @@ def _plan_task(model: str, stats: dict[str, torch.Tensor], layers: list[int], sp
 
 
 # ---- records -------------------------------------------------------------------------------------
-def make_record(spec: TrialSpec, plan: dict, status: str, partials: list[tuple[int, float]], final: dict | None,
-                duplicate_of: str | None, attempt: str, error: str | None = None) -> dict:
+def make_record(
+    spec: TrialSpec,
+    plan: dict,
+    status: str,
+    partials: list[tuple[int, float]],
+    final: dict | None,
+    duplicate_of: str | None,
+    attempt: str,
+    error: str | None = None,
+) -> dict:
     layers = plan["layers"]
     return {
         **spec.params(),
@@ -111,16 +124,26 @@ def mlflow_fields(r: dict) -> Logged:
     metrics = {"effective_rank": r["effective_rank"]}
     if r["ppl"] is not None:
         metrics["perplexity"] = r["ppl"]
-    tags = {"signature": r["signature"], "duplicate_of": r["duplicate_of"], "selected": json.dumps(r["selected"]),
-            **run_tags(1, f"{r['scoring']}/{r['grouping']}", "config")}
-    return Logged({k: r[k] for k in ("scoring", "grouping", "scaling", "K")}, metrics, tags,
-                  {"partial_perplexity": [tuple(p) for p in r["partials"]]})
+    tags = {
+        "signature": r["signature"],
+        "duplicate_of": r["duplicate_of"],
+        "selected": json.dumps(r["selected"]),
+        **run_tags(1, f"{r['scoring']}/{r['grouping']}", "config"),
+    }
+    return Logged(
+        {k: r[k] for k in ("scoring", "grouping", "scaling", "K")},
+        metrics,
+        tags,
+        {"partial_perplexity": [tuple(p) for p in r["partials"]]},
+    )
 
 
 class Recorder(tune.Callback):
     """Driver side: on each finished Tune trial, write the ledger for every config of its student, then MLflow."""
 
-    def __init__(self, uniques: dict[str, Unique], plans: dict, out: StageRecorder, attempt: str, max_failures: int = 0) -> None:
+    def __init__(
+        self, uniques: dict[str, Unique], plans: dict, out: StageRecorder, attempt: str, max_failures: int = 0
+    ) -> None:
         self.uniques, self.plans, self.out = uniques, plans, out
         self.attempt, self.max_failures = attempt, max_failures
         self.partials: dict[str, list[tuple[int, float]]] = {}
@@ -152,14 +175,28 @@ class Recorder(tune.Callback):
             self.record(key, "pruned", last)
 
     def on_trial_error(self, iteration, trials, trial, **info):
-        self.record(trial.config["key"], "failed", trial.last_result or {}, error=trial_error(trial, "stage 1", self.max_failures))
+        self.record(
+            trial.config["key"],
+            "failed",
+            trial.last_result or {},
+            error=trial_error(trial, "stage 1", self.max_failures),
+        )
 
     def record(self, key: str, status: str, last: dict, error: str | None = None) -> None:
         """Ledger records for every config of this student, then their MLflow runs."""
         u = self.uniques[key]
         final = last if last.get("final") else None
         records = [
-            make_record(m, self.plans[m.key], status, self.partials.get(key, []), final, None if m == u.canonical else key, self.attempt, error)
+            make_record(
+                m,
+                self.plans[m.key],
+                status,
+                self.partials.get(key, []),
+                final,
+                None if m == u.canonical else key,
+                self.attempt,
+                error,
+            )
             for m in u.members
         ]
         for r in records:  # ledger first (source of truth), then MLflow (reconciled on resume)
@@ -188,8 +225,6 @@ def _plans(cfg: SweepConfig, model: str, rd: RunDir, art: StatsArtifact, specs: 
 
 def sweep(ctx, stage) -> Stage1Result:
     """Stage 1 of the run `ctx` (resumed where its ledger stops); see the module docstring."""
-    from m2d_ray.arch import get_adapter
-    from m2d_ray.models import load_config as model_config
 
     t0 = time.time()
     cfg, rd, model = ctx.cfg, ctx.rd, ctx.teacher
@@ -204,10 +239,20 @@ def sweep(ctx, stage) -> Stage1Result:
         plans = _plans(cfg, remote, rd, art, specs, waiting)
         uniques = dedupe(specs, plans, cfg.search.dedupe)
         parent = ctx.parent(
-            params={"model": model, "k": k, "E": E, "configs": len(specs), "distinct_students": len(uniques),
-                    "stats_sha256": art.checksum, "calib_tokens": art.manifest["n_tokens"], "eval_data": cfg.eval.data,
-                    "grid.K": ",".join(map(str, sorted({s.K for s in specs}))), "early_stop": cfg.search.early_stop,
-                    "stop_factor": cfg.search.stop_factor, "dedupe": cfg.search.dedupe},
+            params={
+                "model": model,
+                "k": k,
+                "E": E,
+                "configs": len(specs),
+                "distinct_students": len(uniques),
+                "stats_sha256": art.checksum,
+                "calib_tokens": art.manifest["n_tokens"],
+                "eval_data": cfg.eval.data,
+                "grid.K": ",".join(map(str, sorted({s.K for s in specs}))),
+                "early_stop": cfg.search.early_stop,
+                "stop_factor": cfg.search.stop_factor,
+                "dedupe": cfg.search.dedupe,
+            },
             tags={"run_dir": str(rd), "teacher": model, NOTE_TAG: run_description(cfg.name, rd, model, len(specs))},
         )
         out = ctx.recorder(rd.stage1_ledger(), mlflow_fields)
@@ -216,15 +261,37 @@ def sweep(ctx, stage) -> Stage1Result:
         pending = [u for u in uniques if u.canonical.key not in ledger.done()]
         say(f"stage 1: {len(specs)} configs, {len(uniques)} distinct students, {len(pending)} to evaluate")
 
-        ids = tokenize(ctx.tokenizer, load_text(cfg.eval.data, max_chars=cfg.eval.max_chars), max_chars=cfg.eval.max_chars) if pending else None
+        ids = (
+            tokenize(
+                ctx.tokenizer, load_text(cfg.eval.data, max_chars=cfg.eval.max_chars), max_chars=cfg.eval.max_chars
+            )
+            if pending
+            else None
+        )
         recorder = Recorder({u.canonical.key: u for u in pending}, plans, out, attempt, cfg.ray.max_failures)
 
-        def run(units: list[Unique], phase: str, stopper: PairwiseStopper | None = None, max_chunks: int | None = None) -> None:
-            _tune(cfg, remote, ctx.store, plans, units, ids, recorder, f"stage1-{attempt}-{phase}", rd, stopper, max_chunks)
+        def run(
+            units: list[Unique], phase: str, stopper: PairwiseStopper | None = None, max_chunks: int | None = None
+        ) -> None:
+            _tune(
+                cfg,
+                remote,
+                ctx.store,
+                plans,
+                units,
+                ids,
+                recorder,
+                f"stage1-{attempt}-{phase}",
+                rd,
+                stopper,
+                max_chunks,
+            )
 
         stopper = None
         if pending and cfg.search.early_stop:
-            stopper = PairwiseStopper(cfg.search.stop_factor, cfg.search.grace_chunks, pairs={u.canonical.key: u.pairs for u in uniques})
+            stopper = PairwiseStopper(
+                cfg.search.stop_factor, cfg.search.grace_chunks, pairs={u.canonical.key: u.pairs for u in uniques}
+            )
             stopper.seed(ledger.records())
         probed = 0
         if stopper and cfg.search.probe and cfg.eval.chunks > 1:
@@ -234,12 +301,16 @@ def sweep(ctx, stage) -> Stage1Result:
                 run(todo, "probe", max_chunks=1)
             probed = len(recorder.probes)
             stopper.seed_probes(recorder.probes)
-            pending = _after_probes([u for u in pending if u.canonical.key not in ledger.done()], recorder.probes, stopper, recorder)
+            pending = _after_probes(
+                [u for u in pending if u.canonical.key not in ledger.done()], recorder.probes, stopper, recorder
+            )
         if pending:
             run(pending, "eval", stopper)
     records = ledger.records()
     promotions = _finish(cfg, rd, records, ctx.tracker, parent, model, art, k, E)
-    return Stage1Result(rd.path, records, promotions, probed, recorder.trials, recorder.full, recorder.chunks, time.time() - t0)
+    return Stage1Result(
+        rd.path, records, promotions, probed, recorder.trials, recorder.full, recorder.chunks, time.time() - t0
+    )
 
 
 def _attempt(rd: RunDir) -> str:
@@ -254,7 +325,9 @@ def _load_probes(rd: RunDir) -> dict[str, float]:
     return json.loads(rd.probes.read_text()) if rd.probes.exists() else {}
 
 
-def _after_probes(pending: list[Unique], probes: dict[str, float], stopper: PairwiseStopper, recorder: Recorder) -> list[Unique]:
+def _after_probes(
+    pending: list[Unique], probes: dict[str, float], stopper: PairwiseStopper, recorder: Recorder
+) -> list[Unique]:
     """Prune students hopeless at chunk 1 against every probe; order the rest best-first (so the
     scheduler meets each pair's best early and stops the others sooner)."""
     survivors = []
@@ -280,13 +353,30 @@ def _copy_to_identical(out: StageRecorder, uniques: list[Unique]) -> None:
                     out.write({**src, **m.params(), "key": m.key, "duplicate_of": u.canonical.key})
 
 
-def _tune(cfg, model, store: RunStorage, plans, units: list[Unique], ids, recorder: Recorder, name: str, rd: RunDir,
-          stopper: PairwiseStopper | None = None, max_chunks: int | None = None) -> None:
+def _tune(
+    cfg,
+    model,
+    store: RunStorage,
+    plans,
+    units: list[Unique],
+    ids,
+    recorder: Recorder,
+    name: str,
+    rd: RunDir,
+    stopper: PairwiseStopper | None = None,
+    max_chunks: int | None = None,
+) -> None:
     """One Tune run over `units` (grid order = the order given); results go through `recorder`."""
     recorder.total, recorder.finished = len(units), 0
     recorder.trials += 0 if max_chunks else len(units)
-    resources = {"cpu": cfg.ray.cpus_per_trial, "gpu": cfg.ray.gpus_per_trial, **(pin(cfg.ray.trial_accelerator) if cfg.ray.gpus_per_trial > 0 else {})}
-    trainable = tune.with_resources(tune.with_parameters(stage1_trainable, model=model, plans=plans, eval_ids=ids, cfg=cfg, store=store), resources)
+    resources = {
+        "cpu": cfg.ray.cpus_per_trial,
+        "gpu": cfg.ray.gpus_per_trial,
+        **(pin(cfg.ray.trial_accelerator) if cfg.ray.gpus_per_trial > 0 else {}),
+    }
+    trainable = tune.with_resources(
+        tune.with_parameters(stage1_trainable, model=model, plans=plans, eval_ids=ids, cfg=cfg, store=store), resources
+    )
     space = {"key": tune.grid_search([u.canonical.key for u in units])}
     if max_chunks:
         space["max_chunks"] = max_chunks
@@ -294,11 +384,17 @@ def _tune(cfg, model, store: RunStorage, plans, units: list[Unique], ids, record
         trainable,
         param_space=space,
         tune_config=tune.TuneConfig(
-            scheduler=stopper, max_concurrent_trials=cfg.ray.max_concurrent_trials, reuse_actors=True,
-            trial_name_creator=lambda t: t.config["key"], trial_dirname_creator=lambda t: t.config["key"],
+            scheduler=stopper,
+            max_concurrent_trials=cfg.ray.max_concurrent_trials,
+            reuse_actors=True,
+            trial_name_creator=lambda t: t.config["key"],
+            trial_dirname_creator=lambda t: t.config["key"],
         ),
         run_config=tune.RunConfig(
-            name=name, **storage.ray_storage(store.tune(1)), callbacks=[recorder, tune_check("stage1")], verbose=0,
+            name=name,
+            **storage.ray_storage(store.tune(1)),
+            callbacks=[recorder, tune_check("stage1")],
+            verbose=0,
             failure_config=tune.FailureConfig(max_failures=cfg.ray.max_failures, fail_fast=False),
         ),
     )
@@ -306,7 +402,8 @@ def _tune(cfg, model, store: RunStorage, plans, units: list[Unique], ids, record
 
 
 def tag_promoted(tracker, parent: str, promotions: dict[str, dict]) -> None:
-    """Each pair's winner gets kind `promoted` in MLflow (as its student in stages 2 and 3), so one filter shows them."""
+    """Each pair's winner gets kind `promoted` in MLflow (as its student in stages 2 and 3), so one filter shows
+    them."""
     for p in promotions.values():
         tracker.log(tracker.trial_run(parent, p["key"], {}), tags={"kind": "promoted"})
 
@@ -316,14 +413,25 @@ def _finish(cfg, rd: RunDir, records, tracker, parent, model, art, k, E) -> dict
     outputs = write_tables(records, order, rd.path)
     outputs.append(heatmap(records, order, rd.stage1_heatmap, title=f"stage 1: {Path(model).name}, k={k}, E={E}"))
     promotions = promote(records, list(cfg.grid.scaling))
-    write_json_atomic(rd.promotions, {
-        "teacher": model, "stats_sha256": art.checksum, "k": k, "E": E,
-        "criterion": f"lowest pre-distillation perplexity on {cfg.eval.data}",
-        "pairs": promotions, "unpromoted": unpromoted(records),
-    })
+    write_json_atomic(
+        rd.promotions,
+        {
+            "teacher": model,
+            "stats_sha256": art.checksum,
+            "k": k,
+            "E": E,
+            "criterion": f"lowest pre-distillation perplexity on {cfg.eval.data}",
+            "pairs": promotions,
+            "unpromoted": unpromoted(records),
+        },
+    )
     outputs.append(rd.promotions)
     counts = {s: sum(r["status"] == s for r in records) for s in ("ok", "pruned", "diverged", "failed")}
-    tracker.log(parent, metrics={f"configs_{s}": n for s, n in counts.items()}, tags={"promotions": json.dumps({p: f"K={v['K']},{v['scaling']}" for p, v in promotions.items()})})
+    tracker.log(
+        parent,
+        metrics={f"configs_{s}": n for s, n in counts.items()},
+        tags={"promotions": json.dumps({p: f"K={v['K']},{v['scaling']}" for p, v in promotions.items()})},
+    )
     tag_promoted(tracker, parent, promotions)
     tracker.artifacts(parent, outputs)
     tracker.finish(parent)

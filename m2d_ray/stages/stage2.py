@@ -24,16 +24,25 @@ from functools import partial
 
 from m2d_ray.config import dump_config, load_config
 from m2d_ray.console import say
+from m2d_ray.convert.initial import InitialStudent
+from m2d_ray.data.text import check_spec
+from m2d_ray.distill.data import check_source
 from m2d_ray.errors import M2DError
+from m2d_ray.models import check_teacher_topk
 from m2d_ray.plan import memory
 from m2d_ray.plan.cost import before, forward_flops, stage2_flops
 from m2d_ray.plan.devices import bundle
 from m2d_ray.plan.run_plan import unit
-from m2d_ray.report.run import curves_figure, figure
 from m2d_ray.report.page import render
+from m2d_ray.report.run import curves_figure, figure
+from m2d_ray.report.stage2 import write_stage2
 from m2d_ray.stages import baselines
 from m2d_ray.stages.baselines import BASELINES, BaselineFailed
 from m2d_ray.stages.contract import Section, Stage
+from m2d_ray.stages.grid import plan_of
+from m2d_ray.stages.students import copy_duplicates, reads, todo
+
+# Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
 
 STAGE1_KEYS = ("model", "calib", "grid")  # what decided the promotions: stage 2 must not change them
 STAGE2_KEYS = ("distill", "stage2")  # what a started stage 2 must keep (ray, mlflow, stage3 may change)
@@ -55,12 +64,13 @@ class Stage2(Stage):
 
     def reads(self, cfg) -> dict[str, str]:
         own = {k: v for b in baselines.of(cfg) for k, v in b.reads(cfg).items()}
-        return {"distill.train_data": cfg.distill.train_data, "distill.eval_data": cfg.distill.eval_data or cfg.eval.data, **own}
+        return {
+            "distill.train_data": cfg.distill.train_data,
+            "distill.eval_data": cfg.distill.eval_data or cfg.eval.data,
+            **own,
+        }
 
     def check(self, cfg, teacher: str) -> None:
-        from m2d_ray.data.text import check_spec
-        from m2d_ray.distill.data import check_source
-        from m2d_ray.models import check_teacher_topk
 
         check_spec(cfg.distill.eval_data or cfg.eval.data, "distill.eval_data")
         check_teacher_topk(teacher, cfg.distill.teacher_topk)
@@ -73,12 +83,18 @@ class Stage2(Stage):
         saved1, new = load_config(rd.config).to_dict(), cfg.to_dict()
         changed = [k for k in STAGE1_KEYS if new[k] != saved1[k]]
         if changed:
-            raise M2DError(f"{', '.join(changed)} differ from stage 1 of {rd}; stage 2 distils that run's promotions: use its config")
+            raise M2DError(
+                f"{', '.join(changed)} differ from stage 1 of {rd}; stage 2 distils that run's promotions: use its "
+                "config"
+            )
         if rd.stage2_config.exists():
             saved2 = load_config(rd.stage2_config).to_dict()
             diff = [k for k in STAGE2_KEYS if new[k] != saved2[k]]
             if diff:
-                raise M2DError(f"stage 2 of {rd} was started with other settings ({', '.join(diff)}); resume it unchanged or use a new run directory")
+                raise M2DError(
+                    f"stage 2 of {rd} was started with other settings ({', '.join(diff)}); resume it unchanged or use "
+                    "a new run directory"
+                )
 
     def request(self, cfg) -> dict:
         x = cfg.distill
@@ -87,9 +103,32 @@ class Stage2(Stage):
     def needs(self, p):
         x = p.cfg.distill
         b = 2 if x.gpus_per_worker > 0 else 4  # bf16 on a GPU, fp32 on CPU (distill/loop.py)
-        parts = memory.student_rank(p.models.student, p.models.teacher, x.batch_size * x.seq_len, b, x.workers, x.deepspeed, x.zero_stage,
-                                    x.gradient_checkpointing, x.loss_chunk, p.mode, p.per_token(p.models.teacher))
-        return [unit(self.name, "rank", parts, x.gpus_per_worker, x.workers, self.request(p.cfg), p.devices, _fix(p.cfg, parts), self.keys)]
+        parts = memory.student_rank(
+            p.models.student,
+            p.models.teacher,
+            x.batch_size * x.seq_len,
+            b,
+            x.workers,
+            x.deepspeed,
+            x.zero_stage,
+            x.gradient_checkpointing,
+            x.loss_chunk,
+            p.mode,
+            p.per_token(p.models.teacher),
+        )
+        return [
+            unit(
+                self.name,
+                "rank",
+                parts,
+                x.gpus_per_worker,
+                x.workers,
+                self.request(p.cfg),
+                p.devices,
+                _fix(p.cfg, parts),
+                self.keys,
+            )
+        ]
 
     def storage(self, p):
         """Every student's initial and distilled model and the token shards stay; each student's Train checkpoints
@@ -99,15 +138,19 @@ class Stage2(Stage):
         b_train = 2 if x.gpus_per_worker > 0 else 4
         optimizer = (12 if b_train < 4 else 8) * s.params if x.deepspeed else 2 * s.params * b_train
         per_student = x.keep_checkpoints * (s.params * b_train + optimizer)
-        stays = {"initial students": n * s.params * s.dtype_bytes, "distilled students": n * s.params * b_train,
-                 "token shards": x.blocks * x.seq_len * 4 + (x.eval_max_tokens or 0) * 4}
+        stays = {
+            "initial students": n * s.params * s.dtype_bytes,
+            "distilled students": n * s.params * b_train,
+            "token shards": x.blocks * x.seq_len * 4 + (x.eval_max_tokens or 0) * 4,
+        }
         if p.cfg.stage2.keep_training_state:
             return {**stays, "checkpoints": n * per_student}, {}
         return stays, {"checkpoints": min(n, p.students_at_once or n) * per_student}
 
     def cost(self, c):
         """Each student's steps and validations, up to where ASHA is expected to stop it (the dearest students paired
-        with the longest runs: ASHA's order is the students' quality, unknown here), after the baselines' preparation."""
+        with the longest runs: ASHA's order is the students' quality, unknown here), after the baselines'
+        preparation."""
         p = c.p
         x, m = p.cfg.distill, p.models
         own = [p.teachers.get(b.teacher_key, m.teacher) for b in baselines.of(p.cfg) if b.has_teacher]
@@ -115,7 +158,13 @@ class Stage2(Stage):
         reports = [n for n, k in reversed(p.ends) for _ in range(k)]
         by_cost = sorted(teachers, key=lambda s: -forward_flops(s, x.seq_len))
         students = [stage2_flops(p.cfg, m, p.mode, teacher, n) for teacher, n in zip(by_cost, reports)]
-        where = c.place(self.name, x.workers * x.gpus_per_worker, x.workers * x.threads_per_worker, p.students_at_once or len(students), x.accelerator)
+        where = c.place(
+            self.name,
+            x.workers * x.gpus_per_worker,
+            x.workers * x.threads_per_worker,
+            p.students_at_once or len(students),
+            x.accelerator,
+        )
         row = c.stage(self.name, students, where, p.cfg.plan.student_s)
         for b in baselines.of(p.cfg):
             first = b.prepare_cost(c)
@@ -123,24 +172,29 @@ class Stage2(Stage):
         return [row]
 
     def run(self, ctx) -> Stage2Result:
-        from m2d_ray.report.stage2 import write_stage2
-        from m2d_ray.stages import stage2_tune as tuned  # lazy: Ray
-        from m2d_ray.stages.students import copy_duplicates, reads, todo
+        from m2d_ray.stages import stage2_tune as tuned
 
         cfg, rd = ctx.cfg, ctx.rd
         if not rd.stage2_config.exists():  # the settings a resumed stage 2 must keep
             dump_config(cfg, rd.stage2_config)
         parent = ctx.parent()
-        ctx.tracker.log(parent, params={f"stage2.{k}": v for k, v in cfg.to_dict()["distill"].items()})  # as written (MLflow params never change)
+        ctx.tracker.log(
+            parent, params={f"stage2.{k}": v for k, v in cfg.to_dict()["distill"].items()}
+        )  # as written (MLflow params never change)
         out = ctx.recorder(rd.stage2_ledger(), tuned.mlflow_fields, prefix="stage2/")
         t = todo(rd, cfg)
-        say(f"stage 2: {len(t.all)} students ({len(t.all) - len(cfg.stage2.baselines)} promoted + baselines), {len(t.pending)} to distil"
+        say(
+            f"stage 2: {len(t.all)} students ({len(t.all) - len(cfg.stage2.baselines)} promoted + baselines), "
+            f"{len(t.pending)} to distil"
             + (f", {len(t.duplicates)} repeating another's plan (distilled once)" if t.duplicates else "")
-            + (f" ({t.retried} failed before: retried from their last checkpoint)" if t.retried else ""))
+            + (f" ({t.retried} failed before: retried from their last checkpoint)" if t.retried else "")
+        )
         drop = None if cfg.stage2.keep_training_state else tuned.TrainingStateDrop(ctx.store)
         if t.pending:
             ctx.ray()
-            recorder = tuned.Recorder({s.key: s for s in t.pending}, out, str(cfg.target_spec() or "online"), cfg.ray.max_failures, drop)
+            recorder = tuned.Recorder(
+                {s.key: s for s in t.pending}, out, str(cfg.target_spec() or "online"), cfg.ray.max_failures, drop
+            )
             with ctx.waiting(self) as waiting:
                 pending, prepared = _prepare(ctx, waiting, t.pending, recorder)
                 if pending:
@@ -154,7 +208,10 @@ class Stage2(Stage):
                 if "duplicate_of" not in r:
                     drop(r)
             if drop.removed:
-                say(f"stage 2: the training state of {len(drop.removed)} students removed from storage (stage2.keep_training_state=true keeps it)")
+                say(
+                    f"stage 2: the training state of {len(drop.removed)} students removed from storage "
+                    "(stage2.keep_training_state=true keeps it)"
+                )
         outputs = write_stage2(records, [s.key for s in t.all], rd.path)
         ctx.tracker.artifacts(parent, outputs)
         ctx.tracker.finish(parent)
@@ -171,12 +228,16 @@ def _fix(cfg, parts: dict) -> str:
     x = cfg.distill
     big = max(parts, key=parts.get)
     if big == "teacher":
-        return "stage2.targets=hidden (the teacher's final hidden states cached once: a rank holds its output head only, the loss stays exact)"
+        return (
+            "stage2.targets=hidden (the teacher's final hidden states cached once: a rank holds its output head only, "
+            "the loss stays exact)"
+        )
     if big == "activations" and not x.gradient_checkpointing:
         return "distill.gradient_checkpointing=true"
     if big in ("optimizer", "grads") and x.workers < 8:
         return f"more distill.workers (ZeRO-2 shards the optimizer over them; now {x.workers})"
-    return f"a smaller distill.batch_size (now {x.batch_size}; raise distill.grad_accum to keep the tokens per step) or a larger GPU"
+    steps = "raise distill.grad_accum to keep the tokens per step"
+    return f"a smaller distill.batch_size (now {x.batch_size}; {steps}) or a larger GPU"
 
 
 def _prepare(ctx, waiting, pending: list, recorder) -> tuple[list, dict]:
@@ -195,18 +256,31 @@ def _prepare(ctx, waiting, pending: list, recorder) -> tuple[list, dict]:
 
 
 def _job(ctx, data, plans: dict, prepared: dict, s, stop):
-    """The DistillJob of student `s` (`stop`: its stop check): a promoted one built from its plan, a baseline by its own builder."""
-    from m2d_ray.convert.initial import InitialStudent
-    from m2d_ray.stages.grid import plan_of
+    """The DistillJob of student `s` (`stop`: its stop check): a promoted one built from its plan, a baseline by its
+    own builder."""
     from m2d_ray.stages.student import job
 
     cfg = ctx.cfg
     b = BASELINES[s.baseline] if s.baseline else None
     teacher, x = data.of(b, cfg)
-    build = (b.builder(data.teacher, prepared.get(b.name), x.seed) if b else
-             InitialStudent(data.teacher, plan_of(plans, s.key), None, x.seed))
-    return job(ctx.store, s.key, teacher, x, data.eval_data, build=build, stop=stop, max_failures=cfg.ray.max_failures,
-               tokens=data.tokens[teacher], targets=data.targets.get(teacher), target_spec=cfg.target_spec())
+    build = (
+        b.builder(data.teacher, prepared.get(b.name), x.seed)
+        if b
+        else InitialStudent(data.teacher, plan_of(plans, s.key), None, x.seed)
+    )
+    return job(
+        ctx.store,
+        s.key,
+        teacher,
+        x,
+        data.eval_data,
+        build=build,
+        stop=stop,
+        max_failures=cfg.ray.max_failures,
+        tokens=data.tokens[teacher],
+        targets=data.targets.get(teacher),
+        target_spec=cfg.target_spec(),
+    )
 
 
 STAGE = Stage2()

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 
 import ray
 from ray import tune
+from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
 from m2d_ray import storage
 from m2d_ray.config import SweepConfig
 from m2d_ray.console import say
+from m2d_ray.distill.trainer import fit
 from m2d_ray.stages.demand import tune_check
 from m2d_ray.stages.ray_env import on_driver_node, trial_error
 from m2d_ray.stages.record import Logged, StageRecorder, fit_tuner
@@ -24,7 +26,18 @@ from m2d_ray.stages.students import Student
 from m2d_ray.stages.trial import InjectedFault
 from m2d_ray.track import run_tags
 
-CURVES = ("train_loss", "train_loss_buckets", "val_loss", "val_ppl", "lr", "tokens_per_s", "mfu", "train_s", "eval_s", "ckpt_s")  # throughput: training time only
+CURVES = (
+    "train_loss",
+    "train_loss_buckets",
+    "val_loss",
+    "val_ppl",
+    "lr",
+    "tokens_per_s",
+    "mfu",
+    "train_s",
+    "eval_s",
+    "ckpt_s",
+)  # throughput: training time only
 
 
 # ---- the trial (a Tune worker; it builds and fits a TorchTrainer) -------------------------------
@@ -55,9 +68,6 @@ class StopCheck:
 
 def stage2_trainable(config: dict, *, jobs: dict, store: RunStorage, raise_in: tuple[str, ...]) -> None:
     """One student: the TorchTrainer of its DistillJob (`jobs[key]`), reporting to Tune through rank 0."""
-    from ray.tune.integration.ray_train import TuneReportCallback
-
-    from m2d_ray.distill.trainer import fit
 
     store.ensure_visible()  # this node sees the run's storage (checked once per node)
     key = config["student"]["key"]
@@ -70,7 +80,9 @@ def stage2_trainable(config: dict, *, jobs: dict, store: RunStorage, raise_in: t
 class Recorder(tune.Callback):
     """Driver side: loss curves to each student's nested MLflow run as they come; ledger + run status at the end."""
 
-    def __init__(self, todo: dict[str, Student], out: StageRecorder, targets: str = "online", max_failures: int = 0, drop=None) -> None:
+    def __init__(
+        self, todo: dict[str, Student], out: StageRecorder, targets: str = "online", max_failures: int = 0, drop=None
+    ) -> None:
         self.todo, self.out, self.targets, self.max_failures = todo, out, targets, max_failures
         self.drop = drop  # drop(record): its training state goes
         self.runs: dict[str, str] = {}  # key -> MLflow run id (looked up once per student)
@@ -87,11 +99,14 @@ class Recorder(tune.Callback):
         key = trial.config["student"]["key"]
         run = self.runs[key]
         steps = {k: [(result["step"], result.get(k))] for k in CURVES}  # a metric a report lacks (None) is not logged
-        # the curve carries every (step, val ppl) since step 0 across resumes: log those the run's history lacks — step 0
+        # the curve carries every (step, val ppl) since step 0 across resumes: log those the run's history lacks — step
+        # 0
         # of a fresh run, and validations of an attempt whose node was lost before its report reached this driver
         if key not in self.logged:
             self.logged[key] = {m.step for m in self.out.tracker.client.get_metric_history(run, "val_ppl")}
-        steps["val_ppl"] = [(st, v) for st, v in result["curve"] if st not in self.logged[key] and st != result["step"]] + steps["val_ppl"]
+        steps["val_ppl"] = [
+            (st, v) for st, v in result["curve"] if st not in self.logged[key] and st != result["step"]
+        ] + steps["val_ppl"]
         self.logged[key] |= {st for st, _ in steps["val_ppl"]}
         self.out.tracker.log(run, steps=steps)
 
@@ -104,19 +119,32 @@ class Recorder(tune.Callback):
         self.record(key, status, last)
 
     def on_trial_error(self, iteration, trials, trial, **info):
-        self.record(trial.config["student"]["key"], "failed", trial.last_result or {}, error=trial_error(trial, "stage 2", self.max_failures))
+        self.record(
+            trial.config["student"]["key"],
+            "failed",
+            trial.last_result or {},
+            error=trial_error(trial, "stage 2", self.max_failures),
+        )
 
     def record(self, key: str, status: str, last: dict, error: str | None = None) -> None:
         s = self.todo[key]
         full = last.get("curve") or []
         r = {
-            **s.params(), "status": status, "error": error,
-            "steps": last.get("step"), "tokens": last.get("tokens"),
-            "val_ppl_initial": last.get("val_ppl_initial"), "val_ppl": _finite(last.get("val_ppl")),
+            **s.params(),
+            "status": status,
+            "error": error,
+            "steps": last.get("step"),
+            "tokens": last.get("tokens"),
+            "val_ppl_initial": last.get("val_ppl_initial"),
+            "val_ppl": _finite(last.get("val_ppl")),
             "best_val_ppl": min((p for _, p in full[1:] if _finite(p) is not None), default=None),
-            "tokens_per_s": last.get("tokens_per_s"), "student_path": last.get("student_path"),
-            "student_params": last.get("student_params"), "teacher_active_params": last.get("teacher_active_params"),
-            "peak_rss_bytes": last.get("peak_rss_bytes"), "peak_work_bytes": last.get("peak_work_bytes"), "peak_cuda_bytes": last.get("peak_cuda_bytes"),
+            "tokens_per_s": last.get("tokens_per_s"),
+            "student_path": last.get("student_path"),
+            "student_params": last.get("student_params"),
+            "teacher_active_params": last.get("teacher_active_params"),
+            "peak_rss_bytes": last.get("peak_rss_bytes"),
+            "peak_work_bytes": last.get("peak_work_bytes"),
+            "peak_cuda_bytes": last.get("peak_cuda_bytes"),
             "targets": self.targets,
             "curve": [[s, _finite(p)] for s, p in full],  # from step 0, across resumes
         }
@@ -153,12 +181,25 @@ def _finite(v):
 
 def mlflow_fields(r: dict) -> Logged:
     """A student's final MLflow values (its curves were logged as they came; they keep the plain names)."""
-    names = {"val_ppl": "final_val_ppl", "best_val_ppl": "best_val_ppl", "val_ppl_initial": "initial_val_ppl", "tokens_per_s": "mean_tokens_per_s",
-             "peak_rss_bytes": "peak_rss_bytes", "peak_work_bytes": "peak_work_bytes", "peak_cuda_bytes": "peak_cuda_bytes"}
-    return Logged({"stage": 2, **{k: r[k] for k in ("key", "pair", "baseline", "stage1_ppl")}},
-                  {names[k]: r[k] for k in names if r.get(k) is not None},
-                  {"student_path": r["student_path"], "targets": r.get("targets"), "duplicate_of": r.get("duplicate_of"),
-                   **run_tags(2, r["pair"], "baseline" if r["baseline"] else "promoted")})
+    names = {
+        "val_ppl": "final_val_ppl",
+        "best_val_ppl": "best_val_ppl",
+        "val_ppl_initial": "initial_val_ppl",
+        "tokens_per_s": "mean_tokens_per_s",
+        "peak_rss_bytes": "peak_rss_bytes",
+        "peak_work_bytes": "peak_work_bytes",
+        "peak_cuda_bytes": "peak_cuda_bytes",
+    }
+    return Logged(
+        {"stage": 2, **{k: r[k] for k in ("key", "pair", "baseline", "stage1_ppl")}},
+        {names[k]: r[k] for k in names if r.get(k) is not None},
+        {
+            "student_path": r["student_path"],
+            "targets": r.get("targets"),
+            "duplicate_of": r.get("duplicate_of"),
+            **run_tags(2, r["pair"], "baseline" if r["baseline"] else "promoted"),
+        },
+    )
 
 
 # ---- the sweep ----------------------------------------------------------------------------------
@@ -185,8 +226,15 @@ def _scheduler(cfg: SweepConfig, board):
     if not cfg.stage2.asha:
         return FIFOScheduler()
     evals = math.ceil(cfg.distill.steps / cfg.distill.eval_every)
-    return CooperativeASHA(board, time_attr="training_iteration", metric="val_loss", mode="min", max_t=evals,
-                           grace_period=min(cfg.stage2.grace_evals, evals), reduction_factor=cfg.stage2.reduction_factor)
+    return CooperativeASHA(
+        board,
+        time_attr="training_iteration",
+        metric="val_loss",
+        mode="min",
+        max_t=evals,
+        grace_period=min(cfg.stage2.grace_evals, evals),
+        reduction_factor=cfg.stage2.reduction_factor,
+    )
 
 
 def failures(cfg: SweepConfig) -> tune.FailureConfig:
@@ -206,12 +254,17 @@ def distil(ctx, pending: list[Student], recorder: Recorder, job_of) -> None:
         tune.with_resources(trainable, {"cpu": 0.5}),
         param_space={"student": tune.grid_search([s.params() for s in pending])},
         tune_config=tune.TuneConfig(
-            scheduler=_scheduler(cfg, board), max_concurrent_trials=cfg.students_at_once(),
-            trial_name_creator=lambda t: t.config["student"]["key"], trial_dirname_creator=lambda t: t.config["student"]["key"],
+            scheduler=_scheduler(cfg, board),
+            max_concurrent_trials=cfg.students_at_once(),
+            trial_name_creator=lambda t: t.config["student"]["key"],
+            trial_dirname_creator=lambda t: t.config["student"]["key"],
         ),
         run_config=tune.RunConfig(
-            name=f"stage2-{time.strftime('%Y%m%d-%H%M%S')}", **storage.ray_storage(ctx.store.tune(2)),
-            callbacks=[recorder, tune_check("stage2")], verbose=0, failure_config=failures(cfg),
+            name=f"stage2-{time.strftime('%Y%m%d-%H%M%S')}",
+            **storage.ray_storage(ctx.store.tune(2)),
+            callbacks=[recorder, tune_check("stage2")],
+            verbose=0,
+            failure_config=failures(cfg),
         ),
     )
     try:

@@ -14,21 +14,36 @@ result; a changed suite (tasks, shots, limit) is refused: it would mix two suite
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
+import torch
+
 from m2d_ray import storage
 from m2d_ray.artifacts import write_json_atomic
-from m2d_ray.config import SweepConfig, Stage3Config
+from m2d_ray.config import Stage3Config, SweepConfig
 from m2d_ray.console import say
 from m2d_ray.errors import M2DError
+from m2d_ray.evaluate.harness import check_tasks, parse_tasks, text_source
+from m2d_ray.evaluate.paper_data import ensure
+from m2d_ray.evaluate.placement import model_size, plan_eval
+from m2d_ray.evaluate.runner import (  # GPUs and batch per model, from memory
+    check_teacher_fits,
+    data_ref,
+    evaluate_model,
+    max_length,
+    parse_batch,
+    stage3_placements,
+)
 from m2d_ray.peaks import peaks, reset_peaks
 from m2d_ray.plan.cost import forward_flops, side_by_side
 from m2d_ray.plan.devices import bundle, holders, smallest_gpu
 from m2d_ray.plan.run_plan import unit
 from m2d_ray.plan.suite import suite_tokens
+from m2d_ray.report.analysis import distill_rows
 from m2d_ray.report.page import render
 from m2d_ray.report.run import distill_table, figure, marginal_figure, matched_table
 from m2d_ray.run_dir import TEACHER_KEY, Ledger, RunDir
@@ -37,6 +52,8 @@ from m2d_ray.stages import baselines
 from m2d_ray.stages.contract import Section, Stage
 from m2d_ray.stages.record import Logged
 from m2d_ray.track import model_kind, run_tags
+
+# Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
 
 
 @dataclass(frozen=True)
@@ -51,8 +68,6 @@ class Stage3(Stage):
     keys = "stage3.gpus_per_task / stage3.cpus_per_task / stage3.accelerator"
 
     def check(self, cfg, teacher: str) -> None:
-        from m2d_ray.evaluate.harness import check_tasks
-        from m2d_ray.evaluate.runner import check_teacher_fits
 
         check_tasks(cfg.stage3.tasks, cfg.stage3.num_fewshot)
         check_teacher_fits(cfg, teacher)  # with stage3.gpu_memory set: a teacher no node can hold fails now
@@ -66,39 +81,95 @@ class Stage3(Stage):
 
     def needs(self, p):
         """One row per model: the student (every student has its shape), the teacher and the baselines' own teachers."""
-        from m2d_ray.evaluate.placement import model_size, plan_eval
-        from m2d_ray.evaluate.runner import max_length, parse_batch
 
         c, d, m = p.cfg.stage3, p.devices, p.models
         gpus = _gpus(p.cfg)
-        models = {"student": m.student_config, **({TEACHER_KEY: m.teacher_config} if c.teacher else {}), **p.teacher_configs}
+        models = {
+            "student": m.student_config,
+            **({TEACHER_KEY: m.teacher_config} if c.teacher else {}),
+            **p.teacher_configs,
+        }
         out = []
-        found = holders(list(d.nodes), bundle(c.cpus_per_task, min(gpus, 1), c.accelerator)) if d.nodes is not None and gpus > 0 else None
-        mem = d.gpu_memory or (smallest_gpu(found) if found else None) or parse_size(c.gpu_memory)  # (checked at config load)
+        found = (
+            holders(list(d.nodes), bundle(c.cpus_per_task, min(gpus, 1), c.accelerator))
+            if d.nodes is not None and gpus > 0
+            else None
+        )
+        mem = (
+            d.gpu_memory or (smallest_gpu(found) if found else None) or parse_size(c.gpu_memory)
+        )  # (checked at config load)
         per_node = d.gpus_per_node or c.gpus_per_node or max((int(n.gpus) for n in (found or [])), default=8)
         row = partial(unit, devices=d, keys=self.keys)
         for key, config in models.items():
             size, seq, name = model_size(config), max_length(config, c.max_length), f"stage3:{key}"
             if gpus <= 0 or mem is None:
-                e = plan_eval(size, None, 0, parse_batch(c.batch_size), max_length=seq, host_bytes=d.host_memory if gpus <= 0 else None)
-                parts = {"weights": e.weights, "batch": (e.max_batch_size if c.batch_size == "auto" else e.batch_size) * e.sequence}
-                out.append(row(name, key, parts, gpus if gpus > 0 else 0, 1, bundle(c.cpus_per_task, gpus, c.accelerator),
-                               fix="a smaller stage3.batch_size or stage3.max_length"))
+                e = plan_eval(
+                    size,
+                    None,
+                    0,
+                    parse_batch(c.batch_size),
+                    max_length=seq,
+                    host_bytes=d.host_memory if gpus <= 0 else None,
+                )
+                parts = {
+                    "weights": e.weights,
+                    "batch": (e.max_batch_size if c.batch_size == "auto" else e.batch_size) * e.sequence,
+                }
+                out.append(
+                    row(
+                        name,
+                        key,
+                        parts,
+                        gpus if gpus > 0 else 0,
+                        1,
+                        bundle(c.cpus_per_task, gpus, c.accelerator),
+                        fix="a smaller stage3.batch_size or stage3.max_length",
+                    )
+                )
                 continue
             try:
-                e = plan_eval(size, mem, per_node, parse_batch(c.batch_size), gpu_fraction=gpus if gpus < 1 else None, max_length=seq, what=key)
+                e = plan_eval(
+                    size,
+                    mem,
+                    per_node,
+                    parse_batch(c.batch_size),
+                    gpu_fraction=gpus if gpus < 1 else None,
+                    max_length=seq,
+                    what=key,
+                )
             except M2DError:  # on no number of a node's GPUs: what it would need on all of them
-                parts = {"weights": int(size.weights / per_node * (1.05 if per_node > 1 else 1)), "batch": size.sequence_bytes(seq)}
-                out.append(row(name, f"{key}, sharded over {per_node}" if per_node > 1 else key, parts, 1, per_node,
-                               bundle(c.cpus_per_task, per_node, c.accelerator), fix="nodes with more or larger GPUs, or a shorter stage3.max_length",
-                               pinned_memory=mem))
+                parts = {
+                    "weights": int(size.weights / per_node * (1.05 if per_node > 1 else 1)),
+                    "batch": size.sequence_bytes(seq),
+                }
+                out.append(
+                    row(
+                        name,
+                        f"{key}, sharded over {per_node}" if per_node > 1 else key,
+                        parts,
+                        1,
+                        per_node,
+                        bundle(c.cpus_per_task, per_node, c.accelerator),
+                        fix="nodes with more or larger GPUs, or a shorter stage3.max_length",
+                        pinned_memory=mem,
+                    )
+                )
                 continue
             g = max(e.gpus, gpus) if gpus >= 1 else e.gpus
             weights = e.max_memory_per_gpu or e.weights
             per_gpu = weights + (e.max_batch_size if e.batch_size == "auto" else e.batch_size) * e.sequence
-            out.append(row(name, key, {"weights": weights, "batch": per_gpu - weights}, g if g < 1 else 1, int(max(1, g)),
-                           bundle(c.cpus_per_task, g, c.accelerator), fix="nodes with more or larger GPUs, or a shorter stage3.max_length",
-                           pinned_memory=mem))
+            out.append(
+                row(
+                    name,
+                    key,
+                    {"weights": weights, "batch": per_gpu - weights},
+                    g if g < 1 else 1,
+                    int(max(1, g)),
+                    bundle(c.cpus_per_task, g, c.accelerator),
+                    fix="nodes with more or larger GPUs, or a shorter stage3.max_length",
+                    pinned_memory=mem,
+                )
+            )
         return out
 
     def cost(self, c):
@@ -111,25 +182,41 @@ class Stage3(Stage):
         by_gpus: dict[float, list[float]] = {}
         for key, shape in models:
             plan = c.plans.get(f"stage3:{key}")
-            by_gpus.setdefault(plan.units * plan.share if plan else 0.0, []).append(tokens * forward_flops(shape, int(mean_len)))
+            by_gpus.setdefault(plan.units * plan.share if plan else 0.0, []).append(
+                tokens * forward_flops(shape, int(mean_len))
+            )
         rows = []
         for gpus, flops in sorted(by_gpus.items()):
             wanted = len(flops) if gpus > 0 else max(1, int(p.cfg.ray.num_cpus // max(s3.cpus_per_task, 1e-9)))
-            plan = c.plans.get(f"stage3:{models[0][0]}") or next(v for k, v in c.plans.items() if k.startswith("stage3"))
-            where = c.place(self.name, gpus, s3.threads_per_task, wanted, s3.accelerator, {**plan.request, "GPU": min(gpus, 1.0) if gpus else 0.0})
-            rows.append(c.stage(self.name if len(by_gpus) == 1 else f"stage3:{gpus:g}gpu", flops, where, p.cfg.plan.model_s))
+            plan = c.plans.get(f"stage3:{models[0][0]}") or next(
+                v for k, v in c.plans.items() if k.startswith("stage3")
+            )
+            where = c.place(
+                self.name,
+                gpus,
+                s3.threads_per_task,
+                wanted,
+                s3.accelerator,
+                {**plan.request, "GPU": min(gpus, 1.0) if gpus else 0.0},
+            )
+            rows.append(
+                c.stage(self.name if len(by_gpus) == 1 else f"stage3:{gpus:g}gpu", flops, where, p.cfg.plan.model_s)
+            )
         return rows if len(rows) == 1 else [side_by_side(self.name, rows)]
 
     def run(self, ctx) -> dict[str, dict]:
         return evaluate(ctx, self)
 
     def sections(self, data) -> list[Section]:
-        from m2d_ray.report.analysis import distill_rows
 
         rows = distill_rows(data)
-        marginal = figure("marginal.png", "marginal effect of scoring and grouping", partial(marginal_figure, data, rows))
-        return [Section("Stage 2 + 3: distilled students", render([distill_table(data, rows), marginal])),
-                Section("Matched parameters: MoE-to-dense against the baselines", render([matched_table(data, rows)]))]
+        marginal = figure(
+            "marginal.png", "marginal effect of scoring and grouping", partial(marginal_figure, data, rows)
+        )
+        return [
+            Section("Stage 2 + 3: distilled students", render([distill_table(data, rows), marginal])),
+            Section("Matched parameters: MoE-to-dense against the baselines", render([matched_table(data, rows)])),
+        ]
 
 
 def _gpus(cfg: SweepConfig) -> float:
@@ -139,7 +226,6 @@ def _gpus(cfg: SweepConfig) -> float:
 
 
 def _suite(c: Stage3Config) -> dict:
-    from m2d_ray.evaluate.harness import parse_tasks, text_source
 
     return {"tasks": parse_tasks(c.tasks, c.num_fewshot), "text": text_source(c.tasks), "limit": c.limit}
 
@@ -150,16 +236,21 @@ def check_suite(rd: RunDir, c: Stage3Config) -> dict:
     if rd.suite.exists():
         saved = json.loads(rd.suite.read_text())
         if saved != json.loads(json.dumps(suite)):
-            raise M2DError(f"stage 3 of {rd} used another suite ({saved['tasks']}, limit {saved['limit']}); "
-                           "keep stage3.tasks / num_fewshot / limit unchanged or use a new run directory")
+            raise M2DError(
+                f"stage 3 of {rd} used another suite ({saved['tasks']}, limit {saved['limit']}); "
+                "keep stage3.tasks / num_fewshot / limit unchanged or use a new run directory"
+            )
     return suite
 
 
 def jobs(rd: RunDir, cfg: SweepConfig, teacher: str) -> list[EvalJob]:
     """The models to evaluate: stage-2 students that were exported (to the run's storage), then the teacher and the
     baselines' own teachers."""
-    out = [EvalJob(r["key"], r["pair"], r["student_path"]) for r in rd.stage2_records()
-           if r.get("student_path") and not r.get("duplicate_of") and storage.exists(r["student_path"])]
+    out = [
+        EvalJob(r["key"], r["pair"], r["student_path"])
+        for r in rd.stage2_records()
+        if r.get("student_path") and not r.get("duplicate_of") and storage.exists(r["student_path"])
+    ]
     own = [EvalJob(b.teacher_key, b.teacher_key, b.teacher(cfg)) for b in baselines.of(cfg) if b.has_teacher]
     return out + ([EvalJob(TEACHER_KEY, TEACHER_KEY, teacher), *own] if cfg.stage3.teacher else [])
 
@@ -168,14 +259,15 @@ def mlflow_fields(r: dict) -> Logged:
     metrics = {f"acc.{name}": t["score"] for name, t in r["tasks"].items() if t.get("score") is not None}
     if r.get("mean") is not None:
         metrics["mean_acc"] = r["mean"]
-    return Logged({"stage": 3, "pair": r["pair"], "model": r["model"]}, metrics, run_tags(3, r["pair"], model_kind(r["key"])))
+    return Logged(
+        {"stage": 3, "pair": r["pair"], "model": r["model"]}, metrics, run_tags(3, r["pair"], model_kind(r["key"]))
+    )
 
 
 def evaluate(ctx, stage: Stage3) -> dict[str, dict]:
     """Evaluate every exported student (+ the teachers) of the run; returns {key: result record}."""
-    import ray  # lazy: a plan reads this module without Ray
+    import ray
 
-    from m2d_ray.evaluate.runner import data_ref, stage3_placements  # GPUs and batch per model, from memory
     from m2d_ray.stages.ray_env import failure
 
     cfg, rd, c = ctx.cfg, ctx.rd, ctx.cfg.stage3
@@ -187,21 +279,43 @@ def evaluate(ctx, stage: Stage3) -> dict[str, dict]:
     done = {r["key"]: r for r in out.ledger.records()}
     pending = [j for j in todo if done.get(j.key, {}).get("status") != "ok"]  # a failed model is tried again
     retried = sum(j.key in done for j in pending)
-    say(f"stage 3: {len(todo)} models ({c.tasks}), {len(pending)} to evaluate" + (f" ({retried} failed before: retried)" if retried else ""))
+    say(
+        f"stage 3: {len(todo)} models ({c.tasks}), {len(pending)} to evaluate"
+        + (f" ({retried} failed before: retried)" if retried else "")
+    )
     if pending:
         ctx.ray()
         gpus = _gpus(cfg)
         device = "cuda" if gpus > 0 else "cpu"
-        opts = {"num_cpus": c.cpus_per_task, "num_gpus": gpus, "max_retries": cfg.ray.max_failures,
-                **({"accelerator_type": c.accelerator} if gpus > 0 and c.accelerator else {})}
+        opts = {
+            "num_cpus": c.cpus_per_task,
+            "num_gpus": gpus,
+            "max_retries": cfg.ray.max_failures,
+            **({"accelerator_type": c.accelerator} if gpus > 0 and c.accelerator else {}),
+        }
         text = Path(suite["text"]).read_bytes() if suite["text"] else None
-        teachers = {j.key: ctx.store.put_model(j.model) for j in pending if j.key == TEACHER_KEY or j.key.startswith(f"{TEACHER_KEY}-")}
+        teachers = {
+            j.key: ctx.store.put_model(j.model)
+            for j in pending
+            if j.key == TEACHER_KEY or j.key.startswith(f"{TEACHER_KEY}-")
+        }
         task = ray.remote(_evaluate_task)
         with ctx.waiting(stage) as waiting:
             places = stage3_placements({j.key: teachers.get(j.key, j.model) for j in pending}, c, gpus, get=waiting.get)
             data = data_ref(suite["tasks"])
-            refs = {task.options(**{**opts, "num_gpus": places[j.key].gpus}).remote(
-                        teachers.get(j.key, j.model), suite["tasks"], asdict(c), device, text, places[j.key], data, ctx.store): j for j in pending}
+            refs = {
+                task.options(**{**opts, "num_gpus": places[j.key].gpus}).remote(
+                    teachers.get(j.key, j.model),
+                    suite["tasks"],
+                    asdict(c),
+                    device,
+                    text,
+                    places[j.key],
+                    data,
+                    ctx.store,
+                ): j
+                for j in pending
+            }
             while refs:
                 ready, _ = ray.wait(list(refs), num_returns=1, timeout=waiting.poll)
                 waiting.check()  # a request the autoscaler says no node type holds fails the stage
@@ -211,7 +325,9 @@ def evaluate(ctx, stage: Stage3) -> dict[str, dict]:
                 try:
                     r = {**asdict(job), "status": "ok", **ray.get(ready[0])}
                 except Exception as exc:  # one model failing does not stop the others
-                    error = failure(str(exc), "stage 3", cfg.ray.max_failures, cfg.ray.max_failures)  # Ray retried it max_retries times
+                    error = failure(
+                        str(exc), "stage 3", cfg.ray.max_failures, cfg.ray.max_failures
+                    )  # Ray retried it max_retries times
                     r = {**asdict(job), "status": "failed", "error": error[:300], "tasks": {}, "mean": None}
                 out.write(r)
                 done[job.key] = r
@@ -226,16 +342,12 @@ def evaluate(ctx, stage: Stage3) -> dict[str, dict]:
     return done
 
 
-def _evaluate_task(model: str, suite: list, c: dict, device: str, text: bytes | None, placement=None, data=None, store=None) -> dict:
+def _evaluate_task(
+    model: str, suite: list, c: dict, device: str, text: bytes | None, placement=None, data=None, store=None
+) -> dict:
     """A Ray task on any node: fetch and load one model (sharded over its GPUs when its placement says so),
     run the lm-eval suite on it (1 thread on CPU: tasks run side by side). A text:PATH task's file arrives
     as bytes and the paper suite's data as a Ray object (the node need not see the driver's disk)."""
-    import tempfile
-
-    import torch
-
-    from m2d_ray.evaluate.paper_data import ensure
-    from m2d_ray.evaluate.runner import evaluate_model
 
     if store is not None:
         store.ensure_visible()  # this node sees the run's storage (checked once per node)

@@ -9,19 +9,45 @@ student and the checkpoints go to the storage too (`RunStorage`, keyed by the tr
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from m2d_ray.distill.config import DistillConfig
 from m2d_ray.distill.loop import DistillJob
 from m2d_ray.stages.run_storage import RunStorage
 
 
-def job(store: RunStorage, key: str | None, teacher: str, cfg: DistillConfig, eval_data: str, *, build: Callable | None = None,
-        init: str | None = None, stop: Callable[[], bool] | None = None, max_failures: int = 0, tokens: str | None = None,
-        targets: str | None = None, target_spec=None) -> DistillJob:
+def job(
+    store: RunStorage,
+    key: str | None,
+    teacher: str,
+    cfg: DistillConfig,
+    eval_data: str,
+    *,
+    build: Callable | None = None,
+    init: str | None = None,
+    stop: Callable[[], bool] | None = None,
+    max_failures: int = 0,
+    tokens: str | None = None,
+    targets: str | None = None,
+    target_spec=None,
+) -> DistillJob:
     """The job of distilling student `key` from `teacher` (names and URLs the workers reach), reading the run's token
-    shards `tokens` and, when cached, the teacher's `targets` of `target_spec` (then the workers load no teacher weights)."""
+    shards `tokens` and, when cached, the teacher's `targets` of `target_spec` (then the workers load no teacher
+    weights)."""
     checkpoints, name = store.checkpoints(key)
-    return DistillJob(teacher, init or store.initial(key), cfg, eval_data, out=store.student(key),
-                      device="cuda" if cfg.gpus_per_worker > 0 else "cpu", stop=stop, build=None if init else build, tokens=tokens,
-                      targets=targets, target_spec=target_spec, checkpoints=checkpoints, run_name=name, max_failures=max_failures)
+    return DistillJob(
+        teacher,
+        init or store.initial(key),
+        cfg,
+        eval_data,
+        out=store.student(key),
+        device="cuda" if cfg.gpus_per_worker > 0 else "cpu",
+        stop=stop,
+        build=None if init else build,
+        tokens=tokens,
+        targets=targets,
+        target_spec=target_spec,
+        checkpoints=checkpoints,
+        run_name=name,
+        max_failures=max_failures,
+    )

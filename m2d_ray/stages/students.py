@@ -13,9 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from m2d_ray.distill.config import DistillConfig
+from m2d_ray.models import load_tokenizer
 from m2d_ray.run_dir import RunDir
 from m2d_ray.stages.baselines import Baseline, of
 from m2d_ray.stages.record import StageRecorder
+
+# Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
 
 
 @dataclass(frozen=True)
@@ -34,8 +37,12 @@ class Student:
 def students(promotions: dict, baselines: list[Baseline], only: tuple[str, ...] = ()) -> list[Student]:
     """Promoted students best-first (ASHA meets strong students early), then the baselines; `only` keeps those
     (scoring/grouping) pairs."""
-    pairs = sorted(((p, v) for p, v in promotions["pairs"].items() if not only or p in only), key=lambda kv: kv[1]["ppl"])
-    return [Student(p["key"], pair, p["ppl"]) for pair, p in pairs] + [Student(b.key, b.name, None, b.name) for b in baselines]
+    pairs = sorted(
+        ((p, v) for p, v in promotions["pairs"].items() if not only or p in only), key=lambda kv: kv[1]["ppl"]
+    )
+    return [Student(p["key"], pair, p["ppl"]) for pair, p in pairs] + [
+        Student(b.key, b.name, None, b.name) for b in baselines
+    ]
 
 
 def duplicates(todo: list[Student], plans: dict) -> dict[str, str]:
@@ -106,7 +113,6 @@ class Reads:
 def reads(ctx, waiting, baselines: list[Baseline]) -> Reads:
     """The students' reads (`baselines`: those whose teachers they need), made into the run's storage where missing:
     the text copied once, each teacher's tokens by Ray Data and, with stage2.targets cached, its targets pass."""
-    from m2d_ray.models import load_tokenizer
     from m2d_ray.stages.shards import targets, tokens
 
     cfg, store = ctx.cfg, ctx.store
@@ -120,5 +126,9 @@ def reads(ctx, waiting, baselines: list[Baseline]) -> Reads:
             teachers[urls[name]] = (name, b.distill_config(distill))
     toks = {t: waiting.call(tokens, store, t, load_tokenizer(name), x, eval_data) for t, (name, x) in teachers.items()}
     spec = cfg.target_spec()  # the teacher once: its targets cached for every student
-    targ = {t: waiting.call(targets, store, t, toks[t], spec, x, cfg.calib, cfg.ray) for t, (_, x) in teachers.items()} if spec else {}
+    targ = (
+        {t: waiting.call(targets, store, t, toks[t], spec, x, cfg.calib, cfg.ray) for t, (_, x) in teachers.items()}
+        if spec
+        else {}
+    )
     return Reads(ctx.workers_teacher, eval_data, distill, urls, toks, targ)

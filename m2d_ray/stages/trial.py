@@ -7,7 +7,7 @@ forwards them with `tune.report`, and tests can call it directly.
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor

@@ -16,15 +16,36 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
 
 from m2d_ray.cli import main
 from m2d_ray.models import default_teacher
-from conftest import ROOT
 
 TINY = ROOT / "experiments" / "tiny.yaml"
 #: words that tell the user what to do next; every error line has one
-ACTIONS = ("give", "choose", "pass", "use", "resume", "recalibrate", "re-download", "did you mean", "write", "drop", "add",
-           "start", "check", "move", "keep", "see", "list", "make", "finish", "fix", "run `")
+ACTIONS = (
+    "give",
+    "choose",
+    "pass",
+    "use",
+    "resume",
+    "recalibrate",
+    "re-download",
+    "did you mean",
+    "write",
+    "drop",
+    "add",
+    "start",
+    "check",
+    "move",
+    "keep",
+    "see",
+    "list",
+    "make",
+    "finish",
+    "fix",
+    "run `",
+)
 
 
 def _poison(path: Path, key_part: str) -> None:
@@ -42,9 +63,16 @@ def _dense_twin(moe_dir: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
     moe = AutoConfig.from_pretrained(moe_dir)
-    cfg = Qwen3Config(vocab_size=moe.vocab_size, hidden_size=moe.hidden_size, num_hidden_layers=moe.num_hidden_layers,
-                      num_attention_heads=moe.num_attention_heads, num_key_value_heads=moe.num_key_value_heads, head_dim=moe.head_dim,
-                      intermediate_size=moe.num_experts * moe.moe_intermediate_size, max_position_embeddings=256)
+    cfg = Qwen3Config(
+        vocab_size=moe.vocab_size,
+        hidden_size=moe.hidden_size,
+        num_hidden_layers=moe.num_hidden_layers,
+        num_attention_heads=moe.num_attention_heads,
+        num_key_value_heads=moe.num_key_value_heads,
+        head_dim=moe.head_dim,
+        intermediate_size=moe.num_experts * moe.moe_intermediate_size,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
     AutoTokenizer.from_pretrained(moe_dir).save_pretrained(out)
@@ -57,26 +85,53 @@ def w(tmp_path_factory, tiny_teacher_dir):
 
     from m2d_ray.artifacts import write_marker
     from m2d_ray.calibrate.artifact import MANIFEST_FILE, STATS_FILE
-    from m2d_ray.config import dump_config, load_config
     from m2d_ray.commands.calibrate import run_calibrate
     from m2d_ray.commands.convert import convert_one
+    from m2d_ray.config import dump_config, load_config
 
     root = tmp_path_factory.mktemp("bad_inputs")
-    p = {name: root / name for name in ("teacher", "nan_teacher", "trunc_teacher", "garbage_teacher", "unsharded_teacher", "stats",
-                                        "corrupt_stats", "nan_stats", "other_stats", "student", "nan_student", "trunc_student",
-                                        "llama", "granite", "run", "work", "tmp", "dense", "nan_dense")}
+    p = {
+        name: root / name
+        for name in (
+            "teacher",
+            "nan_teacher",
+            "trunc_teacher",
+            "garbage_teacher",
+            "unsharded_teacher",
+            "stats",
+            "corrupt_stats",
+            "nan_stats",
+            "other_stats",
+            "student",
+            "nan_student",
+            "trunc_student",
+            "llama",
+            "granite",
+            "run",
+            "work",
+            "tmp",
+            "dense",
+            "nan_dense",
+        )
+    }
     for name in ("teacher", "nan_teacher", "trunc_teacher", "garbage_teacher", "unsharded_teacher"):
         shutil.copytree(tiny_teacher_dir, p[name])
     _poison(p["nan_teacher"] / "model.safetensors", "experts")
     weights = p["trunc_teacher"] / "model.safetensors"
     os.truncate(weights, weights.stat().st_size // 2)
     (p["garbage_teacher"] / "model.safetensors").write_bytes(b"\xff" * 64 + b"not a checkpoint")
-    (p["unsharded_teacher"] / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    (p["unsharded_teacher"] / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})
+    )
     _dense_twin(tiny_teacher_dir, p["dense"])
     shutil.copytree(p["dense"], p["nan_dense"])
     _poison(p["nan_dense"] / "model.safetensors", "mlp")
-    LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=32).save_pretrained(p["llama"])
-    GraniteMoeConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=32).save_pretrained(p["granite"])
+    LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=32
+    ).save_pretrained(p["llama"])
+    GraniteMoeConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=32
+    ).save_pretrained(p["granite"])
 
     run_calibrate(str(p["teacher"]), "synthetic:valid", p["stats"], max_tokens=2048, seq_len=64)
     for name in ("corrupt_stats", "nan_stats", "other_stats"):
@@ -87,8 +142,10 @@ def w(tmp_path_factory, tiny_teacher_dir):
     _poison(p["nan_stats"] / STATS_FILE, "gram")
     from m2d_ray.artifacts import sha256_file
 
-    for name, edit in (("nan_stats", lambda m: m.update(sha256=sha256_file(p["nan_stats"] / STATS_FILE))),
-                       ("other_stats", lambda m: m["model"].update(name="some/other-moe", config_sha256="0" * 64))):
+    for name, edit in (
+        ("nan_stats", lambda m: m.update(sha256=sha256_file(p["nan_stats"] / STATS_FILE))),
+        ("other_stats", lambda m: m["model"].update(name="some/other-moe", config_sha256="0" * 64)),
+    ):
         manifest = json.loads((p[name] / MANIFEST_FILE).read_text())
         edit(manifest)
         (p[name] / MANIFEST_FILE).write_text(json.dumps(manifest))
@@ -107,8 +164,14 @@ def w(tmp_path_factory, tiny_teacher_dir):
 
     p["work"].mkdir()
     p["tmp"].mkdir()
-    texts = {"empty.txt": b"", "short.txt": b"the court", "binary.bin": bytes(range(256)) * 64, "notes.txt": b"my notes\n",
-             "bad.yaml": b"grid: [sf, pp\nname: x\n", "typo.yaml": b"include: " + str(TINY).encode() + b"\ngrid:\n  scorng: [sf]\n"}
+    texts = {
+        "empty.txt": b"",
+        "short.txt": b"the court",
+        "binary.bin": bytes(range(256)) * 64,
+        "notes.txt": b"my notes\n",
+        "bad.yaml": b"grid: [sf, pp\nname: x\n",
+        "typo.yaml": b"include: " + str(TINY).encode() + b"\ngrid:\n  scorng: [sf]\n",
+    }
     for name, data in texts.items():
         (p["work"] / name).write_bytes(data)
     (p["work"] / "mine").mkdir()
@@ -121,11 +184,21 @@ def w(tmp_path_factory, tiny_teacher_dir):
     for name in ("shards", "broken"):
         (p["work"] / name).mkdir()
         for i in range(2):
-            pq.write_table(pa.table({"content": ["the court ruled on the case"] * 20}), p["work"] / name / f"part-{i}.parquet")
+            pq.write_table(
+                pa.table({"content": ["the court ruled on the case"] * 20}), p["work"] / name / f"part-{i}.parquet"
+            )
     shards = f"{p['work'] / 'shards'}#column=content"  # the run started on these files, one of them then smaller
-    files = [[str((p["work"] / "shards" / f"part-{i}.parquet").resolve()), 1 if i else os.path.getsize(p["work"] / "shards" / "part-0.parquet"), 1]
-             for i in range(2)]
-    (p["run"] / "corpora.json").write_text(json.dumps({"eval.data": {"spec": shards, "column": "content", "files": files}}))
+    files = [
+        [
+            str((p["work"] / "shards" / f"part-{i}.parquet").resolve()),
+            1 if i else os.path.getsize(p["work"] / "shards" / "part-0.parquet"),
+            1,
+        ]
+        for i in range(2)
+    ]
+    (p["run"] / "corpora.json").write_text(
+        json.dumps({"eval.data": {"spec": shards, "column": "content", "files": files}})
+    )
     raw = (p["work"] / "broken" / "part-1.parquet").read_bytes()
     (p["work"] / "broken" / "part-1.parquet").write_bytes(raw[: len(raw) // 2])
     p["root"] = root
@@ -133,7 +206,18 @@ def w(tmp_path_factory, tiny_teacher_dir):
 
 
 def _conv(w, *extra):
-    return ["convert", "--model", str(w["teacher"]), "--stats", str(w["stats"]), "--K", "2", "--out", "student_out", *extra]
+    return [
+        "convert",
+        "--model",
+        str(w["teacher"]),
+        "--stats",
+        str(w["stats"]),
+        "--K",
+        "2",
+        "--out",
+        "student_out",
+        *extra,
+    ]
 
 
 def _prune(w, *extra):
@@ -151,9 +235,38 @@ CASES = {
     "convert out is a foreign dir": (lambda w: _conv(w)[:-1] + ["mine"], "m2d did not write"),
     "convert out is under a file": (lambda w: _conv(w)[:-1] + ["notes.txt/student"], "which is a file"),
     "convert out holds a student, no --overwrite": (lambda w: _conv(w)[:-1] + [str(w["student"])], "pass --overwrite"),
-    "calibrate out holds a student": (lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "synthetic:valid", "--out", str(w["student"])], "holds an m2d student, not a statistics"),
-    "calibrate out holds other stats": (lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "synthetic:valid", "--max-tokens", "1024", "--seq-len", "64", "--out", str(w["stats"])], "pass --overwrite"),
-    "distill out is a file": (lambda w: ["distill", "--student", str(w["student"]), "--eval-data", "synthetic:valid", "--out", "notes.txt"], "is an existing file"),
+    "calibrate out holds a student": (
+        lambda w: [
+            "calibrate",
+            "--model",
+            str(w["teacher"]),
+            "--calib-data",
+            "synthetic:valid",
+            "--out",
+            str(w["student"]),
+        ],
+        "holds an m2d student, not a statistics",
+    ),
+    "calibrate out holds other stats": (
+        lambda w: [
+            "calibrate",
+            "--model",
+            str(w["teacher"]),
+            "--calib-data",
+            "synthetic:valid",
+            "--max-tokens",
+            "1024",
+            "--seq-len",
+            "64",
+            "--out",
+            str(w["stats"]),
+        ],
+        "pass --overwrite",
+    ),
+    "distill out is a file": (
+        lambda w: ["distill", "--student", str(w["student"]), "--eval-data", "synthetic:valid", "--out", "notes.txt"],
+        "is an existing file",
+    ),
     "run out is a foreign dir": (lambda w: ["run", str(TINY), "--out", "mine"], "m2d did not write"),
     "run out is an existing run": (lambda w: ["run", str(TINY), "--out", str(w["run"])], "--resume"),
     # methods, K, keys, overrides, YAML
@@ -163,7 +276,10 @@ CASES = {
     "unknown scoring": (lambda w: _conv(w, "--scoring", "do_acp"), "did you mean 'do-acp'"),
     "unknown grouping": (lambda w: _conv(w, "--grouping", "kmeans"), "unknown grouping"),
     "unknown scaling": (lambda w: _conv(w, "--scaling", "proportionl"), "did you mean 'proportional'"),
-    "unknown baseline": (lambda w: ["convert", "--model", str(w["teacher"]), "--baseline", "random", "--out", "b"], "unknown baseline"),
+    "unknown baseline": (
+        lambda w: ["convert", "--model", str(w["teacher"]), "--baseline", "random", "--out", "b"],
+        "unknown baseline",
+    ),
     "unknown option": (lambda w: _conv(w, "--scorings", "sf"), "unrecognized arguments"),
     "bad YAML": (lambda w: ["run", "bad.yaml"], "not valid YAML"),
     "unknown config key": (lambda w: ["run", "typo.yaml"], "did you mean grid.scoring"),
@@ -171,83 +287,268 @@ CASES = {
     "override of a wrong type": (lambda w: _run("distill.steps=many"), "should be int"),
     "empty grid list": (lambda w: _run("grid.scoring=[]"), "grid.scoring is empty"),
     "grid K outside [k, E]": (lambda w: _run("grid.K=[1,2]"), "outside [k, E]"),
-    "unknown distill key": (lambda w: ["distill", "--student", str(w["student"]), "--eval-data", "synthetic:valid", "--out", "d", "lrr=1"], "did you mean distill.lr"),
+    "unknown distill key": (
+        lambda w: ["distill", "--student", str(w["student"]), "--eval-data", "synthetic:valid", "--out", "d", "lrr=1"],
+        "did you mean distill.lr",
+    ),
     "config file missing": (lambda w: ["run", "missing.yaml"], "not found"),
     # models
     "model missing": (lambda w: _conv(w, "--model", "/nonexistent/model"), "not found"),
     "model is a file": (lambda w: _conv(w, "--model", "notes.txt"), "is a file"),
     "non-MoE model": (lambda w: _conv(w, "--model", str(w["llama"])), "'llama' is not a supported"),
     "unsupported MoE family": (lambda w: _conv(w, "--model", str(w["granite"])), "'granitemoe' is not a supported"),
-    "NaN in a teacher expert": (lambda w: ["convert", "--model", str(w["nan_teacher"]), "--calib-data", "synthetic:valid", "--out", "s"], "expert 0) has 1 NaN"),
-    "NaN in a teacher expert, streamed calibration": (lambda w: ["convert", "--model", str(w["nan_teacher"]), "--calib-data", "synthetic:valid", "--stream", "--out", "s"], "expert 0) has 1 NaN"),
-    "memory budget not a size": (lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "synthetic:valid", "--max-memory", "lots", "--out", "s"], "'lots' not understood"),
-    "calib.max_memory not a size": (lambda w: _run("calib.max_memory=lots"), "calib.max_memory: memory size 'lots' not understood"),
+    "NaN in a teacher expert": (
+        lambda w: ["convert", "--model", str(w["nan_teacher"]), "--calib-data", "synthetic:valid", "--out", "s"],
+        "expert 0) has 1 NaN",
+    ),
+    "NaN in a teacher expert, streamed calibration": (
+        lambda w: [
+            "convert",
+            "--model",
+            str(w["nan_teacher"]),
+            "--calib-data",
+            "synthetic:valid",
+            "--stream",
+            "--out",
+            "s",
+        ],
+        "expert 0) has 1 NaN",
+    ),
+    "memory budget not a size": (
+        lambda w: [
+            "calibrate",
+            "--model",
+            str(w["teacher"]),
+            "--calib-data",
+            "synthetic:valid",
+            "--max-memory",
+            "lots",
+            "--out",
+            "s",
+        ],
+        "'lots' not understood",
+    ),
+    "calib.max_memory not a size": (
+        lambda w: _run("calib.max_memory=lots"),
+        "calib.max_memory: memory size 'lots' not understood",
+    ),
     "truncated teacher checkpoint": (lambda w: _conv(w, "--model", str(w["trunc_teacher"])), "truncated"),
-    "garbage teacher checkpoint": (lambda w: _conv(w, "--model", str(w["garbage_teacher"])), "not a whole safetensors file"),
-    "shard named in the index is missing": (lambda w: _conv(w, "--model", str(w["unsharded_teacher"])), "lacks 1 weight file"),
-    "NaN teacher in a run (driver scan)": (lambda w: _run(f"model={w['nan_teacher']}", "stage2.baselines=[random-init]"), "has 1 NaN"),
-    "d2d without its dense teacher": (lambda w: _run(f"model={w['nan_teacher']}"), "no stage2.d2d_teacher: give the dense model matched"),
-    "d2d teacher is an MoE model": (lambda w: _run(f"stage2.d2d_teacher={default_teacher()}"), "is a Mixture-of-Experts model"),
-    "teacher-topk below k": (lambda w: ["distill", "--student", str(w["student"]), "--teacher", str(w["teacher"]), "--teacher-topk", "1", "--eval-data", "synthetic:valid", "--out", "d"], "outside [k, E]"),
+    "garbage teacher checkpoint": (
+        lambda w: _conv(w, "--model", str(w["garbage_teacher"])),
+        "not a whole safetensors file",
+    ),
+    "shard named in the index is missing": (
+        lambda w: _conv(w, "--model", str(w["unsharded_teacher"])),
+        "lacks 1 weight file",
+    ),
+    "NaN teacher in a run (driver scan)": (
+        lambda w: _run(f"model={w['nan_teacher']}", "stage2.baselines=[random-init]"),
+        "has 1 NaN",
+    ),
+    "d2d without its dense teacher": (
+        lambda w: _run(f"model={w['nan_teacher']}"),
+        "no stage2.d2d_teacher: give the dense model matched",
+    ),
+    "d2d teacher is an MoE model": (
+        lambda w: _run(f"stage2.d2d_teacher={default_teacher()}"),
+        "is a Mixture-of-Experts model",
+    ),
+    "teacher-topk below k": (
+        lambda w: [
+            "distill",
+            "--student",
+            str(w["student"]),
+            "--teacher",
+            str(w["teacher"]),
+            "--teacher-topk",
+            "1",
+            "--eval-data",
+            "synthetic:valid",
+            "--out",
+            "d",
+        ],
+        "outside [k, E]",
+    ),
     # students
-    "distill student missing": (lambda w: ["distill", "--student", "/missing", "--eval-data", "synthetic:valid", "--out", "d"], "neither a model directory nor a baseline"),
-    "distill student truncated": (lambda w: ["distill", "--student", str(w["trunc_student"]), "--eval-data", "synthetic:valid", "--out", "d"], "truncated"),
-    "eval model with a NaN weight": (lambda w: ["eval", "--model", str(w["nan_student"]), "--tasks", "local"], "has 1 NaN"),
+    "distill student missing": (
+        lambda w: ["distill", "--student", "/missing", "--eval-data", "synthetic:valid", "--out", "d"],
+        "neither a model directory nor a baseline",
+    ),
+    "distill student truncated": (
+        lambda w: ["distill", "--student", str(w["trunc_student"]), "--eval-data", "synthetic:valid", "--out", "d"],
+        "truncated",
+    ),
+    "eval model with a NaN weight": (
+        lambda w: ["eval", "--model", str(w["nan_student"]), "--tasks", "local"],
+        "has 1 NaN",
+    ),
     # statistics
     "stats dir missing": (lambda w: _conv(w, "--stats", "/nonexistent/stats"), "not a statistics directory"),
     "stats corrupted": (lambda w: _conv(w, "--stats", str(w["corrupt_stats"])), "checksum"),
     "stats with NaN": (lambda w: _conv(w, "--stats", str(w["nan_stats"])), "has 1 NaN"),
     "stats of another teacher": (lambda w: _conv(w, "--stats", str(w["other_stats"])), "computed for some/other-moe"),
     # data
-    "calibration text empty": (lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "empty.txt", "--out", "s"], "empty"),
-    "calibration text too short": (lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "short.txt", "--out", "s"], "at least"),
-    "calibration text binary": (lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "binary.bin", "--out", "s"], "not a UTF-8 text file"),
-    "calibration data is a directory without corpus files": (lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "mine", "--out", "s"], "is a directory with no .parquet"),
-    "calibration split unknown": (lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "synthetic:dev", "--out", "s"], "unknown split"),
-    "convert eval data missing (before any work)": (lambda w: _conv(w, "--eval-data", "/missing.txt"), "neither a file"),
-    "distill eval data missing": (lambda w: ["distill", "--student", str(w["student"]), "--eval-data", "/missing.txt", "--out", "d"], "neither a file"),
-    "distill train data missing": (lambda w: ["distill", "--student", str(w["student"]), "--eval-data", "synthetic:valid", "--train-data", "/missing.jsonl", "--out", "d"], "neither a file"),
+    "calibration text empty": (
+        lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "empty.txt", "--out", "s"],
+        "empty",
+    ),
+    "calibration text too short": (
+        lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "short.txt", "--out", "s"],
+        "at least",
+    ),
+    "calibration text binary": (
+        lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "binary.bin", "--out", "s"],
+        "not a UTF-8 text file",
+    ),
+    "calibration data is a directory without corpus files": (
+        lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "mine", "--out", "s"],
+        "is a directory with no .parquet",
+    ),
+    "calibration split unknown": (
+        lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "synthetic:dev", "--out", "s"],
+        "unknown split",
+    ),
+    "convert eval data missing (before any work)": (
+        lambda w: _conv(w, "--eval-data", "/missing.txt"),
+        "neither a file",
+    ),
+    "distill eval data missing": (
+        lambda w: ["distill", "--student", str(w["student"]), "--eval-data", "/missing.txt", "--out", "d"],
+        "neither a file",
+    ),
+    "distill train data missing": (
+        lambda w: [
+            "distill",
+            "--student",
+            str(w["student"]),
+            "--eval-data",
+            "synthetic:valid",
+            "--train-data",
+            "/missing.jsonl",
+            "--out",
+            "d",
+        ],
+        "neither a file",
+    ),
     "run train data missing": (lambda w: _run("distill.train_data=/missing.txt"), "neither a file"),
-    "train data glob matches nothing": (lambda w: _run("distill.train_data=shards/*.jsonl.gz"), "no file matches shards/*.jsonl.gz"),
-    "train data shard without the column": (lambda w: _run("distill.train_data=shards"), "part-0.parquet has no column 'text' (columns: content)"),
-    "train data shard corrupt": (lambda w: ["distill", "--student", str(w["student"]), "--eval-data", "synthetic:valid", "--train-data", "broken#column=content", "--out", "d"], "part-1.parquet is corrupt"),
-    "train data shorter than the budget": (lambda w: _run("distill.train_data=shards#column=content"), "but the budget needs 320"),
-    "calibration data on the hub, offline without a cache": (lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "hf:nobody/no-such-corpus", "--out", "s"],
-                                                             "offline); run once online", {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}),
+    "train data glob matches nothing": (
+        lambda w: _run("distill.train_data=shards/*.jsonl.gz"),
+        "no file matches shards/*.jsonl.gz",
+    ),
+    "train data shard without the column": (
+        lambda w: _run("distill.train_data=shards"),
+        "part-0.parquet has no column 'text' (columns: content)",
+    ),
+    "train data shard corrupt": (
+        lambda w: [
+            "distill",
+            "--student",
+            str(w["student"]),
+            "--eval-data",
+            "synthetic:valid",
+            "--train-data",
+            "broken#column=content",
+            "--out",
+            "d",
+        ],
+        "part-1.parquet is corrupt",
+    ),
+    "train data shorter than the budget": (
+        lambda w: _run("distill.train_data=shards#column=content"),
+        "but the budget needs 320",
+    ),
+    "calibration data on the hub, offline without a cache": (
+        lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "hf:nobody/no-such-corpus", "--out", "s"],
+        "offline); run once online",
+        {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
+    ),
     # tasks
-    "unknown lm-eval task": (lambda w: ["eval", "--model", str(w["student"]), "--tasks", "hellaswagg"], "did you mean hellaswag"),
+    "unknown lm-eval task": (
+        lambda w: ["eval", "--model", str(w["student"]), "--tasks", "hellaswagg"],
+        "did you mean hellaswag",
+    ),
     "bad task spec": (lambda w: ["eval", "--model", str(w["student"]), "--tasks", "hellaswag:ten"], "name:shots"),
-    "text task file missing": (lambda w: ["eval", "--model", str(w["student"]), "--tasks", "text:/missing.txt"], "is not a file"),
+    "text task file missing": (
+        lambda w: ["eval", "--model", str(w["student"]), "--tasks", "text:/missing.txt"],
+        "is not a file",
+    ),
     "unknown task in a run config": (lambda w: _run("stage3.tasks=arc_easyy"), "did you mean arc_easy"),
     # runs
-    "run: a stage no node type holds (before calibration)": (lambda w: _run("distill.gpus_per_worker=1"), "stage2: no node type can ever hold one rank (CPU 1, GPU 1"),
-    "run: a stage over its device's memory (before calibration)": (lambda w: _run("distill.batch_size=100000", "distill.seq_len=1024"), "stage2: one rank needs"),
+    "run: a stage no node type holds (before calibration)": (
+        lambda w: _run("distill.gpus_per_worker=1"),
+        "stage2: no node type can ever hold one rank (CPU 1, GPU 1",
+    ),
+    "run: a stage over its device's memory (before calibration)": (
+        lambda w: _run("distill.batch_size=100000", "distill.seq_len=1024"),
+        "stage2: one rank needs",
+    ),
     "run: unknown GPU type": (lambda w: _run("stage3.accelerator=H1OO"), "did you mean H100"),
-    "plan: a config that does not fit": (lambda w: ["plan", str(TINY), "distill.batch_size=100000", "distill.seq_len=1024"], "distill.gradient_checkpointing=true"),
+    "plan: a config that does not fit": (
+        lambda w: ["plan", str(TINY), "distill.batch_size=100000", "distill.seq_len=1024"],
+        "distill.gradient_checkpointing=true",
+    ),
     "plan: cluster config missing": (lambda w: ["plan", str(TINY), "--cluster", "missing.yaml"], "not found"),
-    "plan: a CPU efficiency above 1": (lambda w: ["plan", str(TINY), "plan.cpu_efficiency=1.5"], "plan.cpu_efficiency=1.5 must be in (0, 1]"),
-    "run: over plan.max_dollars (before calibration)": (lambda w: [*_run("distill.gpus_per_worker=1", "distill.accelerator=H100", "plan.max_dollars=0.01"),
-                                                                   "--cluster", str(ROOT / "cluster.yaml")], "but plan.max_dollars is $0.01"),
+    "plan: a CPU efficiency above 1": (
+        lambda w: ["plan", str(TINY), "plan.cpu_efficiency=1.5"],
+        "plan.cpu_efficiency=1.5 must be in (0, 1]",
+    ),
+    "run: over plan.max_dollars (before calibration)": (
+        lambda w: [
+            *_run("distill.gpus_per_worker=1", "distill.accelerator=H100", "plan.max_dollars=0.01"),
+            "--cluster",
+            str(ROOT / "cluster.yaml"),
+        ],
+        "but plan.max_dollars is $0.01",
+    ),
     "resume of a directory that is no run": (lambda w: ["run", "--resume", "mine"], "not an m2d run directory"),
-    "resume with a changed grid": (lambda w: ["run", "--resume", str(w["run"]), "grid.K=[4]"], "grid differ from stage 1"),
-    "resume against a changed corpus": (lambda w: ["run", "--resume", str(w["run"]), f"eval.data={w['work'] / 'shards'}#column=content"],
-                                        "part-0.parquet modified; "),
-    "sweep resume with overrides": (lambda w: ["sweep", "--resume", str(w["run"]), "grid.K=[4]"], "reuses the run's saved config"),
+    "resume with a changed grid": (
+        lambda w: ["run", "--resume", str(w["run"]), "grid.K=[4]"],
+        "grid differ from stage 1",
+    ),
+    "resume against a changed corpus": (
+        lambda w: ["run", "--resume", str(w["run"]), f"eval.data={w['work'] / 'shards'}#column=content"],
+        "part-0.parquet modified; ",
+    ),
+    "sweep resume with overrides": (
+        lambda w: ["sweep", "--resume", str(w["run"]), "grid.K=[4]"],
+        "reuses the run's saved config",
+    ),
     "report of a directory that is no run": (lambda w: ["report", "mine"], "not an m2d run directory"),
     "stage 2 without a stage 1": (lambda w: ["sweep", str(TINY), "stage=2"], "add --resume"),
     # dense-to-dense pruning
-    "prune-dense of an MoE teacher": (lambda w: _prune(w, "--model", str(w["teacher"]), "--target-params", "50000"), "is a Mixture-of-Experts model"),
+    "prune-dense of an MoE teacher": (
+        lambda w: _prune(w, "--model", str(w["teacher"]), "--target-params", "50000"),
+        "is a Mixture-of-Experts model",
+    ),
     "prune-dense without a budget or sizes": (lambda w: _prune(w), "give exactly one of"),
-    "prune-dense with a budget and sizes": (lambda w: _prune(w, "--target-params", "50000", "--ffn", "32"), "give exactly one of"),
+    "prune-dense with a budget and sizes": (
+        lambda w: _prune(w, "--target-params", "50000", "--ffn", "32"),
+        "give exactly one of",
+    ),
     "prune-dense heads not whole groups": (lambda w: _prune(w, "--heads", "1"), "not a multiple of 2"),
     "prune-dense size above the teacher's": (lambda w: _prune(w, "--ffn", "4096"), "--ffn 4096 is outside [1, 128]"),
     "prune-dense size not positive (argparse)": (lambda w: _prune(w, "--layers", "0"), "must be positive"),
-    "prune-dense budget above the teacher": (lambda w: _prune(w, "--target-params", "100000000"), "not below the teacher's"),
+    "prune-dense budget above the teacher": (
+        lambda w: _prune(w, "--target-params", "100000000"),
+        "not below the teacher's",
+    ),
     "prune-dense budget too small": (lambda w: _prune(w, "--target-params", "100"), "candidate shape"),
-    "prune-dense match is no MoE": (lambda w: _prune(w, "--match", str(w["dense"])), "'qwen3' is not a supported Mixture-of-Experts"),
-    "prune-dense out holds a student": (lambda w: [*_prune(w)[:-1], str(w["student"]), "--ffn", "32"], "holds an m2d student, not a pruned"),
-    "prune-dense calibration text too short": (lambda w: _prune(w, "--ffn", "32", "--calib-data", "short.txt"), "at least"),
-    "prune-dense eval data missing": (lambda w: _prune(w, "--ffn", "32", "--eval-data", "/missing.txt"), "neither a file"),
+    "prune-dense match is no MoE": (
+        lambda w: _prune(w, "--match", str(w["dense"])),
+        "'qwen3' is not a supported Mixture-of-Experts",
+    ),
+    "prune-dense out holds a student": (
+        lambda w: [*_prune(w)[:-1], str(w["student"]), "--ffn", "32"],
+        "holds an m2d student, not a pruned",
+    ),
+    "prune-dense calibration text too short": (
+        lambda w: _prune(w, "--ffn", "32", "--calib-data", "short.txt"),
+        "at least",
+    ),
+    "prune-dense eval data missing": (
+        lambda w: _prune(w, "--ffn", "32", "--eval-data", "/missing.txt"),
+        "neither a file",
+    ),
     "prune-dense NaN in the teacher": (lambda w: _prune(w, "--model", str(w["nan_dense"]), "--ffn", "32"), "has 1 NaN"),
 }
 
@@ -294,4 +595,14 @@ def test_bad_input(case, w, capfd, monkeypatch):
 def test_the_matrix_covers_every_command():
     fake = collections.defaultdict(lambda: Path("x"))
     assert len(CASES) >= 30
-    assert {build(fake)[0] for build, *_ in CASES.values()} == {"convert", "calibrate", "distill", "eval", "run", "sweep", "report", "prune-dense", "plan"}
+    assert {build(fake)[0] for build, *_ in CASES.values()} == {
+        "convert",
+        "calibrate",
+        "distill",
+        "eval",
+        "run",
+        "sweep",
+        "report",
+        "prune-dense",
+        "plan",
+    }

@@ -30,15 +30,48 @@ def calib_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stats_dir(tiny_teacher_dir, calib_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("stats") / "stats"
-    assert main(["calibrate", "--model", str(tiny_teacher_dir), "--calib-data", str(calib_file), "--max-tokens", "2048", "--seq-len", "64", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "calibrate",
+                "--model",
+                str(tiny_teacher_dir),
+                "--calib-data",
+                str(calib_file),
+                "--max-tokens",
+                "2048",
+                "--seq-len",
+                "64",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     return out
 
 
 def test_calibrate_then_convert_prints_plan_and_ppl(capsys, tiny_teacher_dir, stats_dir, tmp_path):
     out_dir = tmp_path / "student"
     code, out, err = run(
-        capsys, "convert", "--model", str(tiny_teacher_dir), "--stats", str(stats_dir), "--scoring", "do-acp",
-        "--grouping", "oc", "--scaling", "proportional", "--K", "4", "--eval-data", "synthetic:test", "--out", str(out_dir),
+        capsys,
+        "convert",
+        "--model",
+        str(tiny_teacher_dir),
+        "--stats",
+        str(stats_dir),
+        "--scoring",
+        "do-acp",
+        "--grouping",
+        "oc",
+        "--scaling",
+        "proportional",
+        "--K",
+        "4",
+        "--eval-data",
+        "synthetic:test",
+        "--out",
+        str(out_dir),
     )
     assert code == 0, err
     result = json.loads(out.strip().splitlines()[-1])
@@ -55,12 +88,27 @@ def test_calibrate_then_convert_prints_plan_and_ppl(capsys, tiny_teacher_dir, st
 
 
 def test_calibrate_reuses_matching_stats(capsys, tiny_teacher_dir, calib_file, stats_dir):
-    code, out, _ = run(capsys, "calibrate", "--model", str(tiny_teacher_dir), "--calib-data", str(calib_file), "--max-tokens", "2048", "--seq-len", "64", "--out", str(stats_dir))
+    code, out, _ = run(
+        capsys,
+        "calibrate",
+        "--model",
+        str(tiny_teacher_dir),
+        "--calib-data",
+        str(calib_file),
+        "--max-tokens",
+        "2048",
+        "--seq-len",
+        "64",
+        "--out",
+        str(stats_dir),
+    )
     assert code == 0 and json.loads(out)["reused"] is True
 
 
 def test_baseline_convert(capsys, tiny_teacher_dir, tmp_path):
-    code, out, err = run(capsys, "convert", "--model", str(tiny_teacher_dir), "--baseline", "random-ffn", "--out", str(tmp_path / "b"))
+    code, out, err = run(
+        capsys, "convert", "--model", str(tiny_teacher_dir), "--baseline", "random-ffn", "--out", str(tmp_path / "b")
+    )
     assert code == 0, err
     assert json.loads(out.strip().splitlines()[-1])["baseline"] == "random-ffn"
 
@@ -70,7 +118,9 @@ def llama_dir(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     d = tmp_path_factory.mktemp("llama") / "llama"
-    LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=32)).save_pretrained(d)
+    LlamaForCausalLM(
+        LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=32)
+    ).save_pretrained(d)
     return d
 
 
@@ -102,7 +152,9 @@ def test_bad_input_fails_with_one_line_and_writes_nothing(capsys, tiny_teacher_d
 def test_empty_or_short_calibration_text(capsys, tiny_teacher_dir, tmp_path, text, message):
     p = tmp_path / "c.txt"
     p.write_text(text)
-    code, _, err = run(capsys, "calibrate", "--model", str(tiny_teacher_dir), "--calib-data", str(p), "--out", str(tmp_path / "s"))
+    code, _, err = run(
+        capsys, "calibrate", "--model", str(tiny_teacher_dir), "--calib-data", str(p), "--out", str(tmp_path / "s")
+    )
     assert code == 2 and message in err
     assert not (tmp_path / "s").exists()
 
@@ -114,7 +166,11 @@ def test_non_moe_model_lists_supported_types(capsys, llama_dir, tmp_path):
 
 def test_console_script_exit_code(tmp_path):
     """The installed `m2d` entry point (argparse errors and ours both exit 2)."""
-    r = subprocess.run([sys.executable, "-m", "m2d_ray.cli", "convert", "--out", str(tmp_path / "o"), "--K", "0"], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "m2d_ray.cli", "convert", "--out", str(tmp_path / "o"), "--K", "0"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and "must be positive" in r.stderr
 
 
@@ -126,7 +182,7 @@ def test_platform_lines_start_a_line_of_their_own_in_the_log(tmp_path):
         console.keep_logs_in(tmp_path)
         console._session.write_log(b"2026-11-23 INFO a library line without its newline")
         console.say("== stage1 ==")
-        warnings.warn("a library warning", DeprecationWarning)
+        warnings.warn("a library warning", DeprecationWarning, stacklevel=2)
     lines = next(tmp_path.glob("m2d-probe-*.log")).read_text().splitlines()
     assert "[m2d] == stage1 ==" in lines
     assert any(ln.startswith("[m2d] m2d: 1 library warning, all in ") for ln in lines), lines

@@ -46,14 +46,15 @@ import time
 from pathlib import Path
 
 import yaml
-
 from multinode import SMALL, TINY, head_only_data, sh
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CLUSTER_YAML = ROOT / "cluster.yaml"
 FAKE_HEAD = "ray.head.default"  # the fake provider tags its head with this type name (FAKE_HEAD_NODE_TYPE)
-FAKE_GPU = "fake_GPU"  # what a node type's GPUs become on this CPU machine: a custom resource, so no CPU run asks for it
+FAKE_GPU = (
+    "fake_GPU"  # what a node type's GPUs become on this CPU machine: a custom resource, so no CPU run asks for it
+)
 IDLE_MINUTES = 0.25  # the autoscaler compares idle seconds with 60 * idle_timeout_minutes: fractions work
 MAX_WORKERS = 2  # nodes at once on a 2-core machine (cluster.yaml's per-type bounds are kept below it)
 OBJECT_STORE = 300_000_000  # per node
@@ -61,7 +62,14 @@ OBJECT_STORE = 300_000_000  # per node
 # node can be lost between a student's first checkpoint and its end
 # node can be lost between a student's first checkpoint and its end; stage 1 evaluates two chunks (a probe round
 # of one chunk, then the rest), so that its trials run long enough to lose a node under them
-RUN = [*SMALL, "ray.max_failures=1", "distill.steps=160", "distill.eval_every=40", "eval.max_chars=24000", "eval.chunks=2"]
+RUN = [
+    *SMALL,
+    "ray.max_failures=1",
+    "distill.steps=160",
+    "distill.eval_every=40",
+    "eval.max_chars=24000",
+    "eval.chunks=2",
+]
 
 
 def node_types(cluster_yaml: Path = CLUSTER_YAML) -> tuple[dict, dict]:
@@ -81,9 +89,14 @@ def node_types(cluster_yaml: Path = CLUSTER_YAML) -> tuple[dict, dict]:
 
     head = {**mapped(types[head_type]["resources"]), "CPU": 0}
     workers = {
-        name: {"resources": {**mapped(t["resources"]), "object_store_memory": OBJECT_STORE}, "node_config": {},
-               "min_workers": t.get("min_workers", 0), "max_workers": min(t.get("max_workers", MAX_WORKERS), MAX_WORKERS)}
-        for name, t in types.items() if name != head_type
+        name: {
+            "resources": {**mapped(t["resources"]), "object_store_memory": OBJECT_STORE},
+            "node_config": {},
+            "min_workers": t.get("min_workers", 0),
+            "max_workers": min(t.get("max_workers", MAX_WORKERS), MAX_WORKERS),
+        }
+        for name, t in types.items()
+        if name != head_type
     }
     return head, workers
 
@@ -96,14 +109,28 @@ def autoscaler_config(workers: dict, head: dict) -> dict:
         "upscaling_speed": 1.0,
         "idle_timeout_minutes": IDLE_MINUTES,
         # Ray's fake multi-node provider (`type: fake_multinode`), through a subclass whose reclaimed nodes disappear
-        "provider": {"type": "external", "module": "fake_spot.SpotFakeProvider", "use_node_id_as_ip": True, "disable_node_updaters": True,
-                     "disable_launch_config_check": True, "gcs_address": "127.0.0.1:6379"},
+        "provider": {
+            "type": "external",
+            "module": "fake_spot.SpotFakeProvider",
+            "use_node_id_as_ip": True,
+            "disable_node_updaters": True,
+            "disable_launch_config_check": True,
+            "gcs_address": "127.0.0.1:6379",
+        },
         "auth": {"ssh_user": "ubuntu"},
         "available_node_types": {**workers, FAKE_HEAD: {"resources": head, "node_config": {}, "max_workers": 0}},
         "head_node_type": FAKE_HEAD,
-        "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False, "rsync_exclude": [], "rsync_filter": [],
-        "initialization_commands": [], "setup_commands": [], "head_setup_commands": [], "worker_setup_commands": [],
-        "head_start_ray_commands": [], "worker_start_ray_commands": [],
+        "file_mounts": {},
+        "cluster_synced_files": [],
+        "file_mounts_sync_continuously": False,
+        "rsync_exclude": [],
+        "rsync_filter": [],
+        "initialization_commands": [],
+        "setup_commands": [],
+        "head_setup_commands": [],
+        "worker_setup_commands": [],
+        "head_start_ray_commands": [],
+        "worker_start_ray_commands": [],
     }
 
 
@@ -113,13 +140,27 @@ def start_cluster(work: Path, env: dict, temp: str) -> str:
     config = work / "autoscaler.json"
     config.write_text(json.dumps(autoscaler_config(workers, head), indent=1))
     custom = {k: v for k, v in head.items() if k != "CPU"}
-    start = ["ray", "start", "--head", "--port=6379", "--node-ip-address=127.0.0.1", "--num-cpus=0", f"--resources={json.dumps(custom)}",
-             f"--object-store-memory={OBJECT_STORE}", f"--autoscaling-config={config}", f"--temp-dir={temp}", "--include-dashboard=false",
-             "--disable-usage-stats"]
+    start = [
+        "ray",
+        "start",
+        "--head",
+        "--port=6379",
+        "--node-ip-address=127.0.0.1",
+        "--num-cpus=0",
+        f"--resources={json.dumps(custom)}",
+        f"--object-store-memory={OBJECT_STORE}",
+        f"--autoscaling-config={config}",
+        f"--temp-dir={temp}",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+    ]
     cmd = f"mount -t tmpfs tmpfs {work / 'hidden'} && exec " + " ".join(f"'{a}'" for a in start)
     path = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH")) if p)  # the autoscaler imports fake_spot
-    sh(["unshare", "-m", "sh", "-c", cmd], {**env, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", "PYTHONPATH": path},
-       work / "head.log")
+    sh(
+        ["unshare", "-m", "sh", "-c", cmd],
+        {**env, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", "PYTHONPATH": path},
+        work / "head.log",
+    )
     return "127.0.0.1:6379"
 
 
@@ -143,7 +184,9 @@ def autoscaler_events(temp: str) -> list[dict]:
             out.append({"t": t, "event": "launch", "n": int(a.group(1)), "type": a.group(2)})
         elif r := _REMOVE.search(line):
             out.append({"t": t, "event": "remove", "n": int(r.group(1)), "type": r.group(2), "why": r.group(3)})
-        elif g := _RECLAIMED.search(line):  # gone from the provider's list: the autoscaler records no removal of its own
+        elif g := _RECLAIMED.search(
+            line
+        ):  # gone from the provider's list: the autoscaler records no removal of its own
             out.append({"t": t, "event": "remove", "n": 1, "type": g.group(1), "why": "reclaimed"})
     return out
 
@@ -218,14 +261,22 @@ in_stage3.victim = "ray::_evaluate_task"
 
 def in_stage1(lines: list, storage: Path) -> bool:
     """Stage 1's trials are running (calibration is done)."""
-    return seen(lines, "== stage1 ==") and seen(lines, "stage 1: ") and not seen(lines, "== targets ==") and not seen(lines, "== stage2 ==")
+    return (
+        seen(lines, "== stage1 ==")
+        and seen(lines, "stage 1: ")
+        and not seen(lines, "== targets ==")
+        and not seen(lines, "== stage2 ==")
+    )
 
 
 def in_stage2(lines: list, storage: Path) -> bool:
     """Stage 2's trials run and a student has a checkpoint that Ray Train has registered (in its run's snapshot in
     the storage, what a retry restores from; a checkpoint directory alone is not yet one)."""
-    return seen(lines, "== stage2 ==") and not seen(lines, "== stage3 ==") and any(
-        _registered(p) for p in (storage / "stage2" / "train").glob("*/checkpoint_manager_snapshot.json"))
+    return (
+        seen(lines, "== stage2 ==")
+        and not seen(lines, "== stage3 ==")
+        and any(_registered(p) for p in (storage / "stage2" / "train").glob("*/checkpoint_manager_snapshot.json"))
+    )
 
 
 def _registered(snapshot: Path) -> bool:
@@ -235,11 +286,15 @@ def _registered(snapshot: Path) -> bool:
         return False
 
 
-def watched(args: list[str], env: dict, work: Path, name: str, storage: Path, kills: tuple = (), timeout: float = 1200) -> dict:
+def watched(
+    args: list[str], env: dict, work: Path, name: str, storage: Path, kills: tuple = (), timeout: float = 1200
+) -> dict:
     """`m2d run` with its console lines timestamped; for each of `kills` (a stage's predicate, in order) a node
     running a trial is reclaimed once the predicate holds."""
     t0 = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "m2d_ray.cli", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "m2d_ray.cli", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     lines: list = []
     out: list = []
 
@@ -248,7 +303,10 @@ def watched(args: list[str], env: dict, work: Path, name: str, storage: Path, ki
             lines.append((time.time(), line.rstrip("\n")))
             print(f"[{name} {time.time() - t0:6.1f}s] {line.rstrip()}", flush=True)  # progress
 
-    threads = [threading.Thread(target=read_err, daemon=True), threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)]
+    threads = [
+        threading.Thread(target=read_err, daemon=True),
+        threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True),
+    ]
     for t in threads:
         t.start()
     pending, done = list(kills), []
@@ -256,22 +314,43 @@ def watched(args: list[str], env: dict, work: Path, name: str, storage: Path, ki
         if time.time() - t0 > timeout:
             proc.kill()
             break
-        for when in [w for w in pending if w(lines, storage)]:  # each stage's kill on its own (a missed one does not hold up the next)
+        for when in [
+            w for w in pending if w(lines, storage)
+        ]:  # each stage's kill on its own (a missed one does not hold up the next)
             procs = processes()
             trial = work_on_a_node(procs, getattr(when, "victim", "ray::ImplicitFunc"))
             if trial:
                 raylet = raylet_of(trial, procs)
                 doomed = reclaim(raylet, procs)
                 pending.remove(when)
-                done.append({"t": time.time(), "when": when.__name__, "raylet": raylet, "trial_process": procs[trial][1], "killed": len(doomed)})
-                print(f"[{name}] reclaimed the node of raylet {raylet} ({len(doomed)} processes) {done[-1]['when']}", flush=True)
+                done.append(
+                    {
+                        "t": time.time(),
+                        "when": when.__name__,
+                        "raylet": raylet,
+                        "trial_process": procs[trial][1],
+                        "killed": len(doomed),
+                    }
+                )
+                print(
+                    f"[{name}] reclaimed the node of raylet {raylet} ({len(doomed)} processes) {done[-1]['when']}",
+                    flush=True,
+                )
         time.sleep(0.1)
     proc.wait()
     for t in threads:
         t.join(timeout=10)
     (work / f"{name}.stderr").write_text("".join(f"{t:.3f} {line}\n" for t, line in lines))
-    return {"rc": proc.returncode, "stdout": "".join(out), "lines": lines, "t0": t0, "t1": time.time(), "wall_s": round(time.time() - t0, 1),
-            "kills": done, "missed_kills": [p.__name__ for p in pending]}
+    return {
+        "rc": proc.returncode,
+        "stdout": "".join(out),
+        "lines": lines,
+        "t0": t0,
+        "t1": time.time(),
+        "wall_s": round(time.time() - t0, 1),
+        "kills": done,
+        "missed_kills": [p.__name__ for p in pending],
+    }
 
 
 def workers_up(events: list[dict], until: float) -> int:
@@ -291,11 +370,18 @@ def wait_idle(temp: str, timeout: float) -> float | None:
 
 def phases(lines: list, t0: float, t1: float) -> dict[str, tuple[float, float]]:
     """Each stage's time window from the run's console (stage 2's from its targets pass on, when it has one)."""
+
     def start(*texts: str) -> float | None:
         return next((t for t, line in lines if line.startswith(texts)), None)
 
-    marks = [("calibration", start("== calibrate ==")), ("stage1", start("== stage1 ==")), ("stage2", start("== targets ==", "== stage2 ==")),
-             ("stage3", start("== stage3 ==")), ("report", start("== report ==")), ("end", t1)]
+    marks = [
+        ("calibration", start("== calibrate ==")),
+        ("stage1", start("== stage1 ==")),
+        ("stage2", start("== targets ==", "== stage2 ==")),
+        ("stage3", start("== stage3 ==")),
+        ("report", start("== report ==")),
+        ("end", t1),
+    ]
     return {name: (a, b) for (name, a), (_, b) in zip(marks, marks[1:]) if a and b}
 
 
@@ -304,9 +390,12 @@ def by_phase(events: list[dict], windows: dict) -> dict:
     out = {}
     for name, (a, b) in windows.items():
         inside = [e for e in events if a <= e["t"] < b]
-        out[name] = {"up_at_start": workers_up(events, a), "launched": [e["type"] for e in inside if e["event"] == "launch" for _ in range(e["n"])],
-                     "removed": [f"{e['type']} ({e['why']})" for e in inside if e["event"] == "remove" for _ in range(e["n"])],
-                     "wall_s": round(b - a, 1)}
+        out[name] = {
+            "up_at_start": workers_up(events, a),
+            "launched": [e["type"] for e in inside if e["event"] == "launch" for _ in range(e["n"])],
+            "removed": [f"{e['type']} ({e['why']})" for e in inside if e["event"] == "remove" for _ in range(e["n"])],
+            "wall_s": round(b - a, 1),
+        }
     return out
 
 
@@ -318,29 +407,49 @@ def main(work: Path, only: list[str]) -> None:
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     texts = head_only_data(hidden)
     temp = tempfile.mkdtemp(prefix="m2d-as-")  # short: Ray's socket paths live under it
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "M2D_CACHE": str(hidden / "cache"), "PYTHONUNBUFFERED": "1",
-           "TORCH_EXTENSIONS_DIR": str(work / "torch_extensions")}
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "disabled",
+        "M2D_CACHE": str(hidden / "cache"),
+        "PYTHONUNBUFFERED": "1",
+        "TORCH_EXTENSIONS_DIR": str(work / "torch_extensions"),
+    }
     env.pop("RAY_ADDRESS", None)
     results: dict = {"idle_timeout_minutes": IDLE_MINUTES}
     try:
         env["RAY_ADDRESS"] = start_cluster(work, env, temp)
-        runs = {"plain": ((), RUN), "lost": ((in_calibration, in_stage1, in_stage2, in_stage3), RUN),
-                "failed": ((in_stage2,), [*RUN, "ray.max_failures=0", "stage2.max_concurrent_trials=1"]),
-                "unservable": ((), [*RUN, "distill.gpus_per_worker=1", "stage2.baselines=[d2d]"])}
+        runs = {
+            "plain": ((), RUN),
+            "lost": ((in_calibration, in_stage1, in_stage2, in_stage3), RUN),
+            "failed": ((in_stage2,), [*RUN, "ray.max_failures=0", "stage2.max_concurrent_trials=1"]),
+            "unservable": ((), [*RUN, "distill.gpus_per_worker=1", "stage2.baselines=[d2d]"]),
+        }
         for name, (kills, overrides) in runs.items():
             if only and name not in only:
                 continue
             store = shared / name
-            r = watched(["run", str(TINY), "--out", str(hidden / name), "--storage", str(store), *overrides, *texts], env, work, name, store, kills)
+            r = watched(
+                ["run", str(TINY), "--out", str(hidden / name), "--storage", str(store), *overrides, *texts],
+                env,
+                work,
+                name,
+                store,
+                kills,
+            )
             # after the plain run only: a Train controller lost with its node leaves its resource request with Ray
-            # Train's autoscaling coordinator, which keeps capacity asked for until it expires (180 s) — not waited for here
+            # Train's autoscaling coordinator, which keeps capacity asked for until it expires (180 s) — not waited for
+            # here
             r["scale_down_s"] = wait_idle(temp, IDLE_MINUTES * 60 + 90) if name == "plain" else None
             events = autoscaler_events(temp)
             r["events"] = [e for e in events if r["t0"] <= e["t"]]
             r["phases"] = by_phase(events, phases(r["lines"], r["t0"], r["t1"]))
             r["up_before"] = workers_up(events, r["t0"])
             results[name] = r
-            print(f"[{name}] rc {r['rc']}, {r['wall_s']} s, kills {r['kills']}, nodes gone {r['scale_down_s']} s after; {json.dumps(r['phases'])}", flush=True)
+            print(
+                f"[{name}] rc {r['rc']}, {r['wall_s']} s, kills {r['kills']}, nodes gone {r['scale_down_s']} s after; "
+                f"{json.dumps(r['phases'])}",
+                flush=True,
+            )
             (work / "results.json").write_text(json.dumps(results))
     finally:
         (work / "results.json").write_text(json.dumps(results))

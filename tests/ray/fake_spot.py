@@ -25,7 +25,10 @@ class SpotFakeProvider(FakeMultiNodeProvider):
             gone = [node_id for node_id, v in self._nodes.items() if "node" in v and not _raylet_alive(v["node"])]
             for node_id in gone:
                 node = self._nodes.pop(node_id)
-                logger.warning(f"SpotFakeProvider: reclaimed node {node_id} of type {node['tags'][TAG_RAY_USER_NODE_TYPE]} (its raylet exited)")
+                logger.warning(
+                    f"SpotFakeProvider: reclaimed node {node_id} of type {node['tags'][TAG_RAY_USER_NODE_TYPE]} (its "
+                    "raylet exited)"
+                )
                 self._terminate_node(node)
             return super().non_terminated_nodes(tag_filters)
 

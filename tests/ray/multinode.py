@@ -13,7 +13,8 @@ the head sees it: the workers get it through the run's storage.
 Scenarios (results in WORK/results.json; the run directories stay for the test to read):
   blind   m2d run with --storage under WORK/hidden, which the worker node does not see: each stage-1 trial fails
           with one line naming the node and the storage (each node checks the storage's mark itself)
-  shared  m2d run with --storage on a directory both nodes see, with the d2d baseline; then a resume of the finished run, and one
+  shared  m2d run with --storage on a directory both nodes see, with the d2d baseline; then a resume of the finished
+  run, and one
           with another stage-3 suite
   (both distil from cached teacher targets, stage2.targets=hidden: made once in the storage, for each teacher;
   the students read the teacher's output head alone, from S3 by ranged reads in the second run)
@@ -37,11 +38,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "experiments" / "tiny.yaml"
 SMALL = [
-    "calib.max_tokens=2048", "calib.seq_len=128", "eval.max_chars=12000", "eval.seq_len=128", "eval.chunks=1",
-    "grid.scoring=[sf,do-acp]", "grid.grouping=[rr]", "grid.scaling=[uniform]", "grid.K=[2]",
-    "distill.steps=4", "distill.eval_every=2", "distill.seq_len=64", "distill.batch_size=4", "distill.eval_max_tokens=1024",
-    "distill.warmup_steps=1", "stage2.baselines=[]", "stage3.limit=8", "ray.data_actors=1",
-    "stage2.targets=hidden",  # the teacher once: its final hidden states cached in the storage, only its head on the students
+    "calib.max_tokens=2048",
+    "calib.seq_len=128",
+    "eval.max_chars=12000",
+    "eval.seq_len=128",
+    "eval.chunks=1",
+    "grid.scoring=[sf,do-acp]",
+    "grid.grouping=[rr]",
+    "grid.scaling=[uniform]",
+    "grid.K=[2]",
+    "distill.steps=4",
+    "distill.eval_every=2",
+    "distill.seq_len=64",
+    "distill.batch_size=4",
+    "distill.eval_max_tokens=1024",
+    "distill.warmup_steps=1",
+    "stage2.baselines=[]",
+    "stage3.limit=8",
+    "ray.data_actors=1",
+    # the teacher once: its final hidden states cached in the storage, only its head on the students
+    "stage2.targets=hidden",
 ]
 BUCKET = "m2d-test"
 
@@ -60,16 +76,27 @@ def sh(cmd: list[str], env: dict, log: Path, timeout: float = 300) -> None:
 def start_cluster(work: Path, env: dict) -> str:
     port = free_port()
     common = ["--node-ip-address=127.0.0.1", "--object-store-memory=300000000", "--disable-usage-stats"]
-    sh(["ray", "start", "--head", f"--port={port}", "--num-cpus=0", "--include-dashboard=false", *common], env, work / "head.log")
+    sh(
+        ["ray", "start", "--head", f"--port={port}", "--num-cpus=0", "--include-dashboard=false", *common],
+        env,
+        work / "head.log",
+    )
     hidden = work / "hidden"
-    worker = f"mount -t tmpfs tmpfs {hidden} && exec ray start --address=127.0.0.1:{port} --num-cpus=4 {' '.join(common)}"
+    worker = (
+        f"mount -t tmpfs tmpfs {hidden} && exec ray start --address=127.0.0.1:{port} --num-cpus=4 {' '.join(common)}"
+    )
     sh(["unshare", "-m", "sh", "-c", worker], env, work / "worker.log")
     return f"127.0.0.1:{port}"
 
 
 def serve_s3(port: int, log, env: dict | None = None) -> subprocess.Popen:
     """A moto S3 server on 127.0.0.1:`port` holding an empty bucket BUCKET, once it answers."""
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     import boto3
 
     s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1")
@@ -92,7 +119,9 @@ def start_s3(work: Path, env: dict) -> str:
 
 def m2d(args: list[str], env: dict, name: str, work: Path, timeout: float = 900) -> dict:
     t0 = time.time()
-    r = subprocess.run([sys.executable, "-m", "m2d_ray.cli", *args], env=env, capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(
+        [sys.executable, "-m", "m2d_ray.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
     (work / f"{name}.stderr").write_text(r.stderr)
     return {"rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr, "wall_s": round(time.time() - t0, 1)}
 
@@ -100,7 +129,13 @@ def m2d(args: list[str], env: dict, name: str, work: Path, timeout: float = 900)
 def killed_then_resumed(args: list[str], env: dict, run_dir: Path, work: Path) -> dict:
     """Start `m2d run`, SIGKILL it once a first student is in the stage-2 ledger, then resume it."""
     log = (work / "s3-killed.stderr").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "m2d_ray.cli", *args], env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "m2d_ray.cli", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+        start_new_session=True,
+    )
     ledger = run_dir / "stage2" / "trials"
     deadline = time.time() + 900
     while proc.poll() is None and time.time() < deadline and not (ledger.exists() and any(ledger.glob("*.json"))):
@@ -121,8 +156,12 @@ def head_only_data(hidden: Path) -> list[str]:
     data.mkdir()
     for split in ("train", "valid", "test"):
         (data / f"{split}.txt").write_text(corpus_text(split))
-    return [f"calib.data={data / 'valid.txt'}", f"eval.data={data / 'test.txt'}", f"distill.train_data={data / 'train.txt'}",
-            f"distill.eval_data={data / 'valid.txt'}"]
+    return [
+        f"calib.data={data / 'valid.txt'}",
+        f"eval.data={data / 'test.txt'}",
+        f"distill.train_data={data / 'train.txt'}",
+        f"distill.eval_data={data / 'valid.txt'}",
+    ]
 
 
 def s3_corpus(hidden: Path, query: str) -> str:
@@ -136,7 +175,9 @@ def s3_corpus(hidden: Path, query: str) -> str:
     local = hidden / "part-00000.parquet"
     pq.write_table(pa.table({"content": [corpus_text("train")]}), local)
     port = query.split(":")[1].split("&")[0]
-    boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1").upload_file(str(local), BUCKET, "corpus/part-00000.parquet")
+    boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1").upload_file(
+        str(local), BUCKET, "corpus/part-00000.parquet"
+    )
     return f"s3://{BUCKET}/corpus/?{query}#column=content"
 
 
@@ -146,7 +187,9 @@ def main(work: Path, only: list[str] | None = None) -> None:
     for d in (hidden, shared):
         d.mkdir(parents=True, exist_ok=True)
     texts = head_only_data(hidden)
-    os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"})  # moto's
+    os.environ.update(
+        {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    )  # moto's
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "M2D_CACHE": str(hidden / "cache"), "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)
     results: dict = {}
@@ -154,31 +197,80 @@ def main(work: Path, only: list[str] | None = None) -> None:
         query = start_s3(work, env)
         env["RAY_ADDRESS"] = start_cluster(work, env)
         # storage where only the head sees it: the worker node finds no mark there the first time it works for the run
-        results["blind"] = m2d(["run", str(TINY), "--out", str(hidden / "blind-run"), "--storage", str(hidden / "blind-storage"), *SMALL, *texts],
-                               env, "blind", work)
+        results["blind"] = m2d(
+            [
+                "run",
+                str(TINY),
+                "--out",
+                str(hidden / "blind-run"),
+                "--storage",
+                str(hidden / "blind-storage"),
+                *SMALL,
+                *texts,
+            ],
+            env,
+            "blind",
+            work,
+        )
         if only:
             return
         shared_run = hidden / "shared-run"
-        results["shared"] = m2d(["run", str(TINY), "--out", str(shared_run), "--storage", str(shared / "run"), *SMALL, *texts, "stage2.baselines=[d2d]"],
-                                env, "shared", work)
-        stamps = lambda: {p.name: p.stat().st_mtime_ns for p in (shared_run / "stage3" / "results").glob("*.json")}  # noqa: E731
+        results["shared"] = m2d(
+            [
+                "run",
+                str(TINY),
+                "--out",
+                str(shared_run),
+                "--storage",
+                str(shared / "run"),
+                *SMALL,
+                *texts,
+                "stage2.baselines=[d2d]",
+            ],
+            env,
+            "shared",
+            work,
+        )
+
+        def stamps():
+            return {p.name: p.stat().st_mtime_ns for p in (shared_run / "stage3" / "results").glob("*.json")}
+
         before = stamps()
-        results["shared_resume"] = {**m2d(["run", "--resume", str(shared_run)], env, "shared-resume", work), "redone": before != stamps()}
-        results["shared_other_suite"] = m2d(["run", "--resume", str(shared_run), "stage3.limit=6"], env, "shared-other-suite", work)
+        results["shared_resume"] = {
+            **m2d(["run", "--resume", str(shared_run)], env, "shared-resume", work),
+            "redone": before != stamps(),
+        }
+        results["shared_other_suite"] = m2d(
+            ["run", "--resume", str(shared_run), "stage3.limit=6"], env, "shared-other-suite", work
+        )
         teacher = hidden / "teacher"
         from m2d_ray.models import default_teacher
 
         shutil.copytree(default_teacher(), teacher)
         corpus = s3_corpus(hidden, query)
-        args = ["run", str(TINY), "--out", str(hidden / "s3-run"), "--storage", f"s3://{BUCKET}/run?{query}", f"model={teacher}", *SMALL, *texts,
-                f"distill.train_data={corpus}"]
+        args = [
+            "run",
+            str(TINY),
+            "--out",
+            str(hidden / "s3-run"),
+            "--storage",
+            f"s3://{BUCKET}/run?{query}",
+            f"model={teacher}",
+            *SMALL,
+            *texts,
+            f"distill.train_data={corpus}",
+        ]
         results["s3"] = killed_then_resumed(args, env, hidden / "s3-run", work)
         results["s3"]["storage"] = f"s3://{BUCKET}/run?{query}"
         import boto3
 
         port = query.split(":")[1].split("&")[0]
         s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1")
-        keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET) for o in page.get("Contents", [])]
+        keys = [
+            o["Key"]
+            for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET)
+            for o in page.get("Contents", [])
+        ]
         results["s3"]["objects"] = keys
     finally:
         (work / "results.json").write_text(json.dumps(results))

@@ -20,13 +20,19 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, multinode_unavailable
-
 from autoscale import FAKE_GPU, FAKE_HEAD, IDLE_MINUTES, autoscaler_config, node_types
+from conftest import ROOT, multinode_unavailable
 
 HERE = Path(__file__).resolve().parent
 WORKER_TYPES = set(node_types()[1])
-VOLATILE = {"tokens_per_s", "peak_rss_bytes", "peak_cuda_bytes", "peak_work_bytes", "eval_s", "attempt"}  # wall times, memory peaks, attempt ids
+VOLATILE = {
+    "tokens_per_s",
+    "peak_rss_bytes",
+    "peak_cuda_bytes",
+    "peak_work_bytes",
+    "eval_s",
+    "attempt",
+}  # wall times, memory peaks, attempt ids
 
 
 # ---- cluster.yaml and the test's node types (no Ray) -------------------------------------------------
@@ -38,7 +44,9 @@ def test_node_types_are_cluster_yamls(tmp_path):
     head, workers = node_types()
     assert set(workers) == set(types) - {cfg["head_node_type"]} and workers
     for name, t in workers.items():
-        want = {k: v for k, v in types[name]["resources"].items() if k != "GPU"} | ({FAKE_GPU: types[name]["resources"]["GPU"]} if types[name]["resources"].get("GPU") else {})
+        want = {k: v for k, v in types[name]["resources"].items() if k != "GPU"} | (
+            {FAKE_GPU: types[name]["resources"]["GPU"]} if types[name]["resources"].get("GPU") else {}
+        )
         assert {k: v for k, v in t["resources"].items() if k != "object_store_memory"} == want, name
         assert types[name].get("min_workers", 0) == t["min_workers"] == 0, f"{name}: the cluster scales from zero"
         assert t["resources"]["CPU"] >= 2, f"{name}: a stage-2 student (trial + Train worker) must fit one node"
@@ -53,7 +61,12 @@ def test_node_types_are_cluster_yamls(tmp_path):
     changed.write_text(yaml.safe_dump(cfg))
     head2, workers2 = node_types(changed)
     assert workers2[first]["resources"]["CPU"] == workers[first]["resources"]["CPU"] + 1
-    assert workers2["gpu_new_type"]["resources"] == {"CPU": 4, FAKE_GPU: 2, "accelerator_type:L4": 1, "object_store_memory": 300_000_000}
+    assert workers2["gpu_new_type"]["resources"] == {
+        "CPU": 4,
+        FAKE_GPU: 2,
+        "accelerator_type:L4": 1,
+        "object_store_memory": 300_000_000,
+    }
     assert FAKE_HEAD not in workers2
 
 
@@ -65,20 +78,33 @@ def autoscaled(tmp_path_factory):
         pytest.skip(why)
     if shutil.which("ip") is None:
         pytest.skip("needs ip (iproute2) to bring up the loopback of a network namespace")
-    probe = subprocess.run(["unshare", "-pfn", "--mount-proc", "ip", "link", "set", "lo", "up"], capture_output=True, text=True)
+    probe = subprocess.run(
+        ["unshare", "-pfn", "--mount-proc", "ip", "link", "set", "lo", "up"], capture_output=True, text=True
+    )
     if probe.returncode:
         pytest.skip(f"cannot make a network namespace here: {probe.stderr[:200]}")
     work = tmp_path_factory.mktemp("autoscale")
     with (work / "autoscale.stderr").open("w") as err:  # progress (each run's console lines) on stdout: shown with -s
-        proc = subprocess.run(["unshare", "-pfn", "--kill-child", "--mount-proc", sys.executable, str(HERE / "autoscale.py"), str(work)],
-                              stderr=err, timeout=2700)
+        proc = subprocess.run(
+            ["unshare", "-pfn", "--kill-child", "--mount-proc", sys.executable, str(HERE / "autoscale.py"), str(work)],
+            stderr=err,
+            timeout=2700,
+        )
     results = json.loads((work / "results.json").read_text()) if (work / "results.json").exists() else {}
-    assert proc.returncode == 0 and {"plain", "lost", "failed", "unservable"} <= set(results), (work / "autoscale.stderr").read_text()[-3000:]
+    assert proc.returncode == 0 and {"plain", "lost", "failed", "unservable"} <= set(results), (
+        work / "autoscale.stderr"
+    ).read_text()[-3000:]
     for name in ("plain", "lost", "failed"):  # the autoscaler's record, per stage (shown with -s)
         r = results[name]
-        print(f"\n{name}: rc {r['rc']}, {r['wall_s']} s, nodes gone {r['scale_down_s']} s after the run; kills: {[k['when'] for k in r['kills']]}")
+        print(
+            f"\n{name}: rc {r['rc']}, {r['wall_s']} s, nodes gone {r['scale_down_s']} s after the run; kills: "
+            f"{[k['when'] for k in r['kills']]}"
+        )
         for stage, p in r["phases"].items():
-            print(f"  {stage:12s} {p['wall_s']:6.1f} s  nodes up at start {p['up_at_start']}  launched {p['launched']}  removed {p['removed']}")
+            print(
+                f"  {stage:12s} {p['wall_s']:6.1f} s  nodes up at start {p['up_at_start']}  launched {p['launched']}  "
+                f"removed {p['removed']}"
+            )
     return work, results
 
 
@@ -116,8 +142,13 @@ def _mlflow(run_dir: Path) -> dict:
         trials = [x.data.tags["m2d.trial"] for x in runs if "m2d.trial" in x.data.tags]
         assert len(trials) == len(set(trials)), trials  # nothing logged twice
         assert len([x for x in runs if "mlflow.parentRunId" not in x.data.tags]) == 1
-        return {x.data.tags["m2d.trial"]: [(m.step, round(m.value, 6)) for m in client.get_metric_history(x.info.run_id, "val_ppl")]
-                for x in runs if "m2d.trial" in x.data.tags}
+        return {
+            x.data.tags["m2d.trial"]: [
+                (m.step, round(m.value, 6)) for m in client.get_metric_history(x.info.run_id, "val_ppl")
+            ]
+            for x in runs
+            if "m2d.trial" in x.data.tags
+        }
     finally:
         mlflow.set_tracking_uri(None)
 
@@ -129,8 +160,15 @@ def test_scale_from_zero(autoscaled):
     assert r["up_before"] == 0 and r["kills"] == []
     phases = r["phases"]
     assert list(phases)[:4] == ["calibration", "stage1", "stage2", "stage3"]
-    assert phases["calibration"]["up_at_start"] == 0 and phases["calibration"]["launched"], phases  # launched for calibration
-    for stage in ("calibration", "stage1", "stage2", "stage3"):  # the head has no CPUs: each stage ran on launched nodes
+    assert phases["calibration"]["up_at_start"] == 0 and phases["calibration"]["launched"], (
+        phases
+    )  # launched for calibration
+    for stage in (
+        "calibration",
+        "stage1",
+        "stage2",
+        "stage3",
+    ):  # the head has no CPUs: each stage ran on launched nodes
         assert phases[stage]["up_at_start"] + len(phases[stage]["launched"]) > 0, (stage, phases)
     launched = [e["type"] for e in r["events"] if e["event"] == "launch"]
     assert launched and set(launched) <= WORKER_TYPES, launched
@@ -140,15 +178,20 @@ def test_scale_from_zero(autoscaled):
     assert sum(e["n"] for e in removed) == len(launched) and {e["why"] for e in removed} == {"idle"}, removed
     # the same outcome as on a fixed cluster: every promoted student distilled and evaluated, the teacher too
     run_dir = work / "hidden" / "plain"
-    assert _line(r) == "run done: students: 2 ok, 0 pruned, 0 failed, 0 diverged; 2 students evaluated; teacher evaluated"
+    assert (
+        _line(r) == "run done: students: 2 ok, 0 pruned, 0 failed, 0 diverged; 2 students evaluated; teacher evaluated"
+    )
     promoted = {p["key"] for p in json.loads((run_dir / "promotions.json").read_text())["pairs"].values()}
     assert set(_ledger(run_dir, "stage2/trials", "plain")) == promoted
-    stored = {p.name for p in (work / "shared" / "plain" / "data").rglob("*.txt")}  # the head's text reached the nodes through the storage
+    stored = {
+        p.name for p in (work / "shared" / "plain" / "data").rglob("*.txt")
+    }  # the head's text reached the nodes through the storage
     assert stored == {"train.txt", "valid.txt"}, stored
 
 
 def _retried_from(work: Path, name: str) -> dict[str, list[int]]:
-    """Per student, the steps its Train runs resumed from (every report carries `resumed_from`), from Tune's results in the storage."""
+    """Per student, the steps its Train runs resumed from (every report carries `resumed_from`), from Tune's results in
+    the storage."""
     out: dict[str, set[int]] = {}
     for f in (work / "shared" / name / "stage2" / "tune").rglob("result.json"):
         for line in f.read_text().splitlines():
@@ -162,12 +205,22 @@ def test_lost_nodes_are_replaced_and_their_trials_retried(autoscaled):
     work, results = autoscaled
     r, plain = results["lost"], results["plain"]
     assert r["rc"] == 0, r["lines"][-20:]
-    assert [k["when"] for k in r["kills"]] == ["in_calibration", "in_stage1", "in_stage2", "in_stage3"] and not r["missed_kills"], r["kills"]
-    titles = ["ray::MapWorker", "ray::ImplicitFunc", "ray::ImplicitFunc", "ray::_evaluate_task"]  # the work that was on the node
+    assert [k["when"] for k in r["kills"]] == ["in_calibration", "in_stage1", "in_stage2", "in_stage3"] and not r[
+        "missed_kills"
+    ], r["kills"]
+    titles = [
+        "ray::MapWorker",
+        "ray::ImplicitFunc",
+        "ray::ImplicitFunc",
+        "ray::_evaluate_task",
+    ]  # the work that was on the node
     assert all(k["trial_process"].startswith(t) for k, t in zip(r["kills"], titles)), r["kills"]
     phases = r["phases"]
     for stage in ("stage1", "stage2"):  # the autoscaler replaced the reclaimed node in that stage
-        assert any(x.endswith("(reclaimed)") for x in phases[stage]["removed"]) and phases[stage]["launched"], (stage, phases)
+        assert any(x.endswith("(reclaimed)") for x in phases[stage]["removed"]) and phases[stage]["launched"], (
+            stage,
+            phases,
+        )
     for stage in ("calibration", "stage3"):  # lost there too (its work was retried on the nodes left or launched)
         assert any(x.endswith("(reclaimed)") for x in phases[stage]["removed"]), (stage, phases)
     # the stage-2 student on the lost node went on from its checkpoint (step 40), not from step 0
@@ -181,8 +234,15 @@ def test_lost_nodes_are_replaced_and_their_trials_retried(autoscaled):
     for sub in ("trials", "stage2/trials", "stage3/results"):
         x, y = _ledger(a, sub, "plain"), _ledger(b, sub, "lost")
         assert _close(x, y), (sub, x, y)
-    rows = lambda d: [{k: v for k, v in row.items() if k not in VOLATILE} for row in csv.DictReader((d / "stage2.csv").open())]  # noqa: E731
-    assert [row.pop("student_path").replace("/plain/", "/") for row in rows(a)] == [row.pop("student_path").replace("/lost/", "/") for row in rows(b)]
+
+    def rows(d):
+        return [
+            {k: v for k, v in row.items() if k not in VOLATILE} for row in csv.DictReader((d / "stage2.csv").open())
+        ]
+
+    assert [row.pop("student_path").replace("/plain/", "/") for row in rows(a)] == [
+        row.pop("student_path").replace("/lost/", "/") for row in rows(b)
+    ]
     assert _close(_mlflow(a), _mlflow(b))
 
 
@@ -196,9 +256,14 @@ def test_a_node_lost_more_often_than_max_failures_fails_that_student_only(autosc
     assert status == ["failed", "ok"], ledger
     failed = next(x for x in ledger.values() if x["status"] == "failed")
     # in the user's words, Ray's own error in the run's log
-    assert re.match(r"node 127\.0\.0\.\d+ lost during stage 2 \(spot reclaim or crash\); retried 0 of 0 times \(Ray's error: .*\.log\)$",
-                    failed["error"]), failed["error"]
-    assert _line(r) == "run done: students: 1 ok, 0 pruned, 1 failed, 0 diverged; 1 students evaluated; teacher evaluated", _line(r)
+    assert re.match(
+        r"node 127\.0\.0\.\d+ lost during stage 2 \(spot reclaim or crash\); retried 0 of 0 times \(Ray's error: "
+        r".*\.log\)$",
+        failed["error"],
+    ), failed["error"]
+    assert (
+        _line(r) == "run done: students: 1 ok, 0 pruned, 1 failed, 0 diverged; 1 students evaluated; teacher evaluated"
+    ), _line(r)
     # the student that was not on the lost node is the plain run's
     ok = next(k for k, x in ledger.items() if x["status"] == "ok")
     assert _close(_ledger(work / "hidden" / "plain", "stage2/trials", "plain")[ok], ledger[ok])
@@ -212,8 +277,12 @@ def test_a_request_no_node_type_holds_fails_its_stage_on_the_autoscaler_s_word(a
     r = results["unservable"]
     assert r["rc"] == 2, r["lines"][-20:]
     last = r["lines"][-1][1]
-    assert last.startswith("m2d: error: stage2: the autoscaler reports that no node type can hold {CPU: 1, GPU: 1}"), last
-    assert "distill.gpus_per_worker" in last and any(t in last for t in WORKER_TYPES), last  # the keys, and the types it runs
+    assert last.startswith("m2d: error: stage2: the autoscaler reports that no node type can hold {CPU: 1, GPU: 1}"), (
+        last
+    )
+    assert "distill.gpus_per_worker" in last and any(t in last for t in WORKER_TYPES), (
+        last
+    )  # the keys, and the types it runs
     start2 = next(t for t, line in r["lines"] if line.startswith("== stage2 =="))
     assert r["t1"] - start2 < 150, r["t1"] - start2  # the autoscaler reports every 30 s; no waiting for ever
     assert not any(line.startswith("== stage3 ==") for _, line in r["lines"])

@@ -1,6 +1,8 @@
 """The distillation stream tokenised by Ray Data (data/ray_tokens.py via stages/shards.tokens): 1 and 2
-actors (and the driver, for a small corpus) write identical token shards, equal to the single-process stream; a corpus on S3 (moto on
-127.0.0.1) is read where it is, never copied, and a resume against a changed S3 corpus is refused; a CRLF text corpus gives the LF shards."""
+actors (and the driver, for a small corpus) write identical token shards, equal to the single-process stream; a corpus
+on S3 (moto on
+127.0.0.1) is read where it is, never copied, and a resume against a changed S3 corpus is refused; a CRLF text corpus
+gives the LF shards."""
 
 from __future__ import annotations
 
@@ -10,14 +12,18 @@ import subprocess
 
 import pytest
 import torch
-
-from m2d_ray.distill.config import DistillConfig
-from m2d_ray.errors import M2DError
 from corpora import write_corpus
 from multinode import BUCKET, free_port, serve_s3
 
+from m2d_ray.distill.config import DistillConfig
+from m2d_ray.errors import M2DError
+
 # Ray's workers take S3 credentials from the environment they start with: set before any test starts Ray
-for _k, _v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+for _k, _v in {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}.items():
     os.environ.setdefault(_k, _v)
 
 CFG = DistillConfig(train_data="", steps=6, batch_size=4, seq_len=64, eval_max_tokens=512, deepspeed=False)
@@ -31,7 +37,10 @@ def s3():
 
     port = free_port()
     proc = serve_s3(port, subprocess.DEVNULL)
-    yield boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1"), f"endpoint_override=127.0.0.1:{port}&scheme=http"
+    yield (
+        boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1"),
+        f"endpoint_override=127.0.0.1:{port}&scheme=http",
+    )
     proc.terminate()
     proc.wait(10)
 
@@ -59,7 +68,10 @@ def test_one_and_two_actors_write_identical_shards_and_s3_is_read_in_place(ray_a
     ref = torch.stack([b for _, b in zip(range(cfg.blocks), packed_blocks(tok, documents(spec), cfg.seq_len))])
     assert ref.shape[0] == cfg.blocks
 
-    urls = [tokens(RunStorage(str(tmp_path / f"store{n}")), teacher, tok, cfg, "synthetic:valid", actors=n) for n in (1, 2, 0)]
+    urls = [
+        tokens(RunStorage(str(tmp_path / f"store{n}")), teacher, tok, cfg, "synthetic:valid", actors=n)
+        for n in (1, 2, 0)
+    ]
     assert _shards(urls[0]) == _shards(urls[1]) == _shards(urls[2])  # 0: a small corpus, tokenised by the driver
     from m2d_ray import storage
     from m2d_ray.distill.tokens import TokenShards
@@ -95,7 +107,9 @@ def test_a_corpus_shorter_than_the_budget_is_refused(ray_address, tmp_path):
     assert not any((tmp_path / "store").rglob("manifest.json"))
 
 
-def test_a_crlf_text_corpus_on_s3_tokenised_by_an_actor_gives_the_lf_shards(ray_address, tmp_path, s3, byte_teacher_dir):
+def test_a_crlf_text_corpus_on_s3_tokenised_by_an_actor_gives_the_lf_shards(
+    ray_address, tmp_path, s3, byte_teacher_dir
+):
     """Universal newlines in the tokens pass's Ray tasks too (issue 43): a byte-level tokenizer sees every \\r."""
     import gzip
 
@@ -111,6 +125,12 @@ def test_a_crlf_text_corpus_on_s3_tokenised_by_an_actor_gives_the_lf_shards(ray_
     client.put_object(Bucket=BUCKET, Key="crlf/corpus.txt.gz", Body=gzip.compress(text.replace("\n", "\r\n").encode()))
     cfg = dataclasses.replace(CFG, train_data=str(tmp_path / "lf.txt"))
     lf = tokens(RunStorage(str(tmp_path / "store-lf")), teacher, tok, cfg, "synthetic:valid", actors=0)
-    crlf = tokens(RunStorage(str(tmp_path / "store-crlf")), teacher, tok,
-                  dataclasses.replace(cfg, train_data=f"s3://{BUCKET}/crlf/corpus.txt.gz?{query}"), "synthetic:valid", actors=1)
+    crlf = tokens(
+        RunStorage(str(tmp_path / "store-crlf")),
+        teacher,
+        tok,
+        dataclasses.replace(cfg, train_data=f"s3://{BUCKET}/crlf/corpus.txt.gz?{query}"),
+        "synthetic:valid",
+        actors=1,
+    )
     assert _shards(crlf) == _shards(lf)

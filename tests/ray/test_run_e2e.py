@@ -21,10 +21,23 @@ from m2d_ray.cli import main
 
 TINY = ROOT / "experiments" / "tiny.yaml"
 SHORT = [
-    "calib.max_tokens=4096", "calib.seq_len=128", "eval.max_chars=20000", "eval.seq_len=128", "eval.chunks=1",
-    "grid.scoring=[sf,do-acp]", "grid.grouping=[rr]", "grid.scaling=[uniform]", "grid.K=[2,4]",
-    "distill.steps=4", "distill.eval_every=2", "distill.seq_len=64", "distill.batch_size=4", "distill.eval_max_tokens=2048",
-    "distill.warmup_steps=1", "stage2.baselines=[random-init,d2d]", "stage3.limit=24",
+    "calib.max_tokens=4096",
+    "calib.seq_len=128",
+    "eval.max_chars=20000",
+    "eval.seq_len=128",
+    "eval.chunks=1",
+    "grid.scoring=[sf,do-acp]",
+    "grid.grouping=[rr]",
+    "grid.scaling=[uniform]",
+    "grid.K=[2,4]",
+    "distill.steps=4",
+    "distill.eval_every=2",
+    "distill.seq_len=64",
+    "distill.batch_size=4",
+    "distill.eval_max_tokens=2048",
+    "distill.warmup_steps=1",
+    "stage2.baselines=[random-init,d2d]",
+    "stage3.limit=24",
 ]
 
 
@@ -45,12 +58,17 @@ def check_d2d(run_dir: Path, report: Path) -> None:
     assert abs(rec["student_params"] / moe_student_params(default_teacher()) - 1) < 0.01
     assert rec["teacher_active_params"] == 555_712  # the whole dense twin: distilled from it, not from the MoE teacher
     cfg = AutoConfig.from_pretrained(rec["student_path"])
-    assert cfg.architectures == ["Qwen3ForCausalLM"] and (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (
-        int(best["d"]), int(best["FFN"]), int(best["layers"]))
+    assert cfg.architectures == ["Qwen3ForCausalLM"] and (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_hidden_layers,
+    ) == (int(best["d"]), int(best["FFN"]), int(best["layers"]))
     assert AutoConfig.from_pretrained(default_dense_teacher()).num_hidden_layers >= cfg.num_hidden_layers
     matched = list(csv.DictReader((report / "matched.csv").open()))
     assert [r["student"] for r in matched][:2] == ["best MoE-to-dense", "d2d"]
-    assert all(float(r["s / training step"]) > 0 and float(r["final val ppl"]) > 0 and r["stage-3 mean acc"] for r in matched)
+    assert all(
+        float(r["s / training step"]) > 0 and float(r["final val ppl"]) > 0 and r["stage-3 mean acc"] for r in matched
+    )
     moe = next(r for r in matched if r["student"] == "best MoE-to-dense")
     assert int(moe["teacher active params"]) < 300_000  # the MoE teacher: top-2 of its 16 experts per token
 
@@ -74,7 +92,10 @@ def test_m2d_run_whole_pipeline_then_resume(ray_address, tmp_path, capfd):
     assert shown and set(shown) <= ours, [ln for ln in shown if ln not in ours]
     assert "== stage3 ==" in shown and any(ln.startswith("[stage 2 ") for ln in shown)
     assert "Configuration for experiment" in log and "Configuration for experiment" not in captured.err
-    assert list(out["stages"]) == ["calibrate", "stage1", "stage2", "stage3", "report"] and "mlflow ui --backend-store-uri sqlite:///" in out["mlflow_ui"]
+    assert (
+        list(out["stages"]) == ["calibrate", "stage1", "stage2", "stage3", "report"]
+        and "mlflow ui --backend-store-uri sqlite:///" in out["mlflow_ui"]
+    )
 
     # every promoted pair and the baselines were distilled, and every student + both teachers evaluated
     promotions = json.loads((run_dir / "promotions.json").read_text())["pairs"]
@@ -89,7 +110,9 @@ def test_m2d_run_whole_pipeline_then_resume(ray_address, tmp_path, capfd):
     # the report: tables with one row per pair + baseline + teacher, and every figure it links to
     report = run_dir / "report"
     rows = list(csv.DictReader((report / "distill.csv").open()))
-    assert [r["scoring"] for r in rows] == ["SF", "DO-ACP", "random-init", "d2d", "teacher", "dense teacher"] and all(r["mean acc"] for r in rows)
+    assert [r["scoring"] for r in rows] == ["SF", "DO-ACP", "random-init", "d2d", "teacher", "dense teacher"] and all(
+        r["mean acc"] for r in rows
+    )
     check_d2d(run_dir, report)
     page = (report / "index.html").read_text()
     for name in ("stage1_heatmap.png", "marginal.png", "curves.png", "overlap.png", "erank.png"):
@@ -101,7 +124,9 @@ def test_m2d_run_whole_pipeline_then_resume(ray_address, tmp_path, capfd):
         runs = mlflow.search_runs(experiment_names=["m2d-tiny"], output_format="list")
         parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
         assert len(parents) == 1
-        stages = {r.data.tags["m2d.trial"].split("/")[0] for r in runs if r.data.tags.get("m2d.trial", "").startswith("stage")}
+        stages = {
+            r.data.tags["m2d.trial"].split("/")[0] for r in runs if r.data.tags.get("m2d.trial", "").startswith("stage")
+        }
         assert stages == {"stage2", "stage3"} and len(runs) > 1 + len(keys) + len(results)
         names = {a.path for a in mlflow.MlflowClient().list_artifacts(parents[0].info.run_id, "report")}
         assert "report/index.html" in names and "report/distill.csv" in names
@@ -115,8 +140,15 @@ def test_m2d_run_whole_pipeline_then_resume(ray_address, tmp_path, capfd):
     assert main(["run", "--resume", str(run_dir)]) == 0
     assert time.time() - t0 < 60
     assert {p.name: p.stat().st_mtime for p in (run_dir / "stage3" / "results").iterdir()} == before
-    again = json.loads((run_dir / "run.json").read_text())["stages"]  # the resume's seconds are added, the first run's kept
-    assert again["calibrate"] == first["calibrate"] and again["stage1"] == first["stage1"] and again["stage3"]["runs"] == 2 and again["stage3"]["wall_s"] >= first["stage3"]["wall_s"]
+    again = json.loads((run_dir / "run.json").read_text())[
+        "stages"
+    ]  # the resume's seconds are added, the first run's kept
+    assert (
+        again["calibrate"] == first["calibrate"]
+        and again["stage1"] == first["stage1"]
+        and again["stage3"]["runs"] == 2
+        and again["stage3"]["wall_s"] >= first["stage3"]["wall_s"]
+    )
     # a changed suite on resume is refused (it would mix two suites in one table)
     assert main(["run", "--resume", str(run_dir), "stage3.limit=10"]) == 2
     assert "another suite" in capfd.readouterr().err

@@ -14,19 +14,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
 
 from m2d_ray.calibrate import calibrate
 from m2d_ray.config import load_config
-from m2d_ray.pipeline import run_stages
 from m2d_ray.data.synthetic import corpus_text
 from m2d_ray.data.text import calibration_set
-from conftest import ROOT
+from m2d_ray.pipeline import run_stages
 
 TINY = ROOT / "experiments" / "tiny.yaml"
 #: a small, fast version of experiments/tiny.yaml: 2 x 2 x 2 x K in {2, 4, 8, 16} = 32 configs
 SMALL = [
-    "calib.max_tokens=4096", "calib.seq_len=128", "eval.max_chars=40000", "eval.seq_len=128", "eval.chunks=4",
-    "grid.scoring=[sf,do-acp]", "grid.grouping=[rr,oc]",
+    "calib.max_tokens=4096",
+    "calib.seq_len=128",
+    "eval.max_chars=40000",
+    "eval.seq_len=128",
+    "eval.chunks=4",
+    "grid.scoring=[sf,do-acp]",
+    "grid.grouping=[rr,oc]",
 ]
 
 
@@ -56,11 +61,19 @@ def _with_stats(src: Path, dst: Path) -> Path:
 def test_ray_data_statistics_equal_single_process(ray_address, tiny_teacher_dir, tiny_teacher, tmp_path, stream):
     from m2d_ray.calibrate.ray_data import calibrate_ray
 
-    tokens = calibration_set(tiny_teacher.tokenizer, corpus_text("valid", max_chars=30_000), seq_len=64, max_tokens=3000)
+    tokens = calibration_set(
+        tiny_teacher.tokenizer, corpus_text("valid", max_chars=30_000), seq_len=64, max_tokens=3000
+    )
     tokens.mask[-1, 40:] = 0  # padding inside the last sequence must be masked alike
     single, _ = calibrate(tiny_teacher, tokens, "x", out=tmp_path / "single", batch_size=4, progress=False)
-    dist, reused = calibrate_ray(str(tiny_teacher_dir), tokens, "x", tmp_path / "ray", batch_size=4, actors=2, stream=stream)
-    assert not reused and dist.manifest["model"] == single.manifest["model"] and dist.manifest["data"] == single.manifest["data"]
+    dist, reused = calibrate_ray(
+        str(tiny_teacher_dir), tokens, "x", tmp_path / "ray", batch_size=4, actors=2, stream=stream
+    )
+    assert (
+        not reused
+        and dist.manifest["model"] == single.manifest["model"]
+        and dist.manifest["data"] == single.manifest["data"]
+    )
     for i, st in single.layers.items():
         for name, a in st.to_tensors("").items():
             b = dist.layers[i].to_tensors("")[name]
@@ -81,7 +94,14 @@ def test_grid_end_to_end_with_mlflow(pruned_run):
 
     res, run_dir = pruned_run, pruned_run.run_dir
     assert len(res.records) == 32 and len({r["key"] for r in res.records}) == 32
-    for name in ("stage1.csv", "stage1.md", "stage1_heatmap.png", "promotions.json", "mlflow.db", "stats/manifest.json"):
+    for name in (
+        "stage1.csv",
+        "stage1.md",
+        "stage1_heatmap.png",
+        "promotions.json",
+        "mlflow.db",
+        "stats/manifest.json",
+    ):
         assert (run_dir / name).exists(), name
     assert len((run_dir / "stage1.csv").read_text().splitlines()) == 1 + 8  # rows: 2 x 2 x 2, columns K
     promos = json.loads((run_dir / "promotions.json").read_text())["pairs"]
@@ -93,7 +113,12 @@ def test_grid_end_to_end_with_mlflow(pruned_run):
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
     assert len(parents) == 1 and len(children) == 32
     assert parents[0].data.params["stats_sha256"] == json.loads((run_dir / "stats/manifest.json").read_text())["sha256"]
-    assert {a.path for a in client.list_artifacts(parents[0].info.run_id)} >= {"stage1.csv", "stage1.md", "stage1_heatmap.png", "promotions.json"}
+    assert {a.path for a in client.list_artifacts(parents[0].info.run_id)} >= {
+        "stage1.csv",
+        "stage1.md",
+        "stage1_heatmap.png",
+        "promotions.json",
+    }
     by_key = {r.data.tags["m2d.trial"]: r for r in children}
     for rec in res.records:
         run = by_key[rec["key"]]
@@ -108,12 +133,20 @@ def test_grid_end_to_end_with_mlflow(pruned_run):
 
 
 def test_dedupe_and_early_stopping_keep_the_unpruned_winners(pruned_run, tmp_path):
-    full = run_stages(_cfg("search.dedupe=false", "search.early_stop=false"), _with_stats(pruned_run.run_dir, tmp_path / "full"), "calibrate", "stage1")["stage1"]
+    full = run_stages(
+        _cfg("search.dedupe=false", "search.early_stop=false"),
+        _with_stats(pruned_run.run_dir, tmp_path / "full"),
+        "calibrate",
+        "stage1",
+    )["stage1"]
     assert full.evaluated == full.full_evaluations == 32
     statuses = [r["status"] for r in pruned_run.records]
     assert pruned_run.probed < 32 and statuses.count("pruned") > 0  # dedupe and pruning both acted
     assert pruned_run.full_evaluations < full.full_evaluations and pruned_run.chunks_evaluated < full.chunks_evaluated
-    win = lambda res: {p: (v["K"], v["scaling"]) for p, v in res.promotions.items()}  # noqa: E731
+
+    def win(res):
+        return {p: (v["K"], v["scaling"]) for p, v in res.promotions.items()}
+
     assert win(pruned_run) == win(full)
     full_ppl = {r["key"]: r["ppl"] for r in full.records}
     for r in pruned_run.records:  # shared results equal the ones evaluated separately
@@ -122,12 +155,20 @@ def test_dedupe_and_early_stopping_keep_the_unpruned_winners(pruned_run, tmp_pat
 
 
 def test_failed_and_diverged_trials_are_recorded_and_the_sweep_goes_on(pruned_run, tmp_path):
-    cfg = _cfg("grid.scoring=[sf]", "grid.grouping=[rr]", "grid.scaling=[uniform]", "grid.K=[2,4,8]",
-               "faults.raise_in=[sf_rr_uniform_K4]", "faults.nan_in=[sf_rr_uniform_K8]")
+    cfg = _cfg(
+        "grid.scoring=[sf]",
+        "grid.grouping=[rr]",
+        "grid.scaling=[uniform]",
+        "grid.K=[2,4,8]",
+        "faults.raise_in=[sf_rr_uniform_K4]",
+        "faults.nan_in=[sf_rr_uniform_K8]",
+    )
     res = run_stages(cfg, _with_stats(pruned_run.run_dir, tmp_path / "faults"), "calibrate", "stage1")["stage1"]
     status = {r["key"]: r for r in res.records}
     assert status["sf_rr_uniform_K2"]["status"] == "ok"
-    assert status["sf_rr_uniform_K4"]["status"] == "failed" and "injected failure" in status["sf_rr_uniform_K4"]["error"]
+    assert (
+        status["sf_rr_uniform_K4"]["status"] == "failed" and "injected failure" in status["sf_rr_uniform_K4"]["error"]
+    )
     assert status["sf_rr_uniform_K8"]["status"] == "diverged" and status["sf_rr_uniform_K8"]["ppl"] is None
     assert "| -- |" in (res.run_dir / "stage1.md").read_text()
     assert res.promotions["sf/rr"]["K"] == 2
@@ -135,7 +176,17 @@ def test_failed_and_diverged_trials_are_recorded_and_the_sweep_goes_on(pruned_ru
 
 def test_resume_after_sigkill(ray_address, tmp_path):
     run_dir = tmp_path / "killed"  # a new run: `--out` refuses a directory m2d did not make
-    args = [sys.executable, "-m", "m2d_ray.cli", "sweep", str(TINY), "--out", str(run_dir), *SMALL, "ray.max_concurrent_trials=1"]
+    args = [
+        sys.executable,
+        "-m",
+        "m2d_ray.cli",
+        "sweep",
+        str(TINY),
+        "--out",
+        str(run_dir),
+        *SMALL,
+        "ray.max_concurrent_trials=1",
+    ]
     env = {**os.environ, "RAY_ADDRESS": ray_address}
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     trials, deadline = run_dir / "trials", time.time() + 240
@@ -144,9 +195,19 @@ def test_resume_after_sigkill(ray_address, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     before = {p.stem: p.read_text() for p in trials.glob("*.json")}
-    assert proc.returncode == -signal.SIGKILL and 3 <= len(before) < 32, (proc.returncode, len(before), proc.stderr.read()[-2000:])
+    assert proc.returncode == -signal.SIGKILL and 3 <= len(before) < 32, (
+        proc.returncode,
+        len(before),
+        proc.stderr.read()[-2000:],
+    )
 
-    out = subprocess.run([sys.executable, "-m", "m2d_ray.cli", "sweep", "--resume", str(run_dir)], env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "m2d_ray.cli", "sweep", "--resume", str(run_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     after = {p.stem: p.read_text() for p in trials.glob("*.json")}
@@ -160,5 +221,7 @@ def test_resume_after_sigkill(ray_address, tmp_path):
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     keys = [r.data.tags["m2d.trial"] for r in runs if "m2d.trial" in r.data.tags]
     assert len(parents) == 1 and sorted(keys) == sorted(after)  # one run per config, no duplicates
-    running = [(r.data.tags.get("mlflow.runName"), r.data.tags.get("status")) for r in runs if r.info.status == "RUNNING"]
+    running = [
+        (r.data.tags.get("mlflow.runName"), r.data.tags.get("status")) for r in runs if r.info.status == "RUNNING"
+    ]
     assert not running, (running, out.stderr[-3000:])

@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 from transformers import AutoModelForCausalLM
 
 from m2d_ray.config import load_config
 from m2d_ray.pipeline import run_stages
-from conftest import ROOT
 
 TINY = ROOT / "experiments" / "tiny.yaml"
 SMALL_DISTILL = ["distill.seq_len=64", "distill.batch_size=4", "distill.eval_max_tokens=2048", "distill.warmup_steps=2"]
@@ -32,11 +32,36 @@ def test_deepspeed_zero2_on_two_cpu_workers_killed_and_resumed(ray_address, ds_e
     In the default run ZeRO-2 over two ranks is checked by test_distill_ranks.py and a killed run's resume
     by test_multinode.py (the driver of `m2d run` SIGKILLed during stage 2)."""
     out = tmp_path / "distill"
-    args = [sys.executable, "-m", "m2d_ray.cli", "distill", "--student", "random-ffn", "--train-data", "synthetic:train",
-            "--eval-data", "synthetic:valid", "--steps", "24", "--workers", "2", "--deepspeed", "--out", str(out),
-            "lr=3e-3", "eval_every=4", "seq_len=64", "batch_size=2", "eval_max_tokens=1024", "warmup_steps=2", "--keep-training-state"]
+    args = [
+        sys.executable,
+        "-m",
+        "m2d_ray.cli",
+        "distill",
+        "--student",
+        "random-ffn",
+        "--train-data",
+        "synthetic:train",
+        "--eval-data",
+        "synthetic:valid",
+        "--steps",
+        "24",
+        "--workers",
+        "2",
+        "--deepspeed",
+        "--out",
+        str(out),
+        "lr=3e-3",
+        "eval_every=4",
+        "seq_len=64",
+        "batch_size=2",
+        "eval_max_tokens=1024",
+        "warmup_steps=2",
+        "--keep-training-state",
+    ]
     env = {**os.environ, "RAY_ADDRESS": ray_address}
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     deadline = time.time() + 400
     while max(_steps(out / "metrics.jsonl"), default=0) < 8 and proc.poll() is None and time.time() < deadline:
         time.sleep(0.1)
@@ -56,28 +81,66 @@ def test_deepspeed_zero2_on_two_cpu_workers_killed_and_resumed(ray_address, ds_e
     assert "[distill distill] step 24" in done.stderr  # progress lines reach the driver
     # ZeRO-2 over two ranks: each rank saved its own optimizer partition into the same checkpoint
     ckpt = sorted(p for p in (out / "train").glob("checkpoint_*") if p.is_dir())[-1] / "state"
-    assert {p.name for p in ckpt.glob("zero_pp_rank_*_optim_states.pt")} == {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)}
+    assert {p.name for p in ckpt.glob("zero_pp_rank_*_optim_states.pt")} == {
+        f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)
+    }
     student = AutoModelForCausalLM.from_pretrained(result["student"])
     assert type(student).__name__ == "Qwen3ForCausalLM"
     # a finished run is not silently redone; --overwrite replaces it once the new student is done
     again = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "already holds a finished distillation" in again.stderr
     assert again.stderr.count("\n") == 1  # one line
-    redo = [sys.executable, "-m", "m2d_ray.cli", "distill", "--student", "random-ffn", "--train-data", "synthetic:train", "--eval-data",
-            "synthetic:valid", "--steps", "4", "--no-deepspeed", "--out", str(out), "--overwrite", "eval_every=2", "seq_len=64", "batch_size=2",
-            "eval_max_tokens=1024", "warmup_steps=1"]
+    redo = [
+        sys.executable,
+        "-m",
+        "m2d_ray.cli",
+        "distill",
+        "--student",
+        "random-ffn",
+        "--train-data",
+        "synthetic:train",
+        "--eval-data",
+        "synthetic:valid",
+        "--steps",
+        "4",
+        "--no-deepspeed",
+        "--out",
+        str(out),
+        "--overwrite",
+        "eval_every=2",
+        "seq_len=64",
+        "batch_size=2",
+        "eval_max_tokens=1024",
+        "warmup_steps=1",
+    ]
     redo = subprocess.run(redo, env=env, capture_output=True, text=True, timeout=300)
     assert redo.returncode == 0, redo.stderr[-3000:]
-    assert json.loads((out / "result.json").read_text())["steps"] == 4 and json.loads(redo.stdout.strip().splitlines()[-1])["student"] == str(out / "student")
+    assert json.loads((out / "result.json").read_text())["steps"] == 4 and json.loads(
+        redo.stdout.strip().splitlines()[-1]
+    )["student"] == str(out / "student")
     assert [p.name for p in tmp_path.iterdir()] == ["distill"]  # the staging directory was swapped in
-    assert AutoModelForCausalLM.from_pretrained(out / "student") is not None and list((out / "logs").glob("m2d-distill-*.log"))
+    assert AutoModelForCausalLM.from_pretrained(out / "student") is not None and list(
+        (out / "logs").glob("m2d-distill-*.log")
+    )
 
 
 @pytest.fixture(scope="module")
 def stage1_dir(ray_address, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("stage2") / "run"
-    cfg = load_config(TINY, ["calib.max_tokens=4096", "calib.seq_len=128", "eval.max_chars=20000", "eval.seq_len=128", "eval.chunks=1",
-                             "grid.scoring=[sf]", "grid.grouping=[rr]", "grid.scaling=[uniform]", "grid.K=[2]"])
+    cfg = load_config(
+        TINY,
+        [
+            "calib.max_tokens=4096",
+            "calib.seq_len=128",
+            "eval.max_chars=20000",
+            "eval.seq_len=128",
+            "eval.chunks=1",
+            "grid.scoring=[sf]",
+            "grid.grouping=[rr]",
+            "grid.scaling=[uniform]",
+            "grid.K=[2]",
+        ],
+    )
     run_stages(cfg, run_dir, "calibrate", "stage1")["stage1"]
     return run_dir
 
@@ -86,8 +149,19 @@ def test_stage2_sweep_asha_mlflow_and_native_students(stage1_dir):
     import mlflow
     import ray
 
-    overrides = ["stage=2", "distill.steps=12", "distill.eval_every=3", "distill.deepspeed=false", *SMALL_DISTILL,
-                 "stage2.baselines=[random-init,random-ffn]", "faults.raise_in=[baseline-random-ffn]", "stage2.grace_evals=1", "stage2.reduction_factor=2", "stage2.max_concurrent_trials=1", "stage2.asha=true"]
+    overrides = [
+        "stage=2",
+        "distill.steps=12",
+        "distill.eval_every=3",
+        "distill.deepspeed=false",
+        *SMALL_DISTILL,
+        "stage2.baselines=[random-init,random-ffn]",
+        "faults.raise_in=[baseline-random-ffn]",
+        "stage2.grace_evals=1",
+        "stage2.reduction_factor=2",
+        "stage2.max_concurrent_trials=1",
+        "stage2.asha=true",
+    ]
     cfg = load_config(stage1_dir / "config.yaml", overrides)
     records = {r["key"]: r for r in run_stages(cfg, stage1_dir, "targets", "stage2")["stage2"].records}
     promotions = json.loads((stage1_dir / "promotions.json").read_text())["pairs"]
@@ -107,7 +181,11 @@ def test_stage2_sweep_asha_mlflow_and_native_students(stage1_dir):
     assert bad["val_ppl"] > 10 * first["val_ppl"]
     # an ended student's Train checkpoints (its DeepSpeed state at scale) are gone; its distilled model stays
     train = stage1_dir / "stage2" / "train"
-    assert not (train / best).exists() and not (train / "baseline-random-init").exists() and (Path(first["student_path"]) / "config.json").exists()
+    assert (
+        not (train / best).exists()
+        and not (train / "baseline-random-init").exists()
+        and (Path(first["student_path"]) / "config.json").exists()
+    )
     rows = (stage1_dir / "stage2.csv").read_text().splitlines()
     assert len(rows) == 1 + len(records) and rows[1].startswith(best)
     for name in ("stage2.md", "stage2_curves.png", "stage2/config.yaml"):
@@ -115,16 +193,28 @@ def test_stage2_sweep_asha_mlflow_and_native_students(stage1_dir):
 
     mlflow.set_tracking_uri(f"sqlite:///{stage1_dir / 'mlflow.db'}")
     try:
-        runs = {r.data.tags["m2d.trial"]: r for r in mlflow.search_runs(experiment_names=["m2d-tiny"], output_format="list")
-                if r.data.tags.get("m2d.trial", "").startswith("stage2/")}
+        runs = {
+            r.data.tags["m2d.trial"]: r
+            for r in mlflow.search_runs(experiment_names=["m2d-tiny"], output_format="list")
+            if r.data.tags.get("m2d.trial", "").startswith("stage2/")
+        }
         parent = {r.data.tags["mlflow.parentRunId"] for r in runs.values()}
         assert set(runs) == {f"stage2/{k}" for k in records} and len(parent) == 1
         run = runs[f"stage2/{best}"]
-        assert run.data.tags["status"] == "ok" and run.data.tags["student_path"] == first["student_path"] and run.info.status == "FINISHED"
+        assert (
+            run.data.tags["status"] == "ok"
+            and run.data.tags["student_path"] == first["student_path"]
+            and run.info.status == "FINISHED"
+        )
         history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "val_ppl")
         assert sorted(m.step for m in history) == [0, 3, 6, 9, 12]
-        assert {"tokens_per_s", "mfu", "train_s", "eval_s", "ckpt_s"} <= set(run.data.metrics)  # training-only throughput + the rest
-        assert runs["stage2/baseline-random-init"].info.status == "KILLED" and runs["stage2/baseline-random-ffn"].info.status == "FAILED"
+        assert {"tokens_per_s", "mfu", "train_s", "eval_s", "ckpt_s"} <= set(
+            run.data.metrics
+        )  # training-only throughput + the rest
+        assert (
+            runs["stage2/baseline-random-init"].info.status == "KILLED"
+            and runs["stage2/baseline-random-ffn"].info.status == "FAILED"
+        )
     finally:
         mlflow.set_tracking_uri(None)
 
@@ -133,7 +223,9 @@ def test_stage2_sweep_asha_mlflow_and_native_students(stage1_dir):
     assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]
     # resuming a finished stage 2 distils nothing again but retries the failed student (it fails again here)
     t0 = time.time()
-    assert {r["key"]: r["status"] for r in run_stages(cfg, stage1_dir, "targets", "stage2")["stage2"].records} == {k: r["status"] for k, r in records.items()}
+    assert {r["key"]: r["status"] for r in run_stages(cfg, stage1_dir, "targets", "stage2")["stage2"].records} == {
+        k: r["status"] for k, r in records.items()
+    }
     assert time.time() - t0 < 30
     # with its fault gone, a resume distils the student that failed, and only that one
     fixed = load_config(stage1_dir / "config.yaml", [o for o in overrides if not o.startswith("faults.")])
@@ -156,13 +248,21 @@ def test_stage2_needs_a_finished_stage1_and_the_same_recipe_grid(stage1_dir, tmp
 def test_a_failed_d2d_search_is_that_students_failure_not_the_runs(stage1_dir):
     """A worker's failure (here the d2d search's data) is recorded against its student with its cause; it is
     not reported as the user's bad input and the run goes on (the other students are done already)."""
-    short = stage1_dir.parent / "short.txt"  # a well-formed corpus (the driver's checks pass) too short for the search's calibration
+    short = (
+        stage1_dir.parent / "short.txt"
+    )  # a well-formed corpus (the driver's checks pass) too short for the search's calibration
     short.write_text("too short.\n")
-    cfg = load_config(stage1_dir / "stage2" / "config.yaml",  # the distillation settings stage 2 started with, plus d2d
-                      [f"calib.data={short}", "stage2.baselines=[random-init,random-ffn,d2d]", "faults.raise_in=[]"])
+    cfg = load_config(
+        stage1_dir / "stage2" / "config.yaml",  # the distillation settings stage 2 started with, plus d2d
+        [f"calib.data={short}", "stage2.baselines=[random-init,random-ffn,d2d]", "faults.raise_in=[]"],
+    )
     records = {r["key"]: r for r in run_stages(cfg, stage1_dir, "targets", "stage2")["stage2"].records}
     failed = records["baseline-d2d"]
-    assert failed["status"] == "failed" and "d2d candidate search failed" in failed["error"] and "need at least 64" in failed["error"], failed
+    assert (
+        failed["status"] == "failed"
+        and "d2d candidate search failed" in failed["error"]
+        and "need at least 64" in failed["error"]
+    ), failed
     assert not (stage1_dir / "stage2" / "d2d" / "search.json").exists()
     assert "baseline-d2d" in (stage1_dir / "stage2.csv").read_text()
 
@@ -170,16 +270,24 @@ def test_a_failed_d2d_search_is_that_students_failure_not_the_runs(stage1_dir):
 def test_the_targets_pass_resumes_at_its_first_missing_shard(ray_address, tmp_path, monkeypatch):
     """A pass killed after some shards computes only the others; the finished targets are the same."""
     from m2d_ray import storage
+    from m2d_ray.distill import targets as targets_format
     from m2d_ray.distill.targets import MANIFEST, TargetsManifest
     from m2d_ray.models import default_teacher, load_tokenizer
-    from m2d_ray.distill import targets as targets_format
     from m2d_ray.stages import shards
     from m2d_ray.stages.run_storage import RunStorage
 
     store = RunStorage(str(tmp_path))
     store.mark()  # the driver's, before any worker: each node looks for it (ensure_visible)
-    cfg = load_config(TINY, ["distill.steps=4", "distill.batch_size=4", "distill.seq_len=64", "distill.eval_max_tokens=512",
-                             "stage2.targets=topk:16"])
+    cfg = load_config(
+        TINY,
+        [
+            "distill.steps=4",
+            "distill.batch_size=4",
+            "distill.seq_len=64",
+            "distill.eval_max_tokens=512",
+            "stage2.targets=topk:16",
+        ],
+    )
     toks = shards.tokens(store, default_teacher(), load_tokenizer(default_teacher()), cfg.distill, "synthetic:valid")
     monkeypatch.setattr(targets_format, "TARGET_SHARD_BYTES", 4 * 64 * 100)  # 4 blocks a shard: 4 shards
     url = shards.targets(store, default_teacher(), toks, cfg.target_spec(), cfg.distill, cfg.calib, cfg.ray)
@@ -187,7 +295,12 @@ def test_the_targets_pass_resumes_at_its_first_missing_shard(ray_address, tmp_pa
     assert first.blocks == 16 and len(first.shards) == 4
     d = Path(storage.filesystem(url)[1])
     kept = {e.file: (d / e.file).stat().st_mtime_ns for e in first.shards[:2]}
-    for name in (MANIFEST, "m2d_output.json", first.shards[3].file, f"{first.shards[3].file}.entry.json"):  # killed mid-pass
+    for name in (
+        MANIFEST,
+        "m2d_output.json",
+        first.shards[3].file,
+        f"{first.shards[3].file}.entry.json",
+    ):  # killed mid-pass
         (d / name).unlink()
     assert shards.targets(store, default_teacher(), toks, cfg.target_spec(), cfg.distill, cfg.calib, cfg.ray) == url
     again = TargetsManifest.load(url)
@@ -229,13 +342,19 @@ def test_a_retried_students_curve_reaches_mlflow_whole():
     class Tracker:
         def __init__(self, history):
             self.history, self.logged = history, []
-            self.client = SimpleNamespace(get_metric_history=lambda run, name: [SimpleNamespace(step=s) for s in self.history])
+            self.client = SimpleNamespace(
+                get_metric_history=lambda run, name: [SimpleNamespace(step=s) for s in self.history]
+            )
 
         def log(self, run, steps):
             self.logged += [s for s, _ in steps["val_ppl"]]
 
     trial = SimpleNamespace(config={"student": {"key": "a"}})
-    for history, want in (([], [0, 40, 80, 120]), ([0, 40], [80, 120]), ([0], [40, 80, 120])):  # fresh; resumed; resumed, a report lost
+    for history, want in (
+        ([], [0, 40, 80, 120]),
+        ([0, 40], [80, 120]),
+        ([0], [40, 80, 120]),
+    ):  # fresh; resumed; resumed, a report lost
         rec = Recorder({"a": Student("a", "sf/rr")}, SimpleNamespace(tracker=Tracker(history)))
         rec.runs["a"] = "run"
         curve = [[0, 9.0], [40, 5.0]]
@@ -243,7 +362,9 @@ def test_a_retried_students_curve_reaches_mlflow_whole():
             curve.append([step, 4.0])
             rec.on_trial_result(0, [], trial, {"val_loss": 1.0, "step": step, "curve": [list(c) for c in curve]})
         assert rec.out.tracker.logged == want, (history, rec.out.tracker.logged)
-    fresh = Recorder({"a": Student("a", "sf/rr")}, SimpleNamespace(tracker=Tracker([])))  # a fresh run's first report logs step 0 too
+    fresh = Recorder(
+        {"a": Student("a", "sf/rr")}, SimpleNamespace(tracker=Tracker([]))
+    )  # a fresh run's first report logs step 0 too
     fresh.runs["a"] = "run"
     fresh.on_trial_result(0, [], trial, {"val_loss": 1.0, "step": 40, "curve": [[0, 9.0], [40, 5.0]]})
     assert fresh.out.tracker.logged == [0, 40]

@@ -25,12 +25,25 @@ def test_new_path_and_empty_directory_are_written(tmp_path):
     assert output_kind(tmp_path / "empty") == "statistics"
 
 
-@pytest.mark.parametrize("setup,message", [
-    (lambda p: p.write_text("my notes"), "existing file"),
-    (lambda p: (p.mkdir(), (p / "thesis.tex").write_text("x")), "did not write"),
-    (lambda p: (p.mkdir(), (p / MARKER).write_text(json.dumps({"kind": "statistics"})), (p / "s").write_text("x")), "not a student"),
-    (lambda p: (p.mkdir(), (p / MARKER).write_text(json.dumps({"kind": "student"})), (p / "s").write_text("x")), "pass --overwrite"),
-])
+@pytest.mark.parametrize(
+    "setup,message",
+    [
+        (lambda p: p.write_text("my notes"), "existing file"),
+        (lambda p: (p.mkdir(), (p / "thesis.tex").write_text("x")), "did not write"),
+        (
+            lambda p: (
+                p.mkdir(),
+                (p / MARKER).write_text(json.dumps({"kind": "statistics"})),
+                (p / "s").write_text("x"),
+            ),
+            "not a student",
+        ),
+        (
+            lambda p: (p.mkdir(), (p / MARKER).write_text(json.dumps({"kind": "student"})), (p / "s").write_text("x")),
+            "pass --overwrite",
+        ),
+    ],
+)
 def test_what_m2d_did_not_write_or_was_not_asked_to_replace_is_refused_untouched(tmp_path, setup, message):
     target = tmp_path / "out"
     setup(target)
@@ -52,7 +65,9 @@ def test_overwrite_replaces_only_once_the_new_output_is_complete(tmp_path):
     assert (out / "a.txt").read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["out"]
     with atomic_dir(out, "student", overwrite=True) as tmp:
         _write(tmp, "b.txt")
-    assert sorted(p.name for p in out.iterdir()) == ["b.txt", MARKER] and [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert sorted(p.name for p in out.iterdir()) == ["b.txt", MARKER] and [p.name for p in tmp_path.iterdir()] == [
+        "out"
+    ]
 
 
 def test_a_failure_removes_the_parents_it_created(tmp_path):
@@ -69,7 +84,17 @@ def test_check_output_allows_a_path_under_a_new_directory(tmp_path):
 
 def test_convert_overwrite_through_the_cli(tiny_teacher_dir, tmp_path, capsys, monkeypatch):
     out = tmp_path / "student"
-    base = ["convert", "--model", str(tiny_teacher_dir), "--calib-data", "synthetic:valid", "--max-tokens", "1024", "--seq-len", "64"]
+    base = [
+        "convert",
+        "--model",
+        str(tiny_teacher_dir),
+        "--calib-data",
+        "synthetic:valid",
+        "--max-tokens",
+        "1024",
+        "--seq-len",
+        "64",
+    ]
     assert main([*base, "--K", "2", "--out", str(out)]) == 0
     first = (out / "model.safetensors").read_bytes()
     assert main([*base, "--K", "4", "--out", str(out)]) == 2 and "pass --overwrite" in capsys.readouterr().err

@@ -17,7 +17,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from small_run import finished_run
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser")) if p), None)
@@ -58,13 +57,30 @@ def _console(page) -> list[tuple[str, str]]:
 
 @contextlib.contextmanager
 def mlflow_ui(store: str, timeout: float = 120.0):
-    """`mlflow ui` on 127.0.0.1 and a free port, up to `timeout` s to answer /health; stopped (its process group) on exit."""
+    """`mlflow ui` on 127.0.0.1 and a free port, up to `timeout` s to answer /health; stopped (its process group) on
+    exit."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no background job runner for a viewer
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", store, "--host", "127.0.0.1", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "ui",
+            "--backend-store-uri",
+            store,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -73,7 +89,10 @@ def mlflow_ui(store: str, timeout: float = 120.0):
                 break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"mlflow ui did not answer within {timeout:.0f} s: {proc.stderr.read().decode()[-500:] if proc.poll() is not None else 'still starting'}")
+                    pytest.fail(
+                        f"mlflow ui did not answer within {timeout:.0f} s: "
+                        f"{proc.stderr.read().decode()[-500:] if proc.poll() is not None else 'still starting'}"
+                    )
                 time.sleep(0.5)
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -90,7 +109,9 @@ def test_report_page_loads_every_image_without_console_errors(run, browser, shot
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     errors = _console(page)
     page.goto(Path(result["report"]).as_uri(), wait_until="load")
-    images = page.eval_on_selector_all("img", "els => els.map(i => [i.getAttribute('src'), i.complete && i.naturalWidth > 0])")
+    images = page.eval_on_selector_all(
+        "img", "els => els.map(i => [i.getAttribute('src'), i.complete && i.naturalWidth > 0])"
+    )
     assert len(images) == 5 and all(ok for _, ok in images), images
     captions = page.eval_on_selector_all("figure > figcaption", "els => els.map(e => e.innerText)")
     assert len(captions) == len(images) and all(len(c) > 40 for c in captions)
@@ -116,13 +137,23 @@ def test_mlflow_ui_opens_on_the_runs_table_with_configs_and_students(run, browse
         for column in ("perplexity", "final_val_ppl", "mean_acc", "K", "scaling"):
             assert column in body.split("\n"), column
         assert "Group by: stage" in body and "matching runs" in body
-        for close in page.locator("[data-component-id='mlflow.assistant.chat_panel.close']").all():  # MLflow's assistant panel, for room
+        for close in page.locator(
+            "[data-component-id='mlflow.assistant.chat_panel.close']"
+        ).all():  # MLflow's assistant panel, for room
             close.click()
         page.get_by_text("kind", exact=True).first.wait_for(timeout=10_000)  # the tag columns, once there is room
         page.screenshot(path=str(shots / "mlflow_runs.png"))
-        page.goto(result["mlflow_url"].replace("http://127.0.0.1:5000", url) + "&compareRunsMode=CHART")  # the chart view beside it
+        page.goto(
+            result["mlflow_url"].replace("http://127.0.0.1:5000", url) + "&compareRunsMode=CHART"
+        )  # the chart view beside it
         page.get_by_text("Parallel Coordinates").first.wait_for(timeout=30_000)
-        for axis in ("K", "scaling", "perplexity", "final_val_ppl", "mean_acc"):  # the grid against stage 1, the students' metrics
+        for axis in (
+            "K",
+            "scaling",
+            "perplexity",
+            "final_val_ppl",
+            "mean_acc",
+        ):  # the grid against stage 1, the students' metrics
             page.get_by_text(axis, exact=True).first.wait_for(timeout=10_000)
         page.screenshot(path=str(shots / "mlflow_charts.png"))
     page.close()

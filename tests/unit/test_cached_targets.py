@@ -12,6 +12,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import forbid
 from torch.overrides import TorchFunctionMode
 
 from m2d_ray.config import DistillConfig
@@ -23,8 +24,18 @@ from m2d_ray.distill.tokens import TokenShards, write_tokens
 from m2d_ray.errors import M2DError
 from m2d_ray.models import default_teacher
 
-CFG = DistillConfig(train_data="synthetic:train", steps=6, lr=3e-3, min_lr=3e-4, warmup_steps=1, batch_size=4, seq_len=64,
-                    eval_every=3, eval_max_tokens=1024, deepspeed=False)
+CFG = DistillConfig(
+    train_data="synthetic:train",
+    steps=6,
+    lr=3e-3,
+    min_lr=3e-4,
+    warmup_steps=1,
+    batch_size=4,
+    seq_len=64,
+    eval_every=3,
+    eval_max_tokens=1024,
+    deepspeed=False,
+)
 BLOCKS = CFG.steps * CFG.batch_size
 
 
@@ -33,7 +44,16 @@ def tokens(tmp_path_factory):
     from m2d_ray.models import load_tokenizer
 
     d = tmp_path_factory.mktemp("tokens")
-    write_tokens(d, load_tokenizer(default_teacher()), CFG.train_data, CFG.seq_len, BLOCKS, "synthetic:valid", CFG.eval_max_tokens, shard_blocks=10)
+    write_tokens(
+        d,
+        load_tokenizer(default_teacher()),
+        CFG.train_data,
+        CFG.seq_len,
+        BLOCKS,
+        "synthetic:valid",
+        CFG.eval_max_tokens,
+        shard_blocks=10,
+    )
     return d
 
 
@@ -51,7 +71,17 @@ def make_targets(out, tokens, text: str, cfg: DistillConfig = CFG, stream: bool 
     from m2d_ray.stages.shards import targets_here
 
     spec = parse_targets(text, cfg.temperature, cfg.seed)
-    targets_here(default_teacher(), str(tokens), str(out), spec, cfg.teacher_topk, 4, [(0, 14), (14, BLOCKS - 14)], stream, cfg.dtype)
+    targets_here(
+        default_teacher(),
+        str(tokens),
+        str(out),
+        spec,
+        cfg.teacher_topk,
+        4,
+        [(0, 14), (14, BLOCKS - 14)],
+        stream,
+        cfg.dtype,
+    )
     return spec
 
 
@@ -82,7 +112,16 @@ def test_a_damaged_token_shard_is_named_and_another_tokenizer_refused(tmp_path):
 
 def _train(student, out, tokens, targets=None, spec=None, cfg: DistillConfig = CFG):
     reports = []
-    job = DistillJob(default_teacher(), str(student), cfg, "synthetic:valid", out=str(out), tokens=str(tokens), targets=targets, target_spec=spec)
+    job = DistillJob(
+        default_teacher(),
+        str(student),
+        cfg,
+        "synthetic:valid",
+        out=str(out),
+        tokens=str(tokens),
+        targets=targets,
+        target_spec=spec,
+    )
     run_distill(job, WorkerIO(report=lambda m, ckpt: reports.append(m)))
     return reports
 
@@ -100,11 +139,8 @@ def _online(student, tokens, tmp_path, cfg: DistillConfig = CFG):
 def _no_teacher_weights(monkeypatch):
     from m2d_ray import models
 
-    def no_teacher(*a, **k):
-        raise AssertionError("a student with cached targets loaded teacher weights")
-
-    monkeypatch.setattr(models, "load_distill_teacher", no_teacher)
-    monkeypatch.setattr(models, "load_teacher", no_teacher)
+    for name in ("load_distill_teacher", "load_teacher"):
+        forbid(monkeypatch, models, name, "a student with cached targets loaded teacher weights")
 
 
 def test_cached_topk_over_the_whole_vocabulary_trains_as_the_online_teacher(student, tokens, tmp_path, monkeypatch):
@@ -127,21 +163,27 @@ EXPANDED = dataclasses.replace(CFG, loss="rkl", temperature=2.0, teacher_topk=4)
 
 
 @pytest.mark.parametrize("cfg,stream", [(CFG, False), (EXPANDED, True)], ids=["fkl-whole", "rkl-T2-k4-streamed"])
-def test_hidden_targets_train_report_for_report_as_the_online_teacher(student, tokens, tmp_path, monkeypatch, cfg, stream):
+def test_hidden_targets_train_report_for_report_as_the_online_teacher(
+    student, tokens, tmp_path, monkeypatch, cfg, stream
+):
     """Cached final hidden states + the teacher's head alone = the online loss: forward and reverse KL, a
     temperature, the expanded routing k' (the pass runs the teacher with it), the whole or layer-streamed pass."""
-    from m2d_ray import weights
+    from m2d_ray.distill import loop
 
     online = _online(student, tokens, tmp_path, cfg)
     spec = make_targets(tmp_path / "targets", tokens, "hidden", cfg, stream=stream)
     _no_teacher_weights(monkeypatch)
     heads = []
-    read_head = weights.read_output_head
-    monkeypatch.setattr(weights, "read_output_head", lambda *a: heads.append(a) or read_head(*a))
+    read_head = loop.read_output_head
+    monkeypatch.setattr(
+        loop, "read_output_head", lambda *a: heads.append(a) or read_head(*a)
+    )  # where the rank calls it
     cached = _train(student, tmp_path / "cached", tokens, str(tmp_path / "targets"), spec, cfg)
     assert len(heads) == 1 and [r["step"] for r in cached] == [r["step"] for r in online] == [3, 6]
     for a, b in zip(online, cached):
-        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5) and b["val_ppl"] == pytest.approx(a["val_ppl"], rel=1e-5)
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5) and b["val_ppl"] == pytest.approx(
+            a["val_ppl"], rel=1e-5
+        )
     assert cached[-1]["val_ppl"] < cached[-1]["val_ppl_initial"]
 
 
@@ -156,7 +198,9 @@ def test_hidden_targets_of_another_routing_or_teacher_are_refused_by_the_rank(st
 def test_sparse_targets_distil(student, tokens, tmp_path, text):
     spec = make_targets(tmp_path / "t", tokens, text)
     reports = _train(student, tmp_path / "s", tokens, str(tmp_path / "t"), spec)
-    assert reports[-1]["val_ppl"] < reports[-1]["val_ppl_initial"] and all(np.isfinite(r[loss_metric(spec)]) for r in reports)
+    assert reports[-1]["val_ppl"] < reports[-1]["val_ppl_initial"] and all(
+        np.isfinite(r[loss_metric(spec)]) for r in reports
+    )
 
 
 def test_targets_of_another_token_stream_are_refused(student, tokens, tmp_path):
@@ -192,7 +236,8 @@ def _shard_dtypes(directory) -> dict:
 
 
 def _rank_dtypes(monkeypatch) -> tuple[list, list]:
-    """Spies on a rank's boundaries: (the head applied: (states, head, log-probs) dtypes; each micro-batch's loss dtype)."""
+    """Spies on a rank's boundaries: (the head applied: (states, head, log-probs) dtypes; each micro-batch's loss
+    dtype)."""
     from m2d_ray.distill import losses, step
 
     heads, loss = [], []
@@ -212,28 +257,40 @@ def test_bf16_on_the_cpu_hidden_targets_train_as_the_online_teacher(student, tok
     _spy(monkeypatch, step, "teacher_outputs", t_last, lambda out, *a: out[0].dtype)
     online = _train(student, tmp_path / "online", tokens, cfg=BF16)
     assert set(t_last) == {torch.bfloat16} and len(t_last) == BF16.steps
-    assert set(heads_online) == {(torch.bfloat16, torch.bfloat16, torch.float32)} and set(loss_online) == {torch.float32}
+    assert set(heads_online) == {(torch.bfloat16, torch.bfloat16, torch.float32)} and set(loss_online) == {
+        torch.float32
+    }
 
     spec = make_targets(tmp_path / "targets", tokens, "hidden", BF16, stream=False)
     assert _shard_dtypes(tmp_path / "targets") == {"hidden": torch.bfloat16}
     monkeypatch.undo()
     heads, loss = _rank_dtypes(monkeypatch)
     cached = _train(student, tmp_path / "cached", tokens, str(tmp_path / "targets"), spec, BF16)
-    assert set(heads) == {(torch.bfloat16, torch.bfloat16, torch.float32)} and set(loss) == {torch.float32} and len(loss) == BF16.steps
+    assert (
+        set(heads) == {(torch.bfloat16, torch.bfloat16, torch.float32)}
+        and set(loss) == {torch.float32}
+        and len(loss) == BF16.steps
+    )
     assert [r["step"] for r in cached] == [r["step"] for r in online] == [3, 6]
     for a, b in zip(online, cached):
-        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-2) and b["val_ppl"] == pytest.approx(a["val_ppl"], rel=1e-2)
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-2) and b["val_ppl"] == pytest.approx(
+            a["val_ppl"], rel=1e-2
+        )
     fp32 = _online(student, tokens, tmp_path)  # bf16 really ran: its losses are not float32's to float32's precision
     assert online[-1]["train_loss"] != pytest.approx(fp32[-1]["train_loss"], rel=1e-5)
     assert cached[-1]["val_ppl"] < cached[-1]["val_ppl_initial"]
 
 
-STORED = {"topk:8": {"ids": torch.int32, "logp": torch.float16, "tail": torch.float32},
-          "sampled:8": {"ids": torch.int32, "counts": torch.uint8, "logp": torch.float16}}
+STORED = {
+    "topk:8": {"ids": torch.int32, "logp": torch.float16, "tail": torch.float32},
+    "sampled:8": {"ids": torch.int32, "counts": torch.uint8, "logp": torch.float16},
+}
 
 
 @pytest.mark.parametrize("text", sorted(STORED))
-def test_bf16_on_the_cpu_sparse_targets_reach_the_loss_in_their_stored_dtypes(student, tokens, tmp_path, monkeypatch, text):
+def test_bf16_on_the_cpu_sparse_targets_reach_the_loss_in_their_stored_dtypes(
+    student, tokens, tmp_path, monkeypatch, text
+):
     """The bf16 teacher's top-K / sampled targets are stored in their own dtypes (int32 ids, fp16 log-probs, fp32 tail,
     uint8 counts) and reach the loss in them, beside the bf16 student's states and head (nothing widened on the way)."""
     from m2d_ray.distill import step
@@ -242,10 +299,21 @@ def test_bf16_on_the_cpu_sparse_targets_reach_the_loss_in_their_stored_dtypes(st
     assert _shard_dtypes(tmp_path / "t") == STORED[text]
     name = "sparse_kl" if spec.mode == "topk" else "sampled_kl"
     seen: list = []
-    _spy(monkeypatch, step, name, seen, lambda out, h, w, *t: (h.dtype, w.dtype, {k: x.dtype for k, x in zip(STORED[text], t)}, out.dtype))
+    _spy(
+        monkeypatch,
+        step,
+        name,
+        seen,
+        lambda out, h, w, *t: (h.dtype, w.dtype, {k: x.dtype for k, x in zip(STORED[text], t)}, out.dtype),
+    )
     reports = _train(student, tmp_path / "s", tokens, str(tmp_path / "t"), spec, BF16)
-    assert set(map(str, seen)) == {str((torch.bfloat16, torch.bfloat16, STORED[text], torch.float32))} and len(seen) == BF16.steps
-    assert reports[-1]["val_ppl"] < reports[-1]["val_ppl_initial"] and all(np.isfinite(r[loss_metric(spec)]) for r in reports)
+    assert (
+        set(map(str, seen)) == {str((torch.bfloat16, torch.bfloat16, STORED[text], torch.float32))}
+        and len(seen) == BF16.steps
+    )
+    assert reports[-1]["val_ppl"] < reports[-1]["val_ppl_initial"] and all(
+        np.isfinite(r[loss_metric(spec)]) for r in reports
+    )
 
 
 # ---- device-agnostic steps: no host read-back, no CUDA named, inside a training step -------------------------------
@@ -256,7 +324,21 @@ class HostProbe(TorchFunctionMode):
     `.cpu()`, `float(t)`, `int(t)`, `bool(t)` as in `if t:`, formatting) or names a CUDA device (`.cuda()`, a
     `"cuda"` / cuda `torch.device` argument): (call, file, line) of its innermost caller outside torch."""
 
-    READS = frozenset({"item", "tolist", "numpy", "cpu", "__float__", "__int__", "__index__", "__bool__", "__complex__", "__format__", "__repr__"})
+    READS = frozenset(
+        {
+            "item",
+            "tolist",
+            "numpy",
+            "cpu",
+            "__float__",
+            "__int__",
+            "__index__",
+            "__bool__",
+            "__complex__",
+            "__format__",
+            "__repr__",
+        }
+    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -265,8 +347,10 @@ class HostProbe(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
-        cuda = any((isinstance(a, str) and a.startswith("cuda")) or (isinstance(a, torch.device) and a.type == "cuda")
-                   for a in (*args, *kwargs.values()))
+        cuda = any(
+            (isinstance(a, str) and a.startswith("cuda")) or (isinstance(a, torch.device) and a.type == "cuda")
+            for a in (*args, *kwargs.values())
+        )
         if name in self.READS or name == "cuda" or cuda:
             self.seen.append((name + " naming cuda" * cuda, *_caller()))
         return func(*args, **kwargs)
@@ -289,7 +373,10 @@ KNOWN_READS = {
     # transformers 5 looks for packed sequences in position_ids whenever no attention mask is given: one bool per
     # model forward (the teacher's and the student's), on a GPU too; the MoE forward takes no prepared mask mapping
     # and a 4-D mask would give up SDPA's causal path, so it stays (benchmarks/RESULTS.md, "The GPU acceptance call")
-    ("transformers/masking_utils.py", "if not is_tracing(packed_sequence_mask) and (packed_sequence_mask[:, -1] == 0).all():"),
+    (
+        "transformers/masking_utils.py",
+        "if not is_tracing(packed_sequence_mask) and (packed_sequence_mask[:, -1] == 0).all():",
+    ),
     # the eager experts loop, which only a CPU runs (models.load_model: eager on CPU; a GPU runs grouped_mm)
     ("transformers/models/qwen3_moe/modeling_qwen3_moe.py", "if expert_idx == self.num_experts:"),
 }
@@ -303,16 +390,32 @@ def test_the_host_probe_sees_read_backs_and_cuda():
         for make in (lambda: x.cuda(), lambda: x.to("cuda"), lambda: torch.zeros(1, device=torch.device("cuda"))):
             with contextlib.suppress(Exception):  # no CUDA here: recorded, then refused by torch
                 make()
-    assert [c for c, _, _ in probe.seen] == ["item", "__float__", "__int__", "__bool__", "tolist", "numpy", "cpu", "__format__",
-                                             "cuda", "to naming cuda", "device naming cuda", "zeros naming cuda"]
+    assert [c for c, _, _ in probe.seen] == [
+        "item",
+        "__float__",
+        "__int__",
+        "__bool__",
+        "tolist",
+        "numpy",
+        "cpu",
+        "__format__",
+        "cuda",
+        "to naming cuda",
+        "device naming cuda",
+        "zeros naming cuda",
+    ]
     assert {f for _, f, _ in probe.seen} == {__file__}
 
 
 PROBED = dataclasses.replace(CFG, steps=2, eval_every=2, grad_accum=2)
 
 
-@pytest.mark.parametrize("targets,loss", [("online", "fkl+mse"), ("hidden", "rkl"), ("topk:8", "fkl"), ("sampled:8", "fkl")])
-def test_a_training_step_reads_nothing_back_to_the_host_and_names_no_device(student, tokens, tmp_path, monkeypatch, targets, loss):
+@pytest.mark.parametrize(
+    "targets,loss", [("online", "fkl+mse"), ("hidden", "rkl"), ("topk:8", "fkl"), ("sampled:8", "fkl")]
+)
+def test_a_training_step_reads_nothing_back_to_the_host_and_names_no_device(
+    student, tokens, tmp_path, monkeypatch, targets, loss
+):
     """Inside `DistillStep.step` (teacher, student, loss, backward, clip, AdamW; every micro-batch of an
     accumulation) no tensor is read back to the host and no CUDA device is named: on a GPU a read-back stalls the
     queue every step, and a hard-coded device breaks a CPU worker. Reads belong to the reporting points
@@ -336,5 +439,9 @@ def test_a_training_step_reads_nothing_back_to_the_host_and_names_no_device(stud
 
     monkeypatch.setattr(DistillStep, "step", probed)
     reports = _train(student, tmp_path / "s", tokens, str(tmp_path / "t") if spec else None, spec, cfg)
-    unknown = {(call, f"{file}: {line}") for call, file, line in probe.seen if not any(file.endswith(f) and line == t for f, t in KNOWN_READS)}
+    unknown = {
+        (call, f"{file}: {line}")
+        for call, file, line in probe.seen
+        if not any(file.endswith(f) and line == t for f, t in KNOWN_READS)
+    }
     assert unknown == set() and reports[-1]["step"] == cfg.steps and np.isfinite(reports[-1][loss_metric(spec)])

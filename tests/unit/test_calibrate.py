@@ -21,7 +21,9 @@ def oracle_stats(teacher, ids: torch.Tensor, mask: torch.Tensor, batch_size: int
     adapter, model = teacher.adapter, teacher.model
     blocks = adapter.moe_blocks(model)
     captured: dict[int, list[torch.Tensor]] = {i: [] for i in blocks}
-    hooks = [b.register_forward_pre_hook(lambda m, a, i=i: captured[i].append(a[0].detach())) for i, b in blocks.items()]
+    hooks = [
+        b.register_forward_pre_hook(lambda m, a, i=i: captured[i].append(a[0].detach())) for i, b in blocks.items()
+    ]
     with torch.no_grad():
         for s in range(0, ids.shape[0], batch_size):
             model(input_ids=ids[s : s + batch_size], attention_mask=mask[s : s + batch_size])

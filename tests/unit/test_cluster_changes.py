@@ -7,8 +7,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import ROOT
+
 from m2d_ray.config import load_config
 from m2d_ray.errors import M2DError
 from m2d_ray.pipeline import STAGES
@@ -17,12 +17,22 @@ from m2d_ray.stages.run_storage import RunStorage
 
 # what Ray 2.60's v1 autoscaler wrote on the fake cluster with a {CPU: 1, GPU: 1} task and a 2-bundle placement group
 # waiting (tests/ray's machinery, recorded by hand): its event and its status in the GCS
-V1_EVENT = ("Error: No available node types can fulfill resource request {'GPU': 1.0, 'CPU': 1.0}. "
-            "Add suitable node types to this cluster to resolve this issue.")
-V1_STATUS = {"load_metrics_report": {"resource_demand": [[{"GPU": 1.0, "CPU": 1.0}, 1]],
-                                     "pg_demand": [[{"bundles": [[{"GPU": 1.0, "CPU": 1.0}, 2]], "strategy": "PACK"}, 1]]},
-             "autoscaler_report": {"active_nodes": {"ray.head.default": 1, "gpu_a10g_1x": 1}, "pending_nodes": [],
-                                   "pending_launches": {}, "failed_nodes": []}}
+V1_EVENT = (
+    "Error: No available node types can fulfill resource request {'GPU': 1.0, 'CPU': 1.0}. "
+    "Add suitable node types to this cluster to resolve this issue."
+)
+V1_STATUS = {
+    "load_metrics_report": {
+        "resource_demand": [[{"GPU": 1.0, "CPU": 1.0}, 1]],
+        "pg_demand": [[{"bundles": [[{"GPU": 1.0, "CPU": 1.0}, 2]], "strategy": "PACK"}, 1]],
+    },
+    "autoscaler_report": {
+        "active_nodes": {"ray.head.default": 1, "gpu_a10g_1x": 1},
+        "pending_nodes": [],
+        "pending_launches": {},
+        "failed_nodes": [],
+    },
+}
 
 
 # ---- the storage check: each node, once, when it first works for the run --------------------------------
@@ -41,9 +51,14 @@ def test_a_node_that_does_not_see_the_storage_fails_with_one_line_naming_it(node
     with pytest.raises(M2DError) as e:  # the driver's mark is not there: this node's view is another disk
         store.ensure_visible()
     line = str(e.value)
-    assert "\n" not in line and line.startswith(f"node 10.0.0.7 cannot see the run's storage {tmp_path / 'storage'} (Ray node {'a' * 12})")
-    source = """    raise M2DError(f"node {address} cannot see the run's storage {self.root} (Ray node {node[:12]}); give --storage a path \""""
-    assert ray_env.failure(f"Traceback ...\n{source}\nm2d_ray.errors.M2DError: {line}\n", "stage 1", 0, 0) == line  # recorded as is
+    assert "\n" not in line and line.startswith(
+        f"node 10.0.0.7 cannot see the run's storage {tmp_path / 'storage'} (Ray node {'a' * 12})"
+    )
+    source = """    raise M2DError(f"node {address} cannot see the run's storage {self.root} (Ray node {node[:12]});
+    give --storage a path \""""
+    assert (
+        ray_env.failure(f"Traceback ...\n{source}\nm2d_ray.errors.M2DError: {line}\n", "stage 1", 0, 0) == line
+    )  # recorded as is
 
 
 def test_each_node_checks_once_and_a_node_joining_later_is_checked_too(node, tmp_path):
@@ -61,14 +76,18 @@ def test_each_node_checks_once_and_a_node_joining_later_is_checked_too(node, tmp
 
 
 def test_remote_storage_needs_no_mark(node):
-    RunStorage("s3://bucket/run").ensure_visible()  # every node reaches a URL alike; its credentials are checked by check()
+    RunStorage(
+        "s3://bucket/run"
+    ).ensure_visible()  # every node reaches a URL alike; its credentials are checked by check()
 
 
 # ---- what the autoscaler says while a stage waits ---------------------------------------------------------
 def test_infeasible_events_of_both_autoscalers_are_read():
     assert demand.infeasible_requests(V1_EVENT) == [{"GPU": 1.0, "CPU": 1.0}]
-    v2 = ("No available node types can fulfill resource requests {'CPU': 1.0, 'GPU': 1.0}*2, {'CPU': 4.0}*1. "
-          "Add suitable node types to this cluster to resolve this issue.")
+    v2 = (
+        "No available node types can fulfill resource requests {'CPU': 1.0, 'GPU': 1.0}*2, {'CPU': 4.0}*1. "
+        "Add suitable node types to this cluster to resolve this issue."
+    )
     assert demand.infeasible_requests(v2) == [{"CPU": 1.0, "GPU": 1.0}, {"CPU": 4.0}]
     assert demand.infeasible_requests("Adding 1 node(s) of type gpu_a10g_1x.") == []
 
@@ -77,12 +96,16 @@ def test_only_the_stage_s_own_demand_is_its_own():
     stage2 = {"CPU": 1.0, "GPU": 1.0}
     assert demand.is_ours({"GPU": 1.0, "CPU": 1.0}, stage2) and demand.is_ours({"CPU": 0.5}, stage2)
     assert not demand.is_ours({"TPU": 4.0}, stage2)  # another job's, on a shared cluster
-    assert not demand.is_ours({"GPU": 1.0, "CPU": 1.0}, {"CPU": 1.0, "GPU": 0.0})  # a CPU stage is not failed by a GPU request
+    assert not demand.is_ours(
+        {"GPU": 1.0, "CPU": 1.0}, {"CPU": 1.0, "GPU": 0.0}
+    )  # a CPU stage is not failed by a GPU request
 
 
 def test_an_infeasible_demand_fails_the_stage_with_one_line(monkeypatch):
     monkeypatch.setattr(demand, "read_status", lambda: V1_STATUS)
-    w = demand.Waiting.of(STAGES["stage2"], load_config(ROOT / "experiments" / "tiny.yaml", ["distill.gpus_per_worker=1"]))
+    w = demand.Waiting.of(
+        STAGES["stage2"], load_config(ROOT / "experiments" / "tiny.yaml", ["distill.gpus_per_worker=1"])
+    )
     w._status = V1_STATUS
     w.event("Adding 1 node(s) of type cpu_8x.")
     w.check()  # nothing infeasible yet
@@ -99,11 +122,20 @@ def test_an_infeasible_demand_fails_the_stage_with_one_line(monkeypatch):
 
 
 def test_a_pending_demand_prints_a_progress_line_about_every_minute(monkeypatch):
-    status = {**V1_STATUS, "autoscaler_report": {**V1_STATUS["autoscaler_report"], "pending_launches": {"gpu_h100_8x": 1}}}
-    assert demand.waiting_line("stage2", status, {"CPU": 1.0, "GPU": 1.0}) == \
-        "stage2: waiting for 1 × {CPU: 1, GPU: 1}, 2 × {CPU: 1, GPU: 1}: autoscaler launching 1 gpu_h100_8x"
+    status = {
+        **V1_STATUS,
+        "autoscaler_report": {**V1_STATUS["autoscaler_report"], "pending_launches": {"gpu_h100_8x": 1}},
+    }
+    assert (
+        demand.waiting_line("stage2", status, {"CPU": 1.0, "GPU": 1.0})
+        == "stage2: waiting for 1 × {CPU: 1, GPU: 1}, 2 × {CPU: 1, GPU: 1}: autoscaler launching 1 gpu_h100_8x"
+    )
     assert demand.waiting_line("stage1", status, {"CPU": 1.0, "GPU": 0.0}) is None
-    assert demand.fmt({"GPU": 1.0, "CPU": 2.0, "memory": 0.0}) == demand.fmt({"CPU": 2.0, "GPU": 1.0}) == "{CPU: 2, GPU: 1}"  # any order in
+    assert (
+        demand.fmt({"GPU": 1.0, "CPU": 2.0, "memory": 0.0})
+        == demand.fmt({"CPU": 2.0, "GPU": 1.0})
+        == "{CPU: 2, GPU: 1}"
+    )  # any order in
     lines = []
     monkeypatch.setattr(demand, "read_status", lambda: status)
     monkeypatch.setattr(demand, "say", lines.append)
@@ -145,8 +177,12 @@ ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this
 \tip: 127.0.0.3
 The actor died because its node has died. Node Id: 5f1e2d3c4b5a69788796a5b4c3d2e1f0
 \tthe actor's node was terminated unexpectedly: health check failed"""
-TASK_NODE_DIED = ("ray.exceptions.NodeDiedError: Task failed because the node it was running on is dead or unavailable. Node IP: 127.0.0.4, "
-                  "node ID: abc. This can happen if the node was preempted, had a hardware failure, or its raylet crashed unexpectedly.")
+TASK_NODE_DIED = (
+    "ray.exceptions.NodeDiedError: Task failed because the node it was running on is dead or unavailable. Node IP: "
+    "127.0.0.4, "
+    "node ID: abc. This can happen if the node was preempted, had a hardware failure, or its raylet crashed "
+    "unexpectedly."
+)
 
 
 def test_a_lost_node_reads_in_the_user_s_words_and_ray_s_error_goes_to_the_log(monkeypatch):
@@ -154,22 +190,41 @@ def test_a_lost_node_reads_in_the_user_s_words_and_ray_s_error_goes_to_the_log(m
     monkeypatch.setattr(ray_env.console, "note", logged.append)
     monkeypatch.setattr(ray_env.console, "log_path", lambda: "/runs/x/logs/m2d-run.log")
     line = ray_env.failure(ACTOR_DIED, "stage 2", 1, 1)
-    assert line == "node 127.0.0.3 lost during stage 2 (spot reclaim or crash); retried 1 of 1 times (Ray's error: /runs/x/logs/m2d-run.log)"
+    assert (
+        line == "node 127.0.0.3 lost during stage 2 (spot reclaim or crash); retried 1 of 1 times (Ray's error: "
+        "/runs/x/logs/m2d-run.log)"
+    )
     assert "ActorDiedError" in logged[0] and "Node Id: 5f1e" in logged[0]
-    assert ray_env.failure(TASK_NODE_DIED, "stage 3", 2, 2).startswith("node 127.0.0.4 lost during stage 3 (spot reclaim or crash); retried 2 of 2")
-    unavailable = "ray.exceptions.ActorUnavailableError: The actor 0123 is unavailable: RPC Error message: Socket closed."
+    assert ray_env.failure(TASK_NODE_DIED, "stage 3", 2, 2).startswith(
+        "node 127.0.0.4 lost during stage 3 (spot reclaim or crash); retried 2 of 2"
+    )
+    unavailable = (
+        "ray.exceptions.ActorUnavailableError: The actor 0123 is unavailable: RPC Error message: Socket closed."
+    )
     assert ray_env.failure(unavailable, "stage 2", 0, 0).startswith("node (address not reported) lost during stage 2")
-    assert ray_env.failure("Traceback\nValueError: K=3 is not in [2, 16]\n", "stage 1", 0, 1) == "ValueError: K=3 is not in [2, 16]"
+    assert (
+        ray_env.failure("Traceback\nValueError: K=3 is not in [2, 16]\n", "stage 1", 0, 1)
+        == "ValueError: K=3 is not in [2, 16]"
+    )
 
 
 def test_trial_error_counts_the_retries_tune_made():
     trial = SimpleNamespace(error_file=None, get_error=lambda: ACTOR_DIED, num_failures=2, last_result={})
     assert "retried 1 of 1 times" in ray_env.trial_error(trial, "stage 1", 1)
-    # an unavailable actor's error names no node: the node of the trial's last result does (what the fake cluster showed)
-    unavailable = ("Failure # 1 (occurred at 2026-11-25_02-16-57)\nThe actor bcc40b3b is unavailable: The actor is temporarily unavailable: "
-                   "RpcError: RPC error: recvmsg:Connection reset by peer rpc_code: 14. The task may or may not have been executed on the actor.")
-    trial = SimpleNamespace(error_file=None, get_error=lambda: unavailable, num_failures=1, last_result={"node_ip": "127.0.0.5", "step": 40})
-    assert ray_env.trial_error(trial, "stage 2", 0).startswith("node 127.0.0.5 lost during stage 2 (spot reclaim or crash); retried 0 of 0 times")
+    # an unavailable actor's error names no node: the node of the trial's last result does (what the fake cluster
+    # showed)
+    unavailable = (
+        "Failure # 1 (occurred at 2026-11-25_02-16-57)\nThe actor bcc40b3b is unavailable: The actor is temporarily "
+        "unavailable: "
+        "RpcError: RPC error: recvmsg:Connection reset by peer rpc_code: 14. The task may or may not have been "
+        "executed on the actor."
+    )
+    trial = SimpleNamespace(
+        error_file=None, get_error=lambda: unavailable, num_failures=1, last_result={"node_ip": "127.0.0.5", "step": 40}
+    )
+    assert ray_env.trial_error(trial, "stage 2", 0).startswith(
+        "node 127.0.0.5 lost during stage 2 (spot reclaim or crash); retried 0 of 0 times"
+    )
 
 
 def test_the_tune_check_pickles_with_the_experiment_and_fails_the_stage():

@@ -16,8 +16,8 @@ import jsonschema
 import pytest
 import ray
 import yaml
-from ray.autoscaler._private.util import prepare_config, validate_config
 from conftest import ROOT
+from ray.autoscaler._private.util import prepare_config, validate_config
 
 CLUSTER_YAML = ROOT / "cluster.yaml"
 
@@ -169,8 +169,7 @@ def _auth_typo(cfg):
 
 @pytest.mark.parametrize(
     "mutate",
-    [_misspelled_key, _max_workers_wrong_type, _node_type_without_resources,
-     _fractional_gpu_resource, _auth_typo],
+    [_misspelled_key, _max_workers_wrong_type, _node_type_without_resources, _fractional_gpu_resource, _auth_typo],
 )
 def test_ray_validator_rejects_schema_errors(prepared, mutate, no_network):
     bad = copy.deepcopy(prepared)

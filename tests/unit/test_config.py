@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from m2d_ray.cli import main
 from m2d_ray.config import SweepConfig, k_values, load_config
 from m2d_ray.errors import M2DError
 from m2d_ray.pipeline import check_config
-from conftest import ROOT
 
 EXPERIMENTS = ROOT / "experiments"
 #: (top-k, experts) of the paper's teachers (method.md), checked offline against each YAML's K list
@@ -37,14 +37,20 @@ def test_every_yaml_loads_and_fits_its_teacher(path):
 
 def test_paper_grid_is_350_configs():
     cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml")
-    assert len(cfg.grid.scoring) * len(cfg.grid.grouping) * len(cfg.grid.scaling) * len(k_values(cfg.grid.K, 8, 128)) == 350
+    assert (
+        len(cfg.grid.scoring) * len(cfg.grid.grouping) * len(cfg.grid.scaling) * len(k_values(cfg.grid.K, 8, 128))
+        == 350
+    )
     assert cfg.calib.seq_len == 2048 and cfg.ray.gpus_per_trial == 0.5  # from the included base
 
 
 def test_auto_K_and_overrides():
     assert k_values("auto", 2, 16) == [2, 4, 8, 16]
     assert k_values("auto", 6, 64) == [6, 12, 24, 48, 64]
-    cfg = load_config(EXPERIMENTS / "tiny.yaml", ["grid.scoring=[sf,do-acp]", "grid.K=[4,2]", "search.early_stop=false", "eval.max_chars=null"])
+    cfg = load_config(
+        EXPERIMENTS / "tiny.yaml",
+        ["grid.scoring=[sf,do-acp]", "grid.K=[4,2]", "search.early_stop=false", "eval.max_chars=null"],
+    )
     assert cfg.grid.scoring == ("sf", "do-acp") and k_values(cfg.grid.K, 2, 16) == [2, 4]
     assert cfg.search.early_stop is False and cfg.eval.max_chars is None
 
@@ -83,16 +89,22 @@ def _checked(path: Path, *overrides: str) -> SweepConfig:
 
 @pytest.mark.parametrize("loss", ["rkl", "fkl+mse"])
 def test_losses_that_need_the_whole_teacher_refuse_cached_targets(loss):
-    assert load_config(EXPERIMENTS / "tiny.yaml", [f"distill.loss={loss}"]).target_spec() is None  # online: every loss works
+    assert (
+        load_config(EXPERIMENTS / "tiny.yaml", [f"distill.loss={loss}"]).target_spec() is None
+    )  # online: every loss works
     with pytest.raises(M2DError, match=f"distill.loss={loss.replace('+', '.')}"):
         load_config(EXPERIMENTS / "tiny.yaml", [f"distill.loss={loss}", "stage2.targets=topk:16"])
 
 
 def test_d2d_needs_a_dense_teacher_and_the_baseline():
     cfg = load_config(EXPERIMENTS / "tiny.yaml")
-    assert "d2d" in cfg.stage2.baselines and cfg.stage2.d2d_teacher is None  # the embedded pair: the dense twin by default
+    assert (
+        "d2d" in cfg.stage2.baselines and cfg.stage2.d2d_teacher is None
+    )  # the embedded pair: the dense twin by default
     assert load_config(EXPERIMENTS / "wiki4.yaml").stage2.d2d_teacher == "../shared/teachers/qwen3dense-wiki4"
-    with pytest.raises(M2DError, match="no stage2.d2d_teacher: give the dense model matched to ../shared/teachers/qwen3moe-wiki4"):
+    with pytest.raises(
+        M2DError, match="no stage2.d2d_teacher: give the dense model matched to ../shared/teachers/qwen3moe-wiki4"
+    ):
         _checked(EXPERIMENTS / "wiki4.yaml", "stage2.d2d_teacher=null")
     with pytest.raises(M2DError, match="d2d_teacher is set but d2d is not in stage2.baselines"):
         _checked(EXPERIMENTS / "tiny.yaml", "stage2.baselines=[random-init]", "stage2.d2d_teacher=some/dense")
@@ -111,7 +123,12 @@ def test_bad_yaml_files(tmp_path):
     (tmp_path / "broken.yaml").write_text("grid: [unclosed\n")
     (tmp_path / "a.yaml").write_text("include: b.yaml\n")
     (tmp_path / "b.yaml").write_text("include: a.yaml\n")
-    for name, msg in [("list.yaml", "must be a mapping"), ("broken.yaml", "not valid YAML"), ("a.yaml", "include cycle"), ("missing.yaml", "not found")]:
+    for name, msg in [
+        ("list.yaml", "must be a mapping"),
+        ("broken.yaml", "not valid YAML"),
+        ("a.yaml", "include cycle"),
+        ("missing.yaml", "not found"),
+    ]:
         with pytest.raises(M2DError, match=msg):
             load_config(tmp_path / name)
 

@@ -10,19 +10,20 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from corpora import DOCS, write_corpus
+
 from m2d_ray.data import source
 from m2d_ray.data.synthetic import build_tokenizer
 from m2d_ray.data.text import load_text
 from m2d_ray.errors import M2DError
+
 
 def test_parquet_dir_jsonl_gz_and_glob_give_the_same_documents_in_order(tmp_path):
     pdir, jgz, order = write_corpus(tmp_path, column="content")
     by_dir = list(source.documents(f"{pdir}#column=content"))
     assert by_dir == order  # files sorted, rows in order, null / empty rows skipped, _SUCCESS ignored
     assert list(source.documents(f"{jgz}#column=content")) == order
-    assert list(source.documents(f"{tmp_path}/parquet/part-00[12].parquet#column=content")) == order[len(DOCS[0::3]):]
+    assert list(source.documents(f"{tmp_path}/parquet/part-00[12].parquet#column=content")) == order[len(DOCS[0::3]) :]
     assert load_text(f"{jgz}#column=content") == "\n\n".join(order)
     assert load_text(f"{jgz}#column=content", max_chars=1000) == "\n\n".join(order)[:1000]
 
@@ -35,15 +36,25 @@ def test_zstd_json_lines(tmp_path):
 
 
 def test_grammar():
-    assert source.parse("wikitext103:train") == source.Source("wikitext103:train", "wikitext", "wikitext", "wikitext-103-raw-v1", "train")
+    assert source.parse("wikitext103:train") == source.Source(
+        "wikitext103:train", "wikitext", "wikitext", "wikitext-103-raw-v1", "train"
+    )
     assert source.parse("wikitext2").config == "wikitext-2-raw-v1"
     assert source.parse("fineweb-edu").location == "HuggingFaceFW/fineweb-edu"
     hf = source.parse("hf:org/name:cfg#column=body")
     assert (hf.kind, hf.location, hf.config, hf.split, hf.column) == ("hf", "org/name", "cfg", "train", "body")
     s3 = source.parse("s3://bucket/corpus/*.parquet?endpoint_override=127.0.0.1:9000#column=content")
-    assert (s3.kind, s3.location, s3.column) == ("files", "s3://bucket/corpus/*.parquet?endpoint_override=127.0.0.1:9000", "content")
-    for bad, msg in (("wikitext103:dev", "unknown split"), ("hf:", "hf:NAME"), ("x.parquet#col=a", "column=NAME"),
-                     ("synthetic#column=a", "no columns")):
+    assert (s3.kind, s3.location, s3.column) == (
+        "files",
+        "s3://bucket/corpus/*.parquet?endpoint_override=127.0.0.1:9000",
+        "content",
+    )
+    for bad, msg in (
+        ("wikitext103:dev", "unknown split"),
+        ("hf:", "hf:NAME"),
+        ("x.parquet#col=a", "column=NAME"),
+        ("synthetic#column=a", "no columns"),
+    ):
         with pytest.raises(M2DError, match=msg):
             source.parse(bad)
 

@@ -17,8 +17,18 @@ from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.perplexity import window_nll, windows
 from m2d_ray.models import default_teacher
 
-CFG = DistillConfig(train_data="synthetic:train", steps=24, lr=3e-3, min_lr=3e-4, warmup_steps=2, batch_size=8, seq_len=128,
-                    eval_every=8, eval_max_tokens=4096, deepspeed=False)
+CFG = DistillConfig(
+    train_data="synthetic:train",
+    steps=24,
+    lr=3e-3,
+    min_lr=3e-4,
+    warmup_steps=2,
+    batch_size=8,
+    seq_len=128,
+    eval_every=8,
+    eval_max_tokens=4096,
+    deepspeed=False,
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +58,10 @@ def _weights(path) -> dict[str, torch.Tensor]:
 
 def test_distillation_lowers_the_loss_and_the_students_perplexity(do_acp_student, tmp_path):
     keep = Keep(tmp_path)
-    last = run_distill(DistillJob(default_teacher(), str(do_acp_student), CFG, "synthetic:valid", out=str(tmp_path / "s")), WorkerIO(report=keep))
+    last = run_distill(
+        DistillJob(default_teacher(), str(do_acp_student), CFG, "synthetic:valid", out=str(tmp_path / "s")),
+        WorkerIO(report=keep),
+    )
     steps = [r["step"] for r in keep.reports]
     assert steps == [8, 16, 24] and last["final"] and last["student_path"] == str(tmp_path / "s")
     assert keep.reports[-1]["train_loss"] < 0.5 * keep.reports[0]["train_loss"]
@@ -69,25 +82,43 @@ def _val_windows():
 
 def test_resume_from_a_checkpoint_continues_exactly(do_acp_student, tmp_path):
     cfg = DistillConfig(**{**CFG.__dict__, "steps": 6, "eval_every": 3, "grad_accum": 2, "batch_size": 2})
-    job = lambda out: DistillJob(default_teacher(), str(do_acp_student), cfg, "synthetic:valid", out=str(tmp_path / out))  # noqa: E731
+
+    def job(out):
+        return DistillJob(default_teacher(), str(do_acp_student), cfg, "synthetic:valid", out=str(tmp_path / out))
+
     straight = Keep(tmp_path / "a")
     run_distill(job("straight"), WorkerIO(report=straight))
     resumed = Keep(tmp_path / "b")
     last = run_distill(job("resumed"), WorkerIO(report=resumed, restore=straight.ckpts[3]))
     assert [r["step"] for r in resumed.reports] == [6] and last["resumed_from"] == 3
-    assert [s for s, _ in last["curve"]] == [0, 3, 6] and last["curve"][:2] == straight.reports[0]["curve"]  # history survives
+    assert [s for s, _ in last["curve"]] == [0, 3, 6] and last["curve"][:2] == straight.reports[0][
+        "curve"
+    ]  # history survives
     a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "resumed")
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
     # the host died after the final checkpoint, before its report: the resumed run trains nothing and reports it again
     again = Keep(tmp_path / "d")
     last = run_distill(job("again"), WorkerIO(report=again, restore=straight.ckpts[6]))
-    assert [(r["step"], r["final"]) for r in again.reports] == [(6, True)] and last["curve"] == straight.reports[-1]["curve"]
-    assert last["student_path"] == str(tmp_path / "again") and last["val_loss"] == pytest.approx(straight.reports[-1]["val_loss"], rel=1e-6)
+    assert [(r["step"], r["final"]) for r in again.reports] == [(6, True)] and last["curve"] == straight.reports[-1][
+        "curve"
+    ]
+    assert last["student_path"] == str(tmp_path / "again") and last["val_loss"] == pytest.approx(
+        straight.reports[-1]["val_loss"], rel=1e-6
+    )
     c = _weights(tmp_path / "again")
     assert all(torch.equal(a[k], c[k]) for k in a)
     # and resuming is not a no-op: the step-3 weights differ from the final ones
     fresh = Keep(tmp_path / "c")
-    run_distill(DistillJob(default_teacher(), str(do_acp_student), DistillConfig(**{**cfg.__dict__, "steps": 3}), "synthetic:valid", out=str(tmp_path / "s3")), WorkerIO(report=fresh))
+    run_distill(
+        DistillJob(
+            default_teacher(),
+            str(do_acp_student),
+            DistillConfig(**{**cfg.__dict__, "steps": 3}),
+            "synthetic:valid",
+            out=str(tmp_path / "s3"),
+        ),
+        WorkerIO(report=fresh),
+    )
     s3 = _weights(tmp_path / "s3")
     assert any(not torch.allclose(a[k], s3[k]) for k in a)
 
@@ -201,5 +232,7 @@ def test_the_stop_request_is_polled_every_few_steps_not_every_step(do_acp_studen
     polls = []
     monkeypatch.setattr(loop, "stop_requested", lambda job, io: polls.append(1) and False)
     cfg = DistillConfig(**{**CFG.__dict__, "steps": 24, "eval_every": 12, "batch_size": 1, "seq_len": 32})
-    run_distill(DistillJob(default_teacher(), str(do_acp_student), cfg, "synthetic:valid", stop=lambda: False), WorkerIO())
+    run_distill(
+        DistillJob(default_teacher(), str(do_acp_student), cfg, "synthetic:valid", stop=lambda: False), WorkerIO()
+    )
     assert cfg.stop_poll == STOP_POLL_STEPS and len(polls) == 24 // STOP_POLL_STEPS

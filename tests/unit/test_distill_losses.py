@@ -11,7 +11,10 @@ from m2d_ray.errors import M2DError
 
 def _inputs(n=37, d=12, V=53, seed=0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
-    mk = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
+
+    def mk(*s):
+        return torch.randn(*s, generator=g, dtype=dtype)
+
     return mk(n, d).requires_grad_(), mk(V, d).requires_grad_(), mk(n, d), mk(V, d)
 
 
@@ -44,7 +47,10 @@ def test_forward_and_reverse_kl_differ():
 def test_gradient_check_float64():
     """torch.autograd.gradcheck through the custom backward (finite differences, float64)."""
     h_s, w_s, h_t, w_t = _inputs(n=5, d=3, V=7)
-    f = lambda a, b: chunked_kl(a, b, h_t, w_t, "rkl", 1.7, 2).double()  # noqa: E731
+
+    def f(a, b):
+        return chunked_kl(a, b, h_t, w_t, "rkl", 1.7, 2).double()
+
     # the forward runs in float32, so finite differences need a coarse step and tolerance
     assert torch.autograd.gradcheck(f, (h_s, w_s), eps=1e-3, atol=5e-3, rtol=5e-3)
 

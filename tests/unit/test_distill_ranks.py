@@ -20,8 +20,18 @@ from m2d_ray.distill.loop import DistillJob, WorkerIO, run_distill, stop_request
 from m2d_ray.distill.step import DistillStep
 from m2d_ray.models import default_teacher, load_teacher
 
-CFG = DistillConfig(train_data="synthetic:train", steps=4, eval_every=2, lr=3e-3, min_lr=3e-4, warmup_steps=1, seq_len=64,
-                    eval_max_tokens=1024, eval_batch_size=2, deepspeed=False)
+CFG = DistillConfig(
+    train_data="synthetic:train",
+    steps=4,
+    eval_every=2,
+    lr=3e-3,
+    min_lr=3e-4,
+    warmup_steps=1,
+    seq_len=64,
+    eval_max_tokens=1024,
+    eval_batch_size=2,
+    deepspeed=False,
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +43,9 @@ def student_dir(tmp_path_factory) -> Path:
 
 def _rank_main(rank: int, world: int, port: int, student: str, out: str, runs: dict[str, DistillConfig]) -> None:
     """One rank: a gloo group as Ray Train makes it, every all_reduce the Python side issues recorded."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     calls: list[str] = []
@@ -67,13 +79,24 @@ def _weights(path) -> dict[str, torch.Tensor]:
 
 
 def test_two_gloo_ranks_with_ddp_and_deepspeed_match_one_rank(student_dir, ds_env, tmp_path):
-    """2 ranks x batch 2 see the blocks 1 rank x batch 4 sees (block g goes to rank g % world): same losses, same student."""
-    runs = {"ddp": DistillConfig(**{**CFG.__dict__, "batch_size": 2}),
-            "deepspeed": DistillConfig(**{**CFG.__dict__, "batch_size": 2, "deepspeed": True})}
+    """2 ranks x batch 2 see the blocks 1 rank x batch 4 sees (block g goes to rank g % world): same losses, same
+    student."""
+    runs = {
+        "ddp": DistillConfig(**{**CFG.__dict__, "batch_size": 2}),
+        "deepspeed": DistillConfig(**{**CFG.__dict__, "batch_size": 2, "deepspeed": True}),
+    }
     mp.spawn(_rank_main, args=(2, _free_port(), str(student_dir), str(tmp_path), runs), nprocs=2, join=True)
     one: list[dict] = []
-    run_distill(DistillJob(default_teacher(), str(student_dir), DistillConfig(**{**CFG.__dict__, "batch_size": 4}), "synthetic:valid",
-                           out=str(tmp_path / "one")), WorkerIO(report=lambda m, ckpt: one.append(m)))
+    run_distill(
+        DistillJob(
+            default_teacher(),
+            str(student_dir),
+            DistillConfig(**{**CFG.__dict__, "batch_size": 4}),
+            "synthetic:valid",
+            out=str(tmp_path / "one"),
+        ),
+        WorkerIO(report=lambda m, ckpt: one.append(m)),
+    )
     ref = _weights(tmp_path / "one")
     init = _weights(student_dir)
     moved = max((ref[k] - init[k]).abs().max().item() for k in ref)
@@ -86,11 +109,17 @@ def test_two_gloo_ranks_with_ddp_and_deepspeed_match_one_rank(student_dir, ds_en
             for a, b in zip(r["reports"], one):
                 assert a["tokens"] == b["tokens"]
                 assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5), name
-                assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5) and a["val_tokens"] == b["val_tokens"], name
+                assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5) and a["val_tokens"] == b["val_tokens"], (
+                    name
+                )
             assert set(r["all_reduce"]) == {"cpu"}, name  # the training device
         got = _weights(tmp_path / name)
         diff = max((got[k] - ref[k]).abs().max().item() for k in ref)
-        assert diff < 0.01 * moved, (name, diff, moved)  # summation order differs; AdamW's early steps are ~ lr * sign(g)
+        assert diff < 0.01 * moved, (
+            name,
+            diff,
+            moved,
+        )  # summation order differs; AdamW's early steps are ~ lr * sign(g)
     # DDP reduces gradients in buckets inside its reducer: the Python side issues only the loop's few
     # collectives (losses, validation), not one per parameter per step
     assert len(ranks_ddp := json.loads((tmp_path / "ddp-rank0.json").read_text())["all_reduce"]) < n_params, ranks_ddp
@@ -132,7 +161,9 @@ def test_a_step_reads_nothing_back_to_the_host(tiny_teacher, student_dir, monkey
     """On a GPU every read-back stalls the queue: the platform's own code reads nothing during a step
     (transformers' mask checks and the CPU-only eager MoE of the teacher do, outside this package)."""
     student = AutoModelForCausalLM.from_pretrained(student_dir).train()
-    trainer = DistillStep(student, tiny_teacher.model, DistillConfig(**{**CFG.__dict__, "grad_accum": 2, "batch_size": 2}), "cpu")
+    trainer = DistillStep(
+        student, tiny_teacher.model, DistillConfig(**{**CFG.__dict__, "grad_accum": 2, "batch_size": 2}), "cpu"
+    )
     ids = torch.randint(0, tiny_teacher.config.vocab_size, (2, 2, 32))
     ours = Path(__import__("m2d_ray").__file__).parent
     reads: collections.Counter = collections.Counter()
@@ -144,10 +175,15 @@ def test_a_step_reads_nothing_back_to_the_host(tiny_teacher, student_dir, monkey
             if Path(caller).is_relative_to(ours):
                 reads[(name, caller)] += 1
             return orig(self, *args, **kwargs)
+
         return read
 
     def index(self, key):
-        if isinstance(key, torch.Tensor) and key.dtype == torch.bool and Path(sys._getframe(1).f_code.co_filename).is_relative_to(ours):
+        if (
+            isinstance(key, torch.Tensor)
+            and key.dtype == torch.bool
+            and Path(sys._getframe(1).f_code.co_filename).is_relative_to(ours)
+        ):
             reads[("boolean index", sys._getframe(1).f_code.co_filename)] += 1  # a nonzero() inside
         return getitem(self, key)
 

@@ -16,17 +16,39 @@ def qwen3_30b_a3b():
     """Qwen3-30B-A3B's published config (48 layers, d 2048, 128 experts x 768, top-8, vocab 151,936)."""
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-                          num_experts_per_tok=8, max_position_embeddings=40960, tie_word_embeddings=False, dtype="bfloat16")
+    return Qwen3MoeConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
 
 
 def qwen3_student():
     """Its K = k dense student: a Qwen3 of FFN width 8 x 768 = 6,144."""
     from transformers import Qwen3Config
 
-    return Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
-                       num_key_value_heads=4, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=False, dtype="bfloat16")
+    return Qwen3Config(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +66,8 @@ def test_sizes_from_the_config_alone(teacher, student):
     assert teacher.weights / GiB == pytest.approx(56.9, abs=0.1)
     assert student.params == pytest.approx(3.34e9, rel=0.01) and student.bytes_per_param == 2
     assert teacher.ffn == 8 * 768 and student.ffn == 6144
-    # a 4096-token sequence of lm-eval: logits, log-softmax and the previous batch's (151,936 x 4,096 x 3 x 2 bytes = 3.5 of 4.1 GiB)
+    # a 4096-token sequence of lm-eval: logits, log-softmax and the previous batch's (151,936 x 4,096 x 3 x 2 bytes =
+    # 3.5 of 4.1 GiB)
     assert 4.0 < teacher.sequence_bytes(4096) / GiB < 4.2
 
 
@@ -66,11 +89,16 @@ def test_the_30b_teacher_on_one_141gb_gpu_is_not_sharded(teacher):
 
 
 def test_a_node_too_small_fails_with_one_line(teacher):
-    with pytest.raises(M2DError, match=r"does not fit: 56\.9 GiB of weights .* 1 GPU\(s\) of 37 GiB.*use nodes with more or bigger GPUs"):
+    with pytest.raises(
+        M2DError,
+        match=r"does not fit: 56\.9 GiB of weights .* 1 GPU\(s\) of 37 GiB.*use nodes with more or bigger GPUs",
+    ):
         plan_eval(teacher, 40 * 10**9, gpus_per_node=1, what="teacher")
     p = plan_eval(teacher, 40 * 10**9, gpus_per_node=4)  # 4 x 40 GB: 4 GPUs hold the 4 sequences of MIN_BATCH
     assert (p.gpus, p.shard, p.batch_size) == (4, True, 4)
-    assert plan_eval(teacher, 40 * 10**9, gpus_per_node=3).batch_size == 3  # with 3, the most sequences that fit (fewer than 4)
+    assert (
+        plan_eval(teacher, 40 * 10**9, gpus_per_node=3).batch_size == 3
+    )  # with 3, the most sequences that fit (fewer than 4)
     assert plan_eval(teacher, 40 * 10**9, gpus_per_node=8).gpus == 4  # with 8, the fewest that hold 4 sequences
 
 
@@ -79,7 +107,9 @@ def test_the_student_fits_one_gpu_and_keeps_a_configured_fraction(student):
     assert (p.gpus, p.shard, p.batch_size) == (1, False, 14)  # 16 asked, 14 fit beside 6.2 GiB at 4,096 tokens
     shared = plan_eval(student, GB80, gpus_per_node=8, batch_size=4, gpu_fraction=0.5)
     assert (shared.gpus, shared.shard, shared.batch_size) == (0.5, False, 4)  # 26 GiB left in half a GPU (6 sequences)
-    whole = plan_eval(student, GB80, gpus_per_node=8, batch_size=4, gpu_fraction=0.25)  # a quarter holds 1 sequence, not 4
+    whole = plan_eval(
+        student, GB80, gpus_per_node=8, batch_size=4, gpu_fraction=0.25
+    )  # a quarter holds 1 sequence, not 4
     assert (whole.gpus, whole.batch_size) == (1, 4)
 
 
@@ -92,17 +122,20 @@ def test_batch_from_a_budget_and_from_the_sequence_length(student):
 
 
 def test_cpu_never_shards_and_auto_uses_host_memory():
-    tiny = ModelSize(params=4_400_000, bytes_per_param=4, vocab=4096, hidden=128, layers=4, kv_heads=2, head_dim=32, ffn=256)
+    tiny = ModelSize(
+        params=4_400_000, bytes_per_param=4, vocab=4096, hidden=128, layers=4, kv_heads=2, head_dim=32, ffn=256
+    )
     p = plan_eval(tiny, None, batch_size=16, max_length=1024)
     assert (p.gpus, p.shard, p.batch_size) == (0, False, 16)
-    p = plan_eval(tiny, None, batch_size="auto", max_length=1024, host_bytes=tiny.weights + 5 * tiny.sequence_bytes(1024))
+    p = plan_eval(
+        tiny, None, batch_size="auto", max_length=1024, host_bytes=tiny.weights + 5 * tiny.sequence_bytes(1024)
+    )
     assert p.batch_size == 5
 
 
 def test_the_wiki4_teacher_plan_from_its_directory():
-    from tests.conftest import shared_path
-
     from m2d_ray.evaluate.runner import plan
+    from tests.conftest import shared_path
 
     p = plan(str(shared_path("teachers", "qwen3moe-wiki4")), None, 0, 16)
     assert p.max_length == 1024 and p.batch_size == 16 and p.weights == pytest.approx(4.41e6 * 4, rel=0.01)
@@ -116,8 +149,12 @@ def test_stage3_settings_are_checked():
     c = Stage3Config()
     check_stage3(replace(c, batch_size="auto", gpu_memory="80GB", batch_memory="20GiB"))
     assert parse_batch("auto") == "auto" and parse_batch(8) == 8
-    for bad, frag in ((dict(batch_size=0), "positive integer or auto"), (dict(batch_size="big"), "positive integer or auto"),
-                      (dict(limit=0), "stage3.limit=0"), (dict(gpu_memory="lots"), "stage3.gpu_memory")):
+    for bad, frag in (
+        (dict(batch_size=0), "positive integer or auto"),
+        (dict(batch_size="big"), "positive integer or auto"),
+        (dict(limit=0), "stage3.limit=0"),
+        (dict(gpu_memory="lots"), "stage3.gpu_memory"),
+    ):
         with pytest.raises(M2DError, match=frag):
             check_stage3(replace(c, **bad))
 

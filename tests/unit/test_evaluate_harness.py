@@ -8,12 +8,21 @@ import pytest
 
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.harness import PAPER_SUITE, evaluate, parse_tasks, text_source
-from m2d_ray.evaluate.local_tasks import CONTINUATION, TASKS_DIR, TEXT_CONTINUATION, continuation_rows, paragraphs, text_rows
+from m2d_ray.evaluate.local_tasks import (
+    CONTINUATION,
+    TASKS_DIR,
+    TEXT_CONTINUATION,
+    continuation_rows,
+    paragraphs,
+    text_rows,
+)
 
 WIKI_STYLE = " = Title = \n" + "".join(
     f" Paragraph {i} starts here . It has a second sentence with several words in it . "
     f"The third sentence of paragraph {i} is long enough to cut somewhere inside . "
-    "A fourth one makes the line as long as a real WikiText paragraph , which is one line of the file .\n" for i in range(40))
+    "A fourth one makes the line as long as a real WikiText paragraph , which is one line of the file .\n"
+    for i in range(40)
+)
 
 
 def test_the_shipped_task_files_are_what_build_makes():
@@ -35,9 +44,13 @@ def test_parse_tasks():
 
 def test_paragraphs_of_wikitext_lines_and_of_wrapped_blocks():
     paras = paragraphs(WIKI_STYLE.replace("\n", "\r\n"))
-    assert len(paras) == 40 and paras[0][0] == "Paragraph 0 starts here ."  # heading dropped, one paragraph per long line
+    assert (
+        len(paras) == 40 and paras[0][0] == "Paragraph 0 starts here ."
+    )  # heading dropped, one paragraph per long line
     wrapped = "First sentence here . Second one\nwraps onto a line . Third sentence ends it .\n\nA heading-free block"
-    assert paragraphs(wrapped) == [["First sentence here .", "Second one wraps onto a line .", "Third sentence ends it ."]]
+    assert paragraphs(wrapped) == [
+        ["First sentence here .", "Second one wraps onto a line .", "Third sentence ends it ."]
+    ]
 
 
 def test_text_task_items_differ_from_the_truth_only_in_word_order(tmp_path):
@@ -52,7 +65,9 @@ def test_text_task_items_differ_from_the_truth_only_in_word_order(tmp_path):
         assert all(sorted(c.split()) == sorted(truth.split()) and c.endswith(" .") for c in wrong)
         assert r["context"].count(" . ") <= 3  # the last three sentences at most
     assert not {r["context"] for r in rows["test"]} & {r["context"] for r in rows["train"]}
-    assert parse_tasks(f"text:{path}") == [(TEXT_CONTINUATION, 0)] and text_source(f"text:{path}") == str(path.resolve())
+    assert parse_tasks(f"text:{path}") == [(TEXT_CONTINUATION, 0)] and text_source(f"text:{path}") == str(
+        path.resolve()
+    )
     with pytest.raises(M2DError, match="is not a file"):
         text_source(f"text:{tmp_path / 'missing.txt'}")
     (tmp_path / "short.txt").write_text("One . Two .")
@@ -92,7 +107,10 @@ def test_m2d_eval_cli(capsys):
 
     assert main(["eval", "--model", default_teacher(), "--tasks", "local", "--limit", "8", "--device", "cpu"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(out["tasks"]) == {CONTINUATION, f"{CONTINUATION}_fewshot"} and out["tasks"][f"{CONTINUATION}_fewshot"]["shots"] == 2
+    assert (
+        set(out["tasks"]) == {CONTINUATION, f"{CONTINUATION}_fewshot"}
+        and out["tasks"][f"{CONTINUATION}_fewshot"]["shots"] == 2
+    )
     assert main(["eval", "--model", default_teacher(), "--tasks", "no_such_task", "--device", "cpu"]) == 2
     assert "unknown lm-eval task 'no_such_task'" in capsys.readouterr().err
     assert main(["eval", "--model", "no/such/model", "--tasks", "text:no/such/file.txt"]) == 2  # before any model loads

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -24,14 +23,17 @@ def _part(name: str, required: bool, *ests: float) -> acc.Part:
 PARTS = [_part("A", True, 100, 50), _part("B", True, 200, 80), _part("C", True, 60), _part("D", False, 90, 30)]
 
 
-@pytest.mark.parametrize("left, want", [
-    (1000, {"A": 0, "B": 0, "C": 0, "D": 0}),  # everything at its largest
-    (400, {"A": 0, "B": 0, "C": 0, "D": 1}),  # the required parts grow first; the optional one joins small
-    (300, {"A": 0, "B": 1, "C": 0, "D": 1}),  # growth in priority order: A before B
-    (200, {"A": 1, "B": 1, "C": 0}),  # coverage before size: A and B stay small so that C runs; D does not fit
-    (150, {"A": 1, "B": 1}),  # C, the last required part, is skipped
-    (40, {"D": 1}),  # no required part fits; the optional one does
-])
+@pytest.mark.parametrize(
+    "left, want",
+    [
+        (1000, {"A": 0, "B": 0, "C": 0, "D": 0}),  # everything at its largest
+        (400, {"A": 0, "B": 0, "C": 0, "D": 1}),  # the required parts grow first; the optional one joins small
+        (300, {"A": 0, "B": 1, "C": 0, "D": 1}),  # growth in priority order: A before B
+        (200, {"A": 1, "B": 1, "C": 0}),  # coverage before size: A and B stay small so that C runs; D does not fit
+        (150, {"A": 1, "B": 1}),  # C, the last required part, is skipped
+        (40, {"D": 1}),  # no required part fits; the optional one does
+    ],
+)
 def test_the_plan_covers_the_required_parts_first_then_grows_them_in_priority_order(left, want):
     choice, lines = acc.plan(PARTS, left)
     assert choice == want
@@ -44,7 +46,9 @@ def test_the_plan_covers_the_required_parts_first_then_grows_them_in_priority_or
 def test_a_command_past_the_parts_timeout_is_killed_with_its_process_group(tmp_path):
     """A part that overruns its share is killed whole (here a shell and the child it started; in the call, `m2d
     run` and its Ray processes), so the call keeps to its budget."""
-    ctx = acc.Ctx(tmp_path, cuda=False, smoke=True, deadline=time.monotonic() + 60, timeout_s=2.0, started=time.monotonic())
+    ctx = acc.Ctx(
+        tmp_path, cuda=False, smoke=True, deadline=time.monotonic() + 60, timeout_s=2.0, started=time.monotonic()
+    )
     ctx.logs.mkdir()
     pid_file = tmp_path / "child.pid"
     t = time.monotonic()
@@ -65,23 +69,37 @@ def test_cpu_smoke_runs_every_required_part_and_writes_the_table_results_and_eff
     """`python benchmarks/gpu_acceptance.py --cpu-smoke`: P7 for online, hidden and sampled targets, a whole `m2d run`
     (hidden targets, one student) and the Ray Data token pass, on the CPU with tiny shapes; one table at the end and
     efficiency.json (on the CPU: `plan.cpu_efficiency`'s figure, tiny shapes: plumbing only)."""
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_acceptance.py"), "--cpu-smoke", "--work", str(tmp_path)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=900, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_acceptance.py"), "--cpu-smoke", "--work", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=900,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert {k: v["status"] for k, v in results["parts"].items()} == {"P7": "ok", "run": "ok", "tokens": "ok"}
     table = (tmp_path / "table.md").read_text()
-    assert table == proc.stdout[proc.stdout.index("# GPU acceptance"):].rstrip("\n") + "\n"  # printed once, at the end
-    names = [ln.split("|")[1].strip() for ln in table.splitlines() if ln.startswith("| ") and not ln.startswith("| part")]
+    assert table == proc.stdout[proc.stdout.index("# GPU acceptance") :].rstrip("\n") + "\n"  # printed once, at the end
+    names = [
+        ln.split("|")[1].strip() for ln in table.splitlines() if ln.startswith("| ") and not ln.startswith("| part")
+    ]
     assert names == ["P7 online", "P7 hidden", "P7 sampled:8", "efficiency", "run", "tokens"]
     p7 = results["parts"]["P7"]["p7"]["targets"]
-    assert set(p7) == {"online", "hidden", "sampled:8"} and all(m["losses_agree"] and m["ratio"] > 0 for m in p7.values())
-    assert p7["hidden"]["flops_per_token"] > p7["sampled:8"]["flops_per_token"]  # the teacher's head, counted as the bill does
+    assert set(p7) == {"online", "hidden", "sampled:8"} and all(
+        m["losses_agree"] and m["ratio"] > 0 for m in p7.values()
+    )
+    assert (
+        p7["hidden"]["flops_per_token"] > p7["sampled:8"]["flops_per_token"]
+    )  # the teacher's head, counted as the bill does
     eff = json.loads((tmp_path / "efficiency.json").read_text())
     assert eff["key"] == "plan.cpu_efficiency" and set(eff["modes"]) == set(p7)
     assert eff["efficiency"] == min(m["efficiency"] for m in eff["modes"].values()) > 0
     run = results["parts"]["run"]["result"]
     assert run["outcome"]["students"]["ok"] == 1 and set(run["stages"]) >= {"stage1", "stage2", "stage3"}
-    assert "targets" in results["parts"]["run"]["bill"]["stages"]  # the run cached hidden states (the GPU run's setting)
+    assert (
+        "targets" in results["parts"]["run"]["bill"]["stages"]
+    )  # the run cached hidden states (the GPU run's setting)
     tokens = results["parts"]["tokens"]["p9"]
     assert [r["mode"] for r in tokens] == ["loop", "ray1"] and len({r["shards_sha"] for r in tokens}) == 1

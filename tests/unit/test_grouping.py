@@ -20,10 +20,17 @@ def clustered_inputs(k=3, per=4, d=16, seed=0) -> tuple[GroupingInputs, list[set
     outs = outs[perm]  # shuffle so clusters are not contiguous ids
     truth = [set(torch.nonzero(perm // per == i).flatten().tolist()) for i in range(k)]
     E = k * per
-    w = ExpertWeights(gate=outs[:, None, :].repeat(1, 2, 1), up=outs[:, None, :].repeat(1, 2, 1), down=outs[:, :, None].repeat(1, 1, 2))
+    w = ExpertWeights(
+        gate=outs[:, None, :].repeat(1, 2, 1),
+        up=outs[:, None, :].repeat(1, 2, 1),
+        down=outs[:, :, None].repeat(1, 1, 2),
+    )
     inp = GroupingInputs(
-        selected=list(range(E)), scores=torch.rand(E, generator=g, dtype=torch.float64),
-        gram=outs @ outs.T, router=lambda: outs, experts=lambda: w,
+        selected=list(range(E)),
+        scores=torch.rand(E, generator=g, dtype=torch.float64),
+        gram=outs @ outs.T,
+        router=lambda: outs,
+        experts=lambda: w,
     )
     return inp, truth
 

@@ -14,10 +14,18 @@ from m2d_ray.convert.scaling import SCALINGS
 
 def rand_experts(E=6, I=5, d=7, seed=0, biased=False, act=swiglu) -> ExpertWeights:
     g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+
+    def r(*s):
+        return torch.randn(*s, generator=g, dtype=torch.float64)
+
     return ExpertWeights(
-        gate=r(E, I, d), up=r(E, I, d), down=r(E, d, I), act=act,
-        gate_bias=r(E, I) if biased else None, up_bias=r(E, I) if biased else None, down_bias=r(E, d) if biased else None,
+        gate=r(E, I, d),
+        up=r(E, I, d),
+        down=r(E, d, I),
+        act=act,
+        gate_bias=r(E, I) if biased else None,
+        up_bias=r(E, I) if biased else None,
+        down_bias=r(E, d) if biased else None,
     )
 
 

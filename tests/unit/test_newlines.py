@@ -81,7 +81,11 @@ def test_the_fingerprint_of_a_text_file_is_its_stat(tmp_path):
     specs = copies(tmp_path)
     for key, spec in specs.items():
         st = os.stat(spec)
-        assert source.fingerprint(spec) == {"spec": spec, "column": "text", "files": [[spec, st.st_size, st.st_mtime_ns]]}, key
+        assert source.fingerprint(spec) == {
+            "spec": spec,
+            "column": "text",
+            "files": [[spec, st.st_size, st.st_mtime_ns]],
+        }, key
     assert os.stat(specs["crlf"]).st_size == os.stat(specs["lf"]).st_size + LF.count("\n")
 
 
@@ -106,7 +110,9 @@ def test_line_endings_change_no_tokens_statistics_or_perplexity(byte_teacher, tm
         _, calib = calibration_tokens(tok, spec, name, seq_len=64, max_tokens=512)
         stats, _ = calibrate(byte_teacher, calib, spec, progress=False)
         ppl = evaluate_ppl(byte_teacher.model, tok, spec, seq_len=64)
-        _, prune_calib, prune_eval = load_tokens(name, tok, spec, spec, 64, 512, max_chars=1000)  # the d2d search's data
+        _, prune_calib, prune_eval = load_tokens(
+            name, tok, spec, spec, 64, 512, max_chars=1000
+        )  # the d2d search's data
         return calib, stats.layers, ppl, prune_calib, prune_eval
 
     ref = results(specs["lf"])
@@ -127,14 +133,26 @@ def test_line_endings_change_no_token_shards(byte_teacher, tmp_path):
     specs = copies(tmp_path, name="corpus.txt.gz")
 
     def shards(key: str) -> list[str]:
-        m = write_tokens(tmp_path / f"tokens-{key}", byte_teacher.tokenizer, specs[key], seq_len=64, blocks=8,
-                         valid=specs[key], valid_max_tokens=256)
+        m = write_tokens(
+            tmp_path / f"tokens-{key}",
+            byte_teacher.tokenizer,
+            specs[key],
+            seq_len=64,
+            blocks=8,
+            valid=specs[key],
+            valid_max_tokens=256,
+        )
         return [s["sha256"] for s in m["shards"]] + [m["valid"]["sha256"]]
 
     def actors(key: str) -> np.ndarray:
         """What the tokens pass's Ray tasks and actors compute (ray_tokens._read, _Tokenize), in this process."""
         f = source.files(source.parse(specs[key]))[0]
-        row = {"spec": np.array([specs[key]]), "url": np.array([f.url]), "size": np.array([f.size]), "mtime_ns": np.array([f.mtime_ns])}
+        row = {
+            "spec": np.array([specs[key]]),
+            "url": np.array([f.url]),
+            "size": np.array([f.size]),
+            "mtime_ns": np.array([f.mtime_ns]),
+        }
         out = [ray_tokens._Tokenize(byte_teacher.name)(b) for b in ray_tokens._read(row)]
         return np.concatenate([t.column("ids").to_numpy(zero_copy_only=False)[0] for t in out])
 

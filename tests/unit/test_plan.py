@@ -9,23 +9,26 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT
+
 from m2d_ray.config import load_config
 from m2d_ray.errors import M2DError
 from m2d_ray.models import default_teacher
 from m2d_ray.models import load_config as model_config
+from m2d_ray.pipeline import plan as make_plan
 from m2d_ray.plan import memory
 from m2d_ray.plan.devices import NodeType, from_cluster_yaml
-from m2d_ray.pipeline import plan as make_plan
 from m2d_ray.plan.run_plan import Devices, plan_line
 from m2d_ray.plan.shapes import models_of
 
 GiB = 1 << 30
 CONFIGS = ROOT / "experiments" / "configs"
 #: the hub models of the paper configs -> their published config.json here (no hub in tests)
-OFFLINE = {"Qwen/Qwen3-30B-A3B": "Qwen--Qwen3-30B-A3B", "deepseek-ai/DeepSeek-V2-Lite": "deepseek-ai--DeepSeek-V2-Lite",
-           "openai/gpt-oss-20b": "openai--gpt-oss-20b"}
+OFFLINE = {
+    "Qwen/Qwen3-30B-A3B": "Qwen--Qwen3-30B-A3B",
+    "deepseek-ai/DeepSeek-V2-Lite": "deepseek-ai--DeepSeek-V2-Lite",
+    "openai/gpt-oss-20b": "openai--gpt-oss-20b",
+}
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +38,8 @@ def qwen30b():
 
 def test_shapes_count_what_the_built_models_hold():
     """Brute force: the teacher and a student convert/ builds, counted parameter by parameter."""
-    from m2d_ray.convert import convert
     from m2d_ray.calibrate.collect import collect_stats
+    from m2d_ray.convert import convert
     from m2d_ray.models import load_teacher
 
     t = load_teacher(default_teacher())
@@ -53,7 +56,9 @@ def test_shapes_count_what_the_built_models_hold():
 
 def test_the_30b_teacher_and_its_student(qwen30b):
     m = models_of(qwen30b)
-    assert m.teacher.params == pytest.approx(30.53e9, rel=0.005) and m.teacher.weights / GiB == pytest.approx(56.9, abs=0.1)
+    assert m.teacher.params == pytest.approx(30.53e9, rel=0.005) and m.teacher.weights / GiB == pytest.approx(
+        56.9, abs=0.1
+    )
     assert m.student.params == pytest.approx(3.34e9, rel=0.01) and m.student.ffn == 8 * 768
 
 
@@ -65,8 +70,14 @@ def test_online_stage2_at_8_gpus_is_the_issue_s_70_gib_before_activations(qwen30
     s2 = plan.by_stage()["stage2"].parts
     assert 68 < (s2["teacher"] + s2["student"] + s2["grads"] + s2["optimizer"]) / GiB < 73
     problems = plan.problems()
-    assert len(problems) == 1 and problems[0].startswith("stage2: one rank needs 8") and "stage2.targets=hidden" in problems[0]
-    cached = make_plan(replace(cfg, stage2=replace(cfg.stage2, targets="sampled:64")), qwen30b, Devices(gpu_memory=80 * 10**9))
+    assert (
+        len(problems) == 1
+        and problems[0].startswith("stage2: one rank needs 8")
+        and "stage2.targets=hidden" in problems[0]
+    )
+    cached = make_plan(
+        replace(cfg, stage2=replace(cfg.stage2, targets="sampled:64")), qwen30b, Devices(gpu_memory=80 * 10**9)
+    )
     assert not cached.problems() and 20 * GiB < cached.by_stage()["stage2"].per_device < 26 * GiB
     assert cached.by_stage()["targets"].fits and "teacher" not in cached.by_stage()["stage2"].parts
 
@@ -91,8 +102,12 @@ def test_the_30b_config_distils_from_hidden_states_on_80gb_gpus(qwen30b, workers
     assert cfg.stage2.targets == "hidden"
     plan = make_plan(cfg, qwen30b, Devices(gpu_memory=80 * 10**9))
     assert plan.problems() == []
-    s2, online = plan.by_stage()["stage2"], make_plan(replace(cfg, stage2=replace(cfg.stage2, targets="online")), qwen30b,
-                                                     Devices(gpu_memory=80 * 10**9)).by_stage()["stage2"]
+    s2, online = (
+        plan.by_stage()["stage2"],
+        make_plan(
+            replace(cfg, stage2=replace(cfg.stage2, targets="online")), qwen30b, Devices(gpu_memory=80 * 10**9)
+        ).by_stage()["stage2"],
+    )
     assert s2.fits and "teacher" not in s2.parts and s2.parts["teacher head"] == 151_936 * 2048 * 2
     assert s2.parts["kl"] == online.parts["kl"]  # the same loss: the teacher's logits are formed chunk by chunk
     assert online.per_device - s2.per_device >= online.parts["teacher"] - s2.parts["teacher head"] - s2.parts["targets"]
@@ -108,17 +123,33 @@ def test_storage_counts_checkpoints_students_tokens_and_targets(qwen30b):
     # once here: no node types to bound it); stage2.keep_training_state keeps them
     assert "checkpoints" not in st and plan.storage_peak["checkpoints"] / n == d.keep_checkpoints * 14 * P
     assert 90e9 < plan.storage_peak["checkpoints"] / n < 97e9  # the issue's ~94 GB per student
-    kept = make_plan(replace(cfg, stage2=replace(cfg.stage2, keep_training_state=True)), qwen30b, Devices(gpu_memory=80 * 10**9))
+    kept = make_plan(
+        replace(cfg, stage2=replace(cfg.stage2, keep_training_state=True)), qwen30b, Devices(gpu_memory=80 * 10**9)
+    )
     assert kept.storage["checkpoints"] == plan.storage_peak["checkpoints"] and not kept.storage_peak
     tokens = d.steps * d.batch_size * d.grad_accum * d.workers * d.seq_len
-    assert st["targets"] == tokens * 2048 * 2 and 1.2e12 < st["targets"] < 1.4e12  # hidden: d x bf16 = 4 KiB/token, ~1.3 TB
+    assert (
+        st["targets"] == tokens * 2048 * 2 and 1.2e12 < st["targets"] < 1.4e12
+    )  # hidden: d x bf16 = 4 KiB/token, ~1.3 TB
     assert st["token shards"] == tokens * 4 + d.eval_max_tokens * 4
     j = json.loads(plan_line(plan))
-    assert set(j) == {"gpu_memory", "stages", "storage_bytes", "storage_peak_bytes", "seconds", "gpu_hours", "dollars", "bound"}  # bound: ASHA on
+    assert set(j) == {
+        "gpu_memory",
+        "stages",
+        "storage_bytes",
+        "storage_peak_bytes",
+        "seconds",
+        "gpu_hours",
+        "dollars",
+        "bound",
+    }  # bound: ASHA on
     assert j["storage_bytes"] == sum(st.values())
     assert j["storage_peak_bytes"] == sum(st.values()) + plan.storage_peak["checkpoints"]
     assert set(j["stages"]) == {"calibrate", "stage1", "targets", "stage2", "stage3"}
-    assert all(set(v) == {"per_gpu_bytes", "gpus", "fits", "flops", "seconds", "gpu_hours", "dollars"} for v in j["stages"].values())
+    assert all(
+        set(v) == {"per_gpu_bytes", "gpus", "fits", "flops", "seconds", "gpu_hours", "dollars"}
+        for v in j["stages"].values()
+    )
     # against cluster.yaml's node types: two 8 x H100 nodes hold two 8-rank students at once
     nodes = make_plan(cfg, qwen30b, Devices(nodes=tuple(from_cluster_yaml(ROOT / "cluster.yaml"))))
     assert nodes.storage_peak["checkpoints"] == 2 * d.keep_checkpoints * 14 * P
@@ -136,16 +167,24 @@ def test_unknown_gpu_memory_is_fits_null_in_the_json_and_the_plan_file(qwen30b):
     known = json.loads(plan_line(make_plan(cfg, qwen30b, Devices(gpu_memory=80 * 10**9))))
     assert known["stages"]["stage2"]["fits"] is True
     cpu_only = (NodeType("head", {"CPU": 0}), NodeType("cpu_4x", {"CPU": 4}))
-    assert json.loads(plan_line(make_plan(cfg, qwen30b, Devices(nodes=cpu_only))))["stages"]["stage2"]["fits"] is False  # no node type
+    assert (
+        json.loads(plan_line(make_plan(cfg, qwen30b, Devices(nodes=cpu_only))))["stages"]["stage2"]["fits"] is False
+    )  # no node type
 
 
-@pytest.mark.parametrize("path", sorted(p for p in (ROOT / "experiments").glob("*.yaml") if not p.name.startswith("_")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", sorted(p for p in (ROOT / "experiments").glob("*.yaml") if not p.name.startswith("_")), ids=lambda p: p.name
+)
 def test_every_experiment_fits_the_node_types_of_cluster_yaml(path):
     """Each config's every stage has a node type of cluster.yaml that holds its request, and fits its GPU."""
     cfg = load_config(path)
     if cfg.model is not None and str(cfg.model).startswith("../shared") and not (ROOT / cfg.model).exists():
         pytest.skip("../shared is absent")
-    model = str(CONFIGS / OFFLINE[cfg.model]) if cfg.model in OFFLINE else (str(ROOT / cfg.model) if cfg.model else default_teacher())
+    model = (
+        str(CONFIGS / OFFLINE[cfg.model])
+        if cfg.model in OFFLINE
+        else (str(ROOT / cfg.model) if cfg.model else default_teacher())
+    )
     nodes = tuple(from_cluster_yaml(ROOT / "cluster.yaml"))
     plan = make_plan(cfg, model_config(model), Devices(nodes=nodes))
     assert plan.problems() == []
@@ -159,12 +198,21 @@ def test_a_request_no_node_type_holds_and_an_unknown_gpu_type_are_one_line():
     cfg = load_config(ROOT / "experiments" / "tiny.yaml", ["distill.gpus_per_worker=1"])
     cpu_only = (NodeType("head", {"CPU": 0}), NodeType("cpu_4x", {"CPU": 4}))
     problems = make_plan(cfg, model_config(default_teacher()), Devices(nodes=cpu_only)).problems()
-    assert problems and problems[0].startswith("stage2: no node type can ever hold one rank (CPU 1, GPU 1; node types: head")
+    assert problems and problems[0].startswith(
+        "stage2: no node type can ever hold one rank (CPU 1, GPU 1; node types: head"
+    )
     assert "distill.gpus_per_worker" in problems[0]
     pinned = load_config(ROOT / "experiments" / "tiny.yaml", ["distill.gpus_per_worker=1", "distill.accelerator=H100"])
     a10g = (NodeType("g5", {"CPU": 8, "GPU": 1, "accelerator_type:A10G": 1}),)
-    assert any(p.startswith("stage2: no node type") for p in make_plan(pinned, model_config(default_teacher()), Devices(nodes=a10g)).problems())
-    assert not [p for p in make_plan(cfg, model_config(default_teacher()), Devices(nodes=a10g)).problems() if p.startswith("stage2")]
+    assert any(
+        p.startswith("stage2: no node type")
+        for p in make_plan(pinned, model_config(default_teacher()), Devices(nodes=a10g)).problems()
+    )
+    assert not [
+        p
+        for p in make_plan(cfg, model_config(default_teacher()), Devices(nodes=a10g)).problems()
+        if p.startswith("stage2")
+    ]
     with pytest.raises(M2DError, match=r"distill.accelerator='H10' is not a GPU type .* did you mean H100\?"):
         load_config(ROOT / "experiments" / "tiny.yaml", ["distill.accelerator=H10"])
 
@@ -175,7 +223,9 @@ def test_the_smallest_gpu_that_may_receive_a_stage_is_the_one_planned_for(qwen30
     cfg = load_config(ROOT / "experiments" / "qwen3_30b_a3b.yaml", ["distill.accelerator=null"])
     loose = make_plan(cfg, qwen30b, Devices(nodes=nodes)).by_stage()["stage2"]
     assert set(loose.holders) == {"gpu_a10g_1x", "gpu_a10g_1x_spot", "gpu_h100_8x"} and loose.fits is False
-    pinned = make_plan(load_config(ROOT / "experiments" / "qwen3_30b_a3b.yaml"), qwen30b, Devices(nodes=nodes)).by_stage()["stage2"]
+    pinned = make_plan(
+        load_config(ROOT / "experiments" / "qwen3_30b_a3b.yaml"), qwen30b, Devices(nodes=nodes)
+    ).by_stage()["stage2"]
     assert pinned.holders == ("gpu_h100_8x",) and pinned.fits is True
 
 
@@ -202,14 +252,27 @@ def test_peaks_measure_the_work_after_a_reset():
 def test_the_report_sets_planned_beside_measured():
     from m2d_ray.report.analysis import RunData, memory_rows
 
-    plan = {"rows": [{"name": "stage2", "unit": "rank", "per_device": 100, "fits": True},
-                     {"name": "stage3:student", "unit": "student", "per_device": 50, "fits": True},
-                     {"name": "stage3:teacher", "unit": "teacher", "per_device": 80, "fits": False}]}
-    stage2 = {"a": {"peak_work_bytes": 90, "peak_rss_bytes": 900, "student_path": "s/a"}, "b": {"peak_cuda_bytes": 120, "student_path": "s/b"},
-              "c": {"peak_work_bytes": 999, "duplicate_of": "a"}}
+    plan = {
+        "rows": [
+            {"name": "stage2", "unit": "rank", "per_device": 100, "fits": True},
+            {"name": "stage3:student", "unit": "student", "per_device": 50, "fits": True},
+            {"name": "stage3:teacher", "unit": "teacher", "per_device": 80, "fits": False},
+        ]
+    }
+    stage2 = {
+        "a": {"peak_work_bytes": 90, "peak_rss_bytes": 900, "student_path": "s/a"},
+        "b": {"peak_cuda_bytes": 120, "student_path": "s/b"},
+        "c": {"peak_work_bytes": 999, "duplicate_of": "a"},
+    }
     stage3 = {"a": {"peak_work_bytes": 40}, "b": {"peak_work_bytes": 45}, "teacher": {"peak_rss_bytes": 70}}
     data = RunData(Path("."), None, [], {}, {}, stage2=stage2, stage3=stage3, memory_plan=plan)
     rows = {r["stage"]: r for r in memory_rows(data)}
-    assert rows["stage2"]["measured"] == 120 and rows["stage2"]["ratio"] == 1.2  # the largest student; a duplicate is not one
-    assert rows["stage3:student"]["measured"] == 45 and rows["stage3:teacher"]["measured"] == 70 and rows["stage3:teacher"]["fits"] is False
+    assert (
+        rows["stage2"]["measured"] == 120 and rows["stage2"]["ratio"] == 1.2
+    )  # the largest student; a duplicate is not one
+    assert (
+        rows["stage3:student"]["measured"] == 45
+        and rows["stage3:teacher"]["measured"] == 70
+        and rows["stage3:teacher"]["fits"] is False
+    )
     assert memory_rows(RunData(Path("."), None, [], {}, {})) == []

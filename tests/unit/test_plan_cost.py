@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT
+
 from m2d_ray.accelerators import GPU_PEAK_BF16
 from m2d_ray.config import load_config
 from m2d_ray.errors import M2DError
 from m2d_ray.models import default_teacher
 from m2d_ray.models import load_config as model_config
+from m2d_ray.pipeline import plan as make_plan
 from m2d_ray.plan import cost
 from m2d_ray.plan.devices import cluster_settings, from_cluster_yaml
 from m2d_ray.plan.prices import hourly
-from m2d_ray.pipeline import plan as make_plan
 from m2d_ray.plan.run_plan import Devices, plan_line
 from m2d_ray.plan.shapes import models_of
 from m2d_ray.prune.search import MIXES
@@ -35,13 +35,16 @@ def paper():
     """The paper's grid on cluster.yaml's node types (dollars from its price table and idle tail)."""
     cfg = load_config(ROOT / "experiments" / "qwen3_30b_a3b.yaml")
     head, idle = cluster_settings(CLUSTER)
-    return cfg, make_plan(cfg, model_config(str(QWEN30B)), Devices(None, None, tuple(from_cluster_yaml(CLUSTER)), None, head, idle))
+    return cfg, make_plan(
+        cfg, model_config(str(QWEN30B)), Devices(None, None, tuple(from_cluster_yaml(CLUSTER)), None, head, idle)
+    )
 
 
 def test_flops_from_shapes_equal_the_counts_on_the_built_models():
+    from transformers import AutoModelForCausalLM
+
     from m2d_ray.arch import get_adapter
     from m2d_ray.distill.flops import flops_per_token, matmul_params
-    from transformers import AutoModelForCausalLM
 
     config = model_config(default_teacher())
     m = models_of(config)
@@ -52,7 +55,9 @@ def test_flops_from_shapes_equal_the_counts_on_the_built_models():
     assert cost.forward_flops(m.teacher, 128) + 3 * cost.forward_flops(m.student, 128) == pytest.approx(want, rel=1e-12)
     # calibration runs every expert: the whole matmul weight count, plus the E x E Gram of each MoE layer
     every = cost.forward_flops(m.teacher, 128, all_experts=True)
-    assert every - cost.forward_flops(m.teacher, 128) == 2 * (matmul_params(teacher) - (matmul_params(teacher) - m.teacher.inactive_expert_params))
+    assert every - cost.forward_flops(m.teacher, 128) == 2 * (
+        matmul_params(teacher) - (matmul_params(teacher) - m.teacher.inactive_expert_params)
+    )
     assert cost.calibration_flops(m.teacher, 128) - every == 2 * 4 * 16**2 * 64
 
 
@@ -80,13 +85,16 @@ def test_the_d2d_search_runs_before_the_students_in_stage_2_s_row():
 
     def bill(*more):
         cfg = load_config(ROOT / "experiments" / "tiny.yaml", [*over[:1], *more])
-        return cfg, make_plan(cfg, model_config(default_teacher()), Devices(host_memory=8 << 30), {"teacher-d2d": dense}).cost.by_name()
+        return cfg, make_plan(
+            cfg, model_config(default_teacher()), Devices(host_memory=8 << 30), {"teacher-d2d": dense}
+        ).cost.by_name()
 
     cfg, with_d2d = bill()  # tiny.yaml has d2d
     _, without = bill(over[1])
     m = models_of(model_config(default_teacher()))
-    search = (cfg.calib.max_tokens * cost.forward_flops(shape_of(dense), cfg.calib.seq_len)
-              + 6 * cost.eval_tokens(cfg) * cost.forward_flops(m.student, cfg.eval.seq_len))
+    search = cfg.calib.max_tokens * cost.forward_flops(shape_of(dense), cfg.calib.seq_len) + 6 * cost.eval_tokens(
+        cfg
+    ) * cost.forward_flops(m.student, cfg.eval.seq_len)
     one_student = cost.stage2_flops(cfg, m, "online", shape_of(dense))  # the d2d student, distilled from the dense twin
     assert len(MIXES) == 6
     assert with_d2d["stage2"].flops == pytest.approx(without["stage2"].flops + one_student + search)
@@ -95,7 +103,9 @@ def test_the_d2d_search_runs_before_the_students_in_stage_2_s_row():
     grown = cfg.calib.max_tokens * cost.forward_flops(shape_of(dense), cfg.calib.seq_len)
     lone = cost.Host(1e9, os.cpu_count() or 1).share(1, 1)  # the search runs alone, on one thread
     assert more["stage2"].flops == pytest.approx(with_d2d["stage2"].flops + grown)
-    assert more["stage2"].seconds == pytest.approx(with_d2d["stage2"].seconds + grown / (lone * 1e9 * cfg.plan.cpu_efficiency))
+    assert more["stage2"].seconds == pytest.approx(
+        with_d2d["stage2"].seconds + grown / (lone * 1e9 * cfg.plan.cpu_efficiency)
+    )
     assert with_d2d["calibrate"] == without["calibrate"] and with_d2d["stage1"] == without["stage1"]
 
 
@@ -111,7 +121,9 @@ def test_with_cached_targets_the_d2d_teacher_has_its_pass_and_its_student_reads_
 
     def plan(*more):
         cfg = load_config(ROOT / "experiments" / "tiny.yaml", ["plan.cpu_flops=1e9", "stage2.targets=hidden", *more])
-        return cfg, make_plan(cfg, model_config(default_teacher()), Devices(host_memory=8 << 30), {"teacher-d2d": dense})
+        return cfg, make_plan(
+            cfg, model_config(default_teacher()), Devices(host_memory=8 << 30), {"teacher-d2d": dense}
+        )
 
     cfg, both = plan()
     _, alone = plan("stage2.baselines=[random-ffn,random-init]")
@@ -119,14 +131,17 @@ def test_with_cached_targets_the_d2d_teacher_has_its_pass_and_its_student_reads_
     tokens = cost.student_tokens(cfg)
     one_pass = tokens * (cost.forward_flops(d, cfg.distill.seq_len) - cost.head_flops(d))
     t2, t1 = both.cost.by_name()["targets"], alone.cost.by_name()["targets"]
-    assert t2.flops == pytest.approx(t1.flops + one_pass) and t1.units == t2.units == 1  # 1 actor a pass: each has 1 shard
+    assert (
+        t2.flops == pytest.approx(t1.flops + one_pass) and t1.units == t2.units == 1
+    )  # 1 actor a pass: each has 1 shard
     # the second pass starts its own actor, in a Ray Data already started: no second plan.stage_s
     rate = cost.Host(1e9, os.cpu_count() or 1).share(1, 1) * 1e9 * cfg.plan.cpu_efficiency
     assert t2.seconds == pytest.approx(2 * t1.seconds - cfg.plan.stage_s + (one_pass - t1.flops) / rate)
     assert both.storage["targets"] == alone.storage["targets"] + tokens * state_bytes(d.hidden, False)
     s2_student = both.cost.by_name()["stage2"].flops - alone.cost.by_name()["stage2"].flops
-    search = (cfg.calib.max_tokens * cost.forward_flops(d, cfg.calib.seq_len)
-              + 6 * cost.eval_tokens(cfg) * cost.forward_flops(m.student, cfg.eval.seq_len))
+    search = cfg.calib.max_tokens * cost.forward_flops(d, cfg.calib.seq_len) + 6 * cost.eval_tokens(
+        cfg
+    ) * cost.forward_flops(m.student, cfg.eval.seq_len)
     assert s2_student == pytest.approx(cost.stage2_flops(cfg, m, "hidden", d) + search)
 
 
@@ -147,10 +162,16 @@ def test_the_probe_round_is_a_tune_experiment_of_its_own():
 
     def stage1(*more):
         cfg = load_config(ROOT / "experiments" / "tiny.yaml", ["plan.cpu_flops=1e9", *more])
-        return make_plan(cfg, model_config(default_teacher()), Devices(host_memory=8 << 30, cpu_load=0.0)).cost.by_name()["stage1"].seconds
+        return (
+            make_plan(cfg, model_config(default_teacher()), Devices(host_memory=8 << 30, cpu_load=0.0))
+            .cost.by_name()["stage1"]
+            .seconds
+        )
 
     assert stage1("plan.stage_s=11") - stage1("plan.stage_s=10") == pytest.approx(2.0)
-    assert stage1("plan.stage_s=11", "search.probe=false") - stage1("plan.stage_s=10", "search.probe=false") == pytest.approx(1.0)
+    assert stage1("plan.stage_s=11", "search.probe=false") - stage1(
+        "plan.stage_s=10", "search.probe=false"
+    ) == pytest.approx(1.0)
 
 
 def test_units_run_longest_first_on_the_lanes_they_have():
@@ -169,7 +190,9 @@ def test_the_paper_s_students_train_two_at_a_time_on_two_h100_nodes(paper):
     assert s2.seconds == pytest.approx(19 * per + cfg.plan.stage_s)  # 37 students in 19 rounds of 2
     assert s2.gpu_hours == pytest.approx(37 * per * 8 / 3600)
     _, idle = cluster_settings(CLUSTER)
-    assert s2.dollars == pytest.approx(2 * (s2.seconds + idle * 60) / 3600 * 55.04)  # two nodes, their idle tail included
+    assert s2.dollars == pytest.approx(
+        2 * (s2.seconds + idle * 60) / 3600 * 55.04
+    )  # two nodes, their idle tail included
     for c in (plan.cost, bound):
         assert c.dollars == pytest.approx(sum(s.dollars for s in c.stages) + c.head_dollars)
         assert c.head_dollars == pytest.approx(0.384 * c.seconds / 3600)
@@ -186,23 +209,37 @@ def test_asha_s_stops_shorten_stage_2_and_leave_stage_3_only_the_finishers(paper
     assert ends == tuple(cost.asha_ends(cfg, 37, 2))
     x = cfg.distill
     val = x.eval_max_tokens * (cost.forward_flops(m.student, x.seq_len) + cost.head_flops(m.teacher))  # one validation
-    train = cost.stage2_flops(cfg, m, "hidden") - 9 * val  # the whole budget: its steps, the first validation and 8 more
-    stopped = train * (2 * x.eval_every + x.stop_poll) / x.steps + 3 * val  # to step 50, then 10 more to its poll; 3 validations
+    train = (
+        cost.stage2_flops(cfg, m, "hidden") - 9 * val
+    )  # the whole budget: its steps, the first validation and 8 more
+    stopped = (
+        train * (2 * x.eval_every + x.stop_poll) / x.steps + 3 * val
+    )  # to step 50, then 10 more to its poll; 3 validations
     assert cost.stage2_flops(cfg, m, "hidden", reports=2) == pytest.approx(stopped)
     s2 = plan.cost.by_name()["stage2"]
     assert s2.flops == pytest.approx(sum(k * cost.stage2_flops(cfg, m, "hidden", reports=r) for r, k in ends))
     assert s2.units == 37 and s2.flops < 0.6 * plan.cost.bound.by_name()["stage2"].flops
     finished, evaluated = ends[-1][1], plan.cost.by_name()["stage3"].units
-    assert evaluated == finished + 1 and plan.cost.bound.by_name()["stage3"].units == 37 + 1  # the students that finish, the teacher
+    assert (
+        evaluated == finished + 1 and plan.cost.bound.by_name()["stage3"].units == 37 + 1
+    )  # the students that finish, the teacher
     off = replace(cfg, stage2=replace(cfg.stage2, asha=False))
     head, idle = cluster_settings(CLUSTER)
-    again = make_plan(off, model_config(str(QWEN30B)), Devices(None, None, tuple(from_cluster_yaml(CLUSTER)), None, head, idle)).cost
+    again = make_plan(
+        off, model_config(str(QWEN30B)), Devices(None, None, tuple(from_cluster_yaml(CLUSTER)), None, head, idle)
+    ).cost
     assert again.bound is None and again.dollars == pytest.approx(plan.cost.bound.dollars) and again.asha == ((8, 37),)
     between = (plan.cost.dollars + plan.cost.bound.dollars) / 2
     assert "up to $5," in plan.cost.over_budget(between) and plan.cost.over_budget(plan.cost.bound.dollars + 1) is None
     line = json.loads(plan_line(plan))
-    assert line["bound"]["dollars"] == pytest.approx(plan.cost.bound.dollars) and line["dollars"] < line["bound"]["dollars"]
-    assert f"of 37 students, {ends[0][1]} stopped after 2 reports, {ends[1][1]} after 6; {finished} finish all 8" in plan.table()
+    assert (
+        line["bound"]["dollars"] == pytest.approx(plan.cost.bound.dollars)
+        and line["dollars"] < line["bound"]["dollars"]
+    )
+    assert (
+        f"of 37 students, {ends[0][1]} stopped after 2 reports, {ends[1][1]} after 6; {finished} finish all 8"
+        in plan.table()
+    )
 
 
 def test_the_plan_s_asha_decides_as_ray_s_own_scheduler():
@@ -219,13 +256,21 @@ def test_the_plan_s_asha_decides_as_ray_s_own_scheduler():
         assert rungs and rungs[-1] < reports
         for seed in range(8):
             rng = random.Random(seed)
-            quality = [rng.gauss(0, 1) for _ in range(n)]  # simulate's students: at rho = 1 each keeps its quality as its loss
+            quality = [
+                rng.gauss(0, 1) for _ in range(n)
+            ]  # simulate's students: at rho = 1 each keeps its quality as its loss
             ours = cost._asha_run(quality, reports, rungs, rf, lanes)
             assert ours == asha_bill.simulate(n, reports, grace, rf, lanes, 1.0, seed) and sum(ours.values()) == n
     # students whose order changes between reports are stopped no later: the plan's expectation is the dearest case
     n, reports, grace, rf, lanes = asha_bill.CASES[2][1:]
     plan = sum(r * k for r, k in asha_bill.plan_ends(n, reports, grace, rf, lanes))
-    shuffled = sum(sum(r * k for r, k in asha_bill.simulate(n, reports, grace, rf, lanes, 0.0, seed).items()) for seed in range(20)) / 20
+    shuffled = (
+        sum(
+            sum(r * k for r, k in asha_bill.simulate(n, reports, grace, rf, lanes, 0.0, seed).items())
+            for seed in range(20)
+        )
+        / 20
+    )
     assert shuffled < 0.9 * plan
 
 
@@ -241,8 +286,13 @@ def test_the_json_line_and_the_table_carry_the_bill(paper):
 
 def test_prices_come_from_the_table_spot_and_overrides():
     types = {n.name: n for n in from_cluster_yaml(CLUSTER)}
-    assert hourly(types["gpu_a10g_1x"]) == 1.212 and hourly(types["gpu_a10g_1x_spot"]) == 0.48  # the same instance, spot
-    assert hourly(types["gpu_h100_8x"], {"gpu_h100_8x": 40.0}) == 40.0 and hourly(types["gpu_h100_8x"], {"p5.48xlarge": 41.0}) == 41.0
+    assert (
+        hourly(types["gpu_a10g_1x"]) == 1.212 and hourly(types["gpu_a10g_1x_spot"]) == 0.48
+    )  # the same instance, spot
+    assert (
+        hourly(types["gpu_h100_8x"], {"gpu_h100_8x": 40.0}) == 40.0
+        and hourly(types["gpu_h100_8x"], {"p5.48xlarge": 41.0}) == 41.0
+    )
     assert cluster_settings(CLUSTER) == ("head_cpu", 10.0)
 
 
@@ -258,7 +308,9 @@ def test_a_run_over_plan_max_dollars_is_refused_before_calibration():
     plan = make_plan(cfg, model_config(default_teacher()), Devices(80 << 30))
     assert plan.cost.by_name()["stage2"].dollars is None and "cannot be priced" in plan.problems()[-1]
     ok = load_config(ROOT / "experiments" / "tiny.yaml", [*over[:2], "plan.max_dollars=1000"])
-    assert not make_plan(ok, model_config(default_teacher()), Devices(None, None, tuple(from_cluster_yaml(CLUSTER)))).problems()
+    assert not make_plan(
+        ok, model_config(default_teacher()), Devices(None, None, tuple(from_cluster_yaml(CLUSTER)))
+    ).problems()
 
 
 def test_a_cpu_run_is_timed_with_the_measured_thread_rate():
@@ -266,15 +318,25 @@ def test_a_cpu_run_is_timed_with_the_measured_thread_rate():
     plan = make_plan(cfg, model_config(default_teacher()), Devices(host_memory=8 << 30))
     c = plan.cost.by_name()["calibrate"]
     threads = min(1, max(1.0, os.cpu_count() / 2))  # 2 actors of 1 thread, at most the cores between them
-    start = cfg.plan.actor_s / threads + cfg.plan.stage_s  # an actor's start-up (on its share of the cores), the stage's
+    start = (
+        cfg.plan.actor_s / threads + cfg.plan.stage_s
+    )  # an actor's start-up (on its share of the cores), the stage's
     assert c.lanes == 2 and c.seconds == pytest.approx(c.flops / 2 / (threads * 1e9 * cfg.plan.cpu_efficiency) + start)
     # a CPU stage is timed at the CPU's efficiency; the GPU's does not touch it
     gpu = load_config(ROOT / "experiments" / "tiny.yaml", ["plan.cpu_flops=1e9", "plan.efficiency=0.9"])
-    assert make_plan(gpu, model_config(default_teacher()), Devices(host_memory=8 << 30)).cost.by_name()["calibrate"].seconds == c.seconds
+    assert (
+        make_plan(gpu, model_config(default_teacher()), Devices(host_memory=8 << 30))
+        .cost.by_name()["calibrate"]
+        .seconds
+        == c.seconds
+    )
     slow = load_config(ROOT / "experiments" / "tiny.yaml", ["plan.cpu_flops=1e9", "plan.cpu_efficiency=0.2"])
-    assert make_plan(slow, model_config(default_teacher()), Devices(host_memory=8 << 30)).cost.by_name()["calibrate"].seconds == pytest.approx(
-        c.flops / 2 / (threads * 1e9 * 0.2) + start)
-    assert plan.cost.dollars == 0.0 and cost.cpu_rate(load_config(None)) > 1e8  # measured: a CPU thread does > 0.1 GFLOP/s
+    assert make_plan(slow, model_config(default_teacher()), Devices(host_memory=8 << 30)).cost.by_name()[
+        "calibrate"
+    ].seconds == pytest.approx(c.flops / 2 / (threads * 1e9 * 0.2) + start)
+    assert (
+        plan.cost.dollars == 0.0 and cost.cpu_rate(load_config(None)) > 1e8
+    )  # measured: a CPU thread does > 0.1 GFLOP/s
 
 
 def test_the_suite_s_tokens_come_from_the_task_data(tmp_path):
@@ -282,10 +344,16 @@ def test_the_suite_s_tokens_come_from_the_task_data(tmp_path):
     from m2d_ray.plan.suite import CHARS_PER_TOKEN, PAPER, suite_tokens
 
     def lines(split):
-        return [json.loads(x) for x in (ROOT / f"m2d_ray/evaluate/tasks/synthetic_continuation.{split}.jsonl").read_text().splitlines()]
+        return [
+            json.loads(x)
+            for x in (ROOT / f"m2d_ray/evaluate/tasks/synthetic_continuation.{split}.jsonl").read_text().splitlines()
+        ]
 
     def request(rows):  # a request: a row's context and one of its choices, in tokens
-        return (sum(len(r["context"]) for r in rows) / len(rows) + sum(len(c) for r in rows for c in r["choices"]) / (4 * len(rows))) / CHARS_PER_TOKEN
+        return (
+            sum(len(r["context"]) for r in rows) / len(rows)
+            + sum(len(c) for r in rows for c in r["choices"]) / (4 * len(rows))
+        ) / CHARS_PER_TOKEN
 
     def shot(rows):  # a shot: an example's context and its gold answer
         return sum(len(r["context"]) + len(r["choices"][r["label"]]) for r in rows) / len(rows) / CHARS_PER_TOKEN
@@ -294,13 +362,18 @@ def test_the_suite_s_tokens_come_from_the_task_data(tmp_path):
     tokens, _ = suite_tokens("local", None, None)  # 0-shot and 2-shot, 4 choices a row
     assert tokens == pytest.approx(200 * 4 * (2 * request(test) + 2 * shot(train)))
     # text:PATH: the rows stage 3 builds from that file (WikiText contexts are longer than the synthetic ones)
-    wiki = "\n".join(f" = Title {i} = \n\n " + " ".join(f"Sentence {j} of paragraph {i} has several more words in it ." for j in range(6))
-                     for i in range(60))
+    wiki = "\n".join(
+        f" = Title {i} = \n\n "
+        + " ".join(f"Sentence {j} of paragraph {i} has several more words in it ." for j in range(6))
+        for i in range(60)
+    )
     path = tmp_path / "wiki.raw"
     path.write_text(wiki)
     rows = text_rows(path)
     assert suite_tokens(f"text:{path}", None, None)[0] == pytest.approx(len(rows["test"]) * 4 * request(rows["test"]))
-    assert suite_tokens(f"text:{path}", 1, None)[0] == pytest.approx(len(rows["test"]) * 4 * (request(rows["test"]) + shot(rows["train"])))
+    assert suite_tokens(f"text:{path}", 1, None)[0] == pytest.approx(
+        len(rows["test"]) * 4 * (request(rows["test"]) + shot(rows["train"]))
+    )
     limited, _ = suite_tokens("paper", None, 10)
     assert limited < suite_tokens("paper", None, None)[0] and PAPER["mmlu"][0] == 14042
 
@@ -336,31 +409,56 @@ def test_the_paper_suite_s_figures_are_its_data_s():
         r = suite_tokens.measure(name, SHOTS[name], root, None)
         rows, per_row, tok, shot = PAPER[name]
         parts = MMLU_SUBJECTS if name == "mmlu" else [""]
-        assert rows == r["rows"] == sum(len(load_from_disk(str(root / TASKS[name][0] / part / split))) for part in parts)
+        assert (
+            rows == r["rows"] == sum(len(load_from_disk(str(root / TASKS[name][0] / part / split))) for part in parts)
+        )
         assert per_row == pytest.approx(r["per_row"], abs=0.005)
-        assert tok * CHARS_PER_TOKEN == pytest.approx(r["chars_0shot"], abs=2) and shot * CHARS_PER_TOKEN == pytest.approx(r["chars_per_shot"], abs=2)
+        assert tok * CHARS_PER_TOKEN == pytest.approx(
+            r["chars_0shot"], abs=2
+        ) and shot * CHARS_PER_TOKEN == pytest.approx(r["chars_per_shot"], abs=2)
 
 
 def test_the_report_sets_the_estimate_beside_the_measured_wall():
     from m2d_ray.report.analysis import RunData, cost_rows
 
-    plan = {"cost": {"stages": {"calibrate": {"flops": 1.0, "seconds": 4.0}, "stage1": {"flops": 2.0, "seconds": 20.0},
-                                "stage2": {"flops": 3.0, "seconds": 100.0, "gpu_hours": 0.0, "dollars": 0.0},
-                                "stage3": {"flops": 4.0, "seconds": None}}},
-            "rows": [{"name": n} for n in ("calibrate", "stage1", "targets", "stage2", "stage3:student", "stage3:teacher")]}  # the plan's order
+    plan = {
+        "cost": {
+            "stages": {
+                "calibrate": {"flops": 1.0, "seconds": 4.0},
+                "stage1": {"flops": 2.0, "seconds": 20.0},
+                "stage2": {"flops": 3.0, "seconds": 100.0, "gpu_hours": 0.0, "dollars": 0.0},
+                "stage3": {"flops": 4.0, "seconds": None},
+            }
+        },
+        "rows": [{"name": n} for n in ("calibrate", "stage1", "targets", "stage2", "stage3:student", "stage3:teacher")],
+    }  # the plan's order
     timings = {"stage1": {"wall_s": 35.0, "calibrate_s": 5.0}, "stage2": {"wall_s": 150.0}, "stage3": {"wall_s": 40.0}}
     rows = {r["stage"]: r for r in cost_rows(RunData(Path("."), None, [], {}, {}, timings=timings, memory_plan=plan))}
-    assert rows["calibrate"]["ratio"] == 1.25 and rows["stage1"]["measured_s"] == 30.0 and rows["stage2"]["ratio"] == 1.5
+    assert (
+        rows["calibrate"]["ratio"] == 1.25 and rows["stage1"]["measured_s"] == 30.0 and rows["stage2"]["ratio"] == 1.5
+    )
     assert rows["stage3"]["ratio"] is None and cost_rows(RunData(Path("."), None, [], {}, {})) == []
     # cached targets: their pass is timed apart from the students it serves
     plan["cost"]["stages"]["targets"] = {"flops": 5.0, "seconds": 10.0}
     timings["stage2"]["targets_s"] = 30.0
     rows = {r["stage"]: r for r in cost_rows(RunData(Path("."), None, [], {}, {}, timings=timings, memory_plan=plan))}
     assert rows["targets"]["ratio"] == 3.0 and rows["stage2"]["measured_s"] == 120.0
-    assert list(rows) == ["calibrate", "stage1", "targets", "stage2", "stage3"]  # in the run's order, whatever the file's
+    assert list(rows) == [
+        "calibrate",
+        "stage1",
+        "targets",
+        "stage2",
+        "stage3",
+    ]  # in the run's order, whatever the file's
     # this m2d times every stage of the pipeline apart, the targets pass too
-    timings = {"calibrate": {"wall_s": 5.0}, "stage1": {"wall_s": 30.0}, "stage2": {"wall_s": 120.0}, "stage3": {"wall_s": 40.0},
-               "targets": {"wall_s": 30.0}, "report": {"wall_s": 1.0}}
+    timings = {
+        "calibrate": {"wall_s": 5.0},
+        "stage1": {"wall_s": 30.0},
+        "stage2": {"wall_s": 120.0},
+        "stage3": {"wall_s": 40.0},
+        "targets": {"wall_s": 30.0},
+        "report": {"wall_s": 1.0},
+    }
     again = {r["stage"]: r for r in cost_rows(RunData(Path("."), None, [], {}, {}, timings=timings, memory_plan=plan))}
     assert again == rows and list(again) == list(rows)
 
@@ -369,11 +467,16 @@ def test_on_a_shared_machine_a_cpu_stage_gets_its_fair_share_of_the_cores():
     host = cost.Host(1e9, 2, 0.0)
     assert host.share(1, 2) == 1 and host.share(1, 4) == 0.5 and cost.Host(1e9, 2, 6.0).share(1, 2) == 0.25
     cfg = load_config(ROOT / "experiments" / "tiny.yaml", ["plan.cpu_flops=1e9"])
-    idle, busy = (make_plan(cfg, model_config(default_teacher()), Devices(host_memory=8 << 30, cpu_load=load)).cost for load in (0.0, 6.0))
+    idle, busy = (
+        make_plan(cfg, model_config(default_teacher()), Devices(host_memory=8 << 30, cpu_load=load)).cost
+        for load in (0.0, 6.0)
+    )
     a, b = idle.by_name()["calibrate"], busy.by_name()["calibrate"]
     assert busy.cpu_load == 6.0 and busy.cpu_flops == 1e9
     n = os.cpu_count()
     compute = a.flops / 2 / (1e9 * cfg.plan.cpu_efficiency)  # an actor's FLOPs on a whole thread
     compute += cfg.plan.actor_s  # and its start-up, slowed as its compute is
     assert a.seconds == pytest.approx(compute / min(1.0, n / 2) + cfg.plan.stage_s)
-    assert b.seconds == pytest.approx(compute / min(1.0, n / (6 + 2)) + cfg.plan.stage_s * max(1.0, 7 / n))  # 2 actors beside 6 others
+    assert b.seconds == pytest.approx(
+        compute / min(1.0, n / (6 + 2)) + cfg.plan.stage_s * max(1.0, 7 / n)
+    )  # 2 actors beside 6 others

@@ -9,16 +9,19 @@ from __future__ import annotations
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import plan_measured  # noqa: E402
 
-CASES = [plan_measured.CASES[i] for i in (1, 2, 8, 4, 6)]  # train online + checkpointing, topk:64, hidden; calibrate E=32; eval
+CASES = [
+    plan_measured.CASES[i] for i in (1, 2, 8, 4, 6)
+]  # train online + checkpointing, topk:64, hidden; calibrate E=32; eval
 
 
-@pytest.mark.parametrize("case,kw", CASES, ids=lambda c: c if isinstance(c, str) else "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize(
+    "case,kw", CASES, ids=lambda c: c if isinstance(c, str) else "-".join(f"{k}{v}" for k, v in c.items())
+)
 def test_estimate_within_25_percent_of_the_measured_peak(case, kw, tmp_path_factory):
     r = plan_measured.measure(case, kw, "small", tmp_path_factory.getbasetemp() / "plan-measured")
     assert r["measured"] > 50 * 2**20, r  # the case did real work (a peak far above the interpreter's noise)

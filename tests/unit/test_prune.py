@@ -17,14 +17,30 @@ from m2d_ray.arch.dense import DenseSizes, get_dense_adapter
 from m2d_ray.artifacts import output_kind
 from m2d_ray.data.text import TokenSet
 from m2d_ray.errors import M2DError
-from m2d_ray.prune import PrunedSpec, candidates, check_sizes, collect_importance, count_params, moe_student_params, prune, search
+from m2d_ray.prune import (
+    PrunedSpec,
+    candidates,
+    check_sizes,
+    collect_importance,
+    count_params,
+    moe_student_params,
+    prune,
+    search,
+)
 from m2d_ray.prune.export import INFO_FILE, export_pruned
 from m2d_ray.prune.importance import seq_mean_sq
 from m2d_ray.prune.prune import keep_sets
 from m2d_ray.prune.search import MIN_CANDIDATES, sizes_params
 
-COMMON = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-              vocab_size=64, max_position_embeddings=64)
+COMMON = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=64,
+    max_position_embeddings=64,
+)
 DENSE = {
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=8),
     "qwen3-tied": lambda: Qwen3Config(**COMMON, head_dim=8, tie_word_embeddings=True),
@@ -82,9 +98,17 @@ def test_a_pruned_shape_reloads_natively_at_its_size(family, tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "p")
     cfg = reloaded.config
     assert type(reloaded) is type(model)
-    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers) == (24, 20, 2, 1, 3)
+    assert (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.num_hidden_layers,
+    ) == (24, 20, 2, 1, 3)
     assert get_dense_adapter(cfg).head_dim(cfg) == 8
-    assert sum(p.numel() for p in reloaded.parameters()) == sizes_params(model.config, get_dense_adapter(model.config), sizes)
+    assert sum(p.numel() for p in reloaded.parameters()) == sizes_params(
+        model.config, get_dense_adapter(model.config), sizes
+    )
     assert torch.isfinite(logits(reloaded)).all()
     assert torch.equal(logits(reloaded), logits(student))
     assert json.loads((tmp_path / "p" / INFO_FILE).read_text())["family"] == name
@@ -134,7 +158,12 @@ def planted_teacher():
     """A float64 Qwen3 with units that do nothing: hidden channels never written, a key/value group with zero
     values and FFN neurons with zero up-projections in layers 0, 2 and 3, and layer 1 the identity."""
     model = dense_model(lambda: Qwen3Config(**COMMON, head_dim=8, rms_norm_eps=1e-12), dtype=torch.float64)
-    dead = {"hidden": [3, 17, 30], "group": {0: 1, 2: 0, 3: 1}, "ffn": {0: [0, 5, 9, 40], 2: [1, 2, 47, 30], 3: [7, 8, 9, 10]}, "layer": 1}
+    dead = {
+        "hidden": [3, 17, 30],
+        "group": {0: 1, 2: 0, 3: 1},
+        "ffn": {0: [0, 5, 9, 40], 2: [1, 2, 47, 30], 3: [7, 8, 9, 10]},
+        "layer": 1,
+    }
     sd = model.state_dict()
     with torch.no_grad():
         sd["model.embed_tokens.weight"][:, dead["hidden"]] = 0
@@ -168,7 +197,10 @@ def test_importance_finds_the_planted_units_and_pruning_them_is_exact():
     student = prune(model, sizes, imp)
     ids = token_set(64, n=2, seq=16, seed=5).ids
     want = logits(model, ids)
-    err = lambda: float((logits(student, ids) - want).norm() / want.norm())  # noqa: E731
+
+    def err():
+        return float((logits(student, ids) - want).norm() / want.norm())
+
     assert err() > 1e-2  # the pruned channels were always 0: only the RMS over 29 instead of 32 channels differs ...
     with torch.no_grad():  # ... so undoing that makes the pruned model the teacher (Qwen3RMSNorm computes in float32)
         for norm in adapter.hidden_norms(student):
@@ -196,8 +228,14 @@ def twin(tmp_path_factory):
     from m2d_ray.data.synthetic import build_tokenizer
 
     tok = build_tokenizer()
-    shape = dict(COMMON, vocab_size=-(-len(tok) // 8) * 8, head_dim=8, max_position_embeddings=256,
-                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    shape = dict(
+        COMMON,
+        vocab_size=-(-len(tok) // 8) * 8,
+        head_dim=8,
+        max_position_embeddings=256,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     root = tmp_path_factory.mktemp("twin")
     moe = dense_model(lambda: Qwen3MoeConfig(**shape, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16))
     dense = dense_model(lambda: Qwen3Config(**{**shape, "intermediate_size": 8 * 16}))
@@ -258,8 +296,23 @@ def test_m2d_prune_dense_end_to_end(twin, tmp_path, capsys):
 
     moe, path, model = twin
     out = tmp_path / "d2d"
-    argv = ["prune-dense", "--model", str(path), "--match", str(moe), "--calib-data", "synthetic:valid",
-            "--max-tokens", "1024", "--seq-len", "64", "--eval-data", "synthetic:valid", "--out", str(out)]
+    argv = [
+        "prune-dense",
+        "--model",
+        str(path),
+        "--match",
+        str(moe),
+        "--calib-data",
+        "synthetic:valid",
+        "--max-tokens",
+        "1024",
+        "--seq-len",
+        "64",
+        "--eval-data",
+        "synthetic:valid",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["target_params"] == moe_student_params(str(moe))
@@ -271,8 +324,25 @@ def test_m2d_prune_dense_end_to_end(twin, tmp_path, capsys):
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     assert get_dense_adapter(reloaded.config).sizes(reloaded.config) == DenseSizes(**result["sizes"])
     # one shape, pruning nothing: the teacher again, and --overwrite replaces the search
-    assert main(["prune-dense", "--model", str(path), "--layers", "4", "--calib-data", "synthetic:valid", "--max-tokens", "512",
-                 "--out", str(out), "--overwrite"]) == 0
+    assert (
+        main(
+            [
+                "prune-dense",
+                "--model",
+                str(path),
+                "--layers",
+                "4",
+                "--calib-data",
+                "synthetic:valid",
+                "--max-tokens",
+                "512",
+                "--out",
+                str(out),
+                "--overwrite",
+            ]
+        )
+        == 0
+    )
     again = AutoModelForCausalLM.from_pretrained(out)
     assert torch.equal(logits(again), logits(model))
     assert not (out / "candidates.csv").exists()
@@ -285,7 +355,15 @@ def test_the_embedded_dense_twin_matches_the_embedded_moe_teacher():
 
     moe, dense = AutoConfig.from_pretrained(TINY_TEACHER_DIR), AutoConfig.from_pretrained(TINY_DENSE_TEACHER_DIR)
     assert dense.model_type == "qwen3" and dense.intermediate_size == moe.num_experts * moe.moe_intermediate_size
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "tie_word_embeddings",
+    ):
         assert getattr(dense, key) == getattr(moe, key), key
     assert abs(count_params(dense) / count_params(moe) - 1) < 0.05
     info = json.loads((TINY_DENSE_TEACHER_DIR / "train_info.json").read_text())

@@ -9,13 +9,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+from small_run import STORED
 
 from m2d_ray.errors import M2DError
 from m2d_ray.pipeline import write_report
 from m2d_ray.report.analysis import distill_rows, erank_table, marginal, matched_rows, overlap, selections
 from m2d_ray.run_dir import RunDir
 from m2d_ray.stages.report import run_data
-from small_run import STORED
 
 
 @pytest.fixture
@@ -49,8 +49,12 @@ def test_distill_rows_and_marginal_effects(run_dir):
     rows = distill_rows(data)
     students = [r for r in rows if r["kind"] == "student"]
     assert len(students) == len(data.promotions["pairs"])
-    assert [(r["kind"], r["scoring"]) for r in rows[len(students):]] == [("baseline", "random-init"), ("baseline", "d2d"), ("teacher", "teacher"),
-                                                                      ("teacher", "dense teacher")]
+    assert [(r["kind"], r["scoring"]) for r in rows[len(students) :]] == [
+        ("baseline", "random-init"),
+        ("baseline", "d2d"),
+        ("teacher", "teacher"),
+        ("teacher", "dense teacher"),
+    ]
     assert all(r["mean"] is not None and set(r["acc"]) == set(data.tasks()) for r in rows)
     for axis in ("scoring", "grouping"):
         m = marginal(rows, axis, getattr(data.cfg.grid, axis))
@@ -63,7 +67,11 @@ def test_matched_parameters_rows(run_dir):
     data = run_data(RunDir(run_dir))
     rows = matched_rows(data, distill_rows(data))
     students = [r for r in distill_rows(data) if r["kind"] == "student"]
-    assert [r["label"] for r in rows] == ["best MoE-to-dense", "d2d", "random-init"]  # the run's baselines, in the table's order
+    assert [r["label"] for r in rows] == [
+        "best MoE-to-dense",
+        "d2d",
+        "random-init",
+    ]  # the run's baselines, in the table's order
     assert rows[0]["mean"] == max(r["mean"] for r in students)
     d = data.cfg.distill
     for r in rows:
@@ -72,7 +80,12 @@ def test_matched_parameters_rows(run_dir):
         assert r["student_params"] == rec["student_params"] > 0 and r["val_ppl"] == rec["val_ppl"]
     # matched: within 1% of each other; the D2D student learns from the whole dense twin, the others from k of E experts
     assert max(r["student_params"] for r in rows) / min(r["student_params"] for r in rows) < 1.01
-    assert rows[1]["teacher_active_params"] == 555_712 > rows[0]["teacher_active_params"] == rows[2]["teacher_active_params"]
+    assert (
+        rows[1]["teacher_active_params"]
+        == 555_712
+        > rows[0]["teacher_active_params"]
+        == rows[2]["teacher_active_params"]
+    )
     # without accuracies the best student is the one with the lowest final validation perplexity
     for r in students:
         data.stage3.pop(r["key"])
@@ -82,7 +95,16 @@ def test_matched_parameters_rows(run_dir):
 def test_report_files_and_page(run_dir):
     index = write_report(run_dir)
     out = index.parent
-    for name in ("stage1.csv", "stage1.md", "distill.csv", "distill.md", "overlap.csv", "overlap.md", "erank.csv", "erank.md"):
+    for name in (
+        "stage1.csv",
+        "stage1.md",
+        "distill.csv",
+        "distill.md",
+        "overlap.csv",
+        "overlap.md",
+        "erank.csv",
+        "erank.md",
+    ):
         assert (out / name).stat().st_size > 0, name
     page = index.read_text()
     for img in ("stage1_heatmap.png", "marginal.png", "overlap.png", "erank.png", "curves.png"):
@@ -106,7 +128,9 @@ def _texts(fig) -> list[tuple[str, object]]:
 
     fig.canvas.draw()
     r = fig.canvas.get_renderer()
-    return [(t.get_text(), t.get_window_extent(r)) for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+    return [
+        (t.get_text(), t.get_window_extent(r)) for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()
+    ]
 
 
 @pytest.fixture
@@ -132,12 +156,14 @@ def test_no_two_labels_of_a_figure_overlap_and_references_are_in_a_legend(run_di
     assert set(figures) == {"stage1_heatmap.png", "marginal.png", "overlap.png", "erank.png", "curves.png"}
     for name, texts in figures.items():
         for i, (a, ba) in enumerate(texts):
-            for b, bb in texts[i + 1:]:
+            for b, bb in texts[i + 1 :]:
                 assert not ba.overlaps(bb), f"{name}: {a!r} overlaps {b!r}"
     data = run_data(RunDir(run_dir))
     refs = [r for r in distill_rows(data) if r["kind"] != "student"]
     labels = [t for t, _ in figures["marginal.png"]]
-    for r in refs:  # the reference lines (close together here: d2d 0.917, dense teacher 0.938) named once each, with the value
+    for r in (
+        refs
+    ):  # the reference lines (close together here: d2d 0.917, dense teacher 0.938) named once each, with the value
         assert labels.count(f"{r['scoring']} {r['mean']:.3f}") == 1
     assert index.exists()
 
@@ -171,8 +197,8 @@ def _set_status(run_dir: Path, stage_dir: str, status: str, keep: tuple[str, ...
 
 
 def test_a_run_that_distilled_or_evaluated_no_student_has_failed(run_dir, capsys):
-    from m2d_ray.errors import RunFailed
     from m2d_ray.commands.runs import check_outcome
+    from m2d_ray.errors import RunFailed
 
     ok = check_outcome(run_dir)
     assert ok["promoted_distilled"] == ok["promoted"] > 0 and ok["evaluated"] > 0

@@ -20,12 +20,16 @@ from m2d_ray.stages.promote import promote, unpromoted
 from m2d_ray.stages.scheduler import hopeless
 from m2d_ray.stages.trial import chunk_ends, run_trial
 
-GRID = GridConfig(scoring=("sf", "cp", "do-acp"), grouping=("rr", "ab", "oc"), scaling=("uniform", "proportional"), K="auto")
+GRID = GridConfig(
+    scoring=("sf", "cp", "do-acp"), grouping=("rr", "ab", "oc"), scaling=("uniform", "proportional"), K="auto"
+)
 
 
 @pytest.fixture(scope="module")
 def stats(tiny_teacher):
-    tokens = calibration_set(tiny_teacher.tokenizer, corpus_text("valid", max_chars=20_000), seq_len=64, max_tokens=2048)
+    tokens = calibration_set(
+        tiny_teacher.tokenizer, corpus_text("valid", max_chars=20_000), seq_len=64, max_tokens=2048
+    )
     return calibrate(tiny_teacher, tokens, "synthetic:valid", out=None, progress=False)[0].layers
 
 
@@ -48,7 +52,10 @@ def test_dedupe_members_build_bitwise_identical_students(tiny_teacher, grid_plan
     # at K = k every grouping is singletons: one student per (scoring, scaling)
     at_k = [u for u in uniques if u.canonical.K == 2]
     assert len(at_k) <= 3 * 2 and all({m.grouping for m in u.members} == {"rr", "ab", "oc"} for u in at_k)
-    state = lambda key: build_from_plan(tiny_teacher, plan_of(plans, key)).state_dict()  # noqa: E731
+
+    def state(key):
+        return build_from_plan(tiny_teacher, plan_of(plans, key)).state_dict()
+
     for u in uniques:
         ref = state(u.canonical.key)
         for m in u.members[1:]:
@@ -111,7 +118,16 @@ def test_run_trial_reports_chunks_then_the_full_perplexity(tiny_teacher, grid_pl
 
 
 def _rec(s, g, c, K, status, ppl):
-    return {"scoring": s, "grouping": g, "scaling": c, "K": K, "status": status, "ppl": ppl, "key": f"{s}_{g}_{c}_K{K}", "signature": "x"}
+    return {
+        "scoring": s,
+        "grouping": g,
+        "scaling": c,
+        "K": K,
+        "status": status,
+        "ppl": ppl,
+        "key": f"{s}_{g}_{c}_K{K}",
+        "signature": "x",
+    }
 
 
 RECORDS = [
@@ -163,7 +179,12 @@ def test_a_promoted_plan_repeated_by_another_pair_is_distilled_once():
     """Stage 2 distils the better-ranked of two promotions with one plan signature; the other gets its record."""
     from m2d_ray.stages.students import Student, duplicates
 
-    todo = [Student("a", "sf/rr", 1.0), Student("b", "sf/oc", 1.0), Student("c", "cp/rr", 2.0), Student("baseline-random-ffn", "random-ffn", None, "random-ffn")]
+    todo = [
+        Student("a", "sf/rr", 1.0),
+        Student("b", "sf/oc", 1.0),
+        Student("c", "cp/rr", 2.0),
+        Student("baseline-random-ffn", "random-ffn", None, "random-ffn"),
+    ]
     plans = {"a": {"signature": "s1"}, "b": {"signature": "s1"}, "c": {"signature": "s2"}}
     assert duplicates(todo, plans) == {"b": "a"}
     assert duplicates(todo[2:], plans) == {}

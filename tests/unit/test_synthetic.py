@@ -114,7 +114,12 @@ def test_tokenizer_round_trip(tokenizer, tmp_path):
         assert tok.decode(tok(doc.text)["input_ids"]) == doc.text
     # unknown words map to <unk>; casing and attached punctuation are normalised
     assert tok.convert_ids_to_tokens(tok("The Chef stirs, zzz.")["input_ids"]) == [
-        "the", "chef", "stirs", ",", "<unk>", "."
+        "the",
+        "chef",
+        "stirs",
+        ",",
+        "<unk>",
+        ".",
     ]
 
     from transformers import AutoTokenizer
@@ -166,7 +171,7 @@ def _heldout(model, tok, torch):
     """(perplexity, mean NMI over layers, per-layer NMI) on EVAL_CHARS of the test split."""
     docs = synthetic.corpus_documents("test", EVAL_CHARS)
     ids, doms = [], []
-    for i, doc in enumerate(docs):
+    for doc in docs:
         seq = tok(doc.text)["input_ids"]
         ids += seq
         doms += [DOMAINS.index(doc.domain)] * len(seq)
@@ -202,11 +207,19 @@ def test_teacher_loads_and_is_a_qwen3_moe(teacher):
     assert cfg.vocab_size % 8 == 0 and cfg.vocab_size >= len(tok)
     assert not cfg.output_router_logits
     assert tuple(model.model.layers[0].mlp.experts.gate_up_proj.shape) == (16, 64, 64)
-    assert tok("the chef stirs the soup .")["input_ids"] == synthetic.build_tokenizer()(
-        "the chef stirs the soup ."
-    )["input_ids"]
-    for key in ("steps", "tokens_seen", "train_wall_time_s", "heldout_perplexity", "uniform_perplexity",
-                "unigram_perplexity", "routing"):
+    assert (
+        tok("the chef stirs the soup .")["input_ids"]
+        == synthetic.build_tokenizer()("the chef stirs the soup .")["input_ids"]
+    )
+    for key in (
+        "steps",
+        "tokens_seen",
+        "train_wall_time_s",
+        "heldout_perplexity",
+        "uniform_perplexity",
+        "unigram_perplexity",
+        "routing",
+    ):
         assert key in info
 
 

@@ -13,17 +13,17 @@ import torch
 from m2d_ray.distill.losses import chunked_kl, naive_kl, sampled_kl, sparse_kl
 from m2d_ray.distill.targets import (
     ShardEntry,
-    TargetSpec,
     TargetsManifest,
-    bytes_per_token,
+    TargetSpec,
     _sampled,
     block_generator,
+    bytes_per_token,
     check_targets_loss,
     fingerprint,
     loss_metric,
-    state_bytes,
     parse_targets,
     read_shard,
+    state_bytes,
     teacher_targets,
     write_shard,
 )
@@ -35,7 +35,10 @@ torch.set_num_threads(1)
 def _problem(n=32, d=16, V=80, seed=0, scale=1.0):
     """Student (h_s, w_s, with gradients) and teacher (h_t, w_t) in float64; `scale` shrinks the logits."""
     g = torch.Generator().manual_seed(seed)
-    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64) * math.sqrt(scale)  # noqa: E731
+
+    def mk(*s):
+        return torch.randn(*s, generator=g, dtype=torch.float64) * math.sqrt(scale)
+
     return mk(n, d).requires_grad_(), mk(V, d).requires_grad_(), mk(n, d), mk(V, d)
 
 
@@ -60,12 +63,15 @@ def _coarse_kl_ref(h_s, w_s, ids, logp, tail, t):
 
 # --- losses -------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("t", [1.0, 2.0])
 @pytest.mark.parametrize("chunk", [5, 1000])
 def test_sparse_kl_over_the_whole_vocabulary_is_the_dense_kl(t, chunk):
     h_s, w_s, h_t, w_t = _problem()
     lp = _teacher_lp(h_t, w_t, t)
-    ids = torch.randperm(lp.shape[1], generator=torch.Generator().manual_seed(1)).expand(lp.shape[0], -1).to(torch.int32)
+    ids = (
+        torch.randperm(lp.shape[1], generator=torch.Generator().manual_seed(1)).expand(lp.shape[0], -1).to(torch.int32)
+    )
     got = sparse_kl(h_s, w_s, ids, lp.gather(1, ids.long()), torch.full((lp.shape[0],), -math.inf), t, chunk)
     ref = naive_kl(h_s @ w_s.T, h_t @ w_t.T, "fkl", t).double()
     assert got.item() == pytest.approx(ref.item(), rel=1e-5)
@@ -128,7 +134,9 @@ def test_sampled_kl_is_unbiased_and_topk_is_not():
     assert abs(values.mean().item() - dense.item()) < 5 * values.std().item() / math.sqrt(draws) + 1e-3
 
     # the drawn ids weighted by their renormalised teacher probabilities: random, and biased
-    support = lambda b: (tg["counts"][b] > 0) * tg["logp"][b].double().exp()  # noqa: E731
+    def support(b):
+        return (tg["counts"][b] > 0) * tg["logp"][b].double().exp()
+
     _, mean_b, se_b = estimates(support)
     assert not (mean_b - dense_g).abs().le(5 * se_b + 1e-6).all()
     # the teacher's top N renormalised (what a top-k cache without its tail trains towards): deterministic
@@ -163,7 +171,10 @@ def test_sampled_kl_padding_changes_nothing():
     h_s, w_s, h_t, w_t = _problem()
     tg = teacher_targets(h_t[None], w_t, TargetSpec("sampled", 3))
     ids, counts, logp = (tg[k][0] for k in ("ids", "counts", "logp"))
-    pad = lambda x: torch.cat([x, torch.zeros_like(x)], dim=1)  # noqa: E731
+
+    def pad(x):
+        return torch.cat([x, torch.zeros_like(x)], dim=1)
+
     a, b = sampled_kl(h_s, w_s, ids, counts, logp), sampled_kl(h_s, w_s, pad(ids), pad(counts), pad(logp))
     assert a.item() == b.item()
     for x, y in zip(_grads(a, h_s, w_s), _grads(b, h_s, w_s)):
@@ -171,6 +182,7 @@ def test_sampled_kl_padding_changes_nothing():
 
 
 # --- targets ------------------------------------------------------------------------------------------------
+
 
 def test_topk_targets_are_the_true_top_k_log_probs_and_tail():
     _, _, h_t, w_t = _problem(n=40, V=80)
@@ -217,11 +229,15 @@ def test_sampled_targets_are_distinct_ids_with_counts_and_reproducible():
 def test_topk_targets_do_not_depend_on_the_chunk():
     _, _, h_t, w_t = _problem(n=30, V=60)
     spec = TargetSpec("topk", 5, 2.0)
-    a, b = teacher_targets(h_t.reshape(2, 15, -1), w_t, spec, chunk=4), teacher_targets(h_t.reshape(2, 15, -1), w_t, spec, chunk=100)
+    a, b = (
+        teacher_targets(h_t.reshape(2, 15, -1), w_t, spec, chunk=4),
+        teacher_targets(h_t.reshape(2, 15, -1), w_t, spec, chunk=100),
+    )
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 # --- shards and manifest ------------------------------------------------------------------------------------
+
 
 def _shard(tmp_path, spec, blocks=2, length=16, V=100, first_block=0):
     _, _, h_t, w_t = _problem(n=blocks * length, V=V, seed=first_block)
@@ -259,7 +275,9 @@ def test_hidden_shard_round_trip_keeps_the_states_bitwise(tmp_path):
     assert list(back) == ["hidden"] and back["hidden"].dtype == torch.bfloat16 and torch.equal(back["hidden"], h)
     assert entry.blocks == 2 and entry.first_block == 3
     header = struct.unpack("<Q", (tmp_path / entry.file).read_bytes()[:8])[0]
-    assert (tmp_path / entry.file).stat().st_size - 8 - header == 2 * 16 * bytes_per_token(TargetSpec("hidden", 0), 8 * 2)
+    assert (tmp_path / entry.file).stat().st_size - 8 - header == 2 * 16 * bytes_per_token(
+        TargetSpec("hidden", 0), 8 * 2
+    )
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
@@ -314,15 +332,25 @@ def test_manifest_round_trip_and_locate(tmp_path):
         back.locate(5)
 
 
-@pytest.mark.parametrize("field,value", [("teacher", "other/moe"), ("tokenizer", "other/tok"), ("tokens", "cd" * 32),
-                                         ("teacher_topk", None), ("temperature", 2.0)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("teacher", "other/moe"),
+        ("tokenizer", "other/tok"),
+        ("tokens", "cd" * 32),
+        ("teacher_topk", None),
+        ("temperature", 2.0),
+    ],
+)
 def test_manifest_of_another_run_is_refused_naming_the_field(tmp_path, field, value):
     _manifest(tmp_path)
     m = TargetsManifest.load(tmp_path, where="s3://bucket/targets")
     with pytest.raises(M2DError) as err:
         m.check_matches({**FP, field: value})
     msg = str(err.value)
-    assert msg.startswith(f"targets in s3://bucket/targets were made with {field} {FP[field]!r}, this run's is {value!r}")
+    assert msg.startswith(
+        f"targets in s3://bucket/targets were made with {field} {FP[field]!r}, this run's is {value!r}"
+    )
     assert "\n" not in msg
 
 
@@ -341,9 +369,20 @@ def test_manifest_refuses_another_spec_a_gap_and_a_missing_file(tmp_path):
 
 # --- config strings -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text,want", [("online", None), ("hidden", TargetSpec("hidden", 0)), ("topk", TargetSpec("topk", 64)), ("topk:8", TargetSpec("topk", 8)),
-                                       ("sampled", TargetSpec("sampled", 64)), ("sampled:16", TargetSpec("sampled", 16)),
-                                       ("sampled:255", TargetSpec("sampled", 255)), ("topk:1", TargetSpec("topk", 1))])
+
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("online", None),
+        ("hidden", TargetSpec("hidden", 0)),
+        ("topk", TargetSpec("topk", 64)),
+        ("topk:8", TargetSpec("topk", 8)),
+        ("sampled", TargetSpec("sampled", 64)),
+        ("sampled:16", TargetSpec("sampled", 16)),
+        ("sampled:255", TargetSpec("sampled", 255)),
+        ("topk:1", TargetSpec("topk", 1)),
+    ],
+)
 def test_parse_targets(text, want):
     assert parse_targets(text) == want
 
@@ -352,10 +391,16 @@ def test_parse_targets_keeps_temperature_and_seed():
     assert parse_targets("sampled:12", temperature=2.0, seed=3) == TargetSpec("sampled", 12, 2.0, 3)
     assert str(parse_targets("topk:32")) == "topk:32"
     assert parse_targets("hidden", temperature=2.0, seed=3) == TargetSpec("hidden", 0)  # states depend on neither
-    assert str(parse_targets("hidden")) == "hidden" and parse_targets("hidden").exact and not parse_targets("sampled").exact
+    assert (
+        str(parse_targets("hidden")) == "hidden"
+        and parse_targets("hidden").exact
+        and not parse_targets("sampled").exact
+    )
 
 
-@pytest.mark.parametrize("text", ["topk:0", "sampled:256", "sampled:0", "topk:x", "topk:", "dense", "online:3", "", "sampled:-1", "hidden:4"])
+@pytest.mark.parametrize(
+    "text", ["topk:0", "sampled:256", "sampled:0", "topk:x", "topk:", "dense", "online:3", "", "sampled:-1", "hidden:4"]
+)
 def test_parse_targets_refuses_bad_strings_in_one_line(text):
     with pytest.raises(M2DError) as err:
         parse_targets(text)
@@ -366,17 +411,30 @@ def test_check_targets_loss():
     spec = TargetSpec("topk", 64)
     check_targets_loss("fkl", spec)
     check_targets_loss("rkl", None)
-    with pytest.raises(M2DError, match=r"^distill.loss=rkl needs the teacher's full distribution; use stage2.targets=hidden \(exact\) or online$"):
+    with pytest.raises(
+        M2DError,
+        match=(
+            r"^distill.loss=rkl needs the teacher's full distribution; use stage2.targets=hidden \(exact\) or "
+            r"online$"
+        ),
+    ):
         check_targets_loss("rkl", spec)
     for cached in (TargetSpec("sampled", 12), TargetSpec("hidden", 0)):
-        with pytest.raises(M2DError, match="fkl\\+mse needs the teacher's hidden states of every layer, which no cache keeps"):
+        with pytest.raises(
+            M2DError, match="fkl\\+mse needs the teacher's hidden states of every layer, which no cache keeps"
+        ):
             check_targets_loss("fkl+mse", cached)
     check_targets_loss("rkl", TargetSpec("hidden", 0))  # the whole distribution comes back from the states
     check_targets_loss("fkl", TargetSpec("hidden", 0))
 
 
 def test_loss_metric_names_the_bucketed_kl_apart():
-    assert loss_metric(None) == loss_metric(TargetSpec("hidden", 0)) == loss_metric(TargetSpec("sampled", 8)) == "train_loss"
+    assert (
+        loss_metric(None)
+        == loss_metric(TargetSpec("hidden", 0))
+        == loss_metric(TargetSpec("sampled", 8))
+        == "train_loss"
+    )
     assert loss_metric(TargetSpec("topk", 64)) == "train_loss_buckets"
 
 
@@ -399,7 +457,11 @@ def test_sampled_draws_reach_every_token_at_qwen3s_vocabulary():
     assert (p[tail] < 1e-8).all()
     u = ((cdf[tail] - p[tail] / 2) / cdf[-1])[None]  # the middle of each tail id's interval
     k = len(tail)
-    out = {"ids": torch.zeros(1, k, dtype=torch.int32), "counts": torch.zeros(1, k, dtype=torch.uint8), "logp": torch.zeros(1, k, dtype=torch.float16)}
+    out = {
+        "ids": torch.zeros(1, k, dtype=torch.int32),
+        "counts": torch.zeros(1, k, dtype=torch.uint8),
+        "logp": torch.zeros(1, k, dtype=torch.float16),
+    }
     _sampled(lp.clone(), u, **out)
     assert out["ids"][0].tolist() == sorted(tail.tolist()) and out["counts"][0].tolist() == [1] * k
 

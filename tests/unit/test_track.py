@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from small_run import finished_run
 
 
@@ -30,14 +29,18 @@ def test_experiment_is_model_training_and_opens_on_the_comparison_view(logged):
     view = json.loads(exp.tags[VIEW_TAG])
     assert view["groupBy"]["groupByKeys"] == [{"mode": "tag", "groupByData": "stage"}]
     assert {f"metrics.`{m}`" for m in KEY_METRICS.values()} <= set(view["selectedColumns"])
-    assert result["mlflow_url"] == (f"http://127.0.0.1:5000/#/experiments/{exp.experiment_id}/runs"
-                                    f"?workflowType=machine_learning&viewStateShareKey={VIEW_KEY}")
+    assert result["mlflow_url"] == (
+        f"http://127.0.0.1:5000/#/experiments/{exp.experiment_id}/runs"
+        f"?workflowType=machine_learning&viewStateShareKey={VIEW_KEY}"
+    )
 
 
 def test_the_link_points_at_the_tracking_server_or_at_mlflow_ui():
     from m2d_ray.track import ui_url
 
-    assert ui_url("http://mlflow.lan:5000/", "7").startswith("http://mlflow.lan:5000/#/experiments/7/runs?workflowType=machine_learning&")
+    assert ui_url("http://mlflow.lan:5000/", "7").startswith(
+        "http://mlflow.lan:5000/#/experiments/7/runs?workflowType=machine_learning&"
+    )
     assert ui_url("sqlite:////runs/demo/mlflow.db", "1").startswith("http://127.0.0.1:5000/#/experiments/1/runs?")
 
 
@@ -62,7 +65,9 @@ def test_nested_runs_carry_stage_pair_kind_and_one_key_metric_per_stage(logged):
     assert s3["stage3/teacher"] == s3["stage3/teacher-d2d"] == "teacher" and s3["stage3/baseline-d2d"] == "baseline"
     assert {k for k, v in s3.items() if v == "promoted"} == {f"stage3/{k}" for k in promoted}
     for stage, metric in KEY_METRICS.items():  # one column compares a stage's runs
-        assert by_stage[stage] and all(metric in r.data.metrics for r in by_stage[stage] if r.data.tags["status"] == "ok")
+        assert by_stage[stage] and all(
+            metric in r.data.metrics for r in by_stage[stage] if r.data.tags["status"] == "ok"
+        )
 
 
 def test_parent_run_says_what_the_run_is_and_where_its_report_is(logged):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import forbid
 from families import FAMILIES, FAMILY_IDS, tiny_model
 from safetensors.torch import save_file
 
@@ -25,14 +26,14 @@ from m2d_ray.calibrate import calibrate
 from m2d_ray.calibrate.collect import collect_stats
 from m2d_ray.calibrate.stream import HiddenStates, collect_stats_streamed, should_stream
 from m2d_ray.checkpoint import Checkpoint, Shard
-from m2d_ray.sizes import parse_size
 from m2d_ray.convert import build_from_plan, make_plan
-from m2d_ray.convert.plan import make_plans
 from m2d_ray.convert.baselines import RANDOM_BASELINES
 from m2d_ray.convert.export import export_student
+from m2d_ray.convert.plan import make_plans
 from m2d_ray.data.synthetic import build_tokenizer
 from m2d_ray.errors import M2DError
 from m2d_ray.models import Teacher
+from m2d_ray.sizes import parse_size
 from m2d_ray.weights import check_finite, open_teacher
 
 FIELDS = ("tokens", "count", "psum", "psel", "wsel", "gram", "shared_gate")
@@ -45,8 +46,14 @@ def save(model, out, layout: str):
     else:
         out.mkdir(parents=True)
         model.config.save_pretrained(out)
-        save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight" or not model.config.tie_word_embeddings},
-                  str(out / "model.safetensors"))
+        save_file(
+            {
+                k: v.contiguous()
+                for k, v in model.state_dict().items()
+                if k != "lm_head.weight" or not model.config.tie_word_embeddings
+            },
+            str(out / "model.safetensors"),
+        )
     build_tokenizer().save_pretrained(out)
     return out
 
@@ -67,8 +74,11 @@ def family(request, tmp_path_factory):
 def same_state(a, b) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
     bufs = zip(a.named_buffers(), b.named_buffers())
-    return sa.keys() == sb.keys() and all(sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]) for k in sa) and all(
-        n == m and torch.equal(x, y) for (n, x), (m, y) in bufs)
+    return (
+        sa.keys() == sb.keys()
+        and all(sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]) for k in sa)
+        and all(n == m and torch.equal(x, y) for (n, x), (m, y) in bufs)
+    )
 
 
 @pytest.mark.parametrize("layout", ["hub", "fused"])
@@ -83,7 +93,9 @@ def test_lazy_student_is_bitwise_the_eager_one(family, layout, tmp_path):
         student = build_from_plan(lazy, plan)
         assert type(student).__name__ == spec.student_class
         assert same_state(student, build_from_plan(eager, plan)), recipe
-    record = export_student(student, lazy.tokenizer, tmp_path / "s", teacher=lazy, plan=plan)  # the float64 check, lazily
+    record = export_student(
+        student, lazy.tokenizer, tmp_path / "s", teacher=lazy, plan=plan
+    )  # the float64 check, lazily
     assert record["max_rel_error"] < 1e-10
     assert same_state(RANDOM_BASELINES["random-ffn"](lazy), RANDOM_BASELINES["random-ffn"](eager))
 
@@ -94,7 +106,11 @@ def test_only_the_planned_experts_are_read(family, monkeypatch):
     plan = make_plan(eager, stats, "sf", "rr", "uniform", 2 * eager.adapter.top_k(eager.config))
     read: list[tuple[str, list[int] | None]] = []
     original = Shard.read
-    monkeypatch.setattr(Shard, "read", lambda self, name, rows=None, out=None: read.append((name, rows)) or original(self, name, rows, out))
+    monkeypatch.setattr(
+        Shard,
+        "read",
+        lambda self, name, rows=None, out=None: read.append((name, rows)) or original(self, name, rows, out),
+    )
     build_from_plan(lazy, plan)
     for i, p in plan.layers.items():
         got = set()
@@ -117,7 +133,11 @@ def test_planning_reads_only_the_experts_a_recipe_selects(family, monkeypatch):
     recipes = [("acp", "wc", "proportional", 2 * k), ("sf", "wc", "uniform", 2 * k)]
     read: list[tuple[str, list[int] | None]] = []
     original = Shard.read
-    monkeypatch.setattr(Shard, "read", lambda self, name, rows=None, out=None: read.append((name, rows)) or original(self, name, rows, out))
+    monkeypatch.setattr(
+        Shard,
+        "read",
+        lambda self, name, rows=None, out=None: read.append((name, rows)) or original(self, name, rows, out),
+    )
     plans = make_plans(lazy, stats, recipes)
     assert [p.to_json() for p in plans] == [p.to_json() for p in make_plans(eager, stats, recipes)]
     for i in stats:
@@ -165,7 +185,9 @@ def test_calibrate_streams_when_the_teacher_does_not_fit(tiny_teacher_dir, tiny_
 
     lazy = open_teacher(str(tiny_teacher_dir))
     assert should_stream(lazy, "cpu", max_memory="1MB") and not should_stream(lazy, "cpu", max_memory="1TB")
-    assert should_stream(lazy, "cpu", stream=True, max_memory="1TB") and not should_stream(lazy, "cpu", stream=False, max_memory=1)
+    assert should_stream(lazy, "cpu", stream=True, max_memory="1TB") and not should_stream(
+        lazy, "cpu", stream=False, max_memory=1
+    )
     tokens = calibration_set(lazy.tokenizer, load_text("synthetic:valid")[:3000], seq_len=64, max_tokens=None)
     whole, _ = calibrate(tiny_teacher, tokens, "x", out=tmp_path / "whole", progress=False)
     streamed, reused = calibrate(lazy, tokens, "x", out=tmp_path / "streamed", progress=False, max_memory="1MB")
@@ -231,7 +253,9 @@ def test_truncated_or_corrupt_checkpoint_names_the_file(tmp_path):
     with pytest.raises(M2DError, match=f"{weights}.*truncated or corrupt"):
         open_teacher(str(out))
     weights.unlink()
-    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": "model-1.safetensors"}}))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.norm.weight": "model-1.safetensors"}})
+    )
     with pytest.raises(M2DError, match="lacks 1 weight file.*model-1.safetensors"):
         open_teacher(str(out))
     with pytest.raises(M2DError, match="lacks the weight file model-1.safetensors"):
@@ -253,7 +277,9 @@ def test_a_header_that_does_not_match_its_tensors_names_the_file(tmp_path):
         Checkpoint(out)
 
 
-def test_initial_student_of_a_distillation_reads_the_teacher_lazily(tiny_teacher_dir, tiny_teacher, tmp_path, monkeypatch):
+def test_initial_student_of_a_distillation_reads_the_teacher_lazily(
+    tiny_teacher_dir, tiny_teacher, tmp_path, monkeypatch
+):
     """The stage-2 initial student (built by rank 0 from `InitialStudent`) never loads the teacher whole and
     is bitwise the student `materialize` makes from the loaded teacher (plan and baseline)."""
     import m2d_ray.models as models
@@ -267,11 +293,8 @@ def test_initial_student_of_a_distillation_reads_the_teacher_lazily(tiny_teacher
     materialize(tiny_teacher, tmp_path / "eager", plan=plan)
     materialize(tiny_teacher, tmp_path / "eager-base", baseline="random-ffn", seed=3)
 
-    def no_whole_teacher(*a, **k):
-        raise AssertionError("the initial student loaded the whole teacher")
-
-    monkeypatch.setattr(models, "load_teacher", no_whole_teacher)
-    monkeypatch.setattr(models, "load_model", no_whole_teacher)
+    for name in ("load_teacher", "load_model"):
+        forbid(monkeypatch, models, name, "the initial student loaded the whole teacher")
     InitialStudent(str(tiny_teacher_dir), plan=plan)(tmp_path / "lazy")
     InitialStudent(str(tiny_teacher_dir), baseline="random-ffn", seed=3)(tmp_path / "lazy-base")
     from safetensors.torch import load_file
@@ -314,7 +337,9 @@ def test_the_head_of_tied_embeddings_is_read_from_the_embedding(tmp_path):
     hub = save(model, tmp_path / "tied", "hub")
     assert "lm_head.weight" not in Checkpoint(hub).names()
     head = read_output_head(str(hub), torch.bfloat16)
-    assert head.dtype == torch.bfloat16 and torch.equal(head, model.get_input_embeddings().weight.detach().to(torch.bfloat16))
+    assert head.dtype == torch.bfloat16 and torch.equal(
+        head, model.get_input_embeddings().weight.detach().to(torch.bfloat16)
+    )
     # the ranged reads a rank makes of a teacher in object storage (any pyarrow filesystem; here a local one)
     name, t = read_stored_tensor(str(hub), ["lm_head.weight", "model.embed_tokens.weight"])
     assert name == "model.embed_tokens.weight" and torch.equal(t, model.get_input_embeddings().weight.detach())
@@ -333,8 +358,6 @@ def test_a_soft_capped_head_is_refused_by_name():
 
 def test_a_hub_teachers_head_downloads_only_the_shard_that_holds_it(tmp_path, monkeypatch):
     """A hub teacher (no local directory): its JSON files and the one weight shard with lm_head, not the checkpoint."""
-    import huggingface_hub
-
     import m2d_ray.weights as w
 
     model = tiny_model(FAMILIES[0])
@@ -352,8 +375,8 @@ def test_a_hub_teachers_head_downloads_only_the_shard_that_holds_it(tmp_path, mo
         fetched.append(filename)
         return str(hub / filename)
 
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", one_file)
+    monkeypatch.setattr(w, "snapshot_download", snapshot)  # (the hub client as weights.py calls it)
+    monkeypatch.setattr(w, "hf_hub_download", one_file)
     monkeypatch.setattr(w, "load_config", lambda name: model.config)  # (the config from the hub: no network here)
     head = w.read_output_head("org/moe", torch.float32)
     assert torch.equal(head, model.lm_head.weight.detach()) and fetched == [index["lm_head.weight"]]

@@ -17,8 +17,9 @@ it brings besides (its own teacher, work before the students, its share of the b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from m2d_ray.stages.contract import Checked, Section
 
@@ -37,7 +38,8 @@ class BaselineFailed(RuntimeError):
 
 class Baseline(Checked):
     """A stage-2 baseline; see the module docstring. The base is a student built from the MoE teacher alone.
-    `key`: its student's key in stage 2's ledger and stage 3's results; `teacher_key`: stage 3's key of its own teacher."""
+    `key`: its student's key in stage 2's ledger and stage 3's results; `teacher_key`: stage 3's key of its own
+    teacher."""
 
     teacher_label: str | None = None
 

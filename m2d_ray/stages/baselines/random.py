@@ -3,8 +3,8 @@ or with nothing kept (random-init), built on the distillation's rank 0 from the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from m2d_ray.convert.initial import InitialStudent
 from m2d_ray.stages.baselines.base import Baseline
