@@ -20,6 +20,7 @@ import argparse
 import csv
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -54,6 +55,7 @@ VOLATILE = {
     "peak RSS / rank (MB)",
     "sweep_id",
     "placement",
+    "stats_sha256",  # covers the teacher's path too (two checkouts differ there): the statistics' tensors are compared
 }
 TABLES = ("stage1", "stage2", "distill", "matched", "overlap", "erank", "d2d_candidates", "memory", "cost")
 LEDGERS = ("trials", "stage2/trials", "stage3/results")
@@ -61,8 +63,9 @@ JSONS = ("promotions.json", "plans.json", "memory_plan.json", "stage2/d2d/search
 
 
 def neutral(obj, run: Path):
-    """`obj` with the run directory's path as RUN and the volatile keys dropped."""
-    text = json.dumps(obj).replace(str(run), "RUN")
+    """`obj` with the run directory's path as RUN, the package's embedded assets as ASSETS (two checkouts' paths
+    differ) and the volatile keys dropped."""
+    text = re.sub(r'[^"\s]*/m2d_ray/assets/', "ASSETS/", json.dumps(obj).replace(str(run), "RUN"))
     return _drop(json.loads(text))
 
 
@@ -86,7 +89,7 @@ def same(a, b) -> bool:
 
 def table(path: Path, run: Path) -> list:
     """A CSV or Markdown table as rows of cells, the volatile columns blanked."""
-    text = path.read_text().replace(str(run), "RUN")
+    text = re.sub(r"\S*/m2d_ray/assets/", "ASSETS/", path.read_text().replace(str(run), "RUN"))
     if path.suffix == ".csv":
         rows = list(csv.reader(text.splitlines()))
     else:
@@ -138,7 +141,7 @@ def mlflow_runs(run: Path) -> dict:
 
 
 def compare_runs(a: Path, b: Path) -> list[str]:
-    diffs = []
+    diffs = compare_stats(a, b)
     for d in (".", "report"):
         names = sorted(
             {p.name for p in (a / d).glob("*") if p.suffix in (".csv", ".md") and p.stem in TABLES}
@@ -177,6 +180,19 @@ def compare_runs(a: Path, b: Path) -> list[str]:
         if not same(ma[k], mb[k])
     ]
     return diffs
+
+
+def compare_stats(a: Path, b: Path) -> list[str]:
+    """The calibration statistics of both runs: every tensor equal to float64 round-off."""
+    from safetensors.torch import load_file
+
+    x, y = (load_file(str(r / "stats" / "stats.safetensors")) for r in (a, b))
+    if x.keys() != y.keys():
+        return ["stats: other tensors"]
+    bad = [
+        k for k in x if not x[k].double().allclose(y[k].double(), rtol=1e-12, atol=1e-12 * float(x[k].abs().max() or 1))
+    ]
+    return [f"stats: {k} differs" for k in bad]
 
 
 def _first(a, b, where: str = "") -> str:

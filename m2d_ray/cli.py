@@ -63,13 +63,13 @@ def _add_calib(p: argparse.ArgumentParser, streamed: bool = True) -> None:
     p.add_argument(
         "--calib-data",
         default=None,
-        help="a data spec (README 'Data'): files / dir / glob of .parquet, .jsonl, .txt (local or s3://, "
+        help="a data spec (docs/how-to/own-corpus.md): files / dir / glob of .parquet, .jsonl, .txt (local or s3://, "
         "#column=NAME), hf:NAME, wikitext2|wikitext103[:split], synthetic[:split] (default: the embedded corpus "
         "for the embedded teacher, else wikitext2:train)",
     )
     p.add_argument("--max-tokens", type=_positive, default=32768, help="calibration tokens (default 32768)")
     p.add_argument("--seq-len", type=_positive, default=256, help="calibration sequence length (default 256)")
-    p.add_argument("--batch-size", type=_positive, default=8)
+    p.add_argument("--batch-size", type=_positive, default=8, help="calibration sequences per forward of the teacher")
     if not streamed:
         return
     p.add_argument(
@@ -120,7 +120,7 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--scaling", default="uniform", help=f"{' '.join(SCALINGS)} (default uniform)")
     v.add_argument("--K", type=_positive, default=None, help="experts kept per layer, k <= K <= E (default k)")
     v.add_argument("--baseline", default=None, help=f"{' or '.join(RANDOM_BASELINES)} instead of a conversion")
-    v.add_argument("--eval-data", default=None, help="measure perplexity on: a data spec (README 'Data')")
+    v.add_argument("--eval-data", default=None, help="measure perplexity on: a data spec (docs/how-to/own-corpus.md)")
     v.add_argument("--out", required=True, help="directory for the dense student")
     v.add_argument(
         "--overwrite", action="store_true", help="replace a student (and --stats) that m2d wrote there before"
@@ -153,8 +153,8 @@ def parser() -> argparse.ArgumentParser:
     pd.add_argument(
         "--eval-data",
         default=None,
-        help="score candidates by perplexity on: a data spec (README 'Data') (default: synthetic:test for the embedded "
-        "teacher, else wikitext2:test)",
+        help="score candidates by perplexity on: a data spec (docs/how-to/own-corpus.md) (default: synthetic:test for "
+        "the embedded teacher, else wikitext2:test)",
     )
     pd.add_argument("--out", required=True, help="directory for the pruned student")
     pd.add_argument("--overwrite", action="store_true", help="replace a pruned student that m2d wrote there before")
@@ -250,11 +250,11 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--train-data",
         default=None,
-        help="a data spec (README 'Data'): fineweb-edu (streamed), hf:NAME[:CONFIG[:SPLIT]], Parquet / JSON Lines / "
-        "text files, a directory or glob of them, local or s3:// (#column=NAME), synthetic:train",
+        help="a data spec (docs/how-to/own-corpus.md): fineweb-edu (streamed), hf:NAME[:CONFIG[:SPLIT]], Parquet / "
+        "JSON Lines / text files, a directory or glob of them, local or s3:// (#column=NAME), synthetic:train",
     )
-    d.add_argument("--eval-data", required=True, help="validation text: a data spec (README 'Data')")
-    d.add_argument("--steps", type=_positive, default=None)
+    d.add_argument("--eval-data", required=True, help="validation text: a data spec (docs/how-to/own-corpus.md)")
+    d.add_argument("--steps", type=_positive, default=None, help="optimizer steps (distill.steps; default 200)")
     d.add_argument("--loss", default=None, help=f"{', '.join(LOSSES)} (default fkl)")
     d.add_argument("--teacher-topk", type=_positive, default=None, help="expanded teacher routing k' (k <= k' <= E)")
     d.add_argument(

@@ -32,83 +32,134 @@ from m2d_ray.sizes import parse_size
 
 @dataclass(frozen=True)
 class CalibConfig:
-    data: str | None = None  # data spec; None = the teacher's default (calibrate.tokens.resolve_calib)
+    """The calibration pass: the text, how much of it, and how the teacher runs over it."""
+
+    # the calibration text (a data spec); None = the teacher's default (the embedded corpus for the embedded teacher,
+    # else wikitext2:train)
+    data: str | None = None
+    # tokens of calibration text (counts, probabilities and the output Gram are summed over them)
     max_tokens: int = 32768
+    # tokens per calibration sequence
     seq_len: int = 256
+    # sequences per forward of the teacher
     batch_size: int = 8
-    stream: bool | None = None  # layer-streamed calibration; None = when the teacher does not fit max_memory
-    max_memory: str | None = None  # e.g. 40GB per calibration actor's device (default: its free memory)
+    # layer-streamed calibration (one decoder layer on the device at a time); None = when the whole teacher does not
+    # fit max_memory
+    stream: bool | None = None
+    # memory the teacher may take on a calibration actor's device, e.g. 40GB; None = the device's free memory
+    max_memory: str | None = None
 
 
 @dataclass(frozen=True)
 class EvalConfig:
+    """Stage 1's pre-distillation perplexity (also the d2d search's and stage 2's default validation text)."""
+
+    # the perplexity text (a data spec)
     data: str = "wikitext2:test"
+    # characters of it scored (the first ones); None = all
     max_chars: int | None = 300_000
+    # tokens per window (non-overlapping windows, scored independently)
     seq_len: int = 256
+    # windows per forward
     batch_size: int = 8
-    chunks: int = 6  # perplexity is reported after each of these chunks (early stopping)
+    # perplexity is reported after each of these chunks of windows (what early stopping compares)
+    chunks: int = 6
 
 
 @dataclass(frozen=True)
 class GridConfig:
-    scoring: tuple[str, ...] = tuple(SCORINGS)  # every registered method
+    """Stage 1's grid of recipes: every scoring x grouping x scaling x K."""
+
+    # scorings (registries: sf, pp, ps, cp, acp, do-cp, do-acp); default every registered one
+    scoring: tuple[str, ...] = tuple(SCORINGS)
+    # groupings (rr, wc, rc, ab, oc); default every registered one
     grouping: tuple[str, ...] = tuple(GROUPINGS)
+    # scalings of the merged experts' down-projections (uniform, proportional, avg-cp)
     scaling: tuple[str, ...] = ("uniform", "proportional")
-    K: str | tuple[int, ...] = "auto"  # "auto" = k, 2k, 4k, ..., E
+    # experts kept per layer, k <= K <= E: a list, or auto = k, 2k, 4k, ..., E
+    K: str | tuple[int, ...] = "auto"
 
 
 @dataclass(frozen=True)
 class SearchConfig:
-    dedupe: bool = True  # evaluate each distinct student once
+    """How stage 1 spends its trials: one per distinct student, hopeless ones stopped early."""
+
+    # evaluate each distinct student once (configs whose plans are the same share one result)
+    dedupe: bool = True
+    # stop a config whose partial perplexity is hopeless against its (scoring, grouping) pair
     early_stop: bool = True
-    stop_factor: float = 1.3  # stop when partial ppl > factor x the best of its (scoring, grouping) pair
-    grace_chunks: int = 1  # never stop before this many chunks
-    probe: bool = True  # rung 0: every student's first chunk first, then the survivors best-first
+    # hopeless: a partial perplexity above this factor x the best of its pair at the same chunk
+    stop_factor: float = 1.3
+    # never stop a config before this many chunks
+    grace_chunks: int = 1
+    # a probe round first (every student's first chunk), then the survivors best-first
+    probe: bool = True
 
 
 @dataclass(frozen=True)
 class RayConfig:
-    address: str | None = None  # None: RAY_ADDRESS or a local Ray; "auto": the running cluster
-    num_cpus: int = 4  # logical CPUs of a local Ray (more than the cores: see stack-notes)
-    data_actors: int = 2  # Ray Data actor pool for calibration
+    """Where and how wide the Ray work runs (stage 1's trials, the Ray Data passes, retries)."""
+
+    # the Ray cluster to join; None = RAY_ADDRESS or a local Ray; "auto" = the running cluster
+    address: str | None = None
+    # logical CPUs of a local Ray (more than the cores: a Tune trial that starts Train workers needs the slack)
+    num_cpus: int = 4
+    # Ray Data actors of the calibration and targets passes
+    data_actors: int = 2
+    # GPUs of each of those actors (0: CPU)
     data_gpus_per_actor: float = 0.0
-    data_accelerator: str | None = (
-        None  # pin calibration and the targets pass to a GPU type (Ray's accelerator_type, e.g. H100)
-    )
+    # pin the calibration and targets passes to a GPU type (Ray's accelerator_type, e.g. H100)
+    data_accelerator: str | None = None
+    # CPUs of a stage-1 trial
     cpus_per_trial: float = 1.0
-    gpus_per_trial: float = 0.0  # fractional GPUs share one device between trials
-    trial_accelerator: str | None = None  # pin stage-1 trials to a GPU type (e.g. A10G)
+    # GPUs of a stage-1 trial (fractional: trials share one device)
+    gpus_per_trial: float = 0.0
+    # pin stage-1 trials to a GPU type (e.g. A10G)
+    trial_accelerator: str | None = None
+    # stage-1 trials at once (and stage-2 students at once on CPUs)
     max_concurrent_trials: int = 2
+    # torch threads of each Ray worker (on a small machine: 1, so workers do not fight over the cores)
     threads_per_worker: int = 1
-    max_failures: int = 0  # Tune retries of a trial (set > 0 on spot nodes, which can be reclaimed)
+    # retries of a trial, task or student whose node is lost (set > 0 on spot nodes, which can be reclaimed)
+    max_failures: int = 0
 
 
 @dataclass(frozen=True)
 class TrackConfig:
-    tracking_uri: str | None = None  # default sqlite:///RUN_DIR/mlflow.db
+    """MLflow: where the run's parent run and its nested runs are logged."""
+
+    # the tracking server or store; None = sqlite:///RUN_DIR/mlflow.db (--tracking-uri overrides it)
+    tracking_uri: str | None = None
+    # the MLflow experiment the run's parent run belongs to
     experiment: str = "m2d"
 
 
 @dataclass(frozen=True)
 class Stage2Config:
-    # distilled under the same budget (stages/baselines/: random-ffn, random-init, d2d); checked by stage 2 with "did
-    # you mean"
+    """Stage 2: which students are distilled beside the promoted ones, how, and what stays in storage."""
+
+    # baselines distilled under the same budget (stages/baselines/: random-ffn, random-init, d2d); checked with "did you
+    # mean"
     baselines: tuple[str, ...] = ("random-ffn", "random-init")
-    # the d2d baseline's dense teacher, matched to `model` in total parameters (pruned to the K = k student's parameter
-    # count and distilled from); None = the embedded dense twin, which matches only the embedded MoE teacher (model:
-    # null)
+    # the d2d baseline's dense teacher, matched to `model` in total parameters (pruned to the K = k student's
+    # parameter count and distilled from); None = the embedded dense twin, which matches only the embedded MoE teacher
     d2d_teacher: str | None = None
-    asha: bool = True  # stop poor students early on validation loss
-    grace_evals: int = 2  # ASHA never stops a student before this many validations
+    # stop poor students early on validation loss (ASHA)
+    asha: bool = True
+    # ASHA never stops a student before this many validations
+    grace_evals: int = 2
+    # ASHA's reduction factor: at each rung the best 1/factor of the students go on
     reduction_factor: int = 3
-    max_concurrent_trials: int | None = None  # None = from the cluster's GPUs (else ray.max_concurrent_trials)
-    pairs: tuple[str, ...] = ()  # "scoring/grouping" pairs to distil; empty = every promoted pair
-    # the teacher's outputs: online (the teacher runs beside every student) | hidden (its final hidden states:
-    # exact, a rank reads the teacher's output head only) | topk[:K] | sampled[:N] (approximate); cached ones are
-    # computed once over the run's tokens into its storage and students load no teacher weights
+    # students at once; None = all of them on GPUs (Ray queues them), ray.max_concurrent_trials on CPUs
+    max_concurrent_trials: int | None = None
+    # the "scoring/grouping" pairs to distil; empty = every promoted pair
+    pairs: tuple[str, ...] = ()
+    # the teacher's outputs: online (the teacher runs beside every student) | hidden (its final hidden states: exact,
+    # a rank reads the teacher's output head only) | topk[:K] | sampled[:N] (approximate); cached modes are computed
+    # once over the run's tokens into its storage, and students load no teacher weights
     targets: str = "online"
-    # a student's Train checkpoints (DeepSpeed state: ~14 B/parameter, 94 GB at 3.3B) are removed once it ends
-    # (ok: its distilled model verified in storage; pruned or diverged: the run never resumes it); true keeps them
+    # keep a student's Train checkpoints (DeepSpeed state: ~14 B/parameter, 94 GB at 3.3B) once it ends; false: removed
+    # (ok: once its distilled model is verified in storage; pruned or diverged: at once)
     keep_training_state: bool = False
 
 
@@ -116,55 +167,61 @@ class Stage2Config:
 class Stage3Config:
     """lm-eval of the distilled students (and the teacher), one Ray task per model."""
 
-    tasks: str = "paper"  # paper | local | text:PATH | task[:shots],... (see evaluate.harness.parse_tasks)
-    num_fewshot: int | None = None  # shots for every task; None = the suite's own
-    limit: int | None = None  # examples per task (None = all)
-    batch_size: int | str = (
-        16  # or auto: the largest that fits beside the weights (evaluate/placement.py); an int is lowered to that
-    )
-    teacher: bool = True  # evaluate the teacher too (the table's reference row)
+    # the suite: paper | paper-hub | local | text:PATH | task[:shots],... (see evaluate/harness.py)
+    tasks: str = "paper"
+    # shots for every task; None = the suite's own
+    num_fewshot: int | None = None
+    # examples per task; None = all
+    limit: int | None = None
+    # sequences per forward, lowered to what fits beside the weights; or auto: the largest that fits
+    batch_size: int | str = 16
+    # evaluate the teacher too (the table's reference row)
+    teacher: bool = True
+    # CPUs of a model's task
     cpus_per_task: float = 1.0
-    gpus_per_task: float | None = (
-        None  # None = 1 when the cluster has GPUs, else 0; a model that needs more GPUs gets them (sharded)
-    )
+    # GPUs of a model's task; None = 1 when the run uses GPUs, else 0 (a model that needs more gets them, sharded)
+    gpus_per_task: float | None = None
+    # torch threads of a model's task on CPU
     threads_per_task: int = 1
-    gpu_memory: str | None = None  # one GPU's memory, e.g. 80GB (None = measured by a 1-GPU Ray task)
-    gpus_per_node: int | None = None  # most GPUs one node has (None = from the Ray cluster's nodes)
-    batch_memory: str | None = (
-        None  # memory budget for a batch's activations (e.g. from a memory plan); None = what is left
-    )
-    max_length: int = 4096  # longest sequence planned for (longer contexts are left-truncated by lm-eval)
-    accelerator: str | None = None  # pin stage-3 tasks to a GPU type (e.g. H100)
+    # one GPU's memory, e.g. 80GB; None = measured by a 1-GPU Ray task
+    gpu_memory: str | None = None
+    # the most GPUs one node has; None = from the Ray cluster's nodes
+    gpus_per_node: int | None = None
+    # memory for a batch's activations, e.g. 20GB (a memory plan's); None = what is left beside the weights
+    batch_memory: str | None = None
+    # the longest sequence planned for (longer contexts are left-truncated by lm-eval)
+    max_length: int = 4096
+    # pin stage-3 tasks to a GPU type (e.g. H100)
+    accelerator: str | None = None
 
 
 @dataclass(frozen=True)
 class PlanConfig:
     """What `m2d plan` and `m2d run` price a run with (plan/cost.py)."""
 
-    max_dollars: float | None = None  # refuse a run whose estimate costs more, before calibration
+    # refuse a run whose bill (with ASHA on: its bound, no student stopped) costs more, before any work
+    max_dollars: float | None = None
     # achieved / peak FLOP/s on a GPU: the paper's own step (73 s for 384 x 4,096 tokens on 2 x B200) reached
-    # 0.147-0.184
-    # of B200's data-sheet bf16 peak (benchmarks/RESULTS.md, "The bill"); benchmarks/gpu_acceptance.sh writes the MFU
-    # the
-    # platform's step reaches on the GPU it runs on (WORK/efficiency.json): set this to it
+    # 0.147-0.184 of B200's data-sheet bf16 peak (benchmarks/RESULTS.md, "The bill"); benchmarks/gpu_acceptance.sh
+    # writes the efficiency the platform's step reaches on the GPU it runs on (WORK/efficiency.json): set this to it
     efficiency: float = 0.15
-    # ... on a CPU thread: the platform's stage-2 step at 41.7% of the measured matmul rate (P7, 2 threads), held to the
-    # tiny run's measured walls (benchmarks/RESULTS.md, "The bill")
+    # the same on a CPU thread: the platform's stage-2 step at 41.7% of the measured matmul rate (P7, 2 threads), held
+    # to the tiny run's measured walls (benchmarks/RESULTS.md, "The bill")
     cpu_efficiency: float = 0.4
-    cpu_flops: float | None = None  # one CPU thread's fp32 FLOP/s; None = measured by a matmul when a stage runs on CPU
-    prices: dict[str, float] = field(
-        default_factory=dict
-    )  # $/hour by node type or instance type (over plan/prices.py's table)
-    # fixed seconds the FLOPs do not show (Ray/Tune start, building a student, a Train worker group and its export,
-    # lm-eval's
-    # set-up), from the tiny runs' measured walls on two 2-core hosts (benchmarks/RESULTS.md, "The bill")
+    # one CPU thread's fp32 FLOP/s; None = measured by a matmul when a stage runs on CPU
+    cpu_flops: float | None = None
+    # $/hour by node type or instance type, over plan/prices.py's table
+    prices: dict[str, float] = field(default_factory=dict)
+    # seconds the FLOPs do not show, fit on the tiny runs' measured walls on two 2-core hosts (RESULTS.md, "The bill"):
     # a Ray round's start and finish (a Tune experiment, a Ray Data pass): ~6 s on an Intel Xeon, ~15 s on an AMD EPYC
     stage_s: float = 10.0
-    actor_s: float = (
-        2.0  # a Ray Data actor of the calibration or targets pass: its process, the teacher loaded, the pass planned
-    )
+    # a Ray Data actor of the calibration or targets pass: its process, the teacher loaded, the pass planned
+    actor_s: float = 2.0
+    # a stage-1 trial: its student built from its plan
     trial_s: float = 0.4
+    # a stage-2 student: its Train worker group started, its initial student built, its export
     student_s: float = 40.0
+    # a stage-3 model: loaded and lm-eval's set-up
     model_s: float = 5.0
 
 
@@ -172,21 +229,27 @@ class PlanConfig:
 class FaultConfig:
     """Fault injection for tests and drills: trial keys that raise, or whose student is poisoned with NaN."""
 
+    # stage-1 config keys and stage-2 student keys whose trial raises (a failure drill)
     raise_in: tuple[str, ...] = ()
+    # stage-1 config keys whose student gets a NaN weight (a divergence drill)
     nan_in: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class SweepConfig:
+    """A run: the teacher, where it writes, and each stage's section."""
+
+    # the run's name (its default run directory runs/NAME-TIME, its MLflow parent run's name)
     name: str = "sweep"
-    stage: int = 1  # 1 = the pre-distillation grid; 2 = distil the promotions of a finished stage 1 (--resume RUN_DIR)
-    model: str | None = None  # hub name, directory or storage URL (s3://…); None = the embedded tiny teacher
-    storage: str | None = (
-        # what crosses nodes (students, checkpoints, Tune state): a shared path or s3:// / gs://; None = the run
-        # directory
-        None
-    )
-    device: str | None = None  # per trial; None = cuda when the trial has a GPU, else cpu
+    # m2d sweep only: 1 = the pre-distillation grid; 2 = distil the promotions of a finished stage 1 (--resume RUN_DIR)
+    stage: int = 1
+    # the MoE teacher: a hub name, a directory or a storage URL (s3://...); None = the embedded tiny teacher
+    model: str | None = None
+    # what Ray workers read and write (students, checkpoints, Tune state, the text files): a path every node mounts or
+    # s3:// / gs://; None = the run directory
+    storage: str | None = None
+    # the device of a stage-1 trial; None = cuda when the trial has a GPU, else cpu
+    device: str | None = None
     calib: CalibConfig = field(default_factory=CalibConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     grid: GridConfig = field(default_factory=GridConfig)

@@ -69,6 +69,7 @@ class RunDir:
     # ---- the run ---------------------------------------------------------------------------
     @property
     def config(self) -> Path:
+        """config.yaml: the run's config as it started (a resume reads it, overrides on top)."""
         return self.path / "config.yaml"
 
     @property
@@ -83,18 +84,22 @@ class RunDir:
 
     @property
     def logs(self) -> Path:
+        """logs/: each command's log (Ray, Tune, MLflow, DeepSpeed, transformers, lm-eval and the workers' output)."""
         return self.path / "logs"
 
     @property
     def report(self) -> Path:
+        """report/: index.html, every table as CSV and Markdown, every figure as PNG (rewritten as a whole)."""
         return self.path / "report"
 
     @property
     def mlflow_db(self) -> Path:
+        """mlflow.db: the run's MLflow store when no tracking server is given (sqlite)."""
         return self.path / "mlflow.db"
 
     @property
     def mlartifacts(self) -> Path:
+        """mlartifacts/: the artifacts of the run's MLflow runs (report, plan, tables) with the sqlite store."""
         return self.path / "mlartifacts"
 
     def is_run(self) -> bool:
@@ -106,6 +111,7 @@ class RunDir:
 
     @property
     def memory_plan(self) -> Path:
+        """memory_plan.json: m2d run's plan, made before any work (every stage's bytes per device, storage, bill)."""
         return self.path / "memory_plan.json"
 
     @property
@@ -122,10 +128,12 @@ class RunDir:
     # ---- stage 1 ---------------------------------------------------------------------------
     @property
     def stats(self) -> Path:
+        """stats/: the calibration statistics (safetensors + manifest with teacher, data, tokens and checksum)."""
         return self.path / "stats"
 
     @property
     def plans(self) -> Path:
+        """plans.json: the plan of every config of the grid (selected experts, groups, merge weights, scales)."""
         return self.path / "plans.json"
 
     @property
@@ -135,21 +143,26 @@ class RunDir:
 
     @property
     def promotions(self) -> Path:
+        """promotions.json: the best (K, scaling) of every (scoring, grouping) pair: what stage 2 distils."""
         return self.path / "promotions.json"
 
     @property
     def stage1_csv(self) -> Path:
+        """stage1.csv: the pre-distillation perplexity of every config (rows scoring x grouping x scaling, by K)."""
         return self.path / STAGE1_CSV
 
     @property
     def stage1_md(self) -> Path:
+        """stage1.md: the same table in Markdown (the paper's layout)."""
         return self.path / STAGE1_MD
 
     @property
     def stage1_heatmap(self) -> Path:
+        """stage1_heatmap.png: the same table as a heatmap (pruned configs hatched, their partial perplexity)."""
         return self.path / STAGE1_HEATMAP
 
     def stage1_ledger(self) -> Ledger:
+        """trials/: stage 1's ledger, one record per config (the truth a resume trusts)."""
         return Ledger(self.path / "trials")
 
     def read_plans(self) -> dict:
@@ -166,6 +179,7 @@ class RunDir:
     # ---- stage 2 ---------------------------------------------------------------------------
     @property
     def stage2(self) -> Path:
+        """stage2/: stage 2's records (its fixed settings, its ledger, each baseline's own records)."""
         return self.path / "stage2"
 
     @property
@@ -175,17 +189,21 @@ class RunDir:
 
     @property
     def stage2_csv(self) -> Path:
+        """stage2.csv: one row per student (status, steps, validation perplexity, throughput, its path, peaks)."""
         return self.path / "stage2.csv"
 
     @property
     def stage2_md(self) -> Path:
+        """stage2.md: the same table in Markdown."""
         return self.path / "stage2.md"
 
     @property
     def stage2_curves(self) -> Path:
+        """stage2_curves.png: each student's validation perplexity against its step."""
         return self.path / "stage2_curves.png"
 
     def stage2_ledger(self) -> Ledger:
+        """stage2/trials/: stage 2's ledger, one record per student."""
         return Ledger(self.stage2 / "trials")
 
     def stage2_records(self) -> list[dict]:
@@ -199,6 +217,7 @@ class RunDir:
     # ---- stage 3 ---------------------------------------------------------------------------
     @property
     def stage3(self) -> Path:
+        """stage3/: stage 3's records (its suite, each model's result)."""
         return self.path / "stage3"
 
     @property
@@ -208,6 +227,7 @@ class RunDir:
 
     @property
     def stage3_results(self) -> Path:
+        """stage3/results/: one lm-eval result per model (per-task accuracy, the mean), written as each model ends."""
         return self.stage3 / "results"
 
     def stage3_result(self, key: str) -> Path:

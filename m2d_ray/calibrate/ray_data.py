@@ -21,6 +21,7 @@ from m2d_ray.calibrate.artifact import StatsArtifact, load_matching, save_stats
 from m2d_ray.calibrate.collect import collect_stats
 from m2d_ray.calibrate.stats import LayerStats
 from m2d_ray.calibrate.stream import collect_stats_streamed, should_stream
+from m2d_ray.data.ray_tokens import in_order
 from m2d_ray.data.text import TokenSet
 from m2d_ray.models import load_config, load_teacher, model_fingerprint
 from m2d_ray.weights import open_teacher
@@ -87,29 +88,30 @@ def calibrate_ray(
     # blocks cut at batch boundaries: every actor call sees exactly a batch of the single-process pass
     n_batches = -(-len(seqs) // batch_size)
     per_block = max(1, -(-n_batches // (4 * actors))) * batch_size
-    ds = ray.data.from_numpy([seqs[i : i + per_block] for i in range(0, len(seqs), per_block)])
-    partials = ds.map_batches(
-        StatsActor,
-        batch_size=per_block,  # a streaming actor reads each layer once per block
-        compute=ray.data.ActorPoolStrategy(size=actors),
-        num_gpus=gpus_per_actor,
-        num_cpus=1,
-        **({"resources": pin(accelerator)} if gpus_per_actor > 0 and accelerator else {}),
-        fn_constructor_kwargs={
-            "model": load_from or model,
-            "device": "cuda" if gpus_per_actor > 0 else "cpu",
-            "threads": threads,
-            "batch_size": batch_size,
-            "stream": stream,
-            "max_memory": max_memory,
-        },
-        batch_format="numpy",
-    )
-    total: dict[str, np.ndarray] = {}
-    for rows in partials.iter_batches(batch_size=None, batch_format="numpy"):
-        for name, v in rows.items():
-            s = np.asarray(v, dtype=np.float64).sum(0)
-            total[name] = total[name] + s if name in total else s
+    with in_order():  # the partial sums added in the blocks' order: the same float64 statistics on every run
+        ds = ray.data.from_numpy([seqs[i : i + per_block] for i in range(0, len(seqs), per_block)])
+        partials = ds.map_batches(
+            StatsActor,
+            batch_size=per_block,  # a streaming actor reads each layer once per block
+            compute=ray.data.ActorPoolStrategy(size=actors),
+            num_gpus=gpus_per_actor,
+            num_cpus=1,
+            **({"resources": pin(accelerator)} if gpus_per_actor > 0 and accelerator else {}),
+            fn_constructor_kwargs={
+                "model": load_from or model,
+                "device": "cuda" if gpus_per_actor > 0 else "cpu",
+                "threads": threads,
+                "batch_size": batch_size,
+                "stream": stream,
+                "max_memory": max_memory,
+            },
+            batch_format="numpy",
+        )
+        total: dict[str, np.ndarray] = {}
+        for rows in partials.iter_batches(batch_size=None, batch_format="numpy"):
+            for name, v in rows.items():
+                s = np.asarray(v, dtype=np.float64).sum(0)
+                total[name] = total[name] + s if name in total else s
     tensors = {name: torch.from_numpy(np.asarray(v)) for name, v in total.items()}
     layers = sorted({int(name.split(".")[0].removeprefix("layer")) for name in tensors})
     stats = {i: LayerStats.from_tensors(tensors, f"layer{i}.") for i in layers}

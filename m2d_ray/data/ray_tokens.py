@@ -10,6 +10,7 @@ executor holds a bounded number of batches in flight, so memory does not grow wi
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -101,11 +102,8 @@ def _token_chunks(spec: str, model: str, actors: int) -> Iterator[np.ndarray]:
         {"spec": spec, "url": p.url if p else "", "size": p.size if p else 0, "mtime_ns": p.mtime_ns if p else 0}
         for p in parts
     ]
-    ctx = ray.data.DataContext.get_current()
-    before = ctx.execution_options.preserve_order, ctx.target_max_block_size
-    ctx.execution_options.preserve_order = True  # blocks in document order, whatever finishes first
-    ctx.target_max_block_size = BLOCK_BYTES  # an actor's output leaves it in small blocks, not one per file
-    try:
+    # blocks in document order, whatever finishes first; an actor's output leaves it in small blocks, not one per file
+    with in_order(block_bytes=BLOCK_BYTES):
         ds = ray.data.from_items(rows, override_num_blocks=len(rows))
         ds = ds.map_batches(_read, batch_size=1, num_cpus=1)
         ds = ds.map_batches(
@@ -118,6 +116,21 @@ def _token_chunks(spec: str, model: str, actors: int) -> Iterator[np.ndarray]:
         for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
             for ids in batch.column("ids").chunks:
                 yield ids.values.to_numpy().astype(np.int64)
+
+
+@contextlib.contextmanager
+def in_order(block_bytes: int | None = None) -> Iterator[None]:
+    """Ray Data passes started inside yield their blocks in their input's order, whatever finishes first (the same
+    tokens, or the same float64 sums in the same order, for any number of actors or nodes); `block_bytes`: the
+    largest block an operator emits."""
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    before = ctx.execution_options.preserve_order, ctx.target_max_block_size
+    ctx.execution_options.preserve_order = True
+    ctx.target_max_block_size = block_bytes or ctx.target_max_block_size
+    try:
+        yield
     finally:
         ctx.execution_options.preserve_order, ctx.target_max_block_size = before
 

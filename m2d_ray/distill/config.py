@@ -20,42 +20,71 @@ DTYPES = {
 class DistillConfig:
     """Stage 2 training of one student (the paper's values are the defaults; tiny configs shrink them)."""
 
-    train_data: str = (
-        "fineweb-edu"  # any data spec (data/source.py): hf:, Parquet / JSON Lines / text shards, local or s3://
-    )
-    eval_data: str | None = None  # validation text; None = the sweep's eval.data
+    # the distillation text: any data spec (data/source.py): hf:, Parquet / JSON Lines / text shards, local or s3://
+    train_data: str = "fineweb-edu"
+    # the validation text; None = the run's eval.data
+    eval_data: str | None = None
+    # validation tokens (the first ones of eval_data); None = all of it
     eval_max_tokens: int | None = 65536
-    loss: str = "fkl"  # fkl | rkl | fkl+mse
+    # the loss (registries): fkl (forward KL) | rkl (reverse KL) | fkl+mse (+ every layer's hidden-state MSE)
+    loss: str = "fkl"
+    # the KL's temperature t (the loss is t^2 KL at logits / t)
     temperature: float = 1.0
-    mse_weight: float = 1.0  # fkl+mse: weight of the hidden-state MSE
-    teacher_topk: int | None = None  # expanded teacher routing k' >= k (None = the teacher's own k)
+    # fkl+mse: the weight of the hidden-state MSE
+    mse_weight: float = 1.0
+    # the teacher's expanded routing k' >= k; None = the teacher's own k
+    teacher_topk: int | None = None
+    # optimizer steps (the budget: steps x batch_size x grad_accum x workers sequences of seq_len tokens)
     steps: int = 200
+    # the peak learning rate (AdamW)
     lr: float = 1e-4
+    # the learning rate at the end of the cosine decay
     min_lr: float = 1e-5
+    # steps of linear warm-up
     warmup_steps: int = 20
+    # AdamW's weight decay (matrices decayed, norms and biases not)
     weight_decay: float = 0.01
+    # AdamW's (beta1, beta2)
     betas: tuple[float, ...] = (0.9, 0.95)
+    # the gradient's norm is clipped to this
     grad_clip: float = 1.0
-    batch_size: int = 4  # sequences per worker per micro-batch
+    # sequences per worker per micro-batch
+    batch_size: int = 4
+    # micro-batches per optimizer step (gradient accumulation)
     grad_accum: int = 1
+    # tokens per packed training sequence
     seq_len: int = 4096
-    eval_every: int = 50  # steps between validations (each one is a report, a checkpoint and an ASHA rung step)
+    # steps between validations (each one is a report, a checkpoint and an ASHA rung step)
+    eval_every: int = 50
+    # validation sequences per forward
     eval_batch_size: int = 4
-    loss_chunk: int = 1024  # tokens per vocabulary chunk of the KL
-    deepspeed: bool = True  # ZeRO-2 (in `dtype`; gloo on CPU); false = plain torch
+    # tokens per vocabulary chunk of the KL (a [tokens x vocabulary] float32 tensor never exists)
+    loss_chunk: int = 1024
+    # DeepSpeed ZeRO (in `dtype`; gloo on CPU); false = plain torch (DDP with several workers)
+    deepspeed: bool = True
     # what the teacher, its cached hidden states, its head and the student run in: auto = bfloat16 on a GPU, float32 on
     # CPU; bfloat16 on CPU rehearses a GPU's dtypes where there is none (the tests do), at CPU bf16 speed
     dtype: str = "auto"
+    # DeepSpeed's ZeRO stage: 2 shards the optimizer state and gradients over the workers (0, 1 or 2)
     zero_stage: int = 2
-    workers: int = 1  # Ray Train workers per student
+    # Ray Train workers per student
+    workers: int = 1
+    # GPUs per worker (0: CPU)
     gpus_per_worker: float = 0.0
-    accelerator: str | None = None  # pin the workers to a GPU type (Ray's accelerator_type, e.g. H100)
+    # pin the workers to a GPU type (Ray's accelerator_type, e.g. H100)
+    accelerator: str | None = None
+    # CPUs per worker
     cpus_per_worker: float = 1.0
+    # torch threads per worker on CPU
     threads_per_worker: int = 1
+    # recompute each layer's activations in the backward (less memory, a fourth forward of time)
     gradient_checkpointing: bool = False
+    # Train checkpoints a student keeps (the latest ones)
     keep_checkpoints: int = 2
+    # the seed of the training's randomness, the baselines' initial weights and the sampled targets' draws
     seed: int = 0
-    epochs: int = 1  # passes over train_data the budget may take (1: a corpus shorter than the budget is refused)
+    # passes over train_data the budget may take (1: a corpus shorter than the budget is refused)
+    epochs: int = 1
 
     @property
     def blocks(self) -> int:

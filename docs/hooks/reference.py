@@ -1,0 +1,324 @@
+"""The reference pages, generated from the code each time the site is built, so they cannot drift from it:
+
+    reference/cli.md            every `m2d` command and flag, from the argparse parser (m2d_ray/cli.py)
+    reference/config.md         every config key with its type, default and meaning, from the config dataclasses
+                                (m2d_ray/config.py, m2d_ray/distill/config.py: the comment beside or above a field)
+    reference/registries.md     every registry's names with their docstrings (scorings, groupings, scalings, baselines,
+                                losses, targets modes, the stages of a run)
+    reference/run-directory.md  the run directory's files (m2d_ray/run_dir.py, the one owner of their names) and the
+                                run's storage (m2d_ray/stages/run_storage.py)
+    reference/bad-input.md      the bad-input cases the CLI refuses and their exit codes (tests/cli/test_bad_inputs.py)
+
+MkDocs calls `on_files` (mkdocs.yml: `hooks:`); tests/unit/test_docs.py calls the page functions and holds them to
+the parser and the dataclasses (a flag or a key without a description fails).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import io
+import re
+import tokenize
+import typing
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ---- the command line ------------------------------------------------------------------------------
+def commands() -> dict[str, argparse.ArgumentParser]:
+    """`m2d`'s subcommands by name, in the parser's order."""
+    from m2d_ray.cli import parser
+
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices.items())
+
+
+def command_help() -> dict[str, str]:
+    from m2d_ray.cli import parser
+
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {a.dest: a.help or "" for a in sub._choices_actions}
+
+
+def options(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    """A command's own arguments (not -h, not the common --verbose)."""
+    return [a for a in p._actions if not isinstance(a, argparse._HelpAction)]
+
+
+def _flag(a: argparse.Action) -> str:
+    if not a.option_strings:
+        return f"`{a.metavar or a.dest.upper()}`" + (" …" if a.nargs in ("*", "+") else "")
+    names = " / ".join(f"`{s}`" for s in a.option_strings)
+    if isinstance(a, argparse.BooleanOptionalAction) or a.nargs == 0:
+        return names
+    return f"{names} `{a.metavar or a.dest.upper()}`"
+
+
+def _default(a: argparse.Action) -> str:
+    if a.default in (None, argparse.SUPPRESS, False) or a.required or not a.option_strings:
+        return "required" if a.required else ""
+    return f"`{a.default}`"
+
+
+def cli_page() -> str:
+    helps = command_help()
+    out = [
+        "# Commands",
+        "",
+        "Every `m2d` command and its flags, read from the parser itself (`m2d_ray/cli.py`). Exit codes: 0 done,",
+        "2 bad input (one line on stderr, nothing written), 1 the work failed (one line and the log's path), 130",
+        "interrupted. `m2d COMMAND --help` prints the same.",
+        "",
+    ]
+    for name, p in commands().items():
+        out += [f"## `m2d {name}`", "", helps.get(name, ""), "", "| argument | default | what |", "|---|---|---|"]
+        out += [f"| {_flag(a)} | {_default(a)} | {_cell(a.help or '')} |" for a in options(p)]
+        out.append("")
+    return "\n".join(out)
+
+
+# ---- the config -------------------------------------------------------------------------------------
+def sections() -> dict[str, type]:
+    """Config section (`` for the top level) -> its dataclass."""
+    from m2d_ray.config import SweepConfig
+
+    hints = typing.get_type_hints(SweepConfig)
+    out = {"": SweepConfig}
+    for f in dataclasses.fields(SweepConfig):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out[f.name] = hints[f.name]
+    return out
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's description: the comment lines right above it and the comment beside it, as written."""
+    src = inspect.getsource(cls)
+    lines = src.splitlines()
+    beside = {}
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT and lines[tok.start[0] - 1][: tok.start[1]].strip():
+            beside[tok.start[0]] = tok.string.lstrip("#").strip()
+    node = ast.parse(src).body[0]
+    out = {}
+    for stmt in node.body:
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            above, row = [], stmt.lineno - 1
+            while row >= 1 and lines[row - 1].strip().startswith("#"):
+                above.insert(0, lines[row - 1].strip().lstrip("#").strip())
+                row -= 1
+            out[stmt.target.id] = " ".join(
+                [*above, beside.get(stmt.end_lineno, "") or beside.get(stmt.lineno, "")]
+            ).strip()
+    return out
+
+
+def _type(hint) -> str:
+    text = str(hint).replace("typing.", "")
+    return getattr(hint, "__name__", None) if isinstance(hint, type) else text
+
+
+def config_page() -> str:
+    out = [
+        "# Configuration",
+        "",
+        "Every key of a run's YAML (`experiments/*.yaml`), with its type, default and meaning, read from",
+        "the config dataclasses (`m2d_ray/config.py`; `distill:` is `m2d_ray/distill/config.py`). A YAML file is a "
+        "partial",
+        "nested mapping of them; `include: base.yaml` merges a base first; any key is set on the command line as",
+        "`section.key=value` (lists as `grid.scoring=[sf,do-acp]`). An unknown key, a wrong type or an unknown method "
+        "name",
+        "fails with one line that says what to write instead.",
+        "",
+    ]
+    for section, cls in sections().items():
+        hints, docs = typing.get_type_hints(cls), field_docs(cls)
+        title = f"`{section}:`" if section else "Top level"
+        out += [
+            f"## {title}",
+            "",
+            inspect.cleandoc(cls.__doc__ or "") if section else "",
+            "",
+            "| key | type | default | what |",
+            "|---|---|---|---|",
+        ]
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            key = f"{section}.{f.name}" if section else f.name
+            out.append(f"| `{key}` | `{_type(hints[f.name])}` | `{default!r}` | {_cell(docs.get(f.name, ''))} |")
+        out.append("")
+    return "\n".join(out)
+
+
+# ---- the registries ---------------------------------------------------------------------------------
+def registries() -> dict[str, tuple[str, dict[str, str]]]:
+    """Registry title -> (where its names are used, {name: what it is})."""
+    from m2d_ray.convert.scaling import SCALINGS
+    from m2d_ray.distill.losses import LOSSES
+    from m2d_ray.distill.targets import MODES
+    from m2d_ray.grouping import GROUPINGS
+    from m2d_ray.pipeline import STAGES
+    from m2d_ray.scoring import SCORINGS
+    from m2d_ray.stages.baselines import BASELINES
+
+    def docs(reg) -> dict[str, str]:
+        return {n: _first(inspect.getdoc(reg[n]) or inspect.getdoc(type(reg[n]))) for n in reg}
+
+    return {
+        "Scorings": ("`grid.scoring`, `m2d convert --scoring`", docs(SCORINGS)),
+        "Groupings": ("`grid.grouping`, `m2d convert --grouping`", docs(GROUPINGS)),
+        "Scalings": ("`grid.scaling`, `m2d convert --scaling`", docs(SCALINGS)),
+        "Baselines": ("`stage2.baselines`", {n: _first(inspect.getdoc(type(BASELINES[n]))) for n in BASELINES}),
+        "Losses": ("`distill.loss`, `m2d distill --loss`", docs(LOSSES)),
+        "Targets modes": (
+            "`stage2.targets`, `m2d distill --targets`",
+            {"online": "the teacher runs beside every student", **{m: _mode(m) for m in MODES}},
+        ),
+        "Stages of a run": (
+            "`m2d run`, in this order",
+            {s.name: _first(inspect.getdoc(type(s)) or inspect.getdoc(inspect.getmodule(s))) for s in STAGES},
+        ),
+    }
+
+
+def _mode(mode: str) -> str:
+    return {
+        "hidden": "the teacher's final hidden states, cached once: exact",
+        "topk": "the K largest log-probabilities and the tail",
+        "sampled": "N ids drawn from the teacher's distribution: an unbiased estimate",
+    }.get(mode, mode)
+
+
+def registries_page() -> str:
+    out = [
+        "# Registries",
+        "",
+        "The names each method family accepts, read from its registry; a misspelt name is refused with the",
+        'closest one ("did you mean"). A new method is a function registered beside the others (see the how-to).',
+        "",
+    ]
+    for title, (where, names) in registries().items():
+        out += [f"## {title}", "", f"Used by {where}.", "", "| name | what |", "|---|---|"]
+        out += [f"| `{n}` | {_cell(d)} |" for n, d in names.items()]
+        out.append("")
+    return "\n".join(out)
+
+
+# ---- the run directory ------------------------------------------------------------------------------
+def run_dir_entries() -> list[tuple[str, str]]:
+    """(path relative to the run directory, what it holds) of every name RunDir gives."""
+    from m2d_ray.run_dir import RunDir
+
+    rd = RunDir("/RUN")
+    out = []
+    for name, member in inspect.getmembers(RunDir):
+        if name.startswith("_"):
+            continue
+        if isinstance(member, property):
+            value, doc = getattr(rd, name), inspect.getdoc(member)
+        elif name.endswith("ledger") and callable(member):
+            value, doc = getattr(rd, name)().dir, inspect.getdoc(member)
+        else:
+            continue
+        out.append((str(value).removeprefix("/RUN/").removeprefix("/RUN"), _first(doc or "")))
+    return sorted(out)
+
+
+def run_dir_page() -> str:
+    from m2d_ray import run_dir
+    from m2d_ray.stages import run_storage
+
+    out = [
+        "# The run directory and the run's storage",
+        "",
+        "## The run directory (`--out`)",
+        "",
+        "Only the driver reads and writes it. Every name below is given by `m2d_ray/run_dir.py`.",
+        "",
+        "```",
+        inspect.getdoc(run_dir).split("\n\n")[1],
+        "```",
+        "",
+        "| path | what |",
+        "|---|---|",
+    ]
+    out += [f"| `{p}` | {_cell(d)} |" for p, d in run_dir_entries()]
+    *prose, layout = inspect.getdoc(run_storage).split("\n\n")
+    out += [
+        "",
+        "## The run's storage (`--storage`, `storage:`)",
+        "",
+        *prose,
+        "",
+        "```",
+        inspect.cleandoc(layout),
+        "```",
+        "",
+    ]
+    return "\n".join(out)
+
+
+# ---- bad input --------------------------------------------------------------------------------------
+def bad_input_cases() -> dict[str, str]:
+    """Case name -> the words its one line must hold, from tests/cli/test_bad_inputs.py's CASES."""
+    tree = ast.parse((ROOT / "tests" / "cli" / "test_bad_inputs.py").read_text())
+    cases = next(n.value for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "CASES")
+    return {ast.literal_eval(k): _expected(v) for k, v in zip(cases.keys, cases.values)}
+
+
+def _expected(v: ast.expr) -> str:
+    if isinstance(v, ast.Tuple) and len(v.elts) > 1:
+        try:
+            return str(ast.literal_eval(v.elts[1]))
+        except ValueError:
+            return ast.unparse(v.elts[1])
+    return ""
+
+
+def bad_input_page() -> str:
+    out = [
+        "# Bad input",
+        "",
+        "Every command checks all of its inputs before its first expensive step and refuses bad input with",
+        "**exit code 2** and one line on stderr that names the problem and what to do; nothing is written (the file",
+        "system is as it was). Work that fails after it started exits with **1** (one line and the log's path);",
+        "**130** is an interrupt; **0** is done. The cases below are the matrix `tests/cli/test_bad_inputs.py` runs",
+        "through the CLI, each checked for its one line and an unchanged file system.",
+        "",
+        "| case | the line says |",
+        "|---|---|",
+    ]
+    out += [f"| {_cell(name)} | {_cell(words)} |" for name, words in bad_input_cases().items()]
+    return "\n".join(out) + "\n"
+
+
+# ---- the hook ---------------------------------------------------------------------------------------
+PAGES = {
+    "reference/cli.md": cli_page,
+    "reference/config.md": config_page,
+    "reference/registries.md": registries_page,
+    "reference/run-directory.md": run_dir_page,
+    "reference/bad-input.md": bad_input_page,
+}
+
+
+def on_files(files, config):
+    from mkdocs.structure.files import File
+
+    for uri, page in PAGES.items():
+        files.append(File.generated(config, uri, content=page()))
+    return files
+
+
+def _first(doc: str) -> str:
+    """A docstring's first paragraph, on one line."""
+    return " ".join((doc or "").split("\n\n")[0].split())
+
+
+def _cell(text: str) -> str:
+    return re.sub(r"\s+", " ", str(text)).replace("|", "\\|").strip()
