@@ -308,10 +308,13 @@ PAGES = {
 
 
 def on_files(files, config):
+    """The generated pages, and benchmarks/screenshots/ as images/ (the pictures the pages show live there once)."""
     from mkdocs.structure.files import File
 
     for uri, page in PAGES.items():
         files.append(File.generated(config, uri, content=page()))
+    for png in sorted((ROOT / "benchmarks" / "screenshots").glob("*.png")):
+        files.append(File.generated(config, f"images/{png.name}", abs_src_path=str(png)))
     return files
 
 
