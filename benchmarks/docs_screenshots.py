@@ -41,7 +41,9 @@ def main() -> None:
         raise SystemExit("no chromium on PATH (Debian: apt-get install -y chromium)")
     with tempfile.TemporaryDirectory() as tmp:
         site = Path(tmp) / "site"
-        subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(site)], cwd=REPO, check=True)
+        subprocess.run(
+            [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(site)], cwd=REPO, check=True
+        )
         with served(site) as url, sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
             page = browser.new_page(viewport={"width": 1280, "height": 900})
