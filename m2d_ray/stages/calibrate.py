@@ -33,7 +33,6 @@ class Calibrate(Stage):
         return {"calib.data": resolve_calib(cfg.calib.data, cfg.model)}
 
     def check(self, cfg, teacher: str) -> None:
-
         check_spec(resolve_calib(cfg.calib.data, cfg.model), "calib.data")
 
     def request(self, cfg) -> dict:
