@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -20,7 +21,9 @@ import pytest
 import torch
 from conftest import ROOT
 
+from m2d_ray import pipeline
 from m2d_ray.cli import main
+from m2d_ray.config import load_config
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate import paper_data
 from m2d_ray.evaluate.generation import BatchStore, Sampling, answer_all
@@ -36,6 +39,8 @@ from m2d_ray.evaluate.paper_tasks import MMLU_SUBJECTS
 from m2d_ray.evaluate.questions import GROUPS, group_of, sample
 from m2d_ray.evaluate.taxonomy import letters
 from m2d_ray.models import default_teacher, load_model
+from m2d_ray.models import load_config as model_config
+from m2d_ray.plan.run_plan import Devices
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -363,3 +368,33 @@ def test_openai_judge_checks_its_server_before_any_work(judge, app, monkeypatch)
     monkeypatch.setenv("M2D_TEST_KEY", "wrong")
     with pytest.raises(M2DError, match=r"refused the request \(HTTP 401\); set \$M2D_TEST_KEY"):
         OpenAIJudge("tiny", app.url, "M2D_TEST_KEY").check()
+
+
+# ---- the plan -----------------------------------------------------------------------------------------------------
+def test_the_plan_prices_the_analysis_and_refuses_what_cannot_fit():
+    qwen = model_config(str(ROOT / "experiments" / "configs" / "Qwen--Qwen3-30B-A3B"))
+    cfg = load_config(ROOT / "experiments" / "qwen3_30b_a3b.yaml")
+    a = cfg.stage3.analysis
+    assert a.enabled and (a.questions, a.per_subject, a.max_new_tokens, a.temperature) == ("mmlu", 10, 2048, 0.7)
+
+    def plan(**changes):
+        c = replace(cfg, stage3=replace(cfg.stage3, analysis=replace(a, **changes)))
+        return pipeline.plan(c, qwen, Devices(gpu_memory=80 * 10**9, gpus_per_node=8))
+
+    base = plan()
+    rows = {s.name: s for s in base.stages if s.name.startswith("analysis")}
+    teacher = rows["analysis:teacher"]
+    assert teacher.units == 1 and teacher.fits and teacher.parts["weights"] > 55 * 2**30  # the whole MoE on one H100
+    wide = {s.name: s for s in plan(batch_size=512).stages}["analysis:teacher"]
+    assert wide.units > 1 and wide.fits and wide.parts["weights"] < teacher.parts["weights"]  # sharded for the batch
+    assert any(
+        p.startswith("analysis:teacher") and "stage3.analysis.batch_size" in p
+        for p in plan(batch_size=100_000).problems()
+    )  # no number of a node's GPUs holds it: refused before any work, saying what to change
+    cost = base.cost.by_name()["analysis"]
+    none = plan(judge="none").cost.by_name()["analysis"]
+    double = plan(judge="none", per_subject=20).cost.by_name()["analysis"]
+    assert double.flops == pytest.approx(2 * none.flops) and cost.flops > none.flops  # the teacher judge's share
+    openai = plan(judge="openai:m", judge_rate=5.0).cost.by_name()["analysis"]
+    answers = 570 * none.units  # 10 questions of each of 57 subjects, every model
+    assert openai.flops == none.flops and openai.seconds == pytest.approx(none.seconds + answers / 5.0)
