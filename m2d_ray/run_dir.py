@@ -217,8 +217,7 @@ class RunDir:
 
     def read_stage3(self) -> dict[str, dict]:
         """key -> lm-eval result record of every model evaluated so far."""
-        d = self.stage3_results
-        return {p.stem: json.loads(p.read_text()) for p in sorted(d.glob("*.json"))} if d.exists() else {}
+        return _by_key(self.stage3_results)
 
     # ---- the analysis (what the models write) --------------------------------------------------
     @property
@@ -244,5 +243,9 @@ class RunDir:
 
     def read_analysis(self) -> dict[str, dict]:
         """key -> the analysis record of every model classified so far."""
-        d = self.analysis_results
-        return {p.stem: json.loads(p.read_text()) for p in sorted(d.glob("*.json"))} if d.exists() else {}
+        return _by_key(self.analysis_results)
+
+
+def _by_key(d: Path) -> dict[str, dict]:
+    """key -> record of a directory of records (none when it does not exist)."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted(d.glob("*.json"))} if d.exists() else {}

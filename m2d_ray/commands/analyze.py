@@ -13,6 +13,7 @@ of each category and the accuracy per subject group (per model with --model).
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -90,8 +91,7 @@ def key_of(model: str, taken: set[str]) -> str:
     return key
 
 
-def _settings(args) -> dict:
-    s = Sampling(args.max_new_tokens, args.temperature, args.seed, args.batch_size)
+def _settings(args, s: Sampling) -> dict:
     return {"questions": args.questions, "per_subject": args.per_subject, **asdict(s), "template": TEMPLATE}
 
 
@@ -124,17 +124,19 @@ def generate(args) -> dict:
     device = args.device or device_default()
     check_set(args.questions)
     check_judge(args)
-    settings, out = _settings(args), Path(args.out).expanduser()
+    s = Sampling(args.max_new_tokens, args.temperature, args.seed, args.batch_size)
+    settings, out = _settings(args, s), Path(args.out).expanduser()
     work = _work_dir(out, settings, args.overwrite)
     questions = sample(args.questions, args.per_subject, args.seed)
-    fresh = not (work / "settings.json").is_file()
-    work.mkdir(parents=True, exist_ok=True)
-    if fresh:
+    if work != out and (work / "settings.json").is_file():
+        if json.loads((work / "settings.json").read_text()) != settings:  # a killed --overwrite of other settings
+            shutil.rmtree(work)
+    if not (work / "settings.json").is_file():
+        work.mkdir(parents=True, exist_ok=True)
         write_marker(work, "analysis")
         write_json_atomic(work / "settings.json", settings)
     taken: set[str] = set()
     answers = {}
-    s = Sampling(args.max_new_tokens, args.temperature, args.seed, args.batch_size)
     for m in models:
         key = key_of(m, taken)
         store = BatchStore(str(work / key))
@@ -152,16 +154,17 @@ def generate(args) -> dict:
         got = [{**r, "model": key} for r in classify(rows, judge)]
         records += got
         per_model[key] = summary(got, group_of)
-    _write(work, records, per_model, args.judge)
+    _write(work, records, per_model, args)
     if work != out:
         replace_dir(out, work)
     return {"models": per_model, "judge": args.judge, "out": str(out.resolve())}
 
 
-def _write(where: Path, records: list[dict], summaries: dict, judge: str) -> None:
+def _write(where: Path, records: list[dict], summaries: dict, args) -> None:
     write_text_atomic(where / "responses.jsonl", "".join(json.dumps(r) + "\n" for r in records))
     write_json_atomic(where / "summary.json", summaries)
-    write_json_atomic(where / "judge.json", describe(judge))
+    teacher = {"teacher": args.teacher or default_teacher()} if parse_judge(args.judge)[0] == "teacher" else {}
+    write_json_atomic(where / "judge.json", {**describe(args.judge), **teacher})
 
 
 def reclassify(args) -> dict:
@@ -172,7 +175,7 @@ def reclassify(args) -> dict:
     records = classify(rows, load_judge(args, args.device or device_default()))
     result = summary(records, group_of)
     with atomic_dir(args.out, "analysis", args.overwrite) as tmp:
-        _write(tmp, records, result, args.judge)
+        _write(tmp, records, result, args)
     return {**result, "judge": args.judge, "out": str(Path(args.out).expanduser().resolve())}
 
 

@@ -125,11 +125,15 @@ class Analysis(Stage):
         return rows
 
     def cost(self, c):
-        """Every model's questions at prompt + new tokens (all to the limit: an upper bound), then the judge."""
+        """Every model's questions at prompt + new tokens (all to the limit: an upper bound), then the judge; each a
+        model's load (plan.actor_s) besides, no Ray round of its own (tasks on the run's Ray, as stage 3's)."""
         p, a = c.p, c.p.cfg.stage3.analysis
         n, prompt = questions_of(a), prompt_tokens(a.questions, TEMPLATE_CHARS)
         seq = prompt + a.max_new_tokens
-        generation = stage3.price_models(c, self.name, lambda shape: n * seq * forward_flops(shape, int(seq)))
+        # a model's start is its load (plan.actor_s, as a Ray Data actor's), its tasks go to the Ray the run runs
+        generation = stage3.price_models(
+            c, self.name, lambda shape: n * seq * forward_flops(shape, int(seq)), p.cfg.plan.actor_s, rounds=0
+        )
         answers = n * generation.units
         kind, model = parse_judge(a.judge)
         if kind == "none":
@@ -141,7 +145,7 @@ class Analysis(Stage):
             judged = 2 * answers * seq * forward_flops(t, int(seq))
             plan = c.plans.get(f"{self.name}:{TEACHER_KEY}")
             where = c.place(plan.name, plan.share * plan.units, 1, 1, p.cfg.stage3.accelerator, plan.request)
-            judge = c.stage(f"{self.name}:judge", [judged], where, p.cfg.plan.model_s)
+            judge = c.stage(f"{self.name}:judge", [judged], where, p.cfg.plan.actor_s, rounds=0)
         # the judge runs after the generation; `before` adds the two (sums commute) and keeps the generation's units
         return [before(replace(judge, name=self.name), generation)]
 
@@ -198,8 +202,8 @@ def mlflow_fields(rd: RunDir, r: dict) -> Logged:
             metrics[name] = r[name]
     metrics.update({f"acc.{g}": v["accuracy"] for g, v in r.get("groups", {}).items()})
     s = r.get("settings", {})
-    params = {"stage": 3, "part": "analysis", "pair": r["pair"], "model": r["model"], **s}
-    tags = {**run_tags(3, r["pair"], model_kind(r["key"])), "part": "analysis", **r.get("judged_by", {})}
+    params = {"stage": "analysis", "pair": r["pair"], "model": r["model"], **s}
+    tags = {**run_tags("analysis", r["pair"], model_kind(r["key"])), **r.get("judged_by", {})}
     return Logged(params, metrics, tags, artifacts=(str(rd.path / r["responses"]),) if r.get("responses") else ())
 
 
@@ -238,54 +242,59 @@ def analyse(ctx, stage: Analysis) -> dict[str, dict]:
         f"analysis: {len(todo)} models x {len(questions)} questions ({a.questions}, up to {a.max_new_tokens} new "
         f"tokens, judge {a.judge}), {len(pending)} to do"
     )
-    if not pending:
-        return done
-    ctx.ray()
-    answers = _generate(ctx, stage, pending, questions)
-    ok = {k: v for k, v in answers.items() if "rows" in v}
+    if pending:
+        ctx.ray()
+        for r in _analysed(ctx, stage, pending, questions, {"settings": settings, "classified": how}):
+            out.write(r)
+            done[r["key"]] = r
+        failed = [k for k, r in done.items() if r["status"] != "ok"]
+        say(
+            f"analysis: {len(done) - len(failed)} models classified"
+            + (f", {len(failed)} failed ({', '.join(failed)}: m2d run --resume retries them)" if failed else "")
+        )
+    ctx.tracker.finish(ctx.parent())
+    return done
+
+
+def _analysed(ctx, stage: Analysis, jobs: list, questions: list[Question], base: dict) -> list[dict]:
+    """The record of each job: its answers generated (or read back), put through the rules, the open ones judged
+    (the judge failing fails the models it had to decide: recorded, and retried on resume)."""
+    rd, a = ctx.rd, ctx.cfg.stage3.analysis
     th = a.thresholds
-    open_ = [(k, r) for k, v in ok.items() for r in v["rows"] if by_rules(r, th).category is None]
+    answers = _generate(ctx, stage, jobs, questions)
+    open_ = [(k, r) for k, v in answers.items() if "rows" in v for r in v["rows"] if by_rules(r, th).category is None]
     try:
-        said = _judge(ctx, stage, [r for _, r in open_]) if open_ else []
-        judge_error = None
-    except Exception as exc:  # the judge failing fails the models it had to decide, recorded; resumable
+        said, judge_error = _judge(ctx, stage, [r for _, r in open_]) if open_ else [], None
+    except Exception as exc:
         from m2d_ray.stages.ray_env import failure
 
-        said, judge_error = None, "judge: " + failure(str(exc), "analysis", 0, 0)
-    verdict = {(k, r["id"]): v for (k, r), v in zip(open_, said or [])}
-    base = {"settings": settings, "classified": how}
+        said, judge_error = [], "judge: " + failure(str(exc), "analysis", 0, 0)
+    verdict = {(k, r["id"]): v for (k, r), v in zip(open_, said)}
     judged_by = {"judge": a.judge, "judge_prompt": describe(a.judge)["prompt"]}
-    for job in pending:
+    out = []
+    for job in jobs:
         got = answers[job.key]
         if "rows" not in got or (judge_error and any(k == job.key for k, _ in open_)):
-            r = {**asdict(job), "status": "failed", "error": got.get("error") or judge_error, **base}
-        else:
-            decided = [verdict[(job.key, x["id"])] for x in got["rows"] if by_rules(x, th).category is None]
-            records = [{**x, "model": job.key} for x in classify(got["rows"], lambda _, d=decided: d, th)]
-            path = rd.analysis_responses(job.key)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(path, "".join(json.dumps(x) + "\n" for x in records))
-            s = summary(records, group_of)
-            r = {
+            out.append({**asdict(job), "status": "failed", "error": got.get("error") or judge_error, **base})
+            continue
+        decided = [verdict[(job.key, x["id"])] for x in got["rows"] if by_rules(x, th).category is None]
+        records = [{**x, "model": job.key} for x in classify(got["rows"], lambda _, d=decided: d, th)]
+        path = rd.analysis_responses(job.key)
+        write_text_atomic(path, "".join(json.dumps(x) + "\n" for x in records))
+        out.append(
+            {
                 **asdict(job),
                 "status": "ok",
                 **base,
-                **s,
+                **summary(records, group_of),
                 "judged_by": judged_by,
                 "truncated": sum(x.get("finish") == "length" for x in records),
                 "responses": str(path.relative_to(rd.path)),
                 "excerpts": excerpts(records),
                 **{k: v for k, v in got.items() if k != "rows"},
             }
-        out.write(r)
-        done[job.key] = r
-    failed = [k for k, r in done.items() if r["status"] != "ok"]
-    say(
-        f"analysis: {len(done) - len(failed)} models classified"
-        + (f", {len(failed)} failed ({', '.join(failed)}: m2d run --resume retries them)" if failed else "")
-    )
-    ctx.tracker.finish(ctx.parent())
-    return done
+        )
+    return out
 
 
 def _places(cfg: SweepConfig, models: dict[str, str], get) -> dict:

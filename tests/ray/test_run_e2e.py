@@ -95,7 +95,7 @@ def check_analysis(run_dir: Path, models: set[str]) -> None:
     mlflow.set_tracking_uri(f"sqlite:///{run_dir / 'mlflow.db'}")
     try:
         runs = mlflow.search_runs(
-            experiment_names=["m2d-tiny"], filter_string="tags.part = 'analysis'", output_format="list"
+            experiment_names=["m2d-tiny"], filter_string="tags.stage = 'analysis'", output_format="list"
         )
         assert {r.data.tags["m2d.trial"] for r in runs} == {f"analysis/{k}" for k in models}
         assert all("share.correct" in r.data.metrics and r.data.tags["judge"] == "teacher" for r in runs)
