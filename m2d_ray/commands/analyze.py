@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 
 from m2d_ray.artifacts import (
@@ -29,11 +28,13 @@ from m2d_ray.artifacts import (
 from m2d_ray.checkpoint import check_files
 from m2d_ray.console import bar, emit, say
 from m2d_ray.errors import M2DError
-from m2d_ray.evaluate.generation import BatchStore, Sampling, answer_all
+from m2d_ray.evaluate.generation import BatchStore, Sampling, answer_all, load, recorded
 from m2d_ray.evaluate.judges import OpenAIJudge, TeacherJudge, describe, parse_judge
-from m2d_ray.evaluate.questions import TEMPLATE, check_set, group_of, sample
+from m2d_ray.evaluate.questions import TEMPLATE_CHARS, check_set, group_of, sample
+from m2d_ray.evaluate.runner import generation_placement, gpu_facts
 from m2d_ray.evaluate.taxonomy import classify, summary
 from m2d_ray.models import default_teacher, device_default, load_config, load_model
+from m2d_ray.plan.suite import prompt_tokens
 
 FIELDS = ("id", "subject", "question", "choices", "answer", "response")
 
@@ -91,10 +92,6 @@ def key_of(model: str, taken: set[str]) -> str:
     return key
 
 
-def _settings(args, s: Sampling) -> dict:
-    return {"questions": args.questions, "per_subject": args.per_subject, **asdict(s), "template": TEMPLATE}
-
-
 def _work_dir(out: Path, settings: dict, overwrite: bool) -> Path:
     """Where the answers go: --out itself (new, or an analysis with the same settings: continued), else with
     --overwrite a sibling that replaces --out once complete (continued too when a killed one is there)."""
@@ -124,8 +121,14 @@ def generate(args) -> dict:
     device = args.device or device_default()
     check_set(args.questions)
     check_judge(args)
+    gpu_bytes, gpus = gpu_facts() if device.startswith("cuda") else (None, 0)
+    prompt = int(prompt_tokens(args.questions, TEMPLATE_CHARS))
+    places = {  # this machine's GPUs: a model that needs several is sharded over them; one that fits none: one line
+        m: generation_placement(m, gpu_bytes, gpus, args.batch_size, prompt, prompt + args.max_new_tokens)
+        for m in models
+    }
     s = Sampling(args.max_new_tokens, args.temperature, args.seed, args.batch_size)
-    settings, out = _settings(args, s), Path(args.out).expanduser()
+    settings, out = recorded(args.questions, args.per_subject, s), Path(args.out).expanduser()
     work = _work_dir(out, settings, args.overwrite)
     questions = sample(args.questions, args.per_subject, args.seed)
     if work != out and (work / "settings.json").is_file():
@@ -141,7 +144,7 @@ def generate(args) -> dict:
         key = key_of(m, taken)
         store = BatchStore(str(work / key))
         have = len(store.done())
-        lm, tok = load_model(m, device=device)
+        lm, tok = load(m, device, places[m])
         with bar(-(-len(questions) // s.batch_size), key, "batch") as b:
             rows = answer_all(lm, tok, questions, s, store, progress=lambda i, n: b.update())
         del lm

@@ -21,7 +21,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -40,6 +40,11 @@ class Sampling:
     temperature: float = 0.7
     seed: int = 0
     batch_size: int = 16
+
+
+def recorded(questions: str, per_subject: int, s: Sampling, template: str = TEMPLATE) -> dict:
+    """What a model's answers are generated from, as recorded beside them (a continued run must keep it)."""
+    return {"questions": questions, "per_subject": per_subject, **asdict(s), "template": template}
 
 
 def batch_seed(seed: int, index: int) -> int:

@@ -38,6 +38,7 @@ TEMPLATE = (
     '"The answer is (X)" where X is the letter of the correct choice.\n\n'
     "Question: {question}\n{choices}\nAnswer: Let's think step by step."
 )
+TEMPLATE_CHARS = len(TEMPLATE.format(subject="", question="", choices=""))  # the prompt's own characters
 LOCAL_QUESTION = "Which ending completes this text? {context} ..."
 
 GROUPS = ("humanities", "social sciences", "STEM", "other")

@@ -207,19 +207,35 @@ def generation_placements(
     mem, per_node = gpu_of(c, get) if gpus > 0 else (None, 0)
     out = {}
     for k, m in models.items():
-        config = load_config(m)
-        p = plan_generation(
-            _size(config.to_json_string()),
-            mem,
-            per_node,
-            batch,
-            prompt,
-            max_length(config, length),
-            gpus if 0 < gpus < 1 else None,
-            f"the analysis' model {k} ({m})",
-        )
+        fraction = gpus if 0 < gpus < 1 else None
+        p = generation_placement(m, mem, per_node, batch, prompt, length, fraction, f"the analysis' model {k} ({m})")
         out[k] = replace(p, gpus=gpus) if gpus >= 1 and p.gpus < gpus else p
     return out
+
+
+def generation_placement(
+    model: str,
+    gpu_bytes: int | None,
+    gpus_per_node: int,
+    batch: int,
+    prompt: int,
+    length: int,
+    gpu_fraction: float | None = None,
+    what: str | None = None,
+) -> EvalPlacement:
+    """placement.plan_generation of `model` from its config (no weights read); `m2d analyze` gives this machine's
+    GPUs (gpu_facts), the analysis stage the cluster's."""
+    config = load_config(model)
+    return plan_generation(
+        _size(config.to_json_string()),
+        gpu_bytes,
+        gpus_per_node,
+        batch,
+        prompt,
+        max_length(config, length),
+        gpu_fraction,
+        what or f"model {model!r}",
+    )
 
 
 def data_ref(suite_tasks) -> list | None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from functools import partial
 
 import torch
@@ -40,11 +40,11 @@ from m2d_ray.config import AnalysisConfig, SweepConfig
 from m2d_ray.console import say
 from m2d_ray.data.synthetic import DOMAINS
 from m2d_ray.errors import M2DError
-from m2d_ray.evaluate.generation import BatchStore, Sampling, answer_all, load
+from m2d_ray.evaluate.generation import BatchStore, Sampling, answer_all, load, recorded
 from m2d_ray.evaluate.judges import OpenAIJudge, TeacherJudge, describe, parse_judge
 from m2d_ray.evaluate.paper_tasks import MMLU_SUBJECTS
 from m2d_ray.evaluate.placement import model_size, plan_generation
-from m2d_ray.evaluate.questions import TEMPLATE, Question, check_set, group_of, sample
+from m2d_ray.evaluate.questions import TEMPLATE_CHARS, Question, check_set, group_of, sample
 from m2d_ray.evaluate.runner import generation_placements, max_length
 from m2d_ray.evaluate.taxonomy import by_rules, classify, summary
 from m2d_ray.peaks import peaks, reset_peaks
@@ -61,8 +61,6 @@ from m2d_ray.stages.record import Logged
 from m2d_ray.track import model_kind, run_tags
 
 # Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
-
-TEMPLATE_CHARS = len(TEMPLATE.format(subject="", question="", choices=""))
 
 
 class Analysis(Stage):
@@ -140,14 +138,15 @@ class Analysis(Stage):
             return [generation]
         if kind == "openai":
             judge = StageCost(f"{self.name}:judge", 0.0, answers / a.judge_rate, 0.0, None, answers, 1, a.judge)
-        else:  # every answer judged (an upper bound): two label continuations after the question and the answer
+        else:  # every answer judged (an upper bound): the question and the answer (about `seq`), once per label
             t = p.models.teacher
             judged = 2 * answers * seq * forward_flops(t, int(seq))
             plan = c.plans.get(f"{self.name}:{TEACHER_KEY}")
-            where = c.place(plan.name, plan.share * plan.units, 1, 1, p.cfg.stage3.accelerator, plan.request)
+            s3 = p.cfg.stage3
+            where = c.place(plan.name, plan.share * plan.units, s3.threads_per_task, 1, s3.accelerator, plan.request)
             judge = c.stage(f"{self.name}:judge", [judged], where, p.cfg.plan.actor_s, rounds=0)
-        # the judge runs after the generation; `before` adds the two (sums commute) and keeps the generation's units
-        return [before(replace(judge, name=self.name), generation)]
+        # the judge runs after the generation; `before` adds the two (sums commute) and keeps the generation's row
+        return [before(judge, generation)]
 
     def run(self, ctx) -> dict[str, dict]:
         return analyse(ctx, self)
@@ -172,7 +171,7 @@ def sampling(a: AnalysisConfig) -> Sampling:
 
 def fixed(a: AnalysisConfig) -> dict:
     """What the answers are generated from: a started analysis keeps it."""
-    return {"questions": a.questions, "per_subject": a.per_subject, **asdict(sampling(a)), "template": TEMPLATE}
+    return recorded(a.questions, a.per_subject, sampling(a))
 
 
 def check_settings(rd: RunDir, a: AnalysisConfig) -> dict:
