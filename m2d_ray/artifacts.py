@@ -17,7 +17,19 @@ from m2d_ray.errors import M2DError
 #: every directory the platform writes carries this file: {"kind": ..., "created": ...}; only a
 #: directory with it (and of the same kind) is ever replaced, and only when the user asks (--overwrite)
 MARKER = "m2d_output.json"
-KINDS = ("statistics", "student", "distillation", "run", "report", "teacher", "pruned", "tokens", "targets", "data")
+KINDS = (
+    "statistics",
+    "student",
+    "distillation",
+    "run",
+    "report",
+    "teacher",
+    "pruned",
+    "tokens",
+    "targets",
+    "data",
+    "analysis",
+)
 
 
 def output_kind(path: str | os.PathLike) -> str | None:
@@ -53,7 +65,9 @@ def check_output(path: str | os.PathLike, kind: str, overwrite: bool = False, wh
         found = output_kind(p)
         if found != kind:
             what_is = (
-                f"holds an m2d {found}, not a {kind}" if found else "is a non-empty directory that m2d did not write"
+                f"holds an m2d {found}, not {'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+                if found
+                else "is a non-empty directory that m2d did not write"
             )
             raise M2DError(f"{what} {p} {what_is}; m2d never replaces it: choose another path or move it away")
         if not overwrite:

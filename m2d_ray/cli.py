@@ -12,6 +12,7 @@ import sys
 import traceback
 
 from m2d_ray import console
+from m2d_ray.config import AnalysisConfig
 from m2d_ray.convert.baselines import RANDOM_BASELINES
 from m2d_ray.convert.scaling import SCALINGS
 from m2d_ray.distill.losses import LOSSES
@@ -37,6 +38,16 @@ def _positive(v: str) -> int:
     if n <= 0:
         raise argparse.ArgumentTypeError(f"{v!r} must be positive")
     return n
+
+
+def _temperature(v: str) -> float:
+    try:
+        t = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r} is not a number") from None
+    if not t >= 0:
+        raise argparse.ArgumentTypeError(f"{v!r} must be >= 0")
+    return t
 
 
 def _batch(v: str) -> int | str:
@@ -316,6 +327,42 @@ def parser() -> argparse.ArgumentParser:
         help="a positive integer, lowered to what fits, or auto (the largest that fits)",
     )
     e.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+
+    an = sub.add_parser(
+        "analyze",
+        help="what models write: chain-of-thought answers put in the paper's error taxonomy (incoherent, repetitive, "
+        "knowledge, reasoning, other, correct)",
+    )
+    src = an.add_mutually_exclusive_group(required=True)
+    src.add_argument(
+        "--responses",
+        metavar="FILE.jsonl",
+        help="classify saved answers (lines with id, subject, question, choices, answer, response); no generation",
+    )
+    src.add_argument(
+        "--model", action="append", metavar="MODEL", help="a model that answers the questions (repeat for more)"
+    )
+    an.add_argument(
+        "--judge", default="none", help="knowledge vs reasoning errors: none (default), teacher, openai:MODEL"
+    )
+    an.add_argument("--teacher", default=None, help="the teacher judge's model (default: the embedded teacher)")
+    an.add_argument(
+        "--judge-url", default=AnalysisConfig.judge_url, help="an OpenAI-compatible server (default: OpenAI's API)"
+    )
+    an.add_argument(
+        "--judge-key-env", default=AnalysisConfig.judge_key_env, help="the variable holding its key (OPENAI_API_KEY)"
+    )
+    an.add_argument(
+        "--questions", default="mmlu", help="mmlu (MMLU's test split, after m2d fetch-data; default) or local (offline)"
+    )
+    an.add_argument("--per-subject", type=_positive, default=10, help="questions per subject (default 10)")
+    an.add_argument("--max-new-tokens", type=_positive, default=2048, help="tokens an answer may take (default 2048)")
+    an.add_argument("--temperature", type=_temperature, default=0.7, help="sampling temperature (0: greedy; 0.7)")
+    an.add_argument("--seed", type=int, default=0, help="the questions' sample and the sampling (default 0)")
+    an.add_argument("--batch-size", type=_positive, default=16, help="answers generated at once (default 16)")
+    an.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    an.add_argument("--out", required=True, help="directory for responses.jsonl, summary.json and the batches")
+    an.add_argument("--overwrite", action="store_true", help="replace an analysis with other settings at --out")
 
     f = sub.add_parser(
         "fetch-data",

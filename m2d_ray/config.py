@@ -24,7 +24,10 @@ from m2d_ray.distill.config import DistillConfig, check_distill
 from m2d_ray.distill.targets import check_targets_loss, parse_targets
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.harness import parse_tasks
+from m2d_ray.evaluate.judges import parse_judge
+from m2d_ray.evaluate.questions import SETS
 from m2d_ray.evaluate.runner import check_stage3
+from m2d_ray.evaluate.taxonomy import Thresholds
 from m2d_ray.grouping import GROUPINGS
 from m2d_ray.scoring import SCORINGS
 from m2d_ray.sizes import parse_size
@@ -164,6 +167,57 @@ class Stage2Config:
 
 
 @dataclass(frozen=True)
+class AnalysisConfig:
+    """What the models write (stages/analysis.py): each answers the questions in a chain-of-thought, every answer is
+    put in one category of the paper's error taxonomy (evaluate/taxonomy.py)."""
+
+    # run the analysis stage after stage 3
+    enabled: bool = False
+    # mmlu (the paper's: MMLU's test split, after `m2d fetch-data`) | local (offline)
+    questions: str = "mmlu"
+    # questions per subject (the paper: 10 x 57 MMLU subjects)
+    per_subject: int = 10
+    # the longest answer generated, in tokens
+    max_new_tokens: int = 2048
+    # sampling temperature (0 = greedy)
+    temperature: float = 0.7
+    # the sample of questions and the sampling of every batch
+    seed: int = 0
+    # answers generated at once (and the teacher judge's batch)
+    batch_size: int = 16
+    # teacher (the run's MoE teacher) | none | openai:MODEL
+    judge: str = "teacher"
+    # an OpenAI-compatible server (openai:MODEL)
+    judge_url: str = "https://api.openai.com/v1"
+    # the environment variable holding its key (unset: no key sent)
+    judge_key_env: str = "OPENAI_API_KEY"
+    # requests per second, at most
+    judge_rate: float = 2.0
+    # retries of a failed request, with exponential backoff
+    judge_retries: int = 4
+    # the taxonomy rules' thresholds (the defaults are the paper's)
+    thresholds: Thresholds = field(default_factory=Thresholds)
+
+
+def check_analysis(a: AnalysisConfig) -> None:
+    """One-line errors for stage3.analysis settings that cannot run, from the config alone."""
+    if a.questions not in SETS:
+        raise M2DError(f"stage3.analysis.questions={a.questions!r}: write one of {', '.join(SETS)}")
+    for key in ("per_subject", "max_new_tokens", "batch_size", "judge_retries"):
+        if getattr(a, key) < (0 if key == "judge_retries" else 1):
+            raise M2DError(f"stage3.analysis.{key}={getattr(a, key)}: give a positive number")
+    if a.temperature < 0 or a.judge_rate <= 0:
+        raise M2DError("stage3.analysis.temperature must be >= 0 (0: greedy) and judge_rate > 0; give such values")
+    parse_judge(a.judge)
+    t = a.thresholds
+    for key in ("filler_ratio", "unique_ratio", "digit_ratio", "overlap"):
+        if not 0 <= getattr(t, key) <= 1:
+            raise M2DError(f"stage3.analysis.thresholds.{key}={getattr(t, key)}: give a share in [0, 1]")
+    if t.ngram < 1 or t.repeats < 2:
+        raise M2DError("stage3.analysis.thresholds: give ngram >= 1 and repeats >= 2")
+
+
+@dataclass(frozen=True)
 class Stage3Config:
     """lm-eval of the distilled students (and the teacher), one Ray task per model."""
 
@@ -193,6 +247,8 @@ class Stage3Config:
     max_length: int = 4096
     # pin stage-3 tasks to a GPU type (e.g. H100)
     accelerator: str | None = None
+    # what the models write: the paper's error taxonomy after stage 3 (stages/analysis.py)
+    analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
 
 
 @dataclass(frozen=True)
@@ -324,6 +380,7 @@ class SweepConfig:
         parse_tasks(self.stage3.tasks, self.stage3.num_fewshot)  # a text:PATH file is checked when stage 3 starts
 
         check_stage3(self.stage3)
+        check_analysis(self.stage3.analysis)
 
     def uses_gpus(self) -> bool:
         """Whether the run asks for GPUs: decided from the config, not from the GPUs up right now (a cluster

@@ -2,7 +2,7 @@
 they need, every command checks what they read before any work, a resumed run checks what they keep, and the
 report gathers what they add. Each stage is one module under stages/ (the contract: stages/contract.py).
 
-    calibrate -> stage1 -> targets -> stage2 -> stage3 -> report
+    calibrate -> stage1 -> targets -> stage2 -> stage3 -> analysis -> report
 
 A new stage is one module and one line in STAGES.
 """
@@ -30,7 +30,7 @@ from m2d_ray.plan.prices import hourly
 from m2d_ray.plan.run_plan import Costing, Devices, Planning, RunPlan
 from m2d_ray.plan.shapes import models_of, shape_of
 from m2d_ray.run_dir import RunDir
-from m2d_ray.stages import baselines, calibrate, report, stage1, stage2, stage3, targets
+from m2d_ray.stages import analysis, baselines, calibrate, report, stage1, stage2, stage3, targets
 from m2d_ray.stages.contract import Stage
 from m2d_ray.track import Tracker
 
@@ -70,7 +70,9 @@ class Stages:
         return Stages([*self._all[: i + 1], stage, *self._all[i + 1 :]])
 
 
-STAGES = Stages([calibrate.STAGE, stage1.STAGE, targets.STAGE, stage2.STAGE, stage3.STAGE, report.STAGE])
+STAGES = Stages(
+    [calibrate.STAGE, stage1.STAGE, targets.STAGE, stage2.STAGE, stage3.STAGE, analysis.STAGE, report.STAGE]
+)
 
 
 def wanted(cfg: SweepConfig, stages: Stages = STAGES) -> list[Stage]:

@@ -8,6 +8,8 @@
       stage2/          config.yaml  trials/ (ledger)  <baseline>/ (a baseline's records: d2d's search)
       stage2.csv  stage2.md  stage2_curves.png
       stage3/          suite.json  results/<key>.json
+      analysis/        settings.json (the questions and sampling a started analysis keeps)  judge.json (name, prompt)
+                       results/<key>.json (a model's category counts)  responses/<key>.jsonl (its classified answers)
       report/  logs/  mlflow.db  mlartifacts/
 
 Only the driver touches it; what Ray workers read or write lives in the run's storage (stages.run_storage).
@@ -235,5 +237,37 @@ class RunDir:
 
     def read_stage3(self) -> dict[str, dict]:
         """key -> lm-eval result record of every model evaluated so far."""
-        d = self.stage3_results
-        return {p.stem: json.loads(p.read_text()) for p in sorted(d.glob("*.json"))} if d.exists() else {}
+        return _by_key(self.stage3_results)
+
+    # ---- the analysis (what the models write) --------------------------------------------------
+    @property
+    def analysis(self) -> Path:
+        """analysis/: what the models write, each answer in the paper's error taxonomy (stages/analysis.py)."""
+        return self.path / "analysis"
+
+    @property
+    def analysis_settings(self) -> Path:
+        """The questions, prompt and sampling a started analysis keeps."""
+        return self.analysis / "settings.json"
+
+    @property
+    def analysis_judge(self) -> Path:
+        """The judge's name and prompt."""
+        return self.analysis / "judge.json"
+
+    @property
+    def analysis_results(self) -> Path:
+        """analysis/results/: one record per model (its category counts and rates), written as each model ends."""
+        return self.analysis / "results"
+
+    def analysis_responses(self, key: str) -> Path:
+        return self.analysis / "responses" / f"{key}.jsonl"
+
+    def read_analysis(self) -> dict[str, dict]:
+        """key -> the analysis record of every model classified so far."""
+        return _by_key(self.analysis_results)
+
+
+def _by_key(d: Path) -> dict[str, dict]:
+    """key -> record of a directory of records (none when it does not exist)."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted(d.glob("*.json"))} if d.exists() else {}

@@ -26,8 +26,9 @@ NOTE_TAG = "mlflow.note.content"  # a run's description in the UI (Markdown)
 # (`viewStateShareKey`)
 VIEW_KEY = "m2d-compare"
 VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
-#: each stage's key metric, under one name in every nested run of that stage (one runs-table column compares them)
-KEY_METRICS = {1: "perplexity", 2: "final_val_ppl", 3: "mean_acc"}
+#: each stage's key metric, under one name in every nested run of that stage (one runs-table column compares them);
+#: the analysis (what the models write): the catastrophic-failure rate, the paper's headline figure of it
+KEY_METRICS = {1: "perplexity", 2: "final_val_ppl", 3: "mean_acc", "analysis": "catastrophic"}
 
 
 def run_tracking_uri(cfg, rd: RunDir, override: str | None = None) -> str:
@@ -206,7 +207,7 @@ def _compare_view() -> str:
 COMPARE_VIEW = _compare_view()
 
 
-def run_tags(stage: int, pair: str, kind: str) -> dict[str, str]:
+def run_tags(stage: int | str, pair: str, kind: str) -> dict[str, str]:
     """What a nested run is, as tags the UI groups and filters by (`tags.stage = '1'`, Group by `pair`):
     kind is `config` (a stage-1 grid point), `promoted` (its pair's best, and that student in stages 2 and 3),
     `baseline` or `teacher`."""
@@ -232,8 +233,9 @@ def run_description(name: str, rd: RunDir, teacher: str, configs: int) -> str:
         "pre-distillation perplexity (nested runs tagged `stage=1`, metric `perplexity`); stage 2 distils each "
         "(scoring, grouping) pair's best and the baselines (`stage=2`, `final_val_ppl`); stage 3 evaluates them and "
         "the "
-        f"teacher (`stage=3`, `mean_acc`).\n\nReport: `{rd.report / 'index.html'}` (also in this run's Artifacts, "
-        "`report/`).\n\n"
+        "teacher (`stage=3`, `mean_acc`); with `stage3.analysis` each model's answers are put in the paper's error "
+        "taxonomy (`stage=analysis`, `catastrophic`).\n\n"
+        f"Report: `{rd.report / 'index.html'}` (also in this run's Artifacts, `report/`).\n\n"
         "Compare: search `tags.stage = '1'` (or `'2'`, `'3'`), *Group by* the tag `pair` or `kind`, add the metric's "
         "column, "
         "or open *Chart* → parallel coordinates (params K, scaling against `perplexity`)."

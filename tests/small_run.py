@@ -5,6 +5,7 @@ as `m2d run` leaves them."""
 from __future__ import annotations
 
 import shutil
+from functools import partial
 from pathlib import Path
 
 from conftest import ROOT
@@ -18,7 +19,7 @@ def finished_run(dest: Path) -> tuple[Path, dict]:
     from m2d_ray.commands.report import report
     from m2d_ray.config import load_config
     from m2d_ray.run_dir import Ledger, RunDir
-    from m2d_ray.stages import stage1_tune, stage2_tune, stage3
+    from m2d_ray.stages import analysis, stage1_tune, stage2_tune, stage3
     from m2d_ray.stages.record import StageRecorder
     from m2d_ray.track import run_tracker
 
@@ -35,5 +36,8 @@ def finished_run(dest: Path) -> tuple[Path, dict]:
         (Ledger(rd.stage3_results), stage3, "stage3/"),
     ):
         StageRecorder(ledger, tracker, parent, stage.mlflow_fields, prefix).reconcile()
+    StageRecorder(
+        Ledger(rd.analysis_results), tracker, parent, partial(analysis.mlflow_fields, rd), "analysis/"
+    ).reconcile()
     stage1_tune.tag_promoted(tracker, parent, promotions["pairs"])
     return rd.path, report(str(rd))

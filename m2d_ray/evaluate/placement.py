@@ -62,6 +62,15 @@ class ModelSize:
         act = seq * (8 * self.hidden + 3 * self.ffn) * b
         return logits + kv + act
 
+    def generation_bytes(self, prompt: int, length: int) -> tuple[int, int]:
+        """(bytes of one generated sequence that spread with the layers over sharded GPUs, bytes that do not):
+        its key/value cache at full `length`, and the prompt's activations of one layer during the prefill beside
+        the last position's logits in float32 (generate keeps one position's, with their processed copy and the
+        probabilities)."""
+        b = self.bytes_per_param
+        kv = 2 * self.layers * length * self.kv_heads * self.head_dim * b
+        return kv, prompt * (8 * self.hidden + 3 * self.ffn) * b + 3 * self.vocab * 4
+
 
 @dataclass(frozen=True)
 class EvalPlacement:
@@ -158,6 +167,40 @@ def plan_eval(
         f"sequence need more than {gpus_per_node} GPU(s) of {gpu_bytes / GiB:.0f} GiB (usable {usable / GiB:.1f} GiB "
         "each); "
         "use nodes with more or bigger GPUs, or a shorter stage3.max_length"
+    )
+
+
+def plan_generation(
+    size: ModelSize,
+    gpu_bytes: int | None,
+    gpus_per_node: int,
+    batch: int,
+    prompt: int,
+    length: int,
+    gpu_fraction: float | None = None,
+    what: str = "the model",
+) -> EvalPlacement:
+    """The placement of a model that generates `batch` sequences of `length` tokens from prompts of `prompt` at once
+    (the analysis): on a GPU the configured fraction when all of it fits there, else the fewest GPUs of a node on
+    which the weights (spread evenly) and the whole batch fit; on CPU (`gpu_bytes` None) nothing is sharded."""
+    spread, each = size.generation_bytes(prompt, length)
+    seq = spread + each
+    if gpu_bytes is None:
+        return EvalPlacement(0, False, batch, batch, length, None, size.weights, seq)
+    if gpu_fraction is not None and 0 < gpu_fraction < 1:
+        if size.weights + batch * seq <= gpu_bytes * gpu_fraction * UTILISATION - RESERVE:
+            return EvalPlacement(gpu_fraction, False, batch, batch, length, None, size.weights, seq)
+    usable = gpu_bytes * UTILISATION - RESERVE
+    for g in range(1, max(1, gpus_per_node) + 1):
+        per_gpu = size.weights / g * (1.05 if g > 1 else 1.0)
+        if per_gpu + batch * (spread / g + each) <= usable:
+            return EvalPlacement(
+                g, g > 1, batch, batch, length, math.ceil(per_gpu) if g > 1 else None, size.weights, seq
+            )
+    raise M2DError(
+        f"{what} does not fit: {size.weights / GiB:.1f} GiB of weights + {batch} sequences of {length} tokens "
+        f"({batch * seq / GiB:.2f} GiB) need more than {gpus_per_node} GPU(s) of {gpu_bytes / GiB:.0f} GiB; use a "
+        "smaller stage3.analysis.batch_size or max_new_tokens, or nodes with more or bigger GPUs"
     )
 
 

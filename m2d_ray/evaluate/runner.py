@@ -23,6 +23,7 @@ from m2d_ray.evaluate.placement import (
     hflm_kwargs,
     model_size,
     plan_eval,
+    plan_generation,
 )
 from m2d_ray.models import _source, load_config, load_model
 from m2d_ray.sizes import parse_size
@@ -176,11 +177,7 @@ def stage3_placements(models: dict[str, str], c, gpus: float, get=None) -> dict[
             k: plan(m, None, 0, batch, budget, seq_cap=c.max_length, what=f"stage-3 model {k}")
             for k, m in models.items()
         }
-    mem = _bytes(c.gpu_memory, "stage3.gpu_memory") if c.gpu_memory else None
-    per_node = c.gpus_per_node
-    if mem is None or per_node is None:
-        probed_mem, probed_n = probe_gpus(get)
-        mem, per_node = mem or probed_mem, per_node or probed_n
+    mem, per_node = gpu_of(c, get)
     out = {}
     for k, m in models.items():
         p = plan(
@@ -190,6 +187,55 @@ def stage3_placements(models: dict[str, str], c, gpus: float, get=None) -> dict[
             p = replace(p, gpus=gpus)
         out[k] = p
     return out
+
+
+def gpu_of(c, get=None) -> tuple[int, int]:
+    """(one GPU's memory, the most GPUs of a node): as stage3.gpu_memory / gpus_per_node say, else probed."""
+    mem = _bytes(c.gpu_memory, "stage3.gpu_memory") if c.gpu_memory else None
+    per_node = c.gpus_per_node
+    if mem is None or per_node is None:
+        probed_mem, probed_n = probe_gpus(get)
+        mem, per_node = mem or probed_mem, per_node or probed_n
+    return mem, per_node
+
+
+def generation_placements(
+    models: dict[str, str], c, gpus: float, batch: int, prompt: int, length: int, get=None
+) -> dict[str, EvalPlacement]:
+    """{key: placement} of every model the analysis generates with (placement.plan_generation), from configs alone,
+    before any task starts: stage 3's GPUs (`gpus`: its share, 0 = CPU), the whole batch beside the weights."""
+    mem, per_node = gpu_of(c, get) if gpus > 0 else (None, 0)
+    out = {}
+    for k, m in models.items():
+        fraction = gpus if 0 < gpus < 1 else None
+        p = generation_placement(m, mem, per_node, batch, prompt, length, fraction, f"the analysis' model {k} ({m})")
+        out[k] = replace(p, gpus=gpus) if gpus >= 1 and p.gpus < gpus else p
+    return out
+
+
+def generation_placement(
+    model: str,
+    gpu_bytes: int | None,
+    gpus_per_node: int,
+    batch: int,
+    prompt: int,
+    length: int,
+    gpu_fraction: float | None = None,
+    what: str | None = None,
+) -> EvalPlacement:
+    """placement.plan_generation of `model` from its config (no weights read); `m2d analyze` gives this machine's
+    GPUs (gpu_facts), the analysis stage the cluster's."""
+    config = load_config(model)
+    return plan_generation(
+        _size(config.to_json_string()),
+        gpu_bytes,
+        gpus_per_node,
+        batch,
+        prompt,
+        max_length(config, length),
+        gpu_fraction,
+        what or f"model {model!r}",
+    )
 
 
 def data_ref(suite_tasks) -> list | None:

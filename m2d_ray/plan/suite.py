@@ -50,15 +50,26 @@ def _figures(test: list[dict], shots: list[dict]) -> tuple[int, int, float, floa
 
 
 @cache
+def _local_rows(split: str) -> list[dict]:
+    base = Path(local_tasks.__file__).parent / "tasks"
+    text = (base / f"{CONTINUATION}.{split}.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+@cache
 def _local() -> tuple[int, int, float, float]:
     """The local task's figures from its shipped rows."""
+    return _figures(_local_rows("test"), _local_rows("train"))
 
-    base = Path(local_tasks.__file__).parent / "tasks"
-    test, train = (
-        [json.loads(line) for line in (base / f"{CONTINUATION}.{split}.jsonl").read_text().splitlines() if line.strip()]
-        for split in ("test", "train")
-    )
-    return _figures(test, train)
+
+def prompt_tokens(questions: str, template_chars: int) -> float:
+    """The mean tokens of a generation-analysis prompt (evaluate/questions.py): its template's own characters, and a
+    question with its choices (MMLU: lm-eval's 0-shot request; local: the shipped rows of the same construction)."""
+    if questions == "mmlu":
+        return PAPER["mmlu"][2] + template_chars / CHARS_PER_TOKEN
+    rows = _local_rows("test")
+    chars = sum(len(r["context"]) + sum(len(c) + 4 for c in r["choices"]) for r in rows) / len(rows)
+    return (chars + template_chars) / CHARS_PER_TOKEN
 
 
 @cache

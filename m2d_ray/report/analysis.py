@@ -29,6 +29,7 @@ class RunData:
     promotions: dict
     stage2: dict[str, dict] = field(default_factory=dict)  # key -> ledger record
     stage3: dict[str, dict] = field(default_factory=dict)  # key -> lm-eval result ("teacher" included)
+    analysis: dict[str, dict] = field(default_factory=dict)  # key -> what the model wrote, by category
     timings: dict = field(default_factory=dict)
     memory_plan: dict | None = None  # RUN_DIR/memory_plan.json: what m2d run planned per device
     teachers: tuple[tuple[str, str], ...] = ()  # the baselines' own teachers: (the table's label, stage 3's key)
@@ -58,6 +59,7 @@ def load_run(run_dir: str | Path, teachers: tuple[tuple[str, str], ...] = (), ma
         promotions,
         stage2={r["key"]: r for r in rd.stage2_records()},
         stage3=rd.read_stage3(),
+        analysis=rd.read_analysis(),
         timings=rd.stage_times(),
         memory_plan=rd.read_memory_plan(),
         teachers=tuple(teachers),

@@ -25,6 +25,7 @@ class Logged:
     metrics: dict
     tags: dict
     steps: dict | None = None
+    artifacts: tuple[str, ...] = ()  # files logged to the run (before it counts as logged)
 
 
 @dataclass
@@ -51,6 +52,7 @@ class StageRecorder:
         self.tracker.log(
             run, metrics=f.metrics, tags={"status": r["status"], "error": r.get("error"), **f.tags}, steps=f.steps
         )
+        self.tracker.artifacts(run, list(f.artifacts))
         self.tracker.finish(run, RUN_STATUS[r["status"]])
         self.tracker.log(run, tags={LOGGED_TAG: "1"})
 

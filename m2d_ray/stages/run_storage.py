@@ -19,6 +19,7 @@ and corpus travel as they are.
       tune/                         stage-1 Tune state
       stage2/{init,students}/KEY    initial and distilled students
       stage2/train/KEY  stage2/tune Ray Train checkpoints, stage-2 Tune state
+      analysis/KEY/batch-NNNNN.jsonl  a model's generated answers, a batch a file (stages/analysis.py)
     STORAGE/{init,student,train}    (`m2d distill`: one student, no key)
 """
 
@@ -78,6 +79,10 @@ class RunStorage:
         if student_path is not None and not storage.exists(student_path):
             return False
         return storage.delete_dir(storage.join(*self.checkpoints(key)))
+
+    def answers(self, key: str) -> str:
+        """A model's generated answers for the analysis, one file per finished batch (evaluate/generation.py)."""
+        return storage.join(self.root, "analysis", key)
 
     def tokens(self, digest: str) -> str:
         """A tokenised distillation stream (distill/tokens.py), shared by every student that reads it."""

@@ -39,7 +39,7 @@ from m2d_ray.evaluate.runner import (  # GPUs and batch per model, from memory
     stage3_placements,
 )
 from m2d_ray.peaks import peaks, reset_peaks
-from m2d_ray.plan.cost import forward_flops, side_by_side
+from m2d_ray.plan.cost import StageCost, forward_flops, side_by_side
 from m2d_ray.plan.devices import bundle, holders, smallest_gpu
 from m2d_ray.plan.run_plan import unit
 from m2d_ray.plan.suite import suite_tokens
@@ -82,25 +82,11 @@ class Stage3(Stage):
     def needs(self, p):
         """One row per model: the student (every student has its shape), the teacher and the baselines' own teachers."""
 
-        c, d, m = p.cfg.stage3, p.devices, p.models
-        gpus = _gpus(p.cfg)
-        models = {
-            "student": m.student_config,
-            **({TEACHER_KEY: m.teacher_config} if c.teacher else {}),
-            **p.teacher_configs,
-        }
+        c, d = p.cfg.stage3, p.devices
+        gpus, mem, per_node = gpu_room(p)
         out = []
-        found = (
-            holders(list(d.nodes), bundle(c.cpus_per_task, min(gpus, 1), c.accelerator))
-            if d.nodes is not None and gpus > 0
-            else None
-        )
-        mem = (
-            d.gpu_memory or (smallest_gpu(found) if found else None) or parse_size(c.gpu_memory)
-        )  # (checked at config load)
-        per_node = d.gpus_per_node or c.gpus_per_node or max((int(n.gpus) for n in (found or [])), default=8)
         row = partial(unit, devices=d, keys=self.keys)
-        for key, config in models.items():
+        for key, config in models_to_evaluate(p).items():
             size, seq, name = model_size(config), max_length(config, c.max_length), f"stage3:{key}"
             if gpus <= 0 or mem is None:
                 e = plan_eval(
@@ -175,34 +161,9 @@ class Stage3(Stage):
     def cost(self, c):
         """The suite's tokens through each model that stage 2 finishes (ASHA's stopped students are not exported), the
         teacher and the baselines' teachers; models of different GPU counts run at once: one row, the longest wall."""
-        p, s3 = c.p, c.p.cfg.stage3
+        s3 = c.p.cfg.stage3
         tokens, mean_len = suite_tokens(s3.tasks, s3.num_fewshot, s3.limit)
-        teacher = [(TEACHER_KEY, p.models.teacher)] if s3.teacher else []
-        models = [("student", p.models.student)] * p.ends[-1][1] + teacher + list(p.teachers.items())
-        by_gpus: dict[float, list[float]] = {}
-        for key, shape in models:
-            plan = c.plans.get(f"stage3:{key}")
-            by_gpus.setdefault(plan.units * plan.share if plan else 0.0, []).append(
-                tokens * forward_flops(shape, int(mean_len))
-            )
-        rows = []
-        for gpus, flops in sorted(by_gpus.items()):
-            wanted = len(flops) if gpus > 0 else max(1, int(p.cfg.ray.num_cpus // max(s3.cpus_per_task, 1e-9)))
-            plan = c.plans.get(f"stage3:{models[0][0]}") or next(
-                v for k, v in c.plans.items() if k.startswith("stage3")
-            )
-            where = c.place(
-                self.name,
-                gpus,
-                s3.threads_per_task,
-                wanted,
-                s3.accelerator,
-                {**plan.request, "GPU": min(gpus, 1.0) if gpus else 0.0},
-            )
-            rows.append(
-                c.stage(self.name if len(by_gpus) == 1 else f"stage3:{gpus:g}gpu", flops, where, p.cfg.plan.model_s)
-            )
-        return rows if len(rows) == 1 else [side_by_side(self.name, rows)]
+        return [price_models(c, self.name, lambda shape: tokens * forward_flops(shape, int(mean_len)))]
 
     def run(self, ctx) -> dict[str, dict]:
         return evaluate(ctx, self)
@@ -217,6 +178,56 @@ class Stage3(Stage):
             Section("Stage 2 + 3: distilled students", render([distill_table(data, rows), marginal])),
             Section("Matched parameters: MoE-to-dense against the baselines", render([matched_table(data, rows)])),
         ]
+
+
+def models_to_evaluate(p) -> dict:
+    """Stage 3's models by key, with their configs: a student (every student has its shape), the teacher and the
+    baselines' own teachers."""
+    c, m = p.cfg.stage3, p.models
+    return {"student": m.student_config, **({TEACHER_KEY: m.teacher_config} if c.teacher else {}), **p.teacher_configs}
+
+
+def gpu_room(p) -> tuple[float, int | None, int]:
+    """(GPUs a model's task asks for, one GPU's memory (None: unknown, or CPU), the most GPUs of a node)."""
+    c, d = p.cfg.stage3, p.devices
+    gpus = _gpus(p.cfg)
+    found = (
+        holders(list(d.nodes), bundle(c.cpus_per_task, min(gpus, 1), c.accelerator))
+        if d.nodes is not None and gpus > 0
+        else None
+    )
+    mem = d.gpu_memory or (smallest_gpu(found) if found else None) or parse_size(c.gpu_memory)  # checked at load
+    per_node = d.gpus_per_node or c.gpus_per_node or max((int(n.gpus) for n in (found or [])), default=8)
+    return gpus, mem, per_node
+
+
+def price_models(c, name: str, flops_of, overhead: float | None = None, rounds: int = 1) -> StageCost:
+    """The bill of `flops_of(shape)` through each model stage 3 evaluates (each student stage 2 finishes: ASHA's stopped
+    students are not exported; the teacher; the baselines' teachers), placed as the rows `name:KEY` of the plan say,
+    each with `overhead` seconds (default plan.model_s) in `rounds` Ray rounds; models of different GPU counts run at
+    once: one row, the longest wall."""
+    p, s3 = c.p, c.p.cfg.stage3
+    teacher = [(TEACHER_KEY, p.models.teacher)] if s3.teacher else []
+    models = [("student", p.models.student)] * p.ends[-1][1] + teacher + list(p.teachers.items())
+    by_gpus: dict[float, list[float]] = {}
+    for key, shape in models:
+        plan = c.plans.get(f"{name}:{key}")
+        by_gpus.setdefault(plan.units * plan.share if plan else 0.0, []).append(flops_of(shape))
+    rows = []
+    for gpus, flops in sorted(by_gpus.items()):
+        wanted = len(flops) if gpus > 0 else max(1, int(p.cfg.ray.num_cpus // max(s3.cpus_per_task, 1e-9)))
+        plan = c.plans.get(f"{name}:{models[0][0]}") or next(v for k, v in c.plans.items() if k.startswith(name))
+        where = c.place(
+            plan.name,
+            gpus,
+            s3.threads_per_task,
+            wanted,
+            s3.accelerator,
+            {**plan.request, "GPU": min(gpus, 1.0) if gpus else 0.0},
+        )
+        fixed = p.cfg.plan.model_s if overhead is None else overhead
+        rows.append(c.stage(name if len(by_gpus) == 1 else f"{name}:{gpus:g}gpu", flops, where, fixed, rounds))
+    return rows[0] if len(rows) == 1 else side_by_side(name, rows)
 
 
 def _gpus(cfg: SweepConfig) -> float:
@@ -255,6 +266,23 @@ def jobs(rd: RunDir, cfg: SweepConfig, teacher: str) -> list[EvalJob]:
     return out + ([EvalJob(TEACHER_KEY, TEACHER_KEY, teacher), *own] if cfg.stage3.teacher else [])
 
 
+def task_options(cfg: SweepConfig) -> dict:
+    """Ray options of a model's task (its GPUs: the placement's)."""
+    c, gpus = cfg.stage3, _gpus(cfg)
+    return {
+        "num_cpus": c.cpus_per_task,
+        "num_gpus": gpus,
+        "max_retries": cfg.ray.max_failures,
+        **({"accelerator_type": c.accelerator} if gpus > 0 and c.accelerator else {}),
+    }
+
+
+def reachable(ctx, todo: list[EvalJob]) -> dict[str, str]:
+    """Each job's model as workers reach it: the teachers (a directory on the driver's disk) copied into the run's
+    storage once on a cluster; students are in the storage already."""
+    return {j.key: ctx.store.put_model(j.model) if model_kind(j.key) == "teacher" else j.model for j in todo}
+
+
 def mlflow_fields(r: dict) -> Logged:
     metrics = {f"acc.{name}": t["score"] for name, t in r["tasks"].items() if t.get("score") is not None}
     if r.get("mean") is not None:
@@ -285,27 +313,17 @@ def evaluate(ctx, stage: Stage3) -> dict[str, dict]:
     )
     if pending:
         ctx.ray()
-        gpus = _gpus(cfg)
+        gpus, opts = _gpus(cfg), task_options(cfg)
         device = "cuda" if gpus > 0 else "cpu"
-        opts = {
-            "num_cpus": c.cpus_per_task,
-            "num_gpus": gpus,
-            "max_retries": cfg.ray.max_failures,
-            **({"accelerator_type": c.accelerator} if gpus > 0 and c.accelerator else {}),
-        }
         text = Path(suite["text"]).read_bytes() if suite["text"] else None
-        teachers = {
-            j.key: ctx.store.put_model(j.model)
-            for j in pending
-            if j.key == TEACHER_KEY or j.key.startswith(f"{TEACHER_KEY}-")
-        }
+        models = reachable(ctx, pending)
         task = ray.remote(_evaluate_task)
         with ctx.waiting(stage) as waiting:
-            places = stage3_placements({j.key: teachers.get(j.key, j.model) for j in pending}, c, gpus, get=waiting.get)
+            places = stage3_placements(models, c, gpus, get=waiting.get)
             data = data_ref(suite["tasks"])
             refs = {
                 task.options(**{**opts, "num_gpus": places[j.key].gpus}).remote(
-                    teachers.get(j.key, j.model),
+                    models[j.key],
                     suite["tasks"],
                     asdict(c),
                     device,

@@ -171,6 +171,10 @@ def w(tmp_path_factory, tiny_teacher_dir):
         "notes.txt": b"my notes\n",
         "bad.yaml": b"grid: [sf, pp\nname: x\n",
         "typo.yaml": b"include: " + str(TINY).encode() + b"\ngrid:\n  scorng: [sf]\n",
+        "answers.jsonl": (json.dumps(ANSWER) + "\n").encode(),
+        "no_answer_field.jsonl": (
+            json.dumps(ANSWER) + "\n" + json.dumps({k: v for k, v in ANSWER.items() if k != "answer"}) + "\n"
+        ).encode(),
     }
     for name, data in texts.items():
         (p["work"] / name).write_bytes(data)
@@ -226,6 +230,22 @@ def _prune(w, *extra):
 
 def _run(*extra):
     return ["run", str(TINY), "--out", "run_out", *extra]
+
+
+#: one line of a responses file (m2d analyze --responses)
+ANSWER = {
+    "id": "q1",
+    "subject": "astronomy",
+    "question": "Which?",
+    "choices": ["a", "b"],
+    "answer": "A",
+    "response": "x",
+}
+CLOSED_PORT = "http://127.0.0.1:9/v1"  # the discard port: nothing listens there
+
+
+def _analyze(*extra):
+    return ["analyze", "--responses", "answers.jsonl", "--out", "analysis_out", *extra]
 
 
 # name -> (argv builder given the workspace, fragment of the error line)
@@ -515,6 +535,43 @@ CASES = {
     ),
     "report of a directory that is no run": (lambda w: ["report", "mine"], "not an m2d run directory"),
     "stage 2 without a stage 1": (lambda w: ["sweep", str(TINY), "stage=2"], "add --resume"),
+    # what the models write (m2d analyze, stage3.analysis)
+    "analyze: unknown judge": (lambda w: _analyze("--judge", "gpt-4"), "unknown judge 'gpt-4'"),
+    "analyze: unreachable judge URL": (
+        lambda w: _analyze("--judge", "openai:some-model", "--judge-url", CLOSED_PORT),
+        f"judge URL {CLOSED_PORT} is unreachable",
+    ),
+    "analyze: a responses line without a field": (
+        lambda w: ["analyze", "--responses", "no_answer_field.jsonl", "--out", "a"],
+        "no_answer_field.jsonl line 2 has no field 'answer'",
+    ),
+    "analyze: max new tokens not positive (argparse)": (
+        lambda w: ["analyze", "--model", str(w["student"]), "--max-new-tokens", "0", "--out", "a"],
+        "must be positive",
+    ),
+    "analyze: MMLU data missing": (
+        lambda w: ["analyze", "--model", str(w["student"]), "--out", "a"],
+        "run `m2d fetch-data`",
+        {"M2D_DATA_DIR": "/nonexistent-m2d-data"},
+    ),
+    "analyze: out holds a student": (
+        lambda w: _analyze()[:-1] + [str(w["student"])],
+        "holds an m2d student, not an analysis",
+    ),
+    "run: unknown analysis judge": (lambda w: _run("stage3.analysis.judge=gpt"), "unknown judge 'gpt'"),
+    "run: unreachable analysis judge (before any work)": (
+        lambda w: _run("stage3.analysis.judge=openai:m", f"stage3.analysis.judge_url={CLOSED_PORT}"),
+        f"judge URL {CLOSED_PORT} is unreachable",
+    ),
+    "run: analysis on MMLU without its data": (
+        lambda w: _run("stage3.analysis.questions=mmlu"),
+        "run `m2d fetch-data`",
+        {"M2D_DATA_DIR": "/nonexistent-m2d-data"},
+    ),
+    "run: analysis max_new_tokens not positive": (
+        lambda w: _run("stage3.analysis.max_new_tokens=0"),
+        "stage3.analysis.max_new_tokens=0: give a positive number",
+    ),
     # dense-to-dense pruning
     "prune-dense of an MoE teacher": (
         lambda w: _prune(w, "--model", str(w["teacher"]), "--target-params", "50000"),
@@ -605,4 +662,5 @@ def test_the_matrix_covers_every_command():
         "report",
         "prune-dense",
         "plan",
+        "analyze",
     }

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import multinode_unavailable
-from test_run_e2e import check_d2d
+from test_run_e2e import check_analysis, check_d2d
 
 HERE = Path(__file__).resolve().parent
 
@@ -58,6 +58,7 @@ def _every_student_distilled_and_evaluated(run_dir: Path, baselines: tuple[str, 
         r["mean acc"] for r in report
     )
     assert len(report) == len(keys) + len(teachers)
+    check_analysis(run_dir, keys | teachers)
     return keys
 
 
@@ -105,6 +106,7 @@ def test_shared_storage(cluster_runs):
         "targets",
         "stage2",
         "stage3",
+        "analysis",
         "report",
     ]
     log = sorted((run_dir / "logs").glob("m2d-run-*.log"))[0].read_text()
@@ -161,6 +163,7 @@ def test_s3_storage_teacher_from_the_driver_and_resume_after_sigkill(cluster_run
         "valid.txt"
     }  # the head's text, once
     assert "corpus/part-00000.parquet" in objects  # the distillation corpus: read from its S3 prefix, never copied
+    assert all(f"run/analysis/{key}/batch-00000.jsonl" in objects for key in keys)  # the answers went to the storage
     # the stream tokenised once and the teacher's final hidden states computed once, in S3; the students read them from
     # there
     assert sum(o.startswith("run/tokens/") and o.endswith("manifest.json") for o in objects) == 1

@@ -73,6 +73,39 @@ def check_d2d(run_dir: Path, report: Path) -> None:
     assert int(moe["teacher active params"]) < 300_000  # the MoE teacher: top-2 of its 16 experts per token
 
 
+def check_analysis(run_dir: Path, models: set[str]) -> None:
+    """What the models write: every evaluated model answered the 12 offline questions (tiny.yaml: 2 per corpus
+    domain), each answer in one category; the report shows the figure and tables; MLflow has a run per model with the
+    category rates and the answers as its artifact."""
+    import mlflow
+
+    records = {p.stem: json.loads(p.read_text()) for p in (run_dir / "analysis" / "results").glob("*.json")}
+    assert set(records) == models and {r["status"] for r in records.values()} == {"ok"}, records
+    for key, r in records.items():
+        lines = [json.loads(x) for x in (run_dir / r["responses"]).read_text().splitlines()]
+        assert len(lines) == r["n"] == 12 and sum(r["counts"].values()) == 12
+        assert {x["category"] for x in lines} == {c for c, n in r["counts"].items() if n}
+        assert all(x["model"] == key and x["finish"] in ("stop", "length") for x in lines)
+    report = run_dir / "report"
+    page = (report / "index.html").read_text()
+    assert (report / "categories.png").stat().st_size > 5000 and 'src="categories.png"' in page
+    assert len(list(csv.DictReader((report / "answer_groups.csv").open()))) == len(models)
+    settings = json.loads((run_dir / "analysis" / "settings.json").read_text())
+    assert (settings["questions"], settings["per_subject"], settings["max_new_tokens"]) == ("local", 2, 64)
+    mlflow.set_tracking_uri(f"sqlite:///{run_dir / 'mlflow.db'}")
+    try:
+        runs = mlflow.search_runs(
+            experiment_names=["m2d-tiny"], filter_string="tags.stage = 'analysis'", output_format="list"
+        )
+        assert {r.data.tags["m2d.trial"] for r in runs} == {f"analysis/{k}" for k in models}
+        assert all("share.correct" in r.data.metrics and r.data.tags["judge"] == "teacher" for r in runs)
+        assert [a.path for a in mlflow.MlflowClient().list_artifacts(runs[0].info.run_id)] == [
+            runs[0].data.tags["m2d.trial"].split("/")[1] + ".jsonl"
+        ]
+    finally:
+        mlflow.set_tracking_uri(None)
+
+
 @pytest.mark.skipif(multinode_unavailable() is None, reason="the same pipeline runs end to end in test_multinode.py")
 def test_m2d_run_whole_pipeline_then_resume(ray_address, tmp_path, capfd):
     import mlflow
@@ -93,7 +126,7 @@ def test_m2d_run_whole_pipeline_then_resume(ray_address, tmp_path, capfd):
     assert "== stage3 ==" in shown and any(ln.startswith("[stage 2 ") for ln in shown)
     assert "Configuration for experiment" in log and "Configuration for experiment" not in captured.err
     assert (
-        list(out["stages"]) == ["calibrate", "stage1", "stage2", "stage3", "report"]
+        list(out["stages"]) == ["calibrate", "stage1", "stage2", "stage3", "analysis", "report"]
         and "mlflow ui --backend-store-uri sqlite:///" in out["mlflow_ui"]
     )
 
@@ -114,6 +147,7 @@ def test_m2d_run_whole_pipeline_then_resume(ray_address, tmp_path, capfd):
         r["mean acc"] for r in rows
     )
     check_d2d(run_dir, report)
+    check_analysis(run_dir, set(results))
     page = (report / "index.html").read_text()
     for name in ("stage1_heatmap.png", "marginal.png", "curves.png", "overlap.png", "erank.png"):
         assert (report / name).stat().st_size > 5000 and f'src="{name}"' in page, name
@@ -135,11 +169,13 @@ def test_m2d_run_whole_pipeline_then_resume(ray_address, tmp_path, capfd):
 
     # resume of a finished run: nothing is trained or evaluated again
     before = {p.name: p.stat().st_mtime for p in (run_dir / "stage3" / "results").iterdir()}
+    answered = {p.name: p.stat().st_mtime for p in (run_dir / "analysis" / "results").iterdir()}
     first = json.loads((run_dir / "run.json").read_text())["stages"]
     t0 = time.time()
     assert main(["run", "--resume", str(run_dir)]) == 0
     assert time.time() - t0 < 60
     assert {p.name: p.stat().st_mtime for p in (run_dir / "stage3" / "results").iterdir()} == before
+    assert {p.name: p.stat().st_mtime for p in (run_dir / "analysis" / "results").iterdir()} == answered
     again = json.loads((run_dir / "run.json").read_text())[
         "stages"
     ]  # the resume's seconds are added, the first run's kept

@@ -112,7 +112,8 @@ def test_report_page_loads_every_image_without_console_errors(run, browser, shot
     images = page.eval_on_selector_all(
         "img", "els => els.map(i => [i.getAttribute('src'), i.complete && i.naturalWidth > 0])"
     )
-    assert len(images) == 5 and all(ok for _, ok in images), images
+    assert len(images) == 6 and all(ok for _, ok in images), images
+    assert "categories.png" in [src for src, _ in images]  # the paper's figure of what the models write
     captions = page.eval_on_selector_all("figure > figcaption", "els => els.map(e => e.innerText)")
     assert len(captions) == len(images) and all(len(c) > 40 for c in captions)
     assert errors == []

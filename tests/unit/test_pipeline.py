@@ -83,7 +83,7 @@ def probe():
 def test_the_plan_adds_a_registered_stage_s_rows_storage_and_bill(probe):
     cfg = load_config(TINY, ["plan.cpu_flops=1e9"])
     stages = pipeline.STAGES.with_stage(probe, after="stage2")
-    assert stages.names() == ["calibrate", "stage1", "targets", "stage2", "probe", "stage3", "report"]
+    assert stages.names() == ["calibrate", "stage1", "targets", "stage2", "probe", "stage3", "analysis", "report"]
     plan = pipeline.plan(
         cfg, model_config(default_teacher()), Devices(host_memory=8 << 30, cpu_load=0.0), stages=stages
     )

@@ -145,7 +145,7 @@ def test_storage_counts_checkpoints_students_tokens_and_targets(qwen30b):
     }  # bound: ASHA on
     assert j["storage_bytes"] == sum(st.values())
     assert j["storage_peak_bytes"] == sum(st.values()) + plan.storage_peak["checkpoints"]
-    assert set(j["stages"]) == {"calibrate", "stage1", "targets", "stage2", "stage3"}
+    assert set(j["stages"]) == {"calibrate", "stage1", "targets", "stage2", "stage3", "analysis"}
     assert all(
         set(v) == {"per_gpu_bytes", "gpus", "fits", "flops", "seconds", "gpu_hours", "dollars"}
         for v in j["stages"].values()

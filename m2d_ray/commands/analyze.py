@@ -1,0 +1,186 @@
+"""`m2d analyze`: the paper's error taxonomy of generated answers (evaluate/taxonomy.py), outside a run.
+
+    m2d analyze --responses FILE.jsonl [--judge ...] --out DIR   classify saved answers (no generation)
+    m2d analyze --model M [--model M2 ...] --out DIR             answer the questions, then classify; the same
+                                                                 command on the same DIR continues a killed one
+
+DIR: responses.jsonl (every answer with its `category`, `extracted` answer and `reason`; `model` with --model),
+summary.json, judge.json (the judge's name and prompt); with --model also settings.json (questions, prompt,
+sampling) and KEY/batch-NNNNN.jsonl (each model's generated batches). stdout: one JSON line with the count and share
+of each category and the accuracy per subject group (per model with --model).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from m2d_ray.artifacts import (
+    atomic_dir,
+    check_output,
+    output_kind,
+    replace_dir,
+    write_json_atomic,
+    write_marker,
+    write_text_atomic,
+)
+from m2d_ray.checkpoint import check_files
+from m2d_ray.console import bar, emit, say
+from m2d_ray.errors import M2DError
+from m2d_ray.evaluate.generation import BatchStore, Sampling, answer_all, load, recorded
+from m2d_ray.evaluate.judges import OpenAIJudge, TeacherJudge, describe, parse_judge
+from m2d_ray.evaluate.questions import TEMPLATE_CHARS, check_set, group_of, sample
+from m2d_ray.evaluate.runner import generation_placement, gpu_facts
+from m2d_ray.evaluate.taxonomy import classify, summary
+from m2d_ray.models import default_teacher, device_default, load_config, load_model
+from m2d_ray.plan.suite import prompt_tokens
+
+FIELDS = ("id", "subject", "question", "choices", "answer", "response")
+
+
+def read_responses(path: str) -> list[dict]:
+    """The answers of a responses file, every line checked (one line naming the first that lacks a field)."""
+    p = Path(path)
+    if not p.is_file():
+        raise M2DError(f"--responses {path} is not a file; give a JSON Lines file of answers")
+    out = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except ValueError:
+            raise M2DError(f"{path} line {n} is not JSON; give one JSON object per line") from None
+        missing = [f for f in FIELDS if not isinstance(r, dict) or f not in r]
+        if missing:
+            raise M2DError(f"{path} line {n} has no field {missing[0]!r}; give every line {', '.join(FIELDS)}")
+        if not isinstance(r["choices"], list) or not all(isinstance(c, str) for c in r["choices"]):
+            raise M2DError(f"{path} line {n}: field 'choices' is not a list of strings; give the choices' texts")
+        out.append({**r, "response": str(r["response"]), "answer": str(r["answer"]).strip().upper()})
+    if not out:
+        raise M2DError(f"--responses {path} holds no answers; give a file with one JSON object per line")
+    return out
+
+
+def check_judge(args) -> None:
+    """The command's --judge, before any work: a known kind, its teacher's files, an openai server that answers."""
+    kind, model = parse_judge(args.judge)
+    if kind == "openai":
+        OpenAIJudge(model, args.judge_url, args.judge_key_env).check()
+    elif kind == "teacher":
+        load_config(args.teacher or default_teacher())
+        check_files(args.teacher or default_teacher(), "judge teacher")
+
+
+def load_judge(args, device: str):
+    """The judge the checked --judge names (the teacher loaded now), or None."""
+    kind, model = parse_judge(args.judge)
+    if kind == "openai":
+        return OpenAIJudge(model, args.judge_url, args.judge_key_env)
+    if kind == "teacher":
+        return TeacherJudge(*load_model(args.teacher or default_teacher(), device=device), batch_size=args.batch_size)
+    return None
+
+
+def key_of(model: str, taken: set[str]) -> str:
+    base = Path(model.rstrip("/")).name.replace("/", "--") or "model"
+    key, i = base, 2
+    while key in taken:
+        key, i = f"{base}-{i}", i + 1
+    taken.add(key)
+    return key
+
+
+def _work_dir(out: Path, settings: dict, overwrite: bool) -> Path:
+    """Where the answers go: --out itself (new, or an analysis with the same settings: continued), else with
+    --overwrite a sibling that replaces --out once complete (continued too when a killed one is there)."""
+    saved = out / "settings.json"
+    if output_kind(out) == "analysis" and saved.is_file():
+        before = json.loads(saved.read_text())
+        if before == settings:
+            return out
+        if not overwrite:
+            changed = ", ".join(k for k in settings if before.get(k) != settings[k])
+            raise M2DError(
+                f"--out {out} holds an analysis with other settings ({changed}); pass --overwrite to replace it, "
+                "or choose a new path"
+            )
+        check_output(out, "analysis", overwrite=True)
+        return out.with_name(f".{out.name}.m2d-new")
+    check_output(out, "analysis", overwrite)
+    return out if not out.exists() or not any(out.iterdir()) else out.with_name(f".{out.name}.m2d-new")
+
+
+def generate(args) -> dict:
+    """--model: every model answers the questions (resumable), then the answers are classified."""
+    models = list(dict.fromkeys(args.model))
+    for m in models:
+        load_config(m)
+        check_files(m)
+    device = args.device or device_default()
+    check_set(args.questions)
+    check_judge(args)
+    gpu_bytes, gpus = gpu_facts() if device.startswith("cuda") else (None, 0)
+    prompt = int(prompt_tokens(args.questions, TEMPLATE_CHARS))
+    places = {  # this machine's GPUs: a model that needs several is sharded over them; one that fits none: one line
+        m: generation_placement(m, gpu_bytes, gpus, args.batch_size, prompt, prompt + args.max_new_tokens)
+        for m in models
+    }
+    s = Sampling(args.max_new_tokens, args.temperature, args.seed, args.batch_size)
+    settings, out = recorded(args.questions, args.per_subject, s), Path(args.out).expanduser()
+    work = _work_dir(out, settings, args.overwrite)
+    questions = sample(args.questions, args.per_subject, args.seed)
+    if work != out and (work / "settings.json").is_file():
+        if json.loads((work / "settings.json").read_text()) != settings:  # a killed --overwrite of other settings
+            shutil.rmtree(work)
+    if not (work / "settings.json").is_file():
+        work.mkdir(parents=True, exist_ok=True)
+        write_marker(work, "analysis")
+        write_json_atomic(work / "settings.json", settings)
+    taken: set[str] = set()
+    answers = {}
+    for m in models:
+        key = key_of(m, taken)
+        store = BatchStore(str(work / key))
+        have = len(store.done())
+        lm, tok = load(m, device, places[m])
+        with bar(-(-len(questions) // s.batch_size), key, "batch") as b:
+            rows = answer_all(lm, tok, questions, s, store, progress=lambda i, n: b.update())
+        del lm
+        cut = sum(r["finish"] == "length" for r in rows)
+        say(f"{key}: {len(rows)} answers ({have} batches saved before; {cut} cut at the token limit)")
+        answers[key] = rows
+    judge = load_judge(args, device)
+    records, per_model = [], {}
+    for key, rows in answers.items():
+        got = [{**r, "model": key} for r in classify(rows, judge)]
+        records += got
+        per_model[key] = summary(got, group_of)
+    _write(work, records, per_model, args)
+    if work != out:
+        replace_dir(out, work)
+    return {"models": per_model, "judge": args.judge, "out": str(out.resolve())}
+
+
+def _write(where: Path, records: list[dict], summaries: dict, args) -> None:
+    write_text_atomic(where / "responses.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    write_json_atomic(where / "summary.json", summaries)
+    teacher = {"teacher": args.teacher or default_teacher()} if parse_judge(args.judge)[0] == "teacher" else {}
+    write_json_atomic(where / "judge.json", {**describe(args.judge), **teacher})
+
+
+def reclassify(args) -> dict:
+    """--responses: the saved answers classified again."""
+    rows = read_responses(args.responses)
+    check_judge(args)
+    check_output(args.out, "analysis", args.overwrite)
+    records = classify(rows, load_judge(args, args.device or device_default()))
+    result = summary(records, group_of)
+    with atomic_dir(args.out, "analysis", args.overwrite) as tmp:
+        _write(tmp, records, result, args)
+    return {**result, "judge": args.judge, "out": str(Path(args.out).expanduser().resolve())}
+
+
+def main(args) -> None:
+    emit(json.dumps(reclassify(args) if args.responses else generate(args)))
