@@ -18,6 +18,7 @@ from m2d_ray.commands.runs import check_outcome, existing_run, keep_logs, new_ru
 from m2d_ray.config import load_config
 from m2d_ray.console import emit, say
 from m2d_ray.errors import M2DError
+from m2d_ray.plan.targets import recorded
 from m2d_ray.sizes import parse_size
 from m2d_ray.stages.context import RunContext
 
@@ -41,17 +42,21 @@ def run(
         rd = existing_run(resume)
         cfg = load_config(rd.config, overrides)
         pipeline.check_resume(rd, cfg, stages, tracking_uri)
+        chosen = recorded(rd.read_memory_plan())  # the teachers' targets the run was planned with, kept
     else:
         if config is None:
             raise M2DError("give a config (e.g. experiments/tiny.yaml) or --resume RUN_DIR")
         cfg = load_config(config, overrides)
         rd = new_run(out, cfg)
         pipeline.check(cfg, stages, tracking_uri)
-    plan = check_run(cfg, gpu_memory, cluster)  # every stage fits a device it can get, before any work (else exit 2)
+        chosen = None
+    # every stage fits a device it can get, before any work (else exit 2); under stage2.targets=auto the plan chooses
+    # each teacher's targets here, once, and the run uses them
+    plan = check_run(cfg, gpu_memory, cluster, chosen)
     ctx = (
-        RunContext(cfg, rd, tracking_uri, tuple(stages))
+        RunContext(cfg, rd, tracking_uri, tuple(stages), plan.targets)
         if resume
-        else RunContext.create(cfg, rd, tracking_uri, tuple(stages))
+        else RunContext.create(cfg, rd, tracking_uri, tuple(stages), plan.targets)
     )
     keep_logs(rd.path)
     pipeline.record_corpora(rd, cfg, stages)

@@ -138,11 +138,13 @@ def test_storage_counts_checkpoints_students_tokens_and_targets(qwen30b):
         "stages",
         "storage_bytes",
         "storage_peak_bytes",
+        "targets",
         "seconds",
         "gpu_hours",
         "dollars",
         "bound",
     }  # bound: ASHA on
+    assert j["targets"] == {"teacher": {"targets": "hidden", "shard_teacher": False}}
     assert j["storage_bytes"] == sum(st.values())
     assert j["storage_peak_bytes"] == sum(st.values()) + plan.storage_peak["checkpoints"]
     assert set(j["stages"]) == {"calibrate", "stage1", "targets", "stage2", "stage3"}
