@@ -228,7 +228,7 @@ def choose_targets(p: Planning, run: list[Stage], cpu: Host | None) -> tuple[dic
             plan = _plan_with(replace(p, targets={**chosen, t.key: c}), run, cpu)
             tried.append((c, plan, _unfit(plan, t.key, c)))
         fitting = [(c, plan) for c, plan, unfit in tried if unfit is None]
-        options = "; ".join(unfit or f"{c.label} {_price_text(plan)}" for c, plan, unfit in tried)
+        options = "; ".join(unfit or f"{c.label}: {_price_text(plan)}" for c, plan, unfit in tried)
         if not fitting:
             refusals.append(
                 f"stage2.targets=auto: no exact mode fits {t.key} ({options}); raise plan.max_storage, give more "
@@ -282,9 +282,10 @@ def _price(plan: RunPlan) -> tuple[float, float, float]:
 
 
 def _price_text(plan: RunPlan) -> str:
+    """What the whole run would cost with a candidate: dollars (when priced), wall time, the storage it fills."""
     c = plan.cost
     money = f"${c.dollars:,.0f}, " if c.dollars else ""
-    return f"{money}{duration(c.seconds)}, {gib(plan.storage_peak_bytes)} stored"
+    return f"the run {money}{duration(c.seconds)}, {gib(plan.storage_peak_bytes)} stored"
 
 
 def _bill(p: Planning, run: list[Stage], plans: dict, cpu: Host | None, stored: int = 0) -> RunCost:

@@ -192,7 +192,7 @@ class RunPlan:
             rows.append((s.name, f"{s.unit} ({device})", gib(s.per_device), f"{s.gpus:g}", fits, _top(s.parts, 4)))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5] for r in rows]
-        lines += [f"stage 2's teachers: {t}" for t in self.targets_lines()]
+        lines += [f"stage-2 targets of {t}" for t in self.targets_lines()]
         lines.append(f"storage written: {gib(memory.total(self.storage))} stays ({_top(self.storage, 6)})")
         if self.storage_peak:
             lines.append(
