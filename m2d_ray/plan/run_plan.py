@@ -167,7 +167,9 @@ class RunPlan:
         big = max(parts, key=parts.get)
         avoid = {
             "targets": "stage2.targets=online with stage2.shard_teacher=true (or auto) stores no teacher states",
-            "checkpoints": "stage2.keep_training_state=false or fewer students at once (stage2.max_concurrent_trials)",
+            "checkpoints": "stage2.keep_training_state=false"
+            if big in self.storage
+            else "fewer students at once (stage2.max_concurrent_trials)",
             "token shards": "fewer distill.steps",
         }.get(big, "fewer students (stage2.pairs or stage2.recipes)")
         return (

@@ -500,6 +500,62 @@ CASES = {
         ],
         "but plan.max_dollars is $0.01",
     ),
+    "plan: storage over plan.max_storage": (
+        lambda w: ["plan", str(TINY), "plan.max_storage=10MiB"],
+        "(most: checkpoints 10 MiB) but plan.max_storage is 10 MiB; fewer students at once",
+    ),
+    "plan: every exact mode over plan.max_storage and memory": (
+        lambda w: [
+            "plan",
+            str(ROOT / "experiments" / "qwen3_30b_a3b.yaml"),
+            "--model",
+            str(ROOT / "experiments" / "configs" / "Qwen--Qwen3-30B-A3B"),
+            "--cluster",
+            str(ROOT / "cluster.yaml"),
+            "plan.max_storage=1TB",
+            "distill.workers=1",
+        ],
+        "no exact mode fits teacher (hidden stores 2004.3 GiB, over plan.max_storage 931.3 GiB; online needs 130.5 GiB "
+        "a rank, over the 75.7 GiB a device gives it)",
+    ),
+    "plan: a misspelt recipe": (
+        lambda w: ["plan", str(TINY), "stage2.recipes=[do-acp/rx/K4/uniform]"],
+        "unknown grouping 'rx'; did you mean",
+    ),
+    "run: a recipe's K outside [k, E]": (
+        lambda w: _run("stage2.recipes=[sf/rr/K64/uniform]"),
+        "stage2.recipes: sf/rr/K64/uniform outside K in [k, E] = [2, 16]",
+    ),
+    "distill: a sharded teacher with cached targets": (
+        lambda w: [
+            "distill",
+            "--student",
+            str(w["student"]),
+            "--eval-data",
+            "synthetic:valid",
+            "--targets",
+            "hidden",
+            "--shard-teacher",
+            "--workers",
+            "2",
+            "--out",
+            "d",
+        ],  # fmt: skip
+        "stage2.shard_teacher=true changes nothing with stage2.targets=hidden",
+    ),
+    "distill: a sharded teacher on one worker": (
+        lambda w: [
+            "distill",
+            "--student",
+            str(w["student"]),
+            "--eval-data",
+            "synthetic:valid",
+            "--shard-teacher",
+            "--out",
+            "d",
+        ],  # fmt: skip
+        "changes nothing with distill.workers=1",
+    ),
     "resume of a directory that is no run": (lambda w: ["run", "--resume", "mine"], "not an m2d run directory"),
     "resume with a changed grid": (
         lambda w: ["run", "--resume", str(w["run"]), "grid.K=[4]"],
