@@ -70,7 +70,7 @@ def distill_rows(data: RunData) -> list[dict]:
     the baselines, then the teacher (and the baselines' own teachers); accuracies where measured."""
     g, only = data.cfg.grid, data.cfg.stage2.pairs
     rows = []
-    named = [tuple(pair.split("/")) for pair in data.promotions["pairs"]] if data.cfg.stage2.recipes else []
+    named = [tuple(pair.split("/")) for pair in data.promotions.get("order", ())]
     for s, gr in named or [(s, gr) for s in g.scoring for gr in g.grouping]:
         p = data.promotions["pairs"].get(f"{s}/{gr}")
         if p is not None and (not only or f"{s}/{gr}" in only):

@@ -158,7 +158,8 @@ class Stage1(Stage):
 
 
 def _named(data) -> Table:
-    rows = [[pair, p["K"], p["scaling"], p["key"]] for pair, p in data.promotions["pairs"].items()]
+    pairs = data.promotions["pairs"]
+    rows = [[pair, pairs[pair]["K"], pairs[pair]["scaling"], pairs[pair]["key"]] for pair in data.promotions["order"]]
     return Table(
         "recipes",
         ["scoring/grouping", "K", "scaling", "key"],

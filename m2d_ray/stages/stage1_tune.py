@@ -336,6 +336,7 @@ def named(ctx, stage) -> Stage1Result:
             "E": adapter.num_experts(mcfg),
             "criterion": "named in stage2.recipes (no stage-1 search)",
             "pairs": pairs,
+            "order": [s.pair for s in specs],  # as named (the file's keys are sorted)
             "unpromoted": [],
         },
     )

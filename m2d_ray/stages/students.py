@@ -12,7 +12,6 @@ outputs for them first) and stage 2 (which distils them).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from m2d_ray.distill.config import DistillConfig
@@ -68,9 +67,10 @@ class Student:
 def students(promotions: dict, baselines: list[Baseline], only: tuple[str, ...] = ()) -> list[Student]:
     """Promoted students best-first (ASHA meets strong students early), then the baselines; `only` keeps those
     (scoring/grouping) pairs."""
-    pairs = sorted(  # named recipes have no stage-1 perplexity: they keep their order
+    order = {p: i for i, p in enumerate(promotions.get("order", ()))}  # named recipes: as named (no stage-1 ppl)
+    pairs = sorted(
         ((p, v) for p, v in promotions["pairs"].items() if not only or p in only),
-        key=lambda kv: math.inf if kv[1]["ppl"] is None else kv[1]["ppl"],
+        key=lambda kv: order[kv[0]] if kv[0] in order else kv[1]["ppl"],
     )
     return [Student(p["key"], pair, p["ppl"]) for pair, p in pairs] + [
         Student(b.key, b.name, None, b.name) for b in baselines
