@@ -9,12 +9,17 @@ imports, the maximum over ranks.
               engine without optimizer) and the unsharded teacher, 2 ranks: each rank's memory holding the teacher and
               the seconds of a no-grad forward of one [1, 256] batch (best of 3)
     memory    2 and 4 ranks: a distillation step's rank (DDP student + the teacher online, 2 steps of [1, 256]), the
-              teacher unsharded (loaded whole, as today) or sharded (streamed from the checkpoint): peak per rank, and
-              how far the sharded one lies below, in teacher bytes (the issue's bar: >= 0.4 at 2 ranks, >= 0.6 at 4)
+              teacher unsharded (`online`: loaded as the platform loads it, from_pretrained; `online-read`: read
+              tensor by tensor, without from_pretrained's loading overhead) or sharded (streamed from the
+              checkpoint): peak per rank, and how far the sharded one lies below each, in teacher bytes (the issue's
+              bar: >= 0.4 at 2 ranks, >= 0.6 at 4)
     speed     2 ranks, one run: unsharded and sharded steps interleaved on the same processes (A B A B ...), their
               ratio, and where a step's time goes (the teacher's forward, gathers included, against the rest)
+    quality   the wiki4 pair (../shared): the DO-ACP K = k student, 100 steps of 2 ranks x 4 x 128 tokens, distilled
+              online, from the teacher sharded over the 2 ranks, and from its cached hidden states: final validation
+              perplexity of each (same student, data and budget)
 
-    python benchmarks/p10_sharded_teacher.py [--parts choose memory speed] [--work /tmp/m2d-p10] [--steps 6]
+    python benchmarks/p10_sharded_teacher.py [--parts choose memory speed quality] [--work /tmp/m2d-p10] [--steps 6]
 """
 
 from __future__ import annotations
@@ -142,6 +147,8 @@ def _step_main(rank: int, world: int, port: int, out: str, teacher: str, student
     _reset_hwm()
     if mode == "sharded":
         t, head = load_sharded(teacher, torch.float32, "cpu")
+    elif mode == "online-read":
+        t, head = _read_whole(teacher), None
     else:
         t, head = load_distill_teacher(teacher, dtype=torch.float32), None
     loading = _vm("VmHWM") - base
@@ -153,6 +160,72 @@ def _step_main(rank: int, world: int, port: int, out: str, teacher: str, student
         trainer.step([ids[i * world + rank]])
     _save(out, rank, {"loading_peak": loading, "peak": _vm("VmHWM") - base, "loss": trainer.take_loss()})
     dist.destroy_process_group()
+
+
+def _read_whole(teacher: str):
+    """The whole teacher read tensor by tensor from its checkpoint (weights.open_model), as a `models.Teacher`."""
+    from m2d_ray.models import Teacher
+    from m2d_ray.weights import open_model
+
+    lazy = open_model(teacher, dtype=torch.float32)
+    return Teacher(teacher, lazy.module("").eval(), lazy.tokenizer, lazy.adapter)
+
+
+# ---- quality: the wiki4 pair, 2 ranks --------------------------------------------------------------------------
+def _quality_main(rank: int, world: int, port: int, out: str, work: str, steps: int) -> None:
+    _join(rank, world, port)
+    from _common import TEACHER_DIR, WIKI_TEST, WIKI_VALID
+
+    from m2d_ray.config import DistillConfig
+    from m2d_ray.distill.loop import DistillJob, WorkerIO, run_distill
+    from m2d_ray.distill.targets import parse_targets
+
+    cfg = DistillConfig(
+        train_data=str(WIKI_VALID), steps=steps, lr=3e-3, min_lr=3e-4, warmup_steps=5, batch_size=4, seq_len=128, eval_every=max(1, steps // 4),
+        eval_max_tokens=16384, deepspeed=False,
+    )  # fmt: skip
+    rows = {}
+    for mode in ("online", "sharded", "hidden"):
+        reports, t0 = [], time.perf_counter()
+        job = DistillJob(
+            str(TEACHER_DIR), f"{work}/student", cfg, str(WIKI_TEST), tokens=f"{work}/tokens",
+            targets=f"{work}/targets-hidden" if mode == "hidden" else None,
+            target_spec=parse_targets("hidden") if mode == "hidden" else None, shard_teacher=mode == "sharded",
+        )  # fmt: skip
+        run_distill(job, WorkerIO(rank=rank, world=world, report=lambda m, c, r=reports: r.append(m)))
+        rows[mode] = {
+            "val_ppl": [m["val_ppl"] for m in reports],
+            "initial": reports[-1]["val_ppl_initial"],
+            "s": time.perf_counter() - t0,
+            "peak_rss": reports[-1]["peak_rss_bytes"],
+        }
+    _save(out, rank, rows)
+    dist.destroy_process_group()
+
+
+def _quality(work: Path, steps: int) -> list[dict]:
+    """The student, tokens and hidden-state targets of the wiki4 pair, made once here (as s3_targets.py makes them),
+    then the three modes on 2 ranks."""
+    from _common import TEACHER_DIR, WIKI_TEST, WIKI_VALID
+
+    from m2d_ray.commands.convert import convert_one
+    from m2d_ray.distill.targets import parse_targets
+    from m2d_ray.distill.tokens import write_tokens
+    from m2d_ray.models import load_tokenizer
+    from m2d_ray.stages.shards import targets_here
+
+    work = work / f"wiki4-{steps}"
+    if not (work / "student" / "config.json").exists():
+        convert_one(
+            str(TEACHER_DIR), "do-acp", "rr", "uniform", None, work / "student", calib_data=str(WIKI_VALID),
+            calib_kwargs={"max_tokens": 16384, "seq_len": 128},
+        )  # fmt: skip
+    if not (work / "tokens").exists():
+        tok = load_tokenizer(str(TEACHER_DIR))
+        write_tokens(work / "tokens", tok, str(WIKI_VALID), 128, steps * 4 * 2, str(WIKI_TEST), 16384)
+    if not (work / "targets-hidden").exists():
+        targets_here(str(TEACHER_DIR), str(work / "tokens"), str(work / "targets-hidden"), parse_targets("hidden"))
+    return _spawn(_quality_main, 2, str(work), steps)
 
 
 # ---- speed: both teachers in one run ---------------------------------------------------------------------------
@@ -211,9 +284,10 @@ def _median(xs: list[float]) -> float:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work", default="/tmp/m2d-p10")
-    p.add_argument("--parts", nargs="+", default=["choose", "memory", "speed"])
+    p.add_argument("--parts", nargs="+", default=["choose", "memory", "speed", "quality"])
     p.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--quality-steps", type=int, default=100)
     a = p.parse_args(argv)
     from _common import machine_line
     from make_teacher import make_teacher
@@ -238,14 +312,14 @@ def main(argv=None) -> None:
     if "memory" in a.parts:
         for world in a.ranks:
             peaks = {}
-            for mode in ("online", "sharded"):
+            for mode in ("online", "online-read", "sharded"):
                 ranks = _spawn(_step_main, world, str(teacher), str(student), mode, 2)
                 peaks[mode] = max(r["peak"] for r in ranks)
                 loading = max(r["loading_peak"] for r in ranks)
                 print(json.dumps({"part": "memory", "ranks": world, "mode": mode, "peak": peaks[mode],
                                   "loading_peak": loading, "loss": ranks[0]["loss"]}), flush=True)  # fmt: skip
-            below = (peaks["online"] - peaks["sharded"]) / t_bytes
-            print(json.dumps({"part": "memory", "ranks": world, "sharded_below_online_in_teachers": below}))
+            below = {k: (peaks[k] - peaks["sharded"]) / t_bytes for k in ("online", "online-read")}
+            print(json.dumps({"part": "memory", "ranks": world, "sharded_below_in_teachers": below}), flush=True)
     if "speed" in a.parts:
         ranks = _spawn(_speed_main, 2, str(teacher), str(student), a.steps)
         step = {k: max(_median(r["step_s"][k]) for r in ranks) for k in ("online", "sharded")}
@@ -261,8 +335,13 @@ def main(argv=None) -> None:
                     "sharded_over_online": step["sharded"] / step["online"],
                     "loss": ranks[0]["loss"],
                 }
-            )
+            ),
+            flush=True,
         )
+    if "quality" in a.parts:
+        ranks = _quality(work, a.quality_steps)
+        for mode, row in ranks[0].items():
+            print(json.dumps({"part": "quality", "ranks": 2, "steps": a.quality_steps, "mode": mode, **row}))
 
 
 if __name__ == "__main__":
