@@ -12,14 +12,18 @@ the chunked KL forms the teacher's logits from it a chunk of tokens at a time, e
 Loading is layer-streamed (`load_sharded`): the teacher is built on the meta device over its checkpoint
 (`weights.open_model`) and its decoder layers are read one at a time, each sharded before the next is read, then the
 embeddings and the final norm; no rank ever holds more than its shards and one whole layer, not even while loading.
-`shard_loaded` shards a teacher already in memory the same way (the benchmarks' random-weight models).
+`shard_loaded` shards a teacher already loaded whole the same way (where a process has it anyway: a notebook, a
+benchmark's random-weight model); tests hold both ways to the unsharded loss.
 
 Why FSDP2 and not DeepSpeed ZeRO-3 inference (benchmarks/p10_sharded_teacher.py, benchmarks/RESULTS.md, "The sharded
-teacher"): measured on the CPU with 2 gloo ranks, both hold half the teacher, but ZeRO-3 partitions a model as it is
-constructed (`deepspeed.zero.Init`, a process-wide patch of module construction that the students' ZeRO-2 engines and
-transformers' loading in the same process then see; a second ZeRO-3 model beside another hangs, DeepSpeed#5520) and
-streams every parameter through its own hooks, while FSDP2 shards modules that already exist, one layer at a time,
-with plain torch collectives on the student's process group, and its forward was the faster of the two.
+teacher"; the E64 teacher, 2 gloo ranks on the CPU): both hold half the teacher once it runs, and their forwards took
+about the same time (each gathers the whole teacher once a forward), but ZeRO-3 as transformers documents it outside
+its Trainer (a live `HfDeepSpeedConfig`, `from_pretrained`, an engine without optimizer) loaded the whole checkpoint
+on rank 0 (1.9 x the teacher's bytes there: what this module must never do) and took 5x longer to load; it also
+partitions models through a process-wide patch of module construction (`deepspeed.zero.Init`) that the students'
+ZeRO-2 engines and transformers' loading in the same process would see (a second ZeRO-3 model beside another hangs,
+DeepSpeed#5520). FSDP2 shards modules that already exist, one layer at a time, with plain torch collectives on the
+student's process group.
 """
 
 from __future__ import annotations
