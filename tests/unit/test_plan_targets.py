@@ -166,3 +166,42 @@ def test_an_explicit_mode_is_every_teacher_s(qwen30b):
     assert not any(t.why for t in plan.targets.values())
     again = make_plan(replace(cfg, stage2=replace(cfg.stage2, targets="auto")), qwen30b, GPU80, choices=plan.targets)
     assert again.targets == plan.targets  # a resumed run keeps what it was planned with
+
+
+def test_the_run_uses_the_plan_s_choice_recorded_in_memory_plan_json(tmp_path):
+    """m2d run hands the plan's choice to the run's context and records it; a context without one (a resume, the
+    report) reads it from memory_plan.json; an explicit mode is every teacher's; auto with no plan is one line."""
+    from m2d_ray.commands.plan import record_plan
+    from m2d_ray.errors import M2DError
+    from m2d_ray.models import default_teacher
+    from m2d_ray.run_dir import RunDir
+    from m2d_ray.stages.context import RunContext
+
+    tiny = ROOT / "experiments" / "tiny.yaml"
+    cfg = load_config(tiny, ["stage2.targets=auto", "plan.cpu_flops=1e9"])
+    plan = make_plan(cfg, model_config(default_teacher()), Devices(host_memory=8 << 30))
+    assert {k: t.label for k, t in plan.targets.items()} == {"teacher": "hidden", "teacher-d2d": "online"}
+    rd = RunDir(tmp_path / "run")
+    record_plan(rd, plan)
+    assert json.loads(rd.memory_plan.read_text())["targets"]["teacher-d2d"]["targets"] == "online"
+    ctx = RunContext(cfg, rd)
+    assert all(ctx.choice(k) == t for k, t in plan.targets.items())
+    with pytest.raises(M2DError, match="no plan of .* chose the targets of teacher; m2d run plans it"):
+        RunContext(cfg, RunDir(tmp_path / "other")).choice("teacher")
+    explicit = RunContext(load_config(tiny, ["stage2.targets=sampled:8"]), RunDir(tmp_path / "other"))
+    assert explicit.choice("teacher-d2d").mode == "sampled:8"
+
+
+def test_only_a_teacher_that_stores_its_states_has_a_targets_pass(qwen30b):
+    from m2d_ray.plan.targets import TeacherTargets
+
+    cfg = _cfg("qwen3_30b_a3b_extended.yaml")
+    rows = {}
+    for moe in ("hidden", "online"):
+        chosen = {"teacher": TeacherTargets(moe), "teacher-d2d": TeacherTargets("online", shard=True)}
+        plan = make_plan(cfg, qwen30b, GPU80, choices=chosen)
+        rows[moe] = [r.name for r in plan.stages if r.name.startswith("targets")]
+        assert ("targets" in plan.storage) == (moe == "hidden") and ("targets" in plan.cost.by_name()) == (
+            moe == "hidden"
+        )
+    assert rows == {"hidden": ["targets"], "online": []}
