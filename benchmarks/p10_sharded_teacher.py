@@ -181,8 +181,8 @@ def _quality_main(rank: int, world: int, port: int, out: str, work: str, steps: 
     from m2d_ray.distill.targets import parse_targets
 
     cfg = DistillConfig(
-        train_data=str(WIKI_VALID), steps=steps, lr=3e-3, min_lr=3e-4, warmup_steps=5, batch_size=4, seq_len=128, eval_every=max(1, steps // 4),
-        eval_max_tokens=16384, deepspeed=False,
+        train_data=str(WIKI_VALID), steps=steps, lr=3e-3, min_lr=3e-4, warmup_steps=5, batch_size=4, seq_len=128,
+        eval_every=max(1, steps // 4), eval_max_tokens=16384, deepspeed=False,
     )  # fmt: skip
     rows = {}
     for mode in ("online", "sharded", "hidden"):
