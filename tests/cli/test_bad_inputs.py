@@ -58,6 +58,11 @@ def _poison(path: Path, key_part: str) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
+def _distill(w, *more: str) -> list[str]:
+    """`m2d distill` of the matrix's student on synthetic text, with `more` options."""
+    return ["distill", "--student", str(w["student"]), "--eval-data", "synthetic:valid", *more, "--out", "d"]
+
+
 def _dense_twin(moe_dir: Path, out: Path) -> None:
     """A dense Qwen3 with the MoE teacher's attention and vocabulary and FFN width E x expert width."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen3Config
@@ -527,33 +532,11 @@ CASES = {
         "stage2.recipes: sf/rr/K64/uniform outside K in [k, E] = [2, 16]",
     ),
     "distill: a sharded teacher with cached targets": (
-        lambda w: [
-            "distill",
-            "--student",
-            str(w["student"]),
-            "--eval-data",
-            "synthetic:valid",
-            "--targets",
-            "hidden",
-            "--shard-teacher",
-            "--workers",
-            "2",
-            "--out",
-            "d",
-        ],  # fmt: skip
+        lambda w: _distill(w, "--targets", "hidden", "--shard-teacher", "--workers", "2"),
         "stage2.shard_teacher=true changes nothing with stage2.targets=hidden",
     ),
     "distill: a sharded teacher on one worker": (
-        lambda w: [
-            "distill",
-            "--student",
-            str(w["student"]),
-            "--eval-data",
-            "synthetic:valid",
-            "--shard-teacher",
-            "--out",
-            "d",
-        ],  # fmt: skip
+        lambda w: _distill(w, "--shard-teacher"),
         "changes nothing with distill.workers=1",
     ),
     "resume of a directory that is no run": (lambda w: ["run", "--resume", "mine"], "not an m2d run directory"),

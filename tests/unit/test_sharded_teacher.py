@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from families import FAMILIES, HIDDEN, VOCAB, reinit_, tiny_model
+from test_distill_ranks import CFG, _free_port
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -38,12 +38,6 @@ SETTINGS = {
     "dense": {"loss": "fkl", "temperature": 2.0},
 }
 STEP = DistillConfig(lr=3e-3, warmup_steps=1, steps=2, seq_len=16, loss_chunk=8, deepspeed=False)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _join(rank: int, world: int, port: int) -> None:
@@ -164,19 +158,7 @@ def test_sharded_loss_equals_unsharded_for_every_family_and_the_dense_teacher(te
 
 
 # ---- a whole distillation: reports, resume -----------------------------------------------------------
-RUN = DistillConfig(
-    train_data="synthetic:train",
-    steps=4,
-    eval_every=2,
-    lr=3e-3,
-    min_lr=3e-4,
-    warmup_steps=1,
-    seq_len=64,
-    batch_size=2,
-    eval_max_tokens=1024,
-    eval_batch_size=2,
-    deepspeed=False,
-)
+RUN = DistillConfig(**{**CFG.__dict__, "batch_size": 2})  # test_distill_ranks' budget, 2 ranks x 2 sequences
 
 
 def _run_main(rank: int, world: int, port: int, teacher: str, student: str, out: str) -> None:
