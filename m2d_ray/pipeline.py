@@ -188,7 +188,13 @@ def plan(
     chosen, refusals = choices or configured(cfg, keys), ()
     if not chosen:
         chosen, refusals = choose_targets(p, run, cpu)
-    return _plan_with(replace(p, targets=chosen), run, cpu, refusals)
+    unread = [k for k in keys if k != MOE and k not in p.teachers]
+    notes = tuple(
+        f"{k}: planned at the MoE teacher's shape (its config was not read here: a hub name beside --model; name that "
+        "teacher by a directory with its config.json to plan its own)"
+        for k in unread
+    )
+    return replace(_plan_with(replace(p, targets=chosen), run, cpu, refusals), notes=notes)
 
 
 def _plan_with(p: Planning, run: list[Stage], cpu: Host | None, refusals: tuple[str, ...] = ()) -> RunPlan:

@@ -93,6 +93,7 @@ class RunPlan:
     targets: dict[str, TeacherTargets] = field(default_factory=dict)  # each stage-2 teacher's (plan/targets.py)
     max_storage: int | None = None  # plan.max_storage in bytes
     refusals: tuple[str, ...] = ()  # lines of the plan's own choices that cannot run (auto: no exact mode fits)
+    notes: tuple[str, ...] = ()  # what the plan assumed, said below the table
 
     def by_stage(self) -> dict[str, StagePlan]:
         """One entry per stage: the unit that fits worst (stage 3 plans each model)."""
@@ -194,7 +195,7 @@ class RunPlan:
             rows.append((s.name, f"{s.unit} ({device})", gib(s.per_device), f"{s.gpus:g}", fits, _top(s.parts, 4)))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5] for r in rows]
-        lines += [f"stage-2 targets of {t}" for t in self.targets_lines()]
+        lines += [f"stage-2 targets of {t}" for t in self.targets_lines()] + list(self.notes)
         lines.append(f"storage written: {gib(memory.total(self.storage))} stays ({_top(self.storage, 6)})")
         if self.storage_peak:
             lines.append(
