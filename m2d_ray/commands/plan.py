@@ -32,6 +32,7 @@ from m2d_ray.evaluate.runner import host_available
 from m2d_ray.pipeline import plan_run
 from m2d_ray.plan.devices import cluster_settings, from_cluster_yaml, local_node
 from m2d_ray.plan.run_plan import Devices, RunPlan, as_record, plan_line
+from m2d_ray.plan.targets import recorded
 from m2d_ray.sizes import parse_size
 
 # Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
@@ -116,6 +117,14 @@ def check_run(
     if cfg.stage2.targets == AUTO:
         say(f"stage2.targets=auto{' (as the run was planned)' if choices else ''}: " + "; ".join(plan.targets_lines()))
     return plan
+
+
+def kept_choices(rd, cfg: SweepConfig) -> dict | None:
+    """The stage-2 teachers' targets a resumed run keeps: under auto, those its plan chose once stage 2 has started
+    (its students may have trained on them); before that, and for an explicit mode, the plan decides again."""
+    if cfg.stage2.targets != AUTO or not rd.stage2_config.exists():
+        return None
+    return recorded(rd.read_memory_plan()) or None
 
 
 def _ray_up() -> bool:

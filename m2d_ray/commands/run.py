@@ -13,12 +13,11 @@ from __future__ import annotations
 import json
 
 from m2d_ray import pipeline
-from m2d_ray.commands.plan import check_run, log_plan, record_plan
+from m2d_ray.commands.plan import check_run, kept_choices, log_plan, record_plan
 from m2d_ray.commands.runs import check_outcome, existing_run, keep_logs, new_run
 from m2d_ray.config import load_config
 from m2d_ray.console import emit, say
 from m2d_ray.errors import M2DError
-from m2d_ray.plan.targets import recorded
 from m2d_ray.sizes import parse_size
 from m2d_ray.stages.context import RunContext
 
@@ -42,7 +41,7 @@ def run(
         rd = existing_run(resume)
         cfg = load_config(rd.config, overrides)
         pipeline.check_resume(rd, cfg, stages, tracking_uri)
-        chosen = recorded(rd.read_memory_plan())  # the teachers' targets the run was planned with, kept
+        chosen = kept_choices(rd, cfg)
     else:
         if config is None:
             raise M2DError("give a config (e.g. experiments/tiny.yaml) or --resume RUN_DIR")

@@ -171,7 +171,7 @@ def test_an_explicit_mode_is_every_teacher_s(qwen30b):
 def test_the_run_uses_the_plan_s_choice_recorded_in_memory_plan_json(tmp_path):
     """m2d run hands the plan's choice to the run's context and records it; a context without one (a resume, the
     report) reads it from memory_plan.json; an explicit mode is every teacher's; auto with no plan is one line."""
-    from m2d_ray.commands.plan import record_plan
+    from m2d_ray.commands.plan import kept_choices, record_plan
     from m2d_ray.errors import M2DError
     from m2d_ray.models import default_teacher
     from m2d_ray.run_dir import RunDir
@@ -190,6 +190,11 @@ def test_the_run_uses_the_plan_s_choice_recorded_in_memory_plan_json(tmp_path):
         RunContext(cfg, RunDir(tmp_path / "other")).choice("teacher")
     explicit = RunContext(load_config(tiny, ["stage2.targets=sampled:8"]), RunDir(tmp_path / "other"))
     assert explicit.choice("teacher-d2d").mode == "sampled:8"
+    # a resume keeps the choice once stage 2 has started (its students trained on it); before, the plan decides again
+    assert kept_choices(rd, cfg) is None
+    rd.stage2_config.parent.mkdir(parents=True, exist_ok=True)
+    rd.stage2_config.write_text("stage: 2\n")
+    assert kept_choices(rd, cfg) == plan.targets and kept_choices(rd, explicit.cfg) is None
 
 
 def test_only_a_teacher_that_stores_its_states_has_a_targets_pass(qwen30b):
