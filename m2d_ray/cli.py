@@ -273,7 +273,14 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="online (default: the teacher runs beside the student), hidden (exact), topk[:K] or "
         "sampled[:N]: the teacher's outputs computed once and cached in the storage (then the workers load no teacher "
-        "layers)",
+        "layers); auto: online (one student never stores states)",
+    )
+    d.add_argument(
+        "--shard-teacher",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="online: each of the --workers ranks holds 1/workers of the teacher and gathers one layer at a time for "
+        "its forward (a teacher larger than a GPU's share)",
     )
     d.add_argument(
         "--keep-training-state",
@@ -384,6 +391,7 @@ OVERRIDE_FLAGS = {
     "distill": {
         **{k: f"distill.{k}" for k in ("train_data", "steps", "loss", "teacher_topk", "deepspeed", "workers")},
         "targets": "stage2.targets",
+        "shard_teacher": "stage2.shard_teacher",
         "keep_training_state": "stage2.keep_training_state",
     },
 }

@@ -21,7 +21,7 @@ from m2d_ray.accelerators import check_accelerator
 from m2d_ray.artifacts import write_text_atomic
 from m2d_ray.convert.scaling import SCALINGS
 from m2d_ray.distill.config import DistillConfig, check_distill
-from m2d_ray.distill.targets import check_targets_loss, parse_targets
+from m2d_ray.distill.targets import AUTO, check_targets_loss, parse_targets
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.harness import parse_tasks
 from m2d_ray.evaluate.judges import parse_judge
@@ -159,8 +159,15 @@ class Stage2Config:
     pairs: tuple[str, ...] = ()
     # the teacher's outputs: online (the teacher runs beside every student) | hidden (its final hidden states: exact,
     # a rank reads the teacher's output head only) | topk[:K] | sampled[:N] (approximate); cached modes are computed
-    # once over the run's tokens into its storage, and students load no teacher weights
+    # once over the run's tokens into its storage, and students load no teacher weights; auto: per teacher, the
+    # cheapest exact mode that fits (hidden, or online, sharded where it must be), chosen by the plan
     targets: str = "online"
+    # online: each rank of a student holds 1/distill.workers of its teacher and gathers one layer at a time for the
+    # forward (distill/sharded_teacher.py); with auto, the online choices are sharded ones
+    shard_teacher: bool = False
+    # students named directly, with no stage-1 search (calibration still plans them): scoring/grouping/K<K>/scaling,
+    # e.g. [do-acp/rr/K8/uniform, sf/wc/K16/uniform]; one per scoring/grouping pair
+    recipes: tuple[str, ...] = ()
     # keep a student's Train checkpoints (DeepSpeed state: ~14 B/parameter, 94 GB at 3.3B) once it ends; false: removed
     # (ok: once its distilled model is verified in storage; pruned or diverged: at once)
     keep_training_state: bool = False
@@ -266,6 +273,17 @@ class PlanConfig:
     cpu_efficiency: float = 0.4
     # one CPU thread's fp32 FLOP/s; None = measured by a matmul when a stage runs on CPU
     cpu_flops: float | None = None
+    # refuse a run whose storage exceeds this, e.g. 20TB, before any work (None: no limit)
+    max_storage: str | None = None
+    # bytes/s one student reads cached targets at, by storage kind (local: the run directory; shared: a path every
+    # node mounts; object: s3:// or gs://), over plan/targets.py's defaults
+    read_bandwidth: dict[str, float] = field(default_factory=dict)
+    # $ per TB-month of storage by the same kinds, over plan/targets.py's defaults
+    tb_month: dict[str, float] = field(default_factory=dict)
+    # bytes/s one GPU all-gathers a sharded teacher's layers at within a node (NVLink)
+    nvlink_bandwidth: float = 3.0e11
+    # bytes/s one GPU all-gathers a sharded teacher's layers at between nodes
+    network_bandwidth: float = 2.5e10
     # $/hour by node type or instance type, over plan/prices.py's table
     prices: dict[str, float] = field(default_factory=dict)
     # seconds the FLOPs do not show, fit on the tiny runs' measured walls on two 2-core hosts (RESULTS.md, "The bill"):
@@ -367,7 +385,9 @@ class SweepConfig:
             ("stage3.accelerator", self.stage3.accelerator),
         ):
             check_accelerator(value, key)
-        check_targets_loss(self.distill.loss, parse_targets(self.stage2.targets, self.distill.temperature))
+        check_stage2_targets(self)
+        check_plan_storage(self.plan)
+        check_recipes(self.stage2)
         grid_pairs = [f"{s}/{g}" for s in self.grid.scoring for g in self.grid.grouping]
         for p in self.stage2.pairs:
             if p not in grid_pairs:
@@ -395,8 +415,101 @@ class SweepConfig:
         return None if self.distill.gpus_per_worker > 0 else self.ray.max_concurrent_trials
 
     def target_spec(self):
-        """stage2.targets as a TargetSpec (None: online), at the distillation temperature and seed."""
+        """stage2.targets as a TargetSpec (None: online), at the distillation temperature and seed; `auto` is the
+        plan's choice per teacher (plan/targets.py), not one spec."""
+        if self.stage2.targets == AUTO:
+            raise ValueError("stage2.targets=auto: each teacher's mode is the plan's (Planning.choice)")
         return parse_targets(self.stage2.targets, self.distill.temperature, self.distill.seed)
+
+
+def check_stage2_targets(cfg: SweepConfig) -> None:
+    """stage2.targets (a mode or auto) against the loss, and stage2.shard_teacher where it would change nothing."""
+    s2, x = cfg.stage2, cfg.distill
+    if s2.shard_teacher and x.workers < 2:
+        raise M2DError(
+            "stage2.shard_teacher=true changes nothing with distill.workers=1: a teacher is sharded over the ranks of "
+            "its student; set distill.workers to 2 or more (e.g. one per GPU of a node), or drop it"
+        )
+    if s2.targets == AUTO:  # the plan chooses among the exact modes the loss can train from
+        return
+    spec = parse_targets(s2.targets, x.temperature)
+    check_targets_loss(x.loss, spec)
+    if s2.shard_teacher and spec is not None:
+        raise M2DError(
+            f"stage2.shard_teacher=true changes nothing with stage2.targets={s2.targets}: the students load no teacher "
+            "weights; drop it, or use stage2.targets=online (or auto)"
+        )
+
+
+STORAGE_KINDS = ("local", "shared", "object")
+
+
+def check_plan_storage(plan: PlanConfig) -> None:
+    """plan.max_storage a size; plan.read_bandwidth / tb_month keyed by storage kind, positive / non-negative."""
+    if plan.max_storage is not None:
+        try:
+            parse_size(plan.max_storage)
+        except M2DError as exc:
+            raise M2DError(f"plan.max_storage: {exc}") from None
+    for key, low in (("read_bandwidth", 0.0), ("tb_month", -1.0)):
+        for kind, v in getattr(plan, key).items():
+            if kind not in STORAGE_KINDS:
+                close = difflib.get_close_matches(kind, STORAGE_KINDS, n=1)
+                raise M2DError(
+                    f"plan.{key}.{kind}: unknown storage kind"
+                    + (f"; did you mean {close[0]}?" if close else "")
+                    + f" (kinds: {', '.join(STORAGE_KINDS)})"
+                )
+            if not v > low:
+                raise M2DError(f"plan.{key}.{kind}={v} must be {'> 0' if low == 0 else '>= 0'}")
+    for key in ("nvlink_bandwidth", "network_bandwidth"):
+        if not getattr(plan, key) > 0:
+            raise M2DError(f"plan.{key}={getattr(plan, key)} must be > 0 (bytes/s)")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One student named directly (stage2.recipes): what stage 1 would have promoted for its pair."""
+
+    scoring: str
+    grouping: str
+    K: int
+    scaling: str
+
+    @property
+    def pair(self) -> str:
+        return f"{self.scoring}/{self.grouping}"
+
+    def __str__(self) -> str:
+        return f"{self.scoring}/{self.grouping}/K{self.K}/{self.scaling}"
+
+
+def parse_recipe(text: str) -> Recipe:
+    """`scoring/grouping/K<K>/scaling` (e.g. do-acp/rr/K8/uniform), each name checked against its registry."""
+    parts = str(text).strip().split("/")
+    usage = "write scoring/grouping/K<K>/scaling, e.g. do-acp/rr/K8/uniform"
+    if len(parts) != 4 or parts[2][:1] not in ("K", "k") or not parts[2][1:].isdigit() or int(parts[2][1:]) < 1:
+        raise M2DError(f"stage2.recipes: {text!r} is not a recipe; {usage}")
+    for name, registry in ((parts[0], SCORINGS), (parts[1], GROUPINGS), (parts[3], SCALINGS)):
+        if name not in registry:
+            raise M2DError(f"stage2.recipes: {text!r}: {registry.unknown_message(name)}")
+    return Recipe(parts[0], parts[1], int(parts[2][1:]), parts[3])
+
+
+def check_recipes(s2: Stage2Config) -> None:
+    """Recipes well formed, one per scoring/grouping pair, and not beside stage2.pairs (which filters a search)."""
+    recipes = [parse_recipe(r) for r in s2.recipes]
+    pairs = [r.pair for r in recipes]
+    twice = sorted({p for p in pairs if pairs.count(p) > 1})
+    if twice:
+        raise M2DError(
+            f"stage2.recipes names {', '.join(twice)} more than once; stage 2 distils one student per scoring/grouping "
+            "pair: keep one recipe of each"
+        )
+    if recipes and s2.pairs:
+        raise M2DError(
+            "stage2.pairs picks among stage 1's promotions, and stage2.recipes skips stage 1: give one of them"
+        )
 
 
 def k_values(K: str | tuple[int, ...], k: int, E: int) -> list[int]:

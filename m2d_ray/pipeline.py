@@ -22,16 +22,20 @@ from m2d_ray.checkpoint import scan
 from m2d_ray.config import SweepConfig, load_config
 from m2d_ray.console import say
 from m2d_ray.data import source
+from m2d_ray.distill.losses import LOSSES
 from m2d_ray.errors import M2DError
 from m2d_ray.models import check_teacher, default_teacher
 from m2d_ray.models import load_config as model_config
-from m2d_ray.plan.cost import Host, RunCost, cpu_rate
+from m2d_ray.plan.cost import Host, RunCost, cpu_rate, duration
 from m2d_ray.plan.prices import hourly
 from m2d_ray.plan.run_plan import Costing, Devices, Planning, RunPlan
 from m2d_ray.plan.shapes import models_of, shape_of
+from m2d_ray.plan.targets import MOE, TeacherTargets, configured, storage_dollars
 from m2d_ray.run_dir import RunDir
+from m2d_ray.sizes import gib, parse_size
 from m2d_ray.stages import analysis, baselines, calibrate, report, stage1, stage2, stage3, targets
 from m2d_ray.stages.contract import Stage
+from m2d_ray.stages.students import taught
 from m2d_ray.track import Tracker
 
 # Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
@@ -145,51 +149,157 @@ def record_corpora(rd: RunDir, cfg: SweepConfig, stages: Stages = STAGES) -> Non
 
 # ---- the plan -----------------------------------------------------------------------------------
 def plan_run(
-    cfg: SweepConfig, devices: Devices = Devices(), model: str | None = None, stages: Stages = STAGES
+    cfg: SweepConfig,
+    devices: Devices = Devices(),
+    model: str | None = None,
+    stages: Stages = STAGES,
+    choices: dict[str, TeacherTargets] | None = None,
 ) -> RunPlan:
     """The plan of `cfg` (m2d plan, and m2d run before any work): the teacher's config read from `model` (a directory
-    with config.json), else the config's model; the baselines' own teachers when their configs can be read here
-    (not with `model` given: then their names may be the hub's)."""
+    with config.json), else the config's model; the baselines' own teachers when their configs can be read here (with
+    `model` given, only those in a local directory: the others' names may be the hub's). `choices`: each stage-2
+    teacher's targets already chosen (a resumed run's), else the config's or, under auto, the plan's choice."""
 
     check_config(cfg)
-    own = (
-        {}
-        if model is not None
-        else {b.teacher_key: model_config(b.teacher(cfg)) for b in baselines.of(cfg) if b.has_teacher}
-    )
-    return plan(cfg, model_config(model or cfg.model or default_teacher()), devices, own, stages)
+    own = {
+        b.teacher_key: model_config(b.teacher(cfg))
+        for b in baselines.of(cfg)
+        if b.has_teacher and (model is None or Path(b.teacher(cfg)).expanduser().is_dir())
+    }
+    return plan(cfg, model_config(model or cfg.model or default_teacher()), devices, own, stages, choices)
 
 
 def plan(
-    cfg: SweepConfig, teacher_config, devices: Devices = Devices(), own: dict | None = None, stages: Stages = STAGES
+    cfg: SweepConfig,
+    teacher_config,
+    devices: Devices = Devices(),
+    own: dict | None = None,
+    stages: Stages = STAGES,
+    choices: dict[str, TeacherTargets] | None = None,
 ) -> RunPlan:
     """Every stage's rows added up, from configs alone: the MoE teacher's, and the baselines' own teachers' (`own`, by
-    stage 3's key) where known (else planned at the MoE teacher's shape)."""
+    stage 3's key) where known (else planned at the MoE teacher's shape). Under stage2.targets=auto each stage-2
+    teacher's targets are chosen first (`choose_targets`)."""
     own = own or {}
     p = Planning(cfg, models_of(teacher_config), devices, {k: shape_of(c) for k, c in own.items()}, own)
     run = wanted(cfg, stages)
+    keys = [t.key for t in taught(p)]
+    online = replace(p, targets={k: TeacherTargets() for k in keys})
+    on_cpu = any(r.share == 0 for s in run for r in s.needs(online))
+    cpu = Host(cpu_rate(cfg), os.cpu_count() or 1, devices.cpu_load) if on_cpu else None
+    chosen, refusals = choices or configured(cfg, keys), ()
+    if not chosen:
+        chosen, refusals = choose_targets(p, run, cpu)
+    unread = [k for k in keys if k != MOE and k not in p.teachers]
+    notes = tuple(
+        f"{k}: planned at the MoE teacher's shape (its config was not read here: a hub name beside --model; name that "
+        "teacher by a directory with its config.json to plan its own)"
+        for k in unread
+    )
+    return replace(_plan_with(replace(p, targets=chosen), run, cpu, refusals), notes=notes)
+
+
+def _plan_with(p: Planning, run: list[Stage], cpu: Host | None, refusals: tuple[str, ...] = ()) -> RunPlan:
+    """The plan of `p` (its teachers' targets decided) over the stages `run`."""
     rows = [row for s in run for row in s.needs(p)]
     stays, peak = {}, {}
     for s in run:
         a, b = s.storage(p)
         stays, peak = {**stays, **a}, {**peak, **b}
+    cfg = p.cfg
     return RunPlan(
         tuple(rows),
         stays,
-        devices.gpu_memory,
+        p.devices.gpu_memory,
         {"teacher_params": p.models.teacher.params, "student_params": p.models.student.params},
         peak,
-        _bill(p, run, {r.name: r for r in rows}),
+        _bill(p, run, {r.name: r for r in rows}, cpu, sum(stays.values()) + sum(peak.values())),
         cfg.plan.max_dollars,
+        dict(p.targets),
+        parse_size(cfg.plan.max_storage) if cfg.plan.max_storage else None,
+        refusals,
     )
 
 
-def _bill(p: Planning, run: list[Stage], plans: dict, cpu: Host | None = None) -> RunCost:
-    """Every stage's cost and the run's (the head node priced for its whole wall); with ASHA expected to stop some
-    students, `bound` is the same run with none stopped."""
+def choose_targets(p: Planning, run: list[Stage], cpu: Host | None) -> tuple[dict[str, TeacherTargets], tuple]:
+    """stage2.targets=auto: for each stage-2 teacher in turn, the cheapest of its exact candidates (`_candidates`) whose
+    stage-2 rank, targets pass and storage fit, priced as the whole run's bill (dollars, else GPU-hours, else wall
+    time) with the teachers before it as chosen and those after it online. Each choice says why, with what every
+    candidate would cost; a teacher none of whose candidates fits gets the first of them and a refusal naming every
+    limit it meets (`RunPlan.problems`)."""
+    teachers = taught(p)
+    chosen = {t.key: _candidates(p, t)[-1] if _candidates(p, t) else TeacherTargets() for t in teachers}
+    refusals = []
+    for t in teachers:
+        tried = []
+        for c in _candidates(p, t):
+            plan = _plan_with(replace(p, targets={**chosen, t.key: c}), run, cpu)
+            tried.append((c, plan, _unfit(plan, t.key, c)))
+        fitting = [(c, plan) for c, plan, unfit in tried if unfit is None]
+        options = "; ".join(unfit or f"{c.label}: {_price_text(plan)}" for c, plan, unfit in tried)
+        if not fitting:
+            refusals.append(
+                f"stage2.targets=auto: no exact mode fits {t.key} ({options}); raise plan.max_storage, give more "
+                "distill.workers (the teacher is sharded over them) or larger GPUs"
+            )
+            chosen[t.key] = replace(tried[0][0] if tried else TeacherTargets(), why="no exact mode fits")
+            continue
+        best = min(fitting, key=lambda cp: _price(cp[1]))[0]
+        reason = (
+            "it serves one student: stored states would cost its forward once anyway, and their storage"
+            if t.students <= 1
+            else "the cheapest exact mode that fits"
+        )
+        chosen[t.key] = replace(best, why=f"{reason}: {options}")
+    return chosen, tuple(refusals)
+
+
+def _candidates(p: Planning, t) -> list[TeacherTargets]:
+    """The exact modes `auto` weighs for teacher `t`: hidden (when it serves more than one student and the loss trains
+    from the final states), online whole (unless stage2.shard_teacher), online sharded (over more than one worker)."""
+    cfg, out = p.cfg, []
+    if t.students > 1 and not LOSSES[cfg.distill.loss][1]:  # fkl+mse needs every layer's states: online only
+        out.append(TeacherTargets("hidden"))
+    if not cfg.stage2.shard_teacher:
+        out.append(TeacherTargets("online"))
+    if cfg.distill.workers > 1:
+        out.append(TeacherTargets("online", shard=True))
+    return out
+
+
+def _unfit(plan: RunPlan, key: str, c: TeacherTargets) -> str | None:
+    """Why candidate `c` of teacher `key` cannot run in `plan` (None: it can): its stage-2 rank or its targets pass
+    does not fit a device, or the run's storage exceeds plan.max_storage."""
+    rows = [
+        r
+        for r in plan.stages
+        if r.name in (f"stage2:{key}", f"targets:{key}") or (key == MOE and r.name in ("stage2", "targets"))
+    ]
+    for r in rows:
+        if not r.feasible or r.fits is False:
+            what = "its targets pass" if r.name.startswith("targets") else "a rank"
+            return f"{c.label} needs {gib(r.per_device)} {what}, over the {gib(r.capacity or 0)} a device gives it"
+    if plan.over_storage():
+        return f"{c.label} stores {gib(plan.storage_peak_bytes)}, over plan.max_storage {gib(plan.max_storage)}"
+    return None
+
+
+def _price(plan: RunPlan) -> tuple[float, float, float]:
+    c = plan.cost
+    return (c.dollars or 0.0, c.gpu_hours or 0.0, c.seconds or 0.0)
+
+
+def _price_text(plan: RunPlan) -> str:
+    """What the whole run would cost with a candidate: dollars (when priced), wall time, the storage it fills."""
+    c = plan.cost
+    money = f"${c.dollars:,.0f}, " if c.dollars else ""
+    return f"the run {money}{duration(c.seconds)}, {gib(plan.storage_peak_bytes)} stored"
+
+
+def _bill(p: Planning, run: list[Stage], plans: dict, cpu: Host | None, stored: int = 0) -> RunCost:
+    """Every stage's cost and the run's (the head node priced for its whole wall, the storage for it at its kind's
+    price); with ASHA expected to stop some students, `bound` is the same run with none stopped."""
     cfg, d = p.cfg, p.devices
-    if cpu is None and any(x.share == 0 for x in plans.values()):
-        cpu = Host(cpu_rate(cfg), os.cpu_count() or 1, d.cpu_load)
     c = Costing(p, plans, cpu)
     rows = [row for s in run for row in s.cost(c)]
     head = next((n for n in d.nodes or () if n.name == d.head), None)
@@ -198,7 +308,13 @@ def _bill(p: Planning, run: list[Stage], plans: dict, cpu: Host | None = None) -
     bound = None
     if len(p.ends) > 1:  # ASHA stops some students: the same run with none stopped is the most it can cost
         same = replace(cfg, stage2=replace(cfg.stage2, asha=False))
-        bound = _bill(replace(p, cfg=same), run, plans, cpu)
+        bound = _bill(replace(p, cfg=same), run, plans, cpu, stored)
+    kept = storage_dollars(cfg, p.storage_kind, stored, wall) or 0.0
+    note = (
+        f"storage: {gib(stored)} ({p.storage_kind}) for the run's {duration(wall)}, at plan.tb_month.{p.storage_kind}"
+        if kept
+        else ""
+    )
     return RunCost(
         tuple(rows),
         None if price is None or wall is None else price * wall / 3600,
@@ -206,6 +322,8 @@ def _bill(p: Planning, run: list[Stage], plans: dict, cpu: Host | None = None) -
         d.cpu_load,
         tuple(p.ends),
         bound,
+        kept,
+        note,
     )
 
 

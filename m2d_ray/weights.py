@@ -36,6 +36,7 @@ from m2d_ray.arch.base import (
     SharedExpert,
     dense_from_mlp,
 )
+from m2d_ray.arch.dense import dense_layout
 from m2d_ray.arch.head import check_plain_head, head_names
 from m2d_ray.checkpoint import (
     INDEX_FILE,
@@ -271,12 +272,24 @@ class LazyTeacher:
         return self._names[module].removeprefix(self._names[parent] + ".") + "."
 
 
-def open_teacher(name: str | None = None, device: str = "cpu") -> LazyTeacher:
-    """A teacher by directory, hub name or storage URL with no weights loaded; fails with one line when
-    the model is not a supported MoE, or its files are missing, truncated or not safetensors."""
+def open_teacher(name: str | None = None, device: str = "cpu", dtype: torch.dtype | None = None) -> LazyTeacher:
+    """A teacher by directory, hub name or storage URL with no weights loaded, its tensors read in `dtype` (default:
+    the checkpoint's); fails with one line when the model is not a supported MoE, or its files are missing,
+    truncated or not safetensors."""
     name = name or default_teacher()
+    return _open(name, get_adapter(load_config(name)), device, dtype)
+
+
+def open_model(name: str, device: str = "cpu", dtype: torch.dtype | None = None) -> LazyTeacher:
+    """`open_teacher` of any teacher a student distils from: a supported MoE, or a dense model (the d2d baseline's
+    teacher), read with the dense layout (`arch.dense.dense_layout`: its layers, no experts)."""
     config = load_config(name)
-    adapter = get_adapter(config)
+    adapter = get_adapter(config) if config.model_type in supported_types() else dense_layout(config)
+    return _open(name, adapter, device, dtype)
+
+
+def _open(name: str, adapter: MoEAdapter, device: str, dtype: torch.dtype | None) -> LazyTeacher:
+    config = load_config(name)
     directory = checkpoint_dir(name)
     check_files(str(directory), "teacher")  # the same checks (and messages) as loading it whole
     ckpt = Checkpoint(directory)
@@ -285,7 +298,7 @@ def open_teacher(name: str | None = None, device: str = "cpu") -> LazyTeacher:
         config=config,
         tokenizer=AutoTokenizer.from_pretrained(str(directory)),
         adapter=adapter,
-        skeleton=skeleton(config, _checkpoint_dtype(config, ckpt), device),
+        skeleton=skeleton(config, dtype or _checkpoint_dtype(config, ckpt), device),
         checkpoint=ckpt,
     )
 

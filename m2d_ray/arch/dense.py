@@ -20,6 +20,7 @@ from typing import ClassVar
 from torch import nn
 
 from m2d_ray.arch import supported_types
+from m2d_ray.arch.base import MoEAdapter
 from m2d_ray.errors import M2DError
 from m2d_ray.registry import Registry
 
@@ -165,3 +166,18 @@ def get_dense_adapter(config) -> DenseAdapter:
             f"teacher ({', '.join(dense_types())}): give its dense twin, e.g. m2d_ray/assets/tiny_qwen3_dense"
         )
     return DENSE_ADAPTERS[model_type]
+
+
+class DenseLayout(MoEAdapter):
+    """A dense decoder of the layout above as the lazy reader (`weights.open_model`) walks a teacher: its decoder
+    layers and final norm where the MoE families keep theirs, no MoE block, checkpoint names as in memory. What a dense
+    teacher (the d2d baseline's) needs to be read one layer at a time, as the sharded teacher reads it."""
+
+    def moe_blocks(self, model: nn.Module) -> dict[int, nn.Module]:
+        return {}
+
+
+def dense_layout(config) -> DenseLayout:
+    """The reading layout of a dense teacher; an MoE or unknown model fails with one line (`get_dense_adapter`)."""
+    get_dense_adapter(config)
+    return DenseLayout()

@@ -19,11 +19,12 @@ from m2d_ray.artifacts import check_output, replace_dir, write_json_atomic, writ
 from m2d_ray.checkpoint import check_files, scan
 from m2d_ray.commands.runs import keep_logs
 from m2d_ray.config import RayConfig, load_config
-from m2d_ray.console import emit
+from m2d_ray.console import emit, say
 from m2d_ray.convert.baselines import RANDOM_BASELINES
 from m2d_ray.convert.initial import InitialStudent
 from m2d_ray.data.text import check_spec
 from m2d_ray.distill.data import check_source
+from m2d_ray.distill.targets import AUTO
 from m2d_ray.distill.trainer import MetricsLog, fit, follow
 from m2d_ray.errors import M2DError, RunFailed
 from m2d_ray.models import (
@@ -52,7 +53,8 @@ def distill_one(
 ) -> dict:
 
     full = load_config(config, overrides)
-    cfg, spec = full.distill, full.target_spec()
+    cfg, shard = full.distill, full.stage2.shard_teacher  # (refused with cached targets or one worker)
+    spec = None if full.stage2.targets == AUTO else full.target_spec()
     out = check_output(out, "distillation", overwrite=True).resolve()  # never a file or a foreign directory
     finished = (out / "result.json").exists()
     if finished and not overwrite:
@@ -92,6 +94,12 @@ def distill_one(
     build = InitialStudent(teacher, baseline=student, seed=cfg.seed) if student_dir is None else None
     cfg = dataclasses.replace(cfg, train_data=storage.put_data(cfg.train_data))
     eval_data = storage.put_data(eval_data)
+    if full.stage2.targets == AUTO:  # one student: its teacher never stores states
+        say(
+            "stage2.targets=auto: online"
+            + (f", the teacher sharded over the {cfg.workers} ranks" if shard else "")
+            + " (one student: cached states would cost the teacher's forward once anyway, and their storage)"
+        )
     toks = tokens(storage, teacher, load_tokenizer(local_teacher), cfg, eval_data)
     targ = targets(storage, teacher, toks, spec, cfg, full.calib, full.ray) if spec else None
     with follow(work / "metrics.jsonl", out.name, total=cfg.steps):
@@ -107,6 +115,7 @@ def distill_one(
                 tokens=toks,
                 targets=targ,
                 target_spec=spec,
+                shard_teacher=shard,
             ),
             callbacks=[MetricsLog(work / "metrics.jsonl")],
         )
@@ -127,7 +136,7 @@ def distill_one(
         "teacher_topk": cfg.teacher_topk,
         "deepspeed": cfg.deepspeed,
         "workers": cfg.workers,
-        "targets": str(spec or "online"),
+        "targets": str(spec or "online") + (", sharded" if shard else ""),
         "peak_rss_bytes": m.get("peak_rss_bytes"),
         "peak_cuda_bytes": m.get("peak_cuda_bytes"),
         "metrics": str(out / "metrics.jsonl"),

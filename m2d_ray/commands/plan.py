@@ -3,8 +3,8 @@ time, GPU-hours, dollars), from configs alone; and the same check that `m2d run`
 
     table (stdout, via the log)    one row per stage (stage 3: per model), then the storage, then the bill per stage and
     in all
-    JSON line                      {"gpu_memory", "stages": {stage: {"per_gpu_bytes", "gpus", "fits", "flops",
-    "seconds",
+    JSON line                      {"gpu_memory", "targets": {teacher: {"targets", "shard_teacher"}},
+                                   "stages": {stage: {"per_gpu_bytes", "gpus", "fits", "flops", "seconds",
                                    "gpu_hours", "dollars"}}, "storage_bytes", "storage_peak_bytes" (what stays; the most
                                    while
                                    students train), "seconds", "gpu_hours", "dollars" (the run's; with ASHA on,
@@ -26,11 +26,13 @@ import torch
 from m2d_ray.artifacts import write_json_atomic
 from m2d_ray.config import SweepConfig, load_config
 from m2d_ray.console import emit, note, say
+from m2d_ray.distill.targets import AUTO
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.runner import host_available
 from m2d_ray.pipeline import plan_run
 from m2d_ray.plan.devices import cluster_settings, from_cluster_yaml, local_node
 from m2d_ray.plan.run_plan import Devices, RunPlan, as_record, plan_line
+from m2d_ray.plan.targets import recorded
 from m2d_ray.sizes import parse_size
 
 # Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
@@ -73,10 +75,13 @@ def others_load(seconds: float = 0.5) -> float:
     return busy * (os.cpu_count() or 1) if busy < 0.9 else max(0.0, os.getloadavg()[0] - 1.0)
 
 
-def check_run(cfg: SweepConfig, gpu_memory: int | None = None, cluster: str | None = None) -> RunPlan:
+def check_run(
+    cfg: SweepConfig, gpu_memory: int | None = None, cluster: str | None = None, choices: dict | None = None
+) -> RunPlan:
     """`m2d run`, before calibration: the plan against the devices Ray has or can start (the node types of
     `cluster` (a cluster YAML), else of Ray's autoscaler, else its live nodes; --gpu-memory for every GPU);
-    a request no node type holds, or memory that does not fit, exits 2."""
+    a request no node type holds, or memory that does not fit, exits 2. `choices`: the stage-2 teachers' targets a
+    resumed run was planned with (else the config's, or under auto the plan's choice, said in one line)."""
 
     head, idle = cluster_settings(cluster) if cluster else (None, 0.0)
     if cluster:
@@ -101,7 +106,7 @@ def check_run(cfg: SweepConfig, gpu_memory: int | None = None, cluster: str | No
         idle,
         others_load() if local else 0.0,
     )
-    plan = plan_run(cfg, devices)
+    plan = plan_run(cfg, devices, choices=choices or None)
     problems = plan.problems()
     show(
         plan,
@@ -109,7 +114,17 @@ def check_run(cfg: SweepConfig, gpu_memory: int | None = None, cluster: str | No
         note if problems else say,
     )
     refuse(problems)
+    if cfg.stage2.targets == AUTO:
+        say(f"stage2.targets=auto{' (as the run was planned)' if choices else ''}: " + "; ".join(plan.targets_lines()))
     return plan
+
+
+def kept_choices(rd, cfg: SweepConfig) -> dict | None:
+    """The stage-2 teachers' targets a resumed run keeps: under auto, those its plan chose once stage 2 has started
+    (its students may have trained on them); before that, and for an explicit mode, the plan decides again."""
+    if cfg.stage2.targets != AUTO or not rd.stage2_config.exists():
+        return None
+    return recorded(rd.read_memory_plan()) or None
 
 
 def _ray_up() -> bool:
@@ -141,8 +156,15 @@ def log_plan(ctx) -> None:
     bill.update(
         {f"plan.bound.{key}": bound[key] for key in ("seconds", "gpu_hours", "dollars") if bound.get(key) is not None}
     )
+    chosen = {
+        f"plan.{k}.{field}": v[field]
+        for k, v in (plan.get("targets") or {}).items()
+        for field in ("targets", "shard_teacher")
+    }  # each stage-2 teacher's targets (`auto`: the plan's choice)
     tracker.log(
-        parent, metrics={**{f"plan.{k}.per_gpu_bytes": v["per_gpu_bytes"] for k, v in plan["stages"].items()}, **bill}
+        parent,
+        params=chosen,
+        metrics={**{f"plan.{k}.per_gpu_bytes": v["per_gpu_bytes"] for k, v in plan["stages"].items()}, **bill},
     )
     tracker.artifacts(parent, [ctx.rd.memory_plan])
 

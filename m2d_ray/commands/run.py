@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 from m2d_ray import pipeline
-from m2d_ray.commands.plan import check_run, log_plan, record_plan
+from m2d_ray.commands.plan import check_run, kept_choices, log_plan, record_plan
 from m2d_ray.commands.runs import check_outcome, existing_run, keep_logs, new_run
 from m2d_ray.config import load_config
 from m2d_ray.console import emit, say
@@ -41,17 +41,21 @@ def run(
         rd = existing_run(resume)
         cfg = load_config(rd.config, overrides)
         pipeline.check_resume(rd, cfg, stages, tracking_uri)
+        chosen = kept_choices(rd, cfg)
     else:
         if config is None:
             raise M2DError("give a config (e.g. experiments/tiny.yaml) or --resume RUN_DIR")
         cfg = load_config(config, overrides)
         rd = new_run(out, cfg)
         pipeline.check(cfg, stages, tracking_uri)
-    plan = check_run(cfg, gpu_memory, cluster)  # every stage fits a device it can get, before any work (else exit 2)
+        chosen = None
+    # every stage fits a device it can get, before any work (else exit 2); under stage2.targets=auto the plan chooses
+    # each teacher's targets here, once, and the run uses them
+    plan = check_run(cfg, gpu_memory, cluster, chosen)
     ctx = (
-        RunContext(cfg, rd, tracking_uri, tuple(stages))
+        RunContext(cfg, rd, tracking_uri, tuple(stages), plan.targets)
         if resume
-        else RunContext.create(cfg, rd, tracking_uri, tuple(stages))
+        else RunContext.create(cfg, rd, tracking_uri, tuple(stages), plan.targets)
     )
     keep_logs(rd.path)
     pipeline.record_corpora(rd, cfg, stages)

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 
 from m2d_ray import pipeline
+from m2d_ray.commands.plan import check_run, kept_choices, record_plan
 from m2d_ray.commands.runs import existing_run, keep_logs, new_run
 from m2d_ray.config import load_config
 from m2d_ray.console import emit
+from m2d_ray.distill.targets import AUTO
 from m2d_ray.errors import M2DError
 from m2d_ray.stages.context import RunContext
 
@@ -30,7 +32,12 @@ def sweep(
             )
         stages = _stages(cfg.stage)
         pipeline.check_resume(rd, cfg, stages, tracking_uri)
-        ctx = RunContext(cfg, rd, tracking_uri, tuple(stages))
+        chosen = {}
+        if cfg.stage == 2 and cfg.stage2.targets == AUTO:  # the plan chooses each teacher's targets, once
+            plan = check_run(cfg, choices=kept_choices(rd, cfg))
+            record_plan(rd, plan)
+            chosen = plan.targets
+        ctx = RunContext(cfg, rd, tracking_uri, tuple(stages), chosen)
     else:
         if config is None:
             raise M2DError("give a config (e.g. experiments/tiny.yaml) or --resume RUN_DIR")

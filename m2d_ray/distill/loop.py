@@ -33,6 +33,7 @@ from m2d_ray.distill.config import DistillConfig, train_dtype
 from m2d_ray.distill.data import train_batches
 from m2d_ray.distill.flops import active_params, flops_per_token, matmul_rate
 from m2d_ray.distill.gpu import attention_implementation
+from m2d_ray.distill.sharded_teacher import load_sharded
 from m2d_ray.distill.step import DistillStep, all_reduce_max, all_reduce_sum
 from m2d_ray.distill.targets import TargetsManifest, TargetSpec, fingerprint, loss_metric, read_shard
 from m2d_ray.distill.tokens import TokenShards, manifest_sha256, rank_batches
@@ -77,6 +78,7 @@ class DistillJob:
         "train"  # Ray Train's run name there: fitting the same name again resumes from its latest checkpoint
     )
     max_failures: int = 0  # Ray Train's retries of a lost worker group
+    shard_teacher: bool = False  # online: the teacher sharded over the ranks (distill/sharded_teacher.py)
 
 
 @dataclass
@@ -165,26 +167,28 @@ def _teacher_shape(name: str):
 
 def _load_models(job: DistillJob, io: WorkerIO, dtype: torch.dtype):
     """Teacher, its output head and the student on this rank. With cached targets the teacher has no weights
-    (`_teacher_shape`); with `hidden` targets its output head alone is read (else None: online, DistillStep
-    takes the loaded teacher's). Rank 0 first builds the initial student into storage if it is missing."""
+    (`_teacher_shape`); with `hidden` targets its output head alone is read; a sharded teacher holds 1/world of its
+    weights and its head whole (distill/sharded_teacher.py); else the head is None (online, DistillStep takes the
+    loaded teacher's). Rank 0 first builds the initial student into storage if it is missing."""
 
     if job.build is not None and io.rank == 0 and not storage.exists(job.student):
         storage.save_dir(job.student, job.build)
     if io.world > 1 and dist.is_initialized():
         dist.barrier()  # every rank reads the student rank 0 made
 
-    teacher = (
-        _teacher_shape(job.teacher)
-        if job.targets
-        else load_distill_teacher(job.teacher, dtype=dtype, device=job.device)
-    )
+    head = None
+    if job.targets:
+        teacher = _teacher_shape(job.teacher)
+    elif sharded(job, io):
+        teacher, head = load_sharded(job.teacher, dtype, job.device)
+    else:
+        teacher = load_distill_teacher(job.teacher, dtype=dtype, device=job.device)
     if (
         job.cfg.teacher_topk is not None and teacher.adapter is not None
     ):  # (an MoE teacher: the D2D baseline's dense one runs with teacher_topk None)
         teacher.adapter.set_top_k(teacher.model, job.cfg.teacher_topk)
     for p in teacher.model.parameters():
         p.requires_grad_(False)
-    head = None
     if job.targets and job.target_spec.exact:
         head = read_output_head(job.teacher, dtype).to(job.device)
     kwargs = {"dtype": dtype}
@@ -195,6 +199,11 @@ def _load_models(job: DistillJob, io: WorkerIO, dtype: torch.dtype):
         student.gradient_checkpointing_enable()
     student.config.use_cache = False
     return teacher, head, student.train()
+
+
+def sharded(job: DistillJob, io: WorkerIO) -> bool:
+    """Whether this rank's teacher is sharded: asked for, online, over more than one rank."""
+    return job.shard_teacher and job.targets is None and io.world > 1
 
 
 def stop_requested(job: DistillJob, io: WorkerIO) -> bool:
@@ -212,12 +221,13 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
     dtype = train_dtype(cfg.dtype, job.device)
     teacher, head, student = _load_models(job, io, dtype)
     tokenizer = teacher.tokenizer
+    counted = _teacher_shape(job.teacher) if sharded(job, io) else teacher  # FLOPs from shapes, not from shards
     flops = flops_per_token(
-        teacher.model, teacher.adapter, student, cfg.seq_len, cfg.teacher_topk, teacher_forward=job.targets is None
+        counted.model, counted.adapter, student, cfg.seq_len, cfg.teacher_topk, teacher_forward=job.targets is None
     )
     sizes = {
         "student_params": sum(p.numel() for p in student.parameters()),  # for the matched-parameter table
-        "teacher_active_params": active_params(teacher.model, teacher.adapter, cfg.teacher_topk),
+        "teacher_active_params": active_params(counted.model, counted.adapter, cfg.teacher_topk),
     }
     peak = matmul_rate(job.device, dtype)
     trainer = DistillStep(

@@ -126,7 +126,8 @@ class DistillStep:
     """`step(micro_batches)` = one optimizer step over cfg.grad_accum micro-batches of [batch, seq_len] ids.
 
     `teacher` runs here (online), or is None with cached `targets`; `head` is the teacher's output projection
-    [V, d] that online and `hidden` targets form the teacher's logits with (no gradient reaches it).
+    [V, d] that online and `hidden` targets form the teacher's logits with (no gradient reaches it): given with
+    `hidden` targets and a sharded teacher, else the loaded teacher's.
     DeepSpeed, or `world` > 1, needs an initialised process group (Ray Train's, or deepspeed.init_distributed).
     """
 
@@ -142,8 +143,9 @@ class DistillStep:
         head: Tensor | None = None,
     ) -> None:
         self.cfg, self.student, self.teacher, self.device, self.world = cfg, student, teacher, device, world
-        self.head = teacher.get_output_embeddings().weight if teacher is not None else head
-        self.head = self.head.detach() if self.head is not None else None
+        if head is None and teacher is not None:
+            head = teacher.get_output_embeddings().weight
+        self.head = head.detach() if head is not None else None
         self.loss_module = StudentLoss(student, cfg, targets)
         fused = torch.device(device).type in (
             "cpu",

@@ -36,6 +36,7 @@ from m2d_ray.distill.losses import LOSSES, log_probs
 from m2d_ray.errors import M2DError
 
 MODES = ("hidden", "topk", "sampled")
+AUTO = "auto"  # stage2.targets: the plan chooses each teacher's exact mode (plan/targets.py)
 DEFAULT_K = {"topk": 64, "sampled": 64}
 MAX_DRAWS = 255  # counts are uint8
 MANIFEST = "manifest.json"
@@ -70,7 +71,10 @@ def parse_targets(text: str, temperature: float = 1.0, seed: int = 0) -> TargetS
         return None
     if mode == "hidden" and not colon:
         return TargetSpec("hidden", 0)
-    usage = "write online, hidden, topk[:K] (K >= 1) or sampled[:N] (1 <= N <= 255), e.g. hidden or sampled:64"
+    usage = (
+        "write online, hidden, topk[:K] (K >= 1), sampled[:N] (1 <= N <= 255) or auto (the plan's exact choice), "
+        "e.g. hidden or sampled:64"
+    )
     if mode not in MODES or mode == "hidden":
         raise M2DError(f"stage2.targets={text!r}: unknown mode {mode!r}; {usage}")
     try:

@@ -51,6 +51,7 @@ class StageCost:
     device: str  # what one unit runs on, described
     node: str | None = None  # the node type priced
     node_hours: float | None = None
+    io_bound: int = 0  # units whose reads of cached targets outlast their compute (their time is the reads')
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ class RunCost:
     bound: RunCost | None = (
         None  # the same run with no student stopped early: the most it can cost (when ASHA stops some)
     )
+    storage_dollars: float = 0.0  # the run's storage for its length, at the storage kind's price a TB-month
+    storage_note: str = ""  # what was priced, said below the table
 
     @property
     def seconds(self) -> float | None:
@@ -78,7 +81,7 @@ class RunCost:
 
     @property
     def dollars(self) -> float | None:
-        return _sum([*(s.dollars for s in self.stages), self.head_dollars or 0.0])
+        return _sum([*(s.dollars for s in self.stages), self.head_dollars or 0.0, self.storage_dollars])
 
     def over_budget(self, max_dollars: float | None) -> str | None:
         """The one line a run that may cost more than plan.max_dollars (or cannot be priced against it) is refused
@@ -112,6 +115,7 @@ class RunCost:
         return {
             "stages": {s.name: asdict(s) for s in self.stages},
             "head_dollars": self.head_dollars,
+            "storage_dollars": self.storage_dollars,
             "cpu_flops": self.cpu_flops,
             "cpu_load": self.cpu_load,
             **self.totals(),
@@ -138,6 +142,8 @@ class RunCost:
             )
         if self.head_dollars is not None:
             rows.append(("head node", "", "", "the whole run", "", "", "", _usd(self.head_dollars)))
+        if self.storage_dollars:
+            rows.append(("storage", "", "", "the whole run", "", "", "", _usd(self.storage_dollars)))
         rows.append(
             (
                 "total",
@@ -152,6 +158,13 @@ class RunCost:
         )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines += [
+            f"{s.name} is I/O-bound: {s.io_bound} of {s.units} units read their cached targets slower than they "
+            "compute (their time is the reads'; plan.read_bandwidth.<kind>)"
+            for s in self.stages
+            if s.io_bound
+        ]
+        lines += [self.storage_note] if self.storage_note else []
         if self.bound:
             n, (last, done) = sum(k for _, k in self.asha), self.asha[-1]
             stops = ", ".join(
@@ -252,11 +265,14 @@ def stage2_flops(
         side = 0.0
     full = student_reports(cfg)
     reports = full if reports is None else reports
-    trained = min(
-        1.0, (reports * x.eval_every + (x.stop_poll if reports < full else 0)) / x.steps
-    )  # it sees the stop at its next poll
-    train = trained * student_tokens(cfg) * ((4.0 if x.gradient_checkpointing else 3.0) * student + side)
+    train = trained(cfg, reports) * student_tokens(cfg) * ((4.0 if x.gradient_checkpointing else 3.0) * student + side)
     return train + (1 + reports) * (x.eval_max_tokens or 0) * (student + side)
+
+
+def trained(cfg: SweepConfig, reports: float) -> float:
+    """The share of its budget a student stopped after `reports` trains (it sees the stop at its next poll)."""
+    x = cfg.distill
+    return min(1.0, (reports * x.eval_every + (x.stop_poll if reports < student_reports(cfg) else 0)) / x.steps)
 
 
 def student_reports(cfg: SweepConfig) -> int:
@@ -406,10 +422,13 @@ def stage_cost(
     prices: dict,
     idle_s: float,
     rounds: int = 1,
+    io_s: list[float] | None = None,
+    comm_s: list[float] | None = None,
 ) -> StageCost:
     """Seconds, GPU-hours and dollars of `unit_flops` run at `p` in `rounds` Ray rounds (Tune experiments, Ray
     Data passes), each with its fixed start and finish (plan.stage_s); on CPUs the start-up slows as the compute
-    does."""
+    does. A unit takes the longer of its compute and its reads (`io_s`: cached targets at the storage's bandwidth),
+    plus its communication (`comm_s`: a sharded teacher's gathers, not overlapped)."""
     if p.gpus > 0:
         peak = GPU_PEAK_BF16.get(p.accelerator or "")
         rate = p.gpus * peak * cfg.plan.efficiency if peak else None
@@ -422,7 +441,10 @@ def stage_cost(
         device = f"{p.threads} CPU thread" + ("s" if p.threads > 1 else "")
     if rate is None:
         return StageCost(name, sum(unit_flops), None, None, None, len(unit_flops), p.lanes, device)
-    unit_s = [f / rate + overhead for f in unit_flops]
+    io_s = io_s or [0.0] * len(unit_flops)
+    comm_s = comm_s or [0.0] * len(unit_flops)
+    unit_s = [max(f / rate, io) + comm + overhead for f, io, comm in zip(unit_flops, io_s, comm_s)]
+    io_bound = sum(io > f / rate for f, io in zip(unit_flops, io_s))
     wall = lanes_wall(unit_s, p.lanes) + rounds * cfg.plan.stage_s * (
         1.0 if p.gpus > 0 or cpu is None else max(1.0, (cpu.load + 1) / cpu.cores)
     )
@@ -446,6 +468,7 @@ def stage_cost(
         device,
         p.node.name if p.node else None,
         node_hours,
+        io_bound,
     )
 
 
@@ -458,6 +481,7 @@ def before(first: StageCost, stage: StageCost) -> StageCost:
         gpu_hours=_sum([first.gpu_hours, stage.gpu_hours]),
         dollars=_sum([first.dollars, stage.dollars]),
         node_hours=None if stage.node_hours is None else stage.node_hours + (first.node_hours or 0.0),
+        io_bound=stage.io_bound + first.io_bound,
     )
 
 
@@ -475,4 +499,5 @@ def side_by_side(name: str, parts: list[StageCost]) -> StageCost:
         " + ".join(p.device for p in parts),
         " + ".join(dict.fromkeys(filter(None, (p.node for p in parts)))) or None,
         _sum(p.node_hours for p in parts),
+        sum(p.io_bound for p in parts),
     )

@@ -14,8 +14,10 @@ training on a GPU and fp32 on CPU; T = tokens of a micro-batch):
     KL buffers           the chunked loss keeps grad_h (T h b) and grad_W (V h, fp32) and forms 5 fp32
                          [chunk x V] tensors per chunk where it forms the teacher's logits (online, and from
                          cached hidden states), 3 from top-K / sampled targets (distill/losses.py)
-    the teacher          online: all of it and its forward; `hidden` targets: its output head (V h b) and a
-                         micro-batch of states with the next one prefetched; top-K / sampled: their targets
+    the teacher          online: all of it and its forward, or sharded over the W ranks: (params - head) b / W, the
+                         head whole, one gathered layer and the gather's buffers (the next layer and the shard's
+                         copy: layer b (1 + 1/W)); `hidden` targets: its output head (V h b) and a micro-batch of
+                         states with the next one prefetched; top-K / sampled: their targets
     a forward            no-grad: logits T V b (calibration's full forward) or one chunk of them (the chunked
                          losses), plus a layer's transient T (4h + 2 ffn) b
     calibration Gram     all-expert outputs of a token chunk: the working set calibrate/stats.gram_chunk
@@ -95,6 +97,21 @@ def online_teacher(teacher: Shape, tokens: int, b: int) -> dict[str, int]:
     }
 
 
+def sharded_teacher(teacher: Shape, tokens: int, b: int, world: int) -> dict[str, int]:
+    """The teacher sharded over a student's `world` ranks (distill/sharded_teacher.py): its weights but the head over
+    the ranks, the head whole (as with hidden states), the layer gathered for the forward, the gather's buffers (the
+    next layer's gather in flight and this rank's shard copied in), and its no-grad forward."""
+    head = teacher.vocab * teacher.hidden
+    layer = teacher.layer_params * b
+    return {
+        "teacher shard": (teacher.params - (0 if teacher.tied else head)) * b // world,
+        "teacher head": head * b,
+        "gathered layer": layer,
+        "gather buffers": layer + layer // world,
+        "teacher forward": online_teacher(teacher, tokens, b)["teacher forward"],
+    }
+
+
 def cached_targets(tokens: int, per_token: int) -> dict[str, int]:
     """One micro-batch of cached targets, and the next one prefetched."""
     return {"targets": 2 * tokens * per_token}
@@ -112,13 +129,14 @@ def student_rank(
     chunk: int,
     targets: str = "online",
     per_token: int = 0,
+    shard: bool = False,
 ) -> dict[str, int]:
-    """One stage-2 rank: `training` and what it holds of its teacher for `targets` (online, hidden, topk,
-    sampled; `per_token`: the cache's bytes per token)."""
+    """One stage-2 rank: `training` and what it holds of its teacher for `targets` (online, whole or `shard`ed over
+    the ranks; hidden, topk, sampled; `per_token`: the cache's bytes per token)."""
     exact = targets in ("online", "hidden")
     out = training(student, tokens, b, world, deepspeed, zero_stage, checkpointing, chunk, teacher_logits=exact)
     if targets == "online":
-        return {**out, **online_teacher(teacher, tokens, b)}
+        return {**out, **(sharded_teacher(teacher, tokens, b, world) if shard else online_teacher(teacher, tokens, b))}
     if targets == "hidden":
         out["teacher head"] = teacher.vocab * teacher.hidden * b
     return {**out, **cached_targets(tokens, per_token)}

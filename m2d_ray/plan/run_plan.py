@@ -16,10 +16,6 @@ from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
 from m2d_ray.config import SweepConfig
-from m2d_ray.distill.targets import (  # the targets' own format
-    bytes_per_token,
-    state_bytes,
-)
 from m2d_ray.plan import memory
 from m2d_ray.plan.cost import (
     Host,
@@ -32,6 +28,7 @@ from m2d_ray.plan.cost import (
 )
 from m2d_ray.plan.devices import NodeType, bundle, holders, smallest_gpu
 from m2d_ray.plan.shapes import Models, Shape
+from m2d_ray.plan.targets import TeacherTargets, configured, per_token, storage_kind
 from m2d_ray.sizes import gib
 
 HEADROOM = 0.95  # of a device's memory a plan may fill (allocator fragmentation)
@@ -93,6 +90,10 @@ class RunPlan:
     storage_peak: dict = field(default_factory=dict)  # besides `storage`, the most held at once while students train
     cost: RunCost | None = None  # FLOPs, time, GPU-hours and dollars of every stage (plan/cost.py)
     max_dollars: float | None = None
+    targets: dict[str, TeacherTargets] = field(default_factory=dict)  # each stage-2 teacher's (plan/targets.py)
+    max_storage: int | None = None  # plan.max_storage in bytes
+    refusals: tuple[str, ...] = ()  # lines of the plan's own choices that cannot run (auto: no exact mode fits)
+    notes: tuple[str, ...] = ()  # what the plan assumed, said below the table
 
     def by_stage(self) -> dict[str, StagePlan]:
         """One entry per stage: the unit that fits worst (stage 3 plans each model)."""
@@ -125,9 +126,14 @@ class RunPlan:
             "cost": self.cost.to_json() if self.cost else None,
             "storage_bytes": memory.total(self.storage),
             "storage": self.storage,
-            "storage_peak_bytes": memory.total(self.storage) + memory.total(self.storage_peak),
+            "storage_peak_bytes": self.storage_peak_bytes,
             "storage_peak": self.storage_peak,
+            "targets": {k: t.to_json() for k, t in self.targets.items()},
         }
+
+    @property
+    def storage_peak_bytes(self) -> int:
+        return memory.total(self.storage) + memory.total(self.storage_peak)
 
     def problems(self) -> list[str]:
         """One line per stage that cannot run: a request no node type holds, or memory that does not fit."""
@@ -149,7 +155,32 @@ class RunPlan:
                     f"{gib(s.capacity)}; {s.fix}"
                 )
         budget = self.cost.over_budget(self.max_dollars) if self.cost else None
-        return out + ([budget] if budget else [])
+        return (
+            out + list(self.refusals) + ([budget] if budget else []) + ([full] if (full := self.over_storage()) else [])
+        )
+
+    def over_storage(self) -> str | None:
+        """The line a run whose storage (at its peak) exceeds plan.max_storage is refused with: what fills it and the
+        setting that avoids it."""
+        if self.max_storage is None or self.storage_peak_bytes <= self.max_storage:
+            return None
+        parts = {**self.storage, **self.storage_peak}
+        big = max(parts, key=parts.get)
+        avoid = {
+            "targets": "stage2.targets=online with stage2.shard_teacher=true (or auto) stores no teacher states",
+            "checkpoints": "stage2.keep_training_state=false"
+            if big in self.storage
+            else "fewer students at once (stage2.max_concurrent_trials)",
+            "token shards": "fewer distill.steps",
+        }.get(big, "fewer students (stage2.pairs or stage2.recipes)")
+        return (
+            f"the run would store {gib(self.storage_peak_bytes)} (most: {big} {gib(parts[big])}) but plan.max_storage "
+            f"is {gib(self.max_storage)}; {avoid}, or raise plan.max_storage"
+        )
+
+    def targets_lines(self) -> list[str]:
+        """Each stage-2 teacher's targets, one line each (with why, when the plan chose them)."""
+        return [_targets_line(k, t) for k, t in self.targets.items()]
 
     def table(self) -> str:
         rows = [("stage", "unit", "per device", "GPUs", "fits", "largest parts")]
@@ -164,6 +195,7 @@ class RunPlan:
             rows.append((s.name, f"{s.unit} ({device})", gib(s.per_device), f"{s.gpus:g}", fits, _top(s.parts, 4)))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5] for r in rows]
+        lines += [f"stage-2 targets of {t}" for t in self.targets_lines()] + list(self.notes)
         lines.append(f"storage written: {gib(memory.total(self.storage))} stays ({_top(self.storage, 6)})")
         if self.storage_peak:
             lines.append(
@@ -178,6 +210,10 @@ class RunPlan:
                 *self.cost.table().splitlines(),
             ]
         return "\n".join(lines)
+
+
+def _targets_line(key: str, t: TeacherTargets) -> str:
+    return f"{key}: {t.label}" + (f" ({t.why})" if t.why else "")
 
 
 def _bill(c) -> dict:
@@ -206,30 +242,26 @@ class Planning:
     devices: Devices = field(default_factory=lambda: Devices())
     teachers: dict[str, Shape] = field(default_factory=dict)
     teacher_configs: dict[str, object] = field(default_factory=dict)
+    targets: dict[str, TeacherTargets] = field(default_factory=dict)  # by teacher key (plan/targets.py)
 
-    @cached_property
-    def spec(self):
-        """stage2.targets as a TargetSpec; None: online."""
-        return self.cfg.target_spec()
+    def choice(self, key: str) -> TeacherTargets:
+        """How teacher `key` gives its students their targets: the plan's choice (auto), else the config's."""
+        return self.targets[key] if key in self.targets else configured(self.cfg, [key])[key]
+
+    def per_token(self, teacher: Shape, key: str) -> int:
+        """Bytes a token's cached targets of teacher `key` (shaped `teacher`) take (0 online)."""
+        return per_token(self.choice(key), teacher, self.cfg)
 
     @property
-    def mode(self) -> str:
-        return self.spec.mode if self.spec else "online"
-
-    def per_token(self, teacher: Shape) -> int:
-        """Bytes a token's cached targets of `teacher` take (0 online)."""
-
-        return (
-            bytes_per_token(self.spec, state_bytes(teacher.hidden, self.cfg.ray.data_gpus_per_actor > 0))
-            if self.spec
-            else 0
-        )
+    def storage_kind(self) -> str:
+        return storage_kind(self.cfg.storage)
 
     @cached_property
     def pairs(self) -> int:
-        """Promoted students stage 2 distils: the (scoring, grouping) pairs named, else every pair of the grid."""
-        g = self.cfg.grid
-        return len(self.cfg.stage2.pairs) or len(g.scoring) * len(g.grouping)
+        """Promoted students stage 2 distils: the recipes named, else the (scoring, grouping) pairs named, else every
+        pair of the grid."""
+        g, s2 = self.cfg.grid, self.cfg.stage2
+        return len(s2.recipes) or len(s2.pairs) or len(g.scoring) * len(g.grouping)
 
     @cached_property
     def students_at_once(self) -> int | None:
@@ -272,9 +304,18 @@ class Costing:
         )
 
     def stage(
-        self, name: str, flops: list[float], where: Place, overhead: float, rounds: int = 1, idle: bool = True
+        self,
+        name: str,
+        flops: list[float],
+        where: Place,
+        overhead: float,
+        rounds: int = 1,
+        idle: bool = True,
+        io_s: list[float] | None = None,
+        comm_s: list[float] | None = None,
     ) -> StageCost:
-        """The cost of `flops` units run at `where` (`idle`: its nodes wait the autoscaler's idle tail after it)."""
+        """The cost of `flops` units run at `where` (`idle`: its nodes wait the autoscaler's idle tail after it;
+        `io_s`, `comm_s`: each unit's reads and communication, plan/cost.stage_cost)."""
         d = self.p.devices
         return stage_cost(
             self.p.cfg,
@@ -286,6 +327,8 @@ class Costing:
             self.p.cfg.plan.prices,
             d.idle_minutes * 60 if idle else 0.0,
             rounds,
+            io_s,
+            comm_s,
         )
 
 
@@ -363,6 +406,7 @@ def plan_line(plan: RunPlan) -> str:
             "stages": {k: {kk: v[kk] for kk in keys if kk in v} for k, v in j["stages"].items()},
             "storage_bytes": j["storage_bytes"],
             "storage_peak_bytes": j["storage_peak_bytes"],
+            "targets": {k: {kk: v[kk] for kk in ("targets", "shard_teacher")} for k, v in j["targets"].items()},
             **total,
         }
     )

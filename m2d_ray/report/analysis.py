@@ -68,25 +68,25 @@ def load_run(run_dir: str | Path, teachers: tuple[tuple[str, str], ...] = (), ma
 
 
 def distill_rows(data: RunData) -> list[dict]:
-    """Promoted pairs in grid order (those of `stage2.pairs` when it names some), then the baselines, then
-    the teacher (and the baselines' own teachers); accuracies where measured."""
+    """Promoted pairs in grid order (those of `stage2.pairs` when it names some; named recipes in their order), then
+    the baselines, then the teacher (and the baselines' own teachers); accuracies where measured."""
     g, only = data.cfg.grid, data.cfg.stage2.pairs
     rows = []
-    for s in g.scoring:
-        for gr in g.grouping:
-            p = data.promotions["pairs"].get(f"{s}/{gr}")
-            if p is not None and (not only or f"{s}/{gr}" in only):
-                rows.append(
-                    {
-                        "kind": "student",
-                        "scoring": s,
-                        "grouping": gr,
-                        "K": p["K"],
-                        "scaling": p["scaling"],
-                        "stage1_ppl": p["ppl"],
-                        "key": p["key"],
-                    }
-                )
+    named = [tuple(pair.split("/")) for pair in data.promotions.get("order", ())]
+    for s, gr in named or [(s, gr) for s in g.scoring for gr in g.grouping]:
+        p = data.promotions["pairs"].get(f"{s}/{gr}")
+        if p is not None and (not only or f"{s}/{gr}" in only):
+            rows.append(
+                {
+                    "kind": "student",
+                    "scoring": s,
+                    "grouping": gr,
+                    "K": p["K"],
+                    "scaling": p["scaling"],
+                    "stage1_ppl": p["ppl"],
+                    "key": p["key"],
+                }
+            )
     for b in data.cfg.stage2.baselines:
         rows.append(
             {

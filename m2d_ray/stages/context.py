@@ -12,7 +12,10 @@ from functools import cached_property
 
 from m2d_ray.artifacts import write_json_atomic, write_marker
 from m2d_ray.config import SweepConfig, dump_config
+from m2d_ray.distill.targets import AUTO
+from m2d_ray.errors import M2DError
 from m2d_ray.models import absolute, default_teacher, load_tokenizer
+from m2d_ray.plan.targets import TeacherTargets, configured, recorded
 from m2d_ray.run_dir import Ledger, RunDir
 from m2d_ray.stages.demand import Waiting
 from m2d_ray.stages.ray_env import ensure_ray
@@ -29,10 +32,18 @@ class RunContext:
     rd: RunDir
     tracking_uri: str | None = None
     stages: tuple = ()
+    targets: dict = field(default_factory=dict)  # stage-2 teacher key -> TeacherTargets: the plan's (m2d run's)
     _ray: bool = field(default=False, init=False, repr=False)
 
     @classmethod
-    def create(cls, cfg: SweepConfig, rd: RunDir, tracking_uri: str | None = None, stages: tuple = ()) -> RunContext:
+    def create(
+        cls,
+        cfg: SweepConfig,
+        rd: RunDir,
+        tracking_uri: str | None = None,
+        stages: tuple = (),
+        targets: dict | None = None,
+    ) -> RunContext:
         """A new run in `rd` (checked and refused before, by the command): its marker, config and id (sweep.json)."""
         rd.path.mkdir(parents=True, exist_ok=True)
         write_marker(rd.path, "run")
@@ -40,7 +51,22 @@ class RunContext:
         write_json_atomic(
             rd.state, {"sweep_id": uuid.uuid4().hex, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "attempts": 0}
         )
-        return cls(cfg, rd, tracking_uri, stages)
+        return cls(cfg, rd, tracking_uri, stages, targets or {})
+
+    def choice(self, key: str) -> TeacherTargets:
+        """How stage-2 teacher `key` gives its students their targets: as the run's plan chose it (given by the
+        command, else recorded in memory_plan.json), else as the config says (an explicit stage2.targets)."""
+        if key in self.targets:
+            return self.targets[key]
+        if self.cfg.stage2.targets != AUTO:
+            return configured(self.cfg, [key])[key]
+        planned = recorded(self.rd.read_memory_plan())
+        if key not in planned:
+            raise M2DError(
+                f"stage2.targets=auto: no plan of {self.rd} chose the targets of {key}; m2d run plans it before any "
+                "work"
+            )
+        return planned[key]
 
     @cached_property
     def store(self) -> RunStorage:

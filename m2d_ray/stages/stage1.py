@@ -10,7 +10,8 @@ is promoted to stage 2.
 
 A unit is one trial: a student built a layer at a time and its perplexity batch (`memory.trial`). A resumed run
 reuses the plans, skips every config in the ledger and reconciles MLflow from the ledger; a stage 1 that promoted
-nothing has failed (exit 1).
+nothing has failed (exit 1). With `stage2.recipes` there is no search: the named recipes are planned from the
+statistics (one Ray task) and promoted as they are, in their order (`stage1_tune.named`); the stage has no trial.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import html
 from functools import partial
 from pathlib import Path
 
+from m2d_ray.config import parse_recipe
 from m2d_ray.data.text import check_spec
-from m2d_ray.errors import RunFailed
+from m2d_ray.errors import M2DError, RunFailed
 from m2d_ray.models import check_teacher, load_config
 from m2d_ray.plan import memory
 from m2d_ray.plan.cost import (
@@ -31,7 +33,7 @@ from m2d_ray.plan.cost import (
 )
 from m2d_ray.plan.devices import bundle
 from m2d_ray.plan.run_plan import unit
-from m2d_ray.report.page import md_table_html, render
+from m2d_ray.report.page import Table, md_table_html, render
 from m2d_ray.report.run import (
     erank_figure,
     erank_tables,
@@ -51,21 +53,33 @@ class Stage1(Stage):
     name = "stage1"
     keys = "ray.gpus_per_trial / ray.cpus_per_trial / ray.trial_accelerator"
 
-    def reads(self, cfg) -> dict[str, str]:
-        return {"eval.data": cfg.eval.data}
-
     def check(self, cfg, teacher: str) -> None:
 
         adapter, config = check_teacher(teacher), load_config(teacher)
-        expand(cfg.grid, adapter.top_k(config), adapter.num_experts(config))  # K within [k, E]
+        k, E = adapter.top_k(config), adapter.num_experts(config)
+        if cfg.stage2.recipes:  # named students: their K, not the grid's
+            bad = [r for r in map(parse_recipe, cfg.stage2.recipes) if not k <= r.K <= E]
+            if bad:
+                raise M2DError(
+                    f"stage2.recipes: {', '.join(map(str, bad))} outside K in [k, E] = [{k}, {E}] for this model; "
+                    "use K in that range"
+                )
+            return
+        expand(cfg.grid, k, E)  # K within [k, E]
         check_spec(cfg.eval.data, "eval.data")
 
     def request(self, cfg) -> dict:
         r = cfg.ray
         return bundle(r.cpus_per_trial, r.gpus_per_trial, r.trial_accelerator)
 
+    def reads(self, cfg) -> dict[str, str]:
+        return {} if cfg.stage2.recipes else {"eval.data": cfg.eval.data}
+
     def needs(self, p):
+        """One trial; none with named recipes (their plans are one Ray task over the statistics)."""
         r, e, s = p.cfg.ray, p.cfg.eval, p.models.student
+        if p.cfg.stage2.recipes:
+            return []
         return [
             unit(
                 self.name,
@@ -83,6 +97,8 @@ class Stage1(Stage):
     def cost(self, c):
         """Each distinct student's probe chunk, then the survivors' remaining chunks, over the perplexity tokens."""
         cfg, r = c.p.cfg, c.p.cfg.ray
+        if cfg.stage2.recipes:
+            return []
         _, distinct = distinct_students(cfg, c.p.models.teacher)
         trials, chunks = stage1_chunks(cfg, distinct)
         per_trial = (
@@ -101,14 +117,16 @@ class Stage1(Stage):
         return True
 
     def run(self, ctx):
-        from m2d_ray.stages.stage1_tune import sweep
+        from m2d_ray.stages.stage1_tune import named, sweep
 
-        result = sweep(ctx, self)
+        result = (named if ctx.cfg.stage2.recipes else sweep)(ctx, self)
         if not result.promotions:
             raise _nothing_promoted(ctx.rd)
         return result
 
     def sections(self, data) -> list[Section]:
+        if data.cfg.stage2.recipes:
+            return [Section("Students named directly (stage2.recipes: no stage-1 search)", render([_named(data)]))]
         g = data.cfg.grid
         order = {"scoring": list(g.scoring), "grouping": list(g.grouping), "scaling": list(g.scaling)}
 
@@ -137,6 +155,17 @@ class Stage1(Stage):
                 ),
             ),
         ]
+
+
+def _named(data) -> Table:
+    pairs = data.promotions["pairs"]
+    rows = [[pair, pairs[pair]["K"], pairs[pair]["scaling"], pairs[pair]["key"]] for pair in data.promotions["order"]]
+    return Table(
+        "recipes",
+        ["scoring/grouping", "K", "scaling", "key"],
+        rows,
+        "Planned from the calibration statistics and distilled in this order; no pre-distillation perplexity.",
+    )
 
 
 def _nothing_promoted(rd) -> RunFailed:

@@ -21,7 +21,7 @@ from m2d_ray.arch import get_adapter
 from m2d_ray.artifacts import write_json_atomic
 from m2d_ray.calibrate.artifact import StatsArtifact, load_stats
 from m2d_ray.calibrate.stats import LayerStats
-from m2d_ray.config import SweepConfig
+from m2d_ray.config import SweepConfig, parse_recipe
 from m2d_ray.console import say
 from m2d_ray.data.text import load_text, tokenize
 from m2d_ray.models import load_config as model_config
@@ -311,6 +311,37 @@ def sweep(ctx, stage) -> Stage1Result:
     return Stage1Result(
         rd.path, records, promotions, probed, recorder.trials, recorder.full, recorder.chunks, time.time() - t0
     )
+
+
+def named(ctx, stage) -> Stage1Result:
+    """stage2.recipes: no search. The recipes planned from the statistics (one Ray task, as the grid's plans) into
+    plans.json, and a promotions file that names them, in their order, for stage 2 (no pre-distillation perplexity:
+    `ppl` None)."""
+    t0 = time.time()
+    cfg, rd, model = ctx.cfg, ctx.rd, ctx.teacher
+    mcfg = model_config(model)
+    adapter = get_adapter(mcfg)
+    specs = [TrialSpec(r.scoring, r.grouping, r.scaling, r.K) for r in map(parse_recipe, cfg.stage2.recipes)]
+    ctx.ray()
+    art = load_stats(rd.stats)
+    with ctx.waiting(stage) as waiting:
+        plans = _plans(cfg, ctx.workers_teacher, rd, art, specs, waiting)
+    pairs = {s.pair: {**s.params(), "ppl": None, "key": s.key, "signature": plans[s.key]["signature"]} for s in specs}
+    write_json_atomic(
+        rd.promotions,
+        {
+            "teacher": model,
+            "stats_sha256": art.checksum,
+            "k": adapter.top_k(mcfg),
+            "E": adapter.num_experts(mcfg),
+            "criterion": "named in stage2.recipes (no stage-1 search)",
+            "pairs": pairs,
+            "order": [s.pair for s in specs],  # as named (the file's keys are sorted)
+            "unpromoted": [],
+        },
+    )
+    say(f"stage 1: no search; {len(specs)} students named by stage2.recipes planned: {', '.join(cfg.stage2.recipes)}")
+    return Stage1Result(rd.path, [], pairs, 0, 0, 0, 0, time.time() - t0)
 
 
 def _attempt(rd: RunDir) -> str:

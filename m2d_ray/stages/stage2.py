@@ -11,8 +11,10 @@
     table                                 RUN_DIR/stage2.csv, stage2.md, stage2_curves.png
 
 A unit is one rank of a student (`memory.student_rank`): the student under ZeRO-2, and of its teacher all of it
-(online), its output head (hidden states) or a micro-batch of cached targets. Nothing a worker reads comes from
-the driver's disk: the teacher and the text go through the run's storage, each job travels with its trial.
+(online), 1/workers of it and a gathered layer (online, sharded: distill/sharded_teacher.py), its output head (hidden
+states) or a micro-batch of cached targets, as each teacher's targets say (plan/targets.py; `auto`: the plan's).
+Nothing a worker reads comes from the driver's disk: the teacher and the text go through the run's storage, each job
+travels with its trial.
 Resume skips students in the ledger and retries failed ones from their last checkpoint (same Train run name and
 storage); a trial whose node is lost is retried by Tune up to `ray.max_failures` times.
 """
@@ -30,9 +32,10 @@ from m2d_ray.distill.data import check_source
 from m2d_ray.errors import M2DError
 from m2d_ray.models import check_teacher_topk
 from m2d_ray.plan import memory
-from m2d_ray.plan.cost import before, forward_flops, stage2_flops
+from m2d_ray.plan.cost import before, forward_flops, stage2_flops, student_tokens, trained
 from m2d_ray.plan.devices import bundle
 from m2d_ray.plan.run_plan import unit
+from m2d_ray.plan.targets import MOE, gather_seconds, read_bandwidth
 from m2d_ray.report.page import render
 from m2d_ray.report.run import curves_figure, figure
 from m2d_ray.report.stage2 import write_stage2
@@ -40,7 +43,7 @@ from m2d_ray.stages import baselines
 from m2d_ray.stages.baselines import BASELINES, BaselineFailed
 from m2d_ray.stages.contract import Section, Stage
 from m2d_ray.stages.grid import plan_of
-from m2d_ray.stages.students import copy_duplicates, reads, todo
+from m2d_ray.stages.students import copy_duplicates, reads, taught, teacher_key, todo
 
 # Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
 
@@ -101,34 +104,42 @@ class Stage2(Stage):
         return bundle(x.cpus_per_worker, x.gpus_per_worker, x.accelerator)
 
     def needs(self, p):
+        """One rank of a student of each teacher (`stage2` for the MoE teacher's, `stage2:<key>` for a baseline's own
+        teacher's), holding what it holds of that teacher as the teacher's targets say (plan/targets.py)."""
         x = p.cfg.distill
         b = 2 if x.gpus_per_worker > 0 else 4  # bf16 on a GPU, fp32 on CPU (distill/loop.py)
-        parts = memory.student_rank(
-            p.models.student,
-            p.models.teacher,
-            x.batch_size * x.seq_len,
-            b,
-            x.workers,
-            x.deepspeed,
-            x.zero_stage,
-            x.gradient_checkpointing,
-            x.loss_chunk,
-            p.mode,
-            p.per_token(p.models.teacher),
-        )
-        return [
-            unit(
-                self.name,
-                "rank",
-                parts,
-                x.gpus_per_worker,
+        rows = []
+        for t in taught(p):
+            c = p.choice(t.key)
+            parts = memory.student_rank(
+                p.models.student,
+                t.shape,
+                x.batch_size * x.seq_len,
+                b,
                 x.workers,
-                self.request(p.cfg),
-                p.devices,
-                _fix(p.cfg, parts),
-                self.keys,
+                x.deepspeed,
+                x.zero_stage,
+                x.gradient_checkpointing,
+                x.loss_chunk,
+                c.kind,
+                p.per_token(t.shape, t.key),
+                c.shard,
             )
-        ]
+            name = self.name if t.key == MOE else f"{self.name}:{t.key}"
+            rows.append(
+                unit(
+                    name,
+                    "rank",
+                    parts,
+                    x.gpus_per_worker,
+                    x.workers,
+                    self.request(p.cfg),
+                    p.devices,
+                    _fix(p.cfg, parts),
+                    self.keys,
+                )  # fmt: skip
+            )
+        return rows
 
     def storage(self, p):
         """Every student's initial and distilled model and the token shards stay; each student's Train checkpoints
@@ -150,14 +161,14 @@ class Stage2(Stage):
     def cost(self, c):
         """Each student's steps and validations, up to where ASHA is expected to stop it (the dearest students paired
         with the longest runs: ASHA's order is the students' quality, unknown here), after the baselines'
-        preparation."""
+        preparation. A student reading cached targets takes at least their reads at the storage's bandwidth; one of a
+        sharded teacher adds its gathers (plan/targets.py)."""
         p = c.p
         x, m = p.cfg.distill, p.models
-        own = [p.teachers.get(b.teacher_key, m.teacher) for b in baselines.of(p.cfg) if b.has_teacher]
-        teachers = [m.teacher] * (p.pairs + len(p.cfg.stage2.baselines) - len(own)) + own
+        students = sorted(
+            (t for t in taught(p) for _ in range(t.students)), key=lambda t: -forward_flops(t.shape, x.seq_len)
+        )
         reports = [n for n, k in reversed(p.ends) for _ in range(k)]
-        by_cost = sorted(teachers, key=lambda s: -forward_flops(s, x.seq_len))
-        students = [stage2_flops(p.cfg, m, p.mode, teacher, n) for teacher, n in zip(by_cost, reports)]
         where = c.place(
             self.name,
             x.workers * x.gpus_per_worker,
@@ -165,7 +176,15 @@ class Stage2(Stage):
             p.students_at_once or len(students),
             x.accelerator,
         )
-        row = c.stage(self.name, students, where, p.cfg.plan.student_s)
+        one_node = where.node is not None and x.workers * x.gpus_per_worker <= where.node.gpus
+        flops, io, comm = [], [], []
+        for t, n in zip(students, reports):
+            choice, share = p.choice(t.key), trained(p.cfg, n)
+            flops.append(stage2_flops(p.cfg, m, choice.kind, t.shape, n))
+            read = share * student_tokens(p.cfg) * p.per_token(t.shape, t.key)
+            io.append(read / read_bandwidth(p.cfg, p.storage_kind))
+            comm.append(gather_seconds(p.cfg, t.shape, share * x.steps, one_node) if choice.shard else 0.0)
+        row = c.stage(self.name, flops, where, p.cfg.plan.student_s, io_s=io, comm_s=comm)
         for b in baselines.of(p.cfg):
             first = b.prepare_cost(c)
             row = before(first, row) if first else row
@@ -193,7 +212,11 @@ class Stage2(Stage):
         if t.pending:
             ctx.ray()
             recorder = tuned.Recorder(
-                {s.key: s for s in t.pending}, out, str(cfg.target_spec() or "online"), cfg.ray.max_failures, drop
+                {s.key: s for s in t.pending},
+                out,
+                {s.key: ctx.choice(teacher_key(s)).label for s in t.pending},
+                cfg.ray.max_failures,
+                drop,
             )
             with ctx.waiting(self) as waiting:
                 pending, prepared = _prepare(ctx, waiting, t.pending, recorder)
@@ -229,9 +252,12 @@ def _fix(cfg, parts: dict) -> str:
     big = max(parts, key=parts.get)
     if big == "teacher":
         return (
-            "stage2.targets=hidden (the teacher's final hidden states cached once: a rank holds its output head only, "
-            "the loss stays exact)"
+            "stage2.targets=hidden (the teacher's final hidden states cached once: a rank holds its output head only), "
+            "stage2.shard_teacher=true (a rank holds 1/workers of it and one layer at a time) or stage2.targets=auto "
+            "(the cheapest of them that fits); the loss stays exact"
         )
+    if big == "teacher shard":
+        return f"more distill.workers (the teacher is sharded over them; now {x.workers}) or stage2.targets=hidden"
     if big == "activations" and not x.gradient_checkpointing:
         return "distill.gradient_checkpointing=true"
     if big in ("optimizer", "grads") and x.workers < 8:
@@ -263,6 +289,7 @@ def _job(ctx, data, plans: dict, prepared: dict, s, stop):
     cfg = ctx.cfg
     b = BASELINES[s.baseline] if s.baseline else None
     teacher, x = data.of(b, cfg)
+    choice = ctx.choice(teacher_key(s))
     build = (
         b.builder(data.teacher, prepared.get(b.name), x.seed)
         if b
@@ -279,7 +306,8 @@ def _job(ctx, data, plans: dict, prepared: dict, s, stop):
         max_failures=cfg.ray.max_failures,
         tokens=data.tokens[teacher],
         targets=data.targets.get(teacher),
-        target_spec=cfg.target_spec(),
+        target_spec=choice.spec(x.temperature, x.seed),
+        shard_teacher=choice.shard,
     )
 
 

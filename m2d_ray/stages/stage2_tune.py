@@ -81,9 +81,17 @@ class Recorder(tune.Callback):
     """Driver side: loss curves to each student's nested MLflow run as they come; ledger + run status at the end."""
 
     def __init__(
-        self, todo: dict[str, Student], out: StageRecorder, targets: str = "online", max_failures: int = 0, drop=None
+        self,
+        todo: dict[str, Student],
+        out: StageRecorder,
+        targets: dict[str, str] | None = None,
+        max_failures: int = 0,
+        drop=None,
     ) -> None:
-        self.todo, self.out, self.targets, self.max_failures = todo, out, targets, max_failures
+        self.todo, self.out, self.max_failures = todo, out, max_failures
+        self.targets = (
+            targets or {}
+        )  # key -> its teacher's targets (plan/targets.py's label: "hidden", "online, sharded")
         self.drop = drop  # drop(record): its training state goes
         self.runs: dict[str, str] = {}  # key -> MLflow run id (looked up once per student)
         self.logged: dict[str, set[int]] = {}  # key -> steps of its val_ppl history in MLflow
@@ -145,7 +153,7 @@ class Recorder(tune.Callback):
             "peak_rss_bytes": last.get("peak_rss_bytes"),
             "peak_work_bytes": last.get("peak_work_bytes"),
             "peak_cuda_bytes": last.get("peak_cuda_bytes"),
-            "targets": self.targets,
+            "targets": self.targets.get(key, "online"),
             "curve": [[s, _finite(p)] for s, p in full],  # from step 0, across resumes
         }
         self.out.write(r)

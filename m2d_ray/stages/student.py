@@ -30,10 +30,11 @@ def job(
     tokens: str | None = None,
     targets: str | None = None,
     target_spec=None,
+    shard_teacher: bool = False,
 ) -> DistillJob:
     """The job of distilling student `key` from `teacher` (names and URLs the workers reach), reading the run's token
     shards `tokens` and, when cached, the teacher's `targets` of `target_spec` (then the workers load no teacher
-    weights)."""
+    weights; online, `shard_teacher` shards it over the ranks)."""
     checkpoints, name = store.checkpoints(key)
     return DistillJob(
         teacher,
@@ -50,4 +51,5 @@ def job(
         checkpoints=checkpoints,
         run_name=name,
         max_failures=max_failures,
+        shard_teacher=shard_teacher,
     )

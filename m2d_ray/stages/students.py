@@ -4,8 +4,10 @@ outputs for them first) and stage 2 (which distils them).
     students(...)     the promoted students best-first, then the baselines (`baseline-NAME`)
     duplicates(...)   promoted students whose plan repeats a better-ranked one's: distilled once, recorded for both
     pending(...)      those still to distil (a failed student is tried again)
-    reads(...)        the teachers as workers reach them, the text, and per teacher its token shards and, with a
-                      cached mode, its targets: made once into the run's storage (content-addressed), found again after
+    reads(...)        the teachers as workers reach them, the text, and per teacher its token shards and, when it
+                      stores its targets (ctx.choice), those: made once into the run's storage (content-addressed),
+                      found again after
+    taught(p)         the teachers of a plan and the students each serves
 """
 
 from __future__ import annotations
@@ -14,11 +16,39 @@ from dataclasses import dataclass, replace
 
 from m2d_ray.distill.config import DistillConfig
 from m2d_ray.models import load_tokenizer
+from m2d_ray.plan.shapes import Shape
+from m2d_ray.plan.targets import MOE
 from m2d_ray.run_dir import RunDir
-from m2d_ray.stages.baselines import Baseline, of
+from m2d_ray.stages.baselines import BASELINES, Baseline, of
 from m2d_ray.stages.record import StageRecorder
 
 # Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
+
+
+@dataclass(frozen=True)
+class Taught:
+    """A teacher stage 2 distils from: its key (plan/targets.py), its shape and the students distilled from it."""
+
+    key: str
+    shape: Shape
+    students: int
+
+
+def taught(p) -> list[Taught]:
+    """Stage 2's teachers in a plan (`Planning` p): the MoE teacher (the promoted students and the baselines built from
+    it), then each baseline's own teacher (its students), at its shape when its config was read, else the MoE
+    teacher's."""
+    own = [b for b in of(p.cfg) if b.has_teacher]
+    moe = Taught(MOE, p.models.teacher, p.pairs + len(p.cfg.stage2.baselines) - len(own))
+    return [moe] + [
+        Taught(b.teacher_key, p.teachers.get(b.teacher_key, p.models.teacher), b.teacher_students) for b in own
+    ]
+
+
+def teacher_key(s: Student) -> str:
+    """The key of the teacher student `s` is distilled from."""
+    b = BASELINES[s.baseline] if s.baseline else None
+    return b.teacher_key if b is not None and b.has_teacher else MOE
 
 
 @dataclass(frozen=True)
@@ -37,8 +67,10 @@ class Student:
 def students(promotions: dict, baselines: list[Baseline], only: tuple[str, ...] = ()) -> list[Student]:
     """Promoted students best-first (ASHA meets strong students early), then the baselines; `only` keeps those
     (scoring/grouping) pairs."""
+    order = {p: i for i, p in enumerate(promotions.get("order", ()))}  # named recipes: as named (no stage-1 ppl)
     pairs = sorted(
-        ((p, v) for p, v in promotions["pairs"].items() if not only or p in only), key=lambda kv: kv[1]["ppl"]
+        ((p, v) for p, v in promotions["pairs"].items() if not only or p in only),
+        key=lambda kv: order[kv[0]] if kv[0] in order else kv[1]["ppl"],
     )
     return [Student(p["key"], pair, p["ppl"]) for pair, p in pairs] + [
         Student(b.key, b.name, None, b.name) for b in baselines
@@ -118,17 +150,18 @@ def reads(ctx, waiting, baselines: list[Baseline]) -> Reads:
     cfg, store = ctx.cfg, ctx.store
     eval_data = store.put_data(cfg.distill.eval_data or cfg.eval.data)
     distill = replace(cfg.distill, train_data=store.put_data(cfg.distill.train_data), eval_data=eval_data)
-    teachers, urls = {ctx.workers_teacher: (ctx.teacher, distill)}, {}
+    teachers, urls = {ctx.workers_teacher: (ctx.teacher, distill, MOE)}, {}
     for b in baselines:
         name = b.teacher(cfg)
         if name is not None:
             urls[name] = store.put_model(name)
-            teachers[urls[name]] = (name, b.distill_config(distill))
-    toks = {t: waiting.call(tokens, store, t, load_tokenizer(name), x, eval_data) for t, (name, x) in teachers.items()}
-    spec = cfg.target_spec()  # the teacher once: its targets cached for every student
-    targ = (
-        {t: waiting.call(targets, store, t, toks[t], spec, x, cfg.calib, cfg.ray) for t, (_, x) in teachers.items()}
-        if spec
-        else {}
-    )
+            teachers[urls[name]] = (name, b.distill_config(distill), b.teacher_key)
+    toks = {
+        t: waiting.call(tokens, store, t, load_tokenizer(name), x, eval_data) for t, (name, x, _) in teachers.items()
+    }
+    targ = {}  # the teacher once: the targets of a teacher that stores them, cached for every student
+    for t, (_, x, key) in teachers.items():
+        spec = ctx.choice(key).spec(x.temperature, x.seed)
+        if spec is not None:
+            targ[t] = waiting.call(targets, store, t, toks[t], spec, x, cfg.calib, cfg.ray)
     return Reads(ctx.workers_teacher, eval_data, distill, urls, toks, targ)

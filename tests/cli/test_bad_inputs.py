@@ -58,6 +58,11 @@ def _poison(path: Path, key_part: str) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
+def _distill(w, *more: str) -> list[str]:
+    """`m2d distill` of the matrix's student on synthetic text, with `more` options."""
+    return ["distill", "--student", str(w["student"]), "--eval-data", "synthetic:valid", *more, "--out", "d"]
+
+
 def _dense_twin(moe_dir: Path, out: Path) -> None:
     """A dense Qwen3 with the MoE teacher's attention and vocabulary and FFN width E x expert width."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen3Config
@@ -519,6 +524,40 @@ CASES = {
             str(ROOT / "cluster.yaml"),
         ],
         "but plan.max_dollars is $0.01",
+    ),
+    "plan: storage over plan.max_storage": (
+        lambda w: ["plan", str(TINY), "plan.max_storage=10MiB"],
+        "(most: checkpoints 10 MiB) but plan.max_storage is 10 MiB; fewer students at once",
+    ),
+    "plan: every exact mode over plan.max_storage and memory": (
+        lambda w: [
+            "plan",
+            str(ROOT / "experiments" / "qwen3_30b_a3b.yaml"),
+            "--model",
+            str(ROOT / "experiments" / "configs" / "Qwen--Qwen3-30B-A3B"),
+            "--cluster",
+            str(ROOT / "cluster.yaml"),
+            "plan.max_storage=1TB",
+            "distill.workers=1",
+        ],
+        "no exact mode fits teacher (hidden stores 2004.3 GiB, over plan.max_storage 931.3 GiB; online needs 130.5 GiB "
+        "a rank, over the 75.7 GiB a device gives it)",
+    ),
+    "plan: a misspelt recipe": (
+        lambda w: ["plan", str(TINY), "stage2.recipes=[do-acp/rx/K4/uniform]"],
+        "unknown grouping 'rx'; did you mean",
+    ),
+    "run: a recipe's K outside [k, E]": (
+        lambda w: _run("stage2.recipes=[sf/rr/K64/uniform]"),
+        "stage2.recipes: sf/rr/K64/uniform outside K in [k, E] = [2, 16]",
+    ),
+    "distill: a sharded teacher with cached targets": (
+        lambda w: _distill(w, "--targets", "hidden", "--shard-teacher", "--workers", "2"),
+        "stage2.shard_teacher=true changes nothing with stage2.targets=hidden",
+    ),
+    "distill: a sharded teacher on one worker": (
+        lambda w: _distill(w, "--shard-teacher"),
+        "changes nothing with distill.workers=1",
     ),
     "resume of a directory that is no run": (lambda w: ["run", "--resume", "mine"], "not an m2d run directory"),
     "resume with a changed grid": (

@@ -230,3 +230,31 @@ def test_resume_after_sigkill(ray_address, tmp_path):
         (r.data.tags.get("mlflow.runName"), r.data.tags.get("status")) for r in runs if r.info.status == "RUNNING"
     ]
     assert not running, (running, out.stderr[-3000:])
+
+
+def test_named_recipes_skip_the_search_and_are_promoted_in_their_order(ray_address, tmp_path):
+    """stage2.recipes: calibration, then the recipes planned from its statistics (one Ray task) and promoted as named,
+    with no trial; stage 2's students are the recipes (in their order) and the baselines; the plan has no stage-1
+    work and counts the recipes' students."""
+    from m2d_ray import pipeline
+    from m2d_ray.models import default_teacher
+    from m2d_ray.models import load_config as model_config
+    from m2d_ray.plan.run_plan import Devices
+    from m2d_ray.run_dir import RunDir
+    from m2d_ray.stages.students import todo
+
+    cfg = _cfg("stage2.recipes=[sf/oc/K8/proportional,do-acp/rr/K2/uniform]", "plan.cpu_flops=1e9")
+    run_stages(cfg, tmp_path / "run", "calibrate", "stage1")
+    rd = RunDir(tmp_path / "run")
+    promotions = rd.read_promotions()
+    assert promotions["order"] == ["sf/oc", "do-acp/rr"] and promotions["criterion"].startswith("named")
+    sf = promotions["pairs"]["sf/oc"]
+    assert (sf["K"], sf["scaling"], sf["ppl"], sf["key"]) == (8, "proportional", None, "sf_oc_proportional_K8")
+    plans = rd.read_plans()["plans"]
+    assert set(plans) == {"sf_oc_proportional_K8", "do-acp_rr_uniform_K2"}
+    assert sf["signature"] == plans["sf_oc_proportional_K8"]["signature"]
+    assert rd.stage1_ledger().records() == []  # no search: no trial ran
+    keys = [s.key for s in todo(rd, cfg).all]
+    assert keys == ["sf_oc_proportional_K8", "do-acp_rr_uniform_K2", *(f"baseline-{b}" for b in cfg.stage2.baselines)]
+    plan = pipeline.plan(cfg, model_config(default_teacher()), Devices(host_memory=8 << 30))
+    assert "stage1" not in plan.cost.by_name() and plan.cost.by_name()["stage2"].units == len(keys)

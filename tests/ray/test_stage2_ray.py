@@ -124,6 +124,31 @@ def test_deepspeed_zero2_on_two_cpu_workers_killed_and_resumed(ray_address, ds_e
     )
 
 
+@pytest.mark.slow
+def test_a_teacher_sharded_over_two_ray_train_workers_beside_zero2_trains_as_online(ray_address, ds_env, tmp_path):
+    """`m2d distill --shard-teacher` on two Ray Train workers (gloo), the student under DeepSpeed ZeRO-2, the teacher
+    sharded over the same process group: the validations of the online run, step by step (~2 min here: slow; the
+    default suite checks the sharded loss on two gloo ranks without Ray, tests/unit/test_sharded_teacher.py)."""
+    env = {**os.environ, "RAY_ADDRESS": ray_address}
+    runs = {}
+    for name, flags in (("online", []), ("sharded", ["--shard-teacher"])):
+        args = [
+            sys.executable, "-m", "m2d_ray.cli", "distill", "--student", "random-ffn", "--train-data",
+            "synthetic:train", "--eval-data", "synthetic:valid", "--steps", "4", "--workers", "2", "--deepspeed",
+            *flags, "--out", str(tmp_path / name), "lr=3e-3", "eval_every=2", "seq_len=64", "batch_size=2",
+            "eval_max_tokens=1024", "warmup_steps=1",
+        ]  # fmt: skip
+        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert json.loads(done.stdout.strip().splitlines()[-1])["targets"] == ("online, sharded" if flags else "online")
+    assert [m["step"] for m in runs["sharded"]] == [2, 4]
+    for a, b in zip(runs["sharded"], runs["online"]):
+        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5) and a["train_loss"] == pytest.approx(
+            b["train_loss"], rel=1e-5
+        )
+
+
 @pytest.fixture(scope="module")
 def stage1_dir(ray_address, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("stage2") / "run"

@@ -88,7 +88,8 @@ def test_the_plan_adds_a_registered_stage_s_rows_storage_and_bill(probe):
         cfg, model_config(default_teacher()), Devices(host_memory=8 << 30, cpu_load=0.0), stages=stages
     )
     names = [s.name for s in plan.stages]
-    assert names.index("probe") == names.index("stage2") + 1 and plan.storage["probe files"] == 5 << 20
+    last_stage2 = max(i for i, n in enumerate(names) if n.split(":")[0] == "stage2")  # a row per teacher
+    assert names.index("probe") == last_stage2 + 1 and plan.storage["probe files"] == 5 << 20
     assert [c.name for c in plan.cost.stages][:4] == ["calibrate", "stage1", "stage2", "probe"]
     line = json.loads(plan_line(plan))
     assert line["stages"]["probe"]["per_gpu_bytes"] == 3 << 20 and line["stages"]["probe"]["flops"] == 2e9
@@ -195,33 +196,39 @@ def test_a_student_s_settings_reach_distill_as_one_job(tmp_path):
     from types import SimpleNamespace
 
     from m2d_ray.distill.loop import DistillJob
+    from m2d_ray.plan.targets import TeacherTargets
     from m2d_ray.stages import stage2
     from m2d_ray.stages.baselines import BASELINES
     from m2d_ray.stages.run_storage import RunStorage
     from m2d_ray.stages.students import Reads, Student
 
-    cfg = load_config(TINY, ["distill.teacher_topk=4", "ray.max_failures=2"])
+    cfg = load_config(TINY, ["distill.teacher_topk=4", "ray.max_failures=2", "stage2.targets=auto"])
     dense = BASELINES["d2d"].teacher(cfg)
-    ctx = SimpleNamespace(cfg=cfg, store=RunStorage(str(tmp_path)))
+    # each teacher's targets as the plan chose them: the MoE teacher's cached, the dense one online and sharded
+    chosen = {"teacher": TeacherTargets("hidden"), "teacher-d2d": TeacherTargets("online", shard=True)}
+    ctx = SimpleNamespace(cfg=cfg, store=RunStorage(str(tmp_path)), choice=chosen.__getitem__)
     data = Reads(
         "moe-url",
         "valid-url",
         cfg.distill,
         {dense: "dense-url"},
         {"moe-url": "tok-moe", "dense-url": "tok-dense"},
-        {"moe-url": "tg-moe", "dense-url": "tg-dense"},
+        {"moe-url": "tg-moe"},
     )
     stop, prepared = object(), object()
     d2d = stage2._job(ctx, data, {}, {"d2d": prepared}, Student("baseline-d2d", "d2d", None, "d2d"), stop)
-    assert isinstance(d2d, DistillJob) and (d2d.teacher, d2d.tokens, d2d.targets) == (
+    assert isinstance(d2d, DistillJob) and (d2d.teacher, d2d.tokens, d2d.targets, d2d.target_spec) == (
         "dense-url",
         "tok-dense",
-        "tg-dense",
+        None,
+        None,
     )
+    assert d2d.shard_teacher
     assert d2d.cfg.teacher_topk is None and d2d.build is prepared and d2d.stop is stop and d2d.max_failures == 2
     assert (d2d.checkpoints, d2d.run_name) == ctx.store.checkpoints("baseline-d2d") and d2d.out == ctx.store.student(
         "baseline-d2d"
     )
     ffn = stage2._job(ctx, data, {}, {}, Student("baseline-random-ffn", "random-ffn", None, "random-ffn"), stop)
     assert (ffn.teacher, ffn.cfg.teacher_topk, ffn.tokens, ffn.eval_data) == ("moe-url", 4, "tok-moe", "valid-url")
+    assert (ffn.targets, str(ffn.target_spec), ffn.shard_teacher) == ("tg-moe", "hidden", False)
     assert ffn.build.baseline == "random-ffn" and ffn.build.teacher == "moe-url"

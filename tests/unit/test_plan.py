@@ -26,6 +26,7 @@ CONFIGS = ROOT / "experiments" / "configs"
 #: the hub models of the paper configs -> their published config.json here (no hub in tests)
 OFFLINE = {
     "Qwen/Qwen3-30B-A3B": "Qwen--Qwen3-30B-A3B",
+    "Qwen/Qwen3-32B": "Qwen--Qwen3-32B",
     "deepseek-ai/DeepSeek-V2-Lite": "deepseek-ai--DeepSeek-V2-Lite",
     "openai/gpt-oss-20b": "openai--gpt-oss-20b",
 }
@@ -99,9 +100,9 @@ def test_the_30b_config_distils_from_hidden_states_on_80gb_gpus(qwen30b, workers
     """The paper configs cache the teacher's final hidden states: a rank holds the student, the teacher's head
     (151,936 x 2,048 in bf16) and the online KL's buffers, and fits an 80 GB GPU at 2 and 8 workers."""
     cfg = load_config(ROOT / "experiments" / "qwen3_30b_a3b.yaml", [f"distill.workers={workers}"])
-    assert cfg.stage2.targets == "hidden"
+    assert cfg.stage2.targets == "auto"  # the plan's choice: hidden states here
     plan = make_plan(cfg, qwen30b, Devices(gpu_memory=80 * 10**9))
-    assert plan.problems() == []
+    assert plan.problems() == [] and plan.targets["teacher"].mode == "hidden"
     s2, online = (
         plan.by_stage()["stage2"],
         make_plan(
@@ -138,11 +139,13 @@ def test_storage_counts_checkpoints_students_tokens_and_targets(qwen30b):
         "stages",
         "storage_bytes",
         "storage_peak_bytes",
+        "targets",
         "seconds",
         "gpu_hours",
         "dollars",
         "bound",
     }  # bound: ASHA on
+    assert j["targets"] == {"teacher": {"targets": "hidden", "shard_teacher": False}}
     assert j["storage_bytes"] == sum(st.values())
     assert j["storage_peak_bytes"] == sum(st.values()) + plan.storage_peak["checkpoints"]
     assert set(j["stages"]) == {"calibrate", "stage1", "targets", "stage2", "stage3", "analysis"}
@@ -186,7 +189,9 @@ def test_every_experiment_fits_the_node_types_of_cluster_yaml(path):
         else (str(ROOT / cfg.model) if cfg.model else default_teacher())
     )
     nodes = tuple(from_cluster_yaml(ROOT / "cluster.yaml"))
-    plan = make_plan(cfg, model_config(model), Devices(nodes=nodes))
+    dense = OFFLINE.get(cfg.stage2.d2d_teacher)  # the d2d baseline's own teacher at its published shape
+    own = {"teacher-d2d": model_config(str(CONFIGS / dense))} if dense else {}
+    plan = make_plan(cfg, model_config(model), Devices(nodes=nodes), own)
     assert plan.problems() == []
     for s in plan.stages:
         assert s.holders, s.name

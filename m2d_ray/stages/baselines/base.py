@@ -7,6 +7,7 @@ it brings besides (its own teacher, work before the students, its share of the b
     check             its inputs on the driver, before any work
     reads             the data specs its preparation reads
     teacher(cfg)      its own teacher (a name or directory), when it has one
+    teacher_students  the students its own teacher serves (one: never stores states under auto)
     prepare(...)      work on Ray before the students (under stage 2's resource waiter); `BaselineFailed` is
                       that student's failure, not the run's
     builder(...)      what writes its initial student where the distillation's rank 0 needs it (picklable)
@@ -50,6 +51,12 @@ class Baseline(Checked):
     def has_teacher(self) -> bool:
         """Whether it is distilled from a teacher of its own (then stage 3 evaluates that teacher too)."""
         return self.teacher_label is not None
+
+    @property
+    def teacher_students(self) -> int:
+        """Students distilled from its own teacher: its own one. A teacher that serves one student never stores its
+        states under stage2.targets=auto (the pass would run its forward once anyway, and add the storage)."""
+        return 1 if self.has_teacher else 0
 
     def check(self, cfg: SweepConfig) -> None:
         return None
