@@ -27,10 +27,12 @@ def _steps(metrics: Path) -> list[int]:
 
 
 @pytest.mark.slow
-def test_deepspeed_zero2_on_two_cpu_workers_killed_and_resumed(ray_address, ds_env, tmp_path):
-    """`m2d distill` on two Ray Train workers with ZeRO-2, SIGKILLed and resumed (~3 min here: slow).
-    In the default run ZeRO-2 over two ranks is checked by test_distill_ranks.py and a killed run's resume
-    by test_multinode.py (the driver of `m2d run` SIGKILLed during stage 2)."""
+@pytest.mark.parametrize("shard", [[], ["--shard-teacher"]], ids=["online", "sharded"])
+def test_deepspeed_zero2_on_two_cpu_workers_killed_and_resumed(ray_address, ds_env, tmp_path, shard):
+    """`m2d distill` on two Ray Train workers with ZeRO-2, SIGKILLed and resumed (~2 min each here: slow), its teacher
+    whole on each rank or sharded over them (a frozen teacher is read again from its checkpoint on resume, not saved).
+    In the default run: ZeRO-2 over two ranks in test_distill_ranks.py, a sharded run's resume without Ray in
+    test_sharded_teacher.py, a killed run's resume in test_multinode.py (`m2d run`'s driver SIGKILLed in stage 2)."""
     out = tmp_path / "distill"
     args = [
         sys.executable,
@@ -48,6 +50,7 @@ def test_deepspeed_zero2_on_two_cpu_workers_killed_and_resumed(ray_address, ds_e
         "--workers",
         "2",
         "--deepspeed",
+        *shard,
         "--out",
         str(out),
         "lr=3e-3",
@@ -75,6 +78,7 @@ def test_deepspeed_zero2_on_two_cpu_workers_killed_and_resumed(ray_address, ds_e
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["steps"] == 24 and result["resumed_from"] >= 8, result  # continued from a checkpoint, not step 0
+    assert result["targets"] == ("online, sharded" if shard else "online"), result
     steps = _steps(out / "metrics.jsonl")
     assert steps[: steps.index(seen) + 1] == list(range(4, seen + 1, 4)) and steps[-1] == 24
     assert result["last_val_ppl"] < result["first_val_ppl"]
