@@ -154,7 +154,7 @@ def _step_main(rank: int, world: int, port: int, out: str, teacher: str, student
     loading = _vm("VmHWM") - base
     s = AutoModelForCausalLM.from_pretrained(student).train()
     cfg = DistillConfig(lr=1e-4, warmup_steps=1, steps=steps, seq_len=SEQ, loss_chunk=256, deepspeed=False)
-    trainer = DistillStep(s, t.model, cfg, "cpu", world, torch.float32, head=head)
+    trainer = DistillStep(s, t.model, cfg, "cpu", world, head=head)
     ids = _ids(t.config.vocab_size, steps * world, seed=1)
     for i in range(steps):
         trainer.step([ids[i * world + rank]])

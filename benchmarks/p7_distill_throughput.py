@@ -1,36 +1,46 @@
-"""P7: the platform's stage-2 training step against a hand-written PyTorch loop, same models, same batches, for
-each of stage 2's teacher outputs (`--targets`): the online teacher, its cached final hidden states, its cached
-samples.
+"""P7: the platform's stage-2 training step against a hand-written PyTorch loop, same models, same batches, same
+numerics, for each of stage 2's teacher outputs (`--targets`): the online teacher, its cached final hidden states, its
+cached samples; and, per mode, every exact-KL kernel a GPU may make faster (`--kernels`, distill/kernels.py).
 
 A random-weight Qwen3-MoE teacher of the preset's shape and its random-FFN dense student (the `random-ffn`
 baseline: teacher attention, fresh FFN of width k x d_expert) are built in memory, nothing read or
-written. For each targets mode, three paths then take turns in this process on one device, one step each per
+written. For each targets mode, the paths then take turns in this process on one device, one step each per
 round (each going first in turn), every one from the same initial student and on the same batches:
 
-    platform            m2d_ray.distill.step.DistillStep, what stage 2 runs: plain torch (no DeepSpeed)
-    platform_deepspeed  the same step with DeepSpeed ZeRO-2 (world of 1)
+    platform            m2d_ray.distill.step.DistillStep, what stage 2 runs at one rank: plain torch, chunked KL
+    platform:KERNEL     the same step with distill.kl_kernel=KERNEL (compiled, liger), exact modes only
+    platform_deepspeed  the same step with DeepSpeed ZeRO-2 (world of 1): what the paper configs run
     reference           this file's plain loop, the same update (backward, clip, fused AdamW, the same parameter
-                        groups and warm-up/cosine schedule) from the whole [tokens x vocab] logits:
-                          online      teacher(ids).logits under no_grad, full-vocabulary forward KL (F.kl_div)
+                        groups and warm-up/cosine schedule) from the whole [tokens x vocab] float32 logits:
+                          online      the teacher's final states @ its head under no_grad, the forward KL (F.kl_div)
                           hidden      the teacher's logits as cached hidden states @ its head, the same KL
                           sampled:N   -sum_j w_j log p_s(j) + const over the N cached draws (Sparse Logit Sampling)
 
+Every path trains in the platform's precision policy (`--precision`, default auto: bf16-mixed on a GPU, fp32 on a
+CPU; distill/precision.py): with bf16-mixed the model computes in bfloat16 and the loop, like the platform, steps
+float32 master weights and moments and rounds them into the model, so a ratio compares the same work.
+
 Cached targets (`hidden`, `sampled:N`) are made before the clock by the teacher and `distill.targets.teacher_targets`
 on the device, kept in host memory (pinned on CUDA) as stage 2's loader keeps them, and copied to the device
-inside each timed step, by every path alike. Only steady-state steps are timed (after --warmup steps; no
-evaluation or checkpoint inside); a path's tokens/s is tokens per step / its median step time. Correct first: a
-mode's first-step losses must agree across its paths (same weights, same data), else the script exits 1 after
-printing everything. FLOPs per token are the bill's (m2d_ray/plan/cost.py: stage2_flops): the student's forward
-and backward plus the teacher's forward (online) or its output head (hidden; nothing for sampled). MFU = FLOPs
-per token x tokens/s over the device's matmul rate in the training dtype (bf16 on CUDA, float32 on CPU),
-measured in the same run (before and after the steps, the higher of the two).
+inside each timed step, by every path alike. Only steady-state steps are timed (after --warmup steps, which also pay a
+compiled kernel's compilation; no evaluation or checkpoint inside); a path's tokens/s is tokens per step / its median
+step time, its peak the most the CUDA allocator held during one of its steps above what it held before it. Correct
+first: every path's whole loss trajectory must agree with the platform's (its largest difference at any step, relative
+to the platform's mean loss, within 1e-4 in float32, 2% in bfloat16: Adam's first step is blind to a gradient's
+scale, so a first-step check proves little), else the script exits 1 after printing everything. FLOPs per token are
+the bill's (plan/cost.py stage2_flops): the student's forward and backward plus the teacher's forward (online) or
+its output head (hidden; nothing for sampled). MFU = FLOPs per token x tokens/s over the device's matmul rate in the
+training dtype, measured in the same run (before and after the steps, the higher of the two). Per mode, `kl_kernel`
+names the fastest platform kernel whose trajectory agrees with chunked: what distill.kl_kernel=auto should use on
+this GPU.
 
 Output: one JSON line per mode as it finishes ({"mode": ...}), then one line with all of them under "targets".
 
-    python benchmarks/p7_distill_throughput.py                # CPU preset, online (< 5 min on 2 cores)
+    python benchmarks/p7_distill_throughput.py                # CPU preset, online, float32 (< 5 min on 2 cores)
+    python benchmarks/p7_distill_throughput.py --precision bf16-mixed --steps 20 --warmup 0   # a GPU's numerics on CPU
     python benchmarks/p7_distill_throughput.py --preset h100 --targets online,hidden,sampled:64
                                                               # the issue's 2.52B teacher -> 0.40B student, 8 x 2048
-                                                              tokens, bf16
+                                                              tokens, bf16-mixed, kernels chunked, compiled, liger
     python benchmarks/p7_distill_throughput.py --preset smoke --targets online,hidden,sampled:8   # plumbing, seconds
 """
 
@@ -157,12 +167,12 @@ def init_process_group(device: str) -> None:
     deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
 
 
-def platform_path(student, teacher, cfg, device: str, dtype: torch.dtype, spec=None, head=None):
+def platform_path(student, teacher, cfg, device: str, precision, spec=None, head=None):
     """DistillStep: online (`teacher`), or from cached targets of `spec` (hidden: with the teacher's `head`)."""
     from m2d_ray.distill.step import DistillStep
 
     trainer = DistillStep(
-        student, teacher if spec is None else None, cfg, device, world=1, dtype=dtype, targets=spec, head=head
+        student, teacher if spec is None else None, cfg, device, 1, precision, targets=spec, head=head
     )
     return (lambda batch: trainer.step([_to(batch, device)])), trainer.take_loss
 
@@ -175,26 +185,32 @@ def _to(batch, device: str):
     )
 
 
-def reference_path(student, teacher, cfg, device: str, dtype: torch.dtype, spec=None, head=None):
-    """A hand-written loop: the whole logits, the mode's loss on them (F.kl_div / a gather), fused AdamW."""
-    decay = [w for w in student.parameters() if w.ndim >= 2]
-    rest = [w for w in student.parameters() if w.ndim < 2]
+def reference_path(student, teacher, cfg, device: str, precision, spec=None, head=None):
+    """A hand-written loop: the whole float32 logits, the mode's loss on them (F.kl_div / a gather), fused AdamW; with
+    master weights (bf16-mixed), on float32 copies of the weights, rounded into the bfloat16 model after each step."""
+    from m2d_ray.distill.step import lr_factor
+    from m2d_ray.numerics import logits
+
+    student.to(precision.dtype)
+    weights = list(student.parameters())
+    trained = [w.detach().float().clone().requires_grad_() for w in weights] if precision.masters else weights
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        [
+            {"params": [m for w, m in zip(weights, trained) if w.ndim >= 2], "weight_decay": cfg.weight_decay},
+            {"params": [m for w, m in zip(weights, trained) if w.ndim < 2], "weight_decay": 0.0},
+        ],
         lr=cfg.lr,
         betas=tuple(cfg.betas),
         fused=True,
     )
-    from m2d_ray.distill.step import lr_factor
-
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     losses: list[torch.Tensor] = []
+    w_s = student.get_output_embeddings().weight
 
     def loss_of(batch) -> torch.Tensor:
         ids = batch["tokens"] if isinstance(batch, dict) else batch
-        s = student(input_ids=ids, use_cache=False).logits
-        V = s.shape[-1]
-        ls = F.log_softmax(s.float().view(-1, V), -1)
+        h = student.base_model(input_ids=ids, use_cache=False).last_hidden_state
+        ls = F.log_softmax(logits(h.flatten(0, 1), w_s), -1)
         if spec is not None and spec.mode == "sampled":
             w = batch["counts"].float().view(ls.shape[0], -1)
             w = w / w.sum(-1, keepdim=True).clamp_min(1.0)
@@ -202,16 +218,24 @@ def reference_path(student, teacher, cfg, device: str, dtype: torch.dtype, spec=
                 (w * (batch["logp"].float().view_as(w) - ls.gather(1, batch["ids"].view_as(w).long()))).sum(-1).mean()
             )
         with torch.no_grad():
-            t = (batch["hidden"] @ head.T) if spec is not None else teacher(input_ids=ids, use_cache=False).logits
-        return F.kl_div(ls, F.log_softmax(t.float().view(-1, V), -1), log_target=True, reduction="batchmean")
+            h_t = batch["hidden"] if spec is not None else teacher.base_model(input_ids=ids).last_hidden_state
+            t = logits(h_t.flatten(0, 1).to(head.dtype), head)
+        return F.kl_div(ls, F.log_softmax(t, -1), log_target=True, reduction="batchmean")
 
     def step(batch):
         loss = loss_of(_to(batch, device))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.grad_clip)
+        if precision.masters:
+            for w, m in zip(weights, trained):
+                m.grad, w.grad = w.grad.float(), None
+        torch.nn.utils.clip_grad_norm_(trained, cfg.grad_clip)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        if precision.masters:
+            with torch.no_grad():
+                for w, m in zip(weights, trained):
+                    w.copy_(m)
         losses.append(loss.detach())
 
     return step, lambda: float(losses.pop())
@@ -245,9 +269,37 @@ def mode_flops(teacher, student, spec, seq_len: int) -> float:
     return f
 
 
-def run_mode(text: str, p: dict, teacher, student0, ids: list, cfg, names: list[str], dtype: torch.dtype) -> dict:
-    """One targets mode: every path from the same initial student on the same batches, in turns; its figures."""
+def trajectory_gap(a: list[float], b: list[float]) -> float:
+    """The largest difference between two loss trajectories at any step, relative to `b`'s mean size (a sampled
+    estimate may cross zero: a step's own loss is no scale)."""
+    return max(abs(x - y) for x, y in zip(a, b)) / max(statistics.fmean(abs(y) for y in b), 1e-12)
+
+
+def builders(teacher, cfg, device: str, precision, spec, head, kernels: list[str]) -> dict:
+    """Path name -> a function of a fresh student giving (step, take_loss)."""
     from m2d_ray.config import DistillConfig
+
+    def with_(**kw):
+        return DistillConfig(**{**cfg.__dict__, **kw})
+
+    out = {
+        "platform": lambda s: platform_path(
+            s, teacher.model, with_(kl_kernel="chunked"), device, precision, spec, head
+        ),
+        "platform_deepspeed": lambda s: platform_path(
+            s, teacher.model, with_(deepspeed=True, kl_kernel="chunked"), device, precision, spec, head
+        ),
+        "reference": lambda s: reference_path(s, teacher.model, cfg, device, precision, spec, head),
+    }
+    for k in kernels if spec is None or spec.exact else []:  # top-K / sampled targets have no kernels
+        out[f"platform:{k}"] = lambda s, k=k: platform_path(
+            s, teacher.model, with_(kl_kernel=k), device, precision, spec, head
+        )
+    return out
+
+
+def run_mode(text: str, p: dict, teacher, student0, ids: list, cfg, names: list[str], precision, kernels) -> dict:
+    """One targets mode: every path from the same initial student on the same batches, in turns; its figures."""
     from m2d_ray.distill.targets import parse_targets
 
     device = p["device"]
@@ -258,58 +310,80 @@ def run_mode(text: str, p: dict, teacher, student0, ids: list, cfg, names: list[
         )
     head = teacher.model.get_output_embeddings().weight.detach()
     batches = mode_batches(ids, teacher.model, spec, pin=device == "cuda")
-    builders = {
-        "platform": lambda s: platform_path(s, teacher.model, cfg, device, dtype, spec, head),
-        "platform_deepspeed": lambda s: platform_path(
-            s, teacher.model, DistillConfig(**{**cfg.__dict__, "deepspeed": True}), device, dtype, spec, head
-        ),
-        "reference": lambda s: reference_path(s, teacher.model, cfg, device, dtype, spec, head),
-    }
-    paths = {n: builders[n](copy.deepcopy(student0).to(device).train()) for n in names}
+    make = builders(teacher, cfg, device, precision, spec, head, kernels)
+    names = [n for n in names if n in make] + [n for n in make if n.startswith("platform:")]
+    paths = {n: make[n](copy.deepcopy(student0).to(device).train()) for n in names}
     times: dict[str, list[float]] = {n: [] for n in names}
     losses: dict[str, list[float]] = {n: [] for n in names}
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    peaks: dict[str, int] = {n: 0 for n in names}
+    cuda = device == "cuda"
     for i, batch in enumerate(batches):
         for n in names[i % len(names) :] + names[: i % len(names)]:  # each path goes first in turn
             step, take_loss = paths[n]
-            sync()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                held = torch.cuda.memory_allocated()
             t = time.perf_counter()
             step(batch)
-            sync()
+            if cuda:
+                torch.cuda.synchronize()
+                peaks[n] = max(peaks[n], torch.cuda.max_memory_allocated() - held)
             if i >= p["warmup"]:
                 times[n].append(time.perf_counter() - t)
             losses[n].append(take_loss())
     del paths, batches
     gc.collect()
-    if device == "cuda":
+    if cuda:
         torch.cuda.empty_cache()
     tokens = p["batch"] * p["seq_len"]
     tps = {n: tokens / statistics.median(ts) for n, ts in times.items()}
-    first = [losses[n][0] for n in names]
-    platform = max((tps[n] for n in ("platform", "platform_deepspeed") if n in tps), default=None)
+    tol = 2e-2 if precision.dtype == torch.bfloat16 else 1e-4
+    gaps = {n: trajectory_gap(losses[n], losses["platform"]) for n in names}
+    agreeing = [n for n in names if n == "platform" or (n.startswith("platform:") and gaps[n] <= tol)]
+    best = max(agreeing, key=tps.get)
     return {
         "mode": text,
         "platform_tokens_per_s": tps.get("platform"),
         "platform_deepspeed_tokens_per_s": tps.get("platform_deepspeed"),
         "reference_tokens_per_s": tps.get("reference"),
-        "ratio": platform / tps["reference"] if platform and "reference" in tps else None,
+        "ratio": tps["platform"] / tps["reference"] if "reference" in tps else None,
+        "deepspeed_ratio": tps["platform_deepspeed"] / tps["reference"]
+        if {"reference", "platform_deepspeed"} <= set(tps)
+        else None,
+        "kl_kernel": best.partition(":")[2] or "chunked",
+        "auto_tokens_per_s": tps[best],
         "flops_per_token": mode_flops(teacher, student0, spec, p["seq_len"]),
+        "tokens_per_s": tps,
+        "peak_step_bytes": peaks if cuda else None,
         "step_s": {n: [round(t, 4) for t in ts] for n, ts in times.items()},
-        "loss_first": dict(zip(names, first)),
-        "loss_last": {n: losses[n][-1] for n in names},
-        "losses_agree": max(first) - min(first)
-        <= (2e-2 if dtype == torch.bfloat16 else 1e-4) * max(abs(x) for x in first),
+        "losses": losses,
+        "gap": gaps,
+        "tolerance": tol,
+        "loss_first": {n: ls[0] for n, ls in losses.items()},
+        "loss_last": {n: ls[-1] for n, ls in losses.items()},
+        "losses_agree": max(gaps.values()) <= tol,
     }
 
 
 def add_mfu(m: dict, rate: float) -> dict:
-    """The mode's MFU (its best platform path) and the plain loop's, against the matmul rate `rate`."""
-    platform = max(filter(None, (m["platform_tokens_per_s"], m["platform_deepspeed_tokens_per_s"])), default=None)
-    m["mfu"] = platform * m["flops_per_token"] / rate if platform else None
+    """The mode's MFU (what distill.kl_kernel=auto would run: the platform with the mode's kl_kernel) and the plain
+    loop's, against the matmul rate `rate`."""
+    m["mfu"] = m["auto_tokens_per_s"] * m["flops_per_token"] / rate
     m["reference_mfu"] = (
         m["reference_tokens_per_s"] * m["flops_per_token"] / rate if m["reference_tokens_per_s"] else None
     )
     return m
+
+
+def default_kernels(device: str) -> str:
+    """Every kernel that can run here besides chunked (the platform path itself); none on a CPU by default (a
+    compilation takes longer than the CPU preset's steps; name them to try)."""
+    from m2d_ray.distill.kernels import KL_KERNELS
+
+    if device != "cuda":
+        return ""
+    return ",".join(k for k in KL_KERNELS if k != "chunked" and not KL_KERNELS[k].unavailable(device))
 
 
 def main() -> None:
@@ -320,6 +394,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, help="untimed steps per path first (default: the preset's)")
     ap.add_argument("--threads", type=int, help="torch threads on CPU (default: torch's)")
     ap.add_argument("--paths", default="platform,platform_deepspeed,reference")
+    ap.add_argument("--precision", default="auto", help="distill.precision (default auto: bf16-mixed on a GPU, fp32)")
+    ap.add_argument(
+        "--kernels",
+        default=None,
+        help="exact-KL kernels timed beside chunked, comma-separated (default: on a GPU every one that imports here)",
+    )
     a = ap.parse_args()
     p = dict(PRESETS[a.preset])
     p["steps"], p["warmup"] = a.steps or p["steps"], a.warmup if a.warmup is not None else p["warmup"]
@@ -328,15 +408,16 @@ def main() -> None:
     device = p["device"]
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--preset {a.preset} needs a CUDA device")
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # what stage 2 trains in
-    print(machine_line(), file=sys.stderr)
-
     from m2d_ray.config import DistillConfig
     from m2d_ray.distill.flops import matmul_rate
+    from m2d_ray.distill.precision import for_device
 
+    precision = for_device(a.precision, device)  # what stage 2 trains in
+    kernels = [k for k in (default_kernels(device) if a.kernels is None else a.kernels).split(",") if k]
+    print(machine_line(), file=sys.stderr)
     t0 = time.perf_counter()
-    teacher, student0 = build_models(p, dtype)
-    rate = matmul_rate(device, dtype)
+    teacher, student0 = build_models(p, precision.dtype)
+    rate = matmul_rate(device, precision.dtype)
     n_steps = p["warmup"] + p["steps"]
     cfg = DistillConfig(
         steps=n_steps, warmup_steps=max(1, n_steps // 4), batch_size=p["batch"], seq_len=p["seq_len"], deepspeed=False
@@ -347,17 +428,17 @@ def main() -> None:
     if "platform_deepspeed" in names:
         init_process_group(device)
     print(
-        f"built in {time.perf_counter() - t0:.1f} s; {len(names)} paths x {p['warmup']} warm-up + {p['steps']} timed "
-        "steps",
+        f"built in {time.perf_counter() - t0:.1f} s; {precision.name}; {len(names)} paths + kernels {kernels or '-'} x "
+        f"{p['warmup']} warm-up + {p['steps']} timed steps",
         file=sys.stderr,
     )
     modes = {}
     for text in [t.strip() for t in a.targets.split(",") if t.strip()]:
-        modes[text] = add_mfu(run_mode(text, p, teacher, student0, ids, cfg, names, dtype), rate)
+        modes[text] = add_mfu(run_mode(text, p, teacher, student0, ids, cfg, names, precision, kernels), rate)
         print(
             json.dumps(modes[text]), flush=True
         )  # MFU against the rate before the steps (a caller killed later keeps it)
-    rate = max(rate, matmul_rate(device, dtype))  # before and after the steps: the best this run saw
+    rate = max(rate, matmul_rate(device, precision.dtype))  # before and after the steps: the best this run saw
     for m in modes.values():
         add_mfu(m, rate)
     out = {
@@ -365,7 +446,8 @@ def main() -> None:
         "device": torch.cuda.get_device_name()
         if device == "cuda"
         else f"{cpu_model()} ({torch.get_num_threads()} threads)",
-        "dtype": str(dtype).removeprefix("torch."),
+        "precision": precision.name,
+        "dtype": str(precision.dtype).removeprefix("torch."),
         "teacher_params": sum(w.numel() for w in teacher.model.parameters()),
         "student_params": sum(w.numel() for w in student0.parameters()),
         "tokens": p["batch"] * p["seq_len"],
@@ -378,9 +460,9 @@ def main() -> None:
     }
     print(machine_line(), file=sys.stderr)
     print(json.dumps(out))
-    bad = {t: m["loss_first"] for t, m in modes.items() if not m["losses_agree"]}
+    bad = {t: {n: round(g, 5) for n, g in m["gap"].items()} for t, m in modes.items() if not m["losses_agree"]}
     if bad:
-        raise SystemExit(f"first-step losses differ: {bad}")
+        raise SystemExit(f"loss trajectories differ beyond their tolerance (largest relative gap per path): {bad}")
 
 
 if __name__ == "__main__":

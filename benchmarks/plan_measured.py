@@ -192,6 +192,7 @@ def child(case: str, size: str, kw: dict, work: Path, device: str = "cpu") -> di
         from transformers import AutoModelForCausalLM
 
         from m2d_ray.distill.config import DistillConfig
+        from m2d_ray.distill.precision import resolve
         from m2d_ray.distill.step import DistillStep
         from m2d_ray.distill.targets import bytes_per_token, parse_targets, state_bytes
         from m2d_ray.models import load_distill_teacher
@@ -228,7 +229,8 @@ def child(case: str, size: str, kw: dict, work: Path, device: str = "cpu") -> di
         if kw["ckpt"]:
             s.gradient_checkpointing_enable()
         s.config.use_cache = False
-        step = DistillStep(s, t, cfg, device, 1, dtype, spec, head)
+        precision = resolve("auto", gpu)  # what stage 2 trains in: bf16-mixed on a GPU, fp32 on CPU
+        step = DistillStep(s, t, cfg, device, 1, precision, spec, head)
         for _ in range(2):
             step.step([batch()])
         measured = peak.stop()
@@ -245,6 +247,7 @@ def child(case: str, size: str, kw: dict, work: Path, device: str = "cpu") -> di
             cfg.loss_chunk,
             spec.mode if spec else "online",
             per_token,
+            masters=precision.masters,
         )
     elif case == "calibrate":
         from m2d_ray.calibrate.collect import collect_stats

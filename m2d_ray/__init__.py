@@ -9,7 +9,7 @@ Layers, lowest first. A module imports only from its own layer or a lower one, a
 cycles, except that arch/ registers its families by importing them (tests/unit/test_imports.py checks
 this list against the code):
 
-    1. errors, console, registry, artifacts, storage, checkpoint, assets, accelerators, peaks, sizes
+    1. errors, console, registry, artifacts, storage, checkpoint, assets, accelerators, peaks, sizes, numerics, measured
     2. arch
     3. models, weights, data
     4. calibrate

@@ -289,7 +289,16 @@ def parser() -> argparse.ArgumentParser:
         help="keep train/ (the checkpoints: DeepSpeed state) once the student is exported (default: removed)",
     )
     d.add_argument(
-        "--deepspeed", action=argparse.BooleanOptionalAction, default=None, help="DeepSpeed ZeRO-2 (default on)"
+        "--deepspeed",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="DeepSpeed ZeRO-2 (default: with more than one --workers; one rank trains faster without it)",
+    )
+    d.add_argument(
+        "--precision",
+        default=None,
+        help="bf16-mixed (bfloat16 compute, float32 master weights and optimizer states; auto's choice on a GPU), "
+        "bf16-pure, fp32 (auto's choice on CPU), or auto (default)",
     )
     d.add_argument("--workers", type=_positive, default=None, help="Ray Train workers")
     d.add_argument("--config", default=None, help="YAML whose distill: section gives the defaults (experiments/*.yaml)")
@@ -389,7 +398,10 @@ OVERRIDE_FLAGS = {
     "sweep": {"model": "model", "calib_data": "calib.data", "eval_data": "eval.data", "storage": "storage"},
     "run": {"storage": "storage"},
     "distill": {
-        **{k: f"distill.{k}" for k in ("train_data", "steps", "loss", "teacher_topk", "deepspeed", "workers")},
+        **{
+            k: f"distill.{k}"
+            for k in ("train_data", "steps", "loss", "teacher_topk", "deepspeed", "precision", "workers")
+        },
         "targets": "stage2.targets",
         "shard_teacher": "stage2.shard_teacher",
         "keep_training_state": "stage2.keep_training_state",

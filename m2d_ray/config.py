@@ -595,6 +595,15 @@ def _set_path(raw: dict, keys: list[str], value: Any) -> None:
     node[keys[-1]] = value
 
 
+#: keys a config no longer takes -> what to write instead
+RENAMED = {
+    "distill.dtype": (
+        "distill.precision: bfloat16 -> bf16-mixed (float32 master weights and optimizer states; bf16-pure for "
+        "bfloat16 ones), float32 -> fp32, auto -> auto"
+    ),
+}
+
+
 def _build(cls, raw: Any, where: str):
     if raw is None:
         raw = {}
@@ -605,6 +614,8 @@ def _build(cls, raw: Any, where: str):
     kwargs = {}
     for key, value in raw.items():
         path = f"{where}{key}"
+        if path in RENAMED:
+            raise M2DError(f"{path} is now {RENAMED[path]}")
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
             hint = f" did you mean {where}{close[0]}?" if close else ""

@@ -112,8 +112,15 @@ class Teacher:
         return dense_from_mlp(self.adapter.layers(self.model)[layer].mlp)
 
     def state(self, names: Sequence[str]) -> dict[str, Tensor]:
-        sd = self.model.state_dict()
-        return {n: sd[n] for n in names}
+        """Copies of the named tensors, tied names sharing one copy: a student built from them owns its weights, so
+        training it in this process leaves the teacher as it was (a view would train the frozen teacher too)."""
+        sd, copies, out = self.model.state_dict(), {}, {}
+        for n in names:
+            key = (sd[n].data_ptr(), sd[n].shape)
+            if key not in copies:
+                copies[key] = sd[n].clone()
+            out[n] = copies[key]
+        return out
 
 
 def load_config(name: str):

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
+from m2d_ray.distill.kernels import KL_KERNELS
 from m2d_ray.distill.losses import LOSSES
+from m2d_ray.distill.precision import AUTO, PRECISIONS
 from m2d_ray.errors import M2DError
 
 STOP_POLL_STEPS = 10  # a stop request (ASHA's) is looked at every this many steps (or every eval_every, if fewer)
-DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-}  # distill.dtype besides auto (float16 would need loss scaling)
 
 
 @dataclass(frozen=True)
@@ -60,11 +56,17 @@ class DistillConfig:
     eval_batch_size: int = 4
     # tokens per vocabulary chunk of the KL (a [tokens x vocabulary] float32 tensor never exists)
     loss_chunk: int = 1024
-    # DeepSpeed ZeRO (in `dtype`; gloo on CPU); false = plain torch (DDP with several workers)
-    deepspeed: bool = True
-    # what the teacher, its cached hidden states, its head and the student run in: auto = bfloat16 on a GPU, float32 on
-    # CPU; bfloat16 on CPU rehearses a GPU's dtypes where there is none (the tests do), at CPU bf16 speed
-    dtype: str = "auto"
+    # DeepSpeed ZeRO (gloo on CPU); false = plain torch (DDP with several workers); auto = DeepSpeed where a student
+    # has more than one worker (at one rank ZeRO shards nothing and its step is slower: docs/how-to/gpu.md)
+    deepspeed: bool | str = "auto"
+    # bf16-mixed: bfloat16 compute (student, teacher, cached states) with float32 master weights and optimizer states;
+    # bf16-pure: bfloat16 weights and optimizer states too (only when asked); fp32; auto = bf16-mixed on a GPU, fp32
+    # on CPU (bf16-mixed on CPU rehearses a GPU's numerics where there is none, at CPU bf16 speed)
+    precision: str = "auto"
+    # the KL's implementation (distill/kernels.py): chunked (the reference, every device), compiled (torch.compile of
+    # the student's forward and loss), liger (Liger Kernel's fused linear JSD at beta 0 = forward KL; GPU, the [gpu]
+    # extra); auto = the kernel the last GPU acceptance call measured fastest at the same loss (chunked on CPU)
+    kl_kernel: str = "auto"
     # DeepSpeed's ZeRO stage: 2 shards the optimizer state and gradients over the workers (0, 1 or 2)
     zero_stage: int = 2
     # Ray Train workers per student
@@ -92,17 +94,14 @@ class DistillConfig:
         return self.steps * self.batch_size * self.grad_accum * self.workers
 
     @property
+    def uses_deepspeed(self) -> bool:
+        """DeepSpeed ZeRO: asked for, or under auto where a student has more than one worker."""
+        return self.workers > 1 if self.deepspeed == AUTO else bool(self.deepspeed)
+
+    @property
     def stop_poll(self) -> int:
         """Steps between looks at a stop request: a student ASHA stops trains up to this many past its report."""
         return min(self.eval_every, STOP_POLL_STEPS)
-
-
-def train_dtype(name: str, device: str | torch.device) -> torch.dtype:
-    """distill.dtype on `device`: auto = bfloat16 on a GPU, float32 on CPU. One choice for a rank's models and
-    for the teacher of the targets pass, so cached hidden states are in the dtype the online teacher runs in."""
-    if name == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    return DTYPES[name]
 
 
 def check_distill(d: DistillConfig) -> None:
@@ -129,9 +128,21 @@ def check_distill(d: DistillConfig) -> None:
         raise M2DError(f"{', '.join(bad)}: must be >= 1")
     if not (d.lr > 0 and 0 <= d.min_lr <= d.lr and d.temperature > 0 and len(d.betas) == 2):
         raise M2DError("distill: need lr > 0, 0 <= min_lr <= lr, temperature > 0 and betas = [beta1, beta2]")
-    if d.dtype not in ("auto", *DTYPES):
+    if d.precision != AUTO and d.precision not in PRECISIONS:
+        raise M2DError(f"{PRECISIONS.unknown_message(d.precision)} (or auto: bf16-mixed on a GPU, fp32 on CPU)")
+    if d.deepspeed not in (True, False, AUTO):
+        raise M2DError(f"distill.deepspeed={d.deepspeed!r}: use true, false or auto (DeepSpeed above one worker)")
+    if d.precision == "bf16-pure" and d.uses_deepspeed:
         raise M2DError(
-            f"distill.dtype={d.dtype!r}: use auto (bfloat16 on a GPU, float32 on CPU), {' or '.join(DTYPES)}"
+            "distill.precision=bf16-pure: DeepSpeed keeps float32 master weights in bf16; set distill.deepspeed=false "
+            "for pure bfloat16 training, or use bf16-mixed"
+        )
+    if d.kl_kernel != AUTO and d.kl_kernel not in KL_KERNELS:
+        raise M2DError(f"distill.kl_kernel: {KL_KERNELS.unknown_message(d.kl_kernel)} (or auto)")
+    if d.kl_kernel != AUTO and KL_KERNELS[d.kl_kernel].cuda_only and d.gpus_per_worker <= 0:
+        raise M2DError(
+            f"distill.kl_kernel={d.kl_kernel} runs on CUDA devices only and distill.gpus_per_worker is 0; use chunked "
+            "or auto"
         )
     if d.zero_stage not in (0, 1, 2):
         raise M2DError(

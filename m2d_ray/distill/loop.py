@@ -29,10 +29,11 @@ from m2d_ray import storage
 from m2d_ray.arch import ADAPTERS
 from m2d_ray.convert.export import export_student
 from m2d_ray.data.text import load_text, tokenize
-from m2d_ray.distill.config import DistillConfig, train_dtype
+from m2d_ray.distill.config import DistillConfig
 from m2d_ray.distill.data import train_batches
 from m2d_ray.distill.flops import active_params, flops_per_token, matmul_rate
 from m2d_ray.distill.gpu import attention_implementation
+from m2d_ray.distill.precision import for_device
 from m2d_ray.distill.sharded_teacher import load_sharded
 from m2d_ray.distill.step import DistillStep, all_reduce_max, all_reduce_sum
 from m2d_ray.distill.targets import TargetsManifest, TargetSpec, fingerprint, loss_metric, read_shard
@@ -218,8 +219,8 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
     cfg = job.cfg
     torch.manual_seed(cfg.seed)
     reset_peaks()  # the student's peak, above what the worker held before it
-    dtype = train_dtype(cfg.dtype, job.device)
-    teacher, head, student = _load_models(job, io, dtype)
+    precision = for_device(cfg.precision, job.device)
+    teacher, head, student = _load_models(job, io, precision.dtype)
     tokenizer = teacher.tokenizer
     counted = _teacher_shape(job.teacher) if sharded(job, io) else teacher  # FLOPs from shapes, not from shards
     flops = flops_per_token(
@@ -229,9 +230,9 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
         "student_params": sum(p.numel() for p in student.parameters()),  # for the matched-parameter table
         "teacher_active_params": active_params(counted.model, counted.adapter, cfg.teacher_topk),
     }
-    peak = matmul_rate(job.device, dtype)
+    peak = matmul_rate(job.device, precision.dtype)
     trainer = DistillStep(
-        student, None if job.targets else teacher.model, cfg, job.device, io.world, dtype, job.target_spec, head
+        student, None if job.targets else teacher.model, cfg, job.device, io.world, precision, job.target_spec, head
     )
     step, extra = _restore(io.restore, trainer)
     per_step = cfg.batch_size * cfg.grad_accum * io.world
@@ -356,6 +357,7 @@ def _save(path: Path, trainer: DistillStep, step: int, extra: dict, rank: int) -
                 "model": trainer.student.state_dict(),
                 "optimizer": trainer.opt.state_dict(),
                 "scheduler": trainer.sched.state_dict(),
+                **({"masters": trainer.masters.state_dict()} if trainer.masters is not None else {}),
             },
             path / STATE_FILE,
         )
@@ -373,5 +375,7 @@ def _restore(path: Path | None, trainer: DistillStep) -> tuple[int, dict]:
         trainer.student.load_state_dict(state["model"])
         trainer.opt.load_state_dict(state["optimizer"])
         trainer.sched.load_state_dict(state["scheduler"])
+        if trainer.masters is not None:  # after the model: the masters' rounding overwrites its weights
+            trainer.masters.load_state_dict(state.get("masters"))
         return int(state["step"]), {k: state.get(k) for k in EXTRAS}
     raise RuntimeError(f"checkpoint {path} holds neither a DeepSpeed ({DS_TAG}/) nor a plain ({STATE_FILE}) state")

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from m2d_ray.numerics import logits
 from m2d_ray.registry import Registry
 
 #: loss name -> (logit divergence, whether hidden-state MSE over all layers is added)
@@ -54,7 +55,7 @@ DIVERGENCES: dict[str, Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]] = {"fk
 
 def log_probs(h: Tensor, w: Tensor, t: float) -> Tensor:
     """float32 log-softmax of the logits h @ w.T at temperature t (the division skipped at t = 1)."""
-    z = (h @ w.T).float()
+    z = logits(h, w)
     return torch.log_softmax(z if t == 1.0 else z.div_(t), dim=-1)
 
 

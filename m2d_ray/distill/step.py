@@ -1,10 +1,13 @@
 """One optimizer step of stage 2: what the training loop repeats and what benchmark P7 times.
 
-`DistillStep` owns the student's optimizer, learning-rate schedule and data-parallel wrapper:
-* DeepSpeed (`distill.deepspeed`): a ZeRO engine (bucketed reduce-scatter of the gradients);
+`DistillStep` owns the student's optimizer, learning-rate schedule, precision and data-parallel wrapper:
+* DeepSpeed (`distill.deepspeed`): a ZeRO engine (bucketed reduce-scatter of the gradients; in `bf16` mode its
+  float32 partition is the master copy the optimizer steps);
 * plain torch on several ranks: DistributedDataParallel (bucketed all-reduce overlapped with the backward;
   the micro-batches before the last one of an accumulation run under `no_sync`);
 * plain torch on one rank: the student itself.
+On the plain paths a policy with master weights (`distill.precision: bf16-mixed`, distill/precision.py) keeps the
+student in bfloat16 and steps float32 copies of its parameters, as ZeRO does; the three paths train the same numbers.
 A step reads nothing back to the host: the running loss stays on the device until `take_loss()`
 (the loop calls it at a report). Training blocks are packed, with no padding, so no attention mask
 is passed: the models take SDPA's causal path and nothing checks a mask on the host.
@@ -21,8 +24,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from m2d_ray.distill.config import DistillConfig
-from m2d_ray.distill.losses import LOSSES, chunked_kl, hidden_mse, sampled_kl, sparse_kl
+from m2d_ray.distill.kernels import KLKernel, kl_kernel
+from m2d_ray.distill.losses import LOSSES, hidden_mse, sampled_kl, sparse_kl
+from m2d_ray.distill.precision import PRECISIONS, MasterWeights, Precision
 from m2d_ray.distill.targets import TargetSpec
+from m2d_ray.errors import M2DError
 
 # Imported inside functions: DeepSpeed (only where a student trains with it).
 
@@ -38,6 +44,7 @@ def lr_factor(step: int, cfg: DistillConfig) -> float:
 
 
 def ds_config(cfg: DistillConfig, dtype: torch.dtype) -> dict:
+    """ZeRO in `dtype`: `bf16` mode keeps float32 master weights and optimizer states (the `bf16-mixed` policy)."""
     return {
         "train_micro_batch_size_per_gpu": cfg.batch_size,
         "gradient_accumulation_steps": cfg.grad_accum,
@@ -81,6 +88,34 @@ def teacher_outputs(teacher: nn.Module, ids: Tensor, with_states: bool) -> tuple
     return out.last_hidden_state, out.hidden_states if with_states else None
 
 
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """The model's floating-point parameters in `dtype`, in place (the same Parameter objects: an optimizer or a
+    wrapper built after sees them); buffers keep their dtype (rotary frequencies stay float32)."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
+def refuse_aliases(student: nn.Module, teacher: Sequence[nn.Module | Tensor | None]) -> None:
+    """One line when a student parameter shares memory with its teacher's weights (a student built in-process from
+    a teacher without copying them): its optimizer would update the teacher that the loss treats as frozen."""
+    mine = {_storage(p): n for n, p in student.named_parameters()}
+    tensors = [x for t in teacher if t is not None for x in ([t] if isinstance(t, Tensor) else t.state_dict().values())]
+    shared = sorted({mine[s] for t in tensors if (s := _storage(t)) in mine and s is not None})
+    if shared:
+        raise M2DError(
+            f"the student shares {len(shared)} tensors with its teacher ({', '.join(shared[:3])}"
+            f"{', ...' if len(shared) > 3 else ''}): distilling it would train the frozen teacher too; give the "
+            "student its own copy of them (m2d_ray.convert's builders do)"
+        )
+
+
+def _storage(t: Tensor) -> int | None:
+    """The address of the memory a tensor lives in (a sharded one's local shard); None for meta or empty ones."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return None if local.device.type == "meta" or not local.numel() else local.untyped_storage().data_ptr()
+
+
 class StudentLoss(nn.Module):
     """The student's forward and its loss against the teacher's outputs on the same batch.
 
@@ -88,11 +123,14 @@ class StudentLoss(nn.Module):
     through it, and the student's own forward would form the [tokens x vocab] logits the chunked KL avoids.
     """
 
-    def __init__(self, student: nn.Module, cfg: DistillConfig, targets: TargetSpec | None = None) -> None:
+    def __init__(
+        self, student: nn.Module, cfg: DistillConfig, targets: TargetSpec | None = None, kernel: KLKernel | None = None
+    ) -> None:
         super().__init__()
         self.student = student
         self.kind, self.with_states = LOSSES[cfg.loss]
         self.cfg, self.targets = cfg, targets
+        self.kl = (kernel or kl_kernel("chunked", "cpu")).kl
 
     def forward(
         self,
@@ -116,7 +154,7 @@ class StudentLoss(nn.Module):
             if self.targets.mode == "topk":
                 return sparse_kl(h, w_s, flat["ids"], flat["logp"], flat["tail"], temperature=t, chunk=c)
             return sampled_kl(h, w_s, flat["ids"], flat["counts"], flat["logp"], temperature=t, chunk=c)
-        loss = chunked_kl(h, w_s, t_last.reshape(-1, t_last.shape[-1]), w_t, kind=self.kind, temperature=t, chunk=c)
+        loss = self.kl(h, w_s, t_last.reshape(-1, t_last.shape[-1]), w_t, kind=self.kind, temperature=t, chunk=c)
         if self.with_states:
             loss = loss + self.cfg.mse_weight * hidden_mse(out.hidden_states, t_states)
         return loss
@@ -127,7 +165,10 @@ class DistillStep:
 
     `teacher` runs here (online), or is None with cached `targets`; `head` is the teacher's output projection
     [V, d] that online and `hidden` targets form the teacher's logits with (no gradient reaches it): given with
-    `hidden` targets and a sharded teacher, else the loaded teacher's.
+    `hidden` targets and a sharded teacher, else the loaded teacher's. The student's parameters are cast to the
+    `precision`'s dtype here (its buffers, such as rotary frequencies, are left as they are, as DeepSpeed leaves
+    them), after the plain path's float32 masters are taken from them. A student that shares a tensor with its
+    teacher is refused: the step would train the frozen teacher too.
     DeepSpeed, or `world` > 1, needs an initialised process group (Ray Train's, or deepspeed.init_distributed).
     """
 
@@ -138,7 +179,7 @@ class DistillStep:
         cfg: DistillConfig,
         device: str,
         world: int = 1,
-        dtype: torch.dtype = torch.float32,
+        precision: Precision = PRECISIONS["fp32"],
         targets: TargetSpec | None = None,
         head: Tensor | None = None,
     ) -> None:
@@ -146,21 +187,27 @@ class DistillStep:
         if head is None and teacher is not None:
             head = teacher.get_output_embeddings().weight
         self.head = head.detach() if head is not None else None
-        self.loss_module = StudentLoss(student, cfg, targets)
-        fused = torch.device(device).type in (
-            "cpu",
-            "cuda",
-        )  # one kernel for all tensors (P7, 1 thread: -2.6% step time)
+        refuse_aliases(student, [teacher, self.head])
+        self.precision, self.kernel = precision, kl_kernel(cfg.kl_kernel, device, targets)
+        self.loss_module = StudentLoss(student, cfg, targets, self.kernel)
+        if self.kernel.compiles:
+            self.loss_module.compile(dynamic=False)
+        plain_masters = precision.masters and not cfg.uses_deepspeed
+        self.masters = MasterWeights(student.parameters()) if plain_masters else None
+        cast_parameters(student, precision.dtype)
+        groups = param_groups(student, cfg.weight_decay)
+        fused = torch.device(device).type in ("cpu", "cuda")  # one kernel for all tensors (P7, 1 thread: -2.6% step)
         self.opt = torch.optim.AdamW(
-            param_groups(student, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), fused=fused
+            self.masters.groups(groups) if self.masters else groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=fused
         )
+        self.trained = [p for g in self.opt.param_groups for p in g["params"]]  # what the gradient clip reads
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, cfg))
         self.engine = self.ddp = None
-        if cfg.deepspeed:
+        if cfg.uses_deepspeed:
             import deepspeed
 
             self.engine, self.opt, _, self.sched = deepspeed.initialize(
-                model=student, optimizer=self.opt, lr_scheduler=self.sched, config=ds_config(cfg, dtype)
+                model=student, optimizer=self.opt, lr_scheduler=self.sched, config=ds_config(cfg, precision.dtype)
             )
         elif world > 1:
             cuda = torch.device(device).type == "cuda"
@@ -195,10 +242,14 @@ class DistillStep:
             self._loss_sum += loss.detach()
             self._losses += 1
         if self.engine is None:
-            torch.nn.utils.clip_grad_norm_(self.student.parameters(), self.cfg.grad_clip)
+            if self.masters is not None:
+                self.masters.take_grads()
+            torch.nn.utils.clip_grad_norm_(self.trained, self.cfg.grad_clip)
             self.opt.step()
             self.sched.step()
             self.opt.zero_grad(set_to_none=True)
+            if self.masters is not None:
+                self.masters.write_back()
 
     def take_loss(self) -> float:
         """Mean training loss over the micro-batches since the last call (and over ranks); resets it."""

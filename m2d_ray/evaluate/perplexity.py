@@ -19,6 +19,7 @@ from torch import Tensor
 
 from m2d_ray import console
 from m2d_ray.errors import M2DError
+from m2d_ray.numerics import logits
 
 EVAL_MAX_CHARS = 300_000  # the protocol: the first 300,000 characters of the evaluation text
 
@@ -66,8 +67,8 @@ def window_nll(model, ids: Tensor, mask: Tensor, chunk: int = 1024) -> tuple[flo
     w = model.get_output_embeddings().weight
     total = 0.0
     for s in range(0, h.shape[0], chunk):
-        logits = (h[s : s + chunk] @ w.T).float()
-        total += float(F.cross_entropy(logits, target[s : s + chunk], reduction="sum").double())
+        z = logits(h[s : s + chunk], w)  # float32, not rounded to the model's dtype first
+        total += float(F.cross_entropy(z, target[s : s + chunk], reduction="sum").double())
     return total, int(valid.sum())
 
 

@@ -7,7 +7,10 @@ training on a GPU and fp32 on CPU; T = tokens of a micro-batch):
     weights              params x b (a layer-streamed calibration: one layer + embeddings and head)
     ZeRO-2 (DeepSpeed)   gradients: b x P / W + an fp32 partition 4P / W + one reduce bucket;
                          optimizer: fp32 master copy (when b < 4) + Adam moments = (4 + 8) P / W
-    plain torch          gradients b P; AdamW moments 2 b P (DDP's buckets are views of the gradients)
+    ZeRO-0 (DeepSpeed)   gradients b P (+ 4P fp32 accumulators when b < 4); optimizer as ZeRO-2 at W = 1
+    plain torch          gradients b P (DDP's buckets are views of them); with float32 masters (bf16-mixed,
+                         distill/precision.py) the masters, their float32 gradients at the step and the
+                         moments (4 + 4 + 8) P, else AdamW's moments in the weights' dtype 2 b P
     activations          a decoder layer keeps per token (norms 4h, q/k 3 x q + 4 x kv, attention output q,
                          SwiGLU 4f) x b for backward: all layers, or with gradient checkpointing each
                          layer's input h plus one layer recomputed
@@ -65,17 +68,23 @@ def training(
     checkpointing: bool,
     chunk: int,
     teacher_logits: bool = True,
+    masters: bool = False,
 ) -> dict[str, int]:
     """One rank's student: weights, gradients, optimizer state, activations and the KL's buffers
-    (`teacher_logits`: the KL forms the teacher's logits chunk by chunk)."""
+    (`teacher_logits`: the KL forms the teacher's logits chunk by chunk; `masters`: the policy keeps float32 master
+    weights behind b-byte ones, as DeepSpeed always does when b < 4)."""
     P = student.params
     out = {"student": P * b}
+    low = b < FP32 and (masters or deepspeed)  # float32 masters and moments behind lower-precision weights
     if deepspeed and zero_stage >= 1:
         out["grads"] = P * b // (world if zero_stage >= 2 else 1) + FP32 * P // world + min(P, DS_BUCKET) * b
         out["optimizer"] = (8 + (FP32 if b < FP32 else 0)) * P // world
+    elif low:  # DeepSpeed's ZeRO-0 bf16 optimizer (fp32 gradient accumulators), or the plain path's MasterWeights
+        out["grads"] = P * b + (FP32 * P if deepspeed else 0)
+        out["optimizer"] = (FP32 + 8 + (0 if deepspeed else FP32)) * P  # masters, moments (and their fp32 grads)
     else:
         out["grads"] = P * b
-        out["optimizer"] = 2 * P * b + (FP32 * P if deepspeed and b < FP32 else 0)  # ZeRO-0 keeps an fp32 master
+        out["optimizer"] = 2 * P * b
     per_layer = tokens * layer_activation(student) * b
     out["activations"] = (
         (student.layers * tokens * student.hidden * b + per_layer) if checkpointing else student.layers * per_layer
@@ -130,11 +139,14 @@ def student_rank(
     targets: str = "online",
     per_token: int = 0,
     shard: bool = False,
+    masters: bool = False,
 ) -> dict[str, int]:
     """One stage-2 rank: `training` and what it holds of its teacher for `targets` (online, whole or `shard`ed over
     the ranks; hidden, topk, sampled; `per_token`: the cache's bytes per token)."""
     exact = targets in ("online", "hidden")
-    out = training(student, tokens, b, world, deepspeed, zero_stage, checkpointing, chunk, teacher_logits=exact)
+    out = training(
+        student, tokens, b, world, deepspeed, zero_stage, checkpointing, chunk, teacher_logits=exact, masters=masters
+    )
     if targets == "online":
         return {**out, **(sharded_teacher(teacher, tokens, b, world) if shard else online_teacher(teacher, tokens, b))}
     if targets == "hidden":

@@ -26,7 +26,8 @@ from m2d_ray.calibrate.stream import final_hidden_streamed, should_stream
 from m2d_ray.console import say
 from m2d_ray.data import source
 from m2d_ray.data.ray_tokens import actors_for, token_blocks
-from m2d_ray.distill.config import DistillConfig, train_dtype
+from m2d_ray.distill.config import DistillConfig
+from m2d_ray.distill.precision import for_device
 from m2d_ray.distill.targets import (
     MANIFEST,
     ShardEntry,
@@ -136,7 +137,7 @@ class TargetsActor:
         stream: bool | None,
         max_memory: str | None,
         store: RunStorage | None = None,
-        dtype: str = "auto",
+        precision: str = "auto",
     ) -> None:
 
         if store is not None:
@@ -146,7 +147,7 @@ class TargetsActor:
         self.tokens = TokenShards(storage.fetch_dir(tokens_url))
         self.url, self.spec = targets_url, spec
         self.hidden, self.head = _teacher_forward(
-            teacher, teacher_topk, device, batch_size, stream, max_memory, head=not spec.exact, dtype=dtype
+            teacher, teacher_topk, device, batch_size, stream, max_memory, head=not spec.exact, precision=precision
         )
 
     def __call__(self, batch: dict) -> dict:
@@ -187,13 +188,13 @@ def _teacher_forward(
     stream: bool | None,
     max_memory: str | None,
     head: bool = True,
-    dtype: str = "auto",
+    precision: str = "auto",
 ):
     """(ids [n, L] -> the final hidden states of `batch_size` blocks at a time on `device`, in order; the output
     projection [V, d], or None when not `head`) of a teacher: an MoE teacher that does not fit its budget is
     streamed one decoder layer at a time over all n blocks (calibrate/stream.py), any other is loaded whole;
     the head is read only when the targets need logits (a streamed teacher's is not read for hidden states). A whole
-    teacher runs in distill.dtype (`dtype`), as the students' online teacher does."""
+    teacher computes in distill.precision's dtype (`precision`), as the students' online teacher does."""
 
     if load_config(name).model_type not in dense_types():
         lazy = open_teacher(name, device=device)
@@ -207,7 +208,7 @@ def _teacher_forward(
                 return (h[i : i + batch_size].to(device) for i in range(0, h.shape[0], batch_size))
 
             return streamed, w
-    teacher = load_distill_teacher(name, dtype=train_dtype(dtype, device), device=device)
+    teacher = load_distill_teacher(name, dtype=for_device(precision, device).dtype, device=device)
     if teacher_topk is not None:
         teacher.adapter.set_top_k(teacher.model, teacher_topk)
     base = teacher.model.base_model
@@ -275,7 +276,7 @@ def targets(store: RunStorage, teacher: str, tokens_url: str, spec, cfg: Distill
                 "stream": calib.stream,
                 "max_memory": calib.max_memory,
                 "store": store,
-                "dtype": cfg.dtype,
+                "precision": cfg.precision,
             },
         )
         for row in _whole_stage(lambda: list(out.iter_rows()), f"the teacher's {spec} targets pass"):
@@ -300,15 +301,17 @@ def targets_here(
     batch_size: int = 8,
     ranges: list[tuple[int, int]] | None = None,
     stream: bool | None = None,
-    dtype: str = "auto",
+    precision: str = "auto",
 ) -> None:
     """The targets pass in this process on CPU (one `TargetsActor`, no Ray) over `ranges` of (first block,
-    blocks) (default: all blocks at once), the teacher in distill.dtype `dtype`, with the manifest a run writes:
-    for tests and benchmarks."""
+    blocks) (default: all blocks at once), the teacher in distill.precision's dtype (`precision`), with the manifest a
+    run writes: for tests and benchmarks."""
 
     tok_manifest = TokenShards(Path(tokens_dir)).manifest
     ranges = ranges or [(0, tok_manifest["blocks"])]
-    actor = TargetsActor(teacher, tokens_dir, out, spec, teacher_topk, "cpu", 1, batch_size, stream, None, dtype=dtype)
+    actor = TargetsActor(
+        teacher, tokens_dir, out, spec, teacher_topk, "cpu", 1, batch_size, stream, None, precision=precision
+    )
     rows = actor({"first_block": np.array([f for f, _ in ranges]), "blocks": np.array([n for _, n in ranges])})
     fp = fingerprint(
         spec, teacher, tok_manifest["tokenizer"], manifest_sha256(tok_manifest), teacher_topk, spec.temperature

@@ -29,6 +29,7 @@ from m2d_ray.console import say
 from m2d_ray.convert.initial import InitialStudent
 from m2d_ray.data.text import check_spec
 from m2d_ray.distill.data import check_source
+from m2d_ray.distill.precision import resolve
 from m2d_ray.errors import M2DError
 from m2d_ray.models import check_teacher_topk
 from m2d_ray.plan import memory
@@ -107,7 +108,7 @@ class Stage2(Stage):
         """One rank of a student of each teacher (`stage2` for the MoE teacher's, `stage2:<key>` for a baseline's own
         teacher's), holding what it holds of that teacher as the teacher's targets say (plan/targets.py)."""
         x = p.cfg.distill
-        b = 2 if x.gpus_per_worker > 0 else 4  # bf16 on a GPU, fp32 on CPU (distill/loop.py)
+        policy = resolve(x.precision, gpu=x.gpus_per_worker > 0)  # what distill/loop.py trains in
         rows = []
         for t in taught(p):
             c = p.choice(t.key)
@@ -115,15 +116,16 @@ class Stage2(Stage):
                 p.models.student,
                 t.shape,
                 x.batch_size * x.seq_len,
-                b,
+                policy.weight_bytes,
                 x.workers,
-                x.deepspeed,
+                x.uses_deepspeed,
                 x.zero_stage,
                 x.gradient_checkpointing,
                 x.loss_chunk,
                 c.kind,
                 p.per_token(t.shape, t.key),
                 c.shard,
+                masters=policy.masters,
             )
             name = self.name if t.key == MOE else f"{self.name}:{t.key}"
             rows.append(
@@ -146,8 +148,10 @@ class Stage2(Stage):
         stay too with stage2.keep_training_state, else only while it trains (those of the students at once)."""
         x, s = p.cfg.distill, p.models.student
         n = p.pairs + len(p.cfg.stage2.baselines)
-        b_train = 2 if x.gpus_per_worker > 0 else 4
-        optimizer = (12 if b_train < 4 else 8) * s.params if x.deepspeed else 2 * s.params * b_train
+        policy = resolve(x.precision, gpu=x.gpus_per_worker > 0)
+        b_train = policy.weight_bytes
+        low = b_train < 4 and (policy.masters or x.uses_deepspeed)  # float32 masters and moments in the state
+        optimizer = (12 if low else 2 * b_train) * s.params
         per_student = x.keep_checkpoints * (s.params * b_train + optimizer)
         stays = {
             "initial students": n * s.params * s.dtype_bytes,

@@ -80,7 +80,7 @@ def make_targets(out, tokens, text: str, cfg: DistillConfig = CFG, stream: bool 
         4,
         [(0, 14), (14, BLOCKS - 14)],
         stream,
-        cfg.dtype,
+        cfg.precision,
     )
     return spec
 
@@ -212,9 +212,9 @@ def test_targets_of_another_token_stream_are_refused(student, tokens, tmp_path):
         _train(student, tmp_path / "s", tokens, str(tmp_path / "t"), spec)
 
 
-# ---- a GPU's dtypes rehearsed on the CPU (distill.dtype=bfloat16: the code path a GPU takes with auto) -------------
+# ---- a GPU's dtypes rehearsed on the CPU (distill.precision=bf16-mixed: the code path a GPU takes with auto) ------
 
-BF16 = dataclasses.replace(CFG, dtype="bfloat16")
+BF16 = dataclasses.replace(CFG, precision="bf16-mixed")
 
 
 def _spy(monkeypatch, module, name: str, seen: list, what) -> None:

@@ -72,12 +72,27 @@ def test_auto_K_and_overrides():
         ("stage2.baselines=[randominit]", "did you mean 'random-init'"),
         ("stage2.targets=top:16", "unknown mode 'top'"),
         ("stage2.targets=sampled:300", "sampled"),
-        ("distill.dtype=float16", "distill.dtype='float16': use auto"),
+        ("distill.dtype=bfloat16", "distill.dtype is now distill.precision: bfloat16 -> bf16-mixed"),
+        ("distill.precision=bf16", "unknown distill.precision 'bf16'; did you mean 'bf16-pure' or 'bf16-mixed'"),
+        ("distill.kl_kernel=liger", "distill.kl_kernel=liger runs on CUDA devices only"),
+        ("distill.deepspeed=maybe", "distill.deepspeed='maybe': use true, false or auto"),
+        ("distill.kl_kernel=fused", "unknown distill.kl_kernel 'fused'"),
     ],
 )
 def test_bad_values_fail_with_one_line(override, message):
     with pytest.raises(M2DError, match=message.replace("[", r"\[").replace(".", r"\.")):
         _checked(EXPERIMENTS / "tiny.yaml", override)
+
+
+def test_pure_bf16_is_refused_beside_deepspeed():
+    """DeepSpeed's bf16 mode keeps float32 masters: asking it for pure bfloat16 would silently train mixed."""
+    with pytest.raises(M2DError, match="bf16-pure: DeepSpeed keeps float32 master weights"):
+        _checked(EXPERIMENTS / "tiny.yaml", "distill.precision=bf16-pure", "distill.deepspeed=true")
+    with pytest.raises(M2DError, match="bf16-pure"):  # auto is DeepSpeed above one worker
+        _checked(
+            EXPERIMENTS / "tiny.yaml", "distill.precision=bf16-pure", "distill.deepspeed=auto", "distill.workers=2"
+        )
+    _checked(EXPERIMENTS / "tiny.yaml", "distill.precision=bf16-pure", "distill.deepspeed=auto")
 
 
 def _checked(path: Path, *overrides: str) -> SweepConfig:

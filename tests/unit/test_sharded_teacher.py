@@ -84,7 +84,7 @@ def _losses(rank: int, teacher, head, settings: dict, root: Path) -> list[float]
     if cfg.teacher_topk is not None and teacher.adapter is not None:
         teacher.adapter.set_top_k(teacher.model, cfg.teacher_topk)
     student = AutoModelForCausalLM.from_pretrained(root / "student").train()
-    trainer = DistillStep(student, teacher.model, cfg, "cpu", 2, torch.float32, head=head)
+    trainer = DistillStep(student, teacher.model, cfg, "cpu", 2, head=head)
     ids = torch.randint(0, VOCAB, (2, 4, cfg.seq_len), generator=torch.Generator().manual_seed(7))
     out = []
     for step in range(2):

@@ -1,0 +1,110 @@
+"""The exact KL's kernels (`distill.kl_kernel`): one loss, the forward (or reverse) KL between the teacher's and the
+student's softmax over the whole vocabulary from their final hidden states and heads, computed different ways.
+
+    chunked   losses.chunked_kl: float32 logits, log-softmax and gradients a chunk of tokens at a time (every
+              device; the reference the others are held to)
+    compiled  the same loss, with the student's forward and the loss compiled by torch.compile (inductor fuses the
+              norms, SwiGLU and rotary embeddings of the student; the first step pays the compilation)
+    liger     Liger Kernel's fused linear JSD (`pip install liger-kernel`, CUDA and Triton only): at beta = 0 its
+              generalised JSD is the forward KL, at beta = 1 the reverse; it forms float32 logits like chunked but
+              rounds the logits' gradient to the compute dtype before the two gradient matmuls (bfloat16 tensor
+              cores, where chunked multiplies in float32)
+    auto      on a GPU, the kernel the last GPU acceptance call measured fastest at the same loss for the targets
+              mode (m2d_ray/measured_gpu.json, "kl_kernel"); chunked on a CPU
+
+Each is held to chunked: on the CPU where it runs there (tests/unit/test_kernels.py), and on a GPU by the acceptance
+call, which trains every kernel from the same student on the same batches and compares the loss trajectories.
+Only the exact modes (online, hidden) have kernels: cached top-K and sampled targets have their own losses.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from m2d_ray import measured
+from m2d_ray.console import say
+from m2d_ray.distill.losses import chunked_kl
+from m2d_ray.errors import M2DError
+from m2d_ray.registry import Registry
+
+# Imported inside functions: liger_kernel (an optional GPU dependency, the [gpu] extra).
+
+KL = Callable[..., Tensor]  # (h_s, w_s, h_t, w_t, kind=, temperature=, chunk=) -> the mean per-token loss
+
+
+@dataclass(frozen=True)
+class KLKernel:
+    name: str
+    kl: KL
+    compiles: bool = False  # the student's loss module is compiled around it
+    cuda_only: bool = False
+    needs: str | None = None  # the module it imports, and what installs it
+
+    def unavailable(self, device: str | torch.device) -> str | None:
+        """Why this kernel cannot run on `device` here, or None."""
+        if self.cuda_only and torch.device(device).type != "cuda":
+            return "runs on CUDA devices only"
+        if self.needs is not None:
+            try:
+                __import__(self.needs.split()[0])
+            except ImportError:
+                return f"needs {self.needs}"
+        return None
+
+
+def liger_kl(
+    h_s: Tensor, w_s: Tensor, h_t: Tensor, w_t: Tensor, kind: str = "fkl", temperature: float = 1.0, chunk: int = 0
+) -> Tensor:
+    """`chunked_kl`'s loss by Liger Kernel's fused linear JSD (beta 0: KL(t || s); beta 1: KL(s || t)); its loss is
+    the mean over tokens of the divergence at logits / t, so it is scaled by t^2 as chunked_kl's is (its own
+    chunking sizes itself: `chunk` is not used)."""
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_jsd
+    except ImportError as exc:  # kl_kernel() refuses it before any work; here for a direct caller
+        raise M2DError(f"distill.kl_kernel=liger needs {KL_KERNELS['liger'].needs}") from exc
+
+    beta = {"fkl": 0.0, "rkl": 1.0}[kind]
+    t = float(temperature)
+    loss = liger_fused_linear_jsd(
+        h_s, w_s, h_t.detach(), w_t.detach(), None, beta, -100, t, accum_dtype=torch.float32
+    )  # the head's gradient summed over chunks in float32, as chunked_kl sums it
+    return loss if t == 1.0 else loss * (t * t)
+
+
+KL_KERNELS: Registry[KLKernel] = Registry("distill.kl_kernel")
+for _k in (
+    KLKernel("chunked", chunked_kl),
+    KLKernel("compiled", chunked_kl, compiles=True),
+    KLKernel("liger", liger_kl, cuda_only=True, needs="liger_kernel (pip install liger-kernel, the [gpu] extra)"),
+):
+    KL_KERNELS.register(_k.name)(_k)
+
+
+def kl_kernel(name: str, device: str | torch.device, targets=None) -> KLKernel:
+    """The kernel `distill.kl_kernel` names on `device` for the targets (None: online). auto: chunked on a CPU; on a
+    GPU the measured choice for the mode, or chunked (said once) where that one cannot run here. A kernel asked for
+    by name that cannot run here is one line."""
+    if name != "auto":
+        kernel = KL_KERNELS[name]
+        why = kernel.unavailable(device)
+        if why:
+            raise M2DError(f"distill.kl_kernel={name}: {why}; use chunked (every device) or auto")
+        return kernel
+    if torch.device(device).type != "cuda":
+        return KL_KERNELS["chunked"]
+    mode = "online" if targets is None else targets.mode
+    kernel = KL_KERNELS[measured.gpu().kl_kernel.get(mode, "chunked")]
+    if kernel.unavailable(device):
+        _fallback(kernel.name, kernel.unavailable(device))
+        return KL_KERNELS["chunked"]
+    return kernel
+
+
+@functools.cache
+def _fallback(name: str, why: str) -> None:
+    say(f"distill.kl_kernel=auto: {name} (the measured choice) {why}; using chunked")
