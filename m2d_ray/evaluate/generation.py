@@ -94,9 +94,10 @@ def context_of(model) -> int | None:
 
 class StopAtQuestion(StoppingCriteria):
     """Stops a sequence once its new text starts the next question (`answer_part` cuts there); `at[row]`: its new
-    tokens then. Only the last `window` new tokens are decoded each step: the marker is a few tokens long."""
+    tokens then. Only the last `window` new tokens are decoded each step: more characters than the longest marker
+    even for a byte-level tokenizer."""
 
-    def __init__(self, tokenizer, start: int, window: int = 32) -> None:
+    def __init__(self, tokenizer, start: int, window: int = 64) -> None:
         self.tokenizer, self.start, self.window, self.at = tokenizer, start, window, {}
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:

@@ -7,7 +7,7 @@ on-topic (evaluate/taxonomy.py).
                     "1 for reasoning"), and the verdict is the label likelier on average over the two orders (each
                     order's two likelihoods normalised, then averaged: a model's preference for the label " 1" or
                     for the first-named error cancels out); no free text is parsed. The labels are the digits " 1"
-                    and " 2", which every tokenizer has; an exact tie is `unjudged`
+                    and " 2", which every tokenizer has; a tie (within `TIE` of even odds) is `unjudged`
     openai:MODEL    any OpenAI-compatible chat-completions server (vLLM's, SGLang's, a hosted API) at `url`, asked
                     `PROMPT` + `OPENAI_ASK` for one word: a reply whose first word (after any `<think>...</think>` a
                     thinking model writes) is not a label is `unjudged`, never guessed. The request asks for
@@ -162,9 +162,9 @@ class TeacherJudge:
 
 
 def ties(said: list[str]) -> str:
-    """Why a teacher judge left answers unjudged: exact ties."""
+    """Why a teacher judge left answers unjudged: ties."""
     n = said.count("unjudged")
-    return f"{n} x an exact tie of the two errors" if n else ""
+    return f"{n} x a tie of the two errors (the same odds in both label orders)" if n else ""
 
 
 def _first(scores: list[float]) -> float:
@@ -180,10 +180,15 @@ def knowledge_probability(first: list[float], swapped: list[float]) -> float:
     return (_first(first) + 1.0 - _first(swapped)) / 2
 
 
+#: how near even odds is no verdict: the same two sequences scored in other batches differ by float32 noise (4e-7
+#: measured on the embedded teacher), which must not pass for a verdict
+TIE = 1e-5
+
+
 def verdict(first: list[float], swapped: list[float]) -> str:
-    """The error likelier over both orders; an exact tie is no verdict."""
+    """The error likelier over both orders; one within TIE of even odds is no verdict (a tie)."""
     p = knowledge_probability(first, swapped)
-    return "unjudged" if p == 0.5 else JUDGED[0] if p > 0.5 else JUDGED[1]
+    return "unjudged" if abs(p - 0.5) <= TIE else JUDGED[0] if p > 0.5 else JUDGED[1]
 
 
 # ---- openai: a chat-completions server --------------------------------------------------------------------------

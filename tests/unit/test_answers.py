@@ -32,6 +32,7 @@ from m2d_ray.evaluate.generation import BatchStore, Sampling, answer_all, answer
 from m2d_ray.evaluate.judges import (
     TEACHER_ASKS,
     TEACHER_LABELS,
+    TIE,
     OpenAIJudge,
     TeacherJudge,
     context_ids,
@@ -290,6 +291,7 @@ def test_teacher_judge_averages_both_label_orders_as_a_float64_brute_force_does(
         assert batched[2 * i : 2 * i + 2] == [pytest.approx(w, abs=1e-4) for w in want]
         p1 = [math.exp(s[0]) / (math.exp(s[0]) + math.exp(s[1])) for s in want]  # P(" 1") in each order
         knowledge = (p1[0] + 1 - p1[1]) / 2  # " 1" is knowledge in the first order, reasoning in the second
+        assert abs(knowledge - 0.5) > TIE  # the byte-level teacher reads the asks: no tie
         said.append("knowledge" if knowledge > 0.5 else "reasoning")
     assert TeacherJudge(ref, tok)(records) == said
     assert len({tuple(s) for s in batched}) == len(contexts)  # the scores depend on the answer and the order
@@ -298,6 +300,7 @@ def test_teacher_judge_averages_both_label_orders_as_a_float64_brute_force_does(
 def test_the_label_orders_cancel_a_bias_for_one_label():
     ln = math.log
     assert verdict([ln(0.7), ln(0.3)], [ln(0.7), ln(0.3)]) == "unjudged"  # " 1" either way: a bias, no verdict
+    assert verdict([ln(0.7), ln(0.3)], [ln(0.700001), ln(0.299999)]) == "unjudged"  # float noise is no verdict
     assert verdict([ln(0.9), ln(0.1)], [ln(0.8), ln(0.2)]) == "knowledge"  # (0.9 + 0.2) / 2 = 0.55
     assert verdict([ln(0.6), ln(0.4)], [ln(0.9), ln(0.1)]) == "reasoning"  # (0.6 + 0.1) / 2 = 0.35
     assert knowledge_probability([-1000.0, 0.0], [0.0, -1000.0]) == 0.0  # no overflow far from a tie
