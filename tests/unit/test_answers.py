@@ -343,7 +343,8 @@ def test_openai_judge_on_the_served_teacher_records_unparsable_replies_as_unjudg
     assert said == ["unjudged"] * 3  # the embedded teacher has no word "knowledge" or "reasoning": never guessed
     assert len(app.bodies) == 3 and all(b["model"] == "tiny" and b["temperature"] == 0 for b in app.bodies)
     assert all(b["max_tokens"] == 4096 for b in app.bodies)  # room for a thinking model's thoughts
-    assert records[0]["response"] in app.bodies[0]["messages"][0]["content"]
+    asked = [b["messages"][0]["content"] for b in app.bodies]  # in any order: four workers
+    assert all(sum(r["response"] in x for x in asked) == 1 for r in records)
     assert j.failures == 0 and j.problems == {"a reply whose first word is no label": 3}
 
 
@@ -483,7 +484,7 @@ def test_analyze_fails_when_its_judge_leaves_answers_unjudged(judge, app, local,
     app.script = ["knowledge", "I cannot tell", "reasoning"]
     assert main([*argv, "--max-unjudged", "0.5"]) == 0  # 1 of 3 left: within the share
     out = [json.loads(x)["category"] for x in (tmp_path / "out" / "responses.jsonl").read_text().splitlines()]
-    assert out == ["knowledge", "unjudged", "reasoning"]
+    assert sorted(out) == ["knowledge", "reasoning", "unjudged"]  # replies in the order four workers asked
 
 
 def wrong(r: dict) -> str:
