@@ -50,6 +50,16 @@ def _temperature(v: str) -> float:
     return t
 
 
+def _share(v: str) -> float:
+    try:
+        x = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r} is not a number") from None
+    if not 0 <= x <= 1:
+        raise argparse.ArgumentTypeError(f"{v!r} must be a share in [0, 1]")
+    return x
+
+
 def _batch(v: str) -> int | str:
     return "auto" if v == "auto" else _positive(v)
 
@@ -361,12 +371,28 @@ def parser() -> argparse.ArgumentParser:
     an.add_argument(
         "--judge", default="none", help="knowledge vs reasoning errors: none (default), teacher, openai:MODEL"
     )
-    an.add_argument("--teacher", default=None, help="the teacher judge's model (default: the embedded teacher)")
+    an.add_argument(
+        "--teacher", default=None, help="the teacher judge's model (required with --judge teacher: your run's teacher)"
+    )
     an.add_argument(
         "--judge-url", default=AnalysisConfig.judge_url, help="an OpenAI-compatible server (default: OpenAI's API)"
     )
     an.add_argument(
         "--judge-key-env", default=AnalysisConfig.judge_key_env, help="the variable holding its key (OPENAI_API_KEY)"
+    )
+    an.add_argument(
+        "--judge-max-tokens",
+        type=_positive,
+        default=AnalysisConfig.judge_max_tokens,
+        help=f"the longest reply asked of an openai judge, room for a reasoning model's thoughts "
+        f"(default {AnalysisConfig.judge_max_tokens})",
+    )
+    an.add_argument(
+        "--max-unjudged",
+        type=_share,
+        default=AnalysisConfig.max_unjudged,
+        help="a judge that leaves more than this share of a model's open answers unjudged fails the command "
+        f"(default {AnalysisConfig.max_unjudged})",
     )
     an.add_argument(
         "--questions", default="mmlu", help="mmlu (MMLU's test split, after m2d fetch-data; default) or local (offline)"

@@ -202,6 +202,12 @@ class AnalysisConfig:
     judge_rate: float = 2.0
     # retries of a failed request, with exponential backoff
     judge_retries: int = 4
+    # the longest reply asked of it, in tokens: room for a reasoning model's (or a <think>ing one's) thoughts before
+    # its one word
+    judge_max_tokens: int = 4096
+    # a model whose judge (teacher or openai) leaves more than this share of the answers it was asked about unjudged
+    # is recorded failed (the run exits non-zero; a resume judges it again)
+    max_unjudged: float = 0.05
     # the taxonomy rules' thresholds (the defaults are the paper's)
     thresholds: Thresholds = field(default_factory=Thresholds)
 
@@ -210,9 +216,11 @@ def check_analysis(a: AnalysisConfig) -> None:
     """One-line errors for stage3.analysis settings that cannot run, from the config alone."""
     if a.questions not in SETS:
         raise M2DError(f"stage3.analysis.questions={a.questions!r}: write one of {', '.join(SETS)}")
-    for key in ("per_subject", "max_new_tokens", "batch_size", "judge_retries"):
+    for key in ("per_subject", "max_new_tokens", "batch_size", "judge_retries", "judge_max_tokens"):
         if getattr(a, key) < (0 if key == "judge_retries" else 1):
             raise M2DError(f"stage3.analysis.{key}={getattr(a, key)}: give a positive number")
+    if not 0 <= a.max_unjudged <= 1:
+        raise M2DError(f"stage3.analysis.max_unjudged={a.max_unjudged}: give a share in [0, 1]")
     if a.temperature < 0 or a.judge_rate <= 0:
         raise M2DError("stage3.analysis.temperature must be >= 0 (0: greedy) and judge_rate > 0; give such values")
     parse_judge(a.judge)

@@ -6,8 +6,15 @@
 
 DIR: responses.jsonl (every answer with its `category`, `extracted` answer and `reason`; `model` with --model),
 summary.json, judge.json (the judge's name and prompt); with --model also settings.json (questions, prompt,
-sampling) and KEY/batch-NNNNN.jsonl (each model's generated batches). stdout: one JSON line with the count and share
-of each category and the accuracy per subject group (per model with --model).
+sampling, stop strings) and KEY/batch-NNNNN.jsonl (each model's generated batches). stdout: one JSON line with the
+count and share of each category and the accuracy per subject group (per model with --model).
+
+A responses file's lines are read as generated answers are: each `response` cut where the model's answer ended
+(questions.answer_part: the next question it wrote, an end-of-text token written out; the rest kept as `run_on`),
+each `answer` key a letter, a 0-based integer or a choice's exact text (taxonomy.key_letter), anything else one line
+naming the line and the field. A judge that leaves more than --max-unjudged of a model's open answers unjudged fails
+the command (exit 1) with nothing classified written; with --model the answers stay saved and the same command
+continues.
 """
 
 from __future__ import annotations
@@ -27,20 +34,21 @@ from m2d_ray.artifacts import (
 )
 from m2d_ray.checkpoint import check_files
 from m2d_ray.console import bar, emit, say
-from m2d_ray.errors import M2DError
+from m2d_ray.errors import M2DError, RunFailed
 from m2d_ray.evaluate.generation import BatchStore, Sampling, answer_all, load, recorded
-from m2d_ray.evaluate.judges import OpenAIJudge, TeacherJudge, describe, parse_judge
-from m2d_ray.evaluate.questions import TEMPLATE_CHARS, check_set, group_of, sample
+from m2d_ray.evaluate.judges import OpenAIJudge, TeacherJudge, describe, parse_judge, shortfall
+from m2d_ray.evaluate.questions import TEMPLATE_CHARS, answer_part, check_set, group_of, sample
 from m2d_ray.evaluate.runner import generation_placement, gpu_facts
-from m2d_ray.evaluate.taxonomy import classify, summary
-from m2d_ray.models import default_teacher, device_default, load_config, load_model
+from m2d_ray.evaluate.taxonomy import JUDGED, classify, key_letter, summary
+from m2d_ray.models import device_default, load_config, load_model
 from m2d_ray.plan.suite import prompt_tokens
 
 FIELDS = ("id", "subject", "question", "choices", "answer", "response")
 
 
 def read_responses(path: str) -> list[dict]:
-    """The answers of a responses file, every line checked (one line naming the first that lacks a field)."""
+    """The answers of a responses file, every line checked (one line naming the first line and field that cannot be
+    read); each response cut where the model's answer ended, each key made its letter."""
     p = Path(path)
     if not p.is_file():
         raise M2DError(f"--responses {path} is not a file; give a JSON Lines file of answers")
@@ -55,32 +63,62 @@ def read_responses(path: str) -> list[dict]:
         missing = [f for f in FIELDS if not isinstance(r, dict) or f not in r]
         if missing:
             raise M2DError(f"{path} line {n} has no field {missing[0]!r}; give every line {', '.join(FIELDS)}")
-        if not isinstance(r["choices"], list) or not all(isinstance(c, str) for c in r["choices"]):
-            raise M2DError(f"{path} line {n}: field 'choices' is not a list of strings; give the choices' texts")
-        out.append({**r, "response": str(r["response"]), "answer": str(r["answer"]).strip().upper()})
+        choices = r["choices"]
+        if not isinstance(choices, list) or not 0 < len(choices) <= 26 or not all(isinstance(c, str) for c in choices):
+            raise M2DError(
+                f"{path} line {n}: field 'choices' is not a list of 1 to 26 strings; give the choices' texts"
+            )
+        for f in ("subject", "question", "response"):
+            if not isinstance(r[f], str):
+                raise M2DError(f"{path} line {n}: field {f!r} is {r[f]!r}, not a string; give its text")
+        try:
+            key = key_letter(r["answer"], choices)
+        except ValueError as exc:
+            raise M2DError(
+                f"{path} line {n}: field 'answer' {exc}; give a letter, a 0-based integer index (as Hugging Face's "
+                "MMLU stores it: 1 is B) or one choice's exact text"
+            ) from None
+        response, run_on = answer_part(r["response"])
+        out.append({**r, "response": response, "run_on": run_on, "answer": key})
     if not out:
         raise M2DError(f"--responses {path} holds no answers; give a file with one JSON object per line")
     return out
 
 
 def check_judge(args) -> None:
-    """The command's --judge, before any work: a known kind, its teacher's files, an openai server that answers."""
+    """The command's --judge, before any work: a known kind; the teacher judge's model named, and its files; an
+    openai server that serves the model."""
     kind, model = parse_judge(args.judge)
     if kind == "openai":
-        OpenAIJudge(model, args.judge_url, args.judge_key_env).check()
+        openai_judge(args, model).check()
     elif kind == "teacher":
-        load_config(args.teacher or default_teacher())
-        check_files(args.teacher or default_teacher(), "judge teacher")
+        if not args.teacher:
+            raise M2DError(
+                "--judge teacher needs the judge's model; give --teacher MODEL (a causal LM that reads the questions' "
+                "language: the MoE teacher of your run), or use --judge none or openai:MODEL"
+            )
+        load_config(args.teacher)
+        check_files(args.teacher, "judge teacher")
+
+
+def openai_judge(args, model: str) -> OpenAIJudge:
+    return OpenAIJudge(model, args.judge_url, args.judge_key_env, max_tokens=args.judge_max_tokens)
 
 
 def load_judge(args, device: str):
     """The judge the checked --judge names (the teacher loaded now), or None."""
     kind, model = parse_judge(args.judge)
     if kind == "openai":
-        return OpenAIJudge(model, args.judge_url, args.judge_key_env)
+        return openai_judge(args, model)
     if kind == "teacher":
-        return TeacherJudge(*load_model(args.teacher or default_teacher(), device=device), batch_size=args.batch_size)
+        return TeacherJudge(*load_model(args.teacher, device=device), batch_size=args.batch_size)
     return None
+
+
+def judged(records: list[dict], judge, most: float) -> str | None:
+    """The failure line when `judge` left more than `most` of the answers it was asked about unjudged."""
+    said = [r["category"] for r in records if r["category"] in (*JUDGED, "unjudged")]
+    return shortfall(judge.name, said, most, judge.why()) if judge is not None else None
 
 
 def key_of(model: str, taken: set[str]) -> str:
@@ -155,6 +193,9 @@ def generate(args) -> dict:
     records, per_model = [], {}
     for key, rows in answers.items():
         got = [{**r, "model": key} for r in classify(rows, judge)]
+        failed = judged(got, judge, args.max_unjudged)
+        if failed:
+            raise RunFailed(f"{key}: {failed}; its answers are saved in {work}: the same command judges them again")
         records += got
         per_model[key] = summary(got, group_of)
     _write(work, records, per_model, args)
@@ -166,7 +207,7 @@ def generate(args) -> dict:
 def _write(where: Path, records: list[dict], summaries: dict, args) -> None:
     write_text_atomic(where / "responses.jsonl", "".join(json.dumps(r) + "\n" for r in records))
     write_json_atomic(where / "summary.json", summaries)
-    teacher = {"teacher": args.teacher or default_teacher()} if parse_judge(args.judge)[0] == "teacher" else {}
+    teacher = {"teacher": args.teacher} if parse_judge(args.judge)[0] == "teacher" else {}
     write_json_atomic(where / "judge.json", {**describe(args.judge), **teacher})
 
 
@@ -175,7 +216,11 @@ def reclassify(args) -> dict:
     rows = read_responses(args.responses)
     check_judge(args)
     check_output(args.out, "analysis", args.overwrite)
-    records = classify(rows, load_judge(args, args.device or device_default()))
+    judge = load_judge(args, args.device or device_default())
+    records = classify(rows, judge)
+    failed = judged(records, judge, args.max_unjudged)
+    if failed:
+        raise RunFailed(f"{failed}; nothing written: run the command again once the judge answers")
     result = summary(records, group_of)
     with atomic_dir(args.out, "analysis", args.overwrite) as tmp:
         _write(tmp, records, result, args)

@@ -43,7 +43,8 @@ def keep_logs(where: Path) -> None:
 
 def check_outcome(run_dir: str | Path | RunDir) -> dict:
     """The run's final line (students by status, models evaluated); a run that distilled no promoted
-    student, or evaluated no student, has failed (exit 1) whatever else it did — the report says why."""
+    student, or evaluated no student, has failed (exit 1) whatever else it did — the report says why; so has one
+    whose analysis failed for a model (its generation, or a judge that could not judge): a resume retries those."""
 
     rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     o = outcome(run_data(rd))
@@ -57,4 +58,10 @@ def check_outcome(run_dir: str | Path | RunDir) -> dict:
         )
     if not o["evaluated"]:
         raise RunFailed(f"no student was evaluated: see {index} and {rd.logs}")
+    if o["analysis_failed"]:
+        key, error = next(iter(o["analysis_failed"].items()))
+        raise RunFailed(
+            f"the analysis failed for {len(o['analysis_failed'])} models ({key}: {str(error)[:240]}); "
+            f"m2d run --resume {rd} retries them"
+        )
     return o

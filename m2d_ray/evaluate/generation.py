@@ -10,8 +10,11 @@ renamed, or one object on s3://), read back on resume; only the batches without 
 Sampling is plain temperature sampling (no top-k, top-p or repetition penalty, whatever the model's own generation
 config says); temperature 0 is greedy decoding. A prompt is left-truncated to leave room for the new tokens within
 the model's context (`max_position_embeddings`); the new tokens are capped to half the context when the asked
-number does not fit beside a prompt. Each answer records how it ended: `stop` (an end-of-sequence token) or
-`length` (cut at the token limit: a truncated answer).
+number does not fit beside a prompt. An answer ends at an end-of-sequence token or where the model starts the next
+question (questions.UNTIL at a line's start: `StopAtQuestion` stops that sequence, and the text is cut before the
+marker), both recorded with the settings (`until`). Each answer records how it ended: `stop` (an end-of-sequence
+token), `until` (the next question: what ran on is kept as `run_on`) or `length` (cut at the token limit: a truncated
+answer).
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from m2d_ray import storage
-from m2d_ray.evaluate.questions import TEMPLATE, Question
+from m2d_ray.evaluate.questions import TEMPLATE, UNTIL, Question, answer_part
 from m2d_ray.models import _source, load_model, load_tokenizer
 
 
@@ -44,7 +47,8 @@ class Sampling:
 
 def recorded(questions: str, per_subject: int, s: Sampling, template: str = TEMPLATE) -> dict:
     """What a model's answers are generated from, as recorded beside them (a continued run must keep it)."""
-    return {"questions": questions, "per_subject": per_subject, **asdict(s), "template": template}
+    until = ["<end of sequence>", *(f"\n{m}" for m in UNTIL)]
+    return {"questions": questions, "per_subject": per_subject, **asdict(s), "template": template, "until": until}
 
 
 def batch_seed(seed: int, index: int) -> int:
@@ -88,8 +92,25 @@ def context_of(model) -> int | None:
     return getattr(text, "max_position_embeddings", None)
 
 
+class StopAtQuestion(StoppingCriteria):
+    """Stops a sequence once its new text starts the next question (`answer_part` cuts there); `at[row]`: its new
+    tokens then. Only the last `window` new tokens are decoded each step: more characters than the longest marker
+    even for a byte-level tokenizer."""
+
+    def __init__(self, tokenizer, start: int, window: int = 64) -> None:
+        self.tokenizer, self.start, self.window, self.at = tokenizer, start, window, {}
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        n = input_ids.shape[1]
+        tails = self.tokenizer.batch_decode(input_ids[:, max(self.start, n - self.window) :], skip_special_tokens=True)
+        hit = [bool(answer_part(t)[1]) for t in tails]
+        for row in (i for i, h in enumerate(hit) if h):
+            self.at.setdefault(row, n - self.start)
+        return torch.tensor(hit, dtype=torch.bool, device=input_ids.device)
+
+
 def answer_batch(model, tokenizer, prompts: list[str], s: Sampling, seed: int) -> list[dict]:
-    """One batch's answers: {"response", "finish", "new_tokens", "prompt_tokens", "prompt_truncated"} each."""
+    """One batch's answers: {"response", "run_on", "finish", "new_tokens", "prompt_tokens", "prompt_truncated"}."""
     device = next(model.parameters()).device
     ctx = context_of(model)
     new = s.max_new_tokens if ctx is None or s.max_new_tokens <= ctx // 2 else ctx // 2
@@ -115,18 +136,27 @@ def answer_batch(model, tokenizer, prompts: list[str], s: Sampling, seed: int) -
         pad_token_id=pad,
         eos_token_id=sorted(stops) or None,
     )
+    until = StopAtQuestion(tokenizer, width)
     torch.manual_seed(seed)
     with torch.no_grad():
-        out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            generation_config=config,
+            stopping_criteria=StoppingCriteriaList([until]),
+        )
     rows = []
-    for x, c, gen in zip(ids, cut, out[:, width:].tolist()):
+    for row, (x, c, gen) in enumerate(zip(ids, cut, out[:, width:].tolist())):
         end = next((i for i, t in enumerate(gen) if t in stops), None)
-        body = gen if end is None else gen[:end]
+        at = until.at.get(row)  # the rows stopped there are padded after it (the pad may be the EOS token)
+        n = min(i for i in (end, at, len(gen)) if i is not None)
+        text, run_on = answer_part(tokenizer.decode(gen[:n], skip_special_tokens=True))
         rows.append(
             {
-                "response": tokenizer.decode(body, skip_special_tokens=True),
-                "finish": "length" if end is None else "stop",
-                "new_tokens": len(body),
+                "response": text,
+                "run_on": run_on,
+                "finish": "until" if n == at else "stop" if n == end else "length",
+                "new_tokens": n,
                 "prompt_tokens": len(x),
                 "prompt_truncated": c,
             }

@@ -2,27 +2,41 @@
 on-topic (evaluate/taxonomy.py).
 
     none            no judge: those answers stay `unjudged`
-    teacher         a causal LM (the run's own MoE teacher) scores the two label continuations after `PROMPT` + its
-                    `TEACHER_ASK` and the more likely one is the verdict: no free text is parsed. The labels are the
-                    digits " 1" and " 2", which every tokenizer has (the embedded teacher's word-level vocabulary
-                    has no English label words); an exact tie is `unjudged`
+    teacher         a causal LM (the run's own MoE teacher; `m2d analyze --teacher MODEL`) scores the two label
+                    continuations after `PROMPT` + an ask, in both label orders (`TEACHER_ASKS`: "1 for knowledge" and
+                    "1 for reasoning"), and the verdict is the label likelier on average over the two orders (each
+                    order's two likelihoods normalised, then averaged: a model's preference for the label " 1" or
+                    for the first-named error cancels out); no free text is parsed. The labels are the digits " 1"
+                    and " 2", which every tokenizer has; a tie (within `TIE` of even odds) is `unjudged`
     openai:MODEL    any OpenAI-compatible chat-completions server (vLLM's, SGLang's, a hosted API) at `url`, asked
-                    `PROMPT` + `OPENAI_ASK` for one word at temperature 0: a reply whose first word is not a label is
-                    `unjudged`, never guessed; requests at most `rate` a second, retried with exponential backoff on
-                    429, 5xx and network errors (Retry-After honoured); the key from the environment variable named
+                    `PROMPT` + `OPENAI_ASK` for one word: a reply whose first word (after any `<think>...</think>` a
+                    thinking model writes) is not a label is `unjudged`, never guessed. The request asks for
+                    temperature 0 and up to `max_tokens` tokens (room for a reasoning model's hidden reasoning or a
+                    thinking model's <think> before its word); a 400 that refuses `temperature` (hosted reasoning
+                    models) drops it, one that asks for `max_completion_tokens` sends that instead of `max_tokens`,
+                    for every later request. At most `rate` requests a second, retried with exponential backoff on 429,
+                    5xx, network errors and bodies without a message (Retry-After honoured); the key from the
+                    environment variable named `key_env`. `check` asks the server for the model itself before any
+                    work: its /models lists it, else a one-token request to it is answered
 
-A judge is called with the records to decide and returns one verdict per record. Its name and prompt are recorded
-beside the results (`describe`).
+A judge is called with the records to decide and returns one verdict per record; one that leaves more than a set
+share of them `unjudged` (`shortfall`: stage3.analysis.max_unjudged) fails the model it judged. Its name and prompt
+are recorded beside the results (`describe`).
 """
 
 from __future__ import annotations
 
+import difflib
+import http.client
 import json
+import math
 import os
+import re
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -38,12 +52,18 @@ PROMPT = (
     "Question: {question}\n{choices}\nCorrect answer: {answer}\n\n"
     "The student's answer:\n{response}\n\n"
     "Is the student's mistake a knowledge error (a wrong fact, definition or recalled detail, in coherent and "
-    "on-topic text) or a reasoning error (an attempt at logical or mathematical reasoning that reaches a wrong "
-    "conclusion through flawed logic)?\n"
+    "on-topic text) or a reasoning error (flawed logic in STEM: an attempt at logical, mathematical or scientific "
+    "reasoning that reaches a wrong conclusion through flawed steps)?\n"
 )
-TEACHER_ASK = "Reply 1 for a knowledge error or 2 for a reasoning error.\nVerdict:"
-TEACHER_LABELS = (" 1", " 2")  # -> JUDGED, in order
+#: the teacher's two asks: the same labels in both orders (TEACHER_LABELS[0] is knowledge in the first, reasoning in
+#: the second)
+TEACHER_ASKS = (
+    "Reply 1 for a knowledge error or 2 for a reasoning error.\nVerdict:",
+    "Reply 1 for a reasoning error or 2 for a knowledge error.\nVerdict:",
+)
+TEACHER_LABELS = (" 1", " 2")
 OPENAI_ASK = "Reply with one word: knowledge or reasoning."
+CHECK_ASK = "Reply with one word: ready."
 
 
 def parse_judge(spec: str) -> tuple[str, str | None]:
@@ -66,11 +86,23 @@ def render(r: dict, ask: str) -> str:
     return PROMPT.format(**_fields(r), answer=r["answer"], response=r["response"]) + ask
 
 
+def shortfall(name: str, said: list[str], most: float, why: str = "") -> str | None:
+    """The failure line of a judge that left more than `most` of the answers it was asked about `unjudged`, else
+    None (a judge that cannot judge fails the model instead of passing its answers off as classified)."""
+    left = said.count("unjudged")
+    if not said or left / len(said) <= most:
+        return None
+    return (
+        f"judge {name} left {left} of {len(said)} answers unjudged ({left / len(said):.0%} > {most:.0%}, "
+        f"stage3.analysis.max_unjudged)" + (f": {why}" if why else "")
+    )
+
+
 # ---- teacher: the label continuations' log-likelihoods -----------------------------------------------------------
-def context_ids(tokenizer, r: dict, room: int | None) -> list[int]:
-    """The teacher's prompt for `r` as token ids, within `room` tokens: the answer's start is dropped first (its end
-    holds the final answer), then the prompt's own start."""
-    head, tail = (PROMPT + TEACHER_ASK).split("{response}")
+def context_ids(tokenizer, r: dict, room: int | None, ask: str = TEACHER_ASKS[0]) -> list[int]:
+    """The teacher's prompt for `r` (ending with `ask`) as token ids, within `room` tokens: the answer's start is
+    dropped first (its end holds the final answer), then the prompt's own start."""
+    head, tail = (PROMPT + ask).split("{response}")
     fields = {**_fields(r), "answer": r["answer"]}
     pre = tokenizer(head.format(**fields), add_special_tokens=True)["input_ids"]
     body = tokenizer(r["response"], add_special_tokens=False)["input_ids"]
@@ -114,29 +146,92 @@ class TeacherJudge:
     tokenizer: object
     batch_size: int = 16
     name: str = "teacher"
-    failures: int = 0
+    said: list[str] = field(default_factory=list)  # its last verdicts
+
+    def why(self) -> str:
+        return ties(self.said)
 
     def __call__(self, records: list[dict]) -> list[str]:
         ctx = context_of(self.model)
         longest = max(len(self.tokenizer(x, add_special_tokens=False)["input_ids"]) for x in TEACHER_LABELS)
         room = None if ctx is None else ctx - longest
-        contexts = [context_ids(self.tokenizer, r, room) for r in records]
-        scores = label_loglikelihoods(self.model, self.tokenizer, contexts, TEACHER_LABELS, self.batch_size)
-        return [verdict(s) for s in scores]
+        contexts = [context_ids(self.tokenizer, r, room, ask) for r in records for ask in TEACHER_ASKS]
+        s = label_loglikelihoods(self.model, self.tokenizer, contexts, TEACHER_LABELS, self.batch_size)
+        self.said = [verdict(s[i], s[i + 1]) for i in range(0, len(s), 2)]
+        return self.said
 
 
-def verdict(scores: list[float]) -> str:
-    """The label with the highest log-likelihood; a tie is no verdict."""
-    best = max(scores)
-    return "unjudged" if scores.count(best) > 1 else JUDGED[scores.index(best)]
+def ties(said: list[str]) -> str:
+    """Why a teacher judge left answers unjudged: ties."""
+    n = said.count("unjudged")
+    return f"{n} x a tie of the two errors (the same odds in both label orders)" if n else ""
+
+
+def _first(scores: list[float]) -> float:
+    """P(the first label) of two, from their log-likelihoods."""
+    top = max(scores)
+    e = [math.exp(x - top) for x in scores]
+    return e[0] / sum(e)
+
+
+def knowledge_probability(first: list[float], swapped: list[float]) -> float:
+    """P(knowledge) averaged over the two label orders (`first`: the labels' log-likelihoods after TEACHER_ASKS[0],
+    where label 1 is knowledge; `swapped`: after TEACHER_ASKS[1], where it is reasoning)."""
+    return (_first(first) + 1.0 - _first(swapped)) / 2
+
+
+#: how near even odds is no verdict: the same two sequences scored in other batches differ by float32 noise (4e-7
+#: measured on the embedded teacher), which must not pass for a verdict
+TIE = 1e-5
+
+
+def verdict(first: list[float], swapped: list[float]) -> str:
+    """The error likelier over both orders; one within TIE of even odds is no verdict (a tie)."""
+    p = knowledge_probability(first, swapped)
+    return "unjudged" if abs(p - 0.5) <= TIE else JUDGED[0] if p > 0.5 else JUDGED[1]
 
 
 # ---- openai: a chat-completions server --------------------------------------------------------------------------
+_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+
+
 def parse_reply(text: str | None) -> str:
-    """A judge's reply -> its verdict: the first word, if it is a label; else `unjudged`."""
-    first = (text or "").strip().split(maxsplit=1)
+    """A judge's reply -> its verdict: the first word after any thinking (`<think>...</think>`, or everything up to a
+    lone `</think>` when the server put the opening tag in the prompt; an unclosed <think> leaves no word), if it is a
+    label; else `unjudged`."""
+    said = _THINK.sub(" ", text or "").rpartition("</think>")[2].partition("<think>")[0]
+    first = said.strip().split(maxsplit=1)
     word = first[0].strip(".,;:!?\"'*()[]`").lower() if first else ""
     return word if word in JUDGED else "unjudged"
+
+
+def reply_text(body: object) -> tuple[str, str | None]:
+    """(the first choice's message text, its finish reason) of a chat-completions body; ValueError when the body has
+    no such message (`choices: null`, an error object, a list)."""
+    try:
+        choice = body["choices"][0]
+        text = choice["message"].get("content")
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise ValueError(f"a reply without choices[0].message: {json.dumps(body)[:120]}") from None
+    return (text if isinstance(text, str) else ""), choice.get("finish_reason")
+
+
+def http_problem(exc: urllib.error.HTTPError) -> str:
+    """`HTTP 404: <the server's message>`, read from an error body that is JSON ({"error": {"message"}}) or text."""
+    try:
+        raw = exc.read().decode(errors="replace")
+    except (OSError, http.client.HTTPException, ValueError):
+        raw = ""
+    try:
+        err = json.loads(raw).get("error", raw) if raw else ""
+        message = err.get("message", err) if isinstance(err, dict) else err
+    except (ValueError, AttributeError):
+        message = raw
+    return f"HTTP {exc.code}" + (f": {' '.join(str(message).split())[:160]}" if message else "")
+
+
+#: what a request raises besides an HTTP status: no connection, a reset or timeout, a cut body, one that is no JSON
+NETWORK_ERRORS = (urllib.error.URLError, http.client.HTTPException, OSError, ValueError)
 
 
 @dataclass
@@ -148,12 +243,16 @@ class OpenAIJudge:
     key_env: str = "OPENAI_API_KEY"
     rate: float = 2.0  # requests per second, at most
     retries: int = 4
+    max_tokens: int = 4096  # a reasoning or thinking model's room to think before its one word
     backoff: float = 1.0  # seconds before the first retry; doubled each time
     timeout: float = 60.0
     workers: int = 4
     failures: int = 0  # requests that failed after every retry (their records: unjudged)
+    problems: Counter = field(default_factory=Counter)  # why answers were left unjudged, and how often
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _next: float = 0.0
+    _temperature: bool = True  # send temperature 0 (until a 400 refuses it)
+    _tokens: str = "max_tokens"  # the field of the token limit (max_completion_tokens once a 400 asks for it)
 
     @property
     def name(self) -> str:
@@ -164,22 +263,43 @@ class OpenAIJudge:
         return {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
 
     def check(self) -> None:
-        """Before any generation: the server answers (GET /models) and takes the key."""
+        """Before any work: the server serves this model (its /models lists it, else a one-token request to it is
+        answered), or one line naming the URL and the model."""
+        listed = self._listed()
+        if self.model in listed:
+            return
+        got, why = self._send(CHECK_ASK, 1)
+        if got is None:
+            close = difflib.get_close_matches(self.model, listed, n=1, cutoff=0.4)
+            raise M2DError(
+                f"judge {self.url} cannot judge with model {self.model!r} ({why})"
+                + (f"; did you mean {close[0]!r}?" if close else "")
+                + "; give a model the server serves and its base URL (an OpenAI-compatible one ends in /v1: "
+                "stage3.analysis.judge_url, m2d analyze --judge-url)"
+            )
+
+    def _listed(self) -> list[str]:
+        """The model ids the server's /models lists ([] when it has no such list); one line for a server that is
+        unreachable or refuses the key."""
         req = urllib.request.Request(self.url.rstrip("/") + "/models", headers=self._headers())
         try:
-            urllib.request.urlopen(req, timeout=min(self.timeout, 10.0)).close()
+            with urllib.request.urlopen(req, timeout=min(self.timeout, 10.0)) as resp:
+                data = json.loads(resp.read()).get("data")
+            return [str(m.get("id")) for m in data if isinstance(m, dict)] if isinstance(data, list) else []
         except urllib.error.HTTPError as exc:
             if exc.code in (401, 403):
                 raise M2DError(
                     f"judge {self.url} refused the request (HTTP {exc.code}); set ${self.key_env} to its API key "
                     "(stage3.analysis.judge_key_env names the variable)"
                 ) from None
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            reason = getattr(exc, "reason", exc)
+            return []
+        except urllib.error.URLError as exc:
             raise M2DError(
-                f"judge URL {self.url} is unreachable ({reason}); start the server or give a judge_url that answers "
-                "(stage3.analysis.judge_url, m2d analyze --judge-url)"
+                f"judge URL {self.url} is unreachable ({exc.reason}); start the server or give a judge_url that "
+                "answers (stage3.analysis.judge_url, m2d analyze --judge-url)"
             ) from None
+        except (http.client.HTTPException, OSError, ValueError, AttributeError):
+            return []  # a listing that is no JSON object: the one-token request decides
 
     def _wait_turn(self) -> None:
         with self._lock:
@@ -188,47 +308,94 @@ class OpenAIJudge:
             self._next = start + 1.0 / self.rate
         time.sleep(max(0.0, start - now))
 
-    def ask(self, prompt: str) -> str | None:
-        """The reply's text, or None when every try failed."""
-        body = json.dumps(
-            {
-                "model": self.model,
-                "messages": [{"role": "user", "content": prompt}],
-                "max_tokens": 8,
-                "temperature": 0,
-            }
-        ).encode()
-        for attempt in range(self.retries + 1):
+    def _body(self, prompt: str, tokens: int) -> dict:
+        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], self._tokens: tokens}
+        return {**body, "temperature": 0} if self._temperature else body
+
+    def _adapt(self, why: str, sent: dict) -> bool:
+        """After a 400 to `sent`: True when it refused a field this judge can drop or rename (then changed for every
+        later request), so the request is sent again at once."""
+        said = why.lower()
+        with self._lock:
+            if "temperature" in sent and "temperature" in said:
+                self._temperature = False
+                return True
+            if "max_tokens" in sent and "max_completion_tokens" in said:
+                self._tokens = "max_completion_tokens"
+                return True
+        return False
+
+    def _post(self, body: dict) -> tuple[str, str | None]:
+        req = urllib.request.Request(
+            self.url.rstrip("/") + "/chat/completions",
+            data=json.dumps(body).encode(),
+            headers=self._headers(),
+            method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            return reply_text(json.loads(resp.read()))
+
+    def _send(self, prompt: str, tokens: int) -> tuple[tuple[str, str | None] | None, str]:
+        """((the reply's text, its finish reason), "") or, once every try failed, (None, why the last one did). A 4xx
+        other than 429 is not retried (a field it refuses is changed first)."""
+        attempt, why = 0, ""
+        while attempt <= self.retries:
+            body = self._body(prompt, tokens)
             self._wait_turn()
-            req = urllib.request.Request(
-                self.url.rstrip("/") + "/chat/completions", data=body, headers=self._headers(), method="POST"
-            )
             wait = self.backoff * 2**attempt
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                    return json.loads(resp.read())["choices"][0]["message"].get("content")
+                return self._post(body), ""
             except urllib.error.HTTPError as exc:
+                why = http_problem(exc)
+                if exc.code == 400 and self._adapt(why, body):
+                    continue
                 if exc.code != 429 and exc.code < 500:
-                    break
+                    return None, why
                 after = exc.headers.get("Retry-After") if exc.headers else None
                 wait = min(60.0, float(after)) if after and after.replace(".", "", 1).isdigit() else wait
-            except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError):
-                pass
-            if attempt < self.retries:
+            except NETWORK_ERRORS as exc:
+                why = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+            attempt += 1
+            if attempt <= self.retries:
                 time.sleep(wait)
-        with self._lock:
-            self.failures += 1
-        return None
+        return None, why
+
+    def _judge(self, prompt: str) -> str:
+        """One answer's verdict; why there is none is counted in `problems`."""
+        got, why = self._send(prompt, self.max_tokens)
+        said = "unjudged" if got is None else parse_reply(got[0])
+        if said == "unjudged":
+            if got is None:
+                problem = why
+            elif got[1] == "length":
+                problem = f"a reply cut at {self.max_tokens} tokens before its word (stage3.analysis.judge_max_tokens)"
+            else:
+                problem = "a reply whose first word is no label"
+            with self._lock:
+                self.failures += got is None
+                self.problems[problem] += 1
+        return said
+
+    def why(self) -> str:
+        """The commonest reasons answers were left unjudged, for a failure line."""
+        return "; ".join(f"{n} x {p}" for p, n in self.problems.most_common(2))
 
     def __call__(self, records: list[dict]) -> list[str]:
         prompts = [render(r, OPENAI_ASK) for r in records]
         with ThreadPoolExecutor(max_workers=max(1, self.workers)) as pool:
-            return [parse_reply(reply) for reply in pool.map(self.ask, prompts)]
+            return list(pool.map(self._judge, prompts))
 
 
 def describe(spec: str) -> dict:
     """The judge's name and prompt, as recorded beside the results."""
     kind, _ = parse_judge(spec)
-    ask = {"teacher": TEACHER_ASK, "none": ""}.get(kind, OPENAI_ASK)
-    prompt = PROMPT + ask if kind != "none" else ""
-    return {"judge": spec, "prompt": prompt, "labels": list(TEACHER_LABELS) if kind == "teacher" else list(JUDGED)}
+    if kind == "none":
+        return {"judge": spec, "prompt": "", "labels": list(JUDGED)}
+    if kind == "teacher":
+        return {
+            "judge": spec,
+            "prompt": PROMPT + TEACHER_ASKS[0],
+            "asks": list(TEACHER_ASKS),
+            "labels": list(TEACHER_LABELS),
+        }
+    return {"judge": spec, "prompt": PROMPT + OPENAI_ASK, "labels": list(JUDGED)}

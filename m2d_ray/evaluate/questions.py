@@ -13,13 +13,17 @@ categories, as lm-eval's mmlu groups); the corpus' domains are put where MMLU pu
 MMLU's medicine, nutrition and miscellaneous).
 
 The prompt is a zero-shot chain-of-thought one (`TEMPLATE`, recorded with the results): plain text, no chat
-template, so base models, distilled students and instruction-tuned teachers read the same characters.
+template, so base models, distilled students and instruction-tuned teachers read the same characters. A model's
+answer ends where it starts the next question (`answer_part`: a line opening as the template's questions do, as
+lm-eval's generation tasks stop at their `until` strings): a base model that answers and then writes questions of its
+own is read at its answer, not at the questions it made up (their word 3-grams would also count as repetition).
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +44,19 @@ TEMPLATE = (
 )
 TEMPLATE_CHARS = len(TEMPLATE.format(subject="", question="", choices=""))  # the prompt's own characters
 LOCAL_QUESTION = "Which ending completes this text? {context} ..."
+#: a line opening with one of these starts the next question (TEMPLATE's own openings): the answer ended before it
+UNTIL = ("Question:", "The following is a multiple choice question")
+#: end-of-text tokens written out (in a responses file from elsewhere: our answers are decoded without them)
+END_TEXTS = ("</s>", "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>")
+_UNTIL = re.compile(r"\n[ \t*#>]*(?:" + "|".join(map(re.escape, UNTIL)) + ")|" + "|".join(map(re.escape, END_TEXTS)))
+
+
+def answer_part(text: str) -> tuple[str, str]:
+    """(the answer, what ran on after it): `text` cut before a line that starts the next question, or an
+    end-of-text token written out."""
+    m = _UNTIL.search(text)
+    return (text, "") if m is None else (text[: m.start()], text[m.start() :])
+
 
 GROUPS = ("humanities", "social sciences", "STEM", "other")
 _GROUPS = {

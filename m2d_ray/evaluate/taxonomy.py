@@ -6,12 +6,12 @@ wins):
     repetitive   some word 3-gram occurs >= 5 times                                         (rule)
     correct      the extracted final answer is the key                                      (rule)
     other        topic drift (keyword overlap with the question < 15%), no final answer,    (rule)
-                 or an answer outside the choices
+                 a hedged answer (two letters), or an answer outside the choices
     knowledge    coherent and on-topic, wrong: a wrong fact                                 (judge)
     reasoning    coherent and on-topic, wrong: flawed logic                                 (judge)
     unjudged     would go to the judge, and none was asked (or it gave no verdict)
 
-What the paper leaves open, decided here (the README's analysis section says the same):
+What the paper leaves open, decided here (docs/how-to/analyze.md sets each choice beside the paper's words):
 - **Where `correct` sits.** After the two catastrophic rules, before the rest: a degenerate text that happens to
   contain the key ("B B B B B ...") is a failure, not an answer; a right answer is right however short it is (a
   bare "The answer is (B)." shares few keywords with the question and would otherwise count as topic drift).
@@ -22,15 +22,24 @@ What the paper leaves open, decided here (the README's analysis section says the
 - **Digit ratio.** Digit characters over the response's non-space characters.
 - **Keywords.** The distinct words of the question and its choices that are not filler words and have at least
   two characters; overlap = the share of them the response uses. A question without keywords is never drift.
-- **Answer extraction.** The first explicit statement of the answer ("the answer is (B)", "Answer: B", "final
-  answer: **B**", "\\boxed{B}"), as lm-eval's chain-of-thought MMLU takes the first match (a base model that goes
-  on writing the next question after its answer is read at its answer); a letter in that statement is taken as
-  written in upper case, in lower case only when punctuation or the end follows it ("the answer is a. ..." but not
-  "the answer is a fact"); a statement that names a choice's text instead of a letter maps to that choice. Without
-  a statement, a last line that is only a letter ("B", "(B)", "B.") is the answer. A statement that names no choice
-  is an answer outside the choices; no statement and no such line is no final answer (a truncated response has
-  none: responses read back from a file carry no finish reason, so both count the same).
-- **Empty responses** have no words: no ratio is defined, so they are not incoherent; they have no final answer.
+- **Answer extraction.** A statement of the answer is a cue ("the answer is", "answer would be", "Answer:",
+  "**Answer**:", "the correct option is", "\\boxed{") not negated ("the answer isn't A", "is not A"), then, past
+  brackets, emphasis, LaTeX wrappers and the words "option", "choice", "letter", "either", on its line (or the
+  next line when the cue ends one): a letter (upper case; lower case only before punctuation or the line's end: "the
+  answer is a. ..." but not "the answer is a fact"), two different letters joined by or / and / "/" (a hedge: no
+  single answer), several capitals as one token ("AB": outside the choices), or the text of exactly one choice
+  (equal to it, or starting with it where a word ends). The **final** answer counts: the last statement that names
+  one, and a last line that is only a letter ("B", "(B)", "**B**", "B.") after it. A statement that names nothing
+  ("the answer is clear") is read only when no statement names an answer: an answer outside the choices. No
+  statement and no such line is no final answer (a truncated response has none: responses read back from a file
+  carry no finish reason, so both count the same). The text read is the answer up to where the model's answer
+  ended: generation stops at the next question it starts writing, and saved answers are cut there too
+  (questions.py, `answer_part`), so a base model's next question is never read as its answer.
+- **The answer key** (`key_letter`): a letter of the choices (either case), an integer counted from 0 (as Hugging
+  Face's MMLU stores it: 1 is B), or one choice's exact text (surrounding spaces aside); a one-letter string is a
+  letter. Anything else is no key (a JSON string "1" is no index: an index is a number).
+- **Empty responses** have no words: no ratio is defined, so they are not incoherent; they have no final answer
+  (not topic drift: there is no text to drift).
 Every threshold is a field of `Thresholds` (the paper's values are the defaults; `stage3.analysis.*` sets them).
 """
 
@@ -47,6 +56,7 @@ JUDGED = ("knowledge", "reasoning")  # what a judge decides
 CATASTROPHIC = ("incoherent", "repetitive")
 #: why a response is `other`
 DRIFT, NO_ANSWER, OUTSIDE = "topic drift", "no final answer", "answer outside the choices"
+HEDGED = "hedged: no single answer"
 
 FILLER_WORDS = frozenset(
     """a an the this that these those some any each every all both either neither no not nor
@@ -122,35 +132,108 @@ def repetitive(text: str, th: Thresholds = Thresholds()) -> bool:
 
 
 # ---- the final answer -------------------------------------------------------------------------------------------
-_STATEMENT = re.compile(
-    r"(?:answer\s*(?:is|:)|answer\s+would\s+be|(?=\\boxed\{))[\s*_(\[{$]*(?:\\boxed\{)?(?:\\text\{)?[\s*_(\[{]*(?P<ans>[^\n]*)",
+#: where a statement of the answer begins: "the answer is", "answer:", "**Answer**:", "the correct option is",
+#: "\boxed{" (never a negated one: "the answer isn't A", "the answer is not A")
+_CUE = re.compile(
+    r"\banswer[*_]*\s*(?:(?:is|would\s+be|should\s+be|must\s+be)\b(?!\s*n['’]t|\s+not\b)[\s*_]*:?|:)"
+    r"|\b(?:correct|right|best)\s+(?:option|choice)\s+is\b(?!\s*n['’]t|\s+not\b)[\s*_]*:?"
+    r"|(?=\\boxed\{)",
     re.IGNORECASE,
 )
-_LETTER = re.compile(r"(?P<up>[A-Z])(?![A-Za-z])|(?P<low>[a-z])(?=[).:,;\]}*]|\s*$)")
+#: what may stand before the answer itself: brackets, emphasis, LaTeX wrappers, "option", "choice", "either"
+_OPEN = re.compile(r"(?:[\s*_:(\[{$]|\\boxed\{|\\text(?:bf)?\{|\\mathrm\{|(?:option|choice|letter|either)\b)*", re.I)
+_LETTER = re.compile(r"(?P<up>[A-Z])(?![A-Za-z0-9])|(?P<low>[a-z])(?=[).:,;\]}*]|\s*$)")
+_TOKEN = re.compile(r"[A-Z]{2,}(?![A-Za-z0-9])")  # "AB": several letters as one answer
+_OTHER = re.compile(r"[\s*_)\]},$]*(?:(?i:or|and)\b|/|&)[\s*_(\[{]*(?:(?i:option|choice)\s+)?([A-Z])(?![A-Za-z0-9])")
 _BARE = re.compile(r"^[\s*_(\[]*([A-Z])[\s*_)\].:]*$")
+_EDGE = " .,;:!*_})]$\"'"
 
 
 def letters(n: int) -> str:
     return "ABCDEFGHIJKLMNOPQRSTUVWXYZ"[:n]
 
 
-def extract(response: str, choices: list[str]) -> str | None:
-    """The final answer a response states: a letter (A, B, ...; possibly outside the choices), else the text it
-    states when that names no choice, else None (no final answer). See the module docstring for the formats."""
-    m = _STATEMENT.search(response)
+def _norm(text: str) -> str:
+    return " ".join(text.split()).strip(_EDGE).lower()
+
+
+def _choice(said: str, choices: list[str]) -> int | None:
+    """The one choice whose text the statement gives: equal to it, else starting with it (then a word ends); None
+    when no choice or several do."""
+    s = _norm(said)
+    texts = [_norm(c) for c in choices]
+    for hit in (
+        [i for i, t in enumerate(texts) if t and s == t],
+        [i for i, t in enumerate(texts) if t and _starts(s, t)],
+    ):
+        if hit:
+            return hit[0] if len(hit) == 1 else None
+    return None
+
+
+def _starts(said: str, text: str) -> bool:
+    return said.startswith(text) and not said[len(text) : len(text) + 1].isalnum()
+
+
+def _statement(span: str, choices: list[str]) -> tuple[str, str] | None:
+    """What one statement says, read from the text after its cue: (extracted, why-not-a-choice) as `extract`
+    returns them, or None when it names no answer at all ("the answer is clear")."""
+    line = next((ln for ln in span.split("\n") if ln.strip(_EDGE + " \t")), "")
+    said = line[_OPEN.match(line).end() :]
+    m = _LETTER.match(said)
     if m is not None:
-        stated = m.group("ans").strip()
-        letter = _LETTER.match(stated)
-        if letter is not None:
-            return (letter.group("up") or letter.group("low")).upper()
-        text = stated.rstrip(" .*_})]").lower()
-        for i, choice in enumerate(choices):
-            if text and text == choice.strip().rstrip(".").lower():
-                return letters(len(choices))[i]
-        return stated[:80] or None
+        first = (m.group("up") or m.group("low")).upper()
+        other = _OTHER.match(said, m.end())
+        if other is not None and other.group(1) != first:
+            return f"{first}/{other.group(1)}", HEDGED
+        return first, "" if first in letters(len(choices)) else OUTSIDE
+    token = _TOKEN.match(said)
+    i = _choice(said, choices)
+    if i is not None:
+        return letters(len(choices))[i], ""
+    if token is not None:
+        return token.group(), OUTSIDE
+    return None
+
+
+def extract(response: str, choices: list[str]) -> tuple[str | None, str]:
+    """The final answer a response gives, as (extracted, why): a letter of the choices and ""; else what was given
+    and why it is no choice (OUTSIDE: a letter, token or text outside the choices; HEDGED: two letters offered);
+    else (None, NO_ANSWER). See the module docstring for the shapes read."""
+    read, last_text = None, None
+    for cue in _CUE.finditer(response):
+        span = response[cue.end() :]
+        got = _statement(span, choices)
+        if got is not None:
+            read = got
+        else:
+            text = next((ln for ln in span.split("\n") if ln.strip()), "").strip().strip(_EDGE)
+            last_text = (text[:80], OUTSIDE) if text else last_text
     last = next((ln for ln in reversed(response.splitlines()) if ln.strip()), "")
     bare = _BARE.match(last)
-    return bare.group(1) if bare else None
+    if bare is not None:
+        letter = bare.group(1)
+        return letter, "" if letter in letters(len(choices)) else OUTSIDE
+    return read or last_text or (None, NO_ANSWER)
+
+
+def key_letter(key: object, choices: list[str]) -> str:
+    """The letter of an answer key (the module docstring's rule); ValueError saying what it is otherwise."""
+    valid = letters(len(choices))
+    if isinstance(key, int) and not isinstance(key, bool):
+        if 0 <= key < len(choices):
+            return valid[key]
+        raise ValueError(f"is {key}, not an index of its {len(choices)} choices (0 to {len(choices) - 1})")
+    if not isinstance(key, str):
+        raise ValueError(f"is {key!r}, neither a letter, an integer index nor a choice's text")
+    text = key.strip()
+    if len(text) == 1 and text.upper() in valid:
+        return text.upper()
+    same = [i for i, c in enumerate(choices) if c.strip() == text]
+    if len(same) == 1:
+        return valid[same[0]]
+    which = f"the text of {len(same)} choices" if same else f"no letter {valid[:1]}-{valid[-1:]} nor a choice's text"
+    raise ValueError(f"is {key!r}: {which}")
 
 
 # ---- one response's category --------------------------------------------------------------------------------
@@ -167,20 +250,19 @@ def by_rules(r: dict, th: Thresholds = Thresholds()) -> Verdict:
     """The rules in the priority order of the module docstring, on one record (question, choices, answer,
     response)."""
     text, choices = r["response"], r["choices"]
-    got = extract(text, choices)
+    got, why = extract(text, choices)
     if incoherent(text, th):
         return Verdict("incoherent", got)
     if repetitive(text, th):
         return Verdict("repetitive", got)
-    if got is not None and got == r["answer"]:
+    if not why and got == r["answer"]:
         return Verdict("correct", got)
-    drift = overlap(words(text), keywords(r["question"], choices))
-    if drift is not None and drift < th.overlap:
+    ws = words(text)
+    drift = overlap(ws, keywords(r["question"], choices))
+    if ws and drift is not None and drift < th.overlap:
         return Verdict("other", got, DRIFT)
-    if got is None:
-        return Verdict("other", got, NO_ANSWER)
-    if got not in letters(len(choices)):
-        return Verdict("other", got, OUTSIDE)
+    if why:
+        return Verdict("other", got, why)
     return Verdict(None, got)
 
 

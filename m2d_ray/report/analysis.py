@@ -145,7 +145,8 @@ def matched_rows(data: RunData, rows: list[dict]) -> list[dict]:
 
 
 def outcome(data: RunData) -> dict:
-    """What the run produced, from the driver's records: students by stage-2 status, models evaluated."""
+    """What the run produced, from the driver's records: students by stage-2 status, models evaluated, and the
+    analysis' failed models with their errors."""
     rows = [r for r in distill_rows(data) if r["kind"] != "teacher"]
     counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "pruned", "failed", "diverged", "not distilled")}
     students = [r for r in rows if r["eval"] != "-"]
@@ -156,6 +157,7 @@ def outcome(data: RunData) -> dict:
         "evaluated": sum(r["eval"] == "ok" for r in students),
         "eval_failed": sum(r["eval"] == "failed" for r in students),
         "teacher_evaluated": data.stage3.get(TEACHER_KEY, {}).get("status") == "ok",
+        "analysis_failed": {k: r.get("error") for k, r in data.analysis.items() if r.get("status") == "failed"},
     }
 
 
@@ -167,7 +169,8 @@ def outcome_line(o: dict) -> str:
     line += f"; {o['evaluated']} students evaluated" + (
         f", {o['eval_failed']} failed to evaluate" if o["eval_failed"] else ""
     )
-    return line + ("; teacher evaluated" if o["teacher_evaluated"] else "")
+    line += "; teacher evaluated" if o["teacher_evaluated"] else ""
+    return line + (f"; the analysis failed for {len(o['analysis_failed'])} models" if o["analysis_failed"] else "")
 
 
 def marginal(rows: list[dict], axis: str, order: tuple[str, ...]) -> dict[str, float]:

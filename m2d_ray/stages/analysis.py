@@ -9,15 +9,19 @@
                                               ends, so a killed run continues where it stopped
     the rules, then the judge                 on the driver (pure functions); the judge decides the wrong, coherent,
                                               on-topic answers: `teacher` in one Ray task holding the MoE teacher
-                                              (placed as stage 3's teacher), `openai:MODEL` from the driver
+                                              (placed as stage 3's teacher), `openai:MODEL` from the driver (its
+                                              server asked for the model before any work); a model whose judge
+                                              leaves more than `max_unjudged` of them unjudged is recorded failed
     RUN_DIR/analysis/responses/KEY.jsonl      every answer with its category, the extracted answer and why
     RUN_DIR/analysis/results/KEY.json         counts and shares, accuracy per subject group, an excerpt per category
     MLflow                                    a nested run `analysis/KEY` per model: the category rates as metrics, the
                                               responses as its artifact, the sampling as params, the judge and its
                                               prompt as tags (RUN_DIR/analysis/judge.json beside them)
 
-A model with a record is not generated again; a changed judge or threshold classifies the saved answers again
-without generating; changed questions, prompt or sampling are refused on resume (two samples in one figure).
+A model with a record is not generated again; a failed one (its generation or its judge) is tried again on resume,
+its saved batches read back; a changed judge or threshold classifies the saved answers again without generating;
+changed questions, prompt, sampling or stop strings are refused on resume (two samples in one figure). A failed
+model fails the run (`m2d run` exits 1 after the report: commands/runs.check_outcome).
 
 The plan prices the generation as the issue asks: the prompt and the new tokens through the model, every answer
 taken to its token limit (an upper bound), FLOPs / (peak x efficiency). On a GPU decoding a small batch is bound by
@@ -41,7 +45,7 @@ from m2d_ray.console import say
 from m2d_ray.data.synthetic import DOMAINS
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.generation import BatchStore, Sampling, answer_all, load, recorded
-from m2d_ray.evaluate.judges import OpenAIJudge, TeacherJudge, describe, parse_judge
+from m2d_ray.evaluate.judges import OpenAIJudge, TeacherJudge, describe, parse_judge, shortfall, ties
 from m2d_ray.evaluate.paper_tasks import MMLU_SUBJECTS
 from m2d_ray.evaluate.placement import model_size, plan_generation
 from m2d_ray.evaluate.questions import TEMPLATE_CHARS, Question, check_set, group_of, sample
@@ -138,9 +142,9 @@ class Analysis(Stage):
             return [generation]
         if kind == "openai":
             judge = StageCost(f"{self.name}:judge", 0.0, answers / a.judge_rate, 0.0, None, answers, 1, a.judge)
-        else:  # every answer judged (an upper bound): the question and the answer (about `seq`), once per label
-            t = p.models.teacher
-            judged = 2 * answers * seq * forward_flops(t, int(seq))
+        else:  # every answer judged (an upper bound): the question and the answer (about `seq`), once per label and
+            t = p.models.teacher  # label order
+            judged = 4 * answers * seq * forward_flops(t, int(seq))
             plan = c.plans.get(f"{self.name}:{TEACHER_KEY}")
             s3 = p.cfg.stage3
             where = c.place(plan.name, plan.share * plan.units, s3.threads_per_task, 1, s3.accelerator, plan.request)
@@ -162,7 +166,9 @@ def questions_of(a: AnalysisConfig) -> int:
 
 
 def openai_judge(a: AnalysisConfig, model: str) -> OpenAIJudge:
-    return OpenAIJudge(model, a.judge_url, a.judge_key_env, a.judge_rate, a.judge_retries)
+    return OpenAIJudge(
+        model, a.judge_url, a.judge_key_env, rate=a.judge_rate, retries=a.judge_retries, max_tokens=a.judge_max_tokens
+    )
 
 
 def sampling(a: AnalysisConfig) -> Sampling:
@@ -263,20 +269,24 @@ def _analysed(ctx, stage: Analysis, jobs: list, questions: list[Question], base:
     answers = _generate(ctx, stage, jobs, questions)
     open_ = [(k, r) for k, v in answers.items() if "rows" in v for r in v["rows"] if by_rules(r, th).category is None]
     try:
-        said, judge_error = _judge(ctx, stage, [r for _, r in open_]) if open_ else [], None
+        (said, why), judge_error = _judge(ctx, stage, [r for _, r in open_]) if open_ else ([], ""), None
     except Exception as exc:
         from m2d_ray.stages.ray_env import failure
 
-        said, judge_error = [], "judge: " + failure(str(exc), "analysis", 0, 0)
+        said, why, judge_error = [], "", "judge: " + failure(str(exc), "analysis", 0, 0)
     verdict = {(k, r["id"]): v for (k, r), v in zip(open_, said)}
     judged_by = {"judge": a.judge, "judge_prompt": describe(a.judge)["prompt"]}
     out = []
     for job in jobs:
         got = answers[job.key]
-        if "rows" not in got or (judge_error and any(k == job.key for k, _ in open_)):
-            out.append({**asdict(job), "status": "failed", "error": got.get("error") or judge_error, **base})
+        opened = [x for x in got.get("rows", []) if by_rules(x, th).category is None]
+        error = got.get("error") or (judge_error if opened else None)
+        decided = [] if error else [verdict[(job.key, x["id"])] for x in opened]
+        if not error and parse_judge(a.judge)[0] != "none":
+            error = shortfall(a.judge, decided, a.max_unjudged, why)  # a judge that cannot judge fails the model
+        if error:
+            out.append({**asdict(job), "status": "failed", "error": error, **base})
             continue
-        decided = [verdict[(job.key, x["id"])] for x in got["rows"] if by_rules(x, th).category is None]
         records = [{**x, "model": job.key} for x in classify(got["rows"], lambda _, d=decided: d, th)]
         path = rd.analysis_responses(job.key)
         write_text_atomic(path, "".join(json.dumps(x) + "\n" for x in records))
@@ -351,20 +361,21 @@ def _generate(ctx, stage: Analysis, jobs: list, questions: list[Question]) -> di
     return out
 
 
-def _judge(ctx, stage: Analysis, records: list[dict]) -> list[str]:
-    """A verdict for each record: the openai judge from here, the teacher in one Ray task placed as stage 3's."""
+def _judge(ctx, stage: Analysis, records: list[dict]) -> tuple[list[str], str]:
+    """A verdict for each record, and why some are unjudged: the openai judge from here, the teacher in one Ray task
+    placed as stage 3's."""
     import ray
 
     cfg, a = ctx.cfg, ctx.cfg.stage3.analysis
     kind, model = parse_judge(a.judge)
     if kind == "none":
-        return ["unjudged"] * len(records)
+        return ["unjudged"] * len(records), ""
     if kind == "openai":
         judge = openai_judge(a, model)
         said = judge(records)
         unjudged = sum(v == "unjudged" for v in said)
         say(f"analysis: {judge.name} judged {len(records)} answers ({unjudged} unjudged, {judge.failures} failed)")
-        return said
+        return said, judge.why()
     gpus, opts = stage3._gpus(cfg), stage3.task_options(cfg)
     teacher = ctx.workers_teacher
     with ctx.waiting(stage) as waiting:
@@ -383,8 +394,8 @@ def _judge(ctx, stage: Analysis, records: list[dict]) -> list[str]:
             )
         )
         said = waiting.get(ref)
-    say(f"analysis: the teacher judged {len(records)} answers ({sum(v == 'unjudged' for v in said)} ties)")
-    return said
+    say(f"analysis: the teacher judged {len(records)} answers ({said.count('unjudged')} ties)")
+    return said, ties(said)
 
 
 def _answer_task(model, questions, s, device, placement, url, threads, store) -> dict:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT
+from judge_server import JudgeServer
 
 from m2d_ray.cli import main
 from m2d_ray.models import default_teacher
@@ -180,6 +181,8 @@ def w(tmp_path_factory, tiny_teacher_dir):
         "no_answer_field.jsonl": (
             json.dumps(ANSWER) + "\n" + json.dumps({k: v for k, v in ANSWER.items() if k != "answer"}) + "\n"
         ).encode(),
+        "key_outside.jsonl": (json.dumps({**ANSWER, "answer": "C"}) + "\n").encode(),
+        "key_index_outside.jsonl": (json.dumps(ANSWER) + "\n" + json.dumps({**ANSWER, "answer": 2}) + "\n").encode(),
     }
     for name, data in texts.items():
         (p["work"] / name).write_bytes(data)
@@ -247,6 +250,16 @@ ANSWER = {
     "response": "x",
 }
 CLOSED_PORT = "http://127.0.0.1:9/v1"  # the discard port: nothing listens there
+
+
+@pytest.fixture(scope="module")
+def judge_404(w):
+    """A judge server that answers 404 to everything (a misspelt model, a base URL without /v1): its URL in w."""
+    server = JudgeServer(served=())
+    server.listed = False
+    w["judge_404"] = server.url
+    yield server
+    server.close()
 
 
 def _analyze(*extra):
@@ -580,6 +593,26 @@ CASES = {
         lambda w: _analyze("--judge", "openai:some-model", "--judge-url", CLOSED_PORT),
         f"judge URL {CLOSED_PORT} is unreachable",
     ),
+    "analyze: a judge server that answers 404": (
+        lambda w: _analyze("--judge", "openai:some-model", "--judge-url", w["judge_404"]),
+        "cannot judge with model 'some-model' (HTTP 404: The model `some-model` does not exist.)",
+    ),
+    "analyze: --judge teacher without --teacher": (
+        lambda w: _analyze("--judge", "teacher"),
+        "--judge teacher needs the judge's model; give --teacher MODEL",
+    ),
+    "analyze: an answer key outside the choices": (
+        lambda w: ["analyze", "--responses", "key_outside.jsonl", "--out", "a"],
+        "key_outside.jsonl line 1: field 'answer' is 'C': no letter A-B nor a choice's text",
+    ),
+    "analyze: an integer answer key outside the choices": (
+        lambda w: ["analyze", "--responses", "key_index_outside.jsonl", "--out", "a"],
+        "key_index_outside.jsonl line 2: field 'answer' is 2, not an index of its 2 choices (0 to 1)",
+    ),
+    "analyze: max unjudged not a share (argparse)": (
+        lambda w: _analyze("--max-unjudged", "5"),
+        "must be a share in [0, 1]",
+    ),
     "analyze: a responses line without a field": (
         lambda w: ["analyze", "--responses", "no_answer_field.jsonl", "--out", "a"],
         "no_answer_field.jsonl line 2 has no field 'answer'",
@@ -601,6 +634,14 @@ CASES = {
     "run: unreachable analysis judge (before any work)": (
         lambda w: _run("stage3.analysis.judge=openai:m", f"stage3.analysis.judge_url={CLOSED_PORT}"),
         f"judge URL {CLOSED_PORT} is unreachable",
+    ),
+    "run: a judge server that answers 404 (before any work)": (
+        lambda w: _run("stage3.analysis.judge=openai:m", f"stage3.analysis.judge_url={w['judge_404']}"),
+        "cannot judge with model 'm' (HTTP 404",
+    ),
+    "run: analysis max_unjudged not a share": (
+        lambda w: _run("stage3.analysis.max_unjudged=5"),
+        "stage3.analysis.max_unjudged=5.0: give a share in [0, 1]",
     ),
     "run: analysis on MMLU without its data": (
         lambda w: _run("stage3.analysis.questions=mmlu"),
@@ -662,7 +703,7 @@ def _snapshot(root: Path) -> dict[str, tuple]:
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_bad_input(case, w, capfd, monkeypatch):
+def test_bad_input(case, w, judge_404, capfd, monkeypatch):
     argv, fragment, *env = CASES[case]
     for key, value in (env[0] if env else {}).items():
         monkeypatch.setenv(key, value)

@@ -1,42 +1,49 @@
 """What the models write, without Ray: the question sets, batched generation (left padding, KV cache, seeded per
-batch), `m2d analyze` killed and continued, the teacher judge against a float64 brute force on the embedded
-teacher, and the openai judge against a real OpenAI-compatible server on 127.0.0.1 that serves the embedded teacher.
+batch, stopped at the next question and at EOS), `m2d analyze` killed and continued and reading a responses file,
+the teacher judge (both label orders) against a float64 brute force on the embedded teacher, and the openai judge
+against a real OpenAI-compatible server on 127.0.0.1 (tests/judge_server.py) that serves the embedded teacher,
+scripted replies, and the errors servers answer with (404, 400, 5xx, cut and malformed bodies).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 import torch
 from conftest import ROOT
+from judge_server import CUT, JudgeServer
 
 from m2d_ray import pipeline
 from m2d_ray.cli import main
 from m2d_ray.config import load_config
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate import paper_data
-from m2d_ray.evaluate.generation import BatchStore, Sampling, answer_all
+from m2d_ray.evaluate.generation import BatchStore, Sampling, answer_all, answer_batch, recorded
 from m2d_ray.evaluate.judges import (
+    TEACHER_ASKS,
     TEACHER_LABELS,
+    TIE,
     OpenAIJudge,
     TeacherJudge,
     context_ids,
+    knowledge_probability,
     label_loglikelihoods,
     parse_reply,
+    render,
+    verdict,
 )
 from m2d_ray.evaluate.paper_tasks import MMLU_SUBJECTS
-from m2d_ray.evaluate.questions import GROUPS, group_of, sample
+from m2d_ray.evaluate.questions import GROUPS, UNTIL, group_of, sample
 from m2d_ray.evaluate.taxonomy import letters
 from m2d_ray.models import default_teacher, load_model
 from m2d_ray.models import load_config as model_config
@@ -194,18 +201,61 @@ def test_analyze_killed_continues_where_it_stopped(tmp_path, capfd):
 def test_analyze_reclassifies_a_responses_file(tmp_path, capfd):
     lines = [
         {"id": "1", "subject": "astronomy", "question": "Which planet?", "choices": ["Mars", "Venus"], "answer": "A"},
-        {"id": "2", "subject": "philosophy", "question": "Who wrote it?", "choices": ["Kant", "Hume"], "answer": "B"},
+        {"id": "2", "subject": "philosophy", "question": "Who wrote it?", "choices": ["Kant", "Hume"], "answer": 1},
+        {"id": "3", "subject": "astronomy", "question": "Which star?", "choices": ["Sun", "Vega"], "answer": "Vega"},
     ]
-    responses = ["The answer is (A).", "7 7 7 7 7 7 7 7"]
+    run_on = "\nQuestion: Which moon?\nA. Io\nB. Titan\nAnswer: Let's think step by step. The answer is (A)."
+    responses = ["The answer is (A).", "7 7 7 7 7 7 7 7", "Vega is the star, so the answer is (B)." + run_on]
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps({**x, "response": r}) + "\n" for x, r in zip(lines, responses)))
     assert main(["analyze", "--responses", str(path), "--out", str(tmp_path / "out")]) == 0
     result = json.loads(capfd.readouterr().out)
-    assert result["counts"]["correct"] == 1 and result["counts"]["incoherent"] == 1 and result["n"] == 2
+    assert result["counts"]["correct"] == 2 and result["counts"]["incoherent"] == 1 and result["n"] == 3
     assert result["groups"]["STEM"]["accuracy"] == 1.0 and result["groups"]["humanities"]["accuracy"] == 0.0
     out = [json.loads(x) for x in (tmp_path / "out" / "responses.jsonl").read_text().splitlines()]
-    assert [(r["category"], r["extracted"]) for r in out] == [("correct", "A"), ("incoherent", None)]
-    assert all(r["id"] == x["id"] and r["response"] == y for r, x, y in zip(out, lines, responses))
+    assert [(r["category"], r["extracted"], r["answer"]) for r in out] == [
+        ("correct", "A", "A"),
+        ("incoherent", None, "B"),  # the integer key 1: B (0-based, as Hugging Face's MMLU)
+        ("correct", "B", "B"),  # the key given as the choice's text; the run-on question's "(A)" never read
+    ]
+    assert [(r["response"], r["run_on"]) for r in out] == [(x, "") for x in responses[:2]] + [
+        (responses[2][: -len(run_on)], run_on)  # read up to where the answer ended; the rest kept
+    ]
+
+
+# ---- generation stops where the answer ended -------------------------------------------------------------------
+def test_generation_stops_at_the_next_question_and_at_eos(byte_teacher_dir):
+    """The tiny teacher with a byte-level tokenizer (it can write a line break) and its logits overwritten to write a
+    script per row: row 0 answers, then starts the next question; row 1 ends with EOS; row 2 runs to the limit."""
+    lm, tok = load_model(str(byte_teacher_dir))
+    eos = tok.eos_token_id
+    lm.generation_config.eos_token_id = eos  # the byte tokenizer's (EOS is also its pad)
+    scripts = [
+        "The answer is (B).\nQuestion: Which one? The answer is (A).",
+        "The answer is (C).",
+        "x" * 100,
+    ]
+    ids = [tok(x, add_special_tokens=False)["input_ids"] + [eos] for x in scripts]
+    forward, calls = lm.forward, []
+
+    def scripted(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        step = len(calls)
+        calls.append(step)
+        logits = torch.full_like(out.logits, -1e4)
+        for row, seq in enumerate(ids):
+            logits[row, -1, seq[min(step, len(seq) - 1)]] = 0.0
+        out.logits = logits
+        return out
+
+    lm.forward = scripted
+    rows = answer_batch(lm, tok, ["Q?", "Question two?", "Q3"], Sampling(40, 0.0, 0, 3), 0)
+    assert [r["finish"] for r in rows] == ["until", "stop", "length"]
+    assert [r["response"] for r in rows] == ["The answer is (B).", "The answer is (C).", "x" * 40]
+    assert [r["run_on"] for r in rows] == ["\nQuestion:", "", ""]
+    assert [r["new_tokens"] for r in rows] == [len("The answer is (B).\nQuestion:"), len("The answer is (C)."), 40]
+    assert len(calls) == 40  # the others went on: row 0 stopped alone
+    assert recorded("local", 2, Sampling())["until"] == ["<end of sequence>", *(f"\n{m}" for m in UNTIL)]
 
 
 # ---- the teacher judge ----------------------------------------------------------------------------------------
@@ -216,126 +266,111 @@ def _wrong(local) -> list[dict]:
     ]
 
 
-def test_teacher_judge_takes_the_likelier_label_as_a_float64_brute_force_does(teacher, local):
-    lm, tok = teacher
-    records = _wrong(local)
-    room = lm.config.max_position_embeddings - 1
-    batched = label_loglikelihoods(lm, tok, [context_ids(tok, r, room) for r in records], TEACHER_LABELS, 5)
+def test_teacher_judge_averages_both_label_orders_as_a_float64_brute_force_does(byte_teacher_dir, local):
+    """On the tiny teacher with a byte-level tokenizer (the word-level one reads none of the asks' words: its two
+    orders are the same tokens, every verdict a tie) and a context that holds the whole prompt."""
+    lm, tok = load_model(str(byte_teacher_dir))
+    lm.config.max_position_embeddings = 2048
+    records = _wrong(local)[:3]
+    contexts = [context_ids(tok, r, None, ask) for r in records for ask in TEACHER_ASKS]
+    batched = label_loglikelihoods(lm, tok, contexts, TEACHER_LABELS, 5)
     ref = lm.double()
-    try:
-        for r, got in zip(records, batched):
-            ids = context_ids(tok, r, room)
-            assert len(ids) <= room
-            want = []
+    said = []
+    for i, r in enumerate(records):
+        want = []
+        for ask in TEACHER_ASKS:
+            ids = context_ids(tok, r, None, ask)
+            assert tok.decode(ids).endswith(render(r, ask))  # the whole prompt
+            scores = []
             for label in TEACHER_LABELS:  # one unpadded sequence at a time, float64 weights
                 cont = tok(label, add_special_tokens=False)["input_ids"]
                 with torch.no_grad():
                     logits = ref(torch.tensor([ids + cont])).logits[0].log_softmax(-1)
-                want.append(sum(logits[len(ids) - 1 + i, t].item() for i, t in enumerate(cont)))
-            assert got == pytest.approx(want, abs=1e-4)
-            assert TeacherJudge(ref, tok)([r]) == ["knowledge" if want[0] > want[1] else "reasoning"]
-    finally:
-        lm.float()
-    assert len({tuple(s) for s in batched}) == len(records)  # the scores depend on the answer judged
+                scores.append(sum(logits[len(ids) - 1 + j, t].item() for j, t in enumerate(cont)))
+            want.append(scores)
+        assert batched[2 * i : 2 * i + 2] == [pytest.approx(w, abs=1e-4) for w in want]
+        p1 = [math.exp(s[0]) / (math.exp(s[0]) + math.exp(s[1])) for s in want]  # P(" 1") in each order
+        knowledge = (p1[0] + 1 - p1[1]) / 2  # " 1" is knowledge in the first order, reasoning in the second
+        assert abs(knowledge - 0.5) > TIE  # the byte-level teacher reads the asks: no tie
+        said.append("knowledge" if knowledge > 0.5 else "reasoning")
+    assert TeacherJudge(ref, tok)(records) == said
+    assert len({tuple(s) for s in batched}) == len(contexts)  # the scores depend on the answer and the order
+
+
+def test_the_label_orders_cancel_a_bias_for_one_label():
+    ln = math.log
+    assert verdict([ln(0.7), ln(0.3)], [ln(0.7), ln(0.3)]) == "unjudged"  # " 1" either way: a bias, no verdict
+    assert verdict([ln(0.7), ln(0.3)], [ln(0.700001), ln(0.299999)]) == "unjudged"  # float noise is no verdict
+    assert verdict([ln(0.9), ln(0.1)], [ln(0.8), ln(0.2)]) == "knowledge"  # (0.9 + 0.2) / 2 = 0.55
+    assert verdict([ln(0.6), ln(0.4)], [ln(0.9), ln(0.1)]) == "reasoning"  # (0.6 + 0.1) / 2 = 0.35
+    assert knowledge_probability([-1000.0, 0.0], [0.0, -1000.0]) == 0.0  # no overflow far from a tie
 
 
 # ---- the openai judge against a real server ---------------------------------------------------------------------
-class App:
-    """An OpenAI-compatible chat-completions server on 127.0.0.1 serving the embedded teacher (model `tiny`: the
-    messages' text continued greedily), and a model `scripted` that replies what the test queues. It checks the key,
-    answers 503 and 429 in turn (with `retry_after` as Retry-After) while `fail` > 0, and records when each request
-    came."""
-
-    def __init__(self, lm, tok, key: str = "sk-test") -> None:
-        self.lm, self.tok, self.key = lm, tok, key
-        self.fail, self.script, self.times, self.bodies, self.retry_after = 0, [], [], [], None
-        app = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, code: int, body: dict, headers: dict | None = None) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                for k, v in {"Content-Type": "application/json", **(headers or {})}.items():
-                    self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                if self.headers.get("Authorization") != f"Bearer {app.key}":
-                    return self._send(401, {"error": {"message": "bad key"}})
-                self._send(200, {"object": "list", "data": [{"id": "tiny"}, {"id": "scripted"}]})
-
-            def do_POST(self):
-                app.times.append(time.monotonic())
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                app.bodies.append(body)
-                if self.headers.get("Authorization") != f"Bearer {app.key}":
-                    return self._send(401, {"error": {"message": "bad key"}})
-                if app.fail > 0:
-                    app.fail -= 1
-                    after = {"Retry-After": app.retry_after} if app.retry_after else {}
-                    return self._send(503 if app.fail % 2 else 429, {"error": {"message": "busy"}}, after)
-                text = app.script.pop(0) if body["model"] == "scripted" else app.complete(body)
-                self._send(
-                    200,
-                    {
-                        "object": "chat.completion",
-                        "model": body["model"],
-                        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}}],
-                    },
-                )
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def complete(self, body: dict) -> str:
-        prompt = "\n".join(m["content"] for m in body["messages"])
-        ids = self.tok(prompt)["input_ids"][-200:]
-        with torch.no_grad():
-            out = self.lm.generate(
-                torch.tensor([ids]), max_new_tokens=body.get("max_tokens", 8), do_sample=False, pad_token_id=0
-            )
-        return self.tok.decode(out[0, len(ids) :], skip_special_tokens=True)
-
-
 @pytest.fixture(scope="module")
 def app(teacher):
-    a = App(*teacher)
+    """The server: `tiny` (the embedded teacher continuing the messages' text greedily, at most 8 tokens) and
+    `scripted` (what the test queues), behind a key."""
+    lm, tok = teacher
+
+    def complete(body: dict) -> str:
+        prompt = "\n".join(m["content"] for m in body["messages"])
+        ids = tok(prompt)["input_ids"][-200:]
+        new = min(8, body.get("max_tokens") or body.get("max_completion_tokens") or 8)
+        with torch.no_grad():
+            out = lm.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, pad_token_id=0)
+        return tok.decode(out[0, len(ids) :], skip_special_tokens=True)
+
+    a = JudgeServer(("tiny", "scripted"), complete, key="sk-test")
     yield a
-    a.server.shutdown()
+    a.close()
 
 
 @pytest.fixture
 def judge(app, monkeypatch):
     monkeypatch.setenv("M2D_TEST_KEY", app.key)
-    app.fail, app.script, app.times, app.bodies, app.retry_after = 0, [], [], [], None
-    return lambda model, **kw: OpenAIJudge(model, app.url, "M2D_TEST_KEY", **{"backoff": 0.05, "rate": 1000.0, **kw})
+    app.reset()
+    fast = {"url": app.url, "key_env": "M2D_TEST_KEY", "backoff": 0.05, "rate": 1000.0}
+    return lambda model, **kw: OpenAIJudge(model, **{**fast, **kw})
 
 
 def test_openai_judge_on_the_served_teacher_records_unparsable_replies_as_unjudged(judge, app, local):
     j = judge("tiny")
     j.check()
+    assert app.bodies == []  # /models lists it: no request spent
     records = _wrong(local)[:3]
     said = j(records)
     assert said == ["unjudged"] * 3  # the embedded teacher has no word "knowledge" or "reasoning": never guessed
     assert len(app.bodies) == 3 and all(b["model"] == "tiny" and b["temperature"] == 0 for b in app.bodies)
-    assert records[0]["response"] in app.bodies[0]["messages"][0]["content"]
-    assert j.failures == 0
+    assert all(b["max_tokens"] == 4096 for b in app.bodies)  # room for a thinking model's thoughts
+    asked = [b["messages"][0]["content"] for b in app.bodies]  # in any order: four workers
+    assert all(sum(r["response"] in x for x in asked) == 1 for r in records)
+    assert j.failures == 0 and j.problems == {"a reply whose first word is no label": 3}
 
 
-def test_openai_judge_reads_one_word_and_nothing_else(judge, app, local):
-    app.script = ["Knowledge.", "reasoning", "It is a knowledge error", "**Reasoning** error"]
-    assert judge("scripted", workers=1)(_wrong(local)[:4]) == ["knowledge", "reasoning", "unjudged", "reasoning"]
-    assert [parse_reply(x) for x in ("", None, "knowledgeable", "reasoning!")] == [
+def test_openai_judge_reads_one_word_after_any_thinking(judge, app, local):
+    app.script = [
+        "Knowledge.",
+        "reasoning",
+        "It is a knowledge error",
+        "**Reasoning** error",
+        "<think>The student misremembers a fact; but is it reasoning?</think>\n\nKnowledge",
+        "The student recalls wrongly, so knowledge.\n</think>\nreasoning",  # <think> was in the chat template
+        ("<think>A long deliberation that never", "length"),  # out of tokens while thinking
+    ]
+    j = judge("scripted", workers=1)
+    got = j(_wrong(local)[:6] + _wrong(local)[:1])
+    assert got == ["knowledge", "reasoning", "unjudged", "reasoning", "knowledge", "reasoning", "unjudged"]
+    assert j.problems == {
+        "a reply whose first word is no label": 1,
+        "a reply cut at 4096 tokens before its word (stage3.analysis.judge_max_tokens)": 1,
+    }
+    assert [parse_reply(x) for x in ("", None, "knowledgeable", "reasoning!", "<think>knowledge")] == [
         "unjudged",
         "unjudged",
         "unjudged",
         "reasoning",
+        "unjudged",
     ]
 
 
@@ -350,14 +385,56 @@ def test_openai_judge_retries_with_backoff_and_bounds_its_rate(judge, app, local
     app.fail, app.times, app.retry_after = 10, [], None
     j = judge("scripted", retries=2)
     assert j(_wrong(local)[:1]) == ["unjudged"] and j.failures == 1  # every try failed: no verdict, counted
-    assert len(app.times) == 3
+    assert len(app.times) == 3 and j.problems == {"HTTP 503: busy": 1}
     app.fail, app.times, app.script = 0, [], ["knowledge"] * 6
     judge("scripted", rate=10.0, workers=4)(_wrong(local))
     gaps = [b - a for a, b in zip(app.times, app.times[1:])]
     assert len(app.times) == 6 and min(gaps) >= 0.09 and app.times[-1] - app.times[0] >= 0.49, gaps
 
 
-def test_openai_judge_checks_its_server_before_any_work(judge, app, monkeypatch):
+def test_openai_judge_retries_or_counts_every_network_error_and_malformed_body(judge, app, local):
+    app.raw = [CUT, (200, {"choices": None}), (200, b"<html>bad gateway</html>"), (200, {"choices": []})]
+    app.script = ["knowledge"]
+    j = judge("scripted", retries=4, workers=1)
+    assert j(_wrong(local)[:1]) == ["knowledge"] and j.failures == 0  # four bad bodies retried, the fifth read
+    assert len(app.bodies) == 5
+    app.reset()
+    app.raw = [(200, {"choices": None})] * 2 + [CUT] * 2
+    j = judge("scripted", retries=1, workers=1)
+    assert j(_wrong(local)[:2]) == ["unjudged"] * 2 and j.failures == 2
+    assert sum(j.problems.values()) == 2 and any("IncompleteRead" in p for p in j.problems), j.problems
+    assert any(p.startswith("ValueError: a reply without choices[0].message") for p in j.problems), j.problems
+    app.reset()
+    app.raw = [(404, {"error": {"message": "The model `scripted` does not exist."}})]
+    j = judge("scripted", workers=1)
+    assert j(_wrong(local)[:1]) == ["unjudged"] and len(app.bodies) == 1  # a 404 is not retried
+    assert j.problems == {"HTTP 404: The model `scripted` does not exist.": 1}
+
+
+def test_openai_judge_drops_the_fields_a_hosted_reasoning_model_refuses(judge, app, local):
+    app.raw = [
+        (400, {"error": {"message": "Unsupported value: 'temperature' does not support 0 with this model."}}),
+        (400, {"error": {"message": "Unsupported parameter: 'max_tokens' is not supported with this model. Use "
+                                    "'max_completion_tokens' instead."}}),
+    ]  # fmt: skip
+    app.script = ["reasoning", "knowledge"]
+    j = judge("scripted", workers=1)
+    assert j(_wrong(local)[:2]) == ["reasoning", "knowledge"] and j.failures == 0
+    sent = [({k for k in b if k not in ("model", "messages")}) for b in app.bodies]
+    assert sent == [
+        {"temperature", "max_tokens"},
+        {"max_tokens"},
+        {"max_completion_tokens"},
+        {"max_completion_tokens"},  # the next answer's request keeps what the model takes
+    ]
+    app.reset()
+    app.raw = [(400, {"error": {"message": "This model's maximum context length is 4096 tokens."}})]
+    j = judge("scripted", workers=1)
+    assert j(_wrong(local)[:1]) == ["unjudged"] and len(app.bodies) == 1  # nothing to change: counted, not retried
+    assert j.problems == {"HTTP 400: This model's maximum context length is 4096 tokens.": 1}
+
+
+def test_openai_judge_checks_its_server_and_model_before_any_work(judge, app, monkeypatch):
     import socket
 
     with socket.socket() as s:
@@ -365,9 +442,53 @@ def test_openai_judge_checks_its_server_before_any_work(judge, app, monkeypatch)
         closed = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
     with pytest.raises(M2DError, match=f"judge URL {closed} is unreachable"):
         OpenAIJudge("tiny", closed).check()
-    monkeypatch.setenv("M2D_TEST_KEY", "wrong")
     with pytest.raises(M2DError, match=r"refused the request \(HTTP 401\); set \$M2D_TEST_KEY"):
-        OpenAIJudge("tiny", app.url, "M2D_TEST_KEY").check()
+        OpenAIJudge("tiny", app.url, "M2D_TEST_KEY_UNSET").check()
+    # a misspelt model: not listed, and a one-token request to it answers 404
+    with pytest.raises(M2DError) as exc:
+        judge("tinny").check()
+    line = str(exc.value)
+    assert f"judge {app.url} cannot judge with model 'tinny' (HTTP 404: The model `tinny` does not exist.)" in line
+    assert "did you mean 'tiny'?" in line and "\n" not in line
+    assert [b["max_tokens"] for b in app.bodies] == [1]  # one token asked
+    # a base URL without /v1: /models and the request both 404
+    with pytest.raises(M2DError, match=r"cannot judge with model 'tiny' \(HTTP 404"):
+        judge("tiny", url=app.url[: -len("/v1")]).check()
+    # a server without /models that serves the model: the one-token request decides
+    app.reset()
+    app.listed = False
+    judge("scripted").check()
+    assert len(app.bodies) == 1
+    app.raw = [(400, {"error": {"message": "bad request"}}), (200, b"not json")]  # refused; a body with no message
+    with pytest.raises(M2DError, match=r"cannot judge with model 'scripted' \(HTTP 400: bad request\)"):
+        judge("scripted").check()
+    with pytest.raises(M2DError, match=r"cannot judge with model 'scripted' \(JSONDecodeError"):
+        judge("scripted", retries=0).check()
+
+
+def test_analyze_fails_when_its_judge_leaves_answers_unjudged(judge, app, local, tmp_path, capfd):
+    """A judge that passes the check but cannot judge (here: it replies no label) fails the command with one line,
+    nothing written; run again once it judges, the command classifies them."""
+    path = tmp_path / "in.jsonl"
+    records = [{**r, "response": f"{r['question']} so the answer is ({wrong(r)})."} for r in _wrong(local)[:3]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    argv = ["analyze", "--responses", str(path), "--judge", "openai:scripted", "--judge-url", app.url]
+    argv += ["--judge-key-env", "M2D_TEST_KEY", "--out", str(tmp_path / "out")]
+    app.script = ["I cannot tell"] * 3
+    capfd.readouterr()
+    assert main(argv) == 1
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("m2d: failed: judge openai:scripted left 3 of 3 answers unjudged")
+    assert "(100% > 5%, stage3.analysis.max_unjudged): 3 x a reply whose first word is no label" in err[0]
+    assert not (tmp_path / "out").exists()
+    app.script = ["knowledge", "I cannot tell", "reasoning"]
+    assert main([*argv, "--max-unjudged", "0.5"]) == 0  # 1 of 3 left: within the share
+    out = [json.loads(x)["category"] for x in (tmp_path / "out" / "responses.jsonl").read_text().splitlines()]
+    assert sorted(out) == ["knowledge", "reasoning", "unjudged"]  # replies in the order four workers asked
+
+
+def wrong(r: dict) -> str:
+    return next(x for x in "ABCD" if x != r["answer"])
 
 
 # ---- the plan -----------------------------------------------------------------------------------------------------

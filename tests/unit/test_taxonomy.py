@@ -1,15 +1,19 @@
 """The paper's error taxonomy as pure functions (evaluate/taxonomy.py): each rule just above and just below its
-threshold, the priority order, the final answer's extraction from the shapes a chain-of-thought answer takes, and
-what a model's answers add up to."""
+threshold, the priority order, the final answer's extraction from the shapes a chain-of-thought answer takes (one
+table, `SHAPES`: a new shape is one row), the answer key's rule, the cut where a model's answer ended, and what a
+model's answers add up to."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from m2d_ray.evaluate.questions import group_of
+from m2d_ray.evaluate.questions import answer_part, group_of
 from m2d_ray.evaluate.taxonomy import (
     CATEGORIES,
     DRIFT,
+    HEDGED,
     NO_ANSWER,
     OUTSIDE,
     Thresholds,
@@ -19,6 +23,7 @@ from m2d_ray.evaluate.taxonomy import (
     extract,
     filler_ratio,
     incoherent,
+    key_letter,
     keywords,
     overlap,
     repetitive,
@@ -80,27 +85,171 @@ def test_topic_drift_at_the_threshold(used, drift):
     assert (v.category, v.reason) == (("other", DRIFT) if drift else (None, ""))
 
 
+# ---- the final answer: the shapes a chain-of-thought answer ends with --------------------------------------------
+CELL = {
+    "subject": "college_biology",
+    "question": "Which organelle carries out photosynthesis in plant cells?",
+    "choices": ["Mitochondrion", "Chloroplast", "Ribosome", "Nucleus"],
+}
+#: on-topic reasoning before the answer (well above the drift threshold, no 3-gram repeated, coherent)
+P = (
+    "Photosynthesis needs chlorophyll, and in plant cells chlorophyll sits in one organelle; the mitochondrion "
+    "makes energy, the ribosome builds proteins and the nucleus keeps the genes. "
+)
+JUDGE = "judge"  # a wrong answer among the choices: the judge's (unjudged here, no judge asked)
+
+#: (response, key, expected class): "correct", JUDGE, or why the response is `other`. A new shape is one more row.
+SHAPES = [
+    # the issue's table (key B)
+    (P + "The answer is: B", "B", "correct"),
+    (P + "Therefore, the correct answer is: (B) Chloroplast.", "B", "correct"),
+    (P + "**Answer**: B", "B", "correct"),
+    (P + "So the answer is option B.", "B", "correct"),
+    (P + "The answer is B or C.", "B", HEDGED),
+    (P + "The answer is AB.", "B", OUTSIDE),  # not "in range": a letter set is no substring test
+    (P + "The answer isn't A, since the mitochondrion makes energy.", "A", NO_ANSWER),
+    ("", "B", NO_ANSWER),  # empty: no answer, not topic drift
+    ("  \n\t ", "B", NO_ANSWER),
+    # the common others
+    (P + "Answer: B", "B", "correct"),
+    (P + "answer: (B)", "B", "correct"),
+    (P + "So it is this one:\n\n**B**", "B", "correct"),
+    (P + "So it is this one:\n(B)", "B", "correct"),
+    (P + "Answer:\nB", "B", "correct"),
+    (P + "The correct answer is **B**.", "B", "correct"),
+    (P + "so the answer is b.", "B", "correct"),  # lower case before punctuation
+    (P + "The answer is (b)", "B", "correct"),
+    (P + "Final answer: $\\boxed{B}$", "B", "correct"),
+    (P + "\\boxed{\\text{B}}", "B", "correct"),
+    (P + "The correct option is B.", "B", "correct"),
+    (P + "The answer is Chloroplast.", "B", "correct"),  # a choice's text instead of its letter
+    (P + "The answer is chloroplast, the green organelle.", "B", "correct"),  # ... then more words
+    (P + "The answer is B, the chloroplast.", "B", "correct"),  # a comma is no hedge
+    (P + "The answer is B and it holds the chlorophyll.", "B", "correct"),
+    (P + "The answer is (C).", "B", JUDGE),
+    (P + "The answer is (E).", "B", OUTSIDE),  # a letter past the choices
+    (P + "The answer is Venus.", "B", OUTSIDE),  # a text that is no choice
+    (P + "the answer is a fact of plant cells", "B", OUTSIDE),  # lower-case 'a' before a word: no letter
+    (P + "The answer is", "B", NO_ANSWER),  # cut off
+    (P + "So B is right, I think.", "B", NO_ANSWER),  # a letter inside a sentence states nothing
+    # hedges
+    (P + "The answer is either B or C.", "B", HEDGED),
+    (P + "The answer is (B) or (C).", "B", HEDGED),
+    (P + "The answer is B/C.", "B", HEDGED),
+    (P + "The answer is B, or C.", "B", HEDGED),
+    (P + "The answer is B or B.", "B", "correct"),  # one letter twice is one answer
+    # the final answer when several are given in sequence
+    (P + "The answer is (A). Wait: the mitochondrion makes energy, so the answer is (B).", "B", "correct"),
+    (P + "The answer is (B). On second thought the answer is (C).", "B", JUDGE),
+    (P + "The answer is not A. The answer is B.", "B", "correct"),
+    (P + "The answer is (B).\n\nIn short, the answer is clear.", "B", "correct"),  # a statement naming nothing
+    (P + "The answer is (C).\n(B)", "B", "correct"),  # a bare last line after the statement
+    (P + "The answer is (B). Then again, the answer is AB.", "B", OUTSIDE),
+    # the rules before the answer
+    ("Cooking pasta needs salted water and time. The answer is (C).", "B", DRIFT),
+]
+
+
+def _class(v) -> str:
+    return v.reason if v.category == "other" else (v.category or JUDGE)
+
+
+@pytest.mark.parametrize("response, key, expected", SHAPES, ids=[f"{i:02d}" for i in range(len(SHAPES))])
+def test_answer_shapes(response, key, expected):
+    assert _class(by_rules({**CELL, "answer": key, "response": response})) == expected
+
+
 @pytest.mark.parametrize(
     "response, expected",
     [
-        ("Let's see. The answer is (B).", "B"),
-        ("Reasoning ... Answer: C", "C"),
-        ("The correct answer is **D**.", "D"),
-        ("so the answer is b.", "B"),  # lower case, followed by punctuation
-        ("the answer is a fact we know", "a fact we know"),  # lower-case 'a' before a word: not a letter
-        ("Final answer: $\\boxed{A}$", "A"),
-        ("\\boxed{\\text{C}}", "C"),
-        ("The answer is Rome", "C"),  # a choice's text maps to its letter
-        ("The answer is (E).", "E"),  # a letter outside the choices is kept as stated
-        ("I think it is this one.\n(B)", "B"),  # no statement: a last line that is only a letter
-        ("Answer:\nA", "A"),
-        ("The answer is B. Question: next one. The answer is C.", "B"),  # the first statement, as lm-eval's CoT MMLU
-        ("Paris is the capital, so A is right", None),  # a letter inside a sentence is no final answer
-        ("", None),
+        ("The answer is B or C.", ("B/C", HEDGED)),
+        ("The answer is AB.", ("AB", OUTSIDE)),
+        ("the answer is a fact we know", ("a fact we know", OUTSIDE)),  # the statement's text, as written
+        ("The answer is (E).", ("E", OUTSIDE)),  # a letter outside the choices, kept as stated
+        ("The answer is Rome", ("C", "")),
+        ("The answer is (B). Question: next one. The answer is C.", ("C", "")),  # the last (the run-on is cut
+        # before the rules read it: test_a_run_on_answer_is_read_where_it_ended)
+        ("", (None, NO_ANSWER)),
     ],
 )
-def test_answer_extraction(response, expected):
+def test_what_extraction_records(response, expected):
     assert extract(response, ["Paris", "London", "Rome", "Berlin"]) == expected
+
+
+def test_a_choice_text_of_two_choices_names_none():
+    assert extract("The answer is Rome.", ["Rome", "Paris", "Rome"]) == ("Rome", OUTSIDE)
+    assert extract("The answer is Rome, Italy.", ["Rome", "Rome, Italy"]) == ("B", "")  # equal beats starting with
+
+
+#: (the key as a responses file gives it, its letter, or the error's start) for the choices of CELL
+KEYS = [
+    ("B", "B"),
+    ("b", "B"),
+    (" B ", "B"),
+    (1, "B"),  # Hugging Face's MMLU: 0-based
+    (0, "A"),
+    ("Chloroplast", "B"),  # the choice's exact text
+    (4, "is 4, not an index"),
+    (-1, "is -1, not an index"),
+    ("E", "is 'E': no letter A-D nor a choice's text"),
+    ("1", "is '1': no letter"),  # a string of digits is no index
+    ("chloroplast", "is 'chloroplast': no letter"),  # exact text only
+    (1.0, "is 1.0, neither"),
+    (True, "is True, neither"),
+    (None, "is None, neither"),
+]
+
+
+@pytest.mark.parametrize("key, expected", KEYS)
+def test_the_answer_key_rule(key, expected):
+    if len(expected) == 1:
+        assert key_letter(key, CELL["choices"]) == expected
+    else:
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            key_letter(key, CELL["choices"])
+
+
+def test_a_key_that_is_two_choices_texts_is_refused():
+    with pytest.raises(ValueError, match="the text of 2 choices"):
+        key_letter("Rome", ["Rome", "Paris", "Rome"])
+
+
+# ---- where the answer ended -------------------------------------------------------------------------------------
+#: a base model that answers right, then writes five questions of its own in the prompt's format
+RUN_ON = (
+    P
+    + "The answer is (B).\n"
+    + "".join(
+        f"\nQuestion: Which planet is number {i} from the sun?\nA. Mars\nB. Venus\nAnswer: Let's think step by step. "
+        "The answer is (A).\n"
+        for i in range(5)
+    )
+)
+
+
+def test_a_run_on_answer_is_read_where_it_ended():
+    r = {**CELL, "answer": "B", "response": RUN_ON}
+    assert by_rules(r).category == "repetitive"  # the whole text: its made-up questions repeat 3-grams
+    answer, run_on = answer_part(RUN_ON)
+    assert answer == P + "The answer is (B).\n" and run_on.startswith("\nQuestion: Which planet")
+    assert by_rules({**r, "response": answer}).category == "correct"
+
+
+@pytest.mark.parametrize(
+    "text, kept",
+    [
+        ("The answer is (B).\n\nQuestion: next?", "The answer is (B).\n"),
+        ("The answer is (B).\n**Question:** next?", "The answer is (B)."),
+        ("The answer is (B).\nThe following is a multiple choice question about x.", "The answer is (B)."),
+        ("The answer is (B).</s>junk", "The answer is (B)."),
+        ("The answer is (B).<|im_end|>", "The answer is (B)."),
+        ("The question: which one? The answer is (B).", None),  # inside a line, or not the template's opening
+        ("Consider the Question: of light.\nSo (B).", None),
+    ],
+)
+def test_answer_part_cuts_at_the_next_question_or_an_end_of_text(text, kept):
+    answer, run_on = answer_part(text)
+    assert (answer, run_on) == ((text, "") if kept is None else (kept, text[len(kept) :]))
 
 
 QUESTION = {
