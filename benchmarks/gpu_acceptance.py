@@ -1,47 +1,48 @@
 """GPU acceptance call (driven by benchmarks/gpu_acceptance.sh): what stage 2 runs now, planned against a device budget.
 
-    part    what runs                                                                  figures
-    P7      p7_distill_throughput.py --preset h100 --targets online,hidden,sampled:64:     per mode: platform and
-    DeepSpeed tok/s,
-            DistillStep (plain torch, DeepSpeed ZeRO-2) against a plain PyTorch loop     the ratio to the loop, MFU;
-            on a 2.52B Qwen3-MoE teacher -> 0.40B student, bf16                           WORK/efficiency.json
-    run     m2d run experiments/tiny.yaml on the GPU (short budgets): calibration and     stage walls against the bill,
-            stage-1 trials on fractions of it, the bf16 hidden-states targets pass        students ok / failed
-            (Ray Data), students on DeepSpeed ZeRO-2 in bf16 (two GPUs each when there
-            are two: NCCL), lm-eval, the report
-    tokens  p9_corpus_tokens.py: the Ray Data token pass (4 actors) against one loop,     tokens/s, ratio, identical
-    shards
-            on a generated Parquet corpus
-    memory  plan_measured.py --device cuda: the memory plan against                     the largest deviation (bound
-    25%)
+    part    what runs                                                    figures
+    P7      p7_distill_throughput.py --preset h100, online, hidden,      per mode: platform, DeepSpeed and plain-loop
+            sampled:64: DistillStep (plain torch, DeepSpeed ZeRO-2, and   tok/s at equal numerics (bf16-mixed), both
+            each exact-KL kernel: chunked, compiled, liger) against a     ratios, MFU, each kernel's tok/s, step peak
+            plain PyTorch loop, 2.52B Qwen3-MoE teacher -> 0.40B student  and trajectory gap; the efficiency per mode
+                                                                          and the fastest kernel at the same loss
+    run     m2d run experiments/tiny.yaml on the GPU (short budgets):     stage walls against the bill (the GPU start-
+            calibration and stage-1 trials on fractions of it, the bf16   ups are fit on them: plan/fit.py), students
+            hidden-states targets pass (Ray Data), students in bf16-mixed ok / failed
+            (two GPUs each over NCCL with DeepSpeed when there are two),
+            lm-eval, the analysis, the report
+    tokens  p9_corpus_tokens.py: the Ray Data token pass (4 actors)        tokens/s, ratio, identical shards
+            against one loop, on a generated Parquet corpus
+    memory  plan_measured.py --device cuda: the memory plan against       the largest deviation (bound 25%)
             torch.cuda.max_memory_allocated (when the budget allows)
-    P5      calibration at Qwen3-30B-A3B's layer shapes (make_teacher.py; calibrate()     stats TFLOP/s vs the bf16
-    matmul
-            whole and layer-streamed) against a bf16 8192^3 matmul (when the budget allows)  (target >= 60%), streamed =
-            whole
+    P5      calibration at Qwen3-30B-A3B's layer shapes (make_teacher.py;  stats TFLOP/s vs the bf16 matmul (target >=
+            calibrate() whole and layer-streamed) against a bf16 8192^3    60%), streamed = whole
+            matmul (when the budget allows)
 
-Planning. Each part has variants, largest first, with a prior estimate of its seconds on one H100 (guesses until a
-GPU has run this call: the table prints them beside the measured seconds, so that the next session corrects them).
-Before each part, the parts still to run are planned against what is left of --budget-s: all at their largest, then,
-lowest priority first (the table's order is the priority), a part is shrunk to its next variant, or dropped when it
-has none, until the estimates fit; the plan is printed, each shrink and drop with what it needed. A part runs with a
-timeout that leaves the smallest variants of the required parts after it their time; one that overruns is killed
-(its whole process group, Ray's processes included) and recorded as timed out, and the call goes on.
+Planning. Each part has variants, largest first, with an estimate of its seconds: what the last call measured of that
+variant (m2d_ray/measured_gpu.json, "parts_s"), else a guess (the table prints both beside the measured seconds).
+Before each part, the parts still to run are planned against what is left of --budget-s: coverage first (every
+required part at its smallest), then size, in the table's order (its priority); a part left out is skipped with what
+it needed. A part runs with a timeout that leaves the smallest variants of the required parts after it their time;
+one that overruns is killed (its whole process group, Ray's processes included) and recorded as timed out, and the
+call goes on.
 
-Output: one table at the end (also WORK/table.md), every figure in WORK/results.json, WORK/efficiency.json (the
-efficiency the platform's step reached: what `plan.efficiency` should default to), logs in WORK/logs. Exit status 1
-when a part failed or timed out.
+Output: one table at the end (also WORK/table.md), every figure in WORK/results.json, logs in WORK/logs, and on a GPU
+WORK/measured_gpu.json: m2d_ray/measured_gpu.json as this call measured it (plan.efficiency per targets mode, the
+fastest exact kernel per mode for distill.kl_kernel=auto, the run's walls and the start-ups fit on them, each part's
+seconds; what no part measured carried over). Copying it over the packaged one sets the defaults; no figure is copied
+by hand. Exit status 1 when a part failed or timed out.
 
     bash benchmarks/gpu_acceptance.sh [--budget-s 540] [--work /tmp/m2d-gpu-acceptance] [--parts P7,run,tokens]
     python benchmarks/gpu_acceptance.py --cpu-smoke [--parts P7,run,tokens]   # the same plumbing on the CPU, tiny
-    shapes:
-                                                                               # no figure of it means anything
+                                                                               # shapes: no figure of it means anything
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -181,23 +182,16 @@ def json_lines(text: str) -> list[dict]:
     return out
 
 
-# ---- P7: the step per targets mode, and the efficiency the bill should use -----------------------------------------
+# ---- P7: the step per targets mode, its kernels, and the efficiency the bill should use ------------------------------
 def run_p7(ctx: Ctx, v: Variant) -> dict:
     a = v.args
-    cmd = [
-        PY,
-        HERE / "p7_distill_throughput.py",
-        "--preset",
-        a["preset"],
-        "--targets",
-        a["targets"],
-        "--paths",
-        a["paths"],
-    ]
-    cmd += [x for k in ("steps", "warmup", "threads") if k in a for x in (f"--{k}", a[k])]
+    cmd = [PY, HERE / "p7_distill_throughput.py", "--preset", a["preset"], "--targets", a["targets"]]
+    cmd += [x for k in ("paths", "kernels", "steps", "warmup", "threads") if k in a for x in (f"--{k}", a[k])]
     try:
         rc, out = ctx.sh(cmd, "p7", check=False)
-        failed = f"exit {rc}: the first-step losses of a mode differ, or it failed; see logs/p7.log" if rc else None
+        failed = (
+            f"exit {rc}: a path's loss trajectory left its tolerance, or it failed; see logs/p7.log" if rc else None
+        )
     except TimedOut as exc:  # the modes that finished printed their lines
         out, failed = (ctx.logs / "p7.out").read_text(), str(exc)
     lines = json_lines(out)
@@ -207,14 +201,14 @@ def run_p7(ctx: Ctx, v: Variant) -> dict:
     rows = [(f"P7 {m}", p7_figures(r)) for m, r in modes.items()]
     eff = efficiency(modes, device, ctx) if modes else None
     if eff:
-        where = ctx.work / "efficiency.json"
-        fig = f"{eff['key']} = {eff['efficiency']:.3f} ({eff['from']}, the lowest mode; {eff['peak']}) -> {where}"
-        rows.append(("efficiency", fig))
+        per = ", ".join(f"{m} {x['efficiency']:.3f}" for m, x in eff["modes"].items())
+        rows.append(("efficiency", f"{eff['key']}: {per} ({eff['peak']})"))
     return {
         "rows": rows or [("P7", "no mode finished")],
         "failed": failed,
         "p7": final or {"targets": modes},
         "efficiency": eff,
+        "kl_kernel": {m: r["kl_kernel"] for m, r in modes.items() if m in ("online", "hidden")},
     }
 
 
@@ -228,42 +222,49 @@ def p7_figures(r: dict) -> str:
     def tps(k):
         return f"{r[k]:,.0f}" if r.get(k) else "-"
 
-    mfu = (
-        f"MFU {r['mfu']:.1%} (plain loop {r['reference_mfu']:.1%})"
-        if r.get("mfu") and r.get("reference_mfu")
-        else "MFU -"
+    def pct(x):
+        return f"{x:.1%}" if x else "-"
+
+    def ratio(x):
+        return f"{x:.2f}x" if x else "-"
+
+    kernels = "; ".join(
+        f"{n.partition(':')[2]} {t:,.0f} tok/s (gap {r['gap'][n]:.1e}"
+        + (f", step peak {r['peak_step_bytes'][n] / 2**30:.1f} GiB" if r.get("peak_step_bytes") else "")
+        + ")"
+        for n, t in r.get("tokens_per_s", {}).items()
+        if n.startswith("platform:")
     )
-    ratio = f"{r['ratio']:.2f}x" if r.get("ratio") else "-"
-    agree = "" if r.get("losses_agree", True) else "; FIRST-STEP LOSSES DIFFER"
+    agree = "" if r.get("losses_agree", True) else "; LOSS TRAJECTORIES DIFFER"
     return (
         f"tok/s platform {tps('platform_tokens_per_s')}, DeepSpeed {tps('platform_deepspeed_tokens_per_s')}, "
-        f"plain loop {tps('reference_tokens_per_s')}: ratio {ratio}; {mfu}{agree}"
+        f"plain loop {tps('reference_tokens_per_s')}: ratio {ratio(r.get('ratio'))}, DeepSpeed "
+        f"{ratio(r.get('deepspeed_ratio'))}; MFU {pct(r.get('mfu'))} (loop {pct(r.get('reference_mfu'))}); kernels: "
+        f"{kernels or 'chunked only'} -> auto: {r.get('kl_kernel', 'chunked')}{agree}"
     )
 
 
 def efficiency(modes: dict, device: str | None, ctx: Ctx) -> dict | None:
-    """The fraction of the peak the platform's step reached per mode, at the bill's FLOPs per token: on a GPU against
-    its data-sheet bf16 peak (accelerators.GPU_PEAK_BF16), the figure `plan.efficiency` is; on the CPU against the
-    measured matmul rate (P7's MFU), the figure `plan.cpu_efficiency` is. The lowest mode's is the one to set (one
-    number prices every targets mode: the lowest keeps the bill an upper bound). Written to WORK/efficiency.json."""
+    """The fraction of the peak the platform's step reached per mode (with the kernel distill.kl_kernel=auto would
+    pick), at the bill's FLOPs per token: on a GPU against its data-sheet bf16 peak (accelerators.GPU_PEAK_BF16), the
+    figures `plan.efficiency` holds per mode; on the CPU against the measured matmul rate (P7's MFU), what
+    `plan.cpu_efficiency` is (plumbing only in the smoke)."""
     from m2d_ray.accelerators import GPU_PEAK_BF16
 
-    per = {}
-    for m, r in modes.items():
-        tps = max(
-            filter(None, (r.get("platform_tokens_per_s"), r.get("platform_deepspeed_tokens_per_s"))), default=None
-        )
-        if tps:
-            per[m] = {
-                "tokens_per_s": tps,
-                "flops_per_token": r["flops_per_token"],
-                "mfu_vs_measured_matmul": r.get("mfu"),
-                "ratio_to_plain_loop": r.get("ratio"),
-            }
+    per = {
+        m: {
+            "tokens_per_s": r["auto_tokens_per_s"],
+            "flops_per_token": r["flops_per_token"],
+            "mfu_vs_measured_matmul": r.get("mfu"),
+            "ratio_to_plain_loop": r.get("ratio"),
+        }
+        for m, r in modes.items()
+        if r.get("auto_tokens_per_s")
+    }
     if not per:
         return None
     if ctx.cuda:
-        name = next((k for k in sorted(GPU_PEAK_BF16, key=len, reverse=True) if device and k in device), None)
+        name = accelerator_of(device)
         if name is None:
             print(f"plan.efficiency: not measured ({device} has no data-sheet peak in accelerators.GPU_PEAK_BF16)")
             return None
@@ -273,32 +274,86 @@ def efficiency(modes: dict, device: str | None, ctx: Ctx) -> dict | None:
     else:
         if any(x["mfu_vs_measured_matmul"] is None for x in per.values()):
             return None
-        peak, key, what = (
-            None,
-            "plan.cpu_efficiency",
-            "the measured fp32 matmul rate" + (" (CPU smoke, tiny shapes: plumbing only)" if ctx.smoke else ""),
-        )
+        peak, key, what = None, "plan.cpu_efficiency", "the measured fp32 matmul rate (CPU smoke: plumbing only)"
         for x in per.values():
             x["efficiency"] = x["mfu_vs_measured_matmul"]
-    low = min(per, key=lambda m: per[m]["efficiency"])
-    out = {
-        "device": device,
-        "key": key,
-        "efficiency": per[low]["efficiency"],
-        "from": low,
-        "peak_flops": peak,
-        "peak": what,
-        "modes": per,
-    }
-    (ctx.work / "efficiency.json").write_text(json.dumps(out, indent=1))
-    return out
+    return {"device": device, "key": key, "peak_flops": peak, "peak": what, "modes": per}
+
+
+def accelerator_of(device: str | None) -> str | None:
+    """The accelerator type (accelerators.GPU_PEAK_BF16's key) a torch device name names, e.g. NVIDIA H200 -> H200."""
+    from m2d_ray.accelerators import GPU_PEAK_BF16
+
+    return next((k for k in sorted(GPU_PEAK_BF16, key=len, reverse=True) if device and k in device), None)
+
+
+# ---- what this call measured, in the form the code reads (m2d_ray/measured_gpu.json) --------------------------------
+def run_walls(m, starts: dict[str, float] | None = None) -> dict[str, float]:
+    """{stage: seconds} of the bill of the whole tiny run `m` (a GpuMeasured) ran, planned on the node it ran on (its
+    CPUs, its GPUs of its type, one node), with `starts` as plan.gpu_start_s (default: the config's)."""
+    from m2d_ray.config import load_config
+    from m2d_ray.pipeline import plan_run
+    from m2d_ray.plan.devices import RESOURCE, NodeType
+    from m2d_ray.plan.run_plan import Devices
+
+    r = m.run
+    cfg = load_config(REPO / "experiments" / "tiny.yaml", [f"ray.num_cpus={r['cpus']}", *r["overrides"]])
+    if starts is not None:
+        cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, gpu_start_s=starts))
+    gpu = {"GPU": float(r["gpus"]), RESOURCE + accelerator_of(m.device): 1.0}
+    node = NodeType("this machine", {"CPU": float(r["cpus"]), **gpu}, max_workers=1)
+    cost = plan_run(cfg, Devices(nodes=(node,))).cost
+    return {s.name: s.seconds for s in cost.stages}
+
+
+def fitted_starts(m) -> dict[str, float]:
+    """plan.gpu_start_s fit on the run's measured walls (plan/fit.py)."""
+    from m2d_ray.measured import gpu
+    from m2d_ray.plan.fit import fit_starts
+
+    return fit_starts(lambda starts: run_walls(m, starts), m.run["walls_s"], list(gpu().start_s))
+
+
+def measured_file(results: dict, device: str | None, when: str) -> dict:
+    """m2d_ray/measured_gpu.json as this call measured it: what a part measured replaces the current file's figure,
+    what no part measured (a skipped part, the forward efficiency) is carried over from it."""
+    from m2d_ray.measured import GpuMeasured, gpu
+
+    old, parts = gpu(), results["parts"]
+    p7, run = parts.get("P7", {}), parts.get("run", {})
+    eff = {m: x["efficiency"] for m, x in ((p7.get("efficiency") or {}).get("modes") or {}).items()}
+    if "sampled" not in eff:  # the sampled:N mode's key is its kind
+        eff.update({m.partition(":")[0]: x for m, x in eff.items()})
+    new = GpuMeasured(
+        source=f"benchmarks/gpu_acceptance.py on {device}, {when} ({results['env']})",
+        device=device or old.device,
+        efficiency={**old.efficiency, **{k: v for k, v in eff.items() if k in old.efficiency}},
+        kl_kernel={**old.kl_kernel, **(p7.get("kl_kernel") or {})},
+        start_s=dict(old.start_s),
+        run=dict(old.run),
+        parts_s={
+            **old.parts_s,
+            **{n: {k: x[k] for k in ("variant", "index", "seconds")} for n, x in parts.items() if "variant" in x},
+        },
+    )
+    if run.get("walls") and run.get("status") == "ok":
+        walls = {k: round(v, 1) for k, v in run["walls"].items()}
+        new = dataclasses.replace(new, run={**run["machine"], "overrides": run["overrides"], "walls_s": walls})
+        new = dataclasses.replace(new, start_s={**old.start_s, **fitted_starts(new)})
+    return dataclasses.asdict(new)
 
 
 # ---- run: m2d run of the demo config on the device -----------------------------------------------------------------
 def run_whole(ctx: Ctx, v: Variant) -> dict:
+    """The whole tiny run on this machine (all its CPUs): its stage walls against its bill, and the walls, overrides
+    and machine the measured file records (the GPU start-ups are fit on them)."""
+    import torch
+
     out_dir = ctx.work / "run"
     shutil.rmtree(out_dir, ignore_errors=True)
-    _, out = ctx.sh(M2D + ["run", REPO / "experiments" / "tiny.yaml", "--out", out_dir, *v.args["overrides"]], "run")
+    machine = {"cpus": os.cpu_count(), "gpus": torch.cuda.device_count() if ctx.cuda else 0}
+    args = [f"ray.num_cpus={machine['cpus']}", *v.args["overrides"]]
+    _, out = ctx.sh(M2D + ["run", REPO / "experiments" / "tiny.yaml", "--out", out_dir, *args], "run")
     res = json_lines(out)[-1]
     walls = res.get("stages", {})
     bill = json.loads((out_dir / "memory_plan.json").read_text()).get("cost", {})
@@ -314,7 +369,15 @@ def run_whole(ctx: Ctx, v: Variant) -> dict:
         if not res.get("outcome", {}).get("students", {}).get("failed")
         else "a student failed (see the run's logs)"
     )
-    return {"rows": [("run", fig)], "failed": failed, "result": res, "bill": bill}
+    return {
+        "rows": [("run", fig)],
+        "failed": failed,
+        "result": res,
+        "bill": bill,
+        "walls": walls,
+        "overrides": v.args["overrides"],
+        "machine": machine,
+    }
 
 
 # ---- tokens: the Ray Data token pass against one loop --------------------------------------------------------------
@@ -537,23 +600,31 @@ P7_SMOKE = {"preset": "smoke", "targets": "online,hidden,sampled:8", "paths": "p
 
 def gpu_overrides(gpus: int) -> list[str]:
     """The demo on one GPU: stage-1 trials on eighths of it, the calibration and targets actors on quarters, each
-    student a Train worker on a quarter with DeepSpeed ZeRO-2 in bf16, lm-eval on quarters; with two GPUs or more,
-    each student on two workers of a whole GPU (NCCL between GPUs: below half a GPU two ranks would share one)."""
+    student a Train worker on a quarter (plain torch in bf16-mixed: distill.deepspeed=auto at one rank), lm-eval on
+    quarters; with two GPUs or more, each student on two workers of a whole GPU (DeepSpeed ZeRO-2 over NCCL between
+    GPUs: below half a GPU two ranks would share one)."""
     students = ["distill.workers=2", "distill.gpus_per_worker=1"] if gpus >= 2 else ["distill.gpus_per_worker=0.25"]
     return [
-        f"ray.num_cpus={os.cpu_count()}",
         "ray.gpus_per_trial=0.125",
         "ray.max_concurrent_trials=8",
         "ray.data_gpus_per_actor=0.25",
         *students,
-        "distill.deepspeed=true",
         "stage3.gpus_per_task=0.25",
     ]
 
 
+def prior(part: str, variant: int, guess: float) -> float:
+    """A variant's estimated seconds: what the last call measured of it (m2d_ray/measured_gpu.json, "parts_s", when it
+    ran this variant, matched by its index in the part's list), else `guess`."""
+    from m2d_ray.measured import gpu
+
+    seen = gpu().parts_s.get(part)
+    return float(seen["seconds"]) if seen and seen.get("index") == variant else guess
+
+
 def parts(cuda: bool, gpus: int) -> list[Part]:
-    """The call's parts in priority order, with their variants (largest first) and estimated seconds: on one H100
-    (priors, to be corrected from a measured table), or for the CPU smoke on 2 cores."""
+    """The call's parts in priority order, with their variants (largest first) and estimated seconds: on a GPU what the
+    last call measured of a variant (`prior`), else a guess; or for the CPU smoke on 2 cores."""
     if not cuda:
         return [
             Part(
@@ -586,31 +657,32 @@ def parts(cuda: bool, gpus: int) -> list[Part]:
         ]
     modes = "online,hidden,sampled:64"
     run = gpu_overrides(gpus) + RUN_SHORT
+    paths = "platform,platform_deepspeed,reference"
     return [
         Part(
             "P7",
             True,
             (
                 Variant(
-                    f"h100 preset, {modes}, 3 paths, 3 + 10 steps",
-                    150,
-                    {"preset": "h100", "targets": modes, "paths": "platform,platform_deepspeed,reference"},
+                    f"h100 preset, {modes}, 3 paths + kernels, 3 + 10 steps",
+                    prior("P7", 0, 240),
+                    {"preset": "h100", "targets": modes, "paths": paths},
                 ),
                 Variant(
-                    f"h100 preset, {modes}, 3 paths, 2 + 5 steps",
-                    110,
+                    f"h100 preset, {modes}, 3 paths + kernels, 2 + 5 steps",
+                    prior("P7", 1, 190),
+                    {"preset": "h100", "targets": modes, "warmup": 2, "steps": 5, "paths": paths},
+                ),
+                Variant(
+                    "h100 preset, online,hidden, platform + plain loop + kernels, 2 + 5 steps",
+                    prior("P7", 2, 150),
                     {
                         "preset": "h100",
-                        "targets": modes,
+                        "targets": "online,hidden",
                         "warmup": 2,
                         "steps": 5,
-                        "paths": "platform,platform_deepspeed,reference",
+                        "paths": "platform,reference",
                     },
-                ),
-                Variant(
-                    f"h100 preset, {modes}, platform + plain loop, 2 + 5 steps",
-                    80,
-                    {"preset": "h100", "targets": modes, "warmup": 2, "steps": 5, "paths": "platform,reference"},
                 ),
             ),
             run_p7,
@@ -619,8 +691,8 @@ def parts(cuda: bool, gpus: int) -> list[Part]:
             "run",
             True,
             tuple(
-                Variant(f"tiny.yaml, {label}, hidden targets", est, {"overrides": run + grid})
-                for (label, grid), est in zip(RUN_GRIDS.items(), (240, 150))
+                Variant(f"tiny.yaml, {label}, hidden targets", prior("run", i, est), {"overrides": run + grid})
+                for i, ((label, grid), est) in enumerate(zip(RUN_GRIDS.items(), (320, 200)))
             ),
             run_whole,
         ),
@@ -700,7 +772,7 @@ def main(argv=None) -> int:
         todo = [x for x in todo if x.required]
     ctx = Ctx(Path(a.work), cuda, a.cpu_smoke, t0 + a.budget_s)
     ctx.logs.mkdir(parents=True, exist_ok=True)
-    (ctx.work / "efficiency.json").unlink(missing_ok=True)
+    (ctx.work / "measured_gpu.json").unlink(missing_ok=True)
     env = f"torch {torch.__version__}, " + (
         gpu_name() + f" x {torch.cuda.device_count()}" if cuda else "CPU smoke (tiny shapes)"
     )
@@ -729,8 +801,9 @@ def main(argv=None) -> int:
         bad |= status != "ok"
         results["parts"][part.name] = {
             "variant": v.label,
+            "index": choice[part.name],
             "estimate_s": v.est_s,
-            "seconds": secs,
+            "seconds": round(secs, 1),
             "status": status,
             **{k: x for k, x in res.items() if k != "rows"},
         }
@@ -749,6 +822,11 @@ def main(argv=None) -> int:
     table += [f"| {' | '.join(map(str, r))} |" for r in rows]
     (ctx.work / "table.md").write_text("\n".join(table) + "\n")
     (ctx.work / "results.json").write_text(json.dumps({**results, "seconds": total}, indent=1, default=str))
+    if cuda:  # the figures the code reads, in its own form: copy over m2d_ray/measured_gpu.json
+        when = time.strftime("%Y-%m-%d")
+        file = measured_file(results, gpu_name(), when)
+        (ctx.work / "measured_gpu.json").write_text(json.dumps(file, indent=1) + "\n")
+        print(f"measured: {ctx.work / 'measured_gpu.json'} (copy it over m2d_ray/measured_gpu.json)", flush=True)
     print("\n" + "\n".join(table), flush=True)
     return 1 if bad else 0
 

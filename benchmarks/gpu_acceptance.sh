@@ -1,28 +1,28 @@
 #!/usr/bin/env bash
-# GPU acceptance call (issue 42): what stage 2 runs now, within a device budget. P7 (the stage-2 step against a plain
-# PyTorch loop, online / hidden / sampled:64 targets: ratio, MFU; WORK/efficiency.json, the figure plan.efficiency
-# should default to), a whole `m2d run` on the GPU (bf16 hidden-states targets, DeepSpeed ZeRO-2 students, lm-eval),
-# the Ray Data token pass, then, as the budget allows, the memory plan against torch.cuda.max_memory_allocated and
-# the calibration rate at Qwen3-30B-A3B's layer shapes (P5). Parts are planned against --budget-s (default 540 s:
-# 9 minutes on one H100 once the bundle is installed), shrunk or skipped with a line saying so; one table at the end
-# (WORK/table.md), every figure in WORK/results.json, logs in WORK/logs. See benchmarks/gpu_acceptance.py.
+# GPU acceptance call (issues 42, 47): what stage 2 runs now, within a device budget. P7 (the stage-2 step against a
+# plain PyTorch loop at equal numerics, online / hidden / sampled:64 targets, with every exact-KL kernel: ratio, MFU,
+# the DeepSpeed path's ratio, each kernel's speed, peak and loss trajectory), a whole `m2d run` on the GPU, the Ray Data
+# token pass, then, as the budget allows, the memory plan against torch.cuda.max_memory_allocated and the calibration
+# rate at Qwen3-30B-A3B's layer shapes (P5). Parts are planned against --budget-s (default 540 s), shrunk or skipped
+# with a line saying so; one table at the end (WORK/table.md), every figure in WORK/results.json, logs in WORK/logs,
+# and WORK/measured_gpu.json: the figures the code reads (see benchmarks/gpu_acceptance.py).
 #
 #   bash benchmarks/gpu_acceptance.sh [--budget-s 540] [--work /tmp/m2d-gpu-acceptance] [--parts P7,run,tokens,memory,P5]
 #   python benchmarks/gpu_acceptance.py --cpu-smoke      # the same plumbing on the CPU with tiny shapes (no GPU figures)
 #
 # From a session that is lent a GPU (the device tool; ../shared/gpu/README.md):
-#   1. once per checkout, here (about 4 minutes, ~48 MB; needs PyPI):
-#        echo /.gpu-bundle/ >> "$(git rev-parse --git-common-dir)/info/exclude" && bash ../shared/gpu/make_bundle.sh .gpu-bundle
-#   2. one call (install ~1 min + a 480-s budget fits the 600-s limit of a call):
-#        run(kind="nvidia-h100-x1", timeout_s=600, carry=[".gpu-bundle"], command=
+#   1. once per checkout, here (about 4 minutes, ~48 MB; needs PyPI; liger-kernel for distill.kl_kernel=liger):
+#        echo /.gpu-bundle/ >> "$(git rev-parse --git-common-dir)/info/exclude" &&
+#        EXTRA="liger-kernel==0.8.5" bash ../shared/gpu/make_bundle.sh .gpu-bundle
+#   2. one call (the project and the bundle fit one; install < 1 min, then the budget):
+#        run(timeout_s=600, carry=[".gpu-bundle"], command=
 #            "bash .gpu-bundle/install.sh && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 &&
 #             (bash benchmarks/gpu_acceptance.sh --budget-s 480 --work /tmp/acc; echo rc=$?);
-#             cp /tmp/acc/table.md /tmp/acc/results.json /tmp/acc/efficiency.json $OUT/ 2>/dev/null;
+#             cp /tmp/acc/table.md /tmp/acc/results.json /tmp/acc/measured_gpu.json $OUT/ 2>/dev/null;
 #             tar czf $OUT/logs.tgz -C /tmp/acc logs")
-#      (or install in a first call and, while the machine is warm, run with the default --budget-s 540 in a second).
-#   3. Paste WORK/table.md into benchmarks/RESULTS.md ("GPU acceptance") with the card's name, set PlanConfig.efficiency
-#      (m2d_ray/config.py) from efficiency.json, and replace the planned seconds in gpu_acceptance.parts() by the
-#      measured ones.
+#   3. Paste WORK/table.md into benchmarks/RESULTS.md ("GPU acceptance") with the card's name, and copy
+#      WORK/measured_gpu.json over m2d_ray/measured_gpu.json: plan.efficiency, plan.gpu_start_s, the auto kernel and
+#      the next call's priors follow from it (tests/unit/test_plan_gpu.py holds the bill to its walls).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -17,6 +17,7 @@ from typing import Any, Union
 
 import yaml
 
+from m2d_ray import measured
 from m2d_ray.accelerators import check_accelerator
 from m2d_ray.artifacts import write_text_atomic
 from m2d_ray.convert.scaling import SCALINGS
@@ -272,10 +273,12 @@ class PlanConfig:
 
     # refuse a run whose bill (with ASHA on: its bound, no student stopped) costs more, before any work
     max_dollars: float | None = None
-    # achieved / peak FLOP/s on a GPU: the paper's own step (73 s for 384 x 4,096 tokens on 2 x B200) reached
-    # 0.147-0.184 of B200's data-sheet bf16 peak (benchmarks/RESULTS.md, "The bill"); benchmarks/gpu_acceptance.sh
-    # writes the efficiency the platform's step reaches on the GPU it runs on (WORK/efficiency.json): set this to it
-    efficiency: float = 0.15
+    # achieved / peak FLOP/s on a GPU, by what the unit runs: a stage-2 step by its targets mode (online, hidden, topk,
+    # sampled), the forward-only stages (calibration, stage-1 trials, the targets pass, lm-eval, generation) by
+    # `forward`; a number is every one. From the last GPU acceptance call (m2d_ray/measured_gpu.json: the platform's
+    # step on an H200 reached 0.26 online, 0.30 from cached states, of the data-sheet bf16 peak); `forward` is the
+    # paper's own step's 0.15 (benchmarks/RESULTS.md, "The bill"), not yet measured here
+    efficiency: float | dict[str, float] = field(default_factory=lambda: dict(measured.gpu().efficiency))
     # the same on a CPU thread: the platform's stage-2 step at 41.7% of the measured matmul rate (P7, 2 threads), held
     # to the tiny run's measured walls (benchmarks/RESULTS.md, "The bill")
     cpu_efficiency: float = 0.4
@@ -305,6 +308,21 @@ class PlanConfig:
     student_s: float = 40.0
     # a stage-3 model: loaded and lm-eval's set-up
     model_s: float = 5.0
+    # the same starts of a unit on a GPU (actor, trial, student, model: a CUDA context, DeepSpeed's initialise, a Train
+    # worker group on a GPU), fit on the whole tiny run's stage walls by the last GPU acceptance call
+    # (m2d_ray/measured_gpu.json)
+    gpu_start_s: dict[str, float] = field(default_factory=lambda: dict(measured.gpu().start_s))
+
+    def start_s(self, unit: str, gpu: bool) -> float:
+        """A unit's fixed start (actor, trial, student, model) on a GPU or on CPUs; a key plan.gpu_start_s leaves out
+        is the measured one."""
+        return {**measured.gpu().start_s, **self.gpu_start_s}[unit] if gpu else getattr(self, f"{unit}_s")
+
+    def gpu_efficiency(self, work: str) -> float:
+        """The efficiency of `work` (a targets mode, or forward) on a GPU; a key plan.efficiency leaves out is the
+        measured one."""
+        e = self.efficiency
+        return e if isinstance(e, float) else {**measured.gpu().efficiency, **e}[work]
 
 
 @dataclass(frozen=True)
@@ -369,12 +387,10 @@ class SweepConfig:
                 parse_size(self.calib.max_memory)
             except M2DError as exc:
                 raise M2DError(f"calib.max_memory: {exc}") from None
-        for key in ("efficiency", "cpu_efficiency"):
-            if not 0 < getattr(self.plan, key) <= 1:
-                raise M2DError(
-                    f"plan.{key}={getattr(self.plan, key)} must be in (0, 1] (achieved / peak FLOP/s); "
-                    f"give the fraction measured (default {getattr(PlanConfig, key)})"
-                )
+        e = self.plan.efficiency
+        for key, v in [("cpu_efficiency", self.plan.cpu_efficiency), *_fractions("efficiency", e)]:
+            if not 0 < v <= 1:
+                raise M2DError(f"plan.{key}={v} must be in (0, 1] (achieved / peak FLOP/s); give the fraction measured")
         if self.plan.max_dollars is not None and self.plan.max_dollars <= 0:
             raise M2DError(
                 f"plan.max_dollars={self.plan.max_dollars} must be > 0 when set; give a budget in dollars, or null for "
@@ -473,6 +489,26 @@ def check_plan_storage(plan: PlanConfig) -> None:
     for key in ("nvlink_bandwidth", "network_bandwidth"):
         if not getattr(plan, key) > 0:
             raise M2DError(f"plan.{key}={getattr(plan, key)} must be > 0 (bytes/s)")
+    given = {
+        "efficiency": plan.efficiency if isinstance(plan.efficiency, dict) else {},
+        "gpu_start_s": plan.gpu_start_s,
+    }
+    known = {"efficiency": measured.gpu().efficiency, "gpu_start_s": measured.gpu().start_s}
+    for key, values in given.items():
+        for name, v in values.items():
+            if name not in known[key]:
+                close = difflib.get_close_matches(name, known[key], n=1)
+                raise M2DError(
+                    f"plan.{key}.{name}: unknown" + (f"; did you mean {close[0]}?" if close else "") + f" (keys: "
+                    f"{', '.join(known[key])})"
+                )
+            if not v > 0:
+                raise M2DError(f"plan.{key}.{name}={v} must be > 0")
+
+
+def _fractions(key: str, value: float | dict) -> list[tuple[str, float]]:
+    """(key, value) of a number or of each entry of a mapping (plan.efficiency)."""
+    return [(f"{key}.{k}", v) for k, v in value.items()] if isinstance(value, dict) else [(key, value)]
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,8 @@ from m2d_ray.registry import Registry
 # Imported inside functions: liger_kernel (an optional GPU dependency, the [gpu] extra).
 
 KL = Callable[..., Tensor]  # (h_s, w_s, h_t, w_t, kind=, temperature=, chunk=) -> the mean per-token loss
+#: torch.compile's backend for the compiled kernel (the CPU tests swap in aot_eager: the same capture, no codegen)
+COMPILE_BACKEND = "inductor"
 
 
 @dataclass(frozen=True)

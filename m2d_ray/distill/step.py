@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from m2d_ray.distill.config import DistillConfig
+from m2d_ray.distill import kernels
 from m2d_ray.distill.kernels import KLKernel, kl_kernel
 from m2d_ray.distill.losses import LOSSES, hidden_mse, sampled_kl, sparse_kl
 from m2d_ray.distill.precision import PRECISIONS, MasterWeights, Precision
@@ -191,7 +192,7 @@ class DistillStep:
         self.precision, self.kernel = precision, kl_kernel(cfg.kl_kernel, device, targets)
         self.loss_module = StudentLoss(student, cfg, targets, self.kernel)
         if self.kernel.compiles:
-            self.loss_module.compile(dynamic=False)
+            self.loss_module.compile(backend=kernels.COMPILE_BACKEND, dynamic=False)
         plain_masters = precision.masters and not cfg.uses_deepspeed
         self.masters = MasterWeights(student.parameters()) if plain_masters else None
         cast_parameters(student, precision.dtype)

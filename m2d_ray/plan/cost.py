@@ -7,13 +7,12 @@ student's step is its forward and backward (4 forwards under gradient checkpoint
 plus its teacher's side (the forward online, the head from cached hidden states), with its validations, up to
 where ASHA is expected to stop it (asha_ends).
 
-Time: a unit's FLOPs / (its devices' peak x plan.efficiency; plan.cpu_efficiency on CPUs) + a fixed start-up
-(plan.*_s), its units spread over the lanes the run will have (trials at once, students at once, models at
-once, bounded by the node types' max_workers), longest first. GPU-hours: the units' seconds x their GPUs. Dollars: the
-nodes a
-stage holds (its lanes' GPUs over a node's GPUs) x its wall time plus the autoscaler's idle tail
-(idle_timeout_minutes) x the node type's hourly price (plan/prices.py; the dearest type that can hold the
-request: an upper bound), and the head node for the whole run. With ASHA on, the bill is the expected one and
+Time: a unit's FLOPs / (its devices' peak x plan.efficiency of its work; plan.cpu_efficiency on CPUs) + a fixed
+start-up (plan.*_s; on a GPU plan.gpu_start_s), its units spread over the lanes the run will have (trials at once,
+students at once, models at once, bounded by the node types' max_workers), longest first. GPU-hours: the units'
+seconds x their GPUs. Dollars: the nodes a stage holds (its lanes' GPUs over a node's GPUs) x its wall time plus the
+autoscaler's idle tail (idle_timeout_minutes) x the node type's hourly price (plan/prices.py; the dearest type that
+can hold the request: an upper bound), and the head node for the whole run. With ASHA on, the bill is the expected one and
 `bound` the same run with no student stopped: the most it can cost, what plan.max_dollars is held to.
 """
 
@@ -424,27 +423,31 @@ def stage_cost(
     rounds: int = 1,
     io_s: list[float] | None = None,
     comm_s: list[float] | None = None,
+    work: list[str] | None = None,
 ) -> StageCost:
     """Seconds, GPU-hours and dollars of `unit_flops` run at `p` in `rounds` Ray rounds (Tune experiments, Ray
     Data passes), each with its fixed start and finish (plan.stage_s); on CPUs the start-up slows as the compute
     does. A unit takes the longer of its compute and its reads (`io_s`: cached targets at the storage's bandwidth),
-    plus its communication (`comm_s`: a sharded teacher's gathers, not overlapped)."""
+    plus its communication (`comm_s`: a sharded teacher's gathers, not overlapped). On a GPU each unit computes at
+    the efficiency of its `work` (a stage-2 targets mode; default forward: plan.efficiency)."""
+    n = len(unit_flops)
     if p.gpus > 0:
         peak = GPU_PEAK_BF16.get(p.accelerator or "")
-        rate = p.gpus * peak * cfg.plan.efficiency if peak else None
+        rates = [p.gpus * peak * cfg.plan.gpu_efficiency(w) for w in work or ["forward"] * n] if peak else None
         device = f"{p.gpus:g} x {p.accelerator or 'GPU'}"
     else:
-        lanes = min(p.lanes, len(unit_flops)) or 1
+        lanes = min(p.lanes, n) or 1
         share = cpu.share(p.threads, lanes) if cpu else 0.0
-        rate = share * cpu.rate * cfg.plan.cpu_efficiency if cpu else None
+        rates = [share * cpu.rate * cfg.plan.cpu_efficiency] * n if cpu else None
         overhead = overhead * p.threads / share if cpu else overhead
         device = f"{p.threads} CPU thread" + ("s" if p.threads > 1 else "")
-    if rate is None:
-        return StageCost(name, sum(unit_flops), None, None, None, len(unit_flops), p.lanes, device)
-    io_s = io_s or [0.0] * len(unit_flops)
-    comm_s = comm_s or [0.0] * len(unit_flops)
-    unit_s = [max(f / rate, io) + comm + overhead for f, io, comm in zip(unit_flops, io_s, comm_s)]
-    io_bound = sum(io > f / rate for f, io in zip(unit_flops, io_s))
+    if rates is None:
+        return StageCost(name, sum(unit_flops), None, None, None, n, p.lanes, device)
+    io_s = io_s or [0.0] * n
+    comm_s = comm_s or [0.0] * n
+    compute = [f / r for f, r in zip(unit_flops, rates)]
+    unit_s = [max(c, io) + comm + overhead for c, io, comm in zip(compute, io_s, comm_s)]
+    io_bound = sum(io > c for c, io in zip(compute, io_s))
     wall = lanes_wall(unit_s, p.lanes) + rounds * cfg.plan.stage_s * (
         1.0 if p.gpus > 0 or cpu is None else max(1.0, (cpu.load + 1) / cpu.cores)
     )

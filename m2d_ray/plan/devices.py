@@ -109,4 +109,4 @@ def local_node(num_cpus: int) -> NodeType:
                 resources[f"accelerator_type:{kind}"] = 1.0
     except Exception:
         pass
-    return NodeType("this machine", resources)
+    return NodeType("this machine", resources, max_workers=1)  # a local Ray is this one node

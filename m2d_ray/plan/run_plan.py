@@ -308,27 +308,31 @@ class Costing:
         name: str,
         flops: list[float],
         where: Place,
-        overhead: float,
+        unit: str,
         rounds: int = 1,
         idle: bool = True,
         io_s: list[float] | None = None,
         comm_s: list[float] | None = None,
+        work: list[str] | None = None,
     ) -> StageCost:
-        """The cost of `flops` units run at `where` (`idle`: its nodes wait the autoscaler's idle tail after it;
-        `io_s`, `comm_s`: each unit's reads and communication, plan/cost.stage_cost)."""
-        d = self.p.devices
+        """The cost of `flops` units run at `where`, each with the fixed start of a `unit` (actor, trial, student,
+        model: plan.*_s, on a GPU plan.gpu_start_s) (`idle`: its nodes wait the autoscaler's idle tail after it;
+        `io_s`, `comm_s`: each unit's reads and communication; `work`: what each runs, for plan.efficiency: a
+        stage-2 targets mode, default forward; plan/cost.stage_cost)."""
+        d, plan = self.p.devices, self.p.cfg.plan
         return stage_cost(
             self.p.cfg,
             name,
             flops,
             where,
-            overhead,
+            plan.start_s(unit, where.gpus > 0),
             self.cpu,
-            self.p.cfg.plan.prices,
+            plan.prices,
             d.idle_minutes * 60 if idle else 0.0,
             rounds,
             io_s,
             comm_s,
+            work,
         )
 
 

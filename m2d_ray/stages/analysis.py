@@ -128,13 +128,14 @@ class Analysis(Stage):
 
     def cost(self, c):
         """Every model's questions at prompt + new tokens (all to the limit: an upper bound), then the judge; each a
-        model's load (plan.actor_s) besides, no Ray round of its own (tasks on the run's Ray, as stage 3's)."""
+        model's load (an actor's start: plan.actor_s) besides, no Ray round of its own (tasks on the run's Ray, as
+        stage 3's)."""
         p, a = c.p, c.p.cfg.stage3.analysis
         n, prompt = questions_of(a), prompt_tokens(a.questions, TEMPLATE_CHARS)
         seq = prompt + a.max_new_tokens
-        # a model's start is its load (plan.actor_s, as a Ray Data actor's), its tasks go to the Ray the run runs
+        # a model's start is its load (an actor's, as a Ray Data actor's), its tasks go to the Ray the run runs
         generation = stage3.price_models(
-            c, self.name, lambda shape: n * seq * forward_flops(shape, int(seq)), p.cfg.plan.actor_s, rounds=0
+            c, self.name, lambda shape: n * seq * forward_flops(shape, int(seq)), "actor", rounds=0
         )
         answers = n * generation.units
         kind, model = parse_judge(a.judge)
@@ -148,7 +149,7 @@ class Analysis(Stage):
             plan = c.plans.get(f"{self.name}:{TEACHER_KEY}")
             s3 = p.cfg.stage3
             where = c.place(plan.name, plan.share * plan.units, s3.threads_per_task, 1, s3.accelerator, plan.request)
-            judge = c.stage(f"{self.name}:judge", [judged], where, p.cfg.plan.actor_s, rounds=0)
+            judge = c.stage(f"{self.name}:judge", [judged], where, "actor", rounds=0)
         # the judge runs after the generation; `before` adds the two (sums commute) and keeps the generation's row
         return [before(judge, generation)]
 

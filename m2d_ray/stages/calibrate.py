@@ -58,7 +58,7 @@ class Calibrate(Stage):
         r = cfg.ray
         flops = cfg.calib.max_tokens * calibration_flops(c.p.models.teacher, cfg.calib.seq_len)
         where = c.place(self.name, r.data_gpus_per_actor, r.threads_per_worker, r.data_actors, r.data_accelerator)
-        return [c.stage(self.name, [flops / r.data_actors] * r.data_actors, where, cfg.plan.actor_s)]
+        return [c.stage(self.name, [flops / r.data_actors] * r.data_actors, where, "actor")]
 
     def finished(self, ctx) -> bool:
         return ctx.rd.promotions.exists()  # stage 1 read the statistics already

@@ -106,7 +106,7 @@ class Stage1(Stage):
         )
         where = c.place(self.name, r.gpus_per_trial, r.threads_per_worker, r.max_concurrent_trials, r.trial_accelerator)
         return [
-            c.stage(self.name, [per_trial] * trials, where, cfg.plan.trial_s, rounds=2 if trials > distinct else 1)
+            c.stage(self.name, [per_trial] * trials, where, "trial", rounds=2 if trials > distinct else 1)
         ]  # the probe round is a Tune experiment of its own
 
     def finished(self, ctx) -> bool:

@@ -181,14 +181,15 @@ class Stage2(Stage):
             x.accelerator,
         )
         one_node = where.node is not None and x.workers * x.gpus_per_worker <= where.node.gpus
-        flops, io, comm = [], [], []
+        flops, io, comm, work = [], [], [], []
         for t, n in zip(students, reports):
             choice, share = p.choice(t.key), trained(p.cfg, n)
             flops.append(stage2_flops(p.cfg, m, choice.kind, t.shape, n))
             read = share * student_tokens(p.cfg) * p.per_token(t.shape, t.key)
             io.append(read / read_bandwidth(p.cfg, p.storage_kind))
             comm.append(gather_seconds(p.cfg, t.shape, share * x.steps, one_node) if choice.shard else 0.0)
-        row = c.stage(self.name, flops, where, p.cfg.plan.student_s, io_s=io, comm_s=comm)
+            work.append(choice.kind)  # a step's efficiency is its targets mode's (plan.efficiency)
+        row = c.stage(self.name, flops, where, "student", io_s=io, comm_s=comm, work=work)
         for b in baselines.of(p.cfg):
             first = b.prepare_cost(c)
             row = before(first, row) if first else row

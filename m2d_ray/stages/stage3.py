@@ -201,10 +201,10 @@ def gpu_room(p) -> tuple[float, int | None, int]:
     return gpus, mem, per_node
 
 
-def price_models(c, name: str, flops_of, overhead: float | None = None, rounds: int = 1) -> StageCost:
+def price_models(c, name: str, flops_of, unit: str = "model", rounds: int = 1) -> StageCost:
     """The bill of `flops_of(shape)` through each model stage 3 evaluates (each student stage 2 finishes: ASHA's stopped
     students are not exported; the teacher; the baselines' teachers), placed as the rows `name:KEY` of the plan say,
-    each with `overhead` seconds (default plan.model_s) in `rounds` Ray rounds; models of different GPU counts run at
+    each with the start of a `unit` (default a model: plan.model_s) in `rounds` Ray rounds; models of different GPU counts run at
     once: one row, the longest wall."""
     p, s3 = c.p, c.p.cfg.stage3
     teacher = [(TEACHER_KEY, p.models.teacher)] if s3.teacher else []
@@ -225,8 +225,7 @@ def price_models(c, name: str, flops_of, overhead: float | None = None, rounds: 
             s3.accelerator,
             {**plan.request, "GPU": min(gpus, 1.0) if gpus else 0.0},
         )
-        fixed = p.cfg.plan.model_s if overhead is None else overhead
-        rows.append(c.stage(name if len(by_gpus) == 1 else f"{name}:{gpus:g}gpu", flops, where, fixed, rounds))
+        rows.append(c.stage(name if len(by_gpus) == 1 else f"{name}:{gpus:g}gpu", flops, where, unit, rounds))
     return rows[0] if len(rows) == 1 else side_by_side(name, rows)
 
 

@@ -71,7 +71,7 @@ class Targets(Stage):
                 self.name,
                 _pass(p, t),
                 c.place(self.name, r.data_gpus_per_actor, r.threads_per_worker, r.data_actors, r.data_accelerator),
-                p.cfg.plan.actor_s,
+                "actor",
                 rounds=int(i == 0),
             )
             for i, t in enumerate(_stored(p))

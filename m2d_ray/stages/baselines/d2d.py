@@ -159,7 +159,7 @@ class D2D(Baseline):
             "d2d",
             [flops],
             c.place("stage2", gpus, x.threads_per_worker, 1, x.accelerator),
-            cfg.plan.model_s,
+            "model",
             idle=False,
         )
 

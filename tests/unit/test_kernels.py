@@ -1,0 +1,122 @@
+"""The exact KL's kernels (distill.kl_kernel) held to chunked: the compiled student's trajectory on the CPU, Liger
+Kernel's glue (its beta, temperature and mean) against a float64 reference of its documented loss, and auto's choice.
+Liger's Triton kernels themselves run only on a GPU: the acceptance call compares their trajectories there."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+
+import pytest
+import torch
+from conftest import ROOT
+
+from m2d_ray import measured
+from m2d_ray.config import DistillConfig
+from m2d_ray.distill import kernels
+from m2d_ray.distill.losses import chunked_kl, naive_kl
+from m2d_ray.distill.step import DistillStep
+from m2d_ray.distill.targets import parse_targets
+from m2d_ray.errors import M2DError
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import p7_distill_throughput as p7  # noqa: E402
+
+
+def _trajectory(kernel: str, steps: int = 6) -> list[float]:
+    p = p7.PRESETS["smoke"]
+    torch.manual_seed(0)
+    teacher, student = p7.build_models(p, torch.float32)
+    cfg = DistillConfig(
+        steps=steps, warmup_steps=2, batch_size=p["batch"], seq_len=p["seq_len"], lr=1e-3, deepspeed=False
+    )
+    trainer = DistillStep(student, teacher.model, dataclasses.replace(cfg, kl_kernel=kernel), "cpu")
+    g, out = torch.Generator().manual_seed(1), []
+    for _ in range(steps):
+        trainer.step([torch.randint(0, p["vocab"], (p["batch"], p["seq_len"]), generator=g)])
+        out.append(trainer.take_loss())
+    return out
+
+
+def _gap(a, b) -> float:
+    return max(abs(x - y) for x, y in zip(a, b)) / (sum(map(abs, b)) / len(b))
+
+
+def test_the_compiled_students_trajectory_is_chunkeds(monkeypatch):
+    """torch.compile's capture of the student's forward and loss (dynamo and AOT autograd, through the chunked KL's
+    autograd function) trains the same numbers; the default suite skips inductor's code generation (minutes on
+    two cores: the slow test below and the GPU acceptance call run it)."""
+    monkeypatch.setattr(kernels, "COMPILE_BACKEND", "aot_eager")
+    chunked = _trajectory("chunked")
+    assert 0 < _gap(_trajectory("compiled"), chunked) < 1e-4
+
+
+@pytest.mark.slow
+def test_the_inductor_compiled_students_trajectory_is_chunkeds():
+    assert _gap(_trajectory("compiled"), _trajectory("chunked")) < 1e-4
+
+
+def _liger_reference(h_s, w_s, h_t, w_t, labels, beta, ignore_index, t, accum_dtype=None):
+    """Liger's fused linear JSD as its docs define it, in float64: the mean over tokens of KL(teacher || student)
+    (beta 0) or KL(student || teacher) (beta 1) between softmax(h @ w.T / t)."""
+    assert labels is None and ignore_index == -100 and accum_dtype == torch.float32
+    ls = torch.log_softmax((h_s.double() @ w_s.double().T) / t, -1)
+    lt = torch.log_softmax((h_t.double() @ w_t.double().T) / t, -1)
+    p, lp, lq = (lt.exp(), lt, ls) if beta == 0.0 else (ls.exp(), ls, lt)
+    return (p * (lp - lq)).sum(-1).mean().float()
+
+
+@pytest.mark.parametrize("kind", ["fkl", "rkl"])
+def test_the_liger_glue_is_chunkeds_loss_and_gradient(monkeypatch, kind):
+    """Beta 0 / 1 for the forward / reverse KL, the t^2 chunked_kl applies, the arguments in Liger's order: with
+    Liger's loss stood in by its definition, the kernel's value and gradients are chunked_kl's at t = 2."""
+    fake = types.ModuleType("liger_kernel.transformers.functional")
+    fake.liger_fused_linear_jsd = _liger_reference
+    for name in ("liger_kernel", "liger_kernel.transformers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", fake)
+    g = torch.Generator().manual_seed(0)
+    h_s, w_s = torch.randn(9, 8, generator=g), torch.randn(33, 8, generator=g)
+    h_t, w_t = torch.randn(9, 6, generator=g), torch.randn(33, 6, generator=g)
+    grads = []
+    for kl in (kernels.liger_kl, chunked_kl):
+        a, b = h_s.clone().requires_grad_(), w_s.clone().requires_grad_()
+        loss = kl(a, b, h_t, w_t, kind=kind, temperature=2.0, chunk=4)
+        loss.backward()
+        grads.append((loss.detach(), a.grad, b.grad))
+    for x, y in zip(*grads):
+        assert torch.allclose(x, y, rtol=1e-4, atol=1e-6)
+    assert grads[1][0] == pytest.approx(float(naive_kl(h_s @ w_s.T, h_t @ w_t.T, kind, 2.0)), rel=1e-4)
+
+
+def test_auto_is_chunked_on_a_cpu_and_the_measured_choice_on_a_gpu(monkeypatch):
+    assert kernels.kl_kernel("auto", "cpu").name == "chunked"
+    m = measured.gpu()
+    monkeypatch.setattr(measured, "gpu", lambda: dataclasses.replace(m, kl_kernel={"online": "compiled"}))
+    assert kernels.kl_kernel("auto", "cuda").name == "compiled"
+    assert kernels.kl_kernel("auto", "cuda", parse_targets("hidden")).name == "chunked"  # a mode not measured
+
+
+def test_a_measured_kernel_that_cannot_run_here_falls_back_to_chunked_with_one_line(monkeypatch, capsys):
+    m = measured.gpu()
+    monkeypatch.setattr(measured, "gpu", lambda: dataclasses.replace(m, kl_kernel={"online": "liger"}))
+    missing = dataclasses.replace(kernels.KL_KERNELS["liger"], needs="no_such_module_m2d (pip install it)")
+    monkeypatch.setitem(kernels.KL_KERNELS._items, "liger", missing)
+    assert kernels.kl_kernel("auto", "cuda").name == "chunked"
+    out = capsys.readouterr()
+    assert "liger (the measured choice) needs no_such_module_m2d" in out.out + out.err
+
+
+def test_a_kernel_asked_for_that_cannot_run_here_is_one_line():
+    with pytest.raises(M2DError, match="distill.kl_kernel=liger: runs on CUDA devices only; use chunked"):
+        kernels.kl_kernel("liger", "cpu")
+    with pytest.raises(M2DError, match="unknown distill.kl_kernel 'ligr'; did you mean 'liger'"):
+        kernels.kl_kernel("ligr", "cpu")
+
+
+def test_every_kernel_is_a_registry_entry_with_its_own_description():
+    assert list(kernels.KL_KERNELS) == ["chunked", "compiled", "liger"]
+    doc = kernels.__doc__
+    assert all(f"    {name}" in doc for name in kernels.KL_KERNELS)
+    assert [k.compiles for k in map(kernels.KL_KERNELS.__getitem__, kernels.KL_KERNELS)] == [False, True, False]
