@@ -12,8 +12,8 @@ start-up (plan.*_s; on a GPU plan.gpu_start_s), its units spread over the lanes 
 students at once, models at once, bounded by the node types' max_workers), longest first. GPU-hours: the units'
 seconds x their GPUs. Dollars: the nodes a stage holds (its lanes' GPUs over a node's GPUs) x its wall time plus the
 autoscaler's idle tail (idle_timeout_minutes) x the node type's hourly price (plan/prices.py; the dearest type that
-can hold the request: an upper bound), and the head node for the whole run. With ASHA on, the bill is the expected one and
-`bound` the same run with no student stopped: the most it can cost, what plan.max_dollars is held to.
+can hold the request: an upper bound), and the head node for the whole run. With ASHA on, the bill is the expected
+one and `bound` the same run with no student stopped: the most it can cost, what plan.max_dollars is held to.
 """
 
 from __future__ import annotations

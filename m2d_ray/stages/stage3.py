@@ -204,8 +204,8 @@ def gpu_room(p) -> tuple[float, int | None, int]:
 def price_models(c, name: str, flops_of, unit: str = "model", rounds: int = 1) -> StageCost:
     """The bill of `flops_of(shape)` through each model stage 3 evaluates (each student stage 2 finishes: ASHA's stopped
     students are not exported; the teacher; the baselines' teachers), placed as the rows `name:KEY` of the plan say,
-    each with the start of a `unit` (default a model: plan.model_s) in `rounds` Ray rounds; models of different GPU counts run at
-    once: one row, the longest wall."""
+    each with the start of a `unit` (default a model: plan.model_s) in `rounds` Ray rounds; models of different GPU
+    counts run at once: one row, the longest wall."""
     p, s3 = c.p, c.p.cfg.stage3
     teacher = [(TEACHER_KEY, p.models.teacher)] if s3.teacher else []
     models = [("student", p.models.student)] * p.ends[-1][1] + teacher + list(p.teachers.items())
