@@ -85,6 +85,20 @@ def holders(nodes: list[NodeType], request: dict) -> list[NodeType]:
     return [n for n in nodes if n.holds(request)]
 
 
+def pin_fix(request: dict, nodes: list[NodeType], keys: str) -> str | None:
+    """When a request's GPU pin alone keeps every node type from holding it: the pin's key set as it is, and what to
+    set it to instead (a GPU type the node types have that holds the rest of the request, or null: any GPU)."""
+    pinned = [k.removeprefix(RESOURCE) for k in request if k.startswith(RESOURCE)]
+    key = next((k for k in keys.split(" / ") if k.endswith("accelerator")), None)
+    rest = {k: v for k, v in request.items() if not k.startswith(RESOURCE)}
+    found = holders(nodes, rest)
+    if not pinned or key is None or not found:
+        return None
+    kinds = sorted({n.accelerator for n in found if n.accelerator})
+    instead = f"set {key}={kinds[0]}, or null for any GPU" if kinds else f"set {key}=null: any GPU"
+    return f"{key}={pinned[0]} (no node type has an {pinned[0]}: {instead})"
+
+
 def smallest_gpu(nodes: list[NodeType]) -> int | None:
     """The memory of the smallest GPU among `nodes` (None when none names its GPU type)."""
     mems = [n.gpu_memory for n in nodes if n.gpus > 0 and n.gpu_memory]
