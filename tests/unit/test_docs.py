@@ -166,3 +166,54 @@ def test_add_a_method_s_examples_run(tmp_path):
     meta = json.loads(out.stdout.strip().splitlines()[-1])  # the command's result line
     assert (meta["scoring"], meta["grouping"], meta["scaling"]) == tuple(names)
     assert meta["max_rel_error"] < 1e-12 and all(len(g) == 2 for g in meta["groups"].values())
+
+
+@pytest.fixture(scope="module")
+def figures():
+    spec = importlib.util.spec_from_file_location("docs_figures", ROOT / "docs" / "hooks" / "figures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def pages() -> list[Path]:
+    return sorted(p for p in (ROOT / "docs").rglob("*.md") if "assets" not in p.parts)
+
+
+def test_every_quoted_figure_is_the_code_s(site, figures):
+    """Each marked figure of every page holds what the code computes now (the build's figures.json); a change of the
+    code's output fails here until `python docs/hooks/figures.py` writes the new values into the pages."""
+    values = json.loads((site / "figures.json").read_text())
+    used = {m[1] for p in pages() for m in figures.MARKER.finditer(p.read_text())}
+    assert used <= set(values), used - set(values)
+    assert figures.stale(values) == {}, "figures out of date: run `python docs/hooks/figures.py`"
+    built = (site / "how-to" / "production-budget" / "index.html").read_text()
+    assert values["paper.dollars"] in built and "<!--fig" not in built
+
+
+#: a figure with a unit a plan computes (dollars; hours; GiB, TiB; GB, TB with a space; step counts)
+FIGURE = re.compile(
+    r"\$\d[\d,.]*|\b\d[\d,.]*\s?(?:GiB|TiB)\b|\b\d[\d,.]*\s(?:GB|TB)\b|\b\d[\d,.]*\s?(?:h|hours?)\b|\b\d[\d,]*\s+steps\b"
+)
+#: the lines where such a figure is not the code's output, each with why
+NOT_OUTPUT = {
+    "80 GB GPU": "a GPU's size (hardware)",
+    "A10G 24 GB": "hardware",
+    "H100 80 GB": "hardware",
+    "on 80 GB GPUs": "hardware",
+    "about 2 GB of memory": "what the demo asks of a laptop",
+    "with 2 GiB free": "the demo plan's laptop (figures.DEMO_HOST)",
+    "stages cost $0": "the rule: a CPU stage runs on the head or on this machine",
+}
+
+
+def test_no_page_quotes_a_plan_s_figure_outside_a_marker(figures):
+    found = []
+    for path in pages():
+        text = figures.MARKER.sub("", path.read_text())
+        if "$$" in text:  # a page with equations: its inline math is not money
+            text = re.sub(r"\$\$.*?\$\$|\$(?=\S)[^$\n]*?\S\$", "", text, flags=re.S)
+        for n, line in enumerate(text.splitlines(), 1):
+            if FIGURE.search(line) and not any(ok in line for ok in NOT_OUTPUT):
+                found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}")
+    assert found == [], "mark these <!--fig NAME-->...<!--/fig--> (docs/hooks/figures.py):\n" + "\n".join(found)
