@@ -9,8 +9,9 @@
                                 run's storage (m2d_ray/stages/run_storage.py)
     reference/bad-input.md      the bad-input cases the CLI refuses and their exit codes (tests/cli/test_bad_inputs.py)
 
-MkDocs calls `on_files` (mkdocs.yml: `hooks:`); tests/unit/test_docs.py calls the page functions and holds them to
-the parser and the dataclasses (a flag or a key without a description fails).
+MkDocs calls `on_files` and `on_page_markdown` (mkdocs.yml: `hooks:`; the latter points a page's screenshot, linked by
+its path in the repository so that GitHub shows it, at the site's images/); tests/unit/test_docs.py calls the page
+functions and holds them to the parser and the dataclasses (a flag or a key without a description fails).
 """
 
 from __future__ import annotations
@@ -337,6 +338,15 @@ def on_files(files, config):
     for png in sorted((ROOT / "benchmarks" / "screenshots").glob("*.png")):
         files.append(File.generated(config, f"images/{png.name}", abs_src_path=str(png)))
     return files
+
+
+SCREENSHOT = re.compile(r"\]\((?:\.\./)+benchmarks/screenshots/([\w.-]+\.png)\)")
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    """A page shows a screenshot by its path in the repository (so it shows on GitHub too); the site by images/."""
+    up = "../" * page.file.src_uri.count("/")
+    return SCREENSHOT.sub(lambda m: f"]({up}images/{m[1]})", markdown)
 
 
 def _first(doc: str) -> str:

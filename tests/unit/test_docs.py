@@ -217,3 +217,33 @@ def test_no_page_quotes_a_plan_s_figure_outside_a_marker(figures):
             if FIGURE.search(line) and not any(ok in line for ok in NOT_OUTPUT):
                 found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}")
     assert found == [], "mark these <!--fig NAME-->...<!--/fig--> (docs/hooks/figures.py):\n" + "\n".join(found)
+
+
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def test_the_readme_s_links_work_on_github():
+    """Every relative link and image of README.md (and ARCHITECTURE.md) is a file of the repository: GitHub shows the
+    sources, where the generated reference pages do not exist."""
+    for doc in ("README.md", "ARCHITECTURE.md"):
+        targets = [t.split("#")[0] for t in LINK.findall((ROOT / doc).read_text()) if "://" not in t]
+        missing = [t for t in targets if t and not (ROOT / t).exists()]
+        assert missing == [], (doc, missing)
+
+
+def test_every_page_s_images_are_files_of_the_repository():
+    """A page shows a screenshot by its path in the repository (the site maps it to images/): GitHub shows it too."""
+    for path in pages():
+        for target in LINK.findall(path.read_text()):
+            if target.endswith(".png") and "://" not in target:
+                assert (path.parent / target).resolve().is_file(), (path.relative_to(ROOT), target)
+
+
+def test_the_demo_s_students_quoted_elsewhere_are_those_the_demo_distils():
+    """A page that names a student of runs/demo names one the demo's stage 2 distils (its transcript in demo.md)."""
+    demo = (ROOT / "docs" / "tutorials" / "demo.md").read_text()
+    distilled = set(re.findall(r"\[stage 2 \d+/\d+\] (\S+?):", demo))
+    assert distilled
+    for path in pages():
+        for key in re.findall(r"runs/demo/stage2/students/([\w.-]+)", path.read_text()):
+            assert key in distilled, (path.relative_to(ROOT), key, distilled)
