@@ -212,22 +212,24 @@ def _joined(text: str) -> list[str]:
     return [line.split("  #")[0].strip() for line in re.sub(r"\\\n\s*", " ", text).splitlines()]
 
 
+#: the head's home where a page's cluster is not cluster.yaml's (ssh_user ubuntu): KubeRay's image runs as `ray`
+HEAD_HOMES = {"kubernetes.md": "/home/ray"}
+
+
 def test_every_submitted_path_is_the_head_s():
     """A `ray job submit` line as a laptop's shell and then the head's shell see it (Ray joins the arguments with
     shlex.join): the run directory is a path on the head, never the laptop's home; m2d expands a quoted `~` there."""
     commands = submit_commands()
-    assert {w for w, _ in commands} >= {"cluster.md", "cluster.yaml"} and len(commands) >= 3
+    assert {w for w, _ in commands} >= {"cluster.md", "cluster.yaml", "kubernetes.md"} and len(commands) >= 4
     for where, command in commands:
-        argv = on_head(command)
+        home = HEAD_HOMES.get(where, HEAD_HOME)
+        argv = on_head(command, head_home=home)
         assert argv[:2] == ["m2d", "run"], (where, argv)
-        paths = [argv[i + 1] for i, a in enumerate(argv) if a == "--out"] + [
-            argv[i + 1] for i, a in enumerate(argv) if a == "--resume"
-        ]
+        paths = [argv[i + 1] for i, a in enumerate(argv) if a in ("--out", "--resume")]
         assert paths, (where, argv)
         for path in paths:
-            on_head_path = path.replace("~", HEAD_HOME, 1) if path.startswith("~") else path  # Path.expanduser there
-            assert LAPTOP_HOME not in path and on_head_path.startswith("/"), (where, path)
-            assert on_head_path.startswith(HEAD_HOME), (where, path)
+            on_head_path = home + path[1:] if path.startswith("~") else path  # Path.expanduser, on the head
+            assert LAPTOP_HOME not in path and on_head_path.startswith(home + "/"), (where, path)
 
 
 def test_the_unquoted_trap_is_caught():
