@@ -76,7 +76,7 @@ def _launcher_config(path: str | Path) -> dict:
     try:
         docs = [d for d in yaml.safe_load_all(p.read_text()) if isinstance(d, dict)]
     except yaml.YAMLError as e:
-        raise M2DError(f"{path} is not YAML: {str(e).splitlines()[0]}") from None
+        raise M2DError(f"{path} is not YAML ({str(e).splitlines()[0]}); give a cluster config") from None
     spec = next((s for s in map(_ray_cluster_spec, docs) if s is not None), None)
     raw = _from_kuberay(path, spec) if spec is not None else (docs[0] if docs else {})
     if not isinstance(raw.get("available_node_types"), dict) or not raw["available_node_types"]:
@@ -104,7 +104,11 @@ def _from_kuberay(path: str | Path, cr: dict) -> dict:
     try:
         raw = _derive_autoscaling_config_from_ray_cr(cr)
     except Exception as e:  # Ray's checks: a group without CPUs, a bad quantity, ...
-        raise M2DError(f"{path}: Ray's autoscaler cannot read this RayCluster: {str(e).splitlines()[0]}") from None
+        why = str(e).strip().splitlines()[0]
+        raise M2DError(
+            f"{path}: Ray's autoscaler cannot read this RayCluster ({why}); give every group its CPUs (its "
+            "container's limits or rayStartParams) in Kubernetes quantities"
+        ) from None
     spec = cr.get("spec") or {}
     groups = {
         raw["head_node_type"]: spec.get("headGroupSpec") or {},
