@@ -24,7 +24,8 @@ QWEN30B = "experiments/configs/Qwen--Qwen3-30B-A3B"
 
 #: name -> (config, overrides, --cluster, --gpu-memory): the runs whose plans the pages quote
 PLANS = {
-    # the laptop demo on a machine whose CPU thread does DEMO_CPU_FLOPS (the plan measures it: 5e10-7e10 here)
+    # the laptop demo, its CPU thread's rate fixed (a plan measures it: 5e10-7e10 FLOP/s on this project's cores) so
+    # that the page's table does not change with the machine that builds the site
     "demo": ("experiments/tiny.yaml", ["plan.cpu_flops=5e10"], None, None),
     "paper": ("experiments/qwen3_30b_a3b.yaml", [], "cluster.yaml", None),
     "paper-spot": ("experiments/qwen3_30b_a3b.yaml", ["ray.spot_trials=true"], "cluster.yaml", None),
