@@ -56,3 +56,13 @@ def check_accelerator(name: str | None, what: str) -> None:
 def pin(accelerator: str | None) -> dict[str, float]:
     """The Ray resources that keep a task on nodes with that GPU ({} for any)."""
     return {RESOURCE + accelerator: PIN} if accelerator else {}
+
+
+#: the custom resource a cluster's spot node types carry (cluster.yaml, k8s/raycluster.yaml); a request that wants
+#: spot capacity asks for a sliver of it, as a GPU pin does
+SPOT = "spot"
+
+
+def spot(wanted: bool) -> dict[str, float]:
+    """The Ray resources that keep a task on spot nodes ({} when it may run anywhere)."""
+    return {SPOT: PIN} if wanted else {}

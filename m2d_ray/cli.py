@@ -254,7 +254,8 @@ def parser() -> argparse.ArgumentParser:
         "--cluster",
         default=None,
         metavar="CLUSTER_YAML",
-        help="check every stage's Ray request against this cluster config's node types",
+        help="check every stage's Ray request against this cluster config's node types (a Ray cluster launcher YAML "
+        "such as cluster.yaml, or a KubeRay RayCluster such as k8s/raycluster.yaml)",
     )
 
     rp = sub.add_parser("report", help="RUN_DIR/report/index.html + tables (CSV/Markdown) + figures (PNG) of a run")

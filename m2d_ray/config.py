@@ -104,7 +104,9 @@ class SearchConfig:
 class RayConfig:
     """Where and how wide the Ray work runs (stage 1's trials, the Ray Data passes, retries)."""
 
-    # the Ray cluster to join; None = RAY_ADDRESS or a local Ray; "auto" = the running cluster
+    # the Ray cluster to join. Leave it unset (None): under `ray job submit` and a KubeRay RayJob the driver has
+    # RAY_ADDRESS, which m2d joins, and elsewhere m2d starts a local Ray. Set it only to join from a process Ray did not
+    # start: "auto" on a node of a running cluster (it fails when there is none), "ray://HOST:10001" from outside
     address: str | None = None
     # logical CPUs of a local Ray (more than the cores: a Tune trial that starts Train workers needs the slack)
     num_cpus: int = 4
@@ -118,8 +120,11 @@ class RayConfig:
     cpus_per_trial: float = 1.0
     # GPUs of a stage-1 trial (fractional: trials share one device)
     gpus_per_trial: float = 0.0
-    # pin stage-1 trials to a GPU type (e.g. A10G)
+    # pin stage-1 trials to a GPU type (e.g. A10G); None = any GPU (`m2d plan` names the types a cluster has)
     trial_accelerator: str | None = None
+    # stage-1 trials ask for the `spot` resource: they run only on node types that carry it (cluster.yaml's
+    # gpu_a10g_1x_spot), priced at spot; with ray.max_failures > 0 a trial on a reclaimed node is retried
+    spot_trials: bool = False
     # stage-1 trials at once (and stage-2 students at once on CPUs)
     max_concurrent_trials: int = 2
     # torch threads of each Ray worker (on a small machine: 1, so workers do not fight over the cores)

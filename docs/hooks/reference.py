@@ -9,8 +9,9 @@
                                 run's storage (m2d_ray/stages/run_storage.py)
     reference/bad-input.md      the bad-input cases the CLI refuses and their exit codes (tests/cli/test_bad_inputs.py)
 
-MkDocs calls `on_files` (mkdocs.yml: `hooks:`); tests/unit/test_docs.py calls the page functions and holds them to
-the parser and the dataclasses (a flag or a key without a description fails).
+MkDocs calls `on_files` and `on_page_markdown` (mkdocs.yml: `hooks:`; the latter points a page's screenshot, linked by
+its path in the repository so that GitHub shows it, at the site's images/); tests/unit/test_docs.py calls the page
+functions and holds them to the parser and the dataclasses (a flag or a key without a description fails).
 """
 
 from __future__ import annotations
@@ -83,14 +84,19 @@ def cli_page() -> str:
 
 # ---- the config -------------------------------------------------------------------------------------
 def sections() -> dict[str, type]:
-    """Config section (`` for the top level) -> its dataclass."""
+    """Config section (`` for the top level, dotted for a nested one: `stage3.analysis`) -> its dataclass, every
+    level of nesting, in the order the fields are declared."""
     from m2d_ray.config import SweepConfig
 
-    hints = typing.get_type_hints(SweepConfig)
-    out = {"": SweepConfig}
-    for f in dataclasses.fields(SweepConfig):
+    return dict(_sections("", SweepConfig))
+
+
+def _sections(prefix: str, cls: type) -> list[tuple[str, type]]:
+    hints = typing.get_type_hints(cls)
+    out = [(prefix, cls)]
+    for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(hints[f.name]):
-            out[f.name] = hints[f.name]
+            out += _sections(f"{prefix}.{f.name}" if prefix else f.name, hints[f.name])
     return out
 
 
@@ -125,13 +131,12 @@ def config_page() -> str:
     out = [
         "# Configuration",
         "",
-        "Every key of a run's YAML (`experiments/*.yaml`), with its type, default and meaning, read from",
-        "the config dataclasses (`m2d_ray/config.py`; `distill:` is `m2d_ray/distill/config.py`). A YAML file is a "
-        "partial",
-        "nested mapping of them; `include: base.yaml` merges a base first; any key is set on the command line as",
-        "`section.key=value` (lists as `grid.scoring=[sf,do-acp]`). An unknown key, a wrong type or an unknown method "
-        "name",
-        "fails with one line that says what to write instead.",
+        "Every key of a run's YAML (`experiments/*.yaml`), at every depth, with its type, default and meaning, read",
+        "from the config dataclasses (each section names the one it comes from). A YAML file is a partial nested",
+        "mapping of them; `include: base.yaml` merges a base first; any key is set on the command line as",
+        "`section.key=value` (`stage3.analysis.per_subject=2`; lists as `'grid.scoring=[sf,do-acp]'`, quoted for",
+        "zsh). An unknown key, a wrong type or an unknown method name fails with one line that says what to write",
+        "instead.",
         "",
     ]
     for section, cls in sections().items():
@@ -140,7 +145,7 @@ def config_page() -> str:
         out += [
             f"## {title}",
             "",
-            inspect.cleandoc(cls.__doc__ or "") if section else "",
+            (inspect.cleandoc(cls.__doc__ or "") + " " if section else "") + f"(`{cls.__module__}.{cls.__name__}`)",
             "",
             "| key | type | default | what |",
             "|---|---|---|---|",
@@ -157,9 +162,9 @@ def config_page() -> str:
 
 # ---- the registries ---------------------------------------------------------------------------------
 def registries() -> dict[str, tuple[str, dict[str, str]]]:
-    """Registry title -> (where its names are used, {name: what it is})."""
+    """Registry title -> (where its names are used, {name: what it is}): each entry's own docstring (a function's, a
+    stage's class or module, a baseline's `summary`; a loss from the losses module's lines), never one inherited."""
     from m2d_ray.convert.scaling import SCALINGS
-    from m2d_ray.distill.losses import LOSSES
     from m2d_ray.distill.targets import MODES
     from m2d_ray.grouping import GROUPINGS
     from m2d_ray.pipeline import STAGES
@@ -167,23 +172,40 @@ def registries() -> dict[str, tuple[str, dict[str, str]]]:
     from m2d_ray.stages.baselines import BASELINES
 
     def docs(reg) -> dict[str, str]:
-        return {n: _first(inspect.getdoc(reg[n]) or inspect.getdoc(type(reg[n]))) for n in reg}
+        return {n: _first(reg[n].__doc__ or "") for n in reg}
 
     return {
         "Scorings": ("`grid.scoring`, `m2d convert --scoring`", docs(SCORINGS)),
         "Groupings": ("`grid.grouping`, `m2d convert --grouping`", docs(GROUPINGS)),
         "Scalings": ("`grid.scaling`, `m2d convert --scaling`", docs(SCALINGS)),
-        "Baselines": ("`stage2.baselines`", {n: _first(inspect.getdoc(type(BASELINES[n]))) for n in BASELINES}),
-        "Losses": ("`distill.loss`, `m2d distill --loss`", docs(LOSSES)),
+        "Baselines": ("`stage2.baselines`", {n: _first(BASELINES[n].summary) for n in BASELINES}),
+        "Losses": ("`distill.loss`, `m2d distill --loss`", losses()),
         "Targets modes": (
             "`stage2.targets`, `m2d distill --targets`",
             {"online": "the teacher runs beside every student", **{m: _mode(m) for m in MODES}},
         ),
-        "Stages of a run": (
-            "`m2d run`, in this order",
-            {s.name: _first(inspect.getdoc(type(s)) or inspect.getdoc(inspect.getmodule(s))) for s in STAGES},
-        ),
+        "Stages of a run": ("`m2d run`, in this order", {s.name: _stage_doc(s) for s in STAGES}),
     }
+
+
+def losses() -> dict[str, str]:
+    """Each loss: its divergence as the losses module's docstring defines it (`fkl: ...`), and the hidden-state MSE's
+    docstring where the entry adds it (the registry's entries are (divergence, with MSE) pairs)."""
+    from m2d_ray.distill import losses as module
+
+    lines = dict(re.findall(r"^\s+(\w+): (.+)$", inspect.getdoc(module), flags=re.M))
+    mse = _first(module.hidden_mse.__doc__).split(", over")[0]  # its first clause: what it measures
+    out = {}
+    for name in module.LOSSES:
+        divergence, with_mse = module.LOSSES[name]
+        text = " ".join(lines[divergence].split())
+        out[name] = f"{text}; plus the {mse[0].lower()}{mse[1:]} (`distill.mse_weight`)" if with_mse else text
+    return out
+
+
+def _stage_doc(stage) -> str:
+    """A stage's class docstring when it has its own, else its module's first paragraph."""
+    return _first(type(stage).__dict__.get("__doc__") or inspect.getdoc(inspect.getmodule(type(stage))))
 
 
 def _mode(mode: str) -> str:
@@ -316,6 +338,15 @@ def on_files(files, config):
     for png in sorted((ROOT / "benchmarks" / "screenshots").glob("*.png")):
         files.append(File.generated(config, f"images/{png.name}", abs_src_path=str(png)))
     return files
+
+
+SCREENSHOT = re.compile(r"\]\((?:\.\./)+benchmarks/screenshots/([\w.-]+\.png)\)")
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    """A page shows a screenshot by its path in the repository (so it shows on GitHub too); the site by images/."""
+    up = "../" * page.file.src_uri.count("/")
+    return SCREENSHOT.sub(lambda m: f"]({up}images/{m[1]})", markdown)
 
 
 def _first(doc: str) -> str:

@@ -26,7 +26,7 @@ from m2d_ray.plan.cost import (
     place,
     stage_cost,
 )
-from m2d_ray.plan.devices import NodeType, bundle, holders, smallest_gpu
+from m2d_ray.plan.devices import NodeType, bundle, holders, pin_fix, smallest_gpu
 from m2d_ray.plan.shapes import Models, Shape
 from m2d_ray.plan.targets import TeacherTargets, configured, per_token, storage_kind
 from m2d_ray.sizes import gib
@@ -358,6 +358,8 @@ def unit(
     else:
         capacity = int(devices.host_memory * HEADROOM / max(1, units)) if devices.host_memory else None
     nodes = "; ".join(n.describe() for n in devices.nodes) if devices.nodes is not None else ""
+    if found == []:  # the pin alone in the way: say which key, and to what
+        keys = pin_fix(request, list(devices.nodes), keys) or keys
     return StagePlan(
         name,
         unit,

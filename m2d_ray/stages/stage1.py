@@ -20,6 +20,7 @@ import html
 from functools import partial
 from pathlib import Path
 
+from m2d_ray.accelerators import spot
 from m2d_ray.config import parse_recipe
 from m2d_ray.data.text import check_spec
 from m2d_ray.errors import M2DError, RunFailed
@@ -51,7 +52,7 @@ from m2d_ray.stages.grid import expand
 
 class Stage1(Stage):
     name = "stage1"
-    keys = "ray.gpus_per_trial / ray.cpus_per_trial / ray.trial_accelerator"
+    keys = "ray.gpus_per_trial / ray.cpus_per_trial / ray.trial_accelerator / ray.spot_trials"
 
     def check(self, cfg, teacher: str) -> None:
 
@@ -70,7 +71,7 @@ class Stage1(Stage):
 
     def request(self, cfg) -> dict:
         r = cfg.ray
-        return bundle(r.cpus_per_trial, r.gpus_per_trial, r.trial_accelerator)
+        return {**bundle(r.cpus_per_trial, r.gpus_per_trial, r.trial_accelerator), **spot(r.spot_trials)}
 
     def reads(self, cfg) -> dict[str, str]:
         return {} if cfg.stage2.recipes else {"eval.data": cfg.eval.data}

@@ -16,7 +16,7 @@ import torch
 from ray import tune
 
 from m2d_ray import storage
-from m2d_ray.accelerators import pin
+from m2d_ray.accelerators import pin, spot
 from m2d_ray.arch import get_adapter
 from m2d_ray.artifacts import write_json_atomic
 from m2d_ray.calibrate.artifact import StatsArtifact, load_stats
@@ -404,6 +404,7 @@ def _tune(
         "cpu": cfg.ray.cpus_per_trial,
         "gpu": cfg.ray.gpus_per_trial,
         **(pin(cfg.ray.trial_accelerator) if cfg.ray.gpus_per_trial > 0 else {}),
+        **spot(cfg.ray.spot_trials),
     }
     trainable = tune.with_resources(
         tune.with_parameters(stage1_trainable, model=model, plans=plans, eval_ids=ids, cfg=cfg, store=store), resources

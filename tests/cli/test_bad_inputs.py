@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import ROOT
 from judge_server import JudgeServer
 
@@ -186,6 +187,7 @@ def w(tmp_path_factory, tiny_teacher_dir):
     }
     for name, data in texts.items():
         (p["work"] / name).write_bytes(data)
+    (p["work"] / "raycluster_without_cpus.yaml").write_text(_raycluster_without_cpus())
     (p["work"] / "mine").mkdir()
     (p["work"] / "mine" / "thesis.tex").write_text("do not delete\n")
     (p["work"] / "textdir").mkdir()
@@ -526,6 +528,10 @@ CASES = {
         "distill.gradient_checkpointing=true",
     ),
     "plan: cluster config missing": (lambda w: ["plan", str(TINY), "--cluster", "missing.yaml"], "not found"),
+    "plan: a RayCluster whose head has no CPUs": (
+        lambda w: ["plan", str(TINY), "--cluster", str(w["work"] / "raycluster_without_cpus.yaml")],
+        "Ray's autoscaler cannot read this RayCluster (Autoscaler failed to detect `CPU` resources",
+    ),
     "plan: a CPU efficiency above 1": (
         lambda w: ["plan", str(TINY), "plan.cpu_efficiency=1.5"],
         "plan.cpu_efficiency=1.5 must be in (0, 1]",
@@ -700,6 +706,14 @@ def _snapshot(root: Path) -> dict[str, tuple]:
             out[str(path.relative_to(root))] = (st.st_mode, st.st_size, st.st_mtime_ns)
     out.pop("tmp")
     return out
+
+
+def _raycluster_without_cpus() -> str:
+    """k8s/raycluster.yaml with its head's container limits gone: Ray's autoscaler cannot tell its CPUs."""
+    docs = list(yaml.safe_load_all((ROOT / "k8s" / "raycluster.yaml").read_text()))
+    head = next(d for d in docs if d["kind"] == "RayCluster")["spec"]["headGroupSpec"]
+    del head["template"]["spec"]["containers"][0]["resources"]
+    return yaml.safe_dump_all(docs)
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))

@@ -10,6 +10,7 @@ pyproject.toml to ray==2.60.0. No boto3 call and no network: sockets are blocked
 from __future__ import annotations
 
 import copy
+import re
 import socket
 
 import jsonschema
@@ -18,6 +19,7 @@ import ray
 import yaml
 from conftest import ROOT
 from ray.autoscaler._private.util import prepare_config, validate_config
+from remote import HEAD_HOME, LAPTOP_HOME, on_head
 
 CLUSTER_YAML = ROOT / "cluster.yaml"
 
@@ -187,3 +189,80 @@ def test_ray_validator_rejects_inconsistent_node_types(prepared, no_network):
     bad["available_node_types"]["gpu_a10g_1x"]["min_workers"] = bad["max_workers"] + 1
     with pytest.raises(ValueError, match="min_workers"):
         validate_config(bad)
+
+
+# --- the tutorial's path on AWS -----------------------------------------------------------------
+
+
+def submit_commands() -> list[tuple[str, str]]:
+    """(where, command) of every `ray job submit` in the docs' bash blocks and in cluster.yaml's comments, continued
+    lines joined."""
+    out = []
+    for path in sorted((ROOT / "docs").rglob("*.md")):
+        for block in re.findall(r"```bash\n(.*?)```", path.read_text(), flags=re.S):
+            out += [(path.name, c) for c in _joined(block) if c.startswith("ray job submit")]
+    comments = "\n".join(
+        re.sub(r"^#\s*(\d\.\s+)?", "", line) for line in CLUSTER_YAML.read_text().splitlines() if line.startswith("#")
+    )
+    out += [("cluster.yaml", c) for c in _joined(comments) if c.startswith("ray job submit")]
+    return out
+
+
+def _joined(text: str) -> list[str]:
+    return [line.split("  #")[0].strip() for line in re.sub(r"\\\n\s*", " ", text).splitlines()]
+
+
+#: the head's home where a page's cluster is not cluster.yaml's (ssh_user ubuntu): KubeRay's image runs as `ray`
+HEAD_HOMES = {"kubernetes.md": "/home/ray"}
+
+
+def test_every_submitted_path_is_the_head_s():
+    """A `ray job submit` line as a laptop's shell and then the head's shell see it (Ray joins the arguments with
+    shlex.join): the run directory is a path on the head, never the laptop's home; m2d expands a quoted `~` there."""
+    commands = submit_commands()
+    assert {w for w, _ in commands} >= {"cluster.md", "cluster.yaml", "kubernetes.md"} and len(commands) >= 4
+    for where, command in commands:
+        home = HEAD_HOMES.get(where, HEAD_HOME)
+        argv = on_head(command, head_home=home)
+        assert argv[:2] == ["m2d", "run"], (where, argv)
+        paths = [argv[i + 1] for i, a in enumerate(argv) if a in ("--out", "--resume")]
+        assert paths, (where, argv)
+        for path in paths:
+            on_head_path = home + path[1:] if path.startswith("~") else path  # Path.expanduser, on the head
+            assert LAPTOP_HOME not in path and on_head_path.startswith(home + "/"), (where, path)
+
+
+def test_the_unquoted_trap_is_caught():
+    """The check above fails on what the tutorial used to say: `--out ~/runs/...` reaches the head as the laptop's
+    home."""
+    argv = on_head("ray job submit --address http://localhost:8265 -- m2d run x.yaml --out ~/runs/x")
+    assert argv[argv.index("--out") + 1] == f"{LAPTOP_HOME}/runs/x"
+
+
+def test_ray_down_ends_what_the_run_started(raw):
+    """Nodes are terminated, never stopped (a stopped node's volume bills on), and every volume goes with its node."""
+    assert raw["provider"]["cache_stopped_nodes"] is False
+    for name, node in raw["available_node_types"].items():
+        for mapping in node["node_config"]["BlockDeviceMappings"]:
+            assert mapping["Ebs"]["DeleteOnTermination"] is True, name
+
+
+def test_what_the_tunnel_reaches_listens_on_the_head_s_loopback(prepared):
+    """The dashboard (its job API runs code) and MLflow (no authentication) bind 127.0.0.1: `ray dashboard`'s SSH
+    tunnel reaches them, no other node or address does (docs/explanation/security.md)."""
+    head = " ; ".join(prepared["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head and "mlflow server --host 127.0.0.1" in head
+    every = [c for key in COMMAND_LISTS for c in prepared[key]]
+    assert not [c for c in every if "0.0.0.0" in c]
+
+
+def test_flash_attn_is_built_once_into_the_bucket_not_on_gpu_nodes(raw, prepared):
+    """The wheel is built (if the bucket has none) by setup_commands, which the head runs at `ray up`; GPU workers
+    install the cached wheel. The bucket is the one the tutorial names."""
+    build = [c for c in raw["setup_commands"] if "pip wheel" in c]
+    assert len(build) == 1 and "flash-attn" in build[0] and "s3 sync ~/wheels" in build[0]
+    assert build[0].index('s3 sync "$cache" ~/wheels') < build[0].index("pip wheel")  # the cache first
+    worker = prepared["worker_setup_commands"]
+    assert any("~/wheels/flash_attn-" in c for c in worker)
+    bucket = re.search(r"s3://([\w-]+)/m2d/wheels", build[0]).group(1)
+    assert f"s3://{bucket}/" in (ROOT / "docs" / "tutorials" / "cluster.md").read_text()

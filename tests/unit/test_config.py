@@ -20,6 +20,7 @@ TEACHERS = {
     "deepseek-ai/DeepSeek-V2-Lite": (6, 64),
     "openai/gpt-oss-20b": (4, 32),
     "../shared/teachers/qwen3moe-wiki4": (4, 32),
+    "teachers/wiki-moe": (4, 32),  # experiments/train_text_teacher.py's, the same shape (train_text_teacher.SHAPE)
 }
 
 

@@ -48,6 +48,11 @@ class Baseline(Checked):
         self.name, self.key, self.teacher_key = name, f"baseline-{name}", f"teacher-{name}"
 
     @property
+    def summary(self) -> str:
+        """What this baseline is, in a sentence (the registries reference): its class's own docstring."""
+        return type(self).__dict__.get("__doc__") or ""
+
+    @property
     def has_teacher(self) -> bool:
         """Whether it is distilled from a teacher of its own (then stage 3 evaluates that teacher too)."""
         return self.teacher_label is not None

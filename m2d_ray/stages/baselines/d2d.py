@@ -57,6 +57,9 @@ SEARCH, CANDIDATES = (
 
 
 class D2D(Baseline):
+    """Dense-to-dense (Minitron): a dense teacher of the MoE's total size pruned to the student's parameter count (the
+    best of a candidate search), distilled from that dense teacher under the same budget."""
+
     teacher_label = "dense teacher"
 
     def __init__(self) -> None:

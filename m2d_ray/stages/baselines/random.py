@@ -6,10 +6,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from m2d_ray.convert.baselines import RANDOM_BASELINES
 from m2d_ray.convert.initial import InitialStudent
 from m2d_ray.stages.baselines.base import Baseline
 
 
 class RandomBaseline(Baseline):
+    @property
+    def summary(self) -> str:
+        """The docstring of the function that builds its student (`convert/baselines.py`)."""
+        return RANDOM_BASELINES[self.name].__doc__ or ""
+
     def builder(self, moe: str, prepared: object | None, seed: int) -> Callable[[Path], None]:
         return InitialStudent(moe, None, self.name, seed)

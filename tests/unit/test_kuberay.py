@@ -1,0 +1,207 @@
+"""k8s/ (KubeRay): the RayCluster and the RayJob validated against KubeRay v1.7.0's CRD schemas (tests/data/kuberay/,
+with the unknown-field check of `kubectl apply --validate=strict`), the worker groups read as Ray's autoscaler reads
+them, and the RayJob's run planned on them as `m2d plan --cluster` plans one on cluster.yaml. No Kubernetes here: what
+that leaves untried is in docs/how-to/kubernetes.md."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import PurePosixPath
+
+import jsonschema
+import pytest
+import ray
+import yaml
+from conftest import ROOT
+from remote import on_head
+
+from m2d_ray.config import load_config
+from m2d_ray.errors import M2DError
+from m2d_ray.models import load_config as model_config
+from m2d_ray.pipeline import plan as make_plan
+from m2d_ray.plan.devices import cluster_settings, from_cluster_yaml
+from m2d_ray.plan.prices import hourly
+from m2d_ray.plan.run_plan import Devices
+
+K8S = ROOT / "k8s"
+SCHEMAS = ROOT / "tests" / "data" / "kuberay"
+IMAGE_ROOT = PurePosixPath("/home/ray/m2d_ray")  # the checkout inside the image (k8s/Dockerfile's WORKDIR)
+
+
+def manifests() -> list[dict]:
+    return [d for path in sorted(K8S.glob("*.yaml")) for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def of_kind(kind: str) -> dict:
+    return next(d for d in manifests() if d["kind"] == kind)
+
+
+@pytest.fixture(scope="module")
+def schemas() -> dict[str, dict]:
+    out = {}
+    for path in SCHEMAS.glob("*.schema.json"):
+        data = json.loads(path.read_text())
+        assert "kuberay v1.7.0" in data["source"]
+        out[data["kind"]] = data
+    return out
+
+
+def unknown_fields(value, schema: dict, where: str = "") -> list[str]:
+    """Fields the schema does not declare (a structural schema prunes them; `kubectl apply --validate=strict`, the
+    default, refuses them), at any depth."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    if isinstance(value, dict) and "properties" in schema:
+        out = []
+        for key, item in value.items():
+            if key in schema["properties"]:
+                out += unknown_fields(item, schema["properties"][key], f"{where}.{key}")
+            elif not schema.get("additionalProperties"):
+                out.append(f"{where}.{key}")
+        return out
+    if isinstance(value, dict) and isinstance(schema.get("additionalProperties"), dict):
+        return [e for k, v in value.items() for e in unknown_fields(v, schema["additionalProperties"], f"{where}.{k}")]
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [e for i, v in enumerate(value) for e in unknown_fields(v, schema["items"], f"{where}[{i}]")]
+    return []
+
+
+def problems(doc: dict, schemas: dict) -> list[str]:
+    data = schemas[doc["kind"]]
+    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validate(doc, data["schema"])]
+    if doc["apiVersion"] != data["apiVersion"]:
+        errors.append(f"apiVersion {doc['apiVersion']}, the schema's is {data['apiVersion']}")
+    return errors + [f"{f}: unknown field" for f in unknown_fields(doc, data["schema"])]
+
+
+def validate(doc: dict, schema: dict):
+    return jsonschema.Draft7Validator(schema).iter_errors(doc)
+
+
+def test_the_manifests_hold_a_raycluster_and_a_rayjob_on_it():
+    kinds = [d["kind"] for d in manifests()]
+    assert kinds.count("RayCluster") == 1 and kinds.count("RayJob") == 1
+    cluster, job = of_kind("RayCluster"), of_kind("RayJob")
+    assert job["spec"]["clusterSelector"] == {"ray.io/cluster": cluster["metadata"]["name"]}
+    assert cluster["spec"]["rayVersion"] == ray.__version__  # the image's Ray is the one pyproject.toml pins
+    assert f"FROM rayproject/ray:{ray.__version__}-" in (K8S / "Dockerfile").read_text()
+    images = {c["image"] for g in _groups(cluster) for c in g["template"]["spec"]["containers"]}
+    assert len(images) == 1  # one image on every pod (the submitter pod takes the head's)
+
+
+def test_the_manifests_are_valid_against_kuberay_s_crd_schemas(schemas):
+    for doc in manifests():
+        if doc["kind"] in schemas:
+            assert problems(doc, schemas) == [], doc["kind"]
+
+
+def _misspelt(doc):
+    doc["spec"]["workerGroupSpecs"][0]["maxReplica"] = doc["spec"]["workerGroupSpecs"][0].pop("maxReplicas")
+
+
+def _replicas_as_text(doc):
+    doc["spec"]["workerGroupSpecs"][0]["replicas"] = "two"
+
+
+def _unknown_upscaling_mode(doc):
+    doc["spec"]["autoscalerOptions"]["upscalingMode"] = "Fast"
+
+
+def _container_field_misspelt(doc):
+    doc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["imag"] = "x"
+
+
+def _group_without_template(doc):
+    del doc["spec"]["workerGroupSpecs"][0]["template"]
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [_misspelt, _replicas_as_text, _unknown_upscaling_mode, _container_field_misspelt, _group_without_template],
+)
+def test_the_schema_check_can_fail(schemas, mutate):
+    doc = copy.deepcopy(of_kind("RayCluster"))
+    mutate(doc)
+    assert problems(doc, schemas)
+
+
+def test_gpu_groups_scale_from_zero_under_a_cpu_head():
+    spec = of_kind("RayCluster")["spec"]
+    assert spec["enableInTreeAutoscaling"] is True and spec["authOptions"]["mode"] == "token"
+    head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]
+    assert not any(k.endswith("gpu") for k in head["limits"])
+    for group in spec["workerGroupSpecs"]:
+        assert group["minReplicas"] == group["replicas"] == 0 < group["maxReplicas"], group["groupName"]
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        gpu_type = [k for k in group["resources"] if k.startswith("accelerator_type:")]
+        assert int(limits["nvidia.com/gpu"]) > 0 and len(gpu_type) == 1, group["groupName"]
+
+
+def test_the_worker_groups_are_node_types_as_ray_s_autoscaler_reads_them(tmp_path):
+    nodes = {n.name: n for n in from_cluster_yaml(K8S / "raycluster.yaml")}
+    head, idle = cluster_settings(K8S / "raycluster.yaml")
+    assert idle == 10.0 and nodes[head].gpus == 0 and nodes[head].resources["CPU"] == 7
+    h100 = nodes["gpu-h100-8x"]
+    assert (h100.gpus, h100.accelerator, h100.max_workers, h100.instance, h100.spot) == (8, "H100", 2, "p5.48xlarge", 0)
+    assert hourly(h100) > hourly(nodes[head]) > 0  # priced by the nodeSelector's instance type
+    cluster = copy.deepcopy(of_kind("RayCluster"))
+    spot = copy.deepcopy(cluster["spec"]["workerGroupSpecs"][0])  # a spot group, as docs/how-to/kubernetes.md adds one
+    spot["groupName"], spot["resources"]["spot"] = "gpu-h100-8x-spot", "1"
+    spot["template"]["spec"]["nodeSelector"]["karpenter.sh/capacity-type"] = "spot"
+    cluster["spec"]["workerGroupSpecs"].append(spot)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cluster))
+    read = {n.name: n for n in from_cluster_yaml(tmp_path / "c.yaml")}
+    assert read["gpu-h100-8x-spot"].spot and read["gpu-h100-8x-spot"].resources["spot"] == 1
+    assert 0 < hourly(read["gpu-h100-8x-spot"]) < hourly(h100)
+    del cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(cluster))
+    with pytest.raises(M2DError, match="cannot read this RayCluster"):
+        from_cluster_yaml(tmp_path / "bad.yaml")
+
+
+def entrypoint_argv() -> list[str]:
+    """The driver's argv on the head: KubeRay's submitter shell runs `ray job submit ... -- ENTRYPOINT`."""
+    job = of_kind("RayJob")
+    return on_head(
+        f"ray job submit --address http://m2d-head-svc:8265 -- {job['spec']['entrypoint']}", "/root", "/home/ray"
+    )
+
+
+def test_the_rayjob_s_run_plans_on_the_raycluster_s_worker_groups():
+    """What `m2d run` checks before calibration, against the worker groups: every stage has a group that holds it
+    and fits its GPU; its run directory is on the head's persistent volume, its storage a bucket."""
+    argv = entrypoint_argv()
+    assert argv[:2] == ["m2d", "run"]
+    config = PurePosixPath(argv[2])
+    overrides = [a for a in argv[3:] if "=" in a and not a.startswith("-")]
+    options = dict(zip(argv[3::1], argv[4::1]))
+    assert config.is_relative_to(IMAGE_ROOT) and (ROOT / config.relative_to(IMAGE_ROOT)).is_file()
+    cfg = load_config(ROOT / config.relative_to(IMAGE_ROOT), overrides)
+    assert cfg.ray.address is None  # the job's RAY_ADDRESS
+    head = of_kind("RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]
+    claims = {v["name"] for v in head["volumes"] if "persistentVolumeClaim" in v}
+    mounts = [PurePosixPath(m["mountPath"]) for m in head["containers"][0]["volumeMounts"] if m["name"] in claims]
+    assert any(PurePosixPath(options["--out"]).is_relative_to(m) for m in mounts), options["--out"]
+    assert options["--storage"].startswith(("s3://", "gs://"))
+    nodes = tuple(from_cluster_yaml(K8S / "raycluster.yaml"))
+    head_type, idle = cluster_settings(K8S / "raycluster.yaml")
+    teacher = model_config(str(ROOT / "experiments" / "configs" / "Qwen--Qwen3-30B-A3B"))
+    plan = make_plan(cfg, teacher, Devices(nodes=nodes, head=head_type, idle_minutes=idle))
+    assert plan.problems() == []
+    assert all(s.holders and (s.fits is True or not s.share) for s in plan.stages)
+    assert plan.cost.totals()["dollars"] > 0
+    without_fix = [a for a in overrides if not a.startswith("ray.trial_accelerator=")]
+    refused = make_plan(load_config(ROOT / config.relative_to(IMAGE_ROOT), without_fix), teacher, Devices(nodes=nodes))
+    assert "ray.trial_accelerator=A10G (no node type has an A10G" in refused.problems()[0]
+
+
+def _groups(cluster: dict) -> list[dict]:
+    return [cluster["spec"]["headGroupSpec"], *cluster["spec"]["workerGroupSpecs"]]
+
+
+def test_the_schemas_are_kuberay_s_as_stored():
+    for path in SCHEMAS.glob("*.schema.json"):
+        data = json.loads(path.read_text())
+        assert data["schema"]["properties"]["spec"]["type"] == "object" and len(data["source_sha256"]) == 64
+    assert "v1.7.0" in (SCHEMAS / "README.md").read_text()
