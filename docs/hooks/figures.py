@@ -63,7 +63,7 @@ PLANS = {
         "cluster.yaml",
         None,
     ),
-    "paper-budget": ("experiments/qwen3_30b_a3b.yaml", ["plan.max_dollars=3000"], "cluster.yaml", None),
+    "paper-budget": ("experiments/qwen3_30b_a3b.yaml", ["plan.max_dollars=2000"], "cluster.yaml", None),
 }
 
 
@@ -102,6 +102,12 @@ def line(name: str) -> dict:
     from m2d_ray.plan.run_plan import plan_line
 
     return json.loads(plan_line(plan(name)))
+
+
+def measured_gpu():
+    from m2d_ray.measured import gpu
+
+    return gpu()
 
 
 def config(path: str, *overrides: str):
@@ -284,7 +290,13 @@ FIGURES = {
     "price.g5": lambda: price("g5.2xlarge"),
     "price.p5": lambda: price("p5.48xlarge"),
     "price.m5": lambda: price("m5.2xlarge"),
-    "plan.efficiency": lambda: f"{config('experiments/tiny.yaml').plan.efficiency:g}",
+    "plan.efficiency": lambda: ", ".join(
+        f"{k} {v:g}" for k, v in config("experiments/tiny.yaml").plan.efficiency.items()
+    ),
+    "plan.gpu_start_s": lambda: ", ".join(
+        f"{k} {v:g} s" for k, v in config("experiments/tiny.yaml").plan.gpu_start_s.items()
+    ),
+    "measured.device": lambda: measured_gpu().device,
     "plan.cpu_efficiency": lambda: f"{config('experiments/tiny.yaml').plan.cpu_efficiency:g}",
     "paper.asha": lambda: next(
         t.strip() for t in plan("paper").cost.table().splitlines() if t.strip().startswith("stage 2 under ASHA")

@@ -65,10 +65,11 @@ def test_a_command_past_the_parts_timeout_is_killed_with_its_process_group(tmp_p
         ctx.sh(["bash", "-c", "exit 3"], "fails")
 
 
-def test_cpu_smoke_runs_every_required_part_and_writes_the_table_results_and_efficiency(tmp_path):
+def test_cpu_smoke_runs_every_required_part_and_writes_the_table_and_results(tmp_path):
     """`python benchmarks/gpu_acceptance.py --cpu-smoke`: P7 for online, hidden and sampled targets, a whole `m2d run`
-    (hidden targets, one student) and the Ray Data token pass, on the CPU with tiny shapes; one table at the end and
-    efficiency.json (on the CPU: `plan.cpu_efficiency`'s figure, tiny shapes: plumbing only)."""
+    (hidden targets, one student) and the Ray Data token pass, on the CPU with tiny shapes; one table at the end, the
+    efficiency per mode in the results (on the CPU: `plan.cpu_efficiency`'s figure, tiny shapes: plumbing only), and
+    no measured_gpu.json (a CPU measures no GPU figure; tests/unit/test_plan_gpu.py checks the file's making)."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu_acceptance.py"), "--cpu-smoke", "--work", str(tmp_path)],
         capture_output=True,
@@ -93,10 +94,15 @@ def test_cpu_smoke_runs_every_required_part_and_writes_the_table_results_and_eff
     assert (
         p7["hidden"]["flops_per_token"] > p7["sampled:8"]["flops_per_token"]
     )  # the teacher's head, counted as the bill does
-    eff = json.loads((tmp_path / "efficiency.json").read_text())
+    eff = results["parts"]["P7"]["efficiency"]
     assert eff["key"] == "plan.cpu_efficiency" and set(eff["modes"]) == set(p7)
-    assert eff["efficiency"] == min(m["efficiency"] for m in eff["modes"].values()) > 0
+    assert all(m["efficiency"] > 0 for m in eff["modes"].values())
+    assert results["parts"]["P7"]["kl_kernel"] == {"online": "chunked", "hidden": "chunked"}
+    assert not (tmp_path / "measured_gpu.json").exists()
     run = results["parts"]["run"]["result"]
+    assert (
+        set(results["parts"]["run"]["walls"]) == set(run["stages"]) and results["parts"]["run"]["machine"]["gpus"] == 0
+    )
     assert run["outcome"]["students"]["ok"] == 1 and set(run["stages"]) >= {"stage1", "stage2", "stage3"}
     assert (
         "targets" in results["parts"]["run"]["bill"]["stages"]
