@@ -64,6 +64,8 @@ PLANS = {
         None,
     ),
     "paper-budget": ("experiments/qwen3_30b_a3b.yaml", ["plan.max_dollars=2000"], "cluster.yaml", None),
+    "paper-1rank-ds": ("experiments/qwen3_30b_a3b.yaml", ["distill.workers=1"], None, None),
+    "paper-1rank": ("experiments/qwen3_30b_a3b.yaml", ["distill.workers=1", "distill.deepspeed=false"], None, None),
 }
 
 
@@ -257,6 +259,8 @@ FIGURES = {
     "k8s.s3_month": lambda: s3_month("paper-k8s"),
     "online.rank": lambda: gib(stage("paper-online", "stage2", "per_gpu_bytes")),
     "hidden2.rank": lambda: gib(stage("paper-hidden-2", "stage2", "per_gpu_bytes")),
+    "one_rank.deepspeed": lambda: gib(stage("paper-1rank-ds", "stage2", "per_gpu_bytes")),
+    "one_rank.plain": lambda: gib(stage("paper-1rank", "stage2", "per_gpu_bytes")),
     "teacher.weights": lambda: gib(teacher_bytes()),
     "student.params": student_params,
     "sharded.dollars": lambda: usd(line("paper-sharded")["dollars"]),

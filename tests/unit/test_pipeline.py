@@ -65,7 +65,7 @@ class Probe(Stage):
         return {"probe files": 5 << 20}, {}
 
     def cost(self, c):
-        return [c.stage(self.name, [2e9], c.place(self.name, 0, 1, 1, None), 1.0)]
+        return [c.stage(self.name, [2e9], c.place(self.name, 0, 1, 1, None), "actor")]
 
     def run(self, ctx):
         (ctx.rd.path / "probe.txt").write_text("probed")

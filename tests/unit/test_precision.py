@@ -10,15 +10,10 @@ Adam's first step is blind to a gradient's scale, so only whole trajectories are
 from __future__ import annotations
 
 import copy
-import json
-import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import ROOT
 
 from m2d_ray.config import DistillConfig
@@ -27,77 +22,25 @@ from m2d_ray.distill.step import DistillStep
 from m2d_ray.errors import M2DError
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import p7_distill_throughput as p7  # noqa: E402
+import precision_trajectories as pt  # noqa: E402
 
-STEPS, BATCH, SEQ = 20, 2, 32  # P7's cpu preset models; short batches (bf16 matmuls are ~5x slower on this CPU)
+SIZES = (20, 2, 32)  # steps, global sequences, tokens each: short batches (bf16 matmuls are ~5x slower on this CPU)
 BAND = 0.01  # bf16-mixed against float32, at every step
-
-
-def _gap(a: list[float], b: list[float]) -> float:
-    """The largest relative difference between two loss trajectories, step by step."""
-    assert len(a) == len(b) == STEPS
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
-def _batches() -> torch.Tensor:
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, p7.PRESETS["cpu"]["vocab"], (STEPS, BATCH, SEQ), generator=g)
-
-
-def _trajectory(path: str, precision: str, rank: int, world: int) -> list[float]:
-    """`path`'s losses over STEPS steps (means over the ranks), this rank reading its share of each global batch.
-    plain / ddp: DistillStep without DeepSpeed; deepspeed: ZeRO-2; sharded: DDP beside an FSDP2-sharded teacher."""
-    from m2d_ray.distill.sharded_teacher import shard_loaded
-
-    policy = PRECISIONS[precision]
-    torch.manual_seed(0)
-    teacher, student = p7.build_models(p7.PRESETS["cpu"], torch.float32)
-    model = teacher.model.to(policy.dtype)  # the teacher computes in the policy's dtype, as distill/loop.py loads it
-    head = model.get_output_embeddings().weight.detach()
-    if path == "sharded":
-        shard_loaded(model, teacher.adapter.layers(model), "cpu")
-    cfg = DistillConfig(
-        steps=STEPS, warmup_steps=STEPS // 4, batch_size=BATCH // world, seq_len=SEQ, deepspeed=path == "deepspeed"
-    )
-    trainer = DistillStep(student.train(), model, cfg, "cpu", world, policy, head=head)
-    losses = []
-    for batch in _batches():
-        trainer.step([batch[rank * BATCH // world : (rank + 1) * BATCH // world]])
-        losses.append(trainer.take_loss())
-    return losses
-
-
-def _group_main(rank: int, world: int, port: int, runs: list[tuple[str, str]], out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
-    )
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = {f"{path}/{precision}": _trajectory(path, precision, rank, world) for path, precision in runs}
-        if rank == 0:
-            Path(out).write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
-
-
-def _run_group(world: int, runs: list[tuple[str, str]], out: Path) -> dict[str, list[float]]:
-    from test_distill_ranks import _free_port
-
-    mp.spawn(_group_main, args=(world, _free_port(), runs, str(out)), nprocs=world, join=True)
-    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory, ds_env) -> dict[str, list[float]]:
-    runs = [(p, x) for p in ("plain", "deepspeed") for x in ("fp32", "bf16-mixed")] + [("plain", "bf16-pure")]
-    return _run_group(1, runs, tmp_path_factory.mktemp("w1") / "losses.json")
+    return pt.run_group(1, pt.ONE_RANK, tmp_path_factory.mktemp("w1") / "losses.json", *SIZES)
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, ds_env) -> dict[str, list[float]]:
-    runs = [(p, x) for p in ("ddp", "deepspeed", "sharded") for x in ("fp32", "bf16-mixed")]
-    return _run_group(2, runs, tmp_path_factory.mktemp("w2") / "losses.json")
+    return pt.run_group(2, pt.TWO_RANKS, tmp_path_factory.mktemp("w2") / "losses.json", *SIZES)
+
+
+def _gap(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) == SIZES[0]
+    return pt.gap(a, b)
 
 
 @pytest.mark.parametrize("path", ["plain", "deepspeed"])
