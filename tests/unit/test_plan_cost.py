@@ -232,7 +232,10 @@ def test_asha_s_stops_shorten_stage_2_and_leave_stage_3_only_the_finishers(paper
     ).cost
     assert again.bound is None and again.dollars == pytest.approx(plan.cost.bound.dollars) and again.asha == ((8, 37),)
     between = (plan.cost.dollars + plan.cost.bound.dollars) / 2
-    assert f"up to ${plan.cost.bound.dollars:,.0f}" in plan.cost.over_budget(between) and plan.cost.over_budget(plan.cost.bound.dollars + 1) is None
+    assert (
+        f"up to ${plan.cost.bound.dollars:,.0f}" in plan.cost.over_budget(between)
+        and plan.cost.over_budget(plan.cost.bound.dollars + 1) is None
+    )
     line = json.loads(plan_line(plan))
     assert (
         line["bound"]["dollars"] == pytest.approx(plan.cost.bound.dollars)

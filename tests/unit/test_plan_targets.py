@@ -83,7 +83,9 @@ def test_reading_cached_states_bounds_a_student_s_time(qwen30b, cluster):
     plan = make_plan(cfg, qwen30b, cluster)
     s2 = plan.cost.by_name()["stage2"]
     reads = student_tokens(cfg) * 2048 * 2 / 1e6
-    assert s2.io_bound == 1 and s2.seconds == pytest.approx(reads + cfg.plan.start_s("student", gpu=True) + cfg.plan.stage_s)
+    assert s2.io_bound == 1 and s2.seconds == pytest.approx(
+        reads + cfg.plan.start_s("student", gpu=True) + cfg.plan.stage_s
+    )
     assert "stage2 is I/O-bound: 1 of 1 units" in plan.cost.table()
     fast = make_plan(_one_student("stage2.targets=hidden"), qwen30b, cluster).cost.by_name()["stage2"]
     assert fast.io_bound == 0 and fast.seconds < s2.seconds  # local NVMe keeps up
