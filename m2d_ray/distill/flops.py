@@ -76,22 +76,24 @@ def flops_per_token(
 
 
 def matmul_rate(
-    device: str | torch.device, dtype: torch.dtype, n: int | None = None, iters: int = 4, repeats: int = 10
+    device: str | torch.device, dtype: torch.dtype, n: int | None = None, repeats: int = 10, budget_s: float = 0.5
 ) -> float:
-    """Measured FLOP/s of an n x n matmul in the training dtype on this device (best of `repeats`, so that
-    a burst of other work does not lower it): the MFU denominator. What the device really reaches, so an
-    MFU against it is a little above one against a data sheet. ~0.5 s on a CPU core, milliseconds on a GPU."""
+    """Measured FLOP/s of an n x n matmul in the training dtype on this device (best of up to `repeats` timings, at
+    least three, within about `budget_s`, so that a burst of other work does not lower it): the MFU denominator. What
+    the device really reaches, so an MFU against it is a little above one against a data sheet. Bounded in time, not
+    in matmuls: a CPU without bfloat16 units runs a bf16 matmul ~50x slower than float32 (0.8 against 53 GFLOP/s
+    here at n = 1024, where a fixed 41 matmuls took 116 s)."""
     cuda = torch.device(device).type == "cuda"
-    n = n or (8192 if cuda else 1024)
+    n = n or (8192 if cuda else 512)
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     a @ b
-    best = float("inf")
-    for _ in range(repeats):
+    best, spent, runs = float("inf"), 0.0, 0
+    while runs < 3 or (runs < repeats and spent < budget_s):
         sync()
         t0 = time.perf_counter()
-        for _ in range(iters):
-            a @ b
+        a @ b
         sync()
-        best = min(best, time.perf_counter() - t0)
-    return iters * 2.0 * n**3 / best
+        took = time.perf_counter() - t0
+        best, spent, runs = min(best, took), spent + took, runs + 1
+    return 2.0 * n**3 / best

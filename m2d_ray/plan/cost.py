@@ -364,7 +364,7 @@ def cpu_rate(cfg: SweepConfig) -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return matmul_rate("cpu", torch.float32, n=512, iters=2, repeats=3)
+        return matmul_rate("cpu", torch.float32, n=512, repeats=3)
     finally:
         torch.set_num_threads(threads)
 
