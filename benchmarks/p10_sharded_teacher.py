@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -55,12 +54,6 @@ def _reset_hwm() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _join(rank: int, world: int, port: int) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
@@ -74,8 +67,10 @@ def _ids(vocab: int, n: int, seed: int = 0) -> torch.Tensor:
 
 
 def _spawn(fn, world: int, *args) -> list[dict]:
+    from _common import free_port
+
     with tempfile.TemporaryDirectory(prefix="m2d-p10-") as out:
-        mp.spawn(fn, args=(world, _port(), out, *args), nprocs=world, join=True)
+        mp.spawn(fn, args=(world, free_port(), out, *args), nprocs=world, join=True)
         return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]
 
 

@@ -52,7 +52,6 @@ import gc
 import json
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -62,7 +61,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._common import cpu_model, machine_line  # noqa: E402
+from benchmarks._common import cpu_model, free_port, machine_line  # noqa: E402
 
 #: model shape, batch and timing of each preset (the teacher is Qwen3-MoE; student width = top_k x expert width)
 PRESETS = {
@@ -160,10 +159,7 @@ def init_process_group(device: str) -> None:
     """A world of one for DeepSpeed (outside Ray Train it would look for MPI)."""
     import deepspeed
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import p7_distill_throughput as p7  # noqa: E402
-from _common import machine_line  # noqa: E402
+from _common import free_port, machine_line  # noqa: E402
 
 ONE_RANK = [(p, x) for p in ("plain", "deepspeed") for x in ("fp32", "bf16-mixed")] + [("plain", "bf16-pure")]
 TWO_RANKS = [(p, x) for p in ("ddp", "deepspeed", "sharded") for x in ("fp32", "bf16-mixed")]
@@ -90,10 +89,7 @@ def _group_main(rank: int, world: int, port: int, runs: list, sizes: tuple, out:
 
 def run_group(world: int, runs: list[tuple[str, str]], out: Path, steps: int, batch: int, seq: int) -> dict:
     """{"path/precision": losses} of `runs`, each trained by a group of `world` gloo processes."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_group_main, args=(world, port, runs, (steps, batch, seq), str(out)), nprocs=world, join=True)
+    mp.spawn(_group_main, args=(world, free_port(), runs, (steps, batch, seq), str(out)), nprocs=world, join=True)
     return json.loads(out.read_text())
 
 
@@ -107,16 +103,16 @@ def main() -> None:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     print(machine_line(), file=sys.stderr)
-    runs = {
-        **run_group(1, ONE_RANK, work / "w1.json", a.steps, a.batch, a.seq),
-        **{f"{k} x2": v for k, v in run_group(2, TWO_RANKS, work / "w2.json", a.steps, a.batch, a.seq).items()},
+    groups = {
+        "": run_group(1, ONE_RANK, work / "w1.json", a.steps, a.batch, a.seq),
+        " x2": run_group(2, TWO_RANKS, work / "w2.json", a.steps, a.batch, a.seq),
     }
-    rows = []
-    for name, losses in runs.items():
-        path, _, rest = name.partition("/")
-        x, _, world = rest.partition(" ")
-        fp32 = runs[f"{path}/fp32{' ' + world if world else ''}"]
-        rows.append({"run": name, "gap_to_fp32": gap(losses, fp32), "last": losses[-1]})
+    runs = {name + world: losses for world, group in groups.items() for name, losses in group.items()}
+    rows = [
+        {"run": name + world, "gap_to_fp32": gap(losses, group[name.split("/")[0] + "/fp32"]), "last": losses[-1]}
+        for world, group in groups.items()
+        for name, losses in group.items()
+    ]
     ones = {"deepspeed vs plain, fp32": gap(runs["deepspeed/fp32"], runs["plain/fp32"])}
     ones["deepspeed vs ddp, fp32, 2 ranks"] = gap(runs["deepspeed/fp32 x2"], runs["ddp/fp32 x2"])
     ones["ddp (2 ranks) vs plain (1), fp32"] = gap(runs["ddp/fp32 x2"], runs["plain/fp32"])
