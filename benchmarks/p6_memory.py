@@ -63,8 +63,9 @@ def case_convert(a, eager: bool) -> dict:
             raise SystemExit("m2d convert failed (its line is above)")
     else:
         from m2d_ray.calibrate.artifact import load_stats
-        from m2d_ray.convert import build_from_plan, make_plan
+        from m2d_ray.convert.build import build_from_plan
         from m2d_ray.convert.export import export_student
+        from m2d_ray.convert.plan import make_plan
 
         teacher = _teacher(a.teacher, True)
         plan = make_plan(teacher, load_stats(a.stats).layers, "do-acp", "rr", "uniform", 4)
@@ -85,7 +86,7 @@ def case_plan(a, eager: bool) -> dict:
 def case_trial(a, eager: bool) -> dict:
     """Stage-1 trials as a Tune worker runs them: plans given (plans.json), build + perplexity each."""
     from m2d_ray.config import EvalConfig
-    from m2d_ray.convert import build_from_plan
+    from m2d_ray.convert.build import build_from_plan
     from m2d_ray.data.text import load_text, tokenize
     from m2d_ray.stages.grid import plan_of
     from m2d_ray.stages.trial import run_trial
@@ -121,8 +122,8 @@ def case_trial(a, eager: bool) -> dict:
 
 def case_stage2(a, eager: bool) -> dict:
     from m2d_ray.calibrate.artifact import load_stats
-    from m2d_ray.convert import make_plan
     from m2d_ray.convert.initial import materialize
+    from m2d_ray.convert.plan import make_plan
 
     teacher = _teacher(a.teacher, eager)
     plan = make_plan(teacher, load_stats(a.stats).layers, "do-acp", "rr", "uniform", 4)

@@ -53,8 +53,9 @@ def main(argv=None) -> None:
 
     from m2d_ray.commands.calibrate import run_calibrate
     from m2d_ray.commands.convert import evaluate_ppl
-    from m2d_ray.convert import build_from_plan, make_plan
-    from m2d_ray.convert.baselines import RANDOM_BASELINES
+    from m2d_ray.convert import RANDOM_BASELINES
+    from m2d_ray.convert.build import build_from_plan
+    from m2d_ray.convert.plan import make_plan
 
     t0 = time.perf_counter()
     teacher, art, reused = run_calibrate(

@@ -13,9 +13,8 @@ import traceback
 
 from m2d_ray import console
 from m2d_ray.config import AnalysisConfig
-from m2d_ray.convert.baselines import RANDOM_BASELINES
-from m2d_ray.convert.scaling import SCALINGS
-from m2d_ray.distill.losses import LOSSES
+from m2d_ray.convert import RANDOM_BASELINES, SCALINGS
+from m2d_ray.distill import LOSSES
 from m2d_ray.errors import M2DError, RunFailed
 from m2d_ray.grouping import GROUPINGS
 from m2d_ray.scoring import SCORINGS

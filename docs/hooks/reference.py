@@ -162,17 +162,18 @@ def config_page() -> str:
 
 # ---- the registries ---------------------------------------------------------------------------------
 def registries() -> dict[str, tuple[str, dict[str, str]]]:
-    """Registry title -> (where its names are used, {name: what it is}): each entry's own docstring (a function's, a
-    stage's class or module, a baseline's `summary`; a loss from the losses module's lines), never one inherited."""
-    from m2d_ray.convert.scaling import SCALINGS
-    from m2d_ray.distill.targets import MODES
+    """Registry title -> (where its names are used, {name: what it is}): each entry's own one-line doc (as its
+    registry declares it, a stage's class or module docstring, a baseline's `summary`; a loss from the losses module's
+    lines), never one inherited."""
+    from m2d_ray.convert import SCALINGS
+    from m2d_ray.distill.target_spec import MODES
     from m2d_ray.grouping import GROUPINGS
     from m2d_ray.pipeline import STAGES
     from m2d_ray.scoring import SCORINGS
     from m2d_ray.stages.baselines import BASELINES
 
-    def docs(reg) -> dict[str, str]:
-        return {n: _first(reg[n].__doc__ or "") for n in reg}
+    def docs(reg) -> dict[str, str]:  # the one-line docs the registry declares, its modules not imported
+        return {n: reg.doc(n) for n in reg}
 
     return {
         "Scorings": ("`grid.scoring`, `m2d convert --scoring`", docs(SCORINGS)),

@@ -9,10 +9,10 @@ from m2d_ray.artifacts import check_output
 from m2d_ray.calibrate.artifact import load_stats
 from m2d_ray.commands.calibrate import calib_options, run_calibrate
 from m2d_ray.console import emit, say
-from m2d_ray.convert import build_from_plan, make_plan
-from m2d_ray.convert.baselines import RANDOM_BASELINES
+from m2d_ray.convert import RANDOM_BASELINES
+from m2d_ray.convert.build import build_from_plan
 from m2d_ray.convert.export import export_student
-from m2d_ray.convert.plan import check_K, check_methods
+from m2d_ray.convert.plan import check_K, check_methods, make_plan
 from m2d_ray.data.text import check_spec, load_text, tokenize
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.perplexity import EVAL_MAX_CHARS, Perplexity, perplexity

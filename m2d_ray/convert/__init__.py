@@ -1,52 +1,41 @@
-"""Conversion: plan (select, group, scale) -> merge -> concatenate -> dense student.
+"""Conversion: plan (select, group, scale) -> merge -> concatenate -> dense student (`convert/build.py`).
 
-Every step takes the teacher as a `models.Teacher` (loaded) or a `weights.LazyTeacher` (weights read on
-demand): a layer reads only the experts its plan merges.
+The registries of this step are declared here, without torch: configs and the CLI know the names of the
+scalings (`convert/scaling.py`) and of the random baseline students (`convert/baselines.py`), whose modules
+are imported at the first lookup.
 """
 
 from __future__ import annotations
 
-import torch
-from transformers import PreTrainedModel
+from m2d_ray.registry import Registry
 
-from m2d_ray.arch.base import DenseFFN, ExpertWeights
-from m2d_ray.calibrate.stats import LayerStats
-from m2d_ray.convert.merge import append_shared, cast_ffn, concat_groups, merge_group
-from m2d_ray.convert.plan import ConversionPlan, LayerPlan, make_plan
-from m2d_ray.convert.student import build_student
+_SCALING = "m2d_ray.convert.scaling"
+_BASELINES = "m2d_ray.convert.baselines"
 
-__all__ = ["convert", "layer_ffn", "merged_groups", "build_from_plan", "make_plan", "ConversionPlan"]
+SCALINGS = Registry(
+    "scaling",
+    lazy={
+        "uniform": (
+            _SCALING,
+            "alpha_g = 1/k (times the router's routed_scaling_factor): the mean weight of a renormalised top-k router.",
+        ),
+        "proportional": (
+            _SCALING,
+            "alpha_g = group score mass / total score mass (x routed_scaling_factor; uniform for all-zero scores).",
+        ),
+        "avg-cp": (_SCALING, "alpha_g = mean over the group of the weight the router applies to e when it selects e."),
+    },
+)
 
+RANDOM_BASELINES = Registry(
+    "baseline",
+    lazy={
+        "random-ffn": (_BASELINES, "Teacher attention, embeddings, norms and head; every MoE FFN freshly initialised."),
+        "random-init": (
+            _BASELINES,
+            "The student architecture with every weight freshly initialised (transformers' own init).",
+        ),
+    },
+)
 
-def merged_groups(teacher, layer: int, plan: LayerPlan) -> list[ExpertWeights]:
-    """The score-weighted merge of each group of one layer, in float64 (reads only the grouped experts)."""
-    needed = sorted({e for g in plan.groups for e in g})
-    experts = teacher.experts(layer, needed)
-    pos = {e: j for j, e in enumerate(needed)}
-    return [
-        merge_group(experts, [pos[e] for e in g], torch.tensor(c, dtype=torch.float64))
-        for g, c in zip(plan.groups, plan.coefs)
-    ]
-
-
-def layer_ffn(teacher, layer: int, plan: LayerPlan) -> DenseFFN:
-    """The dense FFN of one layer in float64: merged groups, concatenated, plus shared experts."""
-    ffn = concat_groups(merged_groups(teacher, layer, plan), plan.alphas)
-    shared = teacher.shared(layer)
-    if shared is not None:
-        ffn = append_shared(ffn, shared, plan.shared_scale)
-    return ffn
-
-
-def build_from_plan(teacher, plan: ConversionPlan) -> PreTrainedModel:
-    """The student of `plan`; each layer's float64 FFN is cast to the teacher's dtype as soon as it is made."""
-    ffns = {i: cast_ffn(layer_ffn(teacher, i, p), teacher.dtype) for i, p in plan.layers.items()}
-    return build_student(teacher, ffns)
-
-
-def convert(
-    teacher, stats: dict[int, LayerStats], scoring: str, grouping: str, scaling: str, K: int
-) -> tuple[PreTrainedModel, ConversionPlan]:
-    """Dense student of `teacher` for one (scoring, grouping, scaling, K) recipe."""
-    plan = make_plan(teacher, stats, scoring, grouping, scaling, K)
-    return build_from_plan(teacher, plan), plan
+__all__ = ["SCALINGS", "RANDOM_BASELINES"]

@@ -3,16 +3,12 @@ random init (nothing kept). They bound what the MoE-derived initialisation buys 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from m2d_ray.arch.base import DenseFFN
+from m2d_ray.convert import RANDOM_BASELINES
 from m2d_ray.convert.student import build_student, student_width
-from m2d_ray.registry import Registry
-
-RANDOM_BASELINES: Registry[Callable[..., PreTrainedModel]] = Registry("baseline")
 
 
 def dense_width(teacher) -> int:

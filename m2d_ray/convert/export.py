@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from m2d_ray.arch.base import ExpertWeights, expert_outputs, rel_error
 from m2d_ray.artifacts import atomic_dir
-from m2d_ray.convert import merged_groups
+from m2d_ray.convert.build import merged_groups
 from m2d_ray.convert.plan import ConversionPlan
 
 EXACT_TOL = 1e-10

@@ -7,10 +7,9 @@ from collections.abc import Callable
 from torch import Tensor
 
 from m2d_ray.calibrate.stats import LayerStats
-from m2d_ray.registry import Registry
+from m2d_ray.convert import SCALINGS
 
 ScalingFn = Callable[[LayerStats, list[list[int]], Tensor, float], list[float]]
-SCALINGS: Registry[ScalingFn] = Registry("scaling")
 
 
 @SCALINGS.register("uniform")

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from m2d_ray.distill.kernels import KL_KERNELS
-from m2d_ray.distill.losses import LOSSES
-from m2d_ray.distill.precision import AUTO, PRECISIONS
+from m2d_ray.distill import AUTO, CUDA_ONLY_KERNELS, KL_KERNELS, LOSSES, PRECISIONS
 from m2d_ray.errors import M2DError
 
 STOP_POLL_STEPS = 10  # a stop request (ASHA's) is looked at every this many steps (or every eval_every, if fewer)
@@ -139,7 +137,7 @@ def check_distill(d: DistillConfig) -> None:
         )
     if d.kl_kernel != AUTO and d.kl_kernel not in KL_KERNELS:
         raise M2DError(f"distill.kl_kernel: {KL_KERNELS.unknown_message(d.kl_kernel)} (or auto)")
-    if d.kl_kernel != AUTO and KL_KERNELS[d.kl_kernel].cuda_only and d.gpus_per_worker <= 0:
+    if d.kl_kernel != AUTO and d.kl_kernel in CUDA_ONLY_KERNELS and d.gpus_per_worker <= 0:
         raise M2DError(
             f"distill.kl_kernel={d.kl_kernel} runs on CUDA devices only and distill.gpus_per_worker is 0; use chunked "
             "or auto"

@@ -28,9 +28,9 @@ from torch import Tensor
 
 from m2d_ray import measured
 from m2d_ray.console import say
+from m2d_ray.distill import KL_KERNELS
 from m2d_ray.distill.losses import chunked_kl
 from m2d_ray.errors import M2DError
-from m2d_ray.registry import Registry
 
 # Imported inside functions: liger_kernel (an optional GPU dependency, the [gpu] extra).
 
@@ -78,7 +78,6 @@ def liger_kl(
     return loss if t == 1.0 else loss * (t * t)
 
 
-KL_KERNELS: Registry[KLKernel] = Registry("distill.kl_kernel")
 for _k in (
     KLKernel("chunked", chunked_kl),
     KLKernel("compiled", chunked_kl, compiles=True),

@@ -24,14 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from m2d_ray.distill import LOSSES  # noqa: F401  (declared there; importers of losses.LOSSES keep working)
 from m2d_ray.numerics import logits
-from m2d_ray.registry import Registry
-
-#: loss name -> (logit divergence, whether hidden-state MSE over all layers is added)
-LOSSES: Registry[tuple[str, bool]] = Registry("loss")
-LOSSES.register("fkl")(("fkl", False))
-LOSSES.register("rkl")(("rkl", False))
-LOSSES.register("fkl+mse")(("fkl", True))
 
 
 def _fkl(ls: Tensor, lt: Tensor) -> tuple[Tensor, Tensor]:

@@ -22,9 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from m2d_ray.registry import Registry
-
-AUTO = "auto"
+from m2d_ray.distill import AUTO, PRECISIONS
 
 
 @dataclass(frozen=True)
@@ -47,8 +45,6 @@ class Precision:
         return 12 if self.masters else 2 * self.weight_bytes
 
 
-#: distill.precision besides auto (float16 would need loss scaling)
-PRECISIONS: Registry[Precision] = Registry("distill.precision")
 for _p in (
     Precision("bf16-mixed", torch.bfloat16, masters=True),
     Precision("bf16-pure", torch.bfloat16, masters=False),

@@ -32,114 +32,24 @@ from safetensors.torch import save as save_tensors
 from torch import Tensor
 
 from m2d_ray.artifacts import sha256_bytes, write_json_atomic, write_text_atomic
-from m2d_ray.distill.losses import LOSSES, log_probs
+from m2d_ray.distill import AUTO  # noqa: F401  (re-exported)
+from m2d_ray.distill.losses import log_probs
+from m2d_ray.distill.target_spec import (  # noqa: F401  (the light part; re-exported for the code that makes targets)
+    DEFAULT_K,
+    FINGERPRINT,
+    MANIFEST,
+    MAX_DRAWS,
+    MODES,
+    TARGET_SHARD_BYTES,
+    TargetSpec,
+    blocks_per_shard,
+    bytes_per_token,
+    check_targets_loss,
+    loss_metric,
+    parse_targets,
+    state_bytes,
+)
 from m2d_ray.errors import M2DError
-
-MODES = ("hidden", "topk", "sampled")
-AUTO = "auto"  # stage2.targets: the plan chooses each teacher's exact mode (plan/targets.py)
-DEFAULT_K = {"topk": 64, "sampled": 64}
-MAX_DRAWS = 255  # counts are uint8
-MANIFEST = "manifest.json"
-FINGERPRINT = ("teacher", "tokenizer", "tokens", "teacher_topk", "temperature")
-
-
-@dataclass(frozen=True)
-class TargetSpec:
-    """What is cached per token: `mode` hidden (k = 0), topk (k = K) or sampled (k = N draws), at
-    `temperature`; `seed` makes the draws of a sampled cache reproducible."""
-
-    mode: str
-    k: int
-    temperature: float = 1.0
-    seed: int = 0
-
-    def __str__(self) -> str:
-        return self.mode if self.mode == "hidden" else f"{self.mode}:{self.k}"
-
-    @property
-    def exact(self) -> bool:
-        """The student's loss is the online one (the teacher's logits recomputed from its states)."""
-        return self.mode == "hidden"
-
-
-def parse_targets(text: str, temperature: float = 1.0, seed: int = 0) -> TargetSpec | None:
-    """`online` -> None; `hidden` -> TargetSpec("hidden", 0) (temperature and seed do not change hidden states:
-    one cache serves every temperature); `topk`, `topk:K`, `sampled`, `sampled:N` -> a TargetSpec (K and N
-    default to 64)."""
-    mode, colon, k = str(text).strip().partition(":")
-    if mode == "online" and not colon:
-        return None
-    if mode == "hidden" and not colon:
-        return TargetSpec("hidden", 0)
-    usage = (
-        "write online, hidden, topk[:K] (K >= 1), sampled[:N] (1 <= N <= 255) or auto (the plan's exact choice), "
-        "e.g. hidden or sampled:64"
-    )
-    if mode not in MODES or mode == "hidden":
-        raise M2DError(f"stage2.targets={text!r}: unknown mode {mode!r}; {usage}")
-    try:
-        n = int(k) if colon else DEFAULT_K[mode]
-    except ValueError:
-        raise M2DError(f"stage2.targets={text!r}: {k!r} is not a whole number; {usage}") from None
-    if n < 1 or (mode == "sampled" and n > MAX_DRAWS):
-        raise M2DError(
-            f"stage2.targets={text!r}: {mode} needs 1 <= {'K' if mode == 'topk' else 'N'}"
-            f"{'' if mode == 'topk' else ' <= 255 (counts are stored as uint8)'}; {usage}"
-        )
-    return TargetSpec(mode, n, float(temperature), int(seed))
-
-
-def check_targets_loss(loss: str, spec: TargetSpec | None) -> None:
-    """Cached hidden states give the teacher's whole output distribution: every loss of it (fkl, rkl) trains
-    from them. Top-K and sampled targets keep a few log-probs per token: only the forward KL. No cache keeps
-    the teacher's intermediate layers (fkl+mse)."""
-    if spec is None or loss not in LOSSES:  # online, or an unknown loss (check_distill names it)
-        return
-    kind, with_states = LOSSES[loss]
-    if with_states:
-        raise M2DError(
-            f"distill.loss={loss} needs the teacher's hidden states of every layer, which no cache keeps; "
-            "use stage2.targets=online or distill.loss=fkl"
-        )
-    if kind != "fkl" and not spec.exact:
-        raise M2DError(
-            f"distill.loss={loss} needs the teacher's full distribution; use stage2.targets=hidden (exact) or online"
-        )
-
-
-def bytes_per_token(spec: TargetSpec, state_bytes: int = 0) -> int:
-    """Stored bytes per token:
-        hidden     d x the teacher's dtype bytes (`state_bytes`; Qwen3-30B-A3B in bf16: 2,048 x 2 = 4,096)
-        topk:K     K x 4 (int32 ids) + K x 2 (fp16 log-probs) + 4 (fp32 tail)  = 6K + 4  (topk:64: 388)
-        sampled:N  N x 4 (int32 ids) + N x 1 (uint8 counts) + N x 2 (fp16 log-probs) = 7N  (sampled:64: 448)
-    int32 ids because vocabularies exceed 65,536 (Qwen3: 151,936)."""
-    if spec.mode == "hidden":
-        if state_bytes < 1:
-            raise ValueError("hidden targets: bytes_per_token needs the state's bytes (hidden size x dtype bytes)")
-        return int(state_bytes)
-    return 6 * spec.k + 4 if spec.mode == "topk" else 7 * spec.k
-
-
-TARGET_SHARD_BYTES = (
-    128 << 20
-)  # one target shard (topk:64 at seq_len 4096: 80 blocks; hidden, d 2048 in bf16: 8 blocks)
-
-
-def blocks_per_shard(seq_len: int, per_token: int) -> int:
-    """Blocks in one target shard: the targets pass's unit of work (one actor call) and of resume."""
-    return max(1, TARGET_SHARD_BYTES // (seq_len * per_token))
-
-
-def state_bytes(hidden_size: int, gpu: bool) -> int:
-    """Bytes of one token's final hidden state as the targets pass stores it: the dtype the pass runs the
-    teacher in, bf16 on a GPU and fp32 on CPU (a layer-streamed teacher runs in its checkpoint's dtype)."""
-    return hidden_size * (2 if gpu else 4)
-
-
-def loss_metric(spec: TargetSpec | None) -> str:
-    """The name a student's training loss is reported under: top-K's bucketed KL is a lower bound of the true
-    KL, so it never shares a curve with the exact (online, hidden) or unbiased (sampled) losses."""
-    return "train_loss_buckets" if spec is not None and spec.mode == "topk" else "train_loss"
 
 
 def block_generator(seed: int, block: int) -> torch.Generator:

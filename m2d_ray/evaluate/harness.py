@@ -20,22 +20,23 @@ import yaml
 
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate import paper_tasks
-from m2d_ray.evaluate.local_tasks import (
-    CONTINUATION,
-    TEXT_CONTINUATION,
-    write_task_yamls,
-)
+from m2d_ray.evaluate.local_tasks import write_task_yamls
 from m2d_ray.evaluate.paper_data import verify
+from m2d_ray.evaluate.spec import (  # noqa: F401  (the suites, checked without lm-eval; re-exported)
+    CONTINUATION,
+    HUB_PAPER_SUITE,
+    LOCAL_SUITE,
+    PAPER_NAMES,
+    PAPER_SUITE,
+    SUITES,
+    TEXT_CONTINUATION,
+    TEXT_SUITE,
+    parse_tasks,
+)
 
 # Imported inside functions: lm-eval (seconds to import; only where a suite runs).
 
-HUB_PAPER_SUITE = (("winogrande", 5), ("hellaswag", 10), ("arc_easy", 25), ("arc_challenge", 25), ("mmlu", 5))
-PAPER_SUITE = tuple((paper_tasks.PREFIX + name, shots) for name, shots in HUB_PAPER_SUITE)  # offline (paper_tasks.py)
-LOCAL_SUITE = ((CONTINUATION, 0), (f"{CONTINUATION}_fewshot", 2))  # the tiny models see 256 tokens
-TEXT_SUITE = ((TEXT_CONTINUATION, 0),)
-SUITES = {"paper": PAPER_SUITE, "paper-hub": HUB_PAPER_SUITE, "local": LOCAL_SUITE}
 NORMED = ("hellaswag", "arc_easy", "arc_challenge")  # scored by length-normalised accuracy
-PAPER_NAMES = tuple(name for name, _ in PAPER_SUITE)
 GROUP = "m2d_suite"
 
 
@@ -47,25 +48,6 @@ def text_source(spec: str) -> str | None:
     if not path.is_file():
         raise M2DError(f"tasks {spec!r}: {path} is not a file; give text:PATH to a WikiText-style text file")
     return str(path.resolve())
-
-
-def parse_tasks(spec: str, num_fewshot: int | None = None) -> list[tuple[str, int]]:
-    """`paper`, `local`, `text:PATH`, or `task[:shots],…` (shots default to --num-fewshot, else 0)."""
-    suite = TEXT_SUITE if spec.startswith("text:") else SUITES.get(spec)  # the file: text_source
-    if suite:
-        return [(t, num_fewshot if num_fewshot is not None else s) for t, s in suite]
-    out = []
-    for item in filter(None, (x.strip() for x in spec.split(","))):
-        name, _, shots = item.partition(":")
-        try:
-            out.append((name, int(shots) if shots else (num_fewshot or 0)))
-        except ValueError:
-            raise M2DError(
-                f"task {item!r}: write name or name:shots (e.g. hellaswag:10), or a suite: {', '.join(SUITES)}"
-            ) from None
-    if not out:
-        raise M2DError(f"no tasks in {spec!r}; give a suite ({', '.join(SUITES)}, text:PATH) or task[:shots],…")
-    return out
 
 
 LOCAL_TASKS = (CONTINUATION, f"{CONTINUATION}_fewshot")

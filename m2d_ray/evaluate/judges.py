@@ -44,6 +44,7 @@ import torch
 
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.generation import context_of
+from m2d_ray.evaluate.spec import parse_judge  # noqa: F401  (re-exported)
 from m2d_ray.evaluate.taxonomy import JUDGED, letters
 
 KINDS = ("teacher", "none", "openai:MODEL")
@@ -64,16 +65,6 @@ TEACHER_ASKS = (
 TEACHER_LABELS = (" 1", " 2")
 OPENAI_ASK = "Reply with one word: knowledge or reasoning."
 CHECK_ASK = "Reply with one word: ready."
-
-
-def parse_judge(spec: str) -> tuple[str, str | None]:
-    """(kind, model) of a judge spec: teacher, none, or openai:MODEL."""
-    kind, _, model = str(spec).partition(":")
-    if kind in ("teacher", "none") and not model:
-        return kind, None
-    if kind == "openai" and model.strip():
-        return kind, model.strip()
-    raise M2DError(f"unknown judge {spec!r}; write teacher, none or openai:MODEL (e.g. openai:gpt-4o-mini)")
 
 
 def _fields(r: dict) -> dict:

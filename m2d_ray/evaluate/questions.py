@@ -34,9 +34,9 @@ from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.local_tasks import paragraphs, rows_from
 from m2d_ray.evaluate.paper_data import verify
 from m2d_ray.evaluate.paper_tasks import MMLU_SUBJECTS, TASKS
+from m2d_ray.evaluate.spec import SETS  # noqa: E402,F401  (re-exported)
 from m2d_ray.evaluate.taxonomy import letters
 
-SETS = ("mmlu", "local")
 TEMPLATE = (
     "The following is a multiple choice question about {subject}. Think step by step, then finish with "
     '"The answer is (X)" where X is the letter of the correct choice.\n\n'

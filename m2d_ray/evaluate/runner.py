@@ -14,7 +14,6 @@ from dataclasses import replace
 import torch
 from transformers import AutoConfig
 
-from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.harness import PAPER_NAMES, evaluate
 from m2d_ray.evaluate.paper_data import pack
 from m2d_ray.evaluate.placement import (
@@ -25,27 +24,11 @@ from m2d_ray.evaluate.placement import (
     plan_eval,
     plan_generation,
 )
+from m2d_ray.evaluate.spec import check_stage3, parse_batch, setting_bytes  # noqa: F401  (check_stage3 re-exported)
 from m2d_ray.models import _source, load_config, load_model
-from m2d_ray.sizes import parse_size
 
 # Imported inside functions: what may be missing (optional packages, Ray's internal API), where its absence is handled;
 # Ray (`m2d plan` and the checks read this module without importing it).
-
-
-def parse_batch(value) -> int | str:
-    """A batch size as configured: a positive int or "auto"."""
-
-    if value == "auto":
-        return "auto"
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        n = 0
-    if n < 1 or isinstance(value, bool):
-        raise M2DError(
-            f"batch size {value!r}: write a positive integer or auto (the largest that fits the device's memory)"
-        )
-    return n
 
 
 def max_length(config, cap: int = DEFAULT_SEQ) -> int:
@@ -131,27 +114,6 @@ def evaluate_model(
 
 
 # ---- stage 3 (a Ray task per model) --------------------------------------------------------------
-def check_stage3(c) -> None:
-    """One-line errors for stage3 settings that cannot run (config load, before anything is written)."""
-
-    parse_batch(c.batch_size)
-    if c.limit is not None and c.limit < 1:
-        raise M2DError(f"stage3.limit={c.limit}: give a positive number of examples per task, or null for all")
-    if c.max_length < 1:
-        raise M2DError(f"stage3.max_length={c.max_length}: must be >= 1")
-    for key in ("gpu_memory", "batch_memory"):
-        if getattr(c, key) is not None:
-            _bytes(getattr(c, key), f"stage3.{key}")
-
-
-def _bytes(v: str, what: str) -> int:
-
-    try:
-        return parse_size(v)
-    except M2DError as exc:
-        raise M2DError(f"{what}: {exc}") from None
-
-
 def probe_gpus(get=None) -> tuple[int, int]:
     """(one GPU's memory, the most GPUs on one node) of the Ray cluster: a 1-GPU task measures the memory (`get`:
     how to wait for it, the stage's resource waiter; default ray.get)."""
@@ -171,7 +133,10 @@ def stage3_placements(models: dict[str, str], c, gpus: float, get=None) -> dict[
     """{key: placement} of every model stage 3 will evaluate, from configs alone, before any task starts; a
     model that fits on no number of a node's GPUs fails here with one line. `gpus`: the configured share
     (0 = CPU); a model that needs more whole GPUs gets them, sharded. `get`: how to wait for the GPU probe."""
-    batch, budget = parse_batch(c.batch_size), _bytes(c.batch_memory, "stage3.batch_memory") if c.batch_memory else None
+    batch, budget = (
+        parse_batch(c.batch_size),
+        setting_bytes(c.batch_memory, "stage3.batch_memory") if c.batch_memory else None,
+    )
     if gpus <= 0:
         return {
             k: plan(m, None, 0, batch, budget, seq_cap=c.max_length, what=f"stage-3 model {k}")
@@ -191,7 +156,7 @@ def stage3_placements(models: dict[str, str], c, gpus: float, get=None) -> dict[
 
 def gpu_of(c, get=None) -> tuple[int, int]:
     """(one GPU's memory, the most GPUs of a node): as stage3.gpu_memory / gpus_per_node say, else probed."""
-    mem = _bytes(c.gpu_memory, "stage3.gpu_memory") if c.gpu_memory else None
+    mem = setting_bytes(c.gpu_memory, "stage3.gpu_memory") if c.gpu_memory else None
     per_node = c.gpus_per_node
     if mem is None or per_node is None:
         probed_mem, probed_n = probe_gpus(get)
@@ -261,10 +226,10 @@ def check_teacher_fits(cfg, model: str) -> None:
     if c.teacher and c.gpu_memory:
         plan(
             model,
-            _bytes(c.gpu_memory, "stage3.gpu_memory"),
+            setting_bytes(c.gpu_memory, "stage3.gpu_memory"),
             c.gpus_per_node or 8,
             parse_batch(c.batch_size),
-            _bytes(c.batch_memory, "stage3.batch_memory") if c.batch_memory else None,
+            setting_bytes(c.batch_memory, "stage3.batch_memory") if c.batch_memory else None,
             seq_cap=c.max_length,
             what=f"teacher {model}",
         )

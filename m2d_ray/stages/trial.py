@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from m2d_ray.config import EvalConfig
-from m2d_ray.convert import build_from_plan
+from m2d_ray.convert.build import build_from_plan
 from m2d_ray.convert.plan import ConversionPlan
 from m2d_ray.evaluate.perplexity import perplexity_batches, windows
 

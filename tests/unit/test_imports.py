@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import m2d_ray
 
@@ -228,3 +232,100 @@ def test_the_lazy_import_check_finds_a_needless_one(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(__import__(__name__), "PKG", pkg)
     assert needless_lazy_imports() == ["m2d_ray/x.py:2 import json"]
+
+
+# ---- the light core ------------------------------------------------------------------------------------
+#: what every process reads first: the config, the CLI's parsing, the registries' names and docs
+LIGHT = (
+    "m2d_ray.config",
+    "m2d_ray.cli",
+    "m2d_ray.scoring",
+    "m2d_ray.grouping",
+    "m2d_ray.convert",
+    "m2d_ray.distill",
+    "m2d_ray.distill.config",
+    "m2d_ray.distill.target_spec",
+    "m2d_ray.evaluate.spec",
+)
+HEAVY = ("torch", "transformers", "ray", "mlflow", "datasets", "deepspeed", "lm_eval")
+
+
+def _loaded_by(code: str) -> list[str]:
+    """The HEAVY packages a fresh interpreter holds after running `code`."""
+    probe = f"import sys\n{code}\nprint(' '.join(m for m in {HEAVY!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    return out.stdout.split()
+
+
+def test_the_light_core_imports_no_heavy_library():
+    """`m2d --help`, a config's checks and the registries' names and docs load none of the libraries that cost
+    seconds: every CLI call, test subprocess and Ray worker that only reads a config pays nothing for them."""
+    code = "\n".join(f"import {m}" for m in LIGHT) + (
+        f"\nfrom m2d_ray.config import load_config\ncfg = load_config({str(PKG.parent / 'experiments/tiny.yaml')!r})\n"
+        "from m2d_ray.cli import parser\nparser().format_help()\n"
+        "from m2d_ray.scoring import SCORINGS\nfrom m2d_ray.distill import KL_KERNELS\n"
+        "[SCORINGS.doc(n) for n in SCORINGS]; [KL_KERNELS.doc(n) for n in KL_KERNELS]"
+    )
+    assert _loaded_by(code) == []
+    assert "torch" in _loaded_by("import m2d_ray.scoring.methods"), "the probe sees a heavy import"
+
+
+def lazy_registries() -> dict[str, object]:
+    from m2d_ray.convert import RANDOM_BASELINES, SCALINGS
+    from m2d_ray.distill import KL_KERNELS, PRECISIONS
+    from m2d_ray.grouping import GROUPINGS
+    from m2d_ray.scoring import SCORINGS
+
+    return {
+        "scoring": SCORINGS,
+        "grouping": GROUPINGS,
+        "scaling": SCALINGS,
+        "random baseline": RANDOM_BASELINES,
+        "precision": PRECISIONS,
+        "kl kernel": KL_KERNELS,
+    }
+
+
+def test_every_declared_entry_is_registered_by_its_module_and_nothing_else():
+    """A lazily declared name resolves to what its module registers, and a module registers only what its registry
+    declares (else `m2d --help` and the config checks would not know a built-in name); a function's own docstring
+    opens with the doc the registry declares."""
+    import importlib
+    import inspect
+
+    for kind, reg in lazy_registries().items():
+        declared = reg.declared()
+        for module in set(declared.values()):
+            importlib.import_module(module)
+        assert list(reg._items) == list(declared), kind  # registered in the declared order, nothing more
+        for name, obj in reg.load_all().items():
+            if inspect.isfunction(obj) and obj.__doc__:
+                assert " ".join(inspect.getdoc(obj).split("\n\n")[0].split()) == reg.doc(name), (kind, name)
+
+
+def test_the_cuda_only_kernels_are_declared_as_such():
+    from m2d_ray.distill import CUDA_ONLY_KERNELS, KL_KERNELS
+
+    assert {n for n, k in KL_KERNELS.load_all().items() if k.cuda_only} == CUDA_ONLY_KERNELS
+
+
+def test_a_lazy_registry_imports_its_module_at_the_first_lookup_only(tmp_path, monkeypatch):
+    from m2d_ray.errors import M2DError
+    from m2d_ray.registry import Registry
+
+    (tmp_path / "m2d_fake_methods.py").write_text(
+        "from m2d_ray.registry import Registry\nimport m2d_fake_reg\n"
+        "@m2d_fake_reg.R.register('alpha')\ndef alpha():\n    'Alpha.'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reg = Registry("method", lazy={"alpha": ("m2d_fake_methods", "The first."), "beta": ("m2d_fake_methods", "B.")})
+    monkeypatch.setitem(sys.modules, "m2d_fake_reg", type(sys)("m2d_fake_reg"))
+    sys.modules["m2d_fake_reg"].R = reg
+    assert reg.names() == ["alpha", "beta"] and "beta" in reg and reg.doc("alpha") == "The first."
+    assert "m2d_fake_methods" not in sys.modules
+    assert reg["alpha"].__doc__ == "Alpha." and "m2d_fake_methods" in sys.modules
+    with pytest.raises(RuntimeError, match="does not register the declared method 'beta'"):
+        reg["beta"]
+    with pytest.raises(M2DError, match="did you mean 'alpha'"):
+        reg["alpah"]
+    monkeypatch.delitem(sys.modules, "m2d_fake_methods")

@@ -8,8 +8,8 @@ import torch
 
 from m2d_ray.arch.base import ExpertWeights, clamped_swiglu, expert_outputs, swiglu
 from m2d_ray.calibrate.stats import LayerStats
+from m2d_ray.convert import SCALINGS
 from m2d_ray.convert.merge import concat_groups, merge_group, merge_weights
-from m2d_ray.convert.scaling import SCALINGS
 
 
 def rand_experts(E=6, I=5, d=7, seed=0, biased=False, act=swiglu) -> ExpertWeights:

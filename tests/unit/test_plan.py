@@ -40,7 +40,7 @@ def qwen30b():
 def test_shapes_count_what_the_built_models_hold():
     """Brute force: the teacher and a student convert/ builds, counted parameter by parameter."""
     from m2d_ray.calibrate.collect import collect_stats
-    from m2d_ray.convert import convert
+    from m2d_ray.convert.build import convert
     from m2d_ray.models import load_teacher
 
     t = load_teacher(default_teacher())

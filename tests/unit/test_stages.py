@@ -10,7 +10,7 @@ import torch
 
 from m2d_ray.calibrate import calibrate
 from m2d_ray.config import EvalConfig, GridConfig
-from m2d_ray.convert import build_from_plan
+from m2d_ray.convert.build import build_from_plan
 from m2d_ray.data.synthetic import corpus_text
 from m2d_ray.data.text import calibration_set, tokenize
 from m2d_ray.evaluate.perplexity import perplexity

@@ -26,10 +26,10 @@ from m2d_ray.calibrate import calibrate
 from m2d_ray.calibrate.collect import collect_stats
 from m2d_ray.calibrate.stream import HiddenStates, collect_stats_streamed, should_stream
 from m2d_ray.checkpoint import Checkpoint, Shard
-from m2d_ray.convert import build_from_plan, make_plan
-from m2d_ray.convert.baselines import RANDOM_BASELINES
+from m2d_ray.convert import RANDOM_BASELINES
+from m2d_ray.convert.build import build_from_plan
 from m2d_ray.convert.export import export_student
-from m2d_ray.convert.plan import make_plans
+from m2d_ray.convert.plan import make_plan, make_plans
 from m2d_ray.data.synthetic import build_tokenizer
 from m2d_ray.errors import M2DError
 from m2d_ray.models import Teacher
