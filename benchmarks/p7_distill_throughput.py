@@ -121,7 +121,7 @@ def build_models(p: dict, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     from m2d_ray.arch import get_adapter
-    from m2d_ray.convert import RANDOM_BASELINES
+    from m2d_ray.catalog.methods import RANDOM_BASELINES
     from m2d_ray.models import Teacher
 
     config = Qwen3MoeConfig(

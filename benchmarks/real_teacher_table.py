@@ -51,9 +51,9 @@ def main(argv=None) -> None:
         print(f"SKIPPED: {TEACHER_DIR}, {WIKI_VALID} or {WIKI_TEST} absent")
         return
 
+    from m2d_ray.catalog.methods import RANDOM_BASELINES
     from m2d_ray.commands.calibrate import run_calibrate
     from m2d_ray.commands.convert import evaluate_ppl
-    from m2d_ray.convert import RANDOM_BASELINES
     from m2d_ray.convert.build import build_from_plan
     from m2d_ray.convert.plan import make_plan
 

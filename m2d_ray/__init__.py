@@ -10,24 +10,25 @@ cycles, except that arch/ registers its families by importing them (tests/unit/t
 this list against the code):
 
     1. errors, console, registry, artifacts, storage, checkpoint, assets, accelerators, peaks, sizes, numerics, measured
-    2. arch
-    3. models, weights, data
-    4. calibrate
-    5. scoring
-    6. grouping
-    7. convert
-    8. evaluate
-    9. prune
-    10. distill
-    11. config
-    12. plan
-    13. run_dir
-    14. track
-    15. report
-    16. stages
-    17. pipeline
-    18. commands
-    19. cli
+    2. catalog
+    3. arch
+    4. models, weights, data
+    5. calibrate
+    6. scoring
+    7. grouping
+    8. convert
+    9. evaluate
+    10. prune
+    11. distill
+    12. config
+    13. plan
+    14. run_dir
+    15. track
+    16. report
+    17. stages
+    18. pipeline
+    19. commands
+    20. cli
 """
 
 __version__ = "0.1.0"

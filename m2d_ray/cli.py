@@ -12,12 +12,10 @@ import sys
 import traceback
 
 from m2d_ray import console
+from m2d_ray.catalog.distill import LOSSES
+from m2d_ray.catalog.methods import GROUPINGS, RANDOM_BASELINES, SCALINGS, SCORINGS
 from m2d_ray.config import AnalysisConfig
-from m2d_ray.convert import RANDOM_BASELINES, SCALINGS
-from m2d_ray.distill import LOSSES
 from m2d_ray.errors import M2DError, RunFailed
-from m2d_ray.grouping import GROUPINGS
-from m2d_ray.scoring import SCORINGS
 from m2d_ray.sizes import parse_size
 
 

@@ -20,15 +20,13 @@ import yaml
 from m2d_ray import measured
 from m2d_ray.accelerators import check_accelerator
 from m2d_ray.artifacts import write_text_atomic
-from m2d_ray.convert import SCALINGS
-from m2d_ray.distill import AUTO
+from m2d_ray.catalog.distill import AUTO
+from m2d_ray.catalog.evaluate import SETS, check_stage3, parse_judge, parse_tasks
+from m2d_ray.catalog.methods import GROUPINGS, SCALINGS, SCORINGS
+from m2d_ray.catalog.targets import check_targets_loss, parse_targets
 from m2d_ray.distill.config import DistillConfig, check_distill
-from m2d_ray.distill.target_spec import check_targets_loss, parse_targets
 from m2d_ray.errors import M2DError
-from m2d_ray.evaluate.spec import SETS, check_stage3, parse_judge, parse_tasks
 from m2d_ray.evaluate.taxonomy import Thresholds
-from m2d_ray.grouping import GROUPINGS
-from m2d_ray.scoring import SCORINGS
 from m2d_ray.sizes import parse_size
 
 

@@ -18,11 +18,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from m2d_ray.artifacts import write_json_atomic
+from m2d_ray.catalog.distill import LOSSES
 from m2d_ray.checkpoint import scan
 from m2d_ray.config import SweepConfig, load_config
 from m2d_ray.console import say
 from m2d_ray.data import source
-from m2d_ray.distill import LOSSES
 from m2d_ray.errors import M2DError
 from m2d_ray.models import check_teacher, default_teacher
 from m2d_ray.models import load_config as model_config

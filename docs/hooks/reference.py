@@ -165,11 +165,9 @@ def registries() -> dict[str, tuple[str, dict[str, str]]]:
     """Registry title -> (where its names are used, {name: what it is}): each entry's own one-line doc (as its
     registry declares it, a stage's class or module docstring, a baseline's `summary`; a loss from the losses module's
     lines), never one inherited."""
-    from m2d_ray.convert import SCALINGS
-    from m2d_ray.distill.target_spec import MODES
-    from m2d_ray.grouping import GROUPINGS
+    from m2d_ray.catalog.methods import GROUPINGS, SCALINGS, SCORINGS
+    from m2d_ray.catalog.targets import MODES
     from m2d_ray.pipeline import STAGES
-    from m2d_ray.scoring import SCORINGS
     from m2d_ray.stages.baselines import BASELINES
 
     def docs(reg) -> dict[str, str]:  # the one-line docs the registry declares, its modules not imported

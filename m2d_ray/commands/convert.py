@@ -7,9 +7,9 @@ from pathlib import Path
 
 from m2d_ray.artifacts import check_output
 from m2d_ray.calibrate.artifact import load_stats
+from m2d_ray.catalog.methods import RANDOM_BASELINES
 from m2d_ray.commands.calibrate import calib_options, run_calibrate
 from m2d_ray.console import emit, say
-from m2d_ray.convert import RANDOM_BASELINES
 from m2d_ray.convert.build import build_from_plan
 from m2d_ray.convert.export import export_student
 from m2d_ray.convert.plan import check_K, check_methods, make_plan

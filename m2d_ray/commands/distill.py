@@ -16,14 +16,14 @@ import json
 from pathlib import Path
 
 from m2d_ray.artifacts import check_output, replace_dir, write_json_atomic, write_marker
+from m2d_ray.catalog.distill import AUTO
+from m2d_ray.catalog.methods import RANDOM_BASELINES
 from m2d_ray.checkpoint import check_files, scan
 from m2d_ray.commands.runs import keep_logs
 from m2d_ray.config import RayConfig, load_config
 from m2d_ray.console import emit, say
-from m2d_ray.convert import RANDOM_BASELINES
 from m2d_ray.convert.initial import InitialStudent
 from m2d_ray.data.text import check_spec
-from m2d_ray.distill import AUTO
 from m2d_ray.distill.data import check_source
 from m2d_ray.distill.trainer import MetricsLog, fit, follow
 from m2d_ray.errors import M2DError, RunFailed

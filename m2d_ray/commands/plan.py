@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from m2d_ray.artifacts import write_json_atomic
+from m2d_ray.catalog.distill import AUTO
 from m2d_ray.config import SweepConfig, load_config
 from m2d_ray.console import emit, note, say
-from m2d_ray.distill import AUTO
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.runner import host_available
 from m2d_ray.pipeline import plan_run

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 from m2d_ray import pipeline
+from m2d_ray.catalog.distill import AUTO
 from m2d_ray.commands.plan import check_run, kept_choices, record_plan
 from m2d_ray.commands.runs import existing_run, keep_logs, new_run
 from m2d_ray.config import load_config
 from m2d_ray.console import emit
-from m2d_ray.distill import AUTO
 from m2d_ray.errors import M2DError
 from m2d_ray.stages.context import RunContext
 

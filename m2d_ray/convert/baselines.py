@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from m2d_ray.arch.base import DenseFFN
-from m2d_ray.convert import RANDOM_BASELINES
+from m2d_ray.catalog.methods import RANDOM_BASELINES
 from m2d_ray.convert.student import build_student, student_width
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from m2d_ray.convert import RANDOM_BASELINES
+from m2d_ray.catalog.methods import RANDOM_BASELINES
 from m2d_ray.convert.build import build_from_plan
 from m2d_ray.convert.export import export_student
 from m2d_ray.convert.plan import ConversionPlan

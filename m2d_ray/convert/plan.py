@@ -13,12 +13,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from m2d_ray.calibrate.stats import LayerStats
-from m2d_ray.convert import SCALINGS
+from m2d_ray.catalog.methods import GROUPINGS, SCALINGS, SCORINGS
 from m2d_ray.convert.merge import merge_weights
 from m2d_ray.errors import M2DError
-from m2d_ray.grouping import GROUPINGS
 from m2d_ray.grouping.methods import GroupingInputs, group
-from m2d_ray.scoring import SCORINGS
 from m2d_ray.scoring.methods import select, selection_erank
 
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from torch import Tensor
 
 from m2d_ray.calibrate.stats import LayerStats
-from m2d_ray.convert import SCALINGS
+from m2d_ray.catalog.methods import SCALINGS
 
 ScalingFn = Callable[[LayerStats, list[list[int]], Tensor, float], list[float]]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from m2d_ray.distill import AUTO, CUDA_ONLY_KERNELS, KL_KERNELS, LOSSES, PRECISIONS
+from m2d_ray.catalog.distill import AUTO, CUDA_ONLY_KERNELS, KL_KERNELS, LOSSES, PRECISIONS
 from m2d_ray.errors import M2DError
 
 STOP_POLL_STEPS = 10  # a stop request (ASHA's) is looked at every this many steps (or every eval_every, if fewer)

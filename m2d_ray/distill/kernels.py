@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 
 from m2d_ray import measured
+from m2d_ray.catalog.distill import KL_KERNELS
 from m2d_ray.console import say
-from m2d_ray.distill import KL_KERNELS
 from m2d_ray.distill.losses import chunked_kl
 from m2d_ray.errors import M2DError
 

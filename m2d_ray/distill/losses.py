@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from m2d_ray.distill import LOSSES  # noqa: F401  (declared there; importers of losses.LOSSES keep working)
+from m2d_ray.catalog.distill import LOSSES  # noqa: F401  (declared there; importers of losses.LOSSES keep working)
 from m2d_ray.numerics import logits
 
 

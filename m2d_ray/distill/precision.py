@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from m2d_ray.distill import AUTO, PRECISIONS
+from m2d_ray.catalog.distill import AUTO, PRECISIONS
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,8 @@ from safetensors.torch import save as save_tensors
 from torch import Tensor
 
 from m2d_ray.artifacts import sha256_bytes, write_json_atomic, write_text_atomic
-from m2d_ray.distill import AUTO  # noqa: F401  (re-exported)
-from m2d_ray.distill.losses import log_probs
-from m2d_ray.distill.target_spec import (  # noqa: F401  (the light part; re-exported for the code that makes targets)
+from m2d_ray.catalog.distill import AUTO  # noqa: F401  (re-exported)
+from m2d_ray.catalog.targets import (  # noqa: F401  (the light part; re-exported for the code that makes targets)
     DEFAULT_K,
     FINGERPRINT,
     MANIFEST,
@@ -49,6 +48,7 @@ from m2d_ray.distill.target_spec import (  # noqa: F401  (the light part; re-exp
     parse_targets,
     state_bytes,
 )
+from m2d_ray.distill.losses import log_probs
 from m2d_ray.errors import M2DError
 
 

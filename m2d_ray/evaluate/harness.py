@@ -18,11 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from m2d_ray.errors import M2DError
-from m2d_ray.evaluate import paper_tasks
-from m2d_ray.evaluate.local_tasks import write_task_yamls
-from m2d_ray.evaluate.paper_data import verify
-from m2d_ray.evaluate.spec import (  # noqa: F401  (the suites, checked without lm-eval; re-exported)
+from m2d_ray.catalog.evaluate import (  # noqa: F401  (the suites, checked without lm-eval; re-exported)
     CONTINUATION,
     HUB_PAPER_SUITE,
     LOCAL_SUITE,
@@ -33,6 +29,10 @@ from m2d_ray.evaluate.spec import (  # noqa: F401  (the suites, checked without 
     TEXT_SUITE,
     parse_tasks,
 )
+from m2d_ray.errors import M2DError
+from m2d_ray.evaluate import paper_tasks
+from m2d_ray.evaluate.local_tasks import write_task_yamls
+from m2d_ray.evaluate.paper_data import verify
 
 # Imported inside functions: lm-eval (seconds to import; only where a suite runs).
 

@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from m2d_ray.catalog.evaluate import parse_judge  # noqa: F401  (re-exported)
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.generation import context_of
-from m2d_ray.evaluate.spec import parse_judge  # noqa: F401  (re-exported)
 from m2d_ray.evaluate.taxonomy import JUDGED, letters
 
 KINDS = ("teacher", "none", "openai:MODEL")

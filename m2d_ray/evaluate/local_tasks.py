@@ -26,7 +26,7 @@ from m2d_ray.data.synthetic import corpus_text
 from m2d_ray.errors import M2DError
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
-from m2d_ray.evaluate.spec import CONTINUATION, TEXT_CONTINUATION  # noqa: E402
+from m2d_ray.catalog.evaluate import CONTINUATION, TEXT_CONTINUATION  # noqa: E402
 
 
 def paragraphs(text: str) -> list[list[str]]:

@@ -47,7 +47,8 @@ MMLU_SUBJECTS = (
     "us_foreign_policy virology world_religions"
 ).split()
 
-PREFIX = "paper_"  # our task names (paper_hellaswag ...): never clash with lm-eval's own hub tasks
+from m2d_ray.catalog.evaluate import PREFIX  # noqa: E402
+
 #: suite name -> (data directory under the data root, evaluated split, few-shot split, metric)
 TASKS = {
     "winogrande": ("winogrande/winogrande_xl", "validation", "validation", "acc"),

@@ -14,6 +14,7 @@ from dataclasses import replace
 import torch
 from transformers import AutoConfig
 
+from m2d_ray.catalog.evaluate import check_stage3, parse_batch, setting_bytes  # noqa: F401  (check_stage3 re-exported)
 from m2d_ray.evaluate.harness import PAPER_NAMES, evaluate
 from m2d_ray.evaluate.paper_data import pack
 from m2d_ray.evaluate.placement import (
@@ -24,7 +25,6 @@ from m2d_ray.evaluate.placement import (
     plan_eval,
     plan_generation,
 )
-from m2d_ray.evaluate.spec import check_stage3, parse_batch, setting_bytes  # noqa: F401  (check_stage3 re-exported)
 from m2d_ray.models import _source, load_config, load_model
 
 # Imported inside functions: what may be missing (optional packages, Ray's internal API), where its absence is handled;

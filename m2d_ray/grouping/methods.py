@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from m2d_ray.arch.base import ExpertWeights
-from m2d_ray.grouping import GROUPINGS
+from m2d_ray.catalog.methods import GROUPINGS
 from m2d_ray.grouping.cluster import average_linkage, cosine_distance
 
 __all__ = ["GroupingInputs", "group"]

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from m2d_ray.distill import AUTO
-from m2d_ray.distill.target_spec import TargetSpec, bytes_per_token, parse_targets, state_bytes
+from m2d_ray.catalog.distill import AUTO
+from m2d_ray.catalog.targets import TargetSpec, bytes_per_token, parse_targets, state_bytes
 from m2d_ray.plan.shapes import Shape
 from m2d_ray.storage import is_remote
 

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from m2d_ray.calibrate.stats import LayerStats
-from m2d_ray.scoring import SCORINGS
+from m2d_ray.catalog.methods import SCORINGS
 from m2d_ray.scoring.base import BASE_SCORES, effective_rank
 from m2d_ray.scoring.dopt import greedy_logdet, kernel, ridge
 

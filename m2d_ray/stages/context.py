@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from m2d_ray.artifacts import write_json_atomic, write_marker
+from m2d_ray.catalog.distill import AUTO
 from m2d_ray.config import SweepConfig, dump_config
-from m2d_ray.distill import AUTO
 from m2d_ray.errors import M2DError
 from m2d_ray.models import absolute, default_teacher, load_tokenizer
 from m2d_ray.plan.targets import TeacherTargets, configured, recorded

@@ -12,13 +12,11 @@ from transformers import AutoModelForCausalLM
 
 from m2d_ray.arch import get_adapter
 from m2d_ray.calibrate.collect import collect_stats
-from m2d_ray.convert import RANDOM_BASELINES, SCALINGS
+from m2d_ray.catalog.methods import GROUPINGS, RANDOM_BASELINES, SCALINGS, SCORINGS
 from m2d_ray.convert.build import build_from_plan
 from m2d_ray.convert.export import PLAN_FILE, export_student, verify_student
 from m2d_ray.convert.plan import make_plan
-from m2d_ray.grouping import GROUPINGS
 from m2d_ray.models import Teacher
-from m2d_ray.scoring import SCORINGS
 
 
 @pytest.fixture(scope="module", params=FAMILIES, ids=lambda s: s.id)

@@ -76,7 +76,7 @@ def test_text_task_items_differ_from_the_truth_only_in_word_order(tmp_path):
 
 
 def test_teacher_beats_a_random_student_on_the_local_task():
-    from m2d_ray.convert import RANDOM_BASELINES
+    from m2d_ray.catalog.methods import RANDOM_BASELINES
     from m2d_ray.models import load_teacher
 
     teacher = load_teacher()
@@ -89,7 +89,7 @@ def test_teacher_beats_a_random_student_on_the_local_task():
 
 def test_text_task_through_the_harness(tmp_path):
     """text:PATH builds its JSONL at evaluation time; the embedded teacher knows its corpus' word order."""
-    from m2d_ray.convert import RANDOM_BASELINES
+    from m2d_ray.catalog.methods import RANDOM_BASELINES
     from m2d_ray.data.synthetic import corpus_text
     from m2d_ray.models import load_teacher
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from m2d_ray.arch.base import ExpertWeights, rel_error
+from m2d_ray.catalog.methods import GROUPINGS
 from m2d_ray.errors import M2DError
-from m2d_ray.grouping import GROUPINGS
 from m2d_ray.grouping.methods import GroupingInputs, group
 
 

@@ -239,13 +239,11 @@ def test_the_lazy_import_check_finds_a_needless_one(tmp_path, monkeypatch):
 LIGHT = (
     "m2d_ray.config",
     "m2d_ray.cli",
-    "m2d_ray.scoring",
-    "m2d_ray.grouping",
-    "m2d_ray.convert",
-    "m2d_ray.distill",
+    "m2d_ray.catalog.methods",
+    "m2d_ray.catalog.distill",
+    "m2d_ray.catalog.targets",
+    "m2d_ray.catalog.evaluate",
     "m2d_ray.distill.config",
-    "m2d_ray.distill.target_spec",
-    "m2d_ray.evaluate.spec",
 )
 HEAVY = ("torch", "transformers", "ray", "mlflow", "datasets", "deepspeed", "lm_eval")
 
@@ -263,7 +261,7 @@ def test_the_light_core_imports_no_heavy_library():
     code = "\n".join(f"import {m}" for m in LIGHT) + (
         f"\nfrom m2d_ray.config import load_config\ncfg = load_config({str(PKG.parent / 'experiments/tiny.yaml')!r})\n"
         "from m2d_ray.cli import parser\nparser().format_help()\n"
-        "from m2d_ray.scoring import SCORINGS\nfrom m2d_ray.distill import KL_KERNELS\n"
+        "from m2d_ray.catalog.methods import SCORINGS\nfrom m2d_ray.catalog.distill import KL_KERNELS\n"
         "[SCORINGS.doc(n) for n in SCORINGS]; [KL_KERNELS.doc(n) for n in KL_KERNELS]"
     )
     assert _loaded_by(code) == []
@@ -271,10 +269,8 @@ def test_the_light_core_imports_no_heavy_library():
 
 
 def lazy_registries() -> dict[str, object]:
-    from m2d_ray.convert import RANDOM_BASELINES, SCALINGS
-    from m2d_ray.distill import KL_KERNELS, PRECISIONS
-    from m2d_ray.grouping import GROUPINGS
-    from m2d_ray.scoring import SCORINGS
+    from m2d_ray.catalog.distill import KL_KERNELS, PRECISIONS
+    from m2d_ray.catalog.methods import GROUPINGS, RANDOM_BASELINES, SCALINGS, SCORINGS
 
     return {
         "scoring": SCORINGS,
@@ -304,7 +300,7 @@ def test_every_declared_entry_is_registered_by_its_module_and_nothing_else():
 
 
 def test_the_cuda_only_kernels_are_declared_as_such():
-    from m2d_ray.distill import CUDA_ONLY_KERNELS, KL_KERNELS
+    from m2d_ray.catalog.distill import CUDA_ONLY_KERNELS, KL_KERNELS
 
     assert {n for n, k in KL_KERNELS.load_all().items() if k.cuda_only} == CUDA_ONLY_KERNELS
 

@@ -8,7 +8,7 @@ import torch
 
 from m2d_ray.arch.base import ExpertWeights, clamped_swiglu, expert_outputs, swiglu
 from m2d_ray.calibrate.stats import LayerStats
-from m2d_ray.convert import SCALINGS
+from m2d_ray.catalog.methods import SCALINGS
 from m2d_ray.convert.merge import concat_groups, merge_group, merge_weights
 
 

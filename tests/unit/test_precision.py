@@ -115,7 +115,7 @@ def test_masters_survive_a_checkpoint():
 def test_the_step_casts_parameters_not_buffers_and_takes_exact_masters(tiny_teacher):
     """The plain path's masters are the student's float32 weights as given; its parameters then compute in bfloat16,
     its rotary frequencies stay float32 (as DeepSpeed leaves buffers)."""
-    from m2d_ray.convert import RANDOM_BASELINES
+    from m2d_ray.catalog.methods import RANDOM_BASELINES
 
     student = RANDOM_BASELINES["random-ffn"](tiny_teacher, seed=0)
     exact = {n: p.detach().clone() for n, p in student.named_parameters()}
@@ -129,7 +129,7 @@ def test_the_step_casts_parameters_not_buffers_and_takes_exact_masters(tiny_teac
 # ---- a student built in-process owns its tensors ----------------------------------------------------------------
 def test_distilling_an_in_process_random_ffn_student_leaves_its_teacher_unchanged(tiny_teacher):
     """convert's builder copies what it takes from the teacher: four steps train the student, not the teacher."""
-    from m2d_ray.convert import RANDOM_BASELINES
+    from m2d_ray.catalog.methods import RANDOM_BASELINES
 
     before = {n: t.clone() for n, t in tiny_teacher.model.state_dict().items()}
     student = RANDOM_BASELINES["random-ffn"](tiny_teacher, seed=0).train()
@@ -146,7 +146,7 @@ def test_distilling_an_in_process_random_ffn_student_leaves_its_teacher_unchange
 
 
 def test_a_student_that_aliases_its_teacher_is_refused(tiny_teacher):
-    from m2d_ray.convert import RANDOM_BASELINES
+    from m2d_ray.catalog.methods import RANDOM_BASELINES
 
     student = RANDOM_BASELINES["random-ffn"](tiny_teacher, seed=0)
     student.get_input_embeddings().weight = tiny_teacher.model.get_input_embeddings().weight

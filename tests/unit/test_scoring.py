@@ -11,8 +11,8 @@ import torch
 
 from m2d_ray.arch.base import Routing
 from m2d_ray.calibrate.stats import LayerStats, routing_stats
+from m2d_ray.catalog.methods import SCORINGS
 from m2d_ray.errors import M2DError
-from m2d_ray.scoring import SCORINGS
 from m2d_ray.scoring.base import effective_rank
 from m2d_ray.scoring.dopt import greedy_logdet, greedy_logdet_naive, kernel, logdet_gain, ridge
 from m2d_ray.scoring.methods import select

@@ -25,8 +25,8 @@ from m2d_ray.arch.base import rel_error
 from m2d_ray.calibrate import calibrate
 from m2d_ray.calibrate.collect import collect_stats
 from m2d_ray.calibrate.stream import HiddenStates, collect_stats_streamed, should_stream
+from m2d_ray.catalog.methods import RANDOM_BASELINES
 from m2d_ray.checkpoint import Checkpoint, Shard
-from m2d_ray.convert import RANDOM_BASELINES
 from m2d_ray.convert.build import build_from_plan
 from m2d_ray.convert.export import export_student
 from m2d_ray.convert.plan import make_plan, make_plans

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from m2d_ray.convert import RANDOM_BASELINES
+from m2d_ray.catalog.methods import RANDOM_BASELINES
 from m2d_ray.convert.initial import InitialStudent
 from m2d_ray.stages.baselines.base import Baseline
 

@@ -5,9 +5,9 @@ suites, judges, question sets and batch sizes. `harness.py`, `runner.py`, `judge
 from __future__ import annotations
 
 from m2d_ray.errors import M2DError
-from m2d_ray.evaluate.paper_tasks import PREFIX
 from m2d_ray.sizes import parse_size
 
+PREFIX = "paper_"  # our task names (paper_hellaswag ...): never clash with lm-eval's own hub tasks
 #: the offline task built from the embedded corpus, and the same task built from a local text file
 CONTINUATION, TEXT_CONTINUATION = "synthetic_continuation", "text_continuation"
 HUB_PAPER_SUITE = (("winogrande", 5), ("hellaswag", 10), ("arc_easy", 25), ("arc_challenge", 25), ("mmlu", 5))

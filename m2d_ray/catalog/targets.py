@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from m2d_ray.distill import LOSSES
+from m2d_ray.catalog.distill import LOSSES
 from m2d_ray.errors import M2DError
 
 MODES = ("hidden", "topk", "sampled")

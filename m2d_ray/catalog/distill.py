@@ -1,0 +1,43 @@
+"""The names of stage 2's settings: losses, precision policies, KL kernels, and the value `auto`.
+
+Declared here, without torch, so that reading and checking a config imports none of the modules that implement them
+(`distill/losses.py`, `distill/precision.py`, `distill/kernels.py`, imported at the first lookup).
+"""
+
+from __future__ import annotations
+
+from m2d_ray.registry import Registry
+
+#: the value of a setting the platform decides (distill.precision, distill.kl_kernel, distill.deepspeed,
+#: stage2.targets)
+AUTO = "auto"
+
+#: loss name -> (logit divergence, whether hidden-state MSE over all layers is added); losses.py computes them
+LOSSES: Registry[tuple[str, bool]] = Registry("loss")
+LOSSES.register("fkl")(("fkl", False))
+LOSSES.register("rkl")(("rkl", False))
+LOSSES.register("fkl+mse")(("fkl", True))
+
+_PRECISION = "m2d_ray.distill.precision"
+#: distill.precision besides auto (float16 would need loss scaling)
+PRECISIONS = Registry(
+    "distill.precision",
+    lazy={
+        "bf16-mixed": (_PRECISION, "bfloat16 compute; float32 master weights, gradients and AdamW moments."),
+        "bf16-pure": (_PRECISION, "Everything in bfloat16, AdamW's moments too (only when asked)."),
+        "fp32": (_PRECISION, "Everything in float32 (auto on a CPU)."),
+    },
+)
+
+_KERNELS = "m2d_ray.distill.kernels"
+#: distill.kl_kernel besides auto
+KL_KERNELS = Registry(
+    "distill.kl_kernel",
+    lazy={
+        "chunked": (_KERNELS, "The exact KL chunk by chunk over the tokens, its gradient formed in the forward."),
+        "compiled": (_KERNELS, "chunked's loss with the student's loss module compiled by torch.compile."),
+        "liger": (_KERNELS, "Liger Kernel's fused linear JSD at beta 0 / 1 (forward / reverse KL); CUDA only."),
+    },
+)
+#: the kernels that run on CUDA devices only (a config check, before their modules are imported)
+CUDA_ONLY_KERNELS = frozenset({"liger"})
