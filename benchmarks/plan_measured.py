@@ -191,7 +191,7 @@ def child(case: str, size: str, kw: dict, work: Path, device: str = "cpu") -> di
     if case == "train":
         from transformers import AutoModelForCausalLM
 
-        from m2d_ray.distill.config import DistillConfig
+        from m2d_ray.config import DistillConfig
         from m2d_ray.distill.precision import resolve
         from m2d_ray.distill.step import DistillStep
         from m2d_ray.distill.targets import bytes_per_token, parse_targets, state_bytes

@@ -11,16 +11,16 @@ this list against the code):
 
     1. errors, console, registry, artifacts, storage, checkpoint, assets, accelerators, peaks, sizes, numerics, measured
     2. catalog
-    3. arch
-    4. models, weights, data
-    5. calibrate
-    6. scoring
-    7. grouping
-    8. convert
-    9. evaluate
-    10. prune
-    11. distill
-    12. config
+    3. config
+    4. arch
+    5. models, weights, data
+    6. calibrate
+    7. scoring
+    8. grouping
+    9. convert
+    10. evaluate
+    11. prune
+    12. distill
     13. plan
     14. run_dir
     15. track

@@ -27,9 +27,9 @@ from transformers import AutoModelForCausalLM
 
 from m2d_ray import storage
 from m2d_ray.arch import ADAPTERS
+from m2d_ray.config import DistillConfig
 from m2d_ray.convert.export import export_student
 from m2d_ray.data.text import load_text, tokenize
-from m2d_ray.distill.config import DistillConfig
 from m2d_ray.distill.data import train_batches
 from m2d_ray.distill.flops import active_params, flops_per_token, matmul_rate
 from m2d_ray.distill.gpu import attention_implementation

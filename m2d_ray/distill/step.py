@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from m2d_ray.config import DistillConfig
 from m2d_ray.distill import kernels
-from m2d_ray.distill.config import DistillConfig
 from m2d_ray.distill.kernels import KLKernel, kl_kernel
 from m2d_ray.distill.losses import LOSSES, hidden_mse, sampled_kl, sparse_kl
 from m2d_ray.distill.precision import PRECISIONS, MasterWeights, Precision

@@ -40,7 +40,7 @@ What the paper leaves open, decided here (docs/how-to/analyze.md sets each choic
   letter. Anything else is no key (a JSON string "1" is no index: an index is a number).
 - **Empty responses** have no words: no ratio is defined, so they are not incoherent; they have no final answer
   (not topic drift: there is no text to drift).
-Every threshold is a field of `Thresholds` (the paper's values are the defaults; `stage3.analysis.*` sets them).
+Every threshold is a field of `config.Thresholds` (the paper's values are the defaults; `stage3.analysis.*` sets them).
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ import re
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
+
+from m2d_ray.config import Thresholds
 
 #: every category, in the order the report stacks them (best first)
 CATEGORIES = ("correct", "knowledge", "reasoning", "other", "repetitive", "incoherent", "unjudged")
@@ -71,18 +73,6 @@ FILLER_WORDS = frozenset(
     um uh er erm ah oh hmm well okay ok yeah yes basically actually literally kind sort thing things stuff
     etc""".split()
 )
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """The rules' thresholds; the defaults are the paper's."""
-
-    filler_ratio: float = 0.35  # incoherent: filler words / words above this ...
-    unique_ratio: float = 0.15  # ... and distinct words / words below this
-    digit_ratio: float = 0.30  # incoherent: digits / non-space characters above this
-    ngram: int = 3  # repetitive: a word n-gram of this length ...
-    repeats: int = 5  # ... occurring at least this many times
-    overlap: float = 0.15  # topic drift: question keywords the response uses, below this share
 
 
 # ---- the text's measures ----------------------------------------------------------------------------------------

@@ -23,10 +23,10 @@ from m2d_ray.accelerators import pin
 from m2d_ray.arch.dense import dense_types
 from m2d_ray.artifacts import MARKER, atomic_dir, write_marker
 from m2d_ray.calibrate.stream import final_hidden_streamed, should_stream
+from m2d_ray.config import DistillConfig
 from m2d_ray.console import say
 from m2d_ray.data import source
 from m2d_ray.data.ray_tokens import actors_for, token_blocks
-from m2d_ray.distill.config import DistillConfig
 from m2d_ray.distill.precision import for_device
 from m2d_ray.distill.targets import (
     MANIFEST,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from m2d_ray.distill.config import DistillConfig
+from m2d_ray.config import DistillConfig
 from m2d_ray.distill.loop import DistillJob
 from m2d_ray.stages.run_storage import RunStorage
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from m2d_ray.distill.config import DistillConfig
+from m2d_ray.config import DistillConfig
 from m2d_ray.models import load_tokenizer
 from m2d_ray.plan.shapes import Shape
 from m2d_ray.plan.targets import MOE

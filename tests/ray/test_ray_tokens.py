@@ -15,7 +15,7 @@ import torch
 from corpora import write_corpus
 from multinode import BUCKET, free_port, serve_s3
 
-from m2d_ray.distill.config import DistillConfig
+from m2d_ray.config import DistillConfig
 from m2d_ray.errors import M2DError
 
 # Ray's workers take S3 credentials from the environment they start with: set before any test starts Ray

@@ -9,8 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from m2d_ray.config import DistillConfig, load_config
-from m2d_ray.distill.config import STOP_POLL_STEPS
+from m2d_ray.config import STOP_POLL_STEPS, DistillConfig, load_config
 from m2d_ray.distill.loop import DistillJob, WorkerIO, run_distill
 from m2d_ray.distill.step import lr_factor
 from m2d_ray.errors import M2DError

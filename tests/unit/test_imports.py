@@ -243,7 +243,6 @@ LIGHT = (
     "m2d_ray.catalog.distill",
     "m2d_ray.catalog.targets",
     "m2d_ray.catalog.evaluate",
-    "m2d_ray.distill.config",
 )
 HEAVY = ("torch", "transformers", "ray", "mlflow", "datasets", "deepspeed", "lm_eval")
 

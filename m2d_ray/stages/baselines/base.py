@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING
 from m2d_ray.stages.contract import Checked, Section
 
 if TYPE_CHECKING:  # argument types only
-    from m2d_ray.config import SweepConfig
-    from m2d_ray.distill.config import DistillConfig
+    from m2d_ray.config import DistillConfig, SweepConfig
     from m2d_ray.plan.cost import StageCost
     from m2d_ray.plan.run_plan import Costing
     from m2d_ray.report.analysis import RunData
