@@ -14,7 +14,7 @@ import traceback
 from m2d_ray import console
 from m2d_ray.catalog.distill import LOSSES
 from m2d_ray.catalog.methods import GROUPINGS, RANDOM_BASELINES, SCALINGS, SCORINGS
-from m2d_ray.config import AnalysisConfig
+from m2d_ray.config import AnalysisConfig, load_config
 from m2d_ray.errors import M2DError, RunFailed
 from m2d_ray.sizes import parse_size
 
@@ -507,7 +507,10 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _dispatch(args) -> None:
-
+    """The command's module, imported only now: it loads torch and Ray. A config named on the command line is read and
+    checked first (the config imports neither), so that a missing file or an unknown key is answered at once."""
+    if getattr(args, "config", None):
+        load_config(args.config, getattr(args, "overrides", []))
     importlib.import_module(f"m2d_ray.commands.{args.command.replace('-', '_')}").main(args)
 
 

@@ -81,6 +81,20 @@ def checkpoint_dir(name: str) -> Path:
         ) from None
 
 
+#: meta-device models by config, shared by the plan's readers (a plan asks for the same few configs many times)
+_META: dict[str, PreTrainedModel] = {}
+
+
+def meta_model(config) -> PreTrainedModel:
+    """The model of `config` on the meta device in bfloat16 (no weights), built once per distinct config: the plan
+    counts parameters and reads shapes on it many times over (every stage's needs, storage and cost). Read only: it
+    is shared."""
+    key = f"{type(config).__name__}:{config.to_json_string(use_diff=False)}"
+    if key not in _META:
+        _META[key] = skeleton(config, torch.bfloat16, device="meta")
+    return _META[key]
+
+
 def skeleton(config, dtype: torch.dtype, device: str = "cpu") -> PreTrainedModel:
     """The model on the meta device (no weights), with its non-persistent buffers (rotary frequencies)
     computed as `from_pretrained` computes them."""

@@ -25,10 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-from transformers import AutoModelForCausalLM
-
 from m2d_ray.errors import M2DError
+from m2d_ray.weights import meta_model
 
 GiB = 1 << 30
 RESERVE = 1 * GiB  # CUDA context, allocator slack
@@ -99,9 +97,7 @@ def model_size(config, dtype_bytes: int | None = None) -> ModelSize:
     """Parameters counted on the meta device (no weights read), and the shapes the batch estimate needs."""
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    params = sum(p.numel() for p in model.parameters())
+    params = sum(p.numel() for p in meta_model(config).parameters())
     if dtype_bytes is None:
         dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         dtype_bytes = 4 if str(dt).endswith("float32") else 2

@@ -5,12 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-import torch
-
 from m2d_ray.arch import ADAPTERS
 from m2d_ray.convert.baselines import dense_width
 from m2d_ray.convert.student import student_width
-from m2d_ray.weights import skeleton
+from m2d_ray.weights import meta_model
 
 GiB = 1 << 30
 
@@ -66,7 +64,7 @@ def shape_of(config) -> Shape:
     """A model's Shape from its transformers config (an MoE's expert sizes through its arch adapter)."""
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    model = skeleton(config, torch.bfloat16, device="meta")
+    model = meta_model(config)
     params = sum(p.numel() for p in model.parameters())
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -116,7 +114,7 @@ def models_of(config) -> Models:
     """Teacher and student shapes from the teacher's config (the student's config as convert/ makes it)."""
 
     adapter = ADAPTERS[config.model_type]
-    model = skeleton(config, torch.bfloat16, device="meta")
+    model = meta_model(config)
 
     width = student_width(model, adapter, dense_width(SimpleNamespace(adapter=adapter, skeleton=model, config=config)))
     student = adapter.student_config(config, width)
