@@ -1,4 +1,4 @@
-"""The groupings' implementations: each registers under the name `grouping/__init__.py` declares.
+"""The groupings' implementations: each registers under the name `catalog/methods.py` declares.
 
 Every method returns groups as lists of expert ids. Groups are ordered by their best-scored member
 and members by score (descending), so identical partitions give identical students.

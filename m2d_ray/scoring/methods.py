@@ -1,4 +1,4 @@
-"""The scorings' implementations: each registers under the name `scoring/__init__.py` declares."""
+"""The scorings' implementations: each registers under the name `catalog/methods.py` declares."""
 
 from __future__ import annotations
 
