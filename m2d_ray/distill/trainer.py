@@ -12,12 +12,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from ray import train
+from ray._private import ray_constants
+from ray.experimental import internal_kv
 from ray.train import (
     Checkpoint,
     CheckpointConfig,
@@ -26,6 +29,7 @@ from ray.train import (
     ScalingConfig,
 )
 from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from ray.train.v2.api.callback import UserCallback
 
 from m2d_ray import console
@@ -116,6 +120,33 @@ def follow(path: str | Path, label: str = "", every_s: float = 1.0, total: int |
         t.join()
 
 
+def has_dashboard() -> bool:
+    """Whether Ray's dashboard, which serves the State API, answers at the address the GCS holds for it (Ray writes
+    the address even when it starts no dashboard: a connection tells)."""
+    key, namespace = ray_constants.DASHBOARD_ADDRESS, ray_constants.KV_NAMESPACE_DASHBOARD
+    address = internal_kv._internal_kv_get(key, namespace=namespace)
+    host, _, port = (address or b"").decode().rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=2.0):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+class Trainer(TorchTrainer):
+    """TorchTrainer without Ray Train's placement-group cleaner on a cluster with no dashboard. The cleaner (a detached
+    actor per fit, which removes the worker group's placement group should the controller die ungracefully) asks the
+    State API whether the controller lives; without a dashboard (a local Ray here, `ray[data,tune,train]` installs
+    none) each ask waits out its 10-s timeout and every fit ends 12 s late, one more process started for nothing. The
+    placement group is the controller's and Ray removes it with its owner; where a dashboard runs the cleaner stays."""
+
+    def _create_default_callbacks(self):
+        callbacks = super()._create_default_callbacks()
+        if has_dashboard():
+            return callbacks
+        return [c for c in callbacks if not isinstance(c, PlacementGroupCleanerCallback)]
+
+
 def fit(job: DistillJob, callbacks: list | None = None):
     """Build and fit the TorchTrainer of one student, its checkpoints in `job.checkpoints` (a path or a storage
     URL every node reaches) under `job.run_name`; returns Ray Train's Result."""
@@ -123,7 +154,7 @@ def fit(job: DistillJob, callbacks: list | None = None):
     cfg = job.cfg
     use_gpu = cfg.gpus_per_worker > 0
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-    trainer = TorchTrainer(
+    trainer = Trainer(
         train_func,
         train_loop_config={"job": job, "env": env},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),

@@ -31,7 +31,7 @@ def ensure_ray(cfg: RayConfig) -> None:
 
     A local Ray gets more logical CPUs than cores (`num_cpus`, default 4): with as many as the
     cores a Tune trial that starts workers deadlocked here (stack-notes). Token auth, on by default
-    for local clusters since Ray 2.59, is turned off for a local instance only. Under a command's
+    for local clusters since Ray 2.59, and Ray Train's preemption watcher are turned off for a local instance only. Under a command's
     console session the workers' output is forwarded to the driver, i.e. into the command's log.
     """
     global _CONNECTED
@@ -44,6 +44,9 @@ def ensure_ray(cfg: RayConfig) -> None:
         _CONNECTED = True
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # a local Ray is one machine, no node of which is preempted: Ray Train's preemption watcher would only be one more
+    # actor process started for each student (the workers inherit this environment)
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     ray.init(
         address="local", num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=logs
     )  # never a cluster found in /tmp/ray
