@@ -31,8 +31,9 @@ def ensure_ray(cfg: RayConfig) -> None:
 
     A local Ray gets more logical CPUs than cores (`num_cpus`, default 4): with as many as the
     cores a Tune trial that starts workers deadlocked here (stack-notes). Token auth, on by default
-    for local clusters since Ray 2.59, and Ray Train's preemption watcher are turned off for a local instance only. Under a command's
-    console session the workers' output is forwarded to the driver, i.e. into the command's log.
+    for local clusters since Ray 2.59, and Ray Train's preemption watcher are turned off for a local instance
+    only. Under a command's console session the workers' output is forwarded to the driver, i.e. into the
+    command's log.
     """
     global _CONNECTED
     if ray.is_initialized():
