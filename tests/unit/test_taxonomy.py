@@ -131,7 +131,7 @@ SHAPES = [
     (P + "The answer is Venus.", "B", OUTSIDE),  # a text that is no choice
     (P + "the answer is a fact of plant cells", "B", OUTSIDE),  # lower-case 'a' before a word: no letter
     (P + "The answer is", "B", NO_ANSWER),  # cut off
-    (P + "So B is right, I think.", "B", NO_ANSWER),  # a letter inside a sentence states nothing
+    (P + "So B holds the pigment, I think.", "B", NO_ANSWER),  # a letter inside a sentence states nothing
     # hedges
     (P + "The answer is either B or C.", "B", HEDGED),
     (P + "The answer is (B) or (C).", "B", HEDGED),
@@ -179,6 +179,64 @@ def test_what_extraction_records(response, expected):
 def test_a_choice_text_of_two_choices_names_none():
     assert extract("The answer is Rome.", ["Rome", "Paris", "Rome"]) == ("Rome", OUTSIDE)
     assert extract("The answer is Rome, Italy.", ["Rome", "Rome, Italy"]) == ("B", "")  # equal beats starting with
+
+
+#: issue 55's kinds: (choices, response, what extraction reads) - the rules of taxonomy.py, one row per kind
+METALS = ["Iron", "Copper", "Zinc", "Tin"]
+ROMAN = ["I only", "II only", "I and III", "II and III"]
+ECON = ["A fall in prices", "Lower taxes", "A rise in interest rates", "A trade surplus"]
+CELLS = ["Chloroplast", "Mitochondria", "Ribosome", "Nucleus"]
+GASES = ["Nitrogen", "Hydrogen", "Oxygen", "Helium"]
+KINDS = [
+    # rule 2: a choice's own text before a single letter
+    (ROMAN, "Statement I fails, so it has to be II and III", ("D", "")),
+    (ROMAN, "The answer is I only.", ("A", "")),
+    (ECON, "Thus the answer is A rise in interest rates.", ("C", "")),
+    (ECON, "The answer is (A) A fall in prices.", ("A", "")),  # a letter written as a label is a letter
+    # rule 6: "Answer:" then a capitalised word is no letter
+    (METALS, "Answer: I'd go with option D.", ("D", "")),
+    (METALS, "Answer: A metal, namely copper (B).", ("B", "")),
+    # rule 4: hypotheticals, negations and questions are no answers
+    (METALS, "If the answer is D, the boiling point would double, which is absurd. So B.", ("B", "")),
+    (METALS, "If tin were harder, D would be right, but it is not.", (None, NO_ANSWER)),
+    (METALS, "If I had to choose, the answer would be B.", ("B", "")),  # a choice, not a hypothesis
+    (METALS, "D is not correct.", (None, NO_ANSWER)),
+    (METALS, "It can't be D.", (None, NO_ANSWER)),
+    (METALS, "Is the answer D?", (None, NO_ANSWER)),
+    # rule 3: the common statements, wherever they stand
+    (METALS, "Hence D is the correct answer.", ("D", "")),
+    (METALS, "(D) is correct.", ("D", "")),
+    (METALS, "B seems right: copper conducts well.", ("B", "")),
+    (CELLS, "Energy comes from them.\nB. Mitochondria", ("B", "")),  # a final "A. text" line
+    (CELLS, "The choices are:\nA. Chloroplast\nB. Mitochondria", (None, NO_ANSWER)),  # a list of choices is not
+    (METALS, "Answer - D", ("D", "")),
+    (METALS, "After all that, the right choice would be B", ("B", "")),
+    (METALS, "Tin is soft, so it can only be D", ("D", "")),
+    (METALS, "$\\boxed{\\mathbf{B}}$", ("B", "")),
+    (METALS, "so the answer is d since tin is soft", ("D", "")),  # lower case before a connective
+    (GASES, "The answer is 3) oxygen", ("C", "")),  # a numbered option when the choices are lettered
+    (METALS, "We can rule out A, C and D. That leaves B.", ("B", "")),  # a final sentence ending in a letter
+    (METALS, "Copper is soft. So my pick is B) Copper.", ("B", "")),
+    (METALS, "The best conductor here is copper.", ("B", "")),  # a final sentence ending in a choice's text
+    (METALS, "There will be C atoms in it.", (None, NO_ANSWER)),  # a letter in a sentence is not a label
+    # non-English cues (and full-width forms)
+    (METALS, "答案是 D", ("D", "")),
+    (METALS, "答案：Ｄ", ("D", "")),
+    (METALS, "Die Antwort ist B.", ("B", "")),
+    (METALS, "La réponse est C.", ("C", "")),
+    (METALS, "La respuesta correcta es B.", ("B", "")),
+    (METALS, "Ответ: C", ("C", "")),
+    # rule 5: hedges by meaning, not adjacency
+    (METALS, "The answer is B, and D is far too large.", ("B", "")),
+    (METALS, "The answer is B (though maybe C).", ("B/C", HEDGED)),
+    (METALS, "The answer is B, or possibly C.", ("B/C", HEDGED)),
+    (METALS, "The answer is B, but C is also plausible.", ("B/C", HEDGED)),
+]
+
+
+@pytest.mark.parametrize("choices, response, expected", KINDS, ids=[f"{i:02d}" for i in range(len(KINDS))])
+def test_the_kinds_a_grader_reads(choices, response, expected):
+    assert extract(response, choices) == expected
 
 
 #: (the key as a responses file gives it, its letter, or the error's start) for the choices of CELL
@@ -243,6 +301,18 @@ def test_a_run_on_answer_is_read_where_it_ended():
         ("The answer is (B).\nThe following is a multiple choice question about x.", "The answer is (B)."),
         ("The answer is (B).</s>junk", "The answer is (B)."),
         ("The answer is (B).<|im_end|>", "The answer is (B)."),
+        # issue 55: every common next-question and chat-turn marker
+        ("The answer is (B).\nThe following are multiple choice questions about x.", "The answer is (B)."),
+        ("The answer is (B).\nQuestion 7: next?", "The answer is (B)."),
+        ("The answer is (B).\n### Question\nnext?", "The answer is (B)."),
+        ("The answer is (B).\n**Question 2**\nnext?", "The answer is (B)."),
+        ("The answer is (B).\nProblem: next?", "The answer is (B)."),
+        ("The answer is (B).\nQ: next?", "The answer is (B)."),
+        ("The answer is (B).\nUser: thanks", "The answer is (B)."),
+        ("The answer is (B).\n\nHuman: next", "The answer is (B).\n"),
+        ("The answer is (B).<end_of_turn>\n<start_of_turn>user", "The answer is (B)."),
+        ("The answer is (B).<|im_start|>user", "The answer is (B)."),
+        ("Questions like this one are hard.\nQuestionable. (B)", None),  # words that only begin like markers
         ("The question: which one? The answer is (B).", None),  # inside a line, or not the template's opening
         ("Consider the Question: of light.\nSo (B).", None),
     ],
