@@ -386,3 +386,42 @@ def test_summary_counts_shares_rates_and_subject_groups():
     assert s["groups"]["STEM"] == {"n": 2, "correct": 1, "accuracy": 0.5}
     assert s["groups"]["social sciences"]["accuracy"] == 0.0 and s["groups"]["other"]["n"] == 2
     assert s["groups"]["unmapped"]["n"] == 1  # a subject of neither question set is not put in MMLU's "other"
+
+
+# ---- the labelled set: m2d against the extractors people use (benchmarks/extraction.py) --------------------------
+def test_m2d_leads_every_anchor_on_the_labelled_set():
+    import json
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import extraction
+
+    rows = [json.loads(line) for line in extraction.SET.read_text().splitlines()]
+    real = [r for r in rows if r["source"] != "written"]
+    assert len(rows) >= 150 and len(real) > len(rows) / 2  # the bulk real generations
+    assert all(r["label"] is None or r["label"] in "ABCDE" and len(r["label"]) == 1 for r in rows)
+    scores = {name: extraction.agreement(rows, read) for name, read in extraction.extractors().items()}
+    assert len(scores) == 6
+    for part in ("all", "written", "held out", "committed"):
+        ours = scores["m2d"][part][0]
+        assert all(ours > s[part][0] for name, s in scores.items() if name != "m2d"), (part, scores)
+    assert scores["m2d"]["real"][0] == len(real)  # no letter read into text that commits to none
+
+
+def test_the_anchors_read_as_their_sources_do():
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import extraction
+
+    fo = extraction.first_option_postprocess
+    assert fo("The answer is (C).", "ABCD") == "C" and fo("答案是B", "ABCD") == "B"
+    assert fo("I think A metal", "ABCD") == "A" and fo("nothing here", "ABCD") == ""  # its cushion: any capital
+    assert extraction.simple_evals("Answer: b", []) == "b" and extraction.simple_evals("Answer - B", []) is None
+    mcr = next(read for name, read in extraction.lm_eval_extractors().items() if "multi_choice_regex" in name)
+    rows = [{"response": r, "choices": ["Iron", "Copper", "Zinc", "Tin"]} for r in ("so (B).", "it is zinc", "hm")]
+    assert mcr(rows) == ["B", "C", None]  # its regex, then a choice's text, then none
