@@ -396,6 +396,13 @@ def parser() -> argparse.ArgumentParser:
         f"(default {AnalysisConfig.max_unjudged})",
     )
     an.add_argument(
+        "--key-base",
+        choices=("auto", "0", "1"),
+        default="auto",
+        help="what an integer answer key of --responses counts from: 0 (Hugging Face's MMLU: 1 is B), 1 (1 is A), or "
+        "auto (default: 1 when the file's keys include the number of choices and never 0, said in one line)",
+    )
+    an.add_argument(
         "--questions", default="mmlu", help="mmlu (MMLU's test split, after m2d fetch-data; default) or local (offline)"
     )
     an.add_argument("--per-subject", type=_positive, default=10, help="questions per subject (default 10)")

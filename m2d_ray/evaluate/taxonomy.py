@@ -22,22 +22,17 @@ What the paper leaves open, decided here (docs/how-to/analyze.md sets each choic
 - **Digit ratio.** Digit characters over the response's non-space characters.
 - **Keywords.** The distinct words of the question and its choices that are not filler words and have at least
   two characters; overlap = the share of them the response uses. A question without keywords is never drift.
-- **Answer extraction.** A statement of the answer is a cue ("the answer is", "answer would be", "Answer:",
-  "**Answer**:", "the correct option is", "\\boxed{") not negated ("the answer isn't A", "is not A"), then, past
-  brackets, emphasis, LaTeX wrappers and the words "option", "choice", "letter", "either", on its line (or the
-  next line when the cue ends one): a letter (upper case; lower case only before punctuation or the line's end: "the
-  answer is a. ..." but not "the answer is a fact"), two different letters joined by or / and / "/" (a hedge: no
-  single answer), several capitals as one token ("AB": outside the choices), or the text of exactly one choice
-  (equal to it, or starting with it where a word ends). The **final** answer counts: the last statement that names
-  one, and a last line that is only a letter ("B", "(B)", "**B**", "B.") after it. A statement that names nothing
-  ("the answer is clear") is read only when no statement names an answer: an answer outside the choices. No
-  statement and no such line is no final answer (a truncated response has none: responses read back from a file
-  carry no finish reason, so both count the same). The text read is the answer up to where the model's answer
-  ended: generation stops at the next question it starts writing, and saved answers are cut there too
-  (questions.py, `answer_part`), so a base model's next question is never read as its answer.
-- **The answer key** (`key_letter`): a letter of the choices (either case), an integer counted from 0 (as Hugging
-  Face's MMLU stores it: 1 is B), or one choice's exact text (surrounding spaces aside); a one-letter string is a
-  letter. Anything else is no key (a JSON string "1" is no index: an index is a number).
+- **Answer extraction** (`extract`): as a careful grader reads a response, by eight ordered rules, each with its
+  reason, in the comment block before `extract` (the model's own answer only; a choice's text before a single
+  letter; the common statements wherever they stand; negations, hypotheticals and questions not taken; hedges by
+  meaning; what a letter is; the final statement counts; the judge where no rule finds one). The text read is the
+  answer up to where the model's answer ended: generation stops at the next question or chat turn it starts
+  writing, and saved answers are cut there too (questions.py, `answer_part`). A truncated response states nothing:
+  responses read back from a file carry no finish reason, so both count the same.
+- **The answer key** (`key_letter`): a letter of the choices (either case), an integer (numpy's too) counted from 0
+  (as Hugging Face's MMLU stores it: 1 is B) or, when asked or detected (`integer_base`: a file whose keys include
+  the number of choices and never 0), from 1, or one choice's exact text (surrounding spaces aside); a one-letter
+  string is a letter. Anything else is no key (a JSON string "1" is no index: an index is a number).
 - **Empty responses** have no words: no ratio is defined, so they are not incoherent; they have no final answer
   (not topic drift: there is no text to drift).
 Every threshold is a field of `Thresholds` (the paper's values are the defaults; `stage3.analysis.*` sets them).
@@ -45,6 +40,7 @@ Every threshold is a field of `Thresholds` (the paper's values are the defaults;
 
 from __future__ import annotations
 
+import numbers
 import re
 import unicodedata
 from collections import Counter
@@ -467,13 +463,17 @@ def extract(response: str, choices: list[str]) -> tuple[str | None, str]:
     return nothing or (None, NO_ANSWER)
 
 
-def key_letter(key: object, choices: list[str]) -> str:
-    """The letter of an answer key (the module docstring's rule); ValueError saying what it is otherwise."""
+def key_letter(key: object, choices: list[str], base: int = 0) -> str:
+    """The letter of an answer key (the module docstring's rule; integers counted from `base`: 0 as Hugging Face's
+    MMLU stores them, 1 when asked or detected: `integer_base`); ValueError saying what it is otherwise."""
     valid = letters(len(choices))
-    if isinstance(key, int) and not isinstance(key, bool):
-        if 0 <= key < len(choices):
-            return valid[key]
-        raise ValueError(f"is {key}, not an index of its {len(choices)} choices (0 to {len(choices) - 1})")
+    if isinstance(key, numbers.Integral) and not isinstance(key, bool):  # numpy's integers too
+        if 0 <= int(key) - base < len(choices):
+            return valid[int(key) - base]
+        raise ValueError(
+            f"is {key}, not an index of its {len(choices)} choices ({base} to {len(choices) - 1 + base}, counted "
+            f"from {base})"
+        )
     if not isinstance(key, str):
         raise ValueError(f"is {key!r}, neither a letter, an integer index nor a choice's text")
     text = key.strip()
@@ -484,6 +484,13 @@ def key_letter(key: object, choices: list[str]) -> str:
         return valid[same[0]]
     which = f"the text of {len(same)} choices" if same else f"no letter {valid[:1]}-{valid[-1:]} nor a choice's text"
     raise ValueError(f"is {key!r}: {which}")
+
+
+def integer_base(keys: Iterable[tuple[object, int]]) -> int:
+    """The base a file's integer keys count from, given (key, its number of choices) per line: 1 when some key is
+    its number of choices (no 0-based index) and none is 0 (no 1-based one), else 0 (Hugging Face's MMLU)."""
+    ints = [(int(k), n) for k, n in keys if isinstance(k, numbers.Integral) and not isinstance(k, bool)]
+    return 1 if any(k == n for k, n in ints) and not any(k == 0 for k, _ in ints) else 0
 
 
 # ---- one response's category --------------------------------------------------------------------------------

@@ -223,6 +223,18 @@ def test_analyze_reclassifies_a_responses_file(tmp_path, capfd):
     ]
 
 
+def test_analyze_reads_keys_counted_from_one_when_the_file_says_so(tmp_path, capfd):
+    q = {"subject": "astronomy", "question": "Which planet?", "choices": ["Mars", "Venus", "Earth"]}
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({**q, "id": str(k), "answer": k, "response": "The answer is (A)."}) + "\n"
+                            for k in (1, 3)))  # fmt: skip
+    assert main(["analyze", "--responses", str(path), "--out", str(tmp_path / "auto")]) == 0
+    out, err = capfd.readouterr()
+    assert "never 0: read as counted from 1" in err and json.loads(out)["counts"]["correct"] == 1  # 1 is A
+    assert main(["analyze", "--responses", str(path), "--key-base", "0", "--out", str(tmp_path / "zero")]) == 2
+    assert "line 2: field 'answer' is 3, not an index of its 3 choices (0 to 2" in capfd.readouterr().err
+
+
 # ---- generation stops where the answer ended -------------------------------------------------------------------
 def test_generation_stops_at_the_next_question_and_at_eos(byte_teacher_dir):
     """The tiny teacher with a byte-level tokenizer (it can write a line break) and its logits overwritten to write a

@@ -23,6 +23,7 @@ from m2d_ray.evaluate.taxonomy import (
     extract,
     filler_ratio,
     incoherent,
+    integer_base,
     key_letter,
     keywords,
     overlap,
@@ -265,6 +266,21 @@ def test_the_answer_key_rule(key, expected):
     else:
         with pytest.raises(ValueError, match=re.escape(expected)):
             key_letter(key, CELL["choices"])
+
+
+def test_keys_counted_from_one_when_asked_or_detected_and_numpy_integers():
+    import numpy as np
+
+    choices = CELL["choices"]
+    assert key_letter(np.int64(1), choices) == "B" and key_letter(np.int32(4), choices, base=1) == "D"
+    assert key_letter(1, choices, base=1) == "A"
+    with pytest.raises(ValueError, match=re.escape("is 0, not an index of its 4 choices (1 to 4, counted from 1)")):
+        key_letter(0, choices, base=1)
+    assert integer_base([(4, 4), (1, 4), ("B", 4)]) == 1  # the number of choices, never 0: counted from 1
+    assert integer_base([(np.int64(4), 4), (2, 4)]) == 1
+    assert integer_base([(4, 4), (0, 4)]) == 0  # both: no base reads them (key_letter then refuses the 4)
+    assert integer_base([(1, 4), (3, 4)]) == 0  # nothing says: Hugging Face's MMLU counts from 0
+    assert integer_base([(True, 1), ("1", 1)]) == 0  # neither is an integer key
 
 
 def test_a_key_that_is_two_choices_texts_is_refused():
