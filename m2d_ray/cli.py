@@ -50,6 +50,16 @@ def _temperature(v: str) -> float:
     return t
 
 
+def _positive_seconds(v: str) -> float:
+    try:
+        x = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r} is not a number of seconds") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"{v!r} must be positive")
+    return x
+
+
 def _share(v: str) -> float:
     try:
         x = float(v)
@@ -387,6 +397,19 @@ def parser() -> argparse.ArgumentParser:
         default=AnalysisConfig.judge_max_tokens,
         help=f"the longest reply asked of an openai judge, room for a reasoning model's thoughts "
         f"(default {AnalysisConfig.judge_max_tokens})",
+    )
+    an.add_argument(
+        "--judge-deadline",
+        type=_positive_seconds,
+        default=AnalysisConfig.judge_deadline,
+        help=f"seconds an openai judge may take over a model's answers, retries included "
+        f"(default {AnalysisConfig.judge_deadline:g})",
+    )
+    an.add_argument(
+        "--judge-extracts",
+        action=argparse.BooleanOptionalAction,
+        default=AnalysisConfig.judge_extracts,
+        help="an openai judge reads the final answers the rules could not, recorded as judge-extracted (default: on)",
     )
     an.add_argument(
         "--max-unjudged",

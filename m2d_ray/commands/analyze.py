@@ -119,7 +119,15 @@ def check_judge(args) -> None:
 
 
 def openai_judge(args, model: str) -> OpenAIJudge:
-    return OpenAIJudge(model, args.judge_url, args.judge_key_env, max_tokens=args.judge_max_tokens)
+    return OpenAIJudge(
+        model, args.judge_url, args.judge_key_env, max_tokens=args.judge_max_tokens, deadline=args.judge_deadline
+    )
+
+
+def extractor_of(judge, args):
+    """The judge's reading of the final answers the rules could not read (rule 8), when it reads text and is asked
+    to (--judge-extracts, the default); else None."""
+    return judge.extract if args.judge_extracts and hasattr(judge, "extract") else None
 
 
 def load_judge(args, device: str):
@@ -209,7 +217,7 @@ def generate(args) -> dict:
     judge = load_judge(args, device)
     records, per_model = [], {}
     for key, rows in answers.items():
-        got = [{**r, "model": key} for r in classify(rows, judge)]
+        got = [{**r, "model": key} for r in classify(rows, judge, extractor=extractor_of(judge, args))]
         failed = judged(got, judge, args.max_unjudged)
         if failed:
             raise RunFailed(f"{key}: {failed}; its answers are saved in {work}: the same command judges them again")
@@ -234,7 +242,7 @@ def reclassify(args) -> dict:
     check_judge(args)
     check_output(args.out, "analysis", args.overwrite)
     judge = load_judge(args, args.device or device_default())
-    records = classify(rows, judge)
+    records = classify(rows, judge, extractor=extractor_of(judge, args))
     failed = judged(records, judge, args.max_unjudged)
     if failed:
         raise RunFailed(f"{failed}; nothing written: run the command again once the judge answers")

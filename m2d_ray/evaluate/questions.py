@@ -59,7 +59,7 @@ UNTIL = (
     "Human:",
 )
 _LINE_STARTS = (
-    r"Question(?:\s*\d+)?\s*(?:[:.)*]|(?=\n|$))",
+    r"Question(?:\s*\d+)?\s*(?:[:.)*]|(?=[ \t]*\n))",  # "### Question" ends its line (a stream's end is no end)
     r"Problem(?:\s*\d+)?\s*[:.)*]",
     r"Q\s*\d*\s*:",
     r"The following (?:is|are) (?:a )?multiple[ -]choice question",

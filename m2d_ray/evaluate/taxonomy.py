@@ -40,6 +40,7 @@ Every threshold is a field of `Thresholds` (the paper's values are the defaults;
 
 from __future__ import annotations
 
+import math
 import numbers
 import re
 import unicodedata
@@ -501,42 +502,78 @@ class Verdict:
     category: str | None
     extracted: str | None
     reason: str = ""
+    extracted_by: str = "rules"  # or "judge": rule 8, where the rules read no single answer
 
 
 def by_rules(r: dict, th: Thresholds = Thresholds()) -> Verdict:
     """The rules in the priority order of the module docstring, on one record (question, choices, answer,
-    response)."""
+    response; `judge_extracted`: the letter a judge read where the rules read no single answer, rule 8)."""
     text, choices = r["response"], r["choices"]
     got, why = extract(text, choices)
+    by = "rules"
+    if (got is None or why == HEDGED) and r.get("judge_extracted"):
+        got, by = r["judge_extracted"], "judge"
+        why = "" if got in letters(len(choices)) else OUTSIDE
     if incoherent(text, th):
-        return Verdict("incoherent", got)
+        return Verdict("incoherent", got, extracted_by=by)
     if repetitive(text, th):
-        return Verdict("repetitive", got)
+        return Verdict("repetitive", got, extracted_by=by)
     if not why and got == r["answer"]:
-        return Verdict("correct", got)
+        return Verdict("correct", got, extracted_by=by)
     ws = words(text)
     drift = overlap(ws, keywords(r["question"], choices))
     if ws and drift is not None and drift < th.overlap:
-        return Verdict("other", got, DRIFT)
+        return Verdict("other", got, DRIFT, by)
     if why:
-        return Verdict("other", got, why)
-    return Verdict(None, got)
+        return Verdict("other", got, why, by)
+    return Verdict(None, got, extracted_by=by)
+
+
+def _unread(r: dict, th: Thresholds) -> bool:
+    """The rules read no single answer (none, or a hedge) in a text that is neither incoherent nor repetitive."""
+    got, why = extract(r["response"], r["choices"])
+    return (got is None or why == HEDGED) and not incoherent(r["response"], th) and not repetitive(r["response"], th)
+
+
+def judge_extracted(
+    records: list[dict], extractor: Callable[[list[dict]], list[str | None]], th: Thresholds = Thresholds()
+) -> list[dict]:
+    """Rule 8: the records whose rules read no single answer (none, or a hedge) in a coherent, non-repeating text,
+    given to `extractor` in one call; each letter it reads is kept as the record's `judge_extracted`."""
+    ask = [i for i, r in enumerate(records) if _unread(r, th)]
+    said = extractor([records[i] for i in ask]) if ask else []
+    read = {i: x for i, x in zip(ask, said) if x}
+    return [{**r, "judge_extracted": read[i]} if i in read else r for i, r in enumerate(records)]
 
 
 def classify(
-    records: list[dict], judge: Callable[[list[dict]], list[str]] | None = None, th: Thresholds = Thresholds()
+    records: list[dict],
+    judge: Callable[[list[dict]], list[str]] | None = None,
+    th: Thresholds = Thresholds(),
+    extractor: Callable[[list[dict]], list[str | None]] | None = None,
 ) -> list[dict]:
-    """Each record with its `category`, `extracted` answer and `reason` (why `other`); the responses the rules leave
-    open go to `judge` in one call (a verdict per record: knowledge, reasoning or unjudged), else are unjudged."""
+    """Each record with its `category`, `extracted` answer, who read it (`extracted_by`: rules or judge) and `reason`
+    (why `other`); where the rules read no single answer, `extractor` (a judge that reads text) may read it first
+    (rule 8). The responses the rules leave open go to `judge` in one call (a verdict per record: knowledge,
+    reasoning or unjudged; a judge with `log_odds` after the call: how sure it was, kept as `judge_log_odds`), else
+    are unjudged."""
+    if extractor is not None:
+        records = judge_extracted(records, extractor, th)
     verdicts = [by_rules(r, th) for r in records]
     open_ = [i for i, v in enumerate(verdicts) if v.category is None]
     said = judge([records[i] for i in open_]) if judge is not None and open_ else ["unjudged"] * len(open_)
+    odds = list(getattr(judge, "log_odds", None) or []) if judge is not None and open_ else []
     decided = dict(zip(open_, said))
+    sure = dict(zip(open_, odds)) if len(odds) == len(open_) else {}
     out = []
     for i, (r, v) in enumerate(zip(records, verdicts)):
         category = v.category or decided[i]
         assert category in CATEGORIES, category
-        out.append({**r, "category": category, "extracted": v.extracted, "reason": v.reason})
+        extra = {"judge_log_odds": sure[i]} if i in sure else {}
+        out.append(
+            {**r, "category": category, "extracted": v.extracted, "extracted_by": v.extracted_by, "reason": v.reason}
+            | extra
+        )
     return out
 
 
@@ -559,6 +596,8 @@ def summary(records: list[dict], group_of: Callable[[str], str]) -> dict:
 
     return {
         "n": n,
+        "judge_sureness": sureness(records),
+        "judge_extracted": sum(r.get("extracted_by") == "judge" for r in records),
         "counts": {c: counts[c] for c in CATEGORIES},
         "shares": {c: share(c) for c in CATEGORIES},
         "catastrophic": share(*CATASTROPHIC),
@@ -566,6 +605,21 @@ def summary(records: list[dict], group_of: Callable[[str], str]) -> dict:
         "accuracy": share("correct"),
         "groups": dict(sorted(groups.items())),
     }
+
+
+#: a verdict less sure than 3:1 either way (|log-odds| < log 3) counts as unsure
+UNSURE = math.log(3)
+
+
+def sureness(records: list[dict]) -> dict | None:
+    """How sure the judge was of its verdicts (the records with `judge_log_odds`): how many, the median |log-odds|
+    and the share less sure than 3:1; None when it gave no odds."""
+    odds = sorted(abs(r["judge_log_odds"]) for r in records if r.get("judge_log_odds") is not None)
+    if not odds:
+        return None
+    mid = len(odds) // 2
+    median = odds[mid] if len(odds) % 2 else (odds[mid - 1] + odds[mid]) / 2
+    return {"n": len(odds), "median_abs_log_odds": median, "unsure": sum(x < UNSURE for x in odds) / len(odds)}
 
 
 def thresholds_of(d: dict) -> Thresholds:

@@ -5,6 +5,7 @@ model's answers add up to."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -441,3 +442,66 @@ def test_the_anchors_read_as_their_sources_do():
     mcr = next(read for name, read in extraction.lm_eval_extractors().items() if "multi_choice_regex" in name)
     rows = [{"response": r, "choices": ["Iron", "Copper", "Zinc", "Tin"]} for r in ("so (B).", "it is zinc", "hm")]
     assert mcr(rows) == ["B", "C", None]  # its regex, then a choice's text, then none
+
+
+# ---- issue 55's judge kinds: one verdict, Retry-After in both forms, how sure it was, what it extracts -----------
+def test_only_one_label_is_a_verdict():
+    from m2d_ray.evaluate.judges import parse_letter, parse_reply
+
+    replies = ["Reasoning or knowledge", "knowledge, not reasoning", "Knowledge.", "**Reasoning** error", "none"]
+    assert [parse_reply(x) for x in replies] == ["unjudged", "unjudged", "knowledge", "reasoning", "unjudged"]
+    assert [parse_letter(x, 4) for x in ("B", "(c)", "none", "E", "B or C")] == ["B", "C", None, None, "B"]
+
+
+def test_retry_after_in_seconds_and_as_an_http_date():
+    from m2d_ray.evaluate.judges import retry_after
+
+    now = 1_700_000_000.0
+    assert retry_after("3", now) == 3.0 and retry_after("0.5", now) == 0.5
+    assert retry_after("Tue, 14 Nov 2023 22:13:50 GMT", now) == 30.0  # 30 s after `now`
+    assert retry_after("Tue, 14 Nov 2023 22:00:00 GMT", now) == 0.0  # past: at once
+    assert retry_after("soon", now) is None and retry_after(None, now) is None
+
+
+def test_the_judges_log_odds_are_kept_and_summed_up():
+    from m2d_ray.evaluate.judges import log_odds
+
+    class Sure:
+        log_odds: list[float] = []
+
+        def __call__(self, records):
+            self.log_odds = [log_odds(0.9), log_odds(0.6)]
+            return ["knowledge", "knowledge"]
+
+    rows = [{**QUESTION, "id": str(i), "response": ON_TOPIC + f"The answer is ({x})."} for i, x in enumerate("BC")]
+    out = classify(rows, Sure())
+    assert [r["judge_log_odds"] for r in out] == [round(math.log(9), 4), round(math.log(1.5), 4)]
+    s = summary(out, group_of)["judge_sureness"]
+    assert (
+        s["n"] == 2
+        and s["unsure"] == 0.5
+        and s["median_abs_log_odds"] == pytest.approx((math.log(9) + math.log(1.5)) / 2, abs=1e-4)
+    )
+    assert summary(classify(rows), group_of)["judge_sureness"] is None  # no odds given: none claimed
+    assert log_odds(1.0) == pytest.approx(27.631, abs=1e-3)  # finite: JSON has no infinity
+
+
+def test_a_judge_reads_what_no_rule_reads_recorded_as_judge_extracted():
+    rows = [
+        {**QUESTION, "id": "a", "response": ON_TOPIC + "I'd say the gas giant that Ganymede circles."},
+        {**QUESTION, "id": "b", "response": ON_TOPIC + "The answer is (A)."},  # the rules read it: not asked
+        {**QUESTION, "id": "c", "response": ON_TOPIC + "The answer is (B) or (C)."},
+    ]
+    asked = []
+
+    def extractor(records):
+        asked.extend(r["id"] for r in records)
+        return ["A", None]
+
+    out = classify(rows, extractor=extractor)
+    assert asked == ["a", "c"]
+    assert [(r["category"], r["extracted"], r["extracted_by"]) for r in out] == [
+        ("correct", "A", "judge"),
+        ("correct", "A", "rules"),
+        ("other", "B/C", "rules"),
+    ]
