@@ -1,6 +1,6 @@
 """Letter agreement with a careful grader: m2d's answer extraction beside the extractors people use (issue 55).
 
-    python benchmarks/extraction.py [--set benchmarks/data/extraction_set.jsonl] [--misses]
+    python benchmarks/extraction.py [--set benchmarks/data/extraction_set.jsonl] [--misses] [--before REV]
 
 The set (benchmarks/data/extraction_set.jsonl): responses to 4-choice questions, each with the letter a careful
 human grader reads as its committed final answer, or null (none, or no single one: a hedge, a truncated or empty
@@ -9,7 +9,8 @@ written ones (`source: written`, `kind`: the shape they stand for). Each extract
 pipeline would, and its letter (or none) is compared with the label:
 
     m2d                       questions.answer_part (where the answer ended), then taxonomy.extract; a hedge or a
-                              text is no letter, a letter outside the choices is that letter
+                              text is no letter, a letter outside the choices is that letter (`--before REV`: also
+                              the two as they were at git revision REV of this repository)
     lm-eval multi_choice_regex, lm-eval regex (strict-match)
                               the filters of lm-eval's mmlu_flan_cot_zeroshot template (read from the installed
                               lm_eval's task YAML, run with its own filter classes), after its `until` cut
@@ -45,9 +46,28 @@ SET = HERE / "data" / "extraction_set.jsonl"
 
 
 # ---- m2d --------------------------------------------------------------------------------------------------------
-def m2d(text: str, choices: list[str]) -> str | None:
-    got, _ = extract(answer_part(text)[0], choices)
+def m2d(text: str, choices: list[str], cut=answer_part, read=extract) -> str | None:
+    got, _ = read(cut(text)[0], choices)
     return got if got is not None and re.fullmatch(r"[A-Z]", got) else None
+
+
+def m2d_at(rev: str):
+    """m2d's reader as it was at git revision `rev`: its taxonomy.py and questions.py loaded from `git show`."""
+    import subprocess
+    import sys
+    import types
+
+    mods = {}
+    for name in ("taxonomy", "questions"):
+        path = f"m2d_ray/evaluate/{name}.py"
+        src = subprocess.run(
+            ["git", "show", f"{rev}:{path}"], cwd=HERE.parent, capture_output=True, text=True, check=True
+        )
+        mod = types.ModuleType(f"m2d_{name}_{rev}")
+        sys.modules[mod.__name__] = mod  # dataclasses look their module up
+        exec(compile(src.stdout, f"{rev}:{path}", "exec"), mod.__dict__)  # noqa: S102 - this repository's own code
+        mods[name] = mod
+    return lambda text, choices: m2d(text, choices, mods["questions"].answer_part, mods["taxonomy"].extract)
 
 
 # ---- lm-eval: its filters as its MMLU CoT task YAMLs configure them -------------------------------------------------
@@ -175,8 +195,9 @@ def simple_evals(text: str, choices: list[str]) -> str | None:
 
 
 # ---- the table -------------------------------------------------------------------------------------------------
-def extractors() -> dict:
-    return {"m2d": each(m2d), **lm_eval_extractors(), "OpenCompass first_option_postprocess": each(opencompass),
+def extractors(before: str | None = None) -> dict:
+    was = {f"m2d at {before}": each(m2d_at(before))} if before else {}
+    return {"m2d": each(m2d), **was, **lm_eval_extractors(), "OpenCompass first_option_postprocess": each(opencompass),
             "simple-evals Answer: pattern": each(simple_evals)}  # fmt: skip
 
 
@@ -195,13 +216,13 @@ def agreement(rows: list[dict], read) -> dict[str, tuple[int, int]]:
     return {k: (sum(said[r["id"]] == r["label"] for r in v), len(v)) for k, v in parts.items()}
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], before: str | None = None) -> str:
     head = (
         "| extractor | all | real generations | written with the rules | written after (held out) | responses with a "
         "letter |\n|---|---|---|---|---|---|\n"
     )
     lines = []
-    for name, read in extractors().items():
+    for name, read in extractors(before).items():
         a = agreement(rows, read)
         cells = " | ".join(f"{n}/{of} ({n / of:.0%})" if of else "-" for n, of in a.values())
         lines.append(f"| {name} | {cells} |")
@@ -212,11 +233,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--set", default=str(SET))
     ap.add_argument("--misses", action="store_true", help="print the responses m2d reads otherwise than the label")
+    ap.add_argument("--before", default=None, help="a git revision: also m2d's reader as it was there")
     a = ap.parse_args()
     rows = [json.loads(line) for line in Path(a.set).read_text().splitlines() if line.strip()]
     real = sum(r["source"] != "written" for r in rows)
     print(f"{len(rows)} responses ({real} real generations, {len(rows) - real} written), {a.set}")
-    print(table(rows))
+    print(table(rows, a.before))
     if a.misses:
         for r in rows:
             got = m2d(r["response"], r["choices"])
