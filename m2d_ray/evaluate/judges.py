@@ -486,4 +486,4 @@ def describe(spec: str) -> dict:
             "asks": list(TEACHER_ASKS),
             "labels": list(TEACHER_LABELS),
         }
-    return {"judge": spec, "prompt": PROMPT + OPENAI_ASK, "labels": list(JUDGED)}
+    return {"judge": spec, "prompt": PROMPT + OPENAI_ASK, "labels": list(JUDGED), "extract_prompt": EXTRACT}

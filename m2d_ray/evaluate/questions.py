@@ -14,9 +14,11 @@ MMLU's medicine, nutrition and miscellaneous).
 
 The prompt is a zero-shot chain-of-thought one (`TEMPLATE`, recorded with the results): plain text, no chat
 template, so base models, distilled students and instruction-tuned teachers read the same characters. A model's
-answer ends where it starts the next question (`answer_part`: a line opening as the template's questions do, as
-lm-eval's generation tasks stop at their `until` strings): a base model that answers and then writes questions of its
-own is read at its answer, not at the questions it made up (their word 3-grams would also count as repetition).
+answer ends where it starts the next question or chat turn (`answer_part`: a line opening as the template's
+questions do, as MMLU's header, a numbered or Markdown question, "Problem:", "Q:" or a chat role does, or a chat-turn
+token; as lm-eval's generation tasks stop at their `until` strings): a base model that answers and then writes
+questions of its own is read at its answer, not at the questions it made up (their word 3-grams would also count as
+repetition).
 """
 
 from __future__ import annotations

@@ -141,8 +141,9 @@ class Analysis(Stage):
         kind, model = parse_judge(a.judge)
         if kind == "none":
             return [generation]
-        if kind == "openai":
-            judge = StageCost(f"{self.name}:judge", 0.0, answers / a.judge_rate, 0.0, None, answers, 1, a.judge)
+        if kind == "openai":  # a request per answer, and one more for each it may extract (an upper bound)
+            asks = answers * (2 if a.judge_extracts else 1)
+            judge = StageCost(f"{self.name}:judge", 0.0, asks / a.judge_rate, 0.0, None, asks, 1, a.judge)
         else:  # every answer judged (an upper bound): the question and the answer (about `seq`), once per label and
             t = p.models.teacher  # label order
             judged = 4 * answers * seq * forward_flops(t, int(seq))

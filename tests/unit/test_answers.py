@@ -574,4 +574,6 @@ def test_the_plan_prices_the_analysis_and_refuses_what_cannot_fit():
     assert double.flops == pytest.approx(2 * none.flops) and cost.flops > none.flops  # the teacher judge's share
     openai = plan(judge="openai:m", judge_rate=5.0).cost.by_name()["analysis"]
     answers = 570 * none.units  # 10 questions of each of 57 subjects, every model
-    assert openai.flops == none.flops and openai.seconds == pytest.approx(none.seconds + answers / 5.0)
+    assert openai.flops == none.flops and openai.seconds == pytest.approx(none.seconds + 2 * answers / 5.0)
+    plain = plan(judge="openai:m", judge_rate=5.0, judge_extracts=False).cost.by_name()["analysis"]
+    assert plain.seconds == pytest.approx(none.seconds + answers / 5.0)  # no extraction: one request per answer
