@@ -647,6 +647,15 @@ CASES = {
         lambda w: _analyze()[:-1] + [str(w["student"])],
         "holds an m2d student, not an analysis",
     ),
+    "analyze: judge deadline not positive (argparse)": (
+        lambda w: _analyze("--judge-deadline", "0"),
+        "must be positive",
+    ),
+    "analyze: key base not 0 or 1 (argparse)": (lambda w: _analyze("--key-base", "2"), "invalid choice: '2'"),
+    "run: analysis judge deadline not positive": (
+        lambda w: _run("stage3.analysis.judge_deadline=0"),
+        "stage3.analysis.judge_deadline=0",
+    ),
     "run: unknown analysis judge": (lambda w: _run("stage3.analysis.judge=gpt"), "unknown judge 'gpt'"),
     "run: unreachable analysis judge (before any work)": (
         lambda w: _run("stage3.analysis.judge=openai:m", f"stage3.analysis.judge_url={CLOSED_PORT}"),
