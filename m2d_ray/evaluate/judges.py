@@ -243,6 +243,12 @@ def parse_letter(text: str | None, n: int) -> str | None:
     return word.upper() if len(word) == 1 and word.upper() in letters(n) else None
 
 
+def retried(status: int) -> bool:
+    """Whether a request answered with HTTP `status` is tried again: a timeout (408), a rate limit (429) and the
+    server's errors (5xx) pass; another 4xx would be refused again."""
+    return status in (408, 429) or status >= 500
+
+
 def retry_after(value: str | None, now: float | None = None) -> float | None:
     """Seconds a Retry-After header asks to wait: a number of seconds, or an HTTP date (RFC 9110); None when it is
     neither."""
@@ -415,7 +421,7 @@ class OpenAIJudge:
                 why = http_problem(exc)
                 if exc.code == 400 and self._adapt(why, body):
                     continue
-                if exc.code not in (408, 429) and exc.code < 500:
+                if not retried(exc.code):
                     return None, why
                 after = retry_after(exc.headers.get("Retry-After") if exc.headers else None)
                 wait = min(60.0, after) if after is not None else wait

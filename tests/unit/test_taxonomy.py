@@ -454,7 +454,9 @@ def test_only_one_label_is_a_verdict():
 
 
 def test_retry_after_in_seconds_and_as_an_http_date():
-    from m2d_ray.evaluate.judges import retry_after
+    from m2d_ray.evaluate.judges import retried, retry_after
+
+    assert [retried(c) for c in (408, 429, 500, 503, 400, 401, 404)] == [True] * 4 + [False] * 3
 
     now = 1_700_000_000.0
     assert retry_after("3", now) == 3.0 and retry_after("0.5", now) == 0.5
