@@ -47,6 +47,16 @@ def _temperature(v: str) -> float:
     return t
 
 
+def _positive_seconds(v: str) -> float:
+    try:
+        x = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r} is not a number of seconds") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"{v!r} must be positive")
+    return x
+
+
 def _share(v: str) -> float:
     try:
         x = float(v)
@@ -386,11 +396,31 @@ def parser() -> argparse.ArgumentParser:
         f"(default {AnalysisConfig.judge_max_tokens})",
     )
     an.add_argument(
+        "--judge-deadline",
+        type=_positive_seconds,
+        default=AnalysisConfig.judge_deadline,
+        help=f"seconds an openai judge may take over a model's answers, retries included "
+        f"(default {AnalysisConfig.judge_deadline:g})",
+    )
+    an.add_argument(
+        "--judge-extracts",
+        action=argparse.BooleanOptionalAction,
+        default=AnalysisConfig.judge_extracts,
+        help="an openai judge reads the final answers the rules could not, recorded as judge-extracted (default: on)",
+    )
+    an.add_argument(
         "--max-unjudged",
         type=_share,
         default=AnalysisConfig.max_unjudged,
         help="a judge that leaves more than this share of a model's open answers unjudged fails the command "
         f"(default {AnalysisConfig.max_unjudged})",
+    )
+    an.add_argument(
+        "--key-base",
+        choices=("auto", "0", "1"),
+        default="auto",
+        help="what an integer answer key of --responses counts from: 0 (Hugging Face's MMLU: 1 is B), 1 (1 is A), or "
+        "auto (default: 1 when the file's keys include the number of choices and never 0, said in one line)",
     )
     an.add_argument(
         "--questions", default="mmlu", help="mmlu (MMLU's test split, after m2d fetch-data; default) or local (offline)"

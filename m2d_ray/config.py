@@ -358,6 +358,10 @@ class AnalysisConfig:
     # the longest reply asked of it, in tokens: room for a reasoning model's (or a <think>ing one's) thoughts before
     # its one word
     judge_max_tokens: int = 4096
+    # seconds an openai judge may take over one model's answers, its retries included (what is left then: unjudged)
+    judge_deadline: float = 3600.0
+    # an openai judge reads the final answer the rules could not (none, or a hedge), recorded as extracted_by: judge
+    judge_extracts: bool = True
     # a model whose judge (teacher or openai) leaves more than this share of the answers it was asked about unjudged
     # is recorded failed (the run exits non-zero; a resume judges it again)
     max_unjudged: float = 0.05
@@ -374,6 +378,8 @@ def check_analysis(a: AnalysisConfig) -> None:
             raise M2DError(f"stage3.analysis.{key}={getattr(a, key)}: give a positive number")
     if not 0 <= a.max_unjudged <= 1:
         raise M2DError(f"stage3.analysis.max_unjudged={a.max_unjudged}: give a share in [0, 1]")
+    if not a.judge_deadline > 0:
+        raise M2DError(f"stage3.analysis.judge_deadline={a.judge_deadline}: give a positive number of seconds")
     if a.temperature < 0 or a.judge_rate <= 0:
         raise M2DError("stage3.analysis.temperature must be >= 0 (0: greedy) and judge_rate > 0; give such values")
     parse_judge(a.judge)

@@ -10,11 +10,12 @@ sampling, stop strings) and KEY/batch-NNNNN.jsonl (each model's generated batche
 count and share of each category and the accuracy per subject group (per model with --model).
 
 A responses file's lines are read as generated answers are: each `response` cut where the model's answer ended
-(questions.answer_part: the next question it wrote, an end-of-text token written out; the rest kept as `run_on`),
-each `answer` key a letter, a 0-based integer or a choice's exact text (taxonomy.key_letter), anything else one line
-naming the line and the field. A judge that leaves more than --max-unjudged of a model's open answers unjudged fails
-the command (exit 1) with nothing classified written; with --model the answers stay saved and the same command
-continues.
+(questions.answer_part: the next question or chat turn it wrote, an end-of-text token written out; the rest kept as
+`run_on`), each `answer` key a letter, an integer or a choice's exact text (taxonomy.key_letter; integers counted
+from 0 as Hugging Face's MMLU stores them, from 1 with --key-base 1 or when the file's keys include a number of
+choices and never 0, said in one line), anything else one line naming the line, the field and what to write. A judge
+that leaves more than --max-unjudged of a model's open answers unjudged fails the command (exit 1) with nothing
+classified written; with --model the answers stay saved and the same command continues.
 """
 
 from __future__ import annotations
@@ -39,50 +40,66 @@ from m2d_ray.evaluate.generation import BatchStore, Sampling, answer_all, load, 
 from m2d_ray.evaluate.judges import OpenAIJudge, TeacherJudge, describe, parse_judge, shortfall
 from m2d_ray.evaluate.questions import TEMPLATE_CHARS, answer_part, check_set, group_of, sample
 from m2d_ray.evaluate.runner import generation_placement, gpu_facts
-from m2d_ray.evaluate.taxonomy import JUDGED, classify, key_letter, summary
+from m2d_ray.evaluate.taxonomy import JUDGED, classify, integer_base, key_letter, summary
 from m2d_ray.models import device_default, load_config, load_model
 from m2d_ray.plan.suite import prompt_tokens
 
 FIELDS = ("id", "subject", "question", "choices", "answer", "response")
 
 
-def read_responses(path: str) -> list[dict]:
+def read_responses(path: str, key_base: str = "auto") -> list[dict]:
     """The answers of a responses file, every line checked (one line naming the first line and field that cannot be
-    read); each response cut where the model's answer ended, each key made its letter."""
+    read, and what to write); each response cut where the model's answer ended, each key made its letter (integer
+    keys counted from `key_base`: 0, 1, or auto: 1 when the file's keys include a number of choices and never 0,
+    said in one line)."""
     p = Path(path)
     if not p.is_file():
         raise M2DError(f"--responses {path} is not a file; give a JSON Lines file of answers")
+    lines = [(n, _line(path, n, line)) for n, line in enumerate(p.read_text().splitlines(), 1) if line.strip()]
+    if not lines:
+        raise M2DError(f"--responses {path} holds no answers; give a file with one JSON object per line")
+    base = int(key_base) if key_base != "auto" else integer_base((r["answer"], len(r["choices"])) for _, r in lines)
+    if key_base == "auto" and base == 1:
+        say(f"{path}: its integer answer keys include the number of choices and never 0: read as counted from 1 (1 is "
+            "A; --key-base 0 reads them from 0)")  # fmt: skip
     out = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
+    for n, r in lines:
         try:
-            r = json.loads(line)
-        except ValueError:
-            raise M2DError(f"{path} line {n} is not JSON; give one JSON object per line") from None
-        missing = [f for f in FIELDS if not isinstance(r, dict) or f not in r]
-        if missing:
-            raise M2DError(f"{path} line {n} has no field {missing[0]!r}; give every line {', '.join(FIELDS)}")
-        choices = r["choices"]
-        if not isinstance(choices, list) or not 0 < len(choices) <= 26 or not all(isinstance(c, str) for c in choices):
-            raise M2DError(
-                f"{path} line {n}: field 'choices' is not a list of 1 to 26 strings; give the choices' texts"
-            )
-        for f in ("subject", "question", "response"):
-            if not isinstance(r[f], str):
-                raise M2DError(f"{path} line {n}: field {f!r} is {r[f]!r}, not a string; give its text")
-        try:
-            key = key_letter(r["answer"], choices)
+            key = key_letter(r["answer"], r["choices"], base)
         except ValueError as exc:
-            raise M2DError(
-                f"{path} line {n}: field 'answer' {exc}; give a letter, a 0-based integer index (as Hugging Face's "
-                "MMLU stores it: 1 is B) or one choice's exact text"
-            ) from None
+            raise M2DError(f"{path} line {n}: field 'answer' {exc}; {_key_help(base, key_base)}") from None
         response, run_on = answer_part(r["response"])
         out.append({**r, "response": response, "run_on": run_on, "answer": key})
-    if not out:
-        raise M2DError(f"--responses {path} holds no answers; give a file with one JSON object per line")
     return out
+
+
+def _key_help(base: int, asked: str) -> str:
+    """What to write instead of a key that cannot be read."""
+    if base == 1:
+        return "give a letter, an integer counted from 1 (--key-base 1: 1 is A) or one choice's exact text"
+    also = " (the file's keys include 0, so they count from 0)" if asked == "auto" else ""
+    return (
+        f"give a letter, an integer counted from 0{also} as Hugging Face's MMLU stores it (1 is B), --key-base 1 for "
+        "keys counted from 1, or one choice's exact text"
+    )
+
+
+def _line(path: str, n: int, line: str) -> dict:
+    """Line `n` of a responses file as a record with every field of the right type; one line naming it otherwise."""
+    try:
+        r = json.loads(line)
+    except ValueError:
+        raise M2DError(f"{path} line {n} is not JSON; give one JSON object per line") from None
+    missing = [f for f in FIELDS if not isinstance(r, dict) or f not in r]
+    if missing:
+        raise M2DError(f"{path} line {n} has no field {missing[0]!r}; give every line {', '.join(FIELDS)}")
+    choices = r["choices"]
+    if not isinstance(choices, list) or not 0 < len(choices) <= 26 or not all(isinstance(c, str) for c in choices):
+        raise M2DError(f"{path} line {n}: field 'choices' is not a list of 1 to 26 strings; give the choices' texts")
+    for f in ("subject", "question", "response"):
+        if not isinstance(r[f], str):
+            raise M2DError(f"{path} line {n}: field {f!r} is {r[f]!r}, not a string; give its text")
+    return r
 
 
 def check_judge(args) -> None:
@@ -102,7 +119,15 @@ def check_judge(args) -> None:
 
 
 def openai_judge(args, model: str) -> OpenAIJudge:
-    return OpenAIJudge(model, args.judge_url, args.judge_key_env, max_tokens=args.judge_max_tokens)
+    return OpenAIJudge(
+        model, args.judge_url, args.judge_key_env, max_tokens=args.judge_max_tokens, deadline=args.judge_deadline
+    )
+
+
+def extractor_of(judge, args):
+    """The judge's reading of the final answers the rules could not read (rule 8), when it reads text and is asked
+    to (--judge-extracts, the default); else None."""
+    return judge.extract if args.judge_extracts and hasattr(judge, "extract") else None
 
 
 def load_judge(args, device: str):
@@ -192,7 +217,7 @@ def generate(args) -> dict:
     judge = load_judge(args, device)
     records, per_model = [], {}
     for key, rows in answers.items():
-        got = [{**r, "model": key} for r in classify(rows, judge)]
+        got = [{**r, "model": key} for r in classify(rows, judge, extractor=extractor_of(judge, args))]
         failed = judged(got, judge, args.max_unjudged)
         if failed:
             raise RunFailed(f"{key}: {failed}; its answers are saved in {work}: the same command judges them again")
@@ -213,11 +238,11 @@ def _write(where: Path, records: list[dict], summaries: dict, args) -> None:
 
 def reclassify(args) -> dict:
     """--responses: the saved answers classified again."""
-    rows = read_responses(args.responses)
+    rows = read_responses(args.responses, args.key_base)
     check_judge(args)
     check_output(args.out, "analysis", args.overwrite)
     judge = load_judge(args, args.device or device_default())
-    records = classify(rows, judge)
+    records = classify(rows, judge, extractor=extractor_of(judge, args))
     failed = judged(records, judge, args.max_unjudged)
     if failed:
         raise RunFailed(f"{failed}; nothing written: run the command again once the judge answers")

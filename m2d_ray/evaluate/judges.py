@@ -7,17 +7,21 @@ on-topic (evaluate/taxonomy.py).
                     "1 for reasoning"), and the verdict is the label likelier on average over the two orders (each
                     order's two likelihoods normalised, then averaged: a model's preference for the label " 1" or
                     for the first-named error cancels out); no free text is parsed. The labels are the digits " 1"
-                    and " 2", which every tokenizer has; a tie (within `TIE` of even odds) is `unjudged`
+                    and " 2", which every tokenizer has; a tie (within `TIE` of even odds) is `unjudged`. How sure
+                    it was is kept with each verdict: the log-odds of knowledge over reasoning (`log_odds`)
     openai:MODEL    any OpenAI-compatible chat-completions server (vLLM's, SGLang's, a hosted API) at `url`, asked
                     `PROMPT` + `OPENAI_ASK` for one word: a reply whose first word (after any `<think>...</think>` a
-                    thinking model writes) is not a label is `unjudged`, never guessed. The request asks for
-                    temperature 0 and up to `max_tokens` tokens (room for a reasoning model's hidden reasoning or a
-                    thinking model's <think> before its word); a 400 that refuses `temperature` (hosted reasoning
-                    models) drops it, one that asks for `max_completion_tokens` sends that instead of `max_tokens`,
-                    for every later request. At most `rate` requests a second, retried with exponential backoff on 429,
-                    5xx, network errors and bodies without a message (Retry-After honoured); the key from the
-                    environment variable named `key_env`. `check` asks the server for the model itself before any
-                    work: its /models lists it, else a one-token request to it is answered
+                    thinking model writes) is not a label, or that names both labels, is `unjudged`, never guessed.
+                    The request asks for temperature 0 and up to `max_tokens` tokens (room for a reasoning model's
+                    hidden reasoning or a thinking model's <think> before its word); a 400 that refuses `temperature`
+                    (hosted reasoning models) drops it, one that asks for `max_completion_tokens` sends that instead
+                    of `max_tokens`, for every later request. At most `rate` requests a second, retried with
+                    exponential backoff on 408, 429, 5xx, network errors and bodies without a message (Retry-After
+                    honoured, in seconds or as an HTTP date), all within `deadline` seconds per call (a model's
+                    answers: stage3.analysis.judge_deadline); the key from the environment variable named
+                    `key_env`. Where the rules read no single final answer it may be asked which letter the answer
+                    commits to (`extract`: taxonomy.py's rule 8). `check` asks the server for the model itself
+                    before any work: its /models lists it, else a one-token request to it is answered
 
 A judge is called with the records to decide and returns one verdict per record; one that leaves more than a set
 share of them `unjudged` (`shortfall`: stage3.analysis.max_unjudged) fails the model it judged. Its name and prompt
@@ -26,7 +30,9 @@ are recorded beside the results (`describe`).
 
 from __future__ import annotations
 
+import datetime
 import difflib
+import email.utils
 import http.client
 import json
 import math
@@ -64,6 +70,13 @@ TEACHER_ASKS = (
 )
 TEACHER_LABELS = (" 1", " 2")
 OPENAI_ASK = "Reply with one word: knowledge or reasoning."
+#: the openai judge's question where the rules read no single final answer (taxonomy.py's rule 8)
+EXTRACT = (
+    "A student answered a multiple choice question about {subject}.\n\nQuestion: {question}\n{choices}\n\n"
+    "The student's answer:\n{response}\n\n"
+    "Which choice does the student's answer commit to as its final answer? Reply with its letter alone, or with the "
+    "word none if it commits to no single choice."
+)
 CHECK_ASK = "Reply with one word: ready."
 
 
@@ -138,6 +151,7 @@ class TeacherJudge:
     batch_size: int = 16
     name: str = "teacher"
     said: list[str] = field(default_factory=list)  # its last verdicts
+    log_odds: list[float] = field(default_factory=list)  # and how sure it was: log P(knowledge) / P(reasoning)
 
     def why(self) -> str:
         return ties(self.said)
@@ -149,6 +163,7 @@ class TeacherJudge:
         contexts = [context_ids(self.tokenizer, r, room, ask) for r in records for ask in TEACHER_ASKS]
         s = label_loglikelihoods(self.model, self.tokenizer, contexts, TEACHER_LABELS, self.batch_size)
         self.said = [verdict(s[i], s[i + 1]) for i in range(0, len(s), 2)]
+        self.log_odds = [log_odds(knowledge_probability(s[i], s[i + 1])) for i in range(0, len(s), 2)]
         return self.said
 
 
@@ -171,6 +186,13 @@ def knowledge_probability(first: list[float], swapped: list[float]) -> float:
     return (_first(first) + 1.0 - _first(swapped)) / 2
 
 
+def log_odds(p: float) -> float:
+    """log(p / (1 - p)) of P(knowledge), rounded to 4 places, within +-27.6 (p within 1e-12 of 0 or 1: JSON has no
+    infinity)."""
+    p = min(max(p, 1e-12), 1 - 1e-12)
+    return round(math.log(p / (1 - p)), 4)
+
+
 #: how near even odds is no verdict: the same two sequences scored in other batches differ by float32 noise (4e-7
 #: measured on the embedded teacher), which must not pass for a verdict
 TIE = 1e-5
@@ -189,11 +211,52 @@ _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 def parse_reply(text: str | None) -> str:
     """A judge's reply -> its verdict: the first word after any thinking (`<think>...</think>`, or everything up to a
     lone `</think>` when the server put the opening tag in the prompt; an unclosed <think> leaves no word), if it is a
-    label; else `unjudged`."""
-    said = _THINK.sub(" ", text or "").rpartition("</think>")[2].partition("<think>")[0]
-    first = said.strip().split(maxsplit=1)
-    word = first[0].strip(".,;:!?\"'*()[]`").lower() if first else ""
-    return word if word in JUDGED else "unjudged"
+    label and the reply names no other label ("Reasoning or knowledge" is no verdict); else `unjudged`."""
+    said, word = _after_thinking(text), _first_word(text)
+    named = {w for w in re.findall(r"[a-z]+", said.lower()) if w in JUDGED}
+    return word if word in JUDGED and named == {word} else "unjudged"
+
+
+def _first_word(text: str | None) -> str:
+    first = _after_thinking(text).strip().split(maxsplit=1)
+    return first[0].strip(".,;:!?\"'*()[]`").lower() if first else ""
+
+
+def _after_thinking(text: str | None) -> str:
+    return _THINK.sub(" ", text or "").rpartition("</think>")[2].partition("<think>")[0]
+
+
+def parse_letter(text: str | None, n: int) -> str | None:
+    """An extraction reply -> the letter it gives (its first word after any thinking, one of the `n` choices'
+    letters, bracketed or not), else None ("none", or anything else)."""
+    first = _after_thinking(text).strip().split(maxsplit=1)
+    word = first[0].strip(".,;:!?\"'*()[]`") if first else ""
+    return word.upper() if len(word) == 1 and word.upper() in letters(n) else None
+
+
+def retried(status: int) -> bool:
+    """Whether a request answered with HTTP `status` is tried again: a timeout (408), a rate limit (429) and the
+    server's errors (5xx) pass; another 4xx would be refused again."""
+    return status in (408, 429) or status >= 500
+
+
+def retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Seconds a Retry-After header asks to wait: a number of seconds, or an HTTP date (RFC 9110); None when it is
+    neither."""
+    if not value:
+        return None
+    text = value.strip()
+    try:
+        return max(0.0, float(text))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
 def reply_text(body: object) -> tuple[str, str | None]:
@@ -237,6 +300,7 @@ class OpenAIJudge:
     max_tokens: int = 4096  # a reasoning or thinking model's room to think before its one word
     backoff: float = 1.0  # seconds before the first retry; doubled each time
     timeout: float = 60.0
+    deadline: float | None = None  # seconds for one call (a model's answers), retries included; None: no bound
     workers: int = 4
     failures: int = 0  # requests that failed after every retry (their records: unjudged)
     problems: Counter = field(default_factory=Counter)  # why answers were left unjudged, and how often
@@ -244,6 +308,7 @@ class OpenAIJudge:
     _next: float = 0.0
     _temperature: bool = True  # send temperature 0 (until a 400 refuses it)
     _tokens: str = "max_tokens"  # the field of the token limit (max_completion_tokens once a 400 asks for it)
+    _until: float | None = None  # the monotonic time the current call's deadline passes
 
     @property
     def name(self) -> str:
@@ -323,14 +388,21 @@ class OpenAIJudge:
             headers=self._headers(),
             method="POST",
         )
-        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+        with urllib.request.urlopen(req, timeout=min(self.timeout, max(0.1, self._left()))) as resp:
             return reply_text(json.loads(resp.read()))
 
+    def _left(self) -> float:
+        """Seconds left before the current call's deadline (infinity without one)."""
+        return math.inf if self._until is None else self._until - time.monotonic()
+
     def _send(self, prompt: str, tokens: int) -> tuple[tuple[str, str | None] | None, str]:
-        """((the reply's text, its finish reason), "") or, once every try failed, (None, why the last one did). A 4xx
-        other than 429 is not retried (a field it refuses is changed first)."""
+        """((the reply's text, its finish reason), "") or, once every try failed or the call's deadline passed, (None,
+        why). 408, 429 and 5xx are retried (after the server's Retry-After, in seconds or as an HTTP date, else with
+        backoff); another 4xx is not (a field it refuses is changed first)."""
         attempt, why = 0, ""
         while attempt <= self.retries:
+            if self._left() <= 0:
+                return None, self._late(why)
             body = self._body(prompt, tokens)
             self._wait_turn()
             wait = self.backoff * 2**attempt
@@ -340,16 +412,23 @@ class OpenAIJudge:
                 why = http_problem(exc)
                 if exc.code == 400 and self._adapt(why, body):
                     continue
-                if exc.code != 429 and exc.code < 500:
+                if not retried(exc.code):
                     return None, why
-                after = exc.headers.get("Retry-After") if exc.headers else None
-                wait = min(60.0, float(after)) if after and after.replace(".", "", 1).isdigit() else wait
+                after = retry_after(exc.headers.get("Retry-After") if exc.headers else None)
+                wait = min(60.0, after) if after is not None else wait
             except NETWORK_ERRORS as exc:
                 why = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
             attempt += 1
             if attempt <= self.retries:
+                if wait >= self._left():
+                    return None, self._late(why)
                 time.sleep(wait)
         return None, why
+
+    def _late(self, why: str) -> str:
+        return f"the judge's deadline of {self.deadline:g} s passed (stage3.analysis.judge_deadline)" + (
+            f" after {why}" if why else ""
+        )
 
     def _judge(self, prompt: str) -> str:
         """One answer's verdict; why there is none is counted in `problems`."""
@@ -360,6 +439,8 @@ class OpenAIJudge:
                 problem = why
             elif got[1] == "length":
                 problem = f"a reply cut at {self.max_tokens} tokens before its word (stage3.analysis.judge_max_tokens)"
+            elif _first_word(got[0]) in JUDGED:
+                problem = "a reply naming both labels"
             else:
                 problem = "a reply whose first word is no label"
             with self._lock:
@@ -373,8 +454,21 @@ class OpenAIJudge:
 
     def __call__(self, records: list[dict]) -> list[str]:
         prompts = [render(r, OPENAI_ASK) for r in records]
+        self._until = None if self.deadline is None else time.monotonic() + self.deadline
         with ThreadPoolExecutor(max_workers=max(1, self.workers)) as pool:
             return list(pool.map(self._judge, prompts))
+
+    def extract(self, records: list[dict]) -> list[str | None]:
+        """Rule 8 of taxonomy.py: the letter each answer commits to, read by the judge where the rules read none (a
+        reply that is no letter of the choices: None)."""
+        self._until = None if self.deadline is None else time.monotonic() + self.deadline
+
+        def one(r: dict) -> str | None:
+            got, _ = self._send(EXTRACT.format(**_fields(r), response=r["response"]), self.max_tokens)
+            return None if got is None else parse_letter(got[0], len(r["choices"]))
+
+        with ThreadPoolExecutor(max_workers=max(1, self.workers)) as pool:
+            return list(pool.map(one, records))
 
 
 def describe(spec: str) -> dict:
@@ -389,4 +483,4 @@ def describe(spec: str) -> dict:
             "asks": list(TEACHER_ASKS),
             "labels": list(TEACHER_LABELS),
         }
-    return {"judge": spec, "prompt": PROMPT + OPENAI_ASK, "labels": list(JUDGED)}
+    return {"judge": spec, "prompt": PROMPT + OPENAI_ASK, "labels": list(JUDGED), "extract_prompt": EXTRACT}

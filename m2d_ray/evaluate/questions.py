@@ -14,9 +14,11 @@ MMLU's medicine, nutrition and miscellaneous).
 
 The prompt is a zero-shot chain-of-thought one (`TEMPLATE`, recorded with the results): plain text, no chat
 template, so base models, distilled students and instruction-tuned teachers read the same characters. A model's
-answer ends where it starts the next question (`answer_part`: a line opening as the template's questions do, as
-lm-eval's generation tasks stop at their `until` strings): a base model that answers and then writes questions of its
-own is read at its answer, not at the questions it made up (their word 3-grams would also count as repetition).
+answer ends where it starts the next question or chat turn (`answer_part`: a line opening as the template's
+questions do, as MMLU's header, a numbered or Markdown question, "Problem:", "Q:" or a chat role does, or a chat-turn
+token; as lm-eval's generation tasks stop at their `until` strings): a base model that answers and then writes
+questions of its own is read at its answer, not at the questions it made up (their word 3-grams would also count as
+repetition).
 """
 
 from __future__ import annotations
@@ -44,16 +46,48 @@ TEMPLATE = (
 )
 TEMPLATE_CHARS = len(TEMPLATE.format(subject="", question="", choices=""))  # the prompt's own characters
 LOCAL_QUESTION = "Which ending completes this text? {context} ..."
-#: a line opening with one of these starts the next question (TEMPLATE's own openings): the answer ended before it
-UNTIL = ("Question:", "The following is a multiple choice question")
-#: end-of-text tokens written out (in a responses file from elsewhere: our answers are decoded without them)
-END_TEXTS = ("</s>", "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>")
-_UNTIL = re.compile(r"\n[ \t*#>]*(?:" + "|".join(map(re.escape, UNTIL)) + ")|" + "|".join(map(re.escape, END_TEXTS)))
+#: a line opening with one of these starts the next question or the next chat turn: the answer ended before it
+#: (TEMPLATE's own openings, MMLU's plural header, numbered and Markdown questions, "Problem:", lm-eval's "Q:", chat
+#: roles); recorded with the settings as the generation's stop strings
+UNTIL = (
+    "Question:",
+    "Question N:",
+    "### Question",
+    "Problem:",
+    "Q:",
+    "The following is a multiple choice question",
+    "The following are multiple choice questions",
+    "User:",
+    "Human:",
+)
+_LINE_STARTS = (
+    r"Question(?:\s*\d+)?\s*(?:[:.)*]|(?=[ \t]*\n))",  # "### Question" ends its line (a stream's end is no end)
+    r"Problem(?:\s*\d+)?\s*[:.)*]",
+    r"Q\s*\d*\s*:",
+    r"The following (?:is|are) (?:a )?multiple[ -]choice question",
+    r"(?:User|USER|Human|HUMAN)\s*:",
+)
+#: end-of-text and chat-turn tokens written out (in a responses file from elsewhere: our answers are decoded without
+#: them)
+END_TEXTS = (
+    "</s>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<start_of_turn>",
+    "<|im_start|>",
+    "<|user|>",
+    "<|start_header_id|>",
+    "[INST]",
+)
+_UNTIL = re.compile(r"\n[ \t*#>]*(?:" + "|".join(_LINE_STARTS) + ")|" + "|".join(map(re.escape, END_TEXTS)))
 
 
 def answer_part(text: str) -> tuple[str, str]:
-    """(the answer, what ran on after it): `text` cut before a line that starts the next question, or an
-    end-of-text token written out."""
+    """(the answer, what ran on after it): `text` cut before a line that starts the next question or chat turn, or
+    an end-of-text or chat-turn token written out."""
     m = _UNTIL.search(text)
     return (text, "") if m is None else (text[: m.start()], text[m.start() :])
 

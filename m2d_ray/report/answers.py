@@ -69,15 +69,29 @@ def groups_table(rows: list[dict]) -> Table:
             r["catastrophic"],
             r["knowledge_errors"],
             r["truncated"],
+            (r.get("judge_sureness") or {}).get("unsure"),
+            r.get("judge_extracted"),
         ]
         for r in rows
     ]
     return Table(
         "answer_groups",
-        ["model", "answers", "accuracy", *groups, "catastrophic", "knowledge errors", "cut at the token limit"],
+        [
+            "model",
+            "answers",
+            "accuracy",
+            *groups,
+            "catastrophic",
+            "knowledge errors",
+            "cut at the token limit",
+            "judge unsure",
+            "judge-extracted",
+        ],
         body,
         "Accuracy of the generated answers (the extracted final answer is the key) per MMLU subject group; "
-        "catastrophic = incoherent + repetitive; the shares of all answers. Empty: no question of that group.",
+        "catastrophic = incoherent + repetitive; the shares of all answers. Empty: no question of that group. Judge "
+        "unsure: the share of the teacher judge's verdicts less sure than 3:1 (|log-odds| < log 3; empty: a judge "
+        "that gives no odds); judge-extracted: answers whose final answer the judge read where no rule could.",
     )
 
 

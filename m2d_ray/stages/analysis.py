@@ -50,7 +50,7 @@ from m2d_ray.evaluate.paper_tasks import MMLU_SUBJECTS
 from m2d_ray.evaluate.placement import model_size, plan_generation
 from m2d_ray.evaluate.questions import TEMPLATE_CHARS, Question, check_set, group_of, sample
 from m2d_ray.evaluate.runner import generation_placements, max_length
-from m2d_ray.evaluate.taxonomy import by_rules, classify, summary
+from m2d_ray.evaluate.taxonomy import by_rules, classify, judge_extracted, summary
 from m2d_ray.peaks import peaks, reset_peaks
 from m2d_ray.plan.cost import StageCost, before, forward_flops
 from m2d_ray.plan.devices import bundle
@@ -141,8 +141,9 @@ class Analysis(Stage):
         kind, model = parse_judge(a.judge)
         if kind == "none":
             return [generation]
-        if kind == "openai":
-            judge = StageCost(f"{self.name}:judge", 0.0, answers / a.judge_rate, 0.0, None, answers, 1, a.judge)
+        if kind == "openai":  # a request per answer, and one more for each it may extract (an upper bound)
+            asks = answers * (2 if a.judge_extracts else 1)
+            judge = StageCost(f"{self.name}:judge", 0.0, asks / a.judge_rate, 0.0, None, asks, 1, a.judge)
         else:  # every answer judged (an upper bound): the question and the answer (about `seq`), once per label and
             t = p.models.teacher  # label order
             judged = 4 * answers * seq * forward_flops(t, int(seq))
@@ -168,7 +169,13 @@ def questions_of(a: AnalysisConfig) -> int:
 
 def openai_judge(a: AnalysisConfig, model: str) -> OpenAIJudge:
     return OpenAIJudge(
-        model, a.judge_url, a.judge_key_env, rate=a.judge_rate, retries=a.judge_retries, max_tokens=a.judge_max_tokens
+        model,
+        a.judge_url,
+        a.judge_key_env,
+        rate=a.judge_rate,
+        retries=a.judge_retries,
+        max_tokens=a.judge_max_tokens,
+        deadline=a.judge_deadline,
     )
 
 
@@ -197,7 +204,7 @@ def check_settings(rd: RunDir, a: AnalysisConfig) -> dict:
 
 def classified_with(a: AnalysisConfig) -> dict:
     """What a model's categories depend on besides its answers: a change classifies them again."""
-    return {"judge": a.judge, "thresholds": asdict(a.thresholds)}
+    return {"judge": a.judge, "thresholds": asdict(a.thresholds), "judge_extracts": a.judge_extracts}
 
 
 def mlflow_fields(rd: RunDir, r: dict) -> Logged:
@@ -268,14 +275,21 @@ def _analysed(ctx, stage: Analysis, jobs: list, questions: list[Question], base:
     rd, a = ctx.rd, ctx.cfg.stage3.analysis
     th = a.thresholds
     answers = _generate(ctx, stage, jobs, questions)
+    kind, model = parse_judge(a.judge)
+    if kind == "openai" and a.judge_extracts:  # rule 8: the judge reads what the rules could not
+        extractor = openai_judge(a, model).extract
+        for got in answers.values():
+            if "rows" in got:
+                got["rows"] = judge_extracted(got["rows"], extractor, th)
     open_ = [(k, r) for k, v in answers.items() if "rows" in v for r in v["rows"] if by_rules(r, th).category is None]
     try:
-        (said, why), judge_error = _judge(ctx, stage, [r for _, r in open_]) if open_ else ([], ""), None
+        (said, why, odds), judge_error = _judge(ctx, stage, [r for _, r in open_]) if open_ else ([], "", []), None
     except Exception as exc:
         from m2d_ray.stages.ray_env import failure
 
-        said, why, judge_error = [], "", "judge: " + failure(str(exc), "analysis", 0, 0)
+        said, why, odds, judge_error = [], "", [], "judge: " + failure(str(exc), "analysis", 0, 0)
     verdict = {(k, r["id"]): v for (k, r), v in zip(open_, said)}
+    sure = {(k, r["id"]): v for (k, r), v in zip(open_, odds)}
     judged_by = {"judge": a.judge, "judge_prompt": describe(a.judge)["prompt"]}
     out = []
     for job in jobs:
@@ -283,12 +297,13 @@ def _analysed(ctx, stage: Analysis, jobs: list, questions: list[Question], base:
         opened = [x for x in got.get("rows", []) if by_rules(x, th).category is None]
         error = got.get("error") or (judge_error if opened else None)
         decided = [] if error else [verdict[(job.key, x["id"])] for x in opened]
+        given = Given(decided, [sure[(job.key, x["id"])] for x in opened] if sure else [])
         if not error and parse_judge(a.judge)[0] != "none":
             error = shortfall(a.judge, decided, a.max_unjudged, why)  # a judge that cannot judge fails the model
         if error:
             out.append({**asdict(job), "status": "failed", "error": error, **base})
             continue
-        records = [{**x, "model": job.key} for x in classify(got["rows"], lambda _, d=decided: d, th)]
+        records = [{**x, "model": job.key} for x in classify(got["rows"], given, th)]
         path = rd.analysis_responses(job.key)
         write_text_atomic(path, "".join(json.dumps(x) + "\n" for x in records))
         out.append(
@@ -362,21 +377,21 @@ def _generate(ctx, stage: Analysis, jobs: list, questions: list[Question]) -> di
     return out
 
 
-def _judge(ctx, stage: Analysis, records: list[dict]) -> tuple[list[str], str]:
-    """A verdict for each record, and why some are unjudged: the openai judge from here, the teacher in one Ray task
-    placed as stage 3's."""
+def _judge(ctx, stage: Analysis, records: list[dict]) -> tuple[list[str], str, list[float]]:
+    """A verdict for each record, why some are unjudged, and how sure the judge was (the teacher's log-odds; [] from
+    another): the openai judge from here, the teacher in one Ray task placed as stage 3's."""
     import ray
 
     cfg, a = ctx.cfg, ctx.cfg.stage3.analysis
     kind, model = parse_judge(a.judge)
     if kind == "none":
-        return ["unjudged"] * len(records), ""
+        return ["unjudged"] * len(records), "", []
     if kind == "openai":
         judge = openai_judge(a, model)
         said = judge(records)
         unjudged = sum(v == "unjudged" for v in said)
         say(f"analysis: {judge.name} judged {len(records)} answers ({unjudged} unjudged, {judge.failures} failed)")
-        return said, judge.why()
+        return said, judge.why(), []
     gpus, opts = stage3._gpus(cfg), stage3.task_options(cfg)
     teacher = ctx.workers_teacher
     with ctx.waiting(stage) as waiting:
@@ -394,9 +409,9 @@ def _judge(ctx, stage: Analysis, records: list[dict]) -> tuple[list[str], str]:
                 ctx.store,
             )
         )
-        said = waiting.get(ref)
+        said, odds = waiting.get(ref)
     say(f"analysis: the teacher judged {len(records)} answers ({said.count('unjudged')} ties)")
-    return said, ties(said)
+    return said, ties(said), odds
 
 
 def _answer_task(model, questions, s, device, placement, url, threads, store) -> dict:
@@ -413,12 +428,24 @@ def _answer_task(model, questions, s, device, placement, url, threads, store) ->
     return {"rows": rows, "gen_s": round(time.time() - t0, 1), "placement": placement.describe(), **peaks()}
 
 
-def _judge_task(teacher, records, batch_size, device, placement, threads, store) -> list[str]:
-    """A Ray task: the teacher judges `records` (its label continuations' log-likelihoods)."""
+def _judge_task(teacher, records, batch_size, device, placement, threads, store) -> tuple[list[str], list[float]]:
+    """A Ray task: the teacher judges `records` (its label continuations' log-likelihoods): its verdicts and their
+    log-odds."""
     store.ensure_visible()
     torch.set_num_threads(threads)
     lm, tok = load(teacher, device, placement)
-    return TeacherJudge(lm, tok, batch_size)(records)
+    judge = TeacherJudge(lm, tok, batch_size)
+    return judge(records), judge.log_odds
+
+
+class Given:
+    """Verdicts decided already (and the judge's log-odds, when it gave them), as `classify` calls a judge."""
+
+    def __init__(self, said: list[str], log_odds: list[float]) -> None:
+        self.said, self.log_odds = said, log_odds
+
+    def __call__(self, records: list[dict]) -> list[str]:
+        return self.said
 
 
 STAGE = Analysis()

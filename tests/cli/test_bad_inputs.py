@@ -183,7 +183,12 @@ def w(tmp_path_factory, tiny_teacher_dir):
             json.dumps(ANSWER) + "\n" + json.dumps({k: v for k, v in ANSWER.items() if k != "answer"}) + "\n"
         ).encode(),
         "key_outside.jsonl": (json.dumps({**ANSWER, "answer": "C"}) + "\n").encode(),
-        "key_index_outside.jsonl": (json.dumps(ANSWER) + "\n" + json.dumps({**ANSWER, "answer": 2}) + "\n").encode(),
+        "key_index_outside.jsonl": (
+            json.dumps({**ANSWER, "answer": 0}) + "\n" + json.dumps({**ANSWER, "answer": 2}) + "\n"
+        ).encode(),  # 0 and the number of choices: neither base reads both
+        "key_zero.jsonl": (
+            json.dumps({**ANSWER, "answer": 1}) + "\n" + json.dumps({**ANSWER, "answer": 0}) + "\n"
+        ).encode(),
     }
     for name, data in texts.items():
         (p["work"] / name).write_bytes(data)
@@ -613,7 +618,13 @@ CASES = {
     ),
     "analyze: an integer answer key outside the choices": (
         lambda w: ["analyze", "--responses", "key_index_outside.jsonl", "--out", "a"],
-        "key_index_outside.jsonl line 2: field 'answer' is 2, not an index of its 2 choices (0 to 1)",
+        "key_index_outside.jsonl line 2: field 'answer' is 2, not an index of its 2 choices (0 to 1, counted from 0); "
+        "give a letter, an integer counted from 0 (the file's keys include 0",
+    ),
+    "analyze: a 0 key with --key-base 1": (
+        lambda w: ["analyze", "--responses", "key_zero.jsonl", "--key-base", "1", "--out", "a"],
+        "key_zero.jsonl line 2: field 'answer' is 0, not an index of its 2 choices (1 to 2, counted from 1); give a "
+        "letter, an integer counted from 1",
     ),
     "analyze: max unjudged not a share (argparse)": (
         lambda w: _analyze("--max-unjudged", "5"),
@@ -635,6 +646,15 @@ CASES = {
     "analyze: out holds a student": (
         lambda w: _analyze()[:-1] + [str(w["student"])],
         "holds an m2d student, not an analysis",
+    ),
+    "analyze: judge deadline not positive (argparse)": (
+        lambda w: _analyze("--judge-deadline", "0"),
+        "must be positive",
+    ),
+    "analyze: key base not 0 or 1 (argparse)": (lambda w: _analyze("--key-base", "2"), "invalid choice: '2'"),
+    "run: analysis judge deadline not positive": (
+        lambda w: _run("stage3.analysis.judge_deadline=0"),
+        "stage3.analysis.judge_deadline=0",
     ),
     "run: unknown analysis judge": (lambda w: _run("stage3.analysis.judge=gpt"), "unknown judge 'gpt'"),
     "run: unreachable analysis judge (before any work)": (

@@ -92,7 +92,7 @@ def test_analysis_stage_resumes_per_model_and_per_batch(ray_address, tmp_path):
     batches = {m: _mtimes(run_dir / "analysis" / m) for m in ("teacher", "teacher-d2d")}
     server = JudgeServer()
     try:
-        openai = replace(a, judge="openai:scripted", judge_url=server.url, judge_retries=0)
+        openai = replace(a, judge="openai:scripted", judge_url=server.url, judge_retries=0, judge_extracts=False)
         cfg = replace(cfg, stage3=replace(cfg.stage3, analysis=openai))
         server.script = ["I cannot tell"] * 12
         failed = run_stages(cfg, run_dir, "analysis")["analysis"]

@@ -223,6 +223,18 @@ def test_analyze_reclassifies_a_responses_file(tmp_path, capfd):
     ]
 
 
+def test_analyze_reads_keys_counted_from_one_when_the_file_says_so(tmp_path, capfd):
+    q = {"subject": "astronomy", "question": "Which planet?", "choices": ["Mars", "Venus", "Earth"]}
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({**q, "id": str(k), "answer": k, "response": "The answer is (A)."}) + "\n"
+                            for k in (1, 3)))  # fmt: skip
+    assert main(["analyze", "--responses", str(path), "--out", str(tmp_path / "auto")]) == 0
+    out, err = capfd.readouterr()
+    assert "never 0: read as counted from 1" in err and json.loads(out)["counts"]["correct"] == 1  # 1 is A
+    assert main(["analyze", "--responses", str(path), "--key-base", "0", "--out", str(tmp_path / "zero")]) == 2
+    assert "line 2: field 'answer' is 3, not an index of its 3 choices (0 to 2" in capfd.readouterr().err
+
+
 # ---- generation stops where the answer ended -------------------------------------------------------------------
 def test_generation_stops_at_the_next_question_and_at_eos(byte_teacher_dir):
     """The tiny teacher with a byte-level tokenizer (it can write a line break) and its logits overwritten to write a
@@ -275,7 +287,7 @@ def test_teacher_judge_averages_both_label_orders_as_a_float64_brute_force_does(
     contexts = [context_ids(tok, r, None, ask) for r in records for ask in TEACHER_ASKS]
     batched = label_loglikelihoods(lm, tok, contexts, TEACHER_LABELS, 5)
     ref = lm.double()
-    said = []
+    said, sure = [], []
     for i, r in enumerate(records):
         want = []
         for ask in TEACHER_ASKS:
@@ -293,7 +305,10 @@ def test_teacher_judge_averages_both_label_orders_as_a_float64_brute_force_does(
         knowledge = (p1[0] + 1 - p1[1]) / 2  # " 1" is knowledge in the first order, reasoning in the second
         assert abs(knowledge - 0.5) > TIE  # the byte-level teacher reads the asks: no tie
         said.append("knowledge" if knowledge > 0.5 else "reasoning")
-    assert TeacherJudge(ref, tok)(records) == said
+        sure.append(math.log(knowledge / (1 - knowledge)))
+    judge = TeacherJudge(ref, tok)
+    assert judge(records) == said
+    assert judge.log_odds == [pytest.approx(x, abs=1e-3) for x in sure]  # how sure, kept with each verdict
     assert len({tuple(s) for s in batched}) == len(contexts)  # the scores depend on the answer and the order
 
 
@@ -372,6 +387,10 @@ def test_openai_judge_reads_one_word_after_any_thinking(judge, app, local):
         "reasoning",
         "unjudged",
     ]
+    app.script = ["Reasoning or knowledge", "knowledge, not reasoning", "Knowledge error."]
+    j = judge("scripted", workers=1)
+    assert j(_wrong(local)[:3]) == ["unjudged", "unjudged", "knowledge"]  # only one label is a verdict
+    assert j.problems == {"a reply naming both labels": 2}
 
 
 def test_openai_judge_retries_with_backoff_and_bounds_its_rate(judge, app, local):
@@ -390,6 +409,43 @@ def test_openai_judge_retries_with_backoff_and_bounds_its_rate(judge, app, local
     judge("scripted", rate=10.0, workers=4)(_wrong(local))
     gaps = [b - a for a, b in zip(app.times, app.times[1:])]
     assert len(app.times) == 6 and min(gaps) >= 0.09 and app.times[-1] - app.times[0] >= 0.49, gaps
+
+
+def test_openai_judge_retries_408_reads_retry_after_as_a_date_and_keeps_its_deadline(judge, app, local):
+    import email.utils
+
+    app.raw = [(408, {"error": {"message": "request timeout"}})]
+    app.script = ["knowledge"]
+    assert judge("scripted", workers=1)(_wrong(local)[:1]) == ["knowledge"] and len(app.bodies) == 2  # retried
+    app.reset()
+    when = email.utils.formatdate(time.time() + 2, usegmt=True)  # an HTTP date 2 s ahead (1 s resolution)
+    app.raw, app.script = [(503, {"error": {"message": "busy"}}, {"Retry-After": when})], ["reasoning"]
+    assert judge("scripted", workers=1, backoff=0.01)(_wrong(local)[:1]) == ["reasoning"]
+    assert app.times[1] - app.times[0] >= 0.9  # the date's wait, not the 0.01 s backoff
+    app.reset()
+    app.fail = 100  # the server never recovers: the deadline ends the call, not 100 retries of backoff
+    j = judge("scripted", workers=1, retries=100, backoff=0.2, deadline=1.0)
+    t0 = time.monotonic()
+    assert j(_wrong(local)[:2]) == ["unjudged"] * 2 and time.monotonic() - t0 < 3
+    assert all(p.startswith("the judge's deadline of 1 s passed") for p in j.problems), j.problems
+
+
+def test_openai_judge_reads_the_answers_the_rules_cannot(judge, app, local, tmp_path, capfd):
+    """Rule 8: where no rule reads a single answer, the judge is asked which letter it commits to; what it reads is
+    recorded as judge-extracted and classified as any answer."""
+    q = local[0].record()
+    texts = ["I reckon it's the one about " + q["choices"][0] + " really", "The answer is (B) or (C)."]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({**q, "id": str(i), "response": t}) + "\n" for i, t in enumerate(texts)))
+    app.script = [q["answer"], "none"]
+    args = ["analyze", "--responses", str(path), "--judge", "openai:scripted", "--judge-url", app.url]
+    assert main([*args, "--judge-key-env", "M2D_TEST_KEY", "--out", str(tmp_path / "out")]) == 0
+    out = [json.loads(x) for x in (tmp_path / "out" / "responses.jsonl").read_text().splitlines()]
+    assert [(r["extracted"], r["extracted_by"]) for r in out] == [(q["answer"], "judge"), ("B/C", "rules")]
+    assert out[0]["category"] == "correct" and json.loads(capfd.readouterr().out)["judge_extracted"] == 1
+    assert "Which choice does the student's answer commit to" in app.bodies[0]["messages"][0]["content"]
+    assert main([*args, "--judge-key-env", "M2D_TEST_KEY", "--no-judge-extracts", "--out", str(tmp_path / "o2")]) == 0
+    assert len(app.bodies) == 2  # not asked again: no extraction, and no wrong answer left for the judge
 
 
 def test_openai_judge_retries_or_counts_every_network_error_and_malformed_body(judge, app, local):
@@ -518,4 +574,6 @@ def test_the_plan_prices_the_analysis_and_refuses_what_cannot_fit():
     assert double.flops == pytest.approx(2 * none.flops) and cost.flops > none.flops  # the teacher judge's share
     openai = plan(judge="openai:m", judge_rate=5.0).cost.by_name()["analysis"]
     answers = 570 * none.units  # 10 questions of each of 57 subjects, every model
-    assert openai.flops == none.flops and openai.seconds == pytest.approx(none.seconds + answers / 5.0)
+    assert openai.flops == none.flops and openai.seconds == pytest.approx(none.seconds + 2 * answers / 5.0)
+    plain = plan(judge="openai:m", judge_rate=5.0, judge_extracts=False).cost.by_name()["analysis"]
+    assert plain.seconds == pytest.approx(none.seconds + answers / 5.0)  # no extraction: one request per answer

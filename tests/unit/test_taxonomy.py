@@ -5,6 +5,7 @@ model's answers add up to."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -23,6 +24,7 @@ from m2d_ray.evaluate.taxonomy import (
     extract,
     filler_ratio,
     incoherent,
+    integer_base,
     key_letter,
     keywords,
     overlap,
@@ -131,7 +133,7 @@ SHAPES = [
     (P + "The answer is Venus.", "B", OUTSIDE),  # a text that is no choice
     (P + "the answer is a fact of plant cells", "B", OUTSIDE),  # lower-case 'a' before a word: no letter
     (P + "The answer is", "B", NO_ANSWER),  # cut off
-    (P + "So B is right, I think.", "B", NO_ANSWER),  # a letter inside a sentence states nothing
+    (P + "So B holds the pigment, I think.", "B", NO_ANSWER),  # a letter inside a sentence states nothing
     # hedges
     (P + "The answer is either B or C.", "B", HEDGED),
     (P + "The answer is (B) or (C).", "B", HEDGED),
@@ -181,6 +183,64 @@ def test_a_choice_text_of_two_choices_names_none():
     assert extract("The answer is Rome, Italy.", ["Rome", "Rome, Italy"]) == ("B", "")  # equal beats starting with
 
 
+#: issue 55's kinds: (choices, response, what extraction reads) - the rules of taxonomy.py, one row per kind
+METALS = ["Iron", "Copper", "Zinc", "Tin"]
+ROMAN = ["I only", "II only", "I and III", "II and III"]
+ECON = ["A fall in prices", "Lower taxes", "A rise in interest rates", "A trade surplus"]
+CELLS = ["Chloroplast", "Mitochondria", "Ribosome", "Nucleus"]
+GASES = ["Nitrogen", "Hydrogen", "Oxygen", "Helium"]
+KINDS = [
+    # rule 2: a choice's own text before a single letter
+    (ROMAN, "Statement I fails, so it has to be II and III", ("D", "")),
+    (ROMAN, "The answer is I only.", ("A", "")),
+    (ECON, "Thus the answer is A rise in interest rates.", ("C", "")),
+    (ECON, "The answer is (A) A fall in prices.", ("A", "")),  # a letter written as a label is a letter
+    # rule 6: "Answer:" then a capitalised word is no letter
+    (METALS, "Answer: I'd go with option D.", ("D", "")),
+    (METALS, "Answer: A metal, namely copper (B).", ("B", "")),
+    # rule 4: hypotheticals, negations and questions are no answers
+    (METALS, "If the answer is D, the boiling point would double, which is absurd. So B.", ("B", "")),
+    (METALS, "If tin were harder, D would be right, but it is not.", (None, NO_ANSWER)),
+    (METALS, "If I had to choose, the answer would be B.", ("B", "")),  # a choice, not a hypothesis
+    (METALS, "D is not correct.", (None, NO_ANSWER)),
+    (METALS, "It can't be D.", (None, NO_ANSWER)),
+    (METALS, "Is the answer D?", (None, NO_ANSWER)),
+    # rule 3: the common statements, wherever they stand
+    (METALS, "Hence D is the correct answer.", ("D", "")),
+    (METALS, "(D) is correct.", ("D", "")),
+    (METALS, "B seems right: copper conducts well.", ("B", "")),
+    (CELLS, "Energy comes from them.\nB. Mitochondria", ("B", "")),  # a final "A. text" line
+    (CELLS, "The choices are:\nA. Chloroplast\nB. Mitochondria", (None, NO_ANSWER)),  # a list of choices is not
+    (METALS, "Answer - D", ("D", "")),
+    (METALS, "After all that, the right choice would be B", ("B", "")),
+    (METALS, "Tin is soft, so it can only be D", ("D", "")),
+    (METALS, "$\\boxed{\\mathbf{B}}$", ("B", "")),
+    (METALS, "so the answer is d since tin is soft", ("D", "")),  # lower case before a connective
+    (GASES, "The answer is 3) oxygen", ("C", "")),  # a numbered option when the choices are lettered
+    (METALS, "We can rule out A, C and D. That leaves B.", ("B", "")),  # a final sentence ending in a letter
+    (METALS, "Copper is soft. So my pick is B) Copper.", ("B", "")),
+    (METALS, "The best conductor here is copper.", ("B", "")),  # a final sentence ending in a choice's text
+    (METALS, "There will be C atoms in it.", (None, NO_ANSWER)),  # a letter in a sentence is not a label
+    # non-English cues (and full-width forms)
+    (METALS, "答案是 D", ("D", "")),
+    (METALS, "答案：Ｄ", ("D", "")),
+    (METALS, "Die Antwort ist B.", ("B", "")),
+    (METALS, "La réponse est C.", ("C", "")),
+    (METALS, "La respuesta correcta es B.", ("B", "")),
+    (METALS, "Ответ: C", ("C", "")),
+    # rule 5: hedges by meaning, not adjacency
+    (METALS, "The answer is B, and D is far too large.", ("B", "")),
+    (METALS, "The answer is B (though maybe C).", ("B/C", HEDGED)),
+    (METALS, "The answer is B, or possibly C.", ("B/C", HEDGED)),
+    (METALS, "The answer is B, but C is also plausible.", ("B/C", HEDGED)),
+]
+
+
+@pytest.mark.parametrize("choices, response, expected", KINDS, ids=[f"{i:02d}" for i in range(len(KINDS))])
+def test_the_kinds_a_grader_reads(choices, response, expected):
+    assert extract(response, choices) == expected
+
+
 #: (the key as a responses file gives it, its letter, or the error's start) for the choices of CELL
 KEYS = [
     ("B", "B"),
@@ -207,6 +267,21 @@ def test_the_answer_key_rule(key, expected):
     else:
         with pytest.raises(ValueError, match=re.escape(expected)):
             key_letter(key, CELL["choices"])
+
+
+def test_keys_counted_from_one_when_asked_or_detected_and_numpy_integers():
+    import numpy as np
+
+    choices = CELL["choices"]
+    assert key_letter(np.int64(1), choices) == "B" and key_letter(np.int32(4), choices, base=1) == "D"
+    assert key_letter(1, choices, base=1) == "A"
+    with pytest.raises(ValueError, match=re.escape("is 0, not an index of its 4 choices (1 to 4, counted from 1)")):
+        key_letter(0, choices, base=1)
+    assert integer_base([(4, 4), (1, 4), ("B", 4)]) == 1  # the number of choices, never 0: counted from 1
+    assert integer_base([(np.int64(4), 4), (2, 4)]) == 1
+    assert integer_base([(4, 4), (0, 4)]) == 0  # both: no base reads them (key_letter then refuses the 4)
+    assert integer_base([(1, 4), (3, 4)]) == 0  # nothing says: Hugging Face's MMLU counts from 0
+    assert integer_base([(True, 1), ("1", 1)]) == 0  # neither is an integer key
 
 
 def test_a_key_that_is_two_choices_texts_is_refused():
@@ -243,6 +318,18 @@ def test_a_run_on_answer_is_read_where_it_ended():
         ("The answer is (B).\nThe following is a multiple choice question about x.", "The answer is (B)."),
         ("The answer is (B).</s>junk", "The answer is (B)."),
         ("The answer is (B).<|im_end|>", "The answer is (B)."),
+        # issue 55: every common next-question and chat-turn marker
+        ("The answer is (B).\nThe following are multiple choice questions about x.", "The answer is (B)."),
+        ("The answer is (B).\nQuestion 7: next?", "The answer is (B)."),
+        ("The answer is (B).\n### Question\nnext?", "The answer is (B)."),
+        ("The answer is (B).\n**Question 2**\nnext?", "The answer is (B)."),
+        ("The answer is (B).\nProblem: next?", "The answer is (B)."),
+        ("The answer is (B).\nQ: next?", "The answer is (B)."),
+        ("The answer is (B).\nUser: thanks", "The answer is (B)."),
+        ("The answer is (B).\n\nHuman: next", "The answer is (B).\n"),
+        ("The answer is (B).<end_of_turn>\n<start_of_turn>user", "The answer is (B)."),
+        ("The answer is (B).<|im_start|>user", "The answer is (B)."),
+        ("Questions like this one are hard.\nQuestionable. (B)", None),  # words that only begin like markers
         ("The question: which one? The answer is (B).", None),  # inside a line, or not the template's opening
         ("Consider the Question: of light.\nSo (B).", None),
     ],
@@ -316,3 +403,107 @@ def test_summary_counts_shares_rates_and_subject_groups():
     assert s["groups"]["STEM"] == {"n": 2, "correct": 1, "accuracy": 0.5}
     assert s["groups"]["social sciences"]["accuracy"] == 0.0 and s["groups"]["other"]["n"] == 2
     assert s["groups"]["unmapped"]["n"] == 1  # a subject of neither question set is not put in MMLU's "other"
+
+
+# ---- the labelled set: m2d against the extractors people use (benchmarks/extraction.py) --------------------------
+def test_m2d_leads_every_anchor_on_the_labelled_set():
+    import json
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import extraction
+
+    rows = [json.loads(line) for line in extraction.SET.read_text().splitlines()]
+    real = [r for r in rows if r["source"] != "written"]
+    assert len(rows) >= 150 and len(real) > len(rows) / 2  # the bulk real generations
+    assert all(r["label"] is None or r["label"] in "ABCDE" and len(r["label"]) == 1 for r in rows)
+    scores = {name: extraction.agreement(rows, read) for name, read in extraction.extractors().items()}
+    assert len(scores) == 6
+    for part in ("all", "written", "held out", "committed"):
+        ours = scores["m2d"][part][0]
+        assert all(ours > s[part][0] for name, s in scores.items() if name != "m2d"), (part, scores)
+    assert scores["m2d"]["real"][0] == len(real)  # no letter read into text that commits to none
+
+
+def test_the_anchors_read_as_their_sources_do():
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import extraction
+
+    fo = extraction.first_option_postprocess
+    assert fo("The answer is (C).", "ABCD") == "C" and fo("答案是B", "ABCD") == "B"
+    assert fo("I think A metal", "ABCD") == "A" and fo("nothing here", "ABCD") == ""  # its cushion: any capital
+    assert extraction.simple_evals("Answer: b", []) == "b" and extraction.simple_evals("Answer - B", []) is None
+    mcr = next(read for name, read in extraction.lm_eval_extractors().items() if "multi_choice_regex" in name)
+    rows = [{"response": r, "choices": ["Iron", "Copper", "Zinc", "Tin"]} for r in ("so (B).", "it is zinc", "hm")]
+    assert mcr(rows) == ["B", "C", None]  # its regex, then a choice's text, then none
+
+
+# ---- issue 55's judge kinds: one verdict, Retry-After in both forms, how sure it was, what it extracts -----------
+def test_only_one_label_is_a_verdict():
+    from m2d_ray.evaluate.judges import parse_letter, parse_reply
+
+    replies = ["Reasoning or knowledge", "knowledge, not reasoning", "Knowledge.", "**Reasoning** error", "none"]
+    assert [parse_reply(x) for x in replies] == ["unjudged", "unjudged", "knowledge", "reasoning", "unjudged"]
+    assert [parse_letter(x, 4) for x in ("B", "(c)", "none", "E", "B or C")] == ["B", "C", None, None, "B"]
+
+
+def test_retry_after_in_seconds_and_as_an_http_date():
+    from m2d_ray.evaluate.judges import retried, retry_after
+
+    assert [retried(c) for c in (408, 429, 500, 503, 400, 401, 404)] == [True] * 4 + [False] * 3
+
+    now = 1_700_000_000.0
+    assert retry_after("3", now) == 3.0 and retry_after("0.5", now) == 0.5
+    assert retry_after("Tue, 14 Nov 2023 22:13:50 GMT", now) == 30.0  # 30 s after `now`
+    assert retry_after("Tue, 14 Nov 2023 22:00:00 GMT", now) == 0.0  # past: at once
+    assert retry_after("soon", now) is None and retry_after(None, now) is None
+
+
+def test_the_judges_log_odds_are_kept_and_summed_up():
+    from m2d_ray.evaluate.judges import log_odds
+
+    class Sure:
+        log_odds: list[float] = []
+
+        def __call__(self, records):
+            self.log_odds = [log_odds(0.9), log_odds(0.6)]
+            return ["knowledge", "knowledge"]
+
+    rows = [{**QUESTION, "id": str(i), "response": ON_TOPIC + f"The answer is ({x})."} for i, x in enumerate("BC")]
+    out = classify(rows, Sure())
+    assert [r["judge_log_odds"] for r in out] == [round(math.log(9), 4), round(math.log(1.5), 4)]
+    s = summary(out, group_of)["judge_sureness"]
+    assert (
+        s["n"] == 2
+        and s["unsure"] == 0.5
+        and s["median_abs_log_odds"] == pytest.approx((math.log(9) + math.log(1.5)) / 2, abs=1e-4)
+    )
+    assert summary(classify(rows), group_of)["judge_sureness"] is None  # no odds given: none claimed
+    assert log_odds(1.0) == pytest.approx(27.631, abs=1e-3)  # finite: JSON has no infinity
+
+
+def test_a_judge_reads_what_no_rule_reads_recorded_as_judge_extracted():
+    rows = [
+        {**QUESTION, "id": "a", "response": ON_TOPIC + "I'd say the gas giant that Ganymede circles."},
+        {**QUESTION, "id": "b", "response": ON_TOPIC + "The answer is (A)."},  # the rules read it: not asked
+        {**QUESTION, "id": "c", "response": ON_TOPIC + "The answer is (B) or (C)."},
+    ]
+    asked = []
+
+    def extractor(records):
+        asked.extend(r["id"] for r in records)
+        return ["A", None]
+
+    out = classify(rows, extractor=extractor)
+    assert asked == ["a", "c"]
+    assert [(r["category"], r["extracted"], r["extracted_by"]) for r in out] == [
+        ("correct", "A", "judge"),
+        ("correct", "A", "rules"),
+        ("other", "B/C", "rules"),
+    ]
