@@ -17,10 +17,10 @@ pipeline would, and its letter (or none) is compared with the label:
                               (generate_until stops there); the output is a letter when exact_match's normalisation
                               (lower case, punctuation removed) leaves one, as it scores "(B)" against the target
     lm-eval regex (fewshot)   mmlu_flan_cot_fewshot's get-answer regex, the same way
-    OpenCompass               first_option_postprocess(text, "ABCD") as OpenCompass's MMLU configs call it, reproduced
-                              in this file from opencompass/utils/text_postprocessors.py at open-compass/opencompass
-                              commit 14ca958049048a0192a61726837d4bdafcc9bcb2 (Apache-2.0); OpenCompass is not a
-                              dependency
+    OpenCompass               first_option_postprocess(text, "ABCD") as OpenCompass's MMLU configs call it: its own
+                              code, from the installed package or read out of its PyPI wheel (opencompass 0.5.2:
+                              `pip download opencompass==0.5.2 --no-deps -d ~/.cache/m2d/wheels`; its dependencies
+                              are not needed); the column is left out, said once, where neither is here
     simple-evals              re.search(ANSWER_PATTERN_MULTICHOICE) of openai/simple-evals' common.py,
                               r"(?i)Answer[ \\t]*:[ \\t]*\\$?([A-D])\\$?", its group compared as written
 
@@ -34,6 +34,10 @@ import argparse
 import json
 import re
 import string
+import sys
+import types
+import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -123,66 +127,47 @@ def each(read):
     return lambda rows: [read(r["response"], r["choices"]) for r in rows]
 
 
-# ---- OpenCompass: first_option_postprocess (commit 14ca958) -----------------------------------------------------
-def first_option_postprocess(text: str, options: str, cushion: bool = True) -> str:
-    """OpenCompass's first_option_postprocess, pattern for pattern in its order (the missing comma after the 故选
-    pattern joins it to the next one there, and so here)."""
-    o = options
-    patterns = [
-        f"答案是?\\s*([{o}])",
-        f"答案是?\\s*：\\s*([{o}])",
-        f"答案是?\\s*:\\s*([{o}])",
-        f"答案应该?是\\s*([{o}])",
-        f"答案应该?选\\s*([{o}])",
-        f"答案为\\s*([{o}])",
-        f"答案选\\s*([{o}])",
-        f"选择?\\s*([{o}])",
-        f"故选?\\s*([{o}])只有选?项?\\s?([{o}])\\s?是?对",
-        f"只有选?项?\\s?([{o}])\\s?是?错",
-        f"只有选?项?\\s?([{o}])\\s?不?正确",
-        f"只有选?项?\\s?([{o}])\\s?错误",
-        f"说法不?对选?项?的?是\\s?([{o}])",
-        f"说法不?正确选?项?的?是\\s?([{o}])",
-        f"说法错误选?项?的?是\\s?([{o}])",
-        f"([{o}])\\s?是正确的",
-        f"([{o}])\\s?是正确答案",
-        f"选项\\s?([{o}])\\s?正确",
-        f"所以答\\s?([{o}])",
-        f"所以\\s?([{o}][.。$]?$)",
-        f"所有\\s?([{o}][.。$]?$)",
-        f"[\\s，：:,]([{o}])[。，,\\.]?$",
-        f"[\\s，,：:][故即]([{o}])[。\\.]?$",
-        f"[\\s，,：:]因此([{o}])[。\\.]?$",
-        f"[是为。]\\s?([{o}])[。\\.]?$",
-        f"因此\\s?([{o}])[。\\.]?$",
-        f"显然\\s?([{o}])[。\\.]?$",
-        "答案是\\s?(\\S+)(?:。|$)",
-        "答案应该是\\s?(\\S+)(?:。|$)",
-        "答案为\\s?(\\S+)(?:。|$)",
-        f"[Tt]he answer is:?\\s+\\(?([{o}])\\)?",
-        f"[Tt]he answer is option:?\\s+\\(?([{o}])\\)?",
-        f"[Tt]he correct answer is:?\\s+\\(?([{o}])\\)?",
-        f"[Tt]he correct answer is option:?\\s+\\(?([{o}])\\)?",
-        f"[Tt]he answer to the question is:?\\s+\\(?([{o}])\\)?",
-        f"^选项\\s?([{o}])",
-        f"^([{o}])\\s?选?项",
-        f"(\\s|^)[{o}][\\s。，,：:\\.$]",
-        "1.\\s?(.*?)$",
-        f"1.\\s?([{o}])[.。$]?$",
-    ]
-    if cushion:
-        patterns += [f"([{o}]):", f"([{o}])"]
-    for pattern in patterns:
-        match = re.search(pattern, text, re.DOTALL)
-        if match:
-            for x in o:
-                if x in match.group(0):
-                    return x
-    return ""
+# ---- OpenCompass: first_option_postprocess, its own code from its PyPI wheel -------------------------------------
+OPENCOMPASS = "opencompass==0.5.2"
+WHEELS = Path.home() / ".cache" / "m2d" / "wheels"
 
 
-def opencompass(text: str, choices: list[str]) -> str | None:
-    return first_option_postprocess(text, "ABCD") or None
+def first_option_postprocess() -> Callable[..., str] | None:
+    """OpenCompass's `first_option_postprocess`, run from its own source: the installed package, else the file
+    `opencompass/utils/text_postprocessors.py` read out of its wheel (`pip download opencompass==0.5.2 --no-deps -d
+    ~/.cache/m2d/wheels`; OpenCompass's dependencies are not needed, its registry decorator is stood in for);
+    None where neither is here."""
+    try:
+        from opencompass.utils.text_postprocessors import first_option_postprocess as fo
+
+        return fo
+    except ImportError:
+        pass
+    wheel = next(iter(sorted(WHEELS.glob("opencompass-0.5.2-*.whl"))), None)
+    if wheel is None:
+        return None
+    with zipfile.ZipFile(wheel) as z:
+        source = z.read("opencompass/utils/text_postprocessors.py").decode()
+    registry = types.ModuleType("opencompass.registry")
+    registry.TEXT_POSTPROCESSORS = types.SimpleNamespace(register_module=lambda *a, **k: lambda fn: fn)
+    saved = {m: sys.modules.get(m) for m in ("opencompass", "opencompass.registry")}
+    sys.modules.update({"opencompass": types.ModuleType("opencompass"), "opencompass.registry": registry})
+    try:
+        namespace: dict = {"__name__": "opencompass_text_postprocessors"}
+        exec(compile(source, f"{wheel.name}/opencompass/utils/text_postprocessors.py", "exec"), namespace)
+    finally:
+        for m, mod in saved.items():
+            if mod is None:
+                sys.modules.pop(m, None)
+            else:
+                sys.modules[m] = mod
+    return namespace["first_option_postprocess"]
+
+
+def opencompass_reader() -> Callable[[str, list[str]], str | None] | None:
+    """first_option_postprocess(text, "ABCD") as OpenCompass's MMLU configs call it, or None where it is not here."""
+    fo = first_option_postprocess()
+    return None if fo is None else (lambda text, choices: fo(text, "ABCD") or None)
 
 
 # ---- simple-evals ----------------------------------------------------------------------------------------------
@@ -197,7 +182,9 @@ def simple_evals(text: str, choices: list[str]) -> str | None:
 # ---- the table -------------------------------------------------------------------------------------------------
 def extractors(before: str | None = None) -> dict:
     was = {f"m2d at {before}": each(m2d_at(before))} if before else {}
-    return {"m2d": each(m2d), **was, **lm_eval_extractors(), "OpenCompass first_option_postprocess": each(opencompass),
+    oc = opencompass_reader()
+    opencompass = {"OpenCompass first_option_postprocess": each(oc)} if oc else {}
+    return {"m2d": each(m2d), **was, **lm_eval_extractors(), **opencompass,
             "simple-evals Answer: pattern": each(simple_evals)}  # fmt: skip
 
 

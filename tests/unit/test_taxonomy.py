@@ -420,7 +420,7 @@ def test_m2d_leads_every_anchor_on_the_labelled_set():
     assert len(rows) >= 150 and len(real) > len(rows) / 2  # the bulk real generations
     assert all(r["label"] is None or r["label"] in "ABCDE" and len(r["label"]) == 1 for r in rows)
     scores = {name: extraction.agreement(rows, read) for name, read in extraction.extractors().items()}
-    assert len(scores) == 6
+    assert len(scores) == 5 + (extraction.opencompass_reader() is not None)  # OpenCompass: where its wheel is
     for part in ("all", "written", "held out", "committed"):
         ours = scores["m2d"][part][0]
         assert all(ours > s[part][0] for name, s in scores.items() if name != "m2d"), (part, scores)
@@ -435,9 +435,10 @@ def test_the_anchors_read_as_their_sources_do():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import extraction
 
-    fo = extraction.first_option_postprocess
-    assert fo("The answer is (C).", "ABCD") == "C" and fo("答案是B", "ABCD") == "B"
-    assert fo("I think A metal", "ABCD") == "A" and fo("nothing here", "ABCD") == ""  # its cushion: any capital
+    fo = extraction.first_option_postprocess()
+    if fo is not None:  # OpenCompass's own code, where its wheel or package is here (benchmarks/extraction.py)
+        assert fo("The answer is (C).", "ABCD") == "C" and fo("答案是B", "ABCD") == "B"
+        assert fo("I think A metal", "ABCD") == "A" and fo("nothing here", "ABCD") == ""  # its cushion: any capital
     assert extraction.simple_evals("Answer: b", []) == "b" and extraction.simple_evals("Answer - B", []) is None
     mcr = next(read for name, read in extraction.lm_eval_extractors().items() if "multi_choice_regex" in name)
     rows = [{"response": r, "choices": ["Iron", "Copper", "Zinc", "Tin"]} for r in ("so (B).", "it is zinc", "hm")]
