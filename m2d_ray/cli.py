@@ -1,7 +1,8 @@
 """`m2d` command line: parsing only; each command's work is in its module of `m2d_ray/commands/`.
 
 Exit codes: 0 done, 2 bad input (one line on stderr, nothing written), 1 the work failed (one line; the
-log keeps the details), 130 interrupted. Library output goes to the command's log (console.py).
+log keeps the details), 3 a filesystem the work writes to is full, over its quota or read-only (one line: where,
+what the plan expected there, how to resume), 130 interrupted. Library output goes to the command's log (console.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from m2d_ray import console
 from m2d_ray.catalog.distill import LOSSES
 from m2d_ray.catalog.methods import GROUPINGS, RANDOM_BASELINES, SCALINGS, SCORINGS
 from m2d_ray.config import AnalysisConfig, load_config
-from m2d_ray.errors import M2DError, RunFailed
+from m2d_ray.errors import M2DError, RunFailed, StorageFull, full_disk
 from m2d_ray.sizes import parse_size
 
 
@@ -508,6 +509,9 @@ def main(argv: list[str] | None = None) -> int:
     except M2DError as exc:
         print(f"m2d: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except StorageFull as exc:
+        print(f"m2d: stopped: {_one_line(exc)}", file=sys.stderr)
+        return 3
     except RunFailed as exc:
         print(
             f"m2d: failed: {_one_line(exc)}" + (f" (log: {console.last_log})" if console.last_log else ""),
@@ -518,6 +522,13 @@ def main(argv: list[str] | None = None) -> int:
         print("m2d: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
+        if why := full_disk(exc):  # a command's own write (not a run's stage): the same exit code, its words
+            print(
+                f"m2d: stopped: {type(exc).__name__}: a filesystem it writes to is {why} ({_one_line(exc)}); free "
+                "space, then run the command again (a run: m2d run --resume RUN_DIR)",
+                file=sys.stderr,
+            )
+            return 3
         print(
             f"m2d: internal error: {type(exc).__name__}: {_one_line(exc)} — the traceback is in {console.last_log}; "
             "please attach that log to a bug report",

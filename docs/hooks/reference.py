@@ -71,8 +71,10 @@ def cli_page() -> str:
         "# Commands",
         "",
         "Every `m2d` command and its flags, read from the parser itself (`m2d_ray/cli.py`). Exit codes: 0 done,",
-        "2 bad input (one line on stderr, nothing written), 1 the work failed (one line and the log's path), 130",
-        "interrupted. `m2d COMMAND --help` prints the same.",
+        "2 bad input (one line on stderr, nothing written; a disk too small for the plan's storage peak too), 1 the",
+        "work failed (one line and the log's path), 3 a filesystem the work writes to is full, over its quota or",
+        "read-only (one line: where, what the plan expected there, how to resume), 130 interrupted. `m2d COMMAND",
+        "--help` prints the same.",
         "",
     ]
     for name, p in commands().items():

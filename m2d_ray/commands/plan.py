@@ -32,8 +32,10 @@ from m2d_ray.evaluate.runner import host_available
 from m2d_ray.pipeline import plan_run
 from m2d_ray.plan.devices import cluster_settings, from_cluster_yaml, local_node
 from m2d_ray.plan.run_plan import Devices, RunPlan, as_record, plan_line
+from m2d_ray.plan.space import needs, space_problem
 from m2d_ray.plan.targets import recorded
 from m2d_ray.sizes import parse_size
+from m2d_ray.storage import is_remote
 
 # Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
 
@@ -117,6 +119,16 @@ def check_run(
     if cfg.stage2.targets == AUTO:
         say(f"stage2.targets=auto{' (as the run was planned)' if choices else ''}: " + "; ".join(plan.targets_lines()))
     return plan
+
+
+def check_space(plan: RunPlan, run_dir: Path, cfg: SweepConfig, resumed: bool) -> None:
+    """The plan's storage peak against the free space of the filesystems the run writes to (plan/space.py): a disk
+    too small is refused here, before any work, with one line (exit 2)."""
+    if cfg.storage and is_remote(cfg.storage):
+        say(f"storage {cfg.storage}: an object store reports no free space; plan.max_storage bounds what is stored")
+    problem = space_problem(needs(plan.storage_peak_bytes, run_dir, cfg.storage, resumed))
+    if problem:
+        raise M2DError(problem)
 
 
 def kept_choices(rd, cfg: SweepConfig) -> dict | None:

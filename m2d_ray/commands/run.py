@@ -11,14 +11,15 @@ skip the students and models already in their ledgers); the report is always rew
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from m2d_ray import pipeline
-from m2d_ray.commands.plan import check_run, kept_choices, log_plan, record_plan
+from m2d_ray.commands.plan import check_run, check_space, kept_choices, log_plan, record_plan
 from m2d_ray.commands.runs import check_outcome, existing_run, keep_logs, new_run
 from m2d_ray.config import load_config
 from m2d_ray.console import emit, say
-from m2d_ray.errors import M2DError
-from m2d_ray.sizes import parse_size
+from m2d_ray.errors import M2DError, StorageFull, full_disk
+from m2d_ray.sizes import gib, parse_size
 from m2d_ray.stages.context import RunContext
 
 
@@ -52,6 +53,7 @@ def run(
     # every stage fits a device it can get, before any work (else exit 2); under stage2.targets=auto the plan chooses
     # each teacher's targets here, once, and the run uses them
     plan = check_run(cfg, gpu_memory, cluster, chosen)
+    check_space(plan, rd.path, cfg, resumed=bool(resume))  # and the disk it writes to has room for its peak
     ctx = (
         RunContext(cfg, rd, tracking_uri, tuple(stages), plan.targets)
         if resume
@@ -61,7 +63,12 @@ def run(
     pipeline.record_corpora(rd, cfg, stages)
     record_plan(rd, plan)
     log_plan(ctx)
-    results = pipeline.run(ctx)
+    try:
+        results = pipeline.run(ctx)
+    except Exception as exc:
+        if not isinstance(exc, StorageFull) and full_disk(exc) is None:
+            raise
+        raise StorageFull(full_line(exc, rd.path, cfg, plan.storage_peak_bytes)) from exc
     reported = results.get("report") or {}
     times = rd.stage_times()
     return {
@@ -72,6 +79,26 @@ def run(
         "mlflow_url": reported.get("mlflow_url", ctx.tracker.ui_url()),
         "outcome": check_outcome(rd),
     }
+
+
+def full_line(exc: BaseException, run_dir: Path, cfg, peak: int) -> str:
+    """The one line of a run a full, over-quota or read-only filesystem stopped: what could not be written and where,
+    what the plan expected there, and how to go on (what was written whole stays; a resume skips it)."""
+    where = cfg.storage or str(run_dir)
+    what = str(exc) if isinstance(exc, StorageFull) else f"{type(exc).__name__}: {full_disk(exc)}"
+    name = next((e.filename for e in _chain(exc) if isinstance(e, OSError) and e.filename), None)
+    return (
+        f"{what}{f' at {name}' if name else ''}; the run writes to {where}, where the plan expected {gib(peak)} at its "
+        f"peak: free space there (or grow the filesystem), then m2d run --resume {run_dir}"
+    )
+
+
+def _chain(exc: BaseException | None):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
 
 
 def main(args) -> None:

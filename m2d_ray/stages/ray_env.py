@@ -90,14 +90,18 @@ def failure(text: str, stage: str, retried: int, retries: int, address: str | No
     return lines[-1][:500] if lines else "failed"
 
 
-def trial_error(trial, stage: str, retries: int) -> str:
-    """A failed Tune trial's error (`failure`; the driver-side file: get_error() reads a synced copy, often None).
-    Tune calls back on the trial's last failure, after `retries` retries."""
+def trial_traceback(trial) -> str:
+    """A failed Tune trial's whole error text (the driver-side file: get_error() reads a synced copy, often None)."""
     local = trial.error_file
-    err = Path(local).read_text() if local and Path(local).exists() else trial.get_error()
+    return str((Path(local).read_text() if local and Path(local).exists() else trial.get_error()) or "trial raised")
+
+
+def trial_error(trial, stage: str, retries: int) -> str:
+    """A failed Tune trial's error (`failure`). Tune calls back on the trial's last failure, after `retries`
+    retries."""
     last = trial.last_result or {}  # Tune's results carry the node each came from
     return failure(
-        str(err or "trial raised"), stage, max(0, min(trial.num_failures - 1, retries)), retries, last.get("node_ip")
+        trial_traceback(trial), stage, max(0, min(trial.num_failures - 1, retries)), retries, last.get("node_ip")
     )
 
 

@@ -9,7 +9,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from m2d_ray.errors import M2DError, RunFailed
+from m2d_ray.errors import M2DError, RunFailed, StorageFull, full_disk
 from m2d_ray.run_dir import Ledger
 from m2d_ray.track import LOGGED_TAG, Tracker
 
@@ -72,6 +72,8 @@ def fit_tuner(tuner, resume: str) -> None:
         raise
     except Exception as exc:
         traceback.print_exc()
+        if why := full_disk(traceback.format_exc()):  # Tune could not write its state: the disk, not Tune, stopped
+            raise StorageFull(f"Ray Tune could not write its state ({why})") from None
         raise RunFailed(
             f"Ray Tune stopped ({type(exc).__name__}); finished results are saved: resume with {resume}"
         ) from None

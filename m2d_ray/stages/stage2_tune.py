@@ -18,8 +18,9 @@ from m2d_ray import storage
 from m2d_ray.config import SweepConfig
 from m2d_ray.console import say
 from m2d_ray.distill.trainer import fit
+from m2d_ray.errors import StorageFull, full_disk
 from m2d_ray.stages.demand import tune_check
-from m2d_ray.stages.ray_env import on_driver_node, trial_error
+from m2d_ray.stages.ray_env import on_driver_node, trial_error, trial_traceback
 from m2d_ray.stages.record import Logged, StageRecorder, fit_tuner
 from m2d_ray.stages.run_storage import RunStorage
 from m2d_ray.stages.students import Student
@@ -96,6 +97,7 @@ class Recorder(tune.Callback):
         self.runs: dict[str, str] = {}  # key -> MLflow run id (looked up once per student)
         self.logged: dict[str, set[int]] = {}  # key -> steps of its val_ppl history in MLflow
         self.finished = 0
+        self.full: str | None = None  # a student's training stopped by a full disk: the stage ends with one line
 
     def on_trial_start(self, iteration, trials, trial, **info):
         s = self.todo[trial.config["student"]["key"]]
@@ -127,12 +129,11 @@ class Recorder(tune.Callback):
         self.record(key, status, last)
 
     def on_trial_error(self, iteration, trials, trial, **info):
-        self.record(
-            trial.config["student"]["key"],
-            "failed",
-            trial.last_result or {},
-            error=trial_error(trial, "stage 2", self.max_failures),
-        )
+        key, error = trial.config["student"]["key"], trial_error(trial, "stage 2", self.max_failures)
+        self.record(key, "failed", trial.last_result or {}, error=error)
+        why = full_disk(trial_traceback(trial))
+        if why and self.full is None:
+            self.full = f"{key} could not write its checkpoint or student ({why})"
 
     def record(self, key: str, status: str, last: dict, error: str | None = None) -> None:
         s = self.todo[key]
@@ -279,3 +280,5 @@ def distil(ctx, pending: list[Student], recorder: Recorder, job_of) -> None:
         fit_tuner(tuner, f"m2d run --resume {ctx.rd}")
     finally:
         ray.kill(board)
+    if recorder.full:  # recorded failed, so a resume distils it again; the others' results are kept
+        raise StorageFull(recorder.full)
