@@ -29,6 +29,7 @@ from ray.train import (
     ScalingConfig,
 )
 from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from ray.train.v2.api.callback import UserCallback
 
@@ -134,17 +135,22 @@ def has_dashboard() -> bool:
 
 
 class Trainer(TorchTrainer):
-    """TorchTrainer without Ray Train's placement-group cleaner on a cluster with no dashboard. The cleaner (a detached
-    actor per fit, which removes the worker group's placement group should the controller die ungracefully) asks the
-    State API whether the controller lives; without a dashboard (a local Ray here, `ray[data,tune,train]` installs
-    none) each ask waits out its 10-s timeout and every fit ends 12 s late, one more process started for nothing. The
-    placement group is the controller's and Ray removes it with its owner; where a dashboard runs the cleaner stays."""
+    """TorchTrainer less two of Ray Train's per-fit actors where they can do nothing, each a process that imports Ray
+    before the student's first step:
+
+    - the placement-group cleaner, on a cluster with no dashboard: it (a detached actor that removes the worker group's
+      placement group should the controller die ungracefully) asks the State API whether the controller lives, and
+      without a dashboard (a local Ray here: `ray[data,tune,train]` installs none) each ask waits out its 10-s timeout,
+      so every fit ended 12 s late; the placement group is the controller's, and Ray removes it with its owner. Where
+      a dashboard answers it stays;
+    - the datasets' manager (an actor that imports Ray Data), when the trainer is given no Ray Dataset: a student reads
+      its token shards itself (distill/tokens.py).
+    """
 
     def _create_default_callbacks(self):
         callbacks = super()._create_default_callbacks()
-        if has_dashboard():
-            return callbacks
-        return [c for c in callbacks if not isinstance(c, PlacementGroupCleanerCallback)]
+        idle = (PlacementGroupCleanerCallback,) * (not has_dashboard()) + (DatasetsCallback,) * (not self.datasets)
+        return [c for c in callbacks if not isinstance(c, idle)]
 
 
 def fit(job: DistillJob, callbacks: list | None = None):

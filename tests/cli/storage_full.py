@@ -1,7 +1,7 @@
 """`m2d run` on a disk that fills while it runs (driven by tests/cli/test_storage_full.py).
 
 Run as `unshare -pfm --mount-proc python tests/cli/storage_full.py WORK`: in private PID and mount namespaces, with a
-16 MiB tmpfs over WORK/small (gone with the namespace). One Ray for the three runs, started here:
+32 MiB tmpfs over WORK/small (gone with the namespace). One Ray for the three runs, started here:
 
     filled    a small run on WORK/small; once its stage 2 begins, a file takes all but 256 KiB of the tmpfs: the run
               stops with one line and exit 3
@@ -49,7 +49,7 @@ SMALL = [
     "stage3.analysis.enabled=false",
     "ray.data_actors=1",
 ]
-SIZE_MIB = 16
+SIZE_MIB = 32  # room for the plan's peak and the records (22 MiB), so the check before work lets it start
 
 
 def m2d(args: list[str], env: dict, name: str, work: Path) -> dict:

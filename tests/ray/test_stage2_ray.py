@@ -399,18 +399,23 @@ def test_a_retried_students_curve_reaches_mlflow_whole():
     assert fresh.out.tracker.logged == [0, 40]
 
 
-def test_a_fit_on_a_ray_without_dashboard_has_no_placement_group_cleaner(ray_address, monkeypatch):
+def test_a_fit_starts_none_of_ray_train_s_actors_that_can_do_nothing_there(ray_address, monkeypatch):
     """Ray Train's placement-group cleaner polls the State API, which needs a dashboard: on this session's Ray (none,
-    as `ray[data,tune,train]` installs) it made every fit end 12 s late; with a dashboard it stays."""
+    as `ray[data,tune,train]` installs) it made every fit end 12 s late; with a dashboard it stays. The datasets'
+    manager (an actor importing Ray Data) is left out when the trainer gets no dataset."""
+    import ray
     from ray.train import ScalingConfig
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
     from m2d_ray.distill import trainer
 
-    def cleaners() -> int:
-        t = trainer.Trainer(lambda config: None, scaling_config=ScalingConfig(num_workers=1))
-        return sum(isinstance(c, PlacementGroupCleanerCallback) for c in t._create_default_callbacks())
+    def started(**datasets) -> set[str]:
+        t = trainer.Trainer(lambda config: None, scaling_config=ScalingConfig(num_workers=1), datasets=datasets)
+        kinds = {PlacementGroupCleanerCallback: "cleaner", DatasetsCallback: "datasets"}
+        return {name for c in t._create_default_callbacks() for k, name in kinds.items() if isinstance(c, k)}
 
-    assert not trainer.has_dashboard() and cleaners() == 0
+    assert not trainer.has_dashboard() and started() == set()
+    assert started(train=ray.data.range(4)) == {"datasets"}
     monkeypatch.setattr(trainer, "has_dashboard", lambda: True)
-    assert cleaners() == 1
+    assert started() == {"cleaner"}
