@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "experiments" / "tiny.yaml"
-#: one recipe and one baseline, a few steps: two students, stage 1 skipped by naming the recipe
+#: one recipe, a few steps: one student, stage 1 skipped by naming the recipe
 SMALL = [
     "calib.max_tokens=2048",
     "calib.seq_len=128",
@@ -37,7 +37,7 @@ SMALL = [
     "grid.scaling=[uniform]",
     "grid.K=[2]",
     "stage2.recipes=[sf/rr/K2/uniform]",
-    "stage2.baselines=[random-init]",
+    "stage2.baselines=[]",
     "distill.steps=4",
     "distill.eval_every=2",
     "distill.seq_len=64",
