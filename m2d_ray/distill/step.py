@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from m2d_ray.distill import kernels
 from m2d_ray.distill.config import DistillConfig
-from m2d_ray.distill.kernels import KLKernel, kl_kernel
+from m2d_ray.distill.kernels import KLKernel, Where, kl_kernel
 from m2d_ray.distill.losses import LOSSES, hidden_mse, sampled_kl, sparse_kl
 from m2d_ray.distill.precision import PRECISIONS, MasterWeights, Precision
 from m2d_ray.distill.targets import TargetSpec
@@ -198,7 +198,8 @@ class DistillStep:
             head = teacher.get_output_embeddings().weight
         self.head = head.detach() if head is not None else None
         refuse_aliases(student, [teacher, self.head])
-        self.precision, self.kernel = precision, kl_kernel(cfg.kl_kernel, device, targets)
+        where = Where.of(cfg.loss, cfg.temperature, cfg.uses_deepspeed, world)
+        self.precision, self.kernel = precision, kl_kernel(cfg.kl_kernel, device, targets, where)
         self.loss_module = StudentLoss(student, cfg, targets, self.kernel)
         if self.kernel.compiles:
             self.loss_module.compile(backend=kernels.COMPILE_BACKEND, dynamic=False)
