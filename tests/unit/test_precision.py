@@ -90,7 +90,7 @@ def test_micro_batches_and_ranks_sum_their_gradients_in_float32(two_ranks_accum)
 
 @pytest.fixture(scope="module")
 def accum_12(tmp_path_factory, ds_env) -> dict[str, list[float]]:
-    runs = [("plain", "fp32"), ("plain", "bf16-mixed"), ("deepspeed", "bf16-mixed")]
+    runs = [("plain", "fp32"), ("plain", "bf16-mixed"), ("deepspeed", "bf16-mixed"), ("plain", "bf16-pure")]
     out = tmp_path_factory.mktemp("a12") / "losses.json"
     return pt.run_group(1, runs, out, SMOKE["steps"], SMOKE["batch"], SMOKE["seq"], SMOKE["preset"], 12, 8.0)
 
@@ -102,22 +102,28 @@ def two_ranks_accum(tmp_path_factory, ds_env) -> dict[str, list[float]]:
     return pt.run_group(2, runs, out, SMOKE["steps"], SMOKE["batch"], SMOKE["seq"], SMOKE["preset"], 2, 8.0)
 
 
+SMOKE_BAND = BAND / 4  # at these shapes 20 steps move the loss by 2% only: bf16-pure leaves 0.25% (0.61%), not 1%
+
+
 @pytest.mark.parametrize("path", ["plain", "deepspeed"])
 def test_bf16_mixed_at_grad_accum_12_follows_float32(accum_12, path):
+    """Within 1% as asked, and within a quarter of it, which pure bfloat16 leaves (measured: 0.05% plain, 0.07%
+    DeepSpeed; bf16-pure 0.61%)."""
     gap = _gap(accum_12[f"{path}/bf16-mixed"], accum_12["plain/fp32"])
-    assert 0 < gap < BAND, (path, gap)
+    assert 0 < gap < SMOKE_BAND, (path, gap)
+    assert _gap(accum_12["plain/bf16-pure"], accum_12["plain/fp32"]) > SMOKE_BAND
 
 
 def test_two_ranks_accumulating_in_bf16_mixed_follow_float32(two_ranks_accum):
     """The plain path's own float32 reduce (in place of DDP's bfloat16 one) at 2 ranks x 2 micro-batches."""
     gap = _gap(two_ranks_accum["ddp/bf16-mixed"], two_ranks_accum["ddp/fp32"])
-    assert 0 < gap < BAND, gap
+    assert 0 < gap < SMOKE_BAND, gap
 
 
 def test_plain_and_deepspeed_in_bf16_mixed_train_the_same_trajectory(accum_12):
-    """Whole trajectories, bf16-mixed against bf16-mixed: within a quarter of the band that bf16 itself is held to
-    (measured: 6.6e-4 at one rank x 12 micro-batches)."""
-    assert _gap(accum_12["deepspeed/bf16-mixed"], accum_12["plain/bf16-mixed"]) < BAND / 4
+    """Whole trajectories, bf16-mixed against bf16-mixed, within the band bf16-mixed is held to against float32
+    (measured: 6.6e-4 at one rank x 12 micro-batches, and at 2 ranks x 12; the float32 paths agree to 0)."""
+    assert _gap(accum_12["deepspeed/bf16-mixed"], accum_12["plain/bf16-mixed"]) < SMOKE_BAND
 
 
 def test_deepspeed_sums_and_reduces_in_float32_in_bf16_mode():
