@@ -29,6 +29,7 @@ from torch import nn
 from m2d_ray.registry import Registry
 
 AUTO = "auto"
+HOOK = "_m2d_master_hook"  # a parameter's float32-sum hook (one at a time: a second step object replaces it)
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,9 @@ class MasterWeights:
         self.grads = [g.view_as(p) for g, p in zip(self.flat.split([p.numel() for p in self.params]), self.params)]
         self.seen = [False] * len(self.params)  # which parameters had a gradient since the last step
         for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(functools.partial(self._accumulate, i))
+            if hasattr(p, HOOK):  # an earlier MasterWeights over the same model: its sums are no longer read
+                getattr(p, HOOK).remove()
+            setattr(p, HOOK, p.register_post_accumulate_grad_hook(functools.partial(self._accumulate, i)))
         if world > 1 and dist.is_initialized():
             for m in self.masters:
                 dist.broadcast(m.data, 0)

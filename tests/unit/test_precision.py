@@ -167,6 +167,15 @@ def test_master_weights_keep_the_steps_bfloat16_rounds_away():
     assert w.grad is None  # the model's gradient handed over, not kept beside its float32 copy
 
 
+def test_a_second_step_object_over_the_same_model_takes_its_gradients():
+    """A model handed to a new MasterWeights (a second DistillStep over it) sums into the new one only."""
+    w = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    first, second = MasterWeights([w]), MasterWeights([w])
+    (w.float() * 2).sum().backward()
+    second.take_grads()
+    assert torch.equal(second.masters[0].grad, torch.full((3,), 2.0)) and not first.flat.any() and w.grad is None
+
+
 def test_masters_survive_a_checkpoint():
     """A resumed student continues from its float32 masters, not from the model's rounding of them."""
     w = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
