@@ -111,8 +111,10 @@ PRESETS = {
         steps=10,
     ),
     # the paper student's head (Qwen3: vocabulary 151,936, hidden 2048) at 4096-token sequences, 2 decoder layers: the
-    # head and the KL at the shapes that cost money, with the paths and kernels side by side within 80 GB
-    # (bf16-mixed, ~13 GB a path: weights 2, float32 gradient sums 4, masters 4, moments 8 bytes a parameter)
+    # head and the KL at the shapes that cost money, every path and kernel side by side in 80 GB (by arithmetic, not
+    # measured: a 0.72B student, ~13 GB a bf16-mixed path (weights 2, float32 gradient sums 4, masters 4, moments 8
+    # bytes a parameter), 11.5 GB the fp32 one, a 2.5 GB teacher, and the plain loop's whole [4096 x V] float32
+    # logits ~12 GB at its step: ~78 GB with platform, loop, fp32, compiled and liger; a third layer would not fit)
     "head": dict(
         device="cuda",
         hidden=2048,
