@@ -1,6 +1,10 @@
 """GPU acceptance call (driven by benchmarks/gpu_acceptance.sh): what stage 2 runs now, planned against a device budget.
 
     part    what runs                                                    figures
+    P7-head p7_distill_throughput.py --preset head: the paper student's   the head + KL's share of the step, each
+            head (V 151,936, d 2048) at 4096 tokens, online + hidden,     kernel's tok/s and step peak, bf16-mixed's
+            platform + plain loop + fp32 + every kernel (first: it sets   spread vs fp32; the kernel auto uses (and
+            the kernel auto uses, at the shapes that cost money)          where it was measured)
     P7      p7_distill_throughput.py --preset h100, online, hidden,      per mode: platform, DeepSpeed and plain-loop
             sampled:64: DistillStep (plain torch, DeepSpeed ZeRO-2, and   tok/s at equal numerics (bf16-mixed), both
             each exact-KL kernel: chunked, compiled, liger) against a     ratios, MFU, each kernel's tok/s, step peak
@@ -33,7 +37,7 @@ fastest exact kernel per mode for distill.kl_kernel=auto, the run's walls and th
 seconds; what no part measured carried over). Copying it over the packaged one sets the defaults; no figure is copied
 by hand. Exit status 1 when a part failed or timed out.
 
-    bash benchmarks/gpu_acceptance.sh [--budget-s 540] [--work /tmp/m2d-gpu-acceptance] [--parts P7,run,tokens]
+    bash benchmarks/gpu_acceptance.sh [--budget-s 540] [--work /tmp/m2d-gpu-acceptance] [--parts P7-head,P7,run]
     python benchmarks/gpu_acceptance.py --cpu-smoke [--parts P7,run,tokens]   # the same plumbing on the CPU, tiny
                                                                                # shapes: no figure of it means anything
 """
@@ -184,31 +188,42 @@ def json_lines(text: str) -> list[dict]:
 
 # ---- P7: the step per targets mode, its kernels, and the efficiency the bill should use ------------------------------
 def run_p7(ctx: Ctx, v: Variant) -> dict:
-    a = v.args
+    """P7 at a preset (the part `P7-head`: the paper student's head, its kernel choice; `P7`: every targets mode and
+    the efficiency the bill reads)."""
+    a, name = v.args, v.args.get("name", "P7")
+    log = name.lower().replace("-", "_")
     cmd = [PY, HERE / "p7_distill_throughput.py", "--preset", a["preset"], "--targets", a["targets"]]
-    cmd += [x for k in ("paths", "kernels", "steps", "warmup", "threads") if k in a for x in (f"--{k}", a[k])]
+    keys = ("paths", "kernels", "steps", "warmup", "threads", "precision", "meta_rehearsal")
+    cmd += [x for k in keys if k in a for x in (f"--{k.replace('_', '-')}", a[k])]
     try:
-        rc, out = ctx.sh(cmd, "p7", check=False)
+        rc, out = ctx.sh(cmd, log, check=False)
         failed = (
-            f"exit {rc}: a path's loss trajectory left its tolerance, or it failed; see logs/p7.log" if rc else None
+            f"exit {rc}: a path's loss trajectory left its tolerance, or it failed; see logs/{log}.log" if rc else None
         )
     except TimedOut as exc:  # the modes that finished printed their lines
-        out, failed = (ctx.logs / "p7.out").read_text(), str(exc)
+        out, failed = (ctx.logs / f"{log}.out").read_text(), str(exc)
     lines = json_lines(out)
     final = next((x for x in reversed(lines) if "targets" in x), None)
     modes = final["targets"] if final else {x["mode"]: x for x in lines if "mode" in x}
     device = final["device"] if final else gpu_name() if ctx.cuda else None
-    rows = [(f"P7 {m}", p7_figures(r)) for m, r in modes.items()]
-    eff = efficiency(modes, device, ctx) if modes else None
+    rows = [(f"{name} {m}", p7_figures(r)) for m, r in modes.items()]
+    rehearsal = next((x["meta_rehearsal"] for x in lines if "meta_rehearsal" in x), None)
+    if rehearsal:
+        rows.insert(0, (f"{name} meta", f"the head's GPU branch on meta tensors: {rehearsal}"))
+    eff = efficiency(modes, device, ctx) if modes and name == "P7" else None
     if eff:
         per = ", ".join(f"{m} {x['efficiency']:.3f}" for m, x in eff["modes"].items())
         rows.append(("efficiency", f"{eff['key']}: {per} ({eff['peak']})"))
     return {
-        "rows": rows or [("P7", "no mode finished")],
+        "rows": rows or [(name, "no mode finished")],
         "failed": failed,
         "p7": final or {"targets": modes},
         "efficiency": eff,
-        "kl_kernel": {m: r["kl_kernel"] for m, r in modes.items() if m in ("online", "hidden")},
+        "kl_kernel": {
+            m: {"kernel": r["kl_kernel"], "device": device, **r["measured_at"]}
+            for m, r in modes.items()
+            if m in ("online", "hidden")
+        },
     }
 
 
@@ -236,11 +251,15 @@ def p7_figures(r: dict) -> str:
         if n.startswith("platform:")
     )
     agree = "" if r.get("losses_agree", True) else "; LOSS TRAJECTORIES DIFFER"
+    share = ""
+    if r.get("head_kl_s"):
+        share = f"head + KL {r['head_kl_s'] * 1e3:.1f} ms = {r['head_kl_share']:.0%} of the step; "
+    spread = f" (admitted within bf16-mixed's spread vs fp32, {r['bf16_spread']:.1e})" if r.get("bf16_spread") else ""
     return (
         f"tok/s platform {tps('platform_tokens_per_s')}, DeepSpeed {tps('platform_deepspeed_tokens_per_s')}, "
         f"plain loop {tps('reference_tokens_per_s')}: ratio {ratio(r.get('ratio'))}, DeepSpeed "
-        f"{ratio(r.get('deepspeed_ratio'))}; MFU {pct(r.get('mfu'))} (loop {pct(r.get('reference_mfu'))}); kernels: "
-        f"{kernels or 'chunked only'} -> auto: {r.get('kl_kernel', 'chunked')}{agree}"
+        f"{ratio(r.get('deepspeed_ratio'))}; MFU {pct(r.get('mfu'))} (loop {pct(r.get('reference_mfu'))}); {share}"
+        f"kernels: {kernels or 'chunked only'} -> auto: {r.get('kl_kernel', 'chunked')}{spread}{agree}"
     )
 
 
@@ -321,6 +340,7 @@ def measured_file(results: dict, device: str | None, when: str) -> dict:
 
     old, parts = gpu(), results["parts"]
     p7, run = parts.get("P7", {}), parts.get("run", {})
+    kernel = parts.get("P7-head", {}).get("kl_kernel") or p7.get("kl_kernel") or {}  # the real head's, first
     eff = {m: x["efficiency"] for m, x in ((p7.get("efficiency") or {}).get("modes") or {}).items()}
     if "sampled" not in eff:  # the sampled:N mode's key is its kind
         eff.update({m.partition(":")[0]: x for m, x in eff.items()})
@@ -328,7 +348,7 @@ def measured_file(results: dict, device: str | None, when: str) -> dict:
         source=f"benchmarks/gpu_acceptance.py on {device}, {when} ({results['env']})",
         device=device or old.device,
         efficiency={**old.efficiency, **{k: v for k, v in eff.items() if k in old.efficiency}},
-        kl_kernel={**old.kl_kernel, **(p7.get("kl_kernel") or {})},
+        kl_kernel={**old.kl_kernel, **kernel},
         start_s=dict(old.start_s),
         run=dict(old.run),
         parts_s={
@@ -596,6 +616,17 @@ RUN_SMOKE = [
 # no DeepSpeed path (its CPU op compiles for ~80 s the first time in a checkout; the path is the same code with a flag);
 # one thread (a core busy with another process stalls every 2-thread OpenMP region: RESULTS.md's header)
 P7_SMOKE = {"preset": "smoke", "targets": "online,hidden,sampled:8", "paths": "platform,reference", "threads": 1}
+# the real-head part rehearsed: bf16-mixed (its fp32 spread path and the kernel admission), and the head's GPU branch
+# at the real head's shapes on meta tensors (numerics.tensor_cores forced: what a GPU's first step would fail at)
+P7_HEAD_SMOKE = {
+    "name": "P7-head",
+    "preset": "smoke",
+    "targets": "online",
+    "paths": "platform,reference",
+    "threads": 1,
+    "precision": "bf16-mixed",
+    "meta_rehearsal": "head",
+}
 
 
 def gpu_overrides(gpus: int) -> list[str]:
@@ -628,6 +659,12 @@ def parts(cuda: bool, gpus: int) -> list[Part]:
     if not cuda:
         return [
             Part(
+                "P7-head",
+                True,
+                (Variant("smoke preset, bf16-mixed, + the real head's GPU branch on meta", 20, P7_HEAD_SMOKE),),
+                run_p7,
+            ),
+            Part(
                 "P7",
                 True,
                 (Variant("smoke preset, online + hidden + sampled:8, platform + plain loop", 25, P7_SMOKE),),
@@ -658,7 +695,33 @@ def parts(cuda: bool, gpus: int) -> list[Part]:
     modes = "online,hidden,sampled:64"
     run = gpu_overrides(gpus) + RUN_SHORT
     paths = "platform,platform_deepspeed,reference"
+    head = "online,hidden"
+    head_paths = "platform,reference"  # + platform_fp32 (bf16's spread) and every kernel, added by P7 itself
     return [
+        Part(
+            "P7-head",
+            True,
+            (
+                Variant(
+                    f"head preset (V 151,936, d 2048, 4096 tokens), {head}, 2 paths + fp32 + kernels, 2 + 6 steps",
+                    prior("P7-head", 0, 150),
+                    {"name": "P7-head", "preset": "head", "targets": head, "paths": head_paths},
+                ),
+                Variant(
+                    "head preset, online, 2 paths + fp32 + kernels, 1 + 3 steps",
+                    prior("P7-head", 1, 90),  # a compilation and Liger's Triton JIT in it
+                    {
+                        "name": "P7-head",
+                        "preset": "head",
+                        "targets": "online",
+                        "paths": head_paths,
+                        "warmup": 1,
+                        "steps": 3,
+                    },
+                ),
+            ),
+            run_p7,
+        ),
         Part(
             "P7",
             True,
@@ -674,14 +737,15 @@ def parts(cuda: bool, gpus: int) -> list[Part]:
                     {"preset": "h100", "targets": modes, "warmup": 2, "steps": 5, "paths": paths},
                 ),
                 Variant(
-                    "h100 preset, online,hidden, platform + plain loop + kernels, 2 + 5 steps",
-                    prior("P7", 2, 150),
+                    "h100 preset, online,hidden, platform + plain loop, 2 + 5 steps (the kernels: P7-head's)",
+                    prior("P7", 2, 110),
                     {
                         "preset": "h100",
                         "targets": "online,hidden",
                         "warmup": 2,
                         "steps": 5,
                         "paths": "platform,reference",
+                        "kernels": "",
                     },
                 ),
             ),
@@ -736,7 +800,7 @@ def main(argv=None) -> int:
         help="the call's seconds (default 540: 9 minutes on one H100 after the bundle is installed)",
     )
     p.add_argument(
-        "--parts", help="comma-separated subset of P7,run,tokens,memory,P5 (default: all, as the budget allows)"
+        "--parts", help="comma-separated subset of P7-head,P7,run,tokens,memory,P5 (default: all, as the budget allows)"
     )
     p.add_argument("--cpu-smoke", action="store_true", help="every part on the CPU with tiny shapes (plumbing check)")
     p.add_argument("--child-calibrate", dest="mode", choices=["whole", "streamed"])

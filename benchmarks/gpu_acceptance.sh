@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# GPU acceptance call (issues 42, 47): what stage 2 runs now, within a device budget. P7 (the stage-2 step against a
+# GPU acceptance call (issues 42, 47, 52): what stage 2 runs now, within a device budget. First P7 at the paper
+# student's head (vocabulary 151,936, hidden 2048, 4096-token sequences: the head and the KL's share of the step, each
+# kernel's speed, step peak and trajectory against bf16-mixed's own spread vs fp32; it sets auto's kernel), then P7
+# at the h100 preset (the stage-2 step against a
 # plain PyTorch loop at equal numerics, online / hidden / sampled:64 targets, with every exact-KL kernel: ratio, MFU,
 # the DeepSpeed path's ratio, each kernel's speed, peak and loss trajectory), a whole `m2d run` on the GPU, the Ray Data
 # token pass, then, as the budget allows, the memory plan against torch.cuda.max_memory_allocated and the calibration
@@ -7,8 +10,9 @@
 # with a line saying so; one table at the end (WORK/table.md), every figure in WORK/results.json, logs in WORK/logs,
 # and WORK/measured_gpu.json: the figures the code reads (see benchmarks/gpu_acceptance.py).
 #
-#   bash benchmarks/gpu_acceptance.sh [--budget-s 540] [--work /tmp/m2d-gpu-acceptance] [--parts P7,run,tokens,memory,P5]
-#   python benchmarks/gpu_acceptance.py --cpu-smoke      # the same plumbing on the CPU with tiny shapes (no GPU figures)
+#   bash benchmarks/gpu_acceptance.sh [--budget-s 540] [--work /tmp/m2d-gpu-acceptance] [--parts P7-head,P7,run,tokens,memory,P5]
+#   python benchmarks/gpu_acceptance.py --cpu-smoke      # the same plumbing on the CPU with tiny shapes (no GPU figures;
+#                                                          the head's GPU branch at its real shapes on meta tensors)
 #
 # From a session that is lent a GPU (the device tool; ../shared/gpu/README.md):
 #   1. once per checkout, here (about 4 minutes, ~48 MB; needs PyPI; liger-kernel for distill.kl_kernel=liger):

@@ -32,7 +32,12 @@ the bill's (plan/cost.py stage2_flops): the student's forward and backward plus 
 its output head (hidden; nothing for sampled). MFU = FLOPs per token x tokens/s over the device's matmul rate in the
 training dtype, measured in the same run (before and after the steps, the higher of the two). Per mode, `kl_kernel`
 names the fastest platform kernel whose trajectory agrees with chunked: what distill.kl_kernel=auto should use on
-this GPU.
+this GPU, at this loss (forward KL), temperature (1) and path (plain, one rank), all recorded with it ("measured_at").
+In a low-precision policy a kernel is admitted only within the policy's own spread: the same platform step in float32
+(`platform_fp32`, same teacher) runs beside the others, and a kernel's gap to chunked must not exceed chunked's gap
+to it ("bf16_spread"). Per mode P7 also times the head and the KL alone (the platform's loss, forward and backward,
+through the real heads at the preset's tokens: "head_kl_s", "head_kl_share" of the platform's step) and prints one
+line with that share, the spread and each path's step peak.
 
 Output: one JSON line per mode as it finishes ({"mode": ...}), then one line with all of them under "targets".
 
@@ -42,6 +47,14 @@ Output: one JSON line per mode as it finishes ({"mode": ...}), then one line wit
                                                               # the issue's 2.52B teacher -> 0.40B student, 8 x 2048
                                                               tokens, bf16-mixed, kernels chunked, compiled, liger
     python benchmarks/p7_distill_throughput.py --preset smoke --targets online,hidden,sampled:8   # plumbing, seconds
+    python benchmarks/p7_distill_throughput.py --preset head --targets online --paths platform,reference
+                                                              # the paper student's head (V 151,936, d 2048), 4096
+                                                              tokens: the head + KL's share of the step, each
+                                                              kernel's step peak, bf16-mixed's spread vs fp32
+    python benchmarks/p7_distill_throughput.py --preset head-cpu --paths platform --threads 2   # that share on a CPU
+    python benchmarks/p7_distill_throughput.py --preset smoke --precision bf16-mixed --meta-rehearsal head
+                                                              # the GPU branch of the head at its real shapes, on
+                                                              meta tensors (numerics.tensor_cores forced)
 """
 
 from __future__ import annotations
@@ -96,6 +109,44 @@ PRESETS = {
         batch=8,
         warmup=3,
         steps=10,
+    ),
+    # the paper student's head (Qwen3: vocabulary 151,936, hidden 2048) at 4096-token sequences, 2 decoder layers: the
+    # head and the KL at the shapes that cost money, every path and kernel side by side in 80 GB (by arithmetic, not
+    # measured: a 0.72B student, ~13 GB a bf16-mixed path (weights 2, float32 gradient sums 4, masters 4, moments 8
+    # bytes a parameter), 11.5 GB the fp32 one, a 2.5 GB teacher, and the plain loop's whole [4096 x V] float32
+    # logits ~12 GB at its step: ~78 GB with platform, loop, fp32, compiled and liger; a third layer would not fit)
+    "head": dict(
+        device="cuda",
+        hidden=2048,
+        layers=2,
+        heads=16,
+        kv_heads=4,
+        head_dim=128,
+        experts=64,
+        expert_width=768,
+        top_k=8,
+        vocab=151936,
+        seq_len=4096,
+        batch=1,
+        warmup=2,
+        steps=6,
+    ),
+    # the same head on the CPU: one layer, 128 tokens, one path (what share of a step the head and the KL take)
+    "head-cpu": dict(
+        device="cpu",
+        hidden=2048,
+        layers=1,
+        heads=16,
+        kv_heads=4,
+        head_dim=128,
+        experts=4,
+        expert_width=768,
+        top_k=2,
+        vocab=151936,
+        seq_len=128,
+        batch=1,
+        warmup=1,
+        steps=2,
     ),
     "smoke": dict(
         device="cpu",
@@ -274,6 +325,7 @@ def trajectory_gap(a: list[float], b: list[float]) -> float:
 def builders(teacher, cfg, device: str, precision, spec, head, kernels: list[str]) -> dict:
     """Path name -> a function of a fresh student giving (step, take_loss)."""
     from m2d_ray.config import DistillConfig
+    from m2d_ray.distill.precision import PRECISIONS
 
     def with_(**kw):
         return DistillConfig(**{**cfg.__dict__, **kw})
@@ -286,6 +338,9 @@ def builders(teacher, cfg, device: str, precision, spec, head, kernels: list[str
             s, teacher.model, with_(deepspeed=True, kl_kernel="chunked"), device, precision, spec, head
         ),
         "reference": lambda s: reference_path(s, teacher.model, cfg, device, precision, spec, head),
+        "platform_fp32": lambda s: platform_path(
+            s, teacher.model, with_(kl_kernel="chunked"), device, PRECISIONS["fp32"], spec, head
+        ),
     }
     for k in kernels if spec is None or spec.exact else []:  # top-K / sampled targets have no kernels
         out[f"platform:{k}"] = lambda s, k=k: platform_path(
@@ -307,7 +362,9 @@ def run_mode(text: str, p: dict, teacher, student0, ids: list, cfg, names: list[
     head = teacher.model.get_output_embeddings().weight.detach()
     batches = mode_batches(ids, teacher.model, spec, pin=device == "cuda")
     make = builders(teacher, cfg, device, precision, spec, head, kernels)
+    spread_path = precision.dtype != torch.float32  # the bf16 path's own spread against float32 admits kernels
     names = [n for n in names if n in make] + [n for n in make if n.startswith("platform:")]
+    names += ["platform_fp32"] if spread_path and "platform_fp32" not in names else []
     paths = {n: make[n](copy.deepcopy(student0).to(device).train()) for n in names}
     times: dict[str, list[float]] = {n: [] for n in names}
     losses: dict[str, list[float]] = {n: [] for n in names}
@@ -334,10 +391,13 @@ def run_mode(text: str, p: dict, teacher, student0, ids: list, cfg, names: list[
         torch.cuda.empty_cache()
     tokens = p["batch"] * p["seq_len"]
     tps = {n: tokens / statistics.median(ts) for n, ts in times.items()}
-    tol = 2e-2 if precision.dtype == torch.bfloat16 else 1e-4
     gaps = {n: trajectory_gap(losses[n], losses["platform"]) for n in names}
-    agreeing = [n for n in names if n == "platform" or (n.startswith("platform:") and gaps[n] <= tol)]
+    spread = gaps.get("platform_fp32") if spread_path else None
+    tol = 2e-2 if spread_path else 1e-4  # what every path must agree within (else exit 1)
+    admit = spread if spread_path else tol  # what a kernel must agree within to be chosen: bf16's own spread
+    agreeing = [n for n in names if n == "platform" or (n.startswith("platform:") and gaps[n] <= admit)]
     best = max(agreeing, key=tps.get)
+    head_s = head_kl_seconds(p, cfg, precision, student0, teacher, make_kernel(cfg.kl_kernel), device)
     return {
         "mode": text,
         "platform_tokens_per_s": tps.get("platform"),
@@ -356,10 +416,70 @@ def run_mode(text: str, p: dict, teacher, student0, ids: list, cfg, names: list[
         "losses": losses,
         "gap": gaps,
         "tolerance": tol,
+        "bf16_spread": spread,
+        "kernel_admission": admit,
+        "head_kl_s": head_s,
+        "head_kl_share": head_s * tps["platform"] / tokens if "platform" in tps else None,
+        "measured_at": {"loss": cfg.loss, "temperature": cfg.temperature, "path": "plain"},
         "loss_first": {n: ls[0] for n, ls in losses.items()},
         "loss_last": {n: ls[-1] for n, ls in losses.items()},
-        "losses_agree": max(gaps.values()) <= tol,
+        "losses_agree": max(g for n, g in gaps.items() if n != "platform_fp32") <= tol,
     }
+
+
+def make_kernel(name: str):
+    from m2d_ray.distill.kernels import KL_KERNELS
+
+    return KL_KERNELS["chunked" if name == "auto" else name]
+
+
+def head_kl_seconds(p: dict, cfg, precision, student0, teacher, kernel, device: str) -> float:
+    """Seconds of the head and the KL alone at the preset's tokens: the platform's loss (chunked) forward and backward
+    from hidden states (random, in the policy's dtype) through the student's and the teacher's real heads, the median
+    of 3 after one untimed; the step's share of it is what the body cannot hide."""
+    tokens = p["batch"] * p["seq_len"]
+    g = torch.Generator(device=device).manual_seed(2)
+    h = torch.randn(tokens, p["hidden"], generator=g, device=device).to(precision.dtype).requires_grad_()
+    h_t = torch.randn(tokens, p["hidden"], generator=g, device=device).to(teacher.model.dtype)
+    w_s = student0.get_output_embeddings().weight.detach().to(device, precision.dtype).requires_grad_()
+    w_t = teacher.model.get_output_embeddings().weight.detach()
+    times = []
+    for _ in range(4):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        kernel.kl(h, w_s, h_t, w_t, kind="fkl", temperature=cfg.temperature, chunk=cfg.loss_chunk).backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+        h.grad = w_s.grad = None
+    return statistics.median(times[1:])
+
+
+def meta_rehearsal(p: dict) -> dict:
+    """The GPU branch of the head's numerics (numerics.tensor_cores forced) on `meta` tensors at the preset's head and
+    tokens: the platform's chunked loss and the plain loop's logits, forward and backward, in bfloat16 (shapes and
+    dtypes only; nothing is computed or allocated). A CPU call proves here what a GPU would first fail at."""
+    from m2d_ray import numerics
+    from m2d_ray.distill.losses import chunked_kl
+
+    tokens, d, v = p["batch"] * p["seq_len"], p["hidden"], p["vocab"]
+
+    def bf16(*shape, grad=False):
+        return torch.empty(*shape, device="meta", dtype=torch.bfloat16).requires_grad_(grad)
+
+    seam, numerics.tensor_cores = numerics.tensor_cores, lambda t: True
+    try:
+        h, w = bf16(tokens, d, grad=True), bf16(v, d, grad=True)
+        chunked_kl(h, w, bf16(tokens, d), bf16(v, d)).backward()
+        platform = (tuple(h.grad.shape), tuple(w.grad.shape), str(w.grad.dtype))
+        h.grad = w.grad = None
+        z = numerics.logits(h, w)
+        F.kl_div(F.log_softmax(z, -1), F.log_softmax(z.detach(), -1), log_target=True, reduction="batchmean").backward()
+        reference = (tuple(h.grad.shape), tuple(w.grad.shape), str(w.grad.dtype))
+    finally:
+        numerics.tensor_cores = seam
+    return {"tokens": tokens, "vocab": v, "hidden": d, "platform_grads": platform, "reference_grads": reference}
 
 
 def add_mfu(m: dict, rate: float) -> dict:
@@ -370,6 +490,19 @@ def add_mfu(m: dict, rate: float) -> dict:
         m["reference_tokens_per_s"] * m["flops_per_token"] / rate if m["reference_tokens_per_s"] else None
     )
     return m
+
+
+def summary_line(m: dict) -> str:
+    """One line per mode: the head and the KL's share of the platform's step, the kernel admission and each path's
+    step peak (on a GPU)."""
+    share = f"{m['head_kl_share']:.0%}" if m.get("head_kl_share") is not None else "-"
+    spread = f"; bf16-mixed vs fp32 {m['bf16_spread']:.2e} admits kernels" if m.get("bf16_spread") is not None else ""
+    peaks = m.get("peak_step_bytes") or {}
+    peak = "; step peaks " + ", ".join(f"{n} {b / 2**30:.1f} GiB" for n, b in peaks.items()) if peaks else ""
+    return (
+        f"[{m['mode']}] head + KL {m['head_kl_s'] * 1e3:.1f} ms = {share} of the platform's step{spread}; "
+        f"auto: {m['kl_kernel']}{peak}"
+    )
 
 
 def default_kernels(device: str) -> str:
@@ -392,6 +525,11 @@ def main() -> None:
     ap.add_argument("--paths", default="platform,platform_deepspeed,reference")
     ap.add_argument("--precision", default="auto", help="distill.precision (default auto: bf16-mixed on a GPU, fp32)")
     ap.add_argument(
+        "--meta-rehearsal",
+        choices=sorted(PRESETS),
+        help="first run the head's GPU branch on meta tensors at this preset's head and tokens (a CPU rehearsal)",
+    )
+    ap.add_argument(
         "--kernels",
         default=None,
         help="exact-KL kernels timed beside chunked, comma-separated (default: on a GPU every one that imports here)",
@@ -408,6 +546,8 @@ def main() -> None:
     from m2d_ray.distill.flops import matmul_rate
     from m2d_ray.distill.precision import for_device
 
+    if a.meta_rehearsal:
+        print(json.dumps({"meta_rehearsal": meta_rehearsal(PRESETS[a.meta_rehearsal])}), flush=True)
     precision = for_device(a.precision, device)  # what stage 2 trains in
     kernels = [k for k in (default_kernels(device) if a.kernels is None else a.kernels).split(",") if k]
     print(machine_line(), file=sys.stderr)
@@ -434,6 +574,7 @@ def main() -> None:
         print(
             json.dumps(modes[text]), flush=True
         )  # MFU against the rate before the steps (a caller killed later keeps it)
+        print(summary_line(modes[text]), file=sys.stderr, flush=True)
     rate = max(rate, matmul_rate(device, precision.dtype))  # before and after the steps: the best this run saw
     for m in modes.values():
         add_mfu(m, rate)

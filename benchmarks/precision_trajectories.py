@@ -9,6 +9,7 @@ other.
 
     python benchmarks/precision_trajectories.py                     # the test's sizes: 20 steps of 2 x 32 tokens
     python benchmarks/precision_trajectories.py --seq 256 --batch 4  # P7's cpu batch (bf16 is ~5x slower on CPUs)
+    python benchmarks/precision_trajectories.py --preset smoke --accum 12   # grad_accum 12 (issue 52), smoke shapes
 """
 
 from __future__ import annotations
@@ -38,24 +39,42 @@ def gap(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-def batches(steps: int, batch: int, seq: int) -> torch.Tensor:
+def batches(steps: int, batch: int, seq: int, preset: str = "cpu", accum: int = 1) -> torch.Tensor:
+    """[steps, accum, batch, seq] ids: each step's `accum` micro-batches of `batch` global sequences."""
     g = torch.Generator().manual_seed(1)
-    return torch.randint(0, p7.PRESETS["cpu"]["vocab"], (steps, batch, seq), generator=g)
+    return torch.randint(0, p7.PRESETS[preset]["vocab"], (steps, accum, batch, seq), generator=g)
 
 
-def trajectory(path: str, precision: str, rank: int, world: int, steps: int, batch: int, seq: int) -> list[float]:
-    """`path`'s losses (means over the ranks), this rank reading its share of each global batch. plain / ddp:
-    DistillStep without DeepSpeed; deepspeed: ZeRO-2; sharded: DDP beside an FSDP2-sharded teacher."""
+def trajectory(
+    path: str,
+    precision: str,
+    rank: int,
+    world: int,
+    steps: int,
+    batch: int,
+    seq: int,
+    preset: str = "cpu",
+    accum: int = 1,
+    sharpen: float = 1.0,
+) -> list[float]:
+    """`path`'s losses (means over the ranks and micro-batches), this rank reading its share of each global
+    micro-batch, `accum` micro-batches a step. plain / ddp: DistillStep without DeepSpeed (with master weights, their
+    float32 sums in place of DDP); deepspeed: ZeRO-2; sharded: plain beside an FSDP2-sharded teacher."""
     from m2d_ray.config import DistillConfig
     from m2d_ray.distill.precision import PRECISIONS
     from m2d_ray.distill.sharded_teacher import shard_loaded
     from m2d_ray.distill.step import DistillStep
 
+    if path == "gradsum":  # not a trajectory: the summed gradient's error in this group (benchmarks/grad_sums.py)
+        import grad_sums
+
+        return [grad_sums.summed_gradient_error(preset, accum, rank, world, seq, False)]
     policy = PRECISIONS[precision]
     torch.manual_seed(0)
-    teacher, student = p7.build_models(p7.PRESETS["cpu"], torch.float32)
+    teacher, student = p7.build_models(p7.PRESETS[preset], torch.float32)
     model = teacher.model.to(policy.dtype)  # the teacher computes in the policy's dtype, as distill/loop.py loads it
     head = model.get_output_embeddings().weight.detach()
+    head.mul_(sharpen)  # a random head's logits are nearly uniform (std ~0.02 sqrt(d)): a loss of ~1e-4 is all noise
     if path == "sharded":
         shard_loaded(model, teacher.adapter.layers(model), "cpu")
     cfg = DistillConfig(
@@ -63,12 +82,14 @@ def trajectory(path: str, precision: str, rank: int, world: int, steps: int, bat
         warmup_steps=max(1, steps // 4),
         batch_size=batch // world,
         seq_len=seq,
+        grad_accum=accum,
         deepspeed=path == "deepspeed",
     )
     trainer = DistillStep(student.train(), model, cfg, "cpu", world, policy, head=head)
     losses = []
-    for b in batches(steps, batch, seq):
-        trainer.step([b[rank * batch // world : (rank + 1) * batch // world]])
+    share = slice(rank * batch // world, (rank + 1) * batch // world)
+    for b in batches(steps, batch, seq, preset, accum):
+        trainer.step([mb[share] for mb in b])
         losses.append(trainer.take_loss())
     return losses
 
@@ -87,9 +108,21 @@ def _group_main(rank: int, world: int, port: int, runs: list, sizes: tuple, out:
         dist.destroy_process_group()
 
 
-def run_group(world: int, runs: list[tuple[str, str]], out: Path, steps: int, batch: int, seq: int) -> dict:
-    """{"path/precision": losses} of `runs`, each trained by a group of `world` gloo processes."""
-    mp.spawn(_group_main, args=(world, free_port(), runs, (steps, batch, seq), str(out)), nprocs=world, join=True)
+def run_group(
+    world: int,
+    runs: list[tuple[str, str]],
+    out: Path,
+    steps: int,
+    batch: int,
+    seq: int,
+    preset: str = "cpu",
+    accum: int = 1,
+    sharpen: float = 1.0,
+) -> dict:
+    """{"path/precision": losses} of `runs`, each trained by a group of `world` gloo processes (`sharpen`: the
+    teacher's head scaled by it, for a teacher as sure of its tokens as a trained one)."""
+    sizes = (steps, batch, seq, preset, accum, sharpen)
+    mp.spawn(_group_main, args=(world, free_port(), runs, sizes, str(out)), nprocs=world, join=True)
     return json.loads(out.read_text())
 
 
@@ -98,14 +131,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=2, help="global sequences per step (even: two ranks split it)")
     ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--preset", default="cpu", choices=sorted(p7.PRESETS), help="P7's model shapes (default cpu)")
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches a step (distill.grad_accum)")
+    ap.add_argument("--sharpen", type=float, default=1.0, help="the teacher's head scaled by it (default 1)")
     ap.add_argument("--work", default="/tmp/m2d-precision")
     a = ap.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     print(machine_line(), file=sys.stderr)
     groups = {
-        "": run_group(1, ONE_RANK, work / "w1.json", a.steps, a.batch, a.seq),
-        " x2": run_group(2, TWO_RANKS, work / "w2.json", a.steps, a.batch, a.seq),
+        "": run_group(1, ONE_RANK, work / "w1.json", a.steps, a.batch, a.seq, a.preset, a.accum, a.sharpen),
+        " x2": run_group(2, TWO_RANKS, work / "w2.json", a.steps, a.batch, a.seq, a.preset, a.accum, a.sharpen),
     }
     runs = {name + world: losses for world, group in groups.items() for name, losses in group.items()}
     rows = [

@@ -10,7 +10,9 @@ student's softmax over the whole vocabulary from their final hidden states and h
               rounds the logits' gradient to the compute dtype before the two gradient matmuls (bfloat16 tensor
               cores, where chunked multiplies in float32)
     auto      on a GPU, the kernel the last GPU acceptance call measured fastest at the same loss for the targets
-              mode (m2d_ray/measured_gpu.json, "kl_kernel"); chunked on a CPU
+              mode (m2d_ray/measured_gpu.json, "kl_kernel"), where this run is what it was measured on: the same
+              device, loss, temperature and path (plain one rank, DDP, DeepSpeed); else chunked, said in one line
+              (a speed and an agreement measured at one of them say nothing of another); chunked on a CPU
 
 Each is held to chunked: on the CPU where it runs there (tests/unit/test_kernels.py), and on a GPU by the acceptance
 call, which trains every kernel from the same student on the same batches and compares the loss trajectories.
@@ -21,9 +23,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from importlib import metadata
 
 import torch
+from packaging.version import Version
 from torch import Tensor
 
 from m2d_ray import measured
@@ -46,6 +50,7 @@ class KLKernel:
     compiles: bool = False  # the student's loss module is compiled around it
     cuda_only: bool = False
     needs: str | None = None  # the module it imports, and what installs it
+    min_version: tuple[str, str] | None = None  # (distribution, the oldest version the glue works with)
 
     def unavailable(self, device: str | torch.device) -> str | None:
         """Why this kernel cannot run on `device` here, or None."""
@@ -56,7 +61,38 @@ class KLKernel:
                 __import__(self.needs.split()[0])
             except ImportError:
                 return f"needs {self.needs}"
+        if self.min_version is not None:
+            dist, oldest = self.min_version
+            found = installed_version(dist)
+            if found is not None and Version(found) < Version(oldest):
+                return f"needs {dist} >= {oldest} (found {found}; pip install '{dist}>={oldest}')"
         return None
+
+
+def installed_version(dist: str) -> str | None:
+    """The installed version of distribution `dist`, or None (a module on the path without metadata)."""
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+@dataclass(frozen=True)
+class Where:
+    """What a kernel's speed and agreement were measured at, or what a run is, besides the targets mode."""
+
+    loss: str = "fkl"
+    temperature: float = 1.0
+    path: str = "plain"  # plain (one rank), ddp (plain torch on several), deepspeed
+
+    @classmethod
+    def of(cls, loss: str, temperature: float, deepspeed: bool, world: int) -> Where:
+        return cls(loss, float(temperature), "deepspeed" if deepspeed else "plain" if world == 1 else "ddp")
+
+
+def device_name(device: str | torch.device) -> str:
+    """The card `device` is, as torch names it (the seam tests set: a CPU has no CUDA device to ask)."""
+    return torch.cuda.get_device_name(torch.device(device))
 
 
 def liger_kl(
@@ -81,15 +117,23 @@ def liger_kl(
 for _k in (
     KLKernel("chunked", chunked_kl),
     KLKernel("compiled", chunked_kl, compiles=True),
-    KLKernel("liger", liger_kl, cuda_only=True, needs="liger_kernel (pip install liger-kernel, the [gpu] extra)"),
+    KLKernel(
+        "liger",
+        liger_kl,
+        cuda_only=True,
+        needs="liger_kernel (pip install liger-kernel, the [gpu] extra)",
+        min_version=("liger-kernel", "0.8.5"),  # liger_fused_linear_jsd's accum_dtype
+    ),
 ):
     KL_KERNELS.register(_k.name)(_k)
 
 
-def kl_kernel(name: str, device: str | torch.device, targets=None) -> KLKernel:
-    """The kernel `distill.kl_kernel` names on `device` for the targets (None: online). auto: chunked on a CPU; on a
-    GPU the measured choice for the mode, or chunked (said once) where that one cannot run here. A kernel asked for
-    by name that cannot run here is one line."""
+def kl_kernel(name: str, device: str | torch.device, targets=None, where: Where | None = None) -> KLKernel:
+    """The kernel `distill.kl_kernel` names on `device` for the targets (None: online) and the run's loss,
+    temperature and path (`where`, default forward KL at t = 1 on one plain rank). auto: chunked on a CPU; on a GPU
+    the measured choice for the mode where this run is what it was measured on, else chunked (one line, once); also
+    chunked (said once) where the measured one cannot run here. A kernel asked for by name that cannot run here is
+    one line."""
     if name != "auto":
         kernel = KL_KERNELS[name]
         why = kernel.unavailable(device)
@@ -99,11 +143,23 @@ def kl_kernel(name: str, device: str | torch.device, targets=None) -> KLKernel:
     if torch.device(device).type != "cuda":
         return KL_KERNELS["chunked"]
     mode = "online" if targets is None else targets.mode
-    kernel = KL_KERNELS[measured.gpu().kl_kernel.get(mode, "chunked")]
+    entry = measured.gpu().kl_kernel.get(mode)
+    if entry is None or entry["kernel"] == "chunked":
+        return KL_KERNELS["chunked"]
+    here = {"device": device_name(device), **asdict(where or Where())}
+    differ = {k: (entry.get(k), v) for k, v in here.items() if entry.get(k) != v}
+    if differ:
+        _fallback(entry["kernel"], f"was measured at {_said(entry, differ, 0)}, this run is {_said(here, differ, 1)}")
+        return KL_KERNELS["chunked"]
+    kernel = KL_KERNELS[entry["kernel"]]
     if kernel.unavailable(device):
         _fallback(kernel.name, kernel.unavailable(device))
         return KL_KERNELS["chunked"]
     return kernel
+
+
+def _said(values: dict, differ: dict, i: int) -> str:
+    return ", ".join(f"{k} {pair[i]}" for k, pair in differ.items())
 
 
 @functools.cache

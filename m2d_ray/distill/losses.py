@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from m2d_ray.catalog.distill import LOSSES  # noqa: F401  (declared there; importers of losses.LOSSES keep working)
-from m2d_ray.numerics import logits
+from m2d_ray.numerics import head_grads, logits
 
 
 def _fkl(ls: Tensor, lt: Tensor) -> tuple[Tensor, Tensor]:
@@ -48,7 +48,8 @@ DIVERGENCES: dict[str, Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]] = {"fk
 
 
 def log_probs(h: Tensor, w: Tensor, t: float) -> Tensor:
-    """float32 log-softmax of the logits h @ w.T at temperature t (the division skipped at t = 1)."""
+    """float32 log-softmax (float64 for float64 operands) of the logits h @ w.T at temperature t (the division
+    skipped at t = 1)."""
     z = logits(h, w)
     return torch.log_softmax(z if t == 1.0 else z.div_(t), dim=-1)
 
@@ -71,7 +72,8 @@ class _Chunked(torch.autograd.Function):
     ) -> Tensor:
         n = h_s.shape[0]
         grad_h = torch.empty_like(h_s)
-        grad_w = torch.zeros(w_s.shape, dtype=torch.float32, device=w_s.device) if ctx.needs_input_grad[1] else None
+        wide = torch.promote_types(w_s.dtype, torch.float32)  # the head's gradient summed over chunks in float32
+        grad_w = torch.zeros(w_s.shape, dtype=wide, device=w_s.device) if ctx.needs_input_grad[1] else None
         total = torch.zeros((), dtype=torch.float64, device=h_s.device)
         t = float(temperature)
         for s in range(0, n, chunk):
@@ -79,9 +81,7 @@ class _Chunked(torch.autograd.Function):
             kl, g = per_chunk(s, log_probs(hs, w_s, t))
             total += kl.double().sum()
             g.mul_(t / n)  # d(t^2 * mean KL(z / t)) / dz = t / n * dKL
-            grad_h[s : s + chunk] = (g @ w_s.float()).to(h_s.dtype)
-            if grad_w is not None:
-                grad_w.addmm_(g.T, hs.float())
+            grad_h[s : s + chunk] = head_grads(g, hs, w_s, grad_w, need_w=False)[0]  # grad_w summed in place
             del kl, g
         ctx.save_for_backward(grad_h, grad_w if grad_w is not None else torch.empty(0))
         ctx.w_dtype = w_s.dtype

@@ -4,10 +4,14 @@
 * DeepSpeed (`distill.deepspeed`): a ZeRO engine (bucketed reduce-scatter of the gradients; in `bf16` mode its
   float32 partition is the master copy the optimizer steps);
 * plain torch on several ranks: DistributedDataParallel (bucketed all-reduce overlapped with the backward;
-  the micro-batches before the last one of an accumulation run under `no_sync`);
+  the micro-batches before the last one of an accumulation run under `no_sync`); with master weights (bf16-mixed)
+  `MasterWeights` instead, which sums every micro-batch's gradient into float32 and all-reduces that sum once per
+  step (DDP would sum and reduce in bfloat16; the reduce no longer overlaps the last backward: one all-reduce of
+  4 bytes a parameter per `grad_accum` micro-batches);
 * plain torch on one rank: the student itself.
 On the plain paths a policy with master weights (`distill.precision: bf16-mixed`, distill/precision.py) keeps the
-student in bfloat16 and steps float32 copies of its parameters, as ZeRO does; the three paths train the same numbers.
+student in bfloat16 and steps float32 copies of its parameters, as ZeRO does; gradients are summed in float32 on every
+path (distill/precision.py); the three paths train the same numbers.
 A step reads nothing back to the host: the running loss stays on the device until `take_loss()`
 (the loop calls it at a report). Training blocks are packed, with no padding, so no attention mask
 is passed: the models take SDPA's causal path and nothing checks a mask on the host.
@@ -25,7 +29,7 @@ from torch import Tensor, nn
 
 from m2d_ray.config import DistillConfig
 from m2d_ray.distill import kernels
-from m2d_ray.distill.kernels import KLKernel, kl_kernel
+from m2d_ray.distill.kernels import KLKernel, Where, kl_kernel
 from m2d_ray.distill.losses import LOSSES, hidden_mse, sampled_kl, sparse_kl
 from m2d_ray.distill.precision import PRECISIONS, MasterWeights, Precision
 from m2d_ray.distill.targets import TargetSpec
@@ -45,7 +49,11 @@ def lr_factor(step: int, cfg: DistillConfig) -> float:
 
 
 def ds_config(cfg: DistillConfig, dtype: torch.dtype) -> dict:
-    """ZeRO in `dtype`: `bf16` mode keeps float32 master weights and optimizer states (the `bf16-mixed` policy)."""
+    """ZeRO in `dtype`: `bf16` mode keeps float32 master weights and optimizer states (the `bf16-mixed` policy), and
+    sums gradients in float32: over micro-batches into its float32 gradient partition (`grad_accum_dtype`, which ZeRO-2
+    supports since DeepSpeed 0.17: no bfloat16 sum, the error DeepSpeed itself warns of), and over ranks in float32
+    buckets (`communication_data_type`: twice a bfloat16 reduce's bytes, once per micro-batch)."""
+    fp32_sums = {"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"}
     return {
         "train_micro_batch_size_per_gpu": cfg.batch_size,
         "gradient_accumulation_steps": cfg.grad_accum,
@@ -55,6 +63,7 @@ def ds_config(cfg: DistillConfig, dtype: torch.dtype) -> dict:
         "fp16": {"enabled": False},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        **(fp32_sums if dtype != torch.float32 else {}),
     }
 
 
@@ -189,12 +198,13 @@ class DistillStep:
             head = teacher.get_output_embeddings().weight
         self.head = head.detach() if head is not None else None
         refuse_aliases(student, [teacher, self.head])
-        self.precision, self.kernel = precision, kl_kernel(cfg.kl_kernel, device, targets)
+        where = Where.of(cfg.loss, cfg.temperature, cfg.uses_deepspeed, world)
+        self.precision, self.kernel = precision, kl_kernel(cfg.kl_kernel, device, targets, where)
         self.loss_module = StudentLoss(student, cfg, targets, self.kernel)
         if self.kernel.compiles:
             self.loss_module.compile(backend=kernels.COMPILE_BACKEND, dynamic=False)
         plain_masters = precision.masters and not cfg.uses_deepspeed
-        self.masters = MasterWeights(student.parameters()) if plain_masters else None
+        self.masters = MasterWeights(student.parameters(), world) if plain_masters else None
         cast_parameters(student, precision.dtype)
         groups = param_groups(student, cfg.weight_decay)
         fused = torch.device(device).type in ("cpu", "cuda")  # one kernel for all tensors (P7, 1 thread: -2.6% step)
@@ -210,7 +220,7 @@ class DistillStep:
             self.engine, self.opt, _, self.sched = deepspeed.initialize(
                 model=student, optimizer=self.opt, lr_scheduler=self.sched, config=ds_config(cfg, precision.dtype)
             )
-        elif world > 1:
+        elif world > 1 and self.masters is None:  # masters sum and reduce their gradients in float32 themselves
             cuda = torch.device(device).type == "cuda"
             self.ddp = nn.parallel.DistributedDataParallel(
                 self.loss_module,

@@ -5,12 +5,15 @@ way the stage's code holds it (b = bytes per weight: the checkpoint's dtype for 
 training on a GPU and fp32 on CPU; T = tokens of a micro-batch):
 
     weights              params x b (a layer-streamed calibration: one layer + embeddings and head)
-    ZeRO-2 (DeepSpeed)   gradients: b x P / W + an fp32 partition 4P / W + one reduce bucket;
-                         optimizer: fp32 master copy (when b < 4) + Adam moments = (4 + 8) P / W
+    ZeRO-2 (DeepSpeed)   gradients: b x P / W + an fp32 partition 4P / W (the micro-batches' sum: grad_accum_dtype
+                         fp32 when b < 4) + one reduce bucket, and its float32 copy when b < 4 (the reduce runs
+                         in float32: communication_data_type); optimizer: fp32 master copy (when b < 4) + Adam
+                         moments = (4 + 8) P / W
     ZeRO-0 (DeepSpeed)   gradients b P (+ 4P fp32 accumulators when b < 4); optimizer as ZeRO-2 at W = 1
     plain torch          gradients b P (DDP's buckets are views of them); with float32 masters (bf16-mixed,
-                         distill/precision.py) the masters, their float32 gradients at the step and the
-                         moments (4 + 4 + 8) P, else AdamW's moments in the weights' dtype 2 b P
+                         distill/precision.py) the float32 sums 4P (each b-byte gradient added in and freed as
+                         autograd makes it: the largest, the head's V h b, counted) and the masters and moments
+                         (4 + 8) P, else AdamW's moments in the weights' dtype 2 b P
     activations          a decoder layer keeps per token (norms 4h, q/k 3 x q + 4 x kv, attention output q,
                          SwiGLU 4f) x b for backward: all layers, or with gradient checkpointing each
                          layer's input h plus one layer recomputed
@@ -77,11 +80,15 @@ def training(
     out = {"student": P * b}
     low = b < FP32 and (masters or deepspeed)  # float32 masters and moments behind lower-precision weights
     if deepspeed and zero_stage >= 1:
-        out["grads"] = P * b // (world if zero_stage >= 2 else 1) + FP32 * P // world + min(P, DS_BUCKET) * b
+        bucket = min(P, DS_BUCKET) * (b + (FP32 if b < FP32 else 0))  # reduced in float32 behind b < 4
+        out["grads"] = P * b // (world if zero_stage >= 2 else 1) + FP32 * P // world + bucket
         out["optimizer"] = (8 + (FP32 if b < FP32 else 0)) * P // world
-    elif low:  # DeepSpeed's ZeRO-0 bf16 optimizer (fp32 gradient accumulators), or the plain path's MasterWeights
-        out["grads"] = P * b + (FP32 * P if deepspeed else 0)
-        out["optimizer"] = (FP32 + 8 + (0 if deepspeed else FP32)) * P  # masters, moments (and their fp32 grads)
+    elif low and deepspeed:  # DeepSpeed's ZeRO-0 bf16 optimizer (fp32 gradient accumulators)
+        out["grads"] = P * b + FP32 * P
+        out["optimizer"] = (FP32 + 8) * P
+    elif low:  # the plain path's MasterWeights: float32 sums, one b-byte gradient (at most the head's) at a time
+        out["grads"] = FP32 * P + student.vocab * student.hidden * b
+        out["optimizer"] = (FP32 + 8) * P  # masters and moments
     else:
         out["grads"] = P * b
         out["optimizer"] = 2 * P * b

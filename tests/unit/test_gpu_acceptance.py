@@ -66,7 +66,9 @@ def test_a_command_past_the_parts_timeout_is_killed_with_its_process_group(tmp_p
 
 
 def test_cpu_smoke_runs_every_required_part_and_writes_the_table_and_results(tmp_path):
-    """`python benchmarks/gpu_acceptance.py --cpu-smoke`: P7 for online, hidden and sampled targets, a whole `m2d run`
+    """`python benchmarks/gpu_acceptance.py --cpu-smoke`: the real-head part first (P7 at the smoke preset in
+    bf16-mixed, with the head's GPU branch at the real head's shapes on meta tensors), P7 for online, hidden and
+    sampled targets, a whole `m2d run`
     (hidden targets, one student) and the Ray Data token pass, on the CPU with tiny shapes; one table at the end, the
     efficiency per mode in the results (on the CPU: `plan.cpu_efficiency`'s figure, tiny shapes: plumbing only), and
     no measured_gpu.json (a CPU measures no GPU figure; tests/unit/test_plan_gpu.py checks the file's making)."""
@@ -80,13 +82,40 @@ def test_cpu_smoke_runs_every_required_part_and_writes_the_table_and_results(tmp
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
-    assert {k: v["status"] for k, v in results["parts"].items()} == {"P7": "ok", "run": "ok", "tokens": "ok"}
+    assert {k: v["status"] for k, v in results["parts"].items()} == {
+        "P7-head": "ok",
+        "P7": "ok",
+        "run": "ok",
+        "tokens": "ok",
+    }
     table = (tmp_path / "table.md").read_text()
     assert table == proc.stdout[proc.stdout.index("# GPU acceptance") :].rstrip("\n") + "\n"  # printed once, at the end
     names = [
         ln.split("|")[1].strip() for ln in table.splitlines() if ln.startswith("| ") and not ln.startswith("| part")
     ]
-    assert names == ["P7 online", "P7 hidden", "P7 sampled:8", "efficiency", "run", "tokens"]
+    assert names == [
+        "P7-head meta",
+        "P7-head online",
+        "P7 online",
+        "P7 hidden",
+        "P7 sampled:8",
+        "efficiency",
+        "run",
+        "tokens",
+    ]
+    head = results["parts"]["P7-head"]
+    # the head's GPU branch ran at the paper student's head and 4096 tokens (meta tensors, the seam forced)
+    assert "'vocab': 151936" in table and "'tokens': 4096" in table and "torch.bfloat16" in table
+    online = head["p7"]["targets"]["online"]  # bf16-mixed: its spread against float32 measured, kernels held to it
+    assert online["bf16_spread"] > 0 and online["kernel_admission"] == online["bf16_spread"]
+    assert 0 < online["head_kl_share"] < 1 and online["losses_agree"]
+    assert head["kl_kernel"]["online"] == {
+        "kernel": "chunked",
+        "device": head["p7"]["device"],
+        "loss": "fkl",
+        "temperature": 1.0,
+        "path": "plain",
+    }
     p7 = results["parts"]["P7"]["p7"]["targets"]
     assert set(p7) == {"online", "hidden", "sampled:8"} and all(
         m["losses_agree"] and m["ratio"] > 0 for m in p7.values()
@@ -97,7 +126,10 @@ def test_cpu_smoke_runs_every_required_part_and_writes_the_table_and_results(tmp
     eff = results["parts"]["P7"]["efficiency"]
     assert eff["key"] == "plan.cpu_efficiency" and set(eff["modes"]) == set(p7)
     assert all(m["efficiency"] > 0 for m in eff["modes"].values())
-    assert results["parts"]["P7"]["kl_kernel"] == {"online": "chunked", "hidden": "chunked"}
+    assert {m: k["kernel"] for m, k in results["parts"]["P7"]["kl_kernel"].items()} == {
+        "online": "chunked",
+        "hidden": "chunked",
+    }
     assert not (tmp_path / "measured_gpu.json").exists()
     run = results["parts"]["run"]["result"]
     assert (
@@ -109,3 +141,21 @@ def test_cpu_smoke_runs_every_required_part_and_writes_the_table_and_results(tmp
     )  # the run cached hidden states (the GPU run's setting)
     tokens = results["parts"]["tokens"]["p9"]
     assert [r["mode"] for r in tokens] == ["loop", "ray1"] and len({r["shards_sha"] for r in tokens}) == 1
+
+
+def test_on_a_gpu_the_real_head_runs_first_and_fits_the_budget():
+    """The call's first part is P7 at the paper student's head (vocabulary 151,936, hidden 2048, 4096 tokens): it sets
+    the kernel auto uses, and is planned in at the budget a lent GPU's session passes (480 s) with every required
+    part."""
+    todo = acc.parts(cuda=True, gpus=1)
+    assert todo[0].name == "P7-head" and todo[0].required
+    assert all(v.args["preset"] == "head" for v in todo[0].variants)
+    import p7_distill_throughput as p7
+
+    assert (p7.PRESETS["head"]["vocab"], p7.PRESETS["head"]["hidden"], p7.PRESETS["head"]["seq_len"]) == (
+        151936,
+        2048,
+        4096,
+    )
+    choice, _ = acc.plan(todo, 480 - acc.RESERVE_S)
+    assert {p.name for p in todo if p.required} <= set(choice)

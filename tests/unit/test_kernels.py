@@ -90,17 +90,72 @@ def test_the_liger_glue_is_chunkeds_loss_and_gradient(monkeypatch, kind):
     assert grads[1][0] == pytest.approx(float(naive_kl(h_s @ w_s.T, h_t @ w_t.T, kind, 2.0)), rel=1e-4)
 
 
+def _measured(monkeypatch, kernel: str, **at) -> None:
+    """measured_gpu.json's online kernel `kernel`, measured at `at` (default: forward KL, t = 1, one plain rank, on
+    the card the tests pretend to have); the card's name comes through the seam `kernels.device_name`."""
+    m = measured.gpu()
+    entry = {"kernel": kernel, "device": "NVIDIA H200", "loss": "fkl", "temperature": 1.0, "path": "plain", **at}
+    monkeypatch.setattr(measured, "gpu", lambda: dataclasses.replace(m, kl_kernel={"online": entry}))
+    monkeypatch.setattr(kernels, "device_name", lambda device: "NVIDIA H200")
+
+
 def test_auto_is_chunked_on_a_cpu_and_the_measured_choice_on_a_gpu(monkeypatch):
     assert kernels.kl_kernel("auto", "cpu").name == "chunked"
-    m = measured.gpu()
-    monkeypatch.setattr(measured, "gpu", lambda: dataclasses.replace(m, kl_kernel={"online": "compiled"}))
+    _measured(monkeypatch, "compiled")
     assert kernels.kl_kernel("auto", "cuda").name == "compiled"
     assert kernels.kl_kernel("auto", "cuda", parse_targets("hidden")).name == "chunked"  # a mode not measured
 
 
+@pytest.mark.parametrize(
+    "where, device, said",
+    [
+        (kernels.Where("rkl"), "NVIDIA H200", "loss fkl, this run is loss rkl"),
+        (kernels.Where(temperature=2.0), "NVIDIA H200", "temperature 1.0, this run is temperature 2.0"),
+        (kernels.Where.of("fkl", 1.0, True, 8), "NVIDIA H200", "path plain, this run is path deepspeed"),
+        (kernels.Where.of("fkl", 1.0, False, 2), "NVIDIA H200", "path plain, this run is path ddp"),
+        (kernels.Where(), "NVIDIA A100-SXM4-80GB", "device NVIDIA H200, this run is device NVIDIA A100-SXM4-80GB"),
+    ],
+)
+def test_auto_uses_the_measured_kernel_only_where_it_was_measured(monkeypatch, capsys, where, device, said):
+    """A kernel's speed and its agreement with chunked were measured at one device, loss, temperature and path:
+    anywhere else auto is chunked, said in one line (the device's name through the seam: no CUDA here)."""
+    _measured(monkeypatch, "compiled")
+    assert kernels.kl_kernel("auto", "cuda", where=kernels.Where()).name == "compiled"
+    monkeypatch.setattr(kernels, "device_name", lambda d: device)
+    assert kernels.kl_kernel("auto", "cuda", where=where).name == "chunked"
+    out = capsys.readouterr()
+    lines = [ln for ln in (out.out + out.err).splitlines() if "distill.kl_kernel=auto" in ln]
+    assert len(lines) == 1 and said in lines[0] and lines[0].endswith("using chunked"), lines
+
+
+def test_the_step_tells_auto_its_loss_temperature_and_path(monkeypatch, capsys):
+    """DistillStep hands kl_kernel the run's loss, temperature and path (a DeepSpeed run is not the plain one P7
+    measured)."""
+    seen = []
+    real = kernels.kl_kernel
+    monkeypatch.setattr(
+        "m2d_ray.distill.step.kl_kernel", lambda n, d, t=None, where=None: seen.append(where) or real(n, d, t, where)
+    )
+    teacher, student = p7.build_models(p7.PRESETS["smoke"], torch.float32)
+    cfg = DistillConfig(steps=1, warmup_steps=1, batch_size=1, seq_len=8, loss="rkl", temperature=2.0, deepspeed=False)
+    DistillStep(student, teacher.model, cfg, "cpu")
+    assert seen == [kernels.Where("rkl", 2.0, "plain")]
+
+
+def test_a_liger_older_than_the_glue_needs_is_one_line(monkeypatch):
+    """liger_fused_linear_jsd's accum_dtype (the head's gradient summed in float32) came in liger-kernel 0.8.5."""
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setattr(kernels, "installed_version", lambda dist: "0.8.1")
+    why = kernels.KL_KERNELS["liger"].unavailable("cuda")
+    assert why == "needs liger-kernel >= 0.8.5 (found 0.8.1; pip install 'liger-kernel>=0.8.5')"
+    with pytest.raises(M2DError, match=r"distill.kl_kernel=liger: needs liger-kernel >= 0\.8\.5 \(found 0\.8\.1"):
+        kernels.kl_kernel("liger", "cuda")
+    monkeypatch.setattr(kernels, "installed_version", lambda dist: "0.8.5")
+    assert kernels.KL_KERNELS["liger"].unavailable("cuda") is None
+
+
 def test_a_measured_kernel_that_cannot_run_here_falls_back_to_chunked_with_one_line(monkeypatch, capsys):
-    m = measured.gpu()
-    monkeypatch.setattr(measured, "gpu", lambda: dataclasses.replace(m, kl_kernel={"online": "liger"}))
+    _measured(monkeypatch, "liger")
     missing = dataclasses.replace(kernels.KL_KERNELS["liger"], needs="no_such_module_m2d (pip install it)")
     monkeypatch.setitem(kernels.KL_KERNELS._items, "liger", missing)
     assert kernels.kl_kernel("auto", "cuda").name == "chunked"

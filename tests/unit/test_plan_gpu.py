@@ -68,6 +68,7 @@ def test_the_acceptance_call_writes_the_measured_file_in_the_form_the_code_reads
     measured is carried over; the next call's priors read each part's seconds by its variant."""
     m = measured.gpu()
     walls = {s: w * 1.5 for s, w in m.run["walls_s"].items()}
+    at = {"device": "NVIDIA H200", "loss": "fkl", "temperature": 1.0, "path": "plain"}  # what P7 measured at
     results = {
         "env": "torch 2.11, NVIDIA H200 x 1",
         "parts": {
@@ -77,7 +78,14 @@ def test_the_acceptance_call_writes_the_measured_file_in_the_form_the_code_reads
                 "seconds": 201.0,
                 "status": "ok",
                 "efficiency": {"modes": {"online": {"efficiency": 0.25}, "sampled:64": {"efficiency": 0.31}}},
-                "kl_kernel": {"online": "liger", "hidden": "chunked"},
+                "kl_kernel": {"online": {"kernel": "compiled", **at}, "hidden": {"kernel": "chunked", **at}},
+            },
+            "P7-head": {  # the real head's choice is the one auto uses
+                "variant": "v0",
+                "index": 0,
+                "seconds": 120.0,
+                "status": "ok",
+                "kl_kernel": {"online": {"kernel": "liger", **at}, "hidden": {"kernel": "chunked", **at}},
             },
             "run": {
                 "variant": "v0",
@@ -94,10 +102,11 @@ def test_the_acceptance_call_writes_the_measured_file_in_the_form_the_code_reads
     out = acc.measured_file(results, "NVIDIA H200", "2026-12-01")
     new = measured.GpuMeasured.from_dict(json.loads(json.dumps(out)))
     assert new.efficiency == {**m.efficiency, "online": 0.25, "sampled": 0.31}
-    assert new.kl_kernel == {"online": "liger", "hidden": "chunked"}
+    assert new.kl_kernel == {"online": {"kernel": "liger", **at}, "hidden": {"kernel": "chunked", **at}}
     assert new.run["walls_s"] == pytest.approx(walls, abs=0.06)
     assert all(new.start_s[u] > m.start_s[u] for u in ("trial", "student", "model"))  # slower walls, later starts
     assert new.parts_s["P7"] == {"variant": "v0", "index": 0, "seconds": 201.0} and "tokens" not in new.parts_s
+    assert new.parts_s["P7-head"] == {"variant": "v0", "index": 0, "seconds": 120.0}
     with pytest.raises(ValueError, match="missing"):
         measured.GpuMeasured.from_dict({k: v for k, v in out.items() if k != "run"})
 
