@@ -523,8 +523,9 @@ class SweepConfig:
     def to_dict(self) -> dict:
         return _plain(dataclasses.asdict(self))
 
-    def check_methods(self) -> None:
-        """Method names, non-empty axes and a well-formed K list (K's range needs the model: check_k_range)."""
+    def check(self) -> None:
+        """Every setting that can be checked from the config alone, each failing with one line: method names,
+        non-empty axes, a well-formed K list (K's range needs the model: check_k_range), each section's values."""
 
         for axis, registry in (("scoring", SCORINGS), ("grouping", GROUPINGS), ("scaling", SCALINGS)):
             names = getattr(self.grid, axis)
@@ -741,7 +742,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> SweepConf
         _set_path(raw, key.strip().split("."), yaml.safe_load(value))
     _retired(raw)
     cfg = _build(SweepConfig, raw, "")
-    cfg.check_methods()
+    cfg.check()
     return cfg
 
 
