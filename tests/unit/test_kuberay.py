@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import PurePosixPath
 
 import jsonschema
@@ -311,6 +312,9 @@ def test_gpu_pods_keep_the_teacher_on_a_volume_the_scheduler_counts():
         for kind in ("requests", "limits"):
             assert quantity(container["resources"][kind]["ephemeral-storage"]) >= size + 50 * 2**30, (name, kind)
         assert spec["securityContext"]["fsGroup"] == 100
+        (data,) = re.findall(r"^ENV M2D_DATA_DIR=(\S+)$", (K8S / "Dockerfile").read_text(), flags=re.M)
+        hidden = [m for m in mounts if PurePosixPath(data).is_relative_to(m)]
+        assert not hidden, f"the image's paper data ({data}) under a volume: {hidden}"  # `m2d fetch-data`'s copy
 
 
 def test_the_submitter_survives_lost_log_streams():
