@@ -38,8 +38,46 @@ def run_tracking_uri(cfg, rd: RunDir, override: str | None = None) -> str:
 
 
 def run_tracker(cfg, rd: RunDir, override: str | None = None) -> Tracker:
-    """The tracker of a run directory (artifacts under RUN_DIR/mlartifacts for a sqlite store)."""
-    return Tracker(run_tracking_uri(cfg, rd, override), cfg.mlflow.experiment, rd.mlartifacts)
+    """The tracker of a run directory (artifacts under RUN_DIR/mlartifacts for a sqlite store). The run directory's own
+    store is first made to name its artifacts where the directory is now (`follow_moved_run`)."""
+    uri = run_tracking_uri(cfg, rd, override)
+    if uri == f"sqlite:///{rd.mlflow_db}":
+        follow_moved_run(rd.mlflow_db, rd.mlartifacts)
+    return Tracker(uri, cfg.mlflow.experiment, rd.mlartifacts)
+
+
+def follow_moved_run(db: Path, artifacts: Path) -> int:
+    """Point a run directory's own MLflow store (`db`) at its artifacts (`artifacts`, RUN_DIR/mlartifacts) where the
+    directory is now; returns how many locations changed (0 where it never moved).
+
+    MLflow keeps absolute artifact locations (the experiment's `file:///home/ray/runs/x/mlartifacts`, each run's
+    `.../mlartifacts/RUN_ID/artifacts`), so a run directory copied off its cluster (`kubectl cp`, `ray rsync-down`)
+    opens in `mlflow ui` with its metrics and every artifact link broken. MLflow has no call that changes a location,
+    so this rewrites the two columns of its schema that hold them (experiments.artifact_location, runs.artifact_uri),
+    only for locations that end in `/mlartifacts` (the ones m2d chose) and are not already this directory's. Any m2d
+    command that opens the run (`m2d report RUN_DIR`) does it, once, before MLflow reads the store."""
+    import sqlite3
+    from contextlib import closing
+
+    if not db.is_file():
+        return 0
+    new = Path(artifacts).resolve().as_uri()
+    changed = 0
+    with closing(sqlite3.connect(db)) as con, con:  # one transaction: all locations move, or none
+        olds = {
+            loc
+            for (loc,) in con.execute("SELECT artifact_location FROM experiments")
+            if loc and loc.startswith("file:") and loc.endswith("/mlartifacts") and loc != new
+        }
+        for old in olds:
+            changed += con.execute(
+                "UPDATE runs SET artifact_uri = ? || substr(artifact_uri, ?) WHERE substr(artifact_uri, 1, ?) = ?",
+                (new, len(old) + 1, len(old) + 1, f"{old}/"),
+            ).rowcount
+            changed += con.execute(
+                "UPDATE experiments SET artifact_location = ? WHERE artifact_location = ?", (new, old)
+            ).rowcount
+    return changed
 
 
 class Tracker:

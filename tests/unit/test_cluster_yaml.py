@@ -103,11 +103,15 @@ def test_gpu_worker_types_scale_from_zero(raw, prepared):
     assert max(n["resources"]["GPU"] for n in workers.values()) >= 8  # a distillation node
 
 
-def test_every_worker_reaches_s3_storage(raw):
-    """A run's storage (--storage s3://...) is read and written by the workers: each needs the S3 role."""
+def test_every_node_has_its_least_privilege_role_and_the_tutorial_s_security_group(raw):
+    """A run's storage (--storage s3://...) is read and written by the workers: each has the worker role (the run's
+    bucket alone), the head the role that launches them; every node is in the one security group the tutorial creates,
+    so Ray creates none (its own admits SSH from anywhere). The policies themselves: tests/unit/test_iam.py."""
+    head = raw["head_node_type"]
     for name, node in raw["available_node_types"].items():
-        if name != raw["head_node_type"]:
-            assert node["node_config"]["IamInstanceProfile"] == {"Name": "ray-autoscaler-v1"}, name
+        profile = "m2d-ray-head" if name == head else "m2d-ray-worker"
+        assert node["node_config"]["IamInstanceProfile"] == {"Name": profile}, name
+        assert node["node_config"]["SecurityGroupIds"] == ["sg-REPLACE_WITH_M2D_SG"], name
 
 
 def test_spot_worker_type_and_on_demand_fallback(prepared):

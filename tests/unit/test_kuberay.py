@@ -1,12 +1,16 @@
 """k8s/ (KubeRay): the RayCluster and the RayJob validated against KubeRay v1.7.0's CRD schemas (tests/data/kuberay/,
-with the unknown-field check of `kubectl apply --validate=strict`), the worker groups read as Ray's autoscaler reads
-them, and the RayJob's run planned on them as `m2d plan --cluster` plans one on cluster.yaml. No Kubernetes here: what
-that leaves untried is in docs/how-to/kubernetes.md."""
+with the unknown-field check of `kubectl apply --validate=strict`), every pod template and the volume claim against
+Kubernetes' own core types (the `kubernetes` client's models: fields, required fields, quantities), the worker groups
+read as Ray's autoscaler reads them, and the RayJob's run planned on them as `m2d plan --cluster` plans one on
+cluster.yaml; then what a first run needs of the pods: a head that can write its run directory, that fits its node,
+GPU pods with room for the teacher, a submitter that does not give up on a long run. No Kubernetes here: what that
+leaves untried is in docs/how-to/kubernetes.md."""
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import PurePosixPath
 
 import jsonschema
@@ -141,7 +145,7 @@ def test_gpu_groups_scale_from_zero_under_a_cpu_head():
 def test_the_worker_groups_are_node_types_as_ray_s_autoscaler_reads_them(tmp_path):
     nodes = {n.name: n for n in from_cluster_yaml(K8S / "raycluster.yaml")}
     head, idle = cluster_settings(K8S / "raycluster.yaml")
-    assert idle == 10.0 and nodes[head].gpus == 0 and nodes[head].resources["CPU"] == 7
+    assert idle == 10.0 and nodes[head].gpus == 0 and nodes[head].resources["CPU"] == 6
     h100 = nodes["gpu-h100-8x"]
     assert (h100.gpus, h100.accelerator, h100.max_workers, h100.instance, h100.spot) == (8, "H100", 2, "p5.48xlarge", 0)
     assert hourly(h100) > hourly(nodes[head]) > 0  # priced by the nodeSelector's instance type
@@ -176,6 +180,8 @@ def test_the_rayjob_s_run_plans_on_the_raycluster_s_worker_groups():
     config = PurePosixPath(argv[2])
     overrides = [a for a in argv[3:] if "=" in a and not a.startswith("-")]
     options = dict(zip(argv[3::1], argv[4::1]))
+    cluster_file = PurePosixPath(options["--cluster"])  # a KubeRay head has no bootstrap config to read groups from
+    assert ROOT / cluster_file.relative_to(IMAGE_ROOT) == K8S / "raycluster.yaml"
     assert config.is_relative_to(IMAGE_ROOT) and (ROOT / config.relative_to(IMAGE_ROOT)).is_file()
     cfg = load_config(ROOT / config.relative_to(IMAGE_ROOT), overrides)
     assert cfg.ray.address is None  # the job's RAY_ADDRESS
@@ -205,3 +211,127 @@ def test_the_schemas_are_kuberay_s_as_stored():
         data = json.loads(path.read_text())
         assert data["schema"]["properties"]["spec"]["type"] == "object" and len(data["source_sha256"]) == 64
     assert "v1.7.0" in (SCHEMAS / "README.md").read_text()
+
+
+# --- Kubernetes' own core types, and what the pods need of them ---------------------------------------------------
+
+
+def core_problems(data: dict, model: str) -> list[str]:
+    """What Kubernetes' API types (the `kubernetes` client's models, generated from its OpenAPI) make of `data`:
+    a missing required field raises; an unknown field, or a value of another type, does not survive the round trip."""
+    from kubernetes.client import ApiClient
+
+    api = ApiClient()
+    try:
+        back = api.sanitize_for_serialization(api._ApiClient__deserialize(copy.deepcopy(data), model))
+    except (ValueError, TypeError) as exc:
+        return [str(exc)]
+    return [] if back == data else [f"not kept as written: {_diff(data, back)}"]
+
+
+def _diff(a, b, where=""):
+    if isinstance(a, dict) and isinstance(b, dict):
+        return next((_diff(a[k], b.get(k), f"{where}.{k}") for k in a if a[k] != b.get(k)), where)
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return next((_diff(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b)) if x != y), where)
+    return f"{where}: {a!r} -> {b!r}"
+
+
+def pod_templates() -> dict[str, dict]:
+    cluster = of_kind("RayCluster")
+    return {g.get("groupName", "head"): g["template"] for g in _groups(cluster)}
+
+
+def test_every_pod_template_and_claim_is_valid_as_kubernetes_core_types():
+    pytest.importorskip("kubernetes")
+    for name, template in pod_templates().items():
+        assert core_problems(template, "V1PodTemplateSpec") == [], name
+    claim = next(d for d in manifests() if d["kind"] == "PersistentVolumeClaim")
+    assert core_problems(claim, "V1PersistentVolumeClaim") == []
+
+
+def test_the_core_type_check_can_fail():
+    pytest.importorskip("kubernetes")
+    head = copy.deepcopy(pod_templates()["head"])
+    misspelt = copy.deepcopy(head)
+    misspelt["spec"]["securityContext"]["fsGruop"] = 100
+    as_text = copy.deepcopy(head)
+    as_text["spec"]["securityContext"]["fsGroup"] = "100"
+    nameless = copy.deepcopy(head)
+    del nameless["spec"]["containers"][0]["name"]
+    for bad in (misspelt, as_text, nameless):
+        assert core_problems(bad, "V1PodTemplateSpec")
+
+
+def quantity(value) -> float:
+    from kubernetes.utils import parse_quantity
+
+    return float(parse_quantity(value))
+
+
+#: KubeRay's autoscaler sidecar on the head pod (its defaults in v1.7.0: 500m CPU, 512Mi)
+SIDECAR = {"cpu": 0.5, "memory": 512 * 2**20}
+#: an EKS node's allocatable (its kube-reserved and eviction formula) less a margin for DaemonSets (VPC CNI, kube-proxy,
+#: EBS CSI node, the device plugin, a log agent): what a pod may ask of the node
+FITS = {"m5.2xlarge": {"cpu": 8 - 0.09 - 0.6, "memory": (32 - 0.87 - 0.1 - 1.5) * 2**30}}
+
+
+def test_the_head_pod_fits_its_node_with_kuberay_s_sidecar():
+    pytest.importorskip("kubernetes")
+    spec = pod_templates()["head"]["spec"]
+    fits = FITS[spec["nodeSelector"]["node.kubernetes.io/instance-type"]]
+    requests = spec["containers"][0]["resources"]["requests"]
+    for key in ("cpu", "memory"):
+        assert quantity(requests[key]) + SIDECAR[key] <= fits[key], key
+    assert quantity("7") + SIDECAR["cpu"] > FITS["m5.2xlarge"]["cpu"]  # what the head asked before: Pending
+
+
+def test_the_head_may_write_its_run_directory_on_a_fresh_volume():
+    """Ray's image runs as uid 1000 gid 100; a fresh volume's root belongs to root: fsGroup gives it to gid 100."""
+    spec = pod_templates()["head"]["spec"]
+    ctx = spec["securityContext"]
+    assert (ctx["runAsUser"], ctx["runAsGroup"], ctx["fsGroup"]) == (1000, 100, 100)
+    claims = {v["name"] for v in spec["volumes"] if "persistentVolumeClaim" in v}
+    out = PurePosixPath(dict(zip(entrypoint_argv(), entrypoint_argv()[1:]))["--out"])
+    assert any(out.is_relative_to(m["mountPath"]) for m in spec["containers"][0]["volumeMounts"] if m["name"] in claims)
+
+
+def test_gpu_pods_keep_the_teacher_on_a_volume_the_scheduler_counts():
+    """Each GPU pod downloads the teacher (~61 GB) into its cache: an emptyDir at the caches' home, bounded, and an
+    ephemeral-storage request that covers it and the image's writable layer, so a pod lands only on a node with the
+    disk for it."""
+    for name, template in pod_templates().items():
+        if name == "head":
+            continue
+        spec = template["spec"]
+        container = spec["containers"][0]
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        cache = next(v for v in spec["volumes"] if v["name"] == mounts["/home/ray/.cache"])
+        size = quantity(cache["emptyDir"]["sizeLimit"])
+        assert size >= 2 * 61e9, name  # the teacher and room for the students' copies
+        for kind in ("requests", "limits"):
+            assert quantity(container["resources"][kind]["ephemeral-storage"]) >= size + 50 * 2**30, (name, kind)
+        assert spec["securityContext"]["fsGroup"] == 100
+        (data,) = re.findall(r"^ENV M2D_DATA_DIR=(\S+)$", (K8S / "Dockerfile").read_text(), flags=re.M)
+        hidden = [m for m in mounts if PurePosixPath(data).is_relative_to(m)]
+        assert not hidden, f"the image's paper data ({data}) under a volume: {hidden}"  # `m2d fetch-data`'s copy
+
+
+def test_the_submitter_survives_lost_log_streams():
+    """KubeRay marks the RayJob Failed when its submitter Job fails: that Job only follows the log, and the run takes
+    hours, so it may retry for as long as the run goes on."""
+    job = of_kind("RayJob")["spec"]
+    assert job["submissionMode"] == "K8sJobMode" and job["submitterConfig"]["backoffLimit"] >= 50
+
+
+def test_the_image_holds_what_the_rayjob_reads():
+    """The RayJob's config and --cluster are the image's copies: the .dockerignore keeps them, and keeps out what
+    would bloat the image (environments, runs, teachers)."""
+    ignored = [
+        line for line in (K8S / "Dockerfile.dockerignore").read_text().splitlines() if line and not line[0] == "#"
+    ]
+    argv = entrypoint_argv()
+    for path in (argv[2], dict(zip(argv, argv[1:]))["--cluster"]):
+        top = PurePosixPath(path).relative_to(IMAGE_ROOT).parts[0]
+        assert top not in ignored, path
+    assert {".git", ".venv", "runs", "teachers"} <= set(ignored)

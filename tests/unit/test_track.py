@@ -92,3 +92,42 @@ def test_an_existing_experiment_gets_the_kind_unless_it_has_one(tmp_path):
     assert client.get_experiment(old).tags["mlflow.experimentKind"] == "custom_model_development"
     assert client.get_experiment(mine).tags["mlflow.experimentKind"] == "genai_development"  # someone's choice is kept
     assert VIEW_TAG in client.get_experiment(mine).tags
+
+
+def test_a_copied_run_s_artifacts_open_from_the_new_place(logged, tmp_path):
+    """The run directory copied off its cluster (`kubectl cp`, `ray rsync-down`) and opened with MLflow's client on the
+    laptop: after `m2d report` on the copy, every run's artifacts are listed and downloaded from the copy. An
+    experiment whose artifacts m2d did not place (a bucket) keeps its location."""
+    import shutil
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+
+    from m2d_ray.commands.report import report
+    from m2d_ray.track import follow_moved_run
+
+    run_dir, _, _, _, _ = logged
+    new = Path(shutil.copytree(run_dir, tmp_path / "laptop" / "runs" / "tiny"))
+    client = MlflowClient(f"sqlite:///{new / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("m2d-tiny")
+    assert exp.artifact_location == (run_dir / "mlartifacts").as_uri()  # as MLflow wrote it: the cluster's place
+    theirs = client.create_experiment("theirs", artifact_location="s3://their-bucket/mlflow")
+
+    report(str(new))  # what the laptop runs on the copy (docs/how-to/kubernetes.md, docs/tutorials/cluster.md)
+
+    exp = client.get_experiment_by_name("m2d-tiny")
+    assert exp.artifact_location == (new / "mlartifacts").resolve().as_uri()
+    assert client.get_experiment(theirs).artifact_location == "s3://their-bucket/mlflow"
+    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    with_artifacts = [r for r in runs if (new / "mlartifacts" / r.info.run_id / "artifacts").is_dir()]
+    assert with_artifacts  # the report, the plan, the tables
+    for run in runs:
+        assert run.info.artifact_uri.startswith(f"{exp.artifact_location}/{run.info.run_id}/"), run.info.artifact_uri
+    for run in with_artifacts:
+        on_disk = new / "mlartifacts" / run.info.run_id / "artifacts"
+        assert {a.path for a in client.list_artifacts(run.info.run_id)} == {p.name for p in on_disk.iterdir()}
+        got = Path(client.download_artifacts(run.info.run_id, "", str(tmp_path / run.info.run_id)))
+        files = sorted(p.relative_to(on_disk) for p in on_disk.rglob("*") if p.is_file())
+        assert files and files == sorted(p.relative_to(got) for p in got.rglob("*") if p.is_file())
+        assert all((got / f).read_bytes() == (on_disk / f).read_bytes() for f in files)
+    assert follow_moved_run(new / "mlflow.db", new / "mlartifacts") == 0  # once: a second open changes nothing
