@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+import sqlite3
 import time
+from contextlib import closing
 from pathlib import Path
 
 from m2d_ray.errors import M2DError
@@ -56,9 +58,6 @@ def follow_moved_run(db: Path, artifacts: Path) -> int:
     so this rewrites the two columns of its schema that hold them (experiments.artifact_location, runs.artifact_uri),
     only for locations that end in `/mlartifacts` (the ones m2d chose) and are not already this directory's. Any m2d
     command that opens the run (`m2d report RUN_DIR`) does it, once, before MLflow reads the store."""
-    import sqlite3
-    from contextlib import closing
-
     if not db.is_file():
         return 0
     new = Path(artifacts).resolve().as_uri()
