@@ -564,7 +564,7 @@ CASES = {
             "plan.max_storage=1TB",
             "distill.workers=1",
         ],
-        "no exact mode fits teacher (hidden stores 2004.3 GiB, over plan.max_storage 931.3 GiB; online needs 130.5 GiB "
+        "no exact mode fits teacher (hidden stores 2004.3 GiB, over plan.max_storage 931.3 GiB; online needs 132.4 GiB "
         "a rank, over the 75.7 GiB a device gives it)",
     ),
     "plan: a misspelt recipe": (
