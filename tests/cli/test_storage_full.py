@@ -71,3 +71,38 @@ def test_a_disk_that_fills_in_stage_2_stops_with_one_line_and_a_resume_finishes_
 
     resumed, whole = students(tmp_path / "resumed_run"), students(tmp_path / "whole")
     assert resumed == whole and {s for s, _, _ in whole.values()} == {"ok"} and len(whole) == 1, (resumed, whole)
+
+
+def test_a_full_disk_is_read_from_an_errno_anywhere_in_the_causes_or_from_the_text_of_a_worker_s_error():
+    import errno
+
+    from m2d_ray.errors import full_disk
+
+    try:
+        try:
+            raise OSError(errno.EDQUOT, "Disk quota exceeded", "/runs/x/ckpt")
+        except OSError as inner:
+            raise RuntimeError("could not save") from inner
+    except RuntimeError as outer:
+        assert full_disk(outer) == "over its quota"
+    worker = "RayTaskError: safetensors_rust.SafetensorError: I/O error: No space left on device (os error 28)"
+    assert full_disk(RuntimeError(worker)) == "no space left" and full_disk(worker) == "no space left"
+    assert full_disk(OSError(errno.EROFS, "Read-only file system")) == "read-only"
+    assert full_disk(OSError(errno.ENOENT, "No such file")) is None and full_disk("a plain failure") is None
+
+
+def test_places_on_one_filesystem_add_up_a_resume_counts_what_is_written_and_an_object_store_is_left_out(tmp_path):
+    from m2d_ray.plan.space import RECORDS_BYTES, needs, space_problem
+
+    run, store = tmp_path / "run", tmp_path / "store"
+    store.mkdir()
+    (store / "student.safetensors").write_bytes(b"\0" * 4096)
+    peak = 100 << 20
+    records = RECORDS_BYTES + int(0.05 * peak)
+    assert needs(peak, run, None, resumed=False) == {run: peak + records}
+    assert needs(peak, run, str(store), resumed=True) == {store: peak - 4096, run: records}
+    assert needs(peak, run, "s3://bucket/run", resumed=False) == {run: records}
+    both = needs(peak, run, str(store), resumed=False)
+    assert space_problem(both, free=lambda p: peak + records) is None  # each alone fits ...
+    line = space_problem(both, free=lambda p: peak + records - 1)  # ... together on one filesystem they do not
+    assert line.startswith(f"the run will write 113 MiB to {store} and {run} but its filesystem has 113 MiB free")
