@@ -155,9 +155,9 @@ def _sampled_chunk(ids: Tensor, counts: Tensor, logp: Tensor) -> Callable[[int, 
 
     def per_chunk(s: int, ls: Tensor) -> tuple[Tensor, Tensor]:
         rows = slice(s, s + ls.shape[0])
-        idx, c = ids[rows].long(), counts[rows].float()
+        idx, c = ids[rows].long(), counts[rows].to(ls.dtype)  # float32, or float64 for a float64 reference
         w = c / c.sum(-1, keepdim=True).clamp_min(1.0)
-        kl = torch.where(w > 0, w * (logp[rows].float() - ls.gather(1, idx)), 0.0).sum(-1)  # padding: w = 0
+        kl = torch.where(w > 0, w * (logp[rows].to(ls.dtype) - ls.gather(1, idx)), 0.0).sum(-1)  # padding: w = 0
         return kl, ls.exp_().scatter_add_(1, idx, -w)
 
     return per_chunk

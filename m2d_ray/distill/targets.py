@@ -125,7 +125,7 @@ def _sampled(lp: Tensor, u: Tensor, ids: Tensor, counts: Tensor, logp: Tensor) -
     token whose probability falls below that step adds nothing to the sum and can never be drawn (thousands
     of ids, 1e-4 of the mass); float32 uniforms likewise take only 2^24 values. In float64 the smallest
     drawable probability is ~1e-16 of the row's mass."""
-    cdf = lp.double().exp_().cumsum_(-1)
+    cdf = lp.double().exp().cumsum_(-1)  # out of place: a float64 lp is its own .double(), read again below
     draws = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=lp.shape[1] - 1)
     draws, _ = draws.sort(dim=-1)
     first = torch.ones_like(draws, dtype=torch.bool)

@@ -299,7 +299,7 @@ def test_a_failed_d2d_search_is_that_students_failure_not_the_runs(stage1_dir):
 def test_the_targets_pass_resumes_at_its_first_missing_shard(ray_address, tmp_path, monkeypatch):
     """A pass killed after some shards computes only the others; the finished targets are the same."""
     from m2d_ray import storage
-    from m2d_ray.distill import targets as targets_format
+    from m2d_ray.catalog import targets as spec
     from m2d_ray.distill.targets import MANIFEST, TargetsManifest
     from m2d_ray.models import default_teacher, load_tokenizer
     from m2d_ray.stages import shards
@@ -318,7 +318,7 @@ def test_the_targets_pass_resumes_at_its_first_missing_shard(ray_address, tmp_pa
         ],
     )
     toks = shards.tokens(store, default_teacher(), load_tokenizer(default_teacher()), cfg.distill, "synthetic:valid")
-    monkeypatch.setattr(targets_format, "TARGET_SHARD_BYTES", 4 * 64 * 100)  # 4 blocks a shard: 4 shards
+    monkeypatch.setattr(spec, "TARGET_SHARD_BYTES", 4 * 64 * 100)  # 4 blocks a shard: 4 shards
     url = shards.targets(store, default_teacher(), toks, cfg.target_spec(), cfg.distill, cfg.calib, cfg.ray)
     first = TargetsManifest.load(url)
     assert first.blocks == 16 and len(first.shards) == 4
