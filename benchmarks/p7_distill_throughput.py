@@ -110,28 +110,8 @@ PRESETS = {
         warmup=3,
         steps=10,
     ),
-    # the paper student's head (Qwen3: vocabulary 151,936, hidden 2048) at 4096-token sequences, 2 decoder layers: the
-    # head and the KL at the shapes that cost money, every path and kernel side by side in 80 GB (by arithmetic, not
-    # measured: a 0.72B student, ~13 GB a bf16-mixed path (weights 2, float32 gradient sums 4, masters 4, moments 8
-    # bytes a parameter), 11.5 GB the fp32 one, a 2.5 GB teacher, and the plain loop's whole [4096 x V] float32
-    # logits ~12 GB at its step: ~78 GB with platform, loop, fp32, compiled and liger; a third layer would not fit)
-    "head": dict(
-        device="cuda",
-        hidden=2048,
-        layers=2,
-        heads=16,
-        kv_heads=4,
-        head_dim=128,
-        experts=64,
-        expert_width=768,
-        top_k=8,
-        vocab=151936,
-        seq_len=4096,
-        batch=1,
-        warmup=2,
-        steps=6,
-    ),
-    # the same head on the CPU: one layer, 128 tokens, one path (what share of a step the head and the KL take)
+    # the paper student's head (PRESETS["head"] below) on the CPU: one layer, 128 tokens, one path (the share of a step
+    # the head and the KL take)
     "head-cpu": dict(
         device="cpu",
         hidden=2048,
@@ -164,6 +144,21 @@ PRESETS = {
         warmup=1,
         steps=2,
     ),
+}
+
+# the paper student's head (Qwen3: vocabulary 151,936, hidden 2048) at 4096-token sequences, 2 decoder layers: the
+# head and the KL at the shapes that cost money, every path and kernel side by side in 80 GB (by arithmetic, not
+# measured: a 0.72B student, ~13 GB a bf16-mixed path (weights 2, float32 gradient sums 4, masters 4, moments 8
+# bytes a parameter), 11.5 GB the fp32 one, a 2.5 GB teacher, and the plain loop's whole [4096 x V] float32
+# logits ~12 GB at its step: ~78 GB with platform, loop, fp32, compiled and liger; a third layer would not fit)
+PRESETS["head"] = {
+    **PRESETS["h100"],
+    "layers": 2,
+    "vocab": 151936,
+    "seq_len": 4096,
+    "batch": 1,
+    "warmup": 2,
+    "steps": 6,
 }
 
 
