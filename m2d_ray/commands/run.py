@@ -18,7 +18,7 @@ from m2d_ray.commands.plan import check_run, check_space, kept_choices, log_plan
 from m2d_ray.commands.runs import check_outcome, existing_run, keep_logs, new_run
 from m2d_ray.config import load_config
 from m2d_ray.console import emit, say
-from m2d_ray.errors import M2DError, StorageFull, full_disk
+from m2d_ray.errors import M2DError, StorageFull, causes, full_disk
 from m2d_ray.sizes import gib, parse_size
 from m2d_ray.stages.context import RunContext
 
@@ -86,19 +86,11 @@ def full_line(exc: BaseException, run_dir: Path, cfg, peak: int) -> str:
     what the plan expected there, and how to go on (what was written whole stays; a resume skips it)."""
     where = cfg.storage or str(run_dir)
     what = str(exc) if isinstance(exc, StorageFull) else f"{type(exc).__name__}: {full_disk(exc)}"
-    name = next((e.filename for e in _chain(exc) if isinstance(e, OSError) and e.filename), None)
+    name = next((e.filename for e in causes(exc) if isinstance(e, OSError) and e.filename), None)
     return (
         f"{what}{f' at {name}' if name else ''}; the run writes to {where}, where the plan expected {gib(peak)} at its "
         f"peak: free space there (or grow the filesystem), then m2d run --resume {run_dir}"
     )
-
-
-def _chain(exc: BaseException | None):
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
 
 
 def main(args) -> None:
