@@ -251,6 +251,7 @@ def p7_figures(r: dict) -> str:
         if n.startswith("platform:")
     )
     agree = "" if r.get("losses_agree", True) else "; LOSS TRAJECTORIES DIFFER"
+    agree += "".join(f"; {n} FAILED ({why})" for n, why in (r.get("kernels_failed") or {}).items())
     share = ""
     if r.get("head_kl_s"):
         share = f"head + KL {r['head_kl_s'] * 1e3:.1f} ms = {r['head_kl_share']:.0%} of the step; "

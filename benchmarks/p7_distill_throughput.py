@@ -60,6 +60,7 @@ Output: one JSON line per mode as it finishes ({"mode": ...}), then one line wit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
@@ -360,26 +361,40 @@ def run_mode(text: str, p: dict, teacher, student0, ids: list, cfg, names: list[
     spread_path = precision.dtype != torch.float32  # the bf16 path's own spread against float32 admits kernels
     names = [n for n in names if n in make] + [n for n in make if n.startswith("platform:")]
     names += ["platform_fp32"] if spread_path and "platform_fp32" not in names else []
-    paths = {n: make[n](copy.deepcopy(student0).to(device).train()) for n in names}
+    failed: dict[str, str] = {}  # a kernel that cannot run here: recorded, and the others go on
+    paths = {}
+    for n in names:
+        with _kernel_failure(n, failed):
+            paths[n] = make[n](copy.deepcopy(student0).to(device).train())
+    names = [n for n in names if n not in failed]
     times: dict[str, list[float]] = {n: [] for n in names}
     losses: dict[str, list[float]] = {n: [] for n in names}
     peaks: dict[str, int] = {n: 0 for n in names}
     cuda = device == "cuda"
     for i, batch in enumerate(batches):
         for n in names[i % len(names) :] + names[: i % len(names)]:  # each path goes first in turn
+            if n in failed:
+                continue
             step, take_loss = paths[n]
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 held = torch.cuda.memory_allocated()
             t = time.perf_counter()
-            step(batch)
+            with _kernel_failure(n, failed):
+                step(batch)
+            if n in failed:
+                paths.pop(n)
+                continue
             if cuda:
                 torch.cuda.synchronize()
                 peaks[n] = max(peaks[n], torch.cuda.max_memory_allocated() - held)
             if i >= p["warmup"]:
                 times[n].append(time.perf_counter() - t)
             losses[n].append(take_loss())
+    names = [n for n in names if n not in failed]
+    times, losses = {n: times[n] for n in names}, {n: losses[n] for n in names}
+    peaks = {n: peaks[n] for n in names}
     del paths, batches
     gc.collect()
     if cuda:
@@ -419,7 +434,26 @@ def run_mode(text: str, p: dict, teacher, student0, ids: list, cfg, names: list[
         "loss_first": {n: ls[0] for n, ls in losses.items()},
         "loss_last": {n: ls[-1] for n, ls in losses.items()},
         "losses_agree": max(g for n, g in gaps.items() if n != "platform_fp32") <= tol,
+        "kernels_failed": failed,
     }
+
+
+@contextlib.contextmanager
+def _kernel_failure(name: str, failed: dict[str, str]):
+    """A kernel path (`platform:KERNEL`) that raises is recorded in `failed` with its one line and left out; the
+    part goes on with the other paths (a kernel the GPU's libraries cannot run must not hide every other figure).
+    Any other path's failure is the part's."""
+    if not name.startswith("platform:"):
+        yield
+        return
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - recorded, said, and the kernel is left out
+        failed[name] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:240]}"
+        print(f"[{name}] FAILED, left out: {failed[name]}", flush=True)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def make_kernel(name: str):

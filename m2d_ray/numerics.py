@@ -35,9 +35,11 @@ def _wide(a: Tensor, b: Tensor) -> torch.dtype:
 def mm32(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
     """a @ b accumulated in float32 (float64 when an operand is), returned, or added into `out` (of that dtype) and
     returned. Low-precision operands of one dtype go to the tensor cores as they are where `tensor_cores`; elsewhere
-    they are widened first (the same products)."""
+    they are widened first (the same products). Under torch.compile they are widened too: Dynamo's fake-tensor
+    pass of torch 2.11 breaks on addmm(..., out_dtype=, out=) (its decomposition takes out_dtype for beta; seen on an
+    H200, 2026-11-28), and the compiler fuses the widening into the product anyway."""
     wide = _wide(a, b)
-    if a.dtype == b.dtype and a.dtype in LOW and tensor_cores(a):
+    if a.dtype == b.dtype and a.dtype in LOW and tensor_cores(a) and not torch.compiler.is_compiling():
         if out is None:
             return torch.mm(a, b, out_dtype=wide)
         return torch.addmm(out, a, b, out_dtype=wide, out=out)

@@ -126,3 +126,28 @@ def test_p7_reference_loop_backpropagates_on_the_gpu_branch(gpu_branch):
     lt = torch.log_softmax(numerics.logits(_bf16(N, D, device="meta"), w.detach()), -1)
     torch.nn.functional.kl_div(ls, lt, log_target=True, reduction="batchmean").backward()
     assert w.grad.shape == (V, D) and w.grad.dtype == torch.bfloat16
+
+
+def test_compiled_student_widens_instead_of_out_dtype_products(gpu_branch):
+    """Under torch.compile (the `compiled` kernel compiles the student's forward and its loss) the GPU branch widens
+    its operands: on an H200 (torch 2.11, 2026-11-28) Dynamo's fake-tensor pass broke on addmm(out_dtype=, out=),
+    failing the whole P7-head part. The graph handed to the compiler holds no out_dtype matmul, and the same loss
+    runs eagerly (outside compile) on the out_dtype ops."""
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
+        return gm.forward
+
+    def loss(h, w, ht, wt):
+        return numerics.mm32(h, w.T).sum() + numerics.mm32(ht.T, h, out=torch.zeros(D, D, device="meta")).sum()
+
+    args = [_bf16(N, D, device="meta"), _bf16(V, D, seed=1, device="meta")]
+    args += [_bf16(N, D, seed=3, device="meta"), _bf16(V, D, seed=4, device="meta")]
+    torch._dynamo.reset()
+    torch.compile(loss, backend=backend, fullgraph=True)(*args)
+    assert any("matmul" in t for t in targets) and "addmm_" in targets, targets
+    assert not any("out_dtype" in t or "dtype_out" in t for t in targets), targets
+    with _Ops() as rec:
+        loss(*args)
+    assert {op[0] for op in rec.ops if "mm" in op[0]} == {"aten.mm.dtype", "aten.addmm.dtype_out"}

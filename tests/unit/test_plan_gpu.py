@@ -25,8 +25,11 @@ def test_the_tiny_runs_bill_on_its_gpu_is_within_2x_of_its_measured_walls():
     that machine measured (benchmarks/gpu_acceptance.py's run part)."""
     m = measured.gpu()
     bill = acc.run_walls(m)
-    assert set(m.run["walls_s"]) <= set(bill)
-    ratios = {s: bill[s] / wall for s, wall in m.run["walls_s"].items()}
+    walls = m.run["walls_s"]
+    unbilled = {s: w for s, w in walls.items() if s not in bill}  # the report: no stage of the bill, ~1 s
+    assert sum(unbilled.values()) <= 0.01 * sum(walls.values()), unbilled
+    assert set(bill) <= set(walls), set(bill) - set(walls)
+    ratios = {s: bill[s] / wall for s, wall in walls.items() if s in bill}
     assert all(0.5 <= r <= 2.0 for r in ratios.values()), ratios
 
 
@@ -105,7 +108,7 @@ def test_the_acceptance_call_writes_the_measured_file_in_the_form_the_code_reads
     assert new.kl_kernel == {"online": {"kernel": "liger", **at}, "hidden": {"kernel": "chunked", **at}}
     assert new.run["walls_s"] == pytest.approx(walls, abs=0.06)
     assert all(new.start_s[u] > m.start_s[u] for u in ("trial", "student", "model"))  # slower walls, later starts
-    assert new.parts_s["P7"] == {"variant": "v0", "index": 0, "seconds": 201.0} and "tokens" not in new.parts_s
+    assert new.parts_s["P7"] == {"variant": "v0", "index": 0, "seconds": 201.0} and new.parts_s.get("tokens") == m.parts_s.get("tokens")
     assert new.parts_s["P7-head"] == {"variant": "v0", "index": 0, "seconds": 120.0}
     with pytest.raises(ValueError, match="missing"):
         measured.GpuMeasured.from_dict({k: v for k, v in out.items() if k != "run"})
