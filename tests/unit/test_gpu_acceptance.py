@@ -1,4 +1,4 @@
-"""The GPU acceptance call (benchmarks/gpu_acceptance.py) on the CPU: its budget plan, its timeout, and the whole
+"""The GPU acceptance call (benchmarks/gpu/acceptance.py) on the CPU: its budget plan, its timeout, and the whole
 call's plumbing with tiny shapes (`--cpu-smoke`), so that the script a GPU session runs has run here."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_a_command_past_the_parts_timeout_is_killed_with_its_process_group(tmp_p
 
 
 def test_cpu_smoke_runs_every_required_part_and_writes_the_table_and_results(tmp_path):
-    """`python benchmarks/gpu_acceptance.py --cpu-smoke`: the real-head part first (P7 at the smoke preset in
+    """`python -m benchmarks.gpu.acceptance --cpu-smoke`: the real-head part first (P7 at the smoke preset in
     bf16-mixed, with the head's GPU branch at the real head's shapes on meta tensors), P7 for online, hidden and
     sampled targets, a whole `m2d run`
     (hidden targets, one student) and the Ray Data token pass, on the CPU with tiny shapes; one table at the end, the

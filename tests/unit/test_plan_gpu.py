@@ -22,7 +22,7 @@ import gpu_acceptance as acc  # noqa: E402
 
 def test_the_tiny_runs_bill_on_its_gpu_is_within_2x_of_its_measured_walls():
     """Each stage of the whole tiny run, planned on the machine it ran on (its CPUs, its one GPU), against the wall
-    that machine measured (benchmarks/gpu_acceptance.py's run part)."""
+    that machine measured (benchmarks/gpu/acceptance.py's run part)."""
     m = measured.gpu()
     bill = acc.run_walls(m)
     assert set(m.run["walls_s"]) <= set(bill)

@@ -1,4 +1,4 @@
-"""The memory plan's estimates against measured peaks (benchmarks/plan_measured.py at its small sizes): one
+"""The memory plan's estimates against measured peaks (benchmarks/perf/memory_plan.py at its small sizes): one
 stage-2 training step online and from cached targets, a calibration pass and an lm-eval batch, each in a
 fresh process (its models saved by another, its inputs seeded: the figure does not depend on what ran before),
 within 25% of the peak it reached (the kernel's high-water mark: a busy machine cannot hide it; the file pages of

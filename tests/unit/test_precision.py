@@ -80,7 +80,7 @@ SMOKE = dict(steps=20, batch=2, seq=32, preset="smoke", sharpen=8.0)  # smoke sh
 
 def test_micro_batches_and_ranks_sum_their_gradients_in_float32(two_ranks_accum):
     """The gradient the optimizer reads (bf16-mixed, plain path) against the exact sum of the micro-batches' own
-    bfloat16 gradients (benchmarks/grad_sums.py): a bfloat16 sum was off by 3.5e-3 at 12 micro-batches on one rank and
+    bfloat16 gradients (benchmarks/science/bf16_grad_sums.py): a bfloat16 sum was off by 3.5e-3 at 12 micro-batches on one rank and
     by 1.5e-3 over 2 ranks (DDP's bfloat16 all-reduce); a float32 sum is off by ~1e-9."""
     import grad_sums
 

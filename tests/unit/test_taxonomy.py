@@ -405,7 +405,7 @@ def test_summary_counts_shares_rates_and_subject_groups():
     assert s["groups"]["unmapped"]["n"] == 1  # a subject of neither question set is not put in MMLU's "other"
 
 
-# ---- the labelled set: m2d against the extractors people use (benchmarks/extraction.py) --------------------------
+# ---- the labelled set: m2d against the extractors people use (benchmarks/science/answer_extraction.py) --------------------------
 def test_m2d_leads_every_anchor_on_the_labelled_set():
     import json
     import sys
@@ -436,7 +436,7 @@ def test_the_anchors_read_as_their_sources_do():
     import extraction
 
     fo = extraction.first_option_postprocess()
-    if fo is not None:  # OpenCompass's own code, where its wheel or package is here (benchmarks/extraction.py)
+    if fo is not None:  # OpenCompass's own code, where its wheel or package is here (benchmarks/science/answer_extraction.py)
         assert fo("The answer is (C).", "ABCD") == "C" and fo("答案是B", "ABCD") == "B"
         assert fo("I think A metal", "ABCD") == "A" and fo("nothing here", "ABCD") == ""  # its cushion: any capital
     assert extraction.simple_evals("Answer: b", []) == "b" and extraction.simple_evals("Answer - B", []) is None
