@@ -20,7 +20,7 @@ this list against the code):
     9. convert
     10. evaluate
     11. prune
-    12. distill
+    12. distill, random_models
     13. plan
     14. run_dir
     15. track

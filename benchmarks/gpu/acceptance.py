@@ -405,7 +405,8 @@ def run_tokens(ctx: Ctx, v: Variant) -> dict:
     _, out = ctx.sh(
         [
             PY,
-            "-m", "benchmarks.perf.corpus_tokens",
+            "-m",
+            "benchmarks.perf.corpus_tokens",
             "--mb",
             a["mb"],
             "--shard-mb",
@@ -451,7 +452,8 @@ def run_p5(ctx: Ctx, v: Variant) -> dict:
     ctx.sh(
         [
             PY,
-            "-m", "benchmarks.tools.make_teacher",
+            "-m",
+            "benchmarks.tools.make_teacher",
             "--out",
             teacher,
             "--layers",

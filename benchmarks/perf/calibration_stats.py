@@ -160,12 +160,11 @@ def table(rows: list[tuple], header: tuple) -> str:
 # Synthetic layer
 # --------------------------------------------------------------------------------------------
 def synthetic_block(d: int, I: int, E: int, k: int, dtype: torch.dtype, device: str, seed: int = 0) -> nn.Module:
-    from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    cfg = Qwen3MoeConfig(
-        hidden_size=d, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k, norm_topk_prob=True
-    )
+    from m2d_ray.arch.qwen3_moe import moe_config
+
+    cfg = moe_config(hidden=d, expert_width=I, experts=E, top_k=k)
     block = Qwen3MoeSparseMoeBlock(cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

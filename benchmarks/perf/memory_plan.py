@@ -126,7 +126,9 @@ class AnonPeak:
 
 
 def _configs(size: str, experts: int = 32):
-    from transformers import Qwen3Config, Qwen3MoeConfig
+    from transformers import Qwen3Config
+
+    from m2d_ray.arch.qwen3_moe import moe_config
 
     h, n, f, v = SIZES[size]
     common = dict(
@@ -141,8 +143,20 @@ def _configs(size: str, experts: int = 32):
     )
     return (
         Qwen3Config(intermediate_size=f, **common),
-        Qwen3MoeConfig(
-            intermediate_size=f, moe_intermediate_size=f // 8, num_experts=experts, num_experts_per_tok=8, **common
+        moe_config(
+            vocab=v,
+            hidden=h,
+            layers=n,
+            heads=h // 64,
+            kv_heads=max(1, h // 128),
+            head_dim=64,
+            ffn=f,
+            expert_width=f // 8,
+            experts=experts,
+            top_k=8,
+            max_positions=32768,  # transformers' default, as the dense one's
+            norm_topk_prob=False,
+            dtype="float32",
         ),
     )
 

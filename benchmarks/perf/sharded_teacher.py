@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
 SEQ = 256
 
 

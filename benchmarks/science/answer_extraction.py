@@ -65,9 +65,7 @@ def m2d_at(rev: str):
     mods = {}
     for name in ("taxonomy", "questions"):
         path = f"m2d_ray/evaluate/{name}.py"
-        src = subprocess.run(
-            ["git", "show", f"{rev}:{path}"], cwd=REPO, capture_output=True, text=True, check=True
-        )
+        src = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, capture_output=True, text=True, check=True)
         mod = types.ModuleType(f"m2d_{name}_{rev}")
         sys.modules[mod.__name__] = mod  # dataclasses look their module up
         exec(compile(src.stdout, f"{rev}:{path}", "exec"), mod.__dict__)  # noqa: S102 - this repository's own code

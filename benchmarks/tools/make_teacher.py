@@ -37,9 +37,11 @@ def make_teacher(
     seed: int = 0,
 ) -> Path:
     """Write the teacher to `out` (skipped when a teacher with the same shape is already there)."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM
 
+    from m2d_ray.arch.qwen3_moe import moe_config
     from m2d_ray.data.synthetic import build_tokenizer
+    from m2d_ray.random_models import tokenizer_fields
 
     out = Path(out)
     head_dim = head_dim or d // heads
@@ -60,22 +62,18 @@ def make_teacher(
     if stamp.exists() and json.loads(stamp.read_text()) == shape:
         return out
     tok = build_tokenizer()
-    cfg = Qwen3MoeConfig(
-        vocab_size=-(-len(tok) // 64) * 64,
-        hidden_size=d,
-        intermediate_size=4 * d,
-        moe_intermediate_size=I,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
+    cfg = moe_config(
+        hidden=d,
+        ffn=4 * d,
+        expert_width=I,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
         head_dim=head_dim,
-        num_experts=E,
-        num_experts_per_tok=k,
-        norm_topk_prob=True,
-        max_position_embeddings=4096,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        tie_word_embeddings=False,
+        experts=E,
+        top_k=k,
+        max_positions=4096,
+        **tokenizer_fields(tok, 64),
     )
     torch_dtype = getattr(torch, dtype)
     with torch.device("meta"):
