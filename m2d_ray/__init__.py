@@ -26,7 +26,7 @@ this list against the code):
     15. track
     16. report
     17. stages
-    18. pipeline
+    18. pipeline, measured_write
     19. commands
     20. cli
 """

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import shutil
@@ -57,6 +56,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from m2d_ray.measured_write import accelerator_of, measured_file, prior
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -296,70 +297,6 @@ def efficiency(modes: dict, device: str | None, ctx: Ctx) -> dict | None:
         for x in per.values():
             x["efficiency"] = x["mfu_vs_measured_matmul"]
     return {"device": device, "key": key, "peak_flops": peak, "peak": what, "modes": per}
-
-
-def accelerator_of(device: str | None) -> str | None:
-    """The accelerator type (accelerators.GPU_PEAK_BF16's key) a torch device name names, e.g. NVIDIA H200 -> H200."""
-    from m2d_ray.accelerators import GPU_PEAK_BF16
-
-    return next((k for k in sorted(GPU_PEAK_BF16, key=len, reverse=True) if device and k in device), None)
-
-
-# ---- what this call measured, in the form the code reads (m2d_ray/measured_gpu.json) --------------------------------
-def run_walls(m, starts: dict[str, float] | None = None) -> dict[str, float]:
-    """{stage: seconds} of the bill of the whole tiny run `m` (a GpuMeasured) ran, planned on the node it ran on (its
-    CPUs, its GPUs of its type, one node), with `starts` as plan.gpu_start_s (default: the config's)."""
-    from m2d_ray.config import load_config
-    from m2d_ray.pipeline import plan_run
-    from m2d_ray.plan.devices import RESOURCE, NodeType
-    from m2d_ray.plan.run_plan import Devices
-
-    r = m.run
-    cfg = load_config(REPO / "experiments" / "tiny.yaml", [f"ray.num_cpus={r['cpus']}", *r["overrides"]])
-    if starts is not None:
-        cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, gpu_start_s=starts))
-    gpu = {"GPU": float(r["gpus"]), RESOURCE + accelerator_of(m.device): 1.0}
-    node = NodeType("this machine", {"CPU": float(r["cpus"]), **gpu}, max_workers=1)
-    cost = plan_run(cfg, Devices(nodes=(node,))).cost
-    return {s.name: s.seconds for s in cost.stages}
-
-
-def fitted_starts(m) -> dict[str, float]:
-    """plan.gpu_start_s fit on the run's measured walls (plan/fit.py)."""
-    from m2d_ray.measured import gpu
-    from m2d_ray.plan.fit import fit_starts
-
-    return fit_starts(lambda starts: run_walls(m, starts), m.run["walls_s"], list(gpu().start_s))
-
-
-def measured_file(results: dict, device: str | None, when: str) -> dict:
-    """m2d_ray/measured_gpu.json as this call measured it: what a part measured replaces the current file's figure,
-    what no part measured (a skipped part, the forward efficiency) is carried over from it."""
-    from m2d_ray.measured import GpuMeasured, gpu
-
-    old, parts = gpu(), results["parts"]
-    p7, run = parts.get("P7", {}), parts.get("run", {})
-    kernel = parts.get("P7-head", {}).get("kl_kernel") or p7.get("kl_kernel") or {}  # the real head's, first
-    eff = {m: x["efficiency"] for m, x in ((p7.get("efficiency") or {}).get("modes") or {}).items()}
-    if "sampled" not in eff:  # the sampled:N mode's key is its kind
-        eff.update({m.partition(":")[0]: x for m, x in eff.items()})
-    new = GpuMeasured(
-        source=f"benchmarks/gpu/acceptance.py on {device}, {when} ({results['env']})",
-        device=device or old.device,
-        efficiency={**old.efficiency, **{k: v for k, v in eff.items() if k in old.efficiency}},
-        kl_kernel={**old.kl_kernel, **kernel},
-        start_s=dict(old.start_s),
-        run=dict(old.run),
-        parts_s={
-            **old.parts_s,
-            **{n: {k: x[k] for k in ("variant", "index", "seconds")} for n, x in parts.items() if "variant" in x},
-        },
-    )
-    if run.get("walls") and run.get("status") == "ok":
-        walls = {k: round(v, 1) for k, v in run["walls"].items()}
-        new = dataclasses.replace(new, run={**run["machine"], "overrides": run["overrides"], "walls_s": walls})
-        new = dataclasses.replace(new, start_s={**old.start_s, **fitted_starts(new)})
-    return dataclasses.asdict(new)
 
 
 # ---- run: m2d run of the demo config on the device -----------------------------------------------------------------
@@ -646,13 +583,13 @@ def gpu_overrides(gpus: int) -> list[str]:
     ]
 
 
-def prior(part: str, variant: int, guess: float) -> float:
-    """A variant's estimated seconds: what the last call measured of it (m2d_ray/measured_gpu.json, "parts_s", when it
-    ran this variant, matched by its index in the part's list), else `guess`."""
-    from m2d_ray.measured import gpu
+def measured(part: str, label: str, guess: float, args: dict) -> Variant:
+    """A GPU variant, its estimate what the last call measured of the variant of this name (else `guess`)."""
+    return Variant(label, prior(part, label, guess), args)
 
-    seen = gpu().parts_s.get(part)
-    return float(seen["seconds"]) if seen and seen.get("index") == variant else guess
+
+HEAD_FULL = "head preset (V 151,936, d 2048, 4096 tokens), online,hidden, 2 paths + fp32 + kernels, 2 + 6 steps"
+HEAD_SHORT = "head preset, online, 2 paths + fp32 + kernels, 1 + 3 steps"
 
 
 def parts(cuda: bool, gpus: int) -> list[Part]:
@@ -704,14 +641,16 @@ def parts(cuda: bool, gpus: int) -> list[Part]:
             "P7-head",
             True,
             (
-                Variant(
-                    f"head preset (V 151,936, d 2048, 4096 tokens), {head}, 2 paths + fp32 + kernels, 2 + 6 steps",
-                    prior("P7-head", 0, 150),
+                measured(
+                    "P7-head",
+                    HEAD_FULL,
+                    150,
                     {"name": "P7-head", "preset": "head", "targets": head, "paths": head_paths},
                 ),
-                Variant(
-                    "head preset, online, 2 paths + fp32 + kernels, 1 + 3 steps",
-                    prior("P7-head", 1, 90),  # a compilation and Liger's Triton JIT in it
+                measured(
+                    "P7-head",
+                    HEAD_SHORT,
+                    90,  # a compilation and Liger's Triton JIT in it
                     {
                         "name": "P7-head",
                         "preset": "head",
@@ -728,19 +667,22 @@ def parts(cuda: bool, gpus: int) -> list[Part]:
             "P7",
             True,
             (
-                Variant(
+                measured(
+                    "P7",
                     f"h100 preset, {modes}, 3 paths + kernels, 3 + 10 steps",
-                    prior("P7", 0, 240),
+                    240,
                     {"preset": "h100", "targets": modes, "paths": paths},
                 ),
-                Variant(
+                measured(
+                    "P7",
                     f"h100 preset, {modes}, 3 paths + kernels, 2 + 5 steps",
-                    prior("P7", 1, 190),
+                    190,
                     {"preset": "h100", "targets": modes, "warmup": 2, "steps": 5, "paths": paths},
                 ),
-                Variant(
+                measured(
+                    "P7",
                     "h100 preset, online,hidden, platform + plain loop, 2 + 5 steps (the kernels: P7-head's)",
-                    prior("P7", 2, 110),
+                    110,
                     {
                         "preset": "h100",
                         "targets": "online,hidden",
@@ -757,8 +699,8 @@ def parts(cuda: bool, gpus: int) -> list[Part]:
             "run",
             True,
             tuple(
-                Variant(f"tiny.yaml, {label}, hidden targets", prior("run", i, est), {"overrides": run + grid})
-                for i, ((label, grid), est) in enumerate(zip(RUN_GRIDS.items(), (320, 200)))
+                measured("run", f"tiny.yaml, {g}, hidden targets", est, {"overrides": run + grid})
+                for (g, grid), est in zip(RUN_GRIDS.items(), (320, 200))
             ),
             run_whole,
         ),
@@ -867,7 +809,6 @@ def main(argv=None) -> int:
         bad |= status != "ok"
         results["parts"][part.name] = {
             "variant": v.label,
-            "index": choice[part.name],
             "estimate_s": v.est_s,
             "seconds": round(secs, 1),
             "status": status,
