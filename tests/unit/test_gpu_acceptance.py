@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import gpu_acceptance as acc  # noqa: E402
+from benchmarks.gpu import acceptance as acc
 
 
 def _part(name: str, required: bool, *ests: float) -> acc.Part:
@@ -73,7 +72,7 @@ def test_cpu_smoke_runs_every_required_part_and_writes_the_table_and_results(tmp
     efficiency per mode in the results (on the CPU: `plan.cpu_efficiency`'s figure, tiny shapes: plumbing only), and
     no measured_gpu.json (a CPU measures no GPU figure; tests/unit/test_plan_gpu.py checks the file's making)."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_acceptance.py"), "--cpu-smoke", "--work", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.gpu.acceptance", "--cpu-smoke", "--work", str(tmp_path)],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -150,9 +149,9 @@ def test_on_a_gpu_the_real_head_runs_first_and_fits_the_budget():
     todo = acc.parts(cuda=True, gpus=1)
     assert todo[0].name == "P7-head" and todo[0].required
     assert all(v.args["preset"] == "head" for v in todo[0].variants)
-    import p7_distill_throughput as p7
+    from m2d_ray.random_models import STEP_PRESETS
 
-    assert (p7.PRESETS["head"]["vocab"], p7.PRESETS["head"]["hidden"], p7.PRESETS["head"]["seq_len"]) == (
+    assert (STEP_PRESETS["head"]["vocab"], STEP_PRESETS["head"]["hidden"], STEP_PRESETS["head"]["seq_len"]) == (
         151936,
         2048,
         4096,

@@ -6,13 +6,9 @@ a warm or cold page cache do not move it)."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import plan_measured  # noqa: E402
+from benchmarks.perf import memory_plan as plan_measured
 
 CASES = [
     plan_measured.CASES[i] for i in (1, 2, 8, 4, 6)
