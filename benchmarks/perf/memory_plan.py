@@ -126,39 +126,27 @@ class AnonPeak:
 
 
 def _configs(size: str, experts: int = 32):
-    from transformers import Qwen3Config
-
-    from m2d_ray.arch.qwen3_moe import moe_config
+    """(dense, MoE) of one size: the MoE (top-8 of `experts` experts of width f / 8) and the dense model of the same
+    attention and embeddings with FFN width f, as the conversion builds it (the adapter's student config)."""
+    from m2d_ray.arch.qwen3_moe import Qwen3MoeAdapter, moe_config
 
     h, n, f, v = SIZES[size]
-    common = dict(
-        vocab_size=v,
-        hidden_size=h,
-        num_hidden_layers=n,
-        num_attention_heads=h // 64,
-        num_key_value_heads=max(1, h // 128),
+    moe = moe_config(
+        vocab=v,
+        hidden=h,
+        layers=n,
+        heads=h // 64,
+        kv_heads=max(1, h // 128),
         head_dim=64,
-        tie_word_embeddings=False,
+        ffn=f,
+        expert_width=f // 8,
+        experts=experts,
+        top_k=8,
+        max_positions=32768,  # transformers' default, as the dense one's
+        norm_topk_prob=False,
         dtype="float32",
     )
-    return (
-        Qwen3Config(intermediate_size=f, **common),
-        moe_config(
-            vocab=v,
-            hidden=h,
-            layers=n,
-            heads=h // 64,
-            kv_heads=max(1, h // 128),
-            head_dim=64,
-            ffn=f,
-            expert_width=f // 8,
-            experts=experts,
-            top_k=8,
-            max_positions=32768,  # transformers' default, as the dense one's
-            norm_topk_prob=False,
-            dtype="float32",
-        ),
-    )
+    return Qwen3MoeAdapter().student_config(moe, f), moe
 
 
 def _save(config, path: Path) -> str:
