@@ -8,10 +8,10 @@
 # token pass, then, as the budget allows, the memory plan against torch.cuda.max_memory_allocated and the calibration
 # rate at Qwen3-30B-A3B's layer shapes (P5). Parts are planned against --budget-s (default 540 s), shrunk or skipped
 # with a line saying so; one table at the end (WORK/table.md), every figure in WORK/results.json, logs in WORK/logs,
-# and WORK/measured_gpu.json: the figures the code reads (see benchmarks/gpu_acceptance.py).
+# and WORK/measured_gpu.json: the figures the code reads (see benchmarks/gpu/acceptance.py).
 #
 #   bash benchmarks/gpu_acceptance.sh [--budget-s 540] [--work /tmp/m2d-gpu-acceptance] [--parts P7-head,P7,run,tokens,memory,P5]
-#   python benchmarks/gpu_acceptance.py --cpu-smoke      # the same plumbing on the CPU with tiny shapes (no GPU figures;
+#   python -m benchmarks.gpu.acceptance --cpu-smoke      # the same plumbing on the CPU with tiny shapes (no GPU figures;
 #                                                          the head's GPU branch at its real shapes on meta tensors)
 #
 # From a session that is lent a GPU (the device tool; ../shared/gpu/README.md):
@@ -32,8 +32,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     echo "gpu_acceptance.sh: no CUDA device (torch.cuda.is_available() is False): run it on a GPU machine," \
-         "or check the plumbing on the CPU with: $PY benchmarks/gpu_acceptance.py --cpu-smoke" >&2
+         "or check the plumbing on the CPU with: $PY -m benchmarks.gpu.acceptance --cpu-smoke" >&2
     exit 2
 fi
 "$PY" -c 'import deepspeed' 2>/dev/null || { echo "gpu_acceptance.sh: deepspeed does not import (it also breaks transformers' loading); fix the environment first" >&2; exit 2; }
-exec "$PY" benchmarks/gpu_acceptance.py "$@"
+exec "$PY" -m benchmarks.gpu.acceptance "$@"

@@ -20,13 +20,13 @@ this list against the code):
     9. convert
     10. evaluate
     11. prune
-    12. distill
+    12. distill, random_models
     13. plan
     14. run_dir
     15. track
     16. report
     17. stages
-    18. pipeline
+    18. pipeline, measured_write
     19. commands
     20. cli
 """

@@ -3,7 +3,7 @@
 The figures that a CPU cannot give and the plan and the trainer need: the stage-2 step's efficiency per targets mode
 (`plan.efficiency`), the fastest exact KL kernel per mode (`distill.kl_kernel: auto`), each unit's start-up on a GPU
 (`plan.gpu_*_s`), the whole tiny run's stage walls the bill is held to (tests/unit/test_plan_measured_gpu.py), and
-the acceptance call's own parts' seconds (its planner's priors). `benchmarks/gpu_acceptance.py` writes a file of this
+the acceptance call's own parts' seconds (its planner's priors). `benchmarks/gpu/acceptance.py` writes a file of this
 form (WORK/measured_gpu.json) from what it measured; copying it over this one is how a GPU session updates them, so
 that no figure is copied by hand.
 """

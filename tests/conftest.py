@@ -61,27 +61,24 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_teacher_dir(tmp_path_factory) -> Path:
     """A randomly initialised 2-layer Qwen3-MoE (E=8, k=2) saved natively with a tokenizer."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM
 
+    from m2d_ray.arch.qwen3_moe import moe_config
     from m2d_ray.data.synthetic import build_tokenizer
+    from m2d_ray.random_models import tokenizer_fields
 
     tok = build_tokenizer()
-    vocab = -(-len(tok) // 8) * 8
-    cfg = Qwen3MoeConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+    cfg = moe_config(
+        hidden=32,
+        ffn=64,
+        expert_width=16,
+        layers=2,
+        heads=2,
+        kv_heads=1,
         head_dim=16,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        max_position_embeddings=256,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
+        experts=8,
+        top_k=2,
+        **tokenizer_fields(tok),
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)

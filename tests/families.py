@@ -22,8 +22,9 @@ from transformers import (
     OlmoeConfig,
     PreTrainedModel,
     Qwen2MoeConfig,
-    Qwen3MoeConfig,
 )
+
+from m2d_ray.arch.qwen3_moe import moe_config
 
 HIDDEN = 64
 VOCAB = 128
@@ -54,16 +55,19 @@ class ArchSpec:
 
 def _qwen3_moe():
     # dense layer 0 of width 24 < k*I = 32: padded up in the student
-    return Qwen3MoeConfig(
-        **COMMON,
+    return moe_config(
+        hidden=HIDDEN,
+        vocab=VOCAB,
+        heads=4,
+        kv_heads=2,
         head_dim=16,
-        num_hidden_layers=3,
-        num_experts=E,
-        num_experts_per_tok=K,
-        moe_intermediate_size=16,
-        intermediate_size=24,
+        max_positions=128,
+        layers=3,
+        experts=E,
+        top_k=K,
+        expert_width=16,
+        ffn=24,
         mlp_only_layers=[0],
-        norm_topk_prob=True,
     )
 
 

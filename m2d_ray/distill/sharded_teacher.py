@@ -15,7 +15,7 @@ embeddings and the final norm; no rank ever holds more than its shards and one w
 `shard_loaded` shards a teacher already loaded whole the same way (where a process has it anyway: a notebook, a
 benchmark's random-weight model); tests hold both ways to the unsharded loss.
 
-Why FSDP2 and not DeepSpeed ZeRO-3 inference (benchmarks/p10_sharded_teacher.py, benchmarks/RESULTS.md, "The sharded
+Why FSDP2 and not DeepSpeed ZeRO-3 inference (benchmarks/perf/sharded_teacher.py, benchmarks/RESULTS.md, "The sharded
 teacher"; the E64 teacher, 2 gloo ranks on the CPU): both hold half the teacher once it runs, and their forwards took
 about the same time (each gathers the whole teacher once a forward), but ZeRO-3 as transformers documents it outside
 its Trainer (a live `HfDeepSpeedConfig`, `from_pretrained`, an engine without optimizer) loaded the whole checkpoint

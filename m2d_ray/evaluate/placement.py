@@ -8,8 +8,8 @@ so besides the weights every sequence of a batch costs about
     key/value cache (HF models keep one)             2 × layers × seq × kv_heads × head_dim × b
     activations of one layer                         seq × (8·hidden + 3·max(ffn, k·d_expert)) × b
 
-(b = bytes per weight, 2 in bf16; benchmarks/plan_measured.py holds this to the measured peak). Qwen3-30B-A3B at 4,096
-tokens: 4.1 GiB a sequence, beside 56.9 GiB of
+(b = bytes per weight, 2 in bf16; benchmarks/perf/memory_plan.py holds this to the measured peak). Qwen3-30B-A3B at
+4,096 tokens: 4.1 GiB a sequence, beside 56.9 GiB of
 weights — batch 16 on one 80 GB GPU is ~123 GiB, which is why stage 3 used to fail there. It gets two
 80 GB GPUs (sharded) and batch 8.
 

@@ -298,7 +298,7 @@ def asha_ends(cfg: SweepConfig, n: int, lanes: int | None = None) -> list[tuple[
 
     Expected over ASHA_RUNS stage 2s of students of normally distributed quality in random order, each keeping
     its loss at every report (loss curves that do not cross: the dearest case, as a student's loss early says
-    much about it later), rounded to whole students. benchmarks/asha_bill.py holds it to Ray's own scheduler."""
+    much about it later), rounded to whole students. benchmarks/perf/asha_bill.py holds it to Ray's own scheduler."""
     full, s2 = student_reports(cfg), cfg.stage2
     rungs = asha_rungs(full, min(s2.grace_evals, full), s2.reduction_factor) if s2.asha else []
     if not rungs or n < 2:

@@ -32,7 +32,7 @@ training on a GPU and fp32 on CPU; T = tokens of a micro-batch):
     CUDA                 context and allocator slack (placement.RESERVE) on a GPU; none on CPU
 
 The constants are the tensors the code forms, not fits: tests/unit/test_plan_measured.py and
-benchmarks/plan_measured.py hold each estimate to within 25% of a measured peak.
+benchmarks/perf/memory_plan.py hold each estimate to within 25% of a measured peak.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A multiple-choice row is one request per choice (context + that choice), each shot adds a whole worked
 example to the context; MMLU's answers are one token (" A"), whose requests share their context and lm-eval
 forwards it once (its one-token logits cache). The paper tasks' figures are counted from the requests lm-eval
-builds over their fetched data (benchmarks/suite_tokens.py), at about 4 characters a token in a Qwen/Llama BPE;
+builds over their fetched data (benchmarks/perf/suite_tokens.py), at about 4 characters a token in a Qwen/Llama BPE;
 the local task's lengths are counted from its shipped rows, a `text:PATH` task's from the rows stage 3 builds
 from that file, at the same 4 characters a token (a shot adds its context and its gold answer).
 """
@@ -27,7 +27,7 @@ from m2d_ray.evaluate.paper_tasks import PREFIX
 
 CHARS_PER_TOKEN = 4.0
 #: task -> (rows, requests per row, tokens of a 0-shot request, tokens each shot adds): lm-eval's own requests over
-#: the fetched data, counted by benchmarks/suite_tokens.py (2026-11-25; its characters / CHARS_PER_TOKEN)
+#: the fetched data, counted by benchmarks/perf/suite_tokens.py (2026-11-25; its characters / CHARS_PER_TOKEN)
 PAPER = {
     "winogrande": (1267, 2.0, 26, 27),
     "hellaswag": (10042, 4.0, 91, 91),

@@ -4,6 +4,7 @@ fake device sizes (CPU only; no GPU, no weights read: sizes come from configs on
 from __future__ import annotations
 
 import pytest
+from conftest import ROOT
 
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.placement import GiB, ModelSize, hflm_kwargs, model_size, plan_eval
@@ -14,23 +15,9 @@ GB80 = 80 * 10**9  # an H100's 80 GB (79.6 GiB as CUDA reports it, near enough)
 
 def qwen3_30b_a3b():
     """Qwen3-30B-A3B's published config (48 layers, d 2048, 128 experts x 768, top-8, vocab 151,936)."""
-    from transformers import Qwen3MoeConfig
+    from m2d_ray.models import load_config
 
-    return Qwen3MoeConfig(
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=6144,
-        moe_intermediate_size=768,
-        num_hidden_layers=48,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        num_experts=128,
-        num_experts_per_tok=8,
-        max_position_embeddings=40960,
-        tie_word_embeddings=False,
-        dtype="bfloat16",
-    )
+    return load_config(str(ROOT / "experiments" / "configs" / "Qwen--Qwen3-30B-A3B"))
 
 
 def qwen3_student():

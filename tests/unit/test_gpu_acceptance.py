@@ -1,4 +1,4 @@
-"""The GPU acceptance call (benchmarks/gpu_acceptance.py) on the CPU: its budget plan, its timeout, and the whole
+"""The GPU acceptance call (benchmarks/gpu/acceptance.py) on the CPU: its budget plan, its timeout, and the whole
 call's plumbing with tiny shapes (`--cpu-smoke`), so that the script a GPU session runs has run here."""
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import gpu_acceptance as acc  # noqa: E402
+from benchmarks.gpu import acceptance as acc
 
 
 def _part(name: str, required: bool, *ests: float) -> acc.Part:
@@ -66,14 +65,14 @@ def test_a_command_past_the_parts_timeout_is_killed_with_its_process_group(tmp_p
 
 
 def test_cpu_smoke_runs_every_required_part_and_writes_the_table_and_results(tmp_path):
-    """`python benchmarks/gpu_acceptance.py --cpu-smoke`: the real-head part first (P7 at the smoke preset in
+    """`python -m benchmarks.gpu.acceptance --cpu-smoke`: the real-head part first (P7 at the smoke preset in
     bf16-mixed, with the head's GPU branch at the real head's shapes on meta tensors), P7 for online, hidden and
     sampled targets, a whole `m2d run`
     (hidden targets, one student) and the Ray Data token pass, on the CPU with tiny shapes; one table at the end, the
     efficiency per mode in the results (on the CPU: `plan.cpu_efficiency`'s figure, tiny shapes: plumbing only), and
     no measured_gpu.json (a CPU measures no GPU figure; tests/unit/test_plan_gpu.py checks the file's making)."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_acceptance.py"), "--cpu-smoke", "--work", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.gpu.acceptance", "--cpu-smoke", "--work", str(tmp_path)],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -150,9 +149,9 @@ def test_on_a_gpu_the_real_head_runs_first_and_fits_the_budget():
     todo = acc.parts(cuda=True, gpus=1)
     assert todo[0].name == "P7-head" and todo[0].required
     assert all(v.args["preset"] == "head" for v in todo[0].variants)
-    import p7_distill_throughput as p7
+    from m2d_ray.random_models import STEP_PRESETS
 
-    assert (p7.PRESETS["head"]["vocab"], p7.PRESETS["head"]["hidden"], p7.PRESETS["head"]["seq_len"]) == (
+    assert (STEP_PRESETS["head"]["vocab"], STEP_PRESETS["head"]["hidden"], STEP_PRESETS["head"]["seq_len"]) == (
         151936,
         2048,
         4096,

@@ -119,7 +119,7 @@ def test_gpu_branch_takes_bf16_operands_into_float32_without_a_float32_head(gpu_
 
 
 def test_p7_reference_loop_backpropagates_on_the_gpu_branch(gpu_branch):
-    """P7's plain loop (benchmarks/p7_distill_throughput.py, reference_path) forms its whole logits with
+    """P7's plain loop (benchmarks/perf/distill_step.py, reference_path) forms its whole logits with
     numerics.logits and backpropagates through them: on the GPU branch that backward exists."""
     h, w = _bf16(N, D, grad=True, device="meta"), _bf16(V, D, seed=1, grad=True, device="meta")
     ls = torch.log_softmax(numerics.logits(h, w), -1)

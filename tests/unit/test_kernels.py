@@ -10,7 +10,6 @@ import types
 
 import pytest
 import torch
-from conftest import ROOT
 
 from m2d_ray import measured
 from m2d_ray.config import DistillConfig
@@ -19,15 +18,13 @@ from m2d_ray.distill.losses import chunked_kl, naive_kl
 from m2d_ray.distill.step import DistillStep
 from m2d_ray.distill.targets import parse_targets
 from m2d_ray.errors import M2DError
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import p7_distill_throughput as p7  # noqa: E402
+from m2d_ray.random_models import STEP_PRESETS, teacher_and_student
 
 
 def _trajectory(kernel: str, steps: int = 6) -> list[float]:
-    p = p7.PRESETS["smoke"]
+    p = STEP_PRESETS["smoke"]
     torch.manual_seed(0)
-    teacher, student = p7.build_models(p, torch.float32)
+    teacher, student = teacher_and_student(p, torch.float32)
     cfg = DistillConfig(
         steps=steps, warmup_steps=2, batch_size=p["batch"], seq_len=p["seq_len"], lr=1e-3, deepspeed=False
     )
@@ -136,7 +133,7 @@ def test_the_step_tells_auto_its_loss_temperature_and_path(monkeypatch, capsys):
     monkeypatch.setattr(
         "m2d_ray.distill.step.kl_kernel", lambda n, d, t=None, where=None: seen.append(where) or real(n, d, t, where)
     )
-    teacher, student = p7.build_models(p7.PRESETS["smoke"], torch.float32)
+    teacher, student = teacher_and_student(STEP_PRESETS["smoke"], torch.float32)
     cfg = DistillConfig(steps=1, warmup_steps=1, batch_size=1, seq_len=8, loss="rkl", temperature=2.0, deepspeed=False)
     DistillStep(student, teacher.model, cfg, "cpu")
     assert seen == [kernels.Where("rkl", 2.0, "plain")]

@@ -249,12 +249,10 @@ def test_asha_s_stops_shorten_stage_2_and_leave_stage_3_only_the_finishers(paper
 
 def test_the_plan_s_asha_decides_as_ray_s_own_scheduler():
     """plan/cost.py's copy of ASHA's rule stops the same students at the same reports as Ray Tune's
-    ASHAScheduler on the same simulated students (benchmarks/asha_bill.py), in each case of the benchmark."""
+    ASHAScheduler on the same simulated students (benchmarks/perf/asha_bill.py), in each case of the benchmark."""
     import random
-    import sys
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import asha_bill
+    from benchmarks.perf import asha_bill
 
     for _, n, reports, grace, rf, lanes in asha_bill.CASES:
         rungs = cost.asha_rungs(reports, grace, rf)
@@ -397,14 +395,11 @@ def _fetched_paper_data():
 @pytest.mark.slow
 @pytest.mark.skipif(_fetched_paper_data() is None, reason="the paper suite's data is not fetched (m2d fetch-data)")
 def test_the_paper_suite_s_figures_are_its_data_s():
-    """plan/suite.py's PAPER table against lm-eval's requests over all the fetched data (benchmarks/suite_tokens.py,
-    ~4 min: a task's first rows are not like the rest, HellaSwag's half as long); within the table's rounding."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import suite_tokens
+    """plan/suite.py's PAPER table against lm-eval's requests over all the fetched data (perf/suite_tokens.py, ~4
+    min: a task's first rows are not like the rest, HellaSwag's half as long); within the table's rounding."""
     from datasets import load_from_disk
 
+    from benchmarks.perf import suite_tokens
     from m2d_ray.evaluate.harness import PAPER_SUITE, base_name
     from m2d_ray.evaluate.paper_tasks import MMLU_SUBJECTS, PREFIX, TASKS
     from m2d_ray.plan.suite import CHARS_PER_TOKEN, PAPER

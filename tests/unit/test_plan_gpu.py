@@ -6,23 +6,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 
 import pytest
 from conftest import ROOT
 
 from m2d_ray import measured
+from m2d_ray import measured_write as acc
 from m2d_ray.config import PlanConfig, load_config
 from m2d_ray.plan.cost import Place, stage_cost
 from m2d_ray.plan.fit import fit_starts
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import gpu_acceptance as acc  # noqa: E402
-
 
 def test_the_tiny_runs_bill_on_its_gpu_is_within_2x_of_its_measured_walls():
     """Each stage of the whole tiny run, planned on the machine it ran on (its CPUs, its one GPU), against the wall
-    that machine measured (benchmarks/gpu_acceptance.py's run part)."""
+    that machine measured (benchmarks/gpu/acceptance.py's run part)."""
     m = measured.gpu()
     bill = acc.run_walls(m)
     walls = m.run["walls_s"]
@@ -77,7 +74,6 @@ def test_the_acceptance_call_writes_the_measured_file_in_the_form_the_code_reads
         "parts": {
             "P7": {
                 "variant": "v0",
-                "index": 0,
                 "seconds": 201.0,
                 "status": "ok",
                 "efficiency": {"modes": {"online": {"efficiency": 0.25}, "sampled:64": {"efficiency": 0.31}}},
@@ -85,14 +81,12 @@ def test_the_acceptance_call_writes_the_measured_file_in_the_form_the_code_reads
             },
             "P7-head": {  # the real head's choice is the one auto uses
                 "variant": "v0",
-                "index": 0,
                 "seconds": 120.0,
                 "status": "ok",
                 "kl_kernel": {"online": {"kernel": "liger", **at}, "hidden": {"kernel": "chunked", **at}},
             },
             "run": {
                 "variant": "v0",
-                "index": 0,
                 "seconds": 350.0,
                 "status": "ok",
                 "walls": walls,
@@ -108,15 +102,33 @@ def test_the_acceptance_call_writes_the_measured_file_in_the_form_the_code_reads
     assert new.kl_kernel == {"online": {"kernel": "liger", **at}, "hidden": {"kernel": "chunked", **at}}
     assert new.run["walls_s"] == pytest.approx(walls, abs=0.06)
     assert all(new.start_s[u] > m.start_s[u] for u in ("trial", "student", "model"))  # slower walls, later starts
-    assert new.parts_s["P7"] == {"variant": "v0", "index": 0, "seconds": 201.0} and new.parts_s.get("tokens") == m.parts_s.get("tokens")
-    assert new.parts_s["P7-head"] == {"variant": "v0", "index": 0, "seconds": 120.0}
+    assert new.parts_s["P7"] == {"variant": "v0", "seconds": 201.0}
+    assert new.parts_s.get("tokens") == m.parts_s.get("tokens")  # what no part measured is carried over
+    assert new.parts_s["P7-head"] == {"variant": "v0", "seconds": 120.0}
     with pytest.raises(ValueError, match="missing"):
         measured.GpuMeasured.from_dict({k: v for k, v in out.items() if k != "run"})
 
 
+def test_a_targets_mode_the_file_lacks_is_added_and_an_unknown_one_refused(monkeypatch):
+    """The writer takes what was measured of a mode the packaged file does not hold yet (a new targets mode can be
+    added), by its kind, and refuses what the plan would never read."""
+    m = measured.gpu()
+    monkeypatch.setattr(acc, "gpu", lambda: dataclasses.replace(m, efficiency={"online": 0.26}))
+
+    def written(modes: dict) -> dict:
+        p7 = {"efficiency": {"modes": {k: {"efficiency": x} for k, x in modes.items()}}}
+        return acc.measured_file({"env": "e", "parts": {"P7": p7}}, "NVIDIA H200", "today")["efficiency"]
+
+    assert written({"topk:32": 0.28}) == {"online": 0.26, "topk": 0.28}
+    with pytest.raises(ValueError, match="known modes"):
+        written({"logits": 0.3})
+    with pytest.raises(ValueError, match="fraction"):
+        written({"hidden": 3.0})
+
+
 def test_the_next_calls_priors_are_what_the_last_one_measured(monkeypatch):
     m = measured.gpu()
-    monkeypatch.setattr(
-        measured, "gpu", lambda: dataclasses.replace(m, parts_s={"run": {"variant": "x", "index": 1, "seconds": 99.0}})
+    monkeypatch.setattr(acc, "gpu", lambda: dataclasses.replace(m, parts_s={"run": {"variant": "x", "seconds": 99.0}}))
+    assert (
+        acc.prior("run", "x", 200.0) == 99.0 and acc.prior("run", "y", 320.0) == 320.0 and acc.prior("P7", "x", 5) == 5
     )
-    assert acc.prior("run", 1, 200.0) == 99.0 and acc.prior("run", 0, 320.0) == 320.0 and acc.prior("P7", 0, 5) == 5

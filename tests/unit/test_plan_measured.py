@@ -1,4 +1,4 @@
-"""The memory plan's estimates against measured peaks (benchmarks/plan_measured.py at its small sizes): one
+"""The memory plan's estimates against measured peaks (benchmarks/perf/memory_plan.py at its small sizes): one
 stage-2 training step online and from cached targets, a calibration pass and an lm-eval batch, each in a
 fresh process (its models saved by another, its inputs seeded: the figure does not depend on what ran before),
 within 25% of the peak it reached (the kernel's high-water mark: a busy machine cannot hide it; the file pages of
@@ -6,13 +6,9 @@ a warm or cold page cache do not move it)."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import plan_measured  # noqa: E402
+from benchmarks.perf import memory_plan as plan_measured
 
 CASES = [
     plan_measured.CASES[i] for i in (1, 2, 8, 4, 6)

@@ -223,22 +223,29 @@ def test_sizes_must_make_a_valid_config():
 def twin(tmp_path_factory):
     """A saved pair: a Qwen3-MoE (E = 8 experts of width 16, top-2) and its dense twin (FFN width 8 x 16, the
     same attention, embeddings and tokenizer), both random; returns (moe dir, dense dir, dense model)."""
-    from transformers import Qwen3MoeConfig
-
+    from m2d_ray.arch.qwen3_moe import moe_config
     from m2d_ray.data.synthetic import build_tokenizer
+    from m2d_ray.random_models import tokenizer_fields
 
     tok = build_tokenizer()
-    shape = dict(
-        COMMON,
-        vocab_size=-(-len(tok) // 8) * 8,
-        head_dim=8,
-        max_position_embeddings=256,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
     root = tmp_path_factory.mktemp("twin")
-    moe = dense_model(lambda: Qwen3MoeConfig(**shape, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16))
-    dense = dense_model(lambda: Qwen3Config(**{**shape, "intermediate_size": 8 * 16}))
+    f = tokenizer_fields(tok)
+    shape = dict(hidden=32, layers=4, heads=4, kv_heads=2, head_dim=8, **f)  # max_positions 256, untied
+    moe = dense_model(lambda: moe_config(**shape, experts=8, top_k=2, expert_width=16, ffn=48, norm_topk_prob=False))
+    dense = dense_model(
+        lambda: Qwen3Config(
+            vocab_size=f["vocab"],
+            hidden_size=32,
+            intermediate_size=8 * 16,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=256,
+            pad_token_id=f["pad_token_id"],
+            eos_token_id=f["eos_token_id"],
+        )
+    )
     for name, model in (("moe", moe), ("dense", dense)):
         model.save_pretrained(root / name)
         tok.save_pretrained(root / name)

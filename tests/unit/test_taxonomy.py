@@ -405,15 +405,11 @@ def test_summary_counts_shares_rates_and_subject_groups():
     assert s["groups"]["unmapped"]["n"] == 1  # a subject of neither question set is not put in MMLU's "other"
 
 
-# ---- the labelled set: m2d against the extractors people use (benchmarks/extraction.py) --------------------------
+# ---- the labelled set: m2d against the extractors people use (benchmarks/science/answer_extraction.py) -------------
 def test_m2d_leads_every_anchor_on_the_labelled_set():
     import json
-    import sys
 
-    from conftest import ROOT
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import extraction
+    from benchmarks.science import answer_extraction as extraction
 
     rows = [json.loads(line) for line in extraction.SET.read_text().splitlines()]
     real = [r for r in rows if r["source"] != "written"]
@@ -428,15 +424,10 @@ def test_m2d_leads_every_anchor_on_the_labelled_set():
 
 
 def test_the_anchors_read_as_their_sources_do():
-    import sys
-
-    from conftest import ROOT
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import extraction
+    from benchmarks.science import answer_extraction as extraction
 
     fo = extraction.first_option_postprocess()
-    if fo is not None:  # OpenCompass's own code, where its wheel or package is here (benchmarks/extraction.py)
+    if fo is not None:  # OpenCompass's own code, where its wheel or package is here (science/answer_extraction.py)
         assert fo("The answer is (C).", "ABCD") == "C" and fo("答案是B", "ABCD") == "B"
         assert fo("I think A metal", "ABCD") == "A" and fo("nothing here", "ABCD") == ""  # its cushion: any capital
     assert extraction.simple_evals("Answer: b", []) == "b" and extraction.simple_evals("Answer - B", []) is None

@@ -1,0 +1,1 @@
+"""The GPU acceptance call (benchmarks/gpu_acceptance.sh) and its parts."""

@@ -1,0 +1,843 @@
+"""GPU acceptance call (driven by benchmarks/gpu_acceptance.sh): what stage 2 runs now, planned against a device budget.
+
+    part    what runs                                                    figures
+    P7-head perf.distill_step --preset head: the paper student's    the head + KL's share of the step, each
+            head (V 151,936, d 2048) at 4096 tokens, online + hidden,     kernel's tok/s and step peak, bf16-mixed's
+            platform + plain loop + fp32 + every kernel (first: it sets   spread vs fp32; the kernel auto uses (and
+            the kernel auto uses, at the shapes that cost money)          where it was measured)
+    P7      perf.distill_step --preset h100, online, hidden,        per mode: platform, DeepSpeed and plain-loop
+            sampled:64: DistillStep (plain torch, DeepSpeed ZeRO-2, and   tok/s at equal numerics (bf16-mixed), both
+            each exact-KL kernel: chunked, compiled, liger) against a     ratios, MFU, each kernel's tok/s, step peak
+            plain PyTorch loop, 2.52B Qwen3-MoE teacher -> 0.40B student  and trajectory gap; the efficiency per mode
+                                                                          and the fastest kernel at the same loss
+    run     m2d run experiments/tiny.yaml on the GPU (short budgets):     stage walls against the bill (the GPU start-
+            calibration and stage-1 trials on fractions of it, the bf16   ups are fit on them: plan/fit.py), students
+            hidden-states targets pass (Ray Data), students in bf16-mixed ok / failed
+            (two GPUs each over NCCL with DeepSpeed when there are two),
+            lm-eval, the analysis, the report
+    tokens  p9_corpus_tokens.py: the Ray Data token pass (4 actors)        tokens/s, ratio, identical shards
+            against one loop, on a generated Parquet corpus
+    memory  plan_measured.py --device cuda: the memory plan against       the largest deviation (bound 25%)
+            torch.cuda.max_memory_allocated (when the budget allows)
+    P5      calibration at Qwen3-30B-A3B's layer shapes (make_teacher.py;  stats TFLOP/s vs the bf16 matmul (target >=
+            calibrate() whole and layer-streamed) against a bf16 8192^3    60%), streamed = whole
+            matmul (when the budget allows)
+
+Planning. Each part has variants, largest first, with an estimate of its seconds: what the last call measured of that
+variant (m2d_ray/measured_gpu.json, "parts_s"), else a guess (the table prints both beside the measured seconds).
+Before each part, the parts still to run are planned against what is left of --budget-s: coverage first (every
+required part at its smallest), then size, in the table's order (its priority); a part left out is skipped with what
+it needed. A part runs with a timeout that leaves the smallest variants of the required parts after it their time;
+one that overruns is killed (its whole process group, Ray's processes included) and recorded as timed out, and the
+call goes on.
+
+Output: one table at the end (also WORK/table.md), every figure in WORK/results.json, logs in WORK/logs, and on a GPU
+WORK/measured_gpu.json: m2d_ray/measured_gpu.json as this call measured it (plan.efficiency per targets mode, the
+fastest exact kernel per mode for distill.kl_kernel=auto, the run's walls and the start-ups fit on them, each part's
+seconds; what no part measured carried over). Copying it over the packaged one sets the defaults; no figure is copied
+by hand. Exit status 1 when a part failed or timed out.
+
+    bash benchmarks/gpu_acceptance.sh [--budget-s 540] [--work /tmp/m2d-gpu-acceptance] [--parts P7-head,P7,run]
+    python -m benchmarks.gpu.acceptance --cpu-smoke [--parts P7,run,tokens]   # the same plumbing on the CPU, tiny
+                                                                               # shapes: no figure of it means anything
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from m2d_ray.measured_write import accelerator_of, measured_file, prior
+
+REPO = Path(__file__).resolve().parents[2]
+PY = sys.executable
+M2D = [PY, "-m", "m2d_ray.cli"]
+RESERVE_S = 15.0  # the table, results and efficiency files after the last part
+FULL = dict(
+    d=2048, I=768, E=128, k=8, heads=32, kv_heads=4, head_dim=128, dtype="bfloat16"
+)  # Qwen3-30B-A3B's layer shapes
+TINY = dict(d=64, I=32, E=16, k=2, heads=4, kv_heads=2, head_dim=16, dtype="float32")
+
+
+class TimedOut(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One size of a part: a label for the plan, its estimated seconds, and the settings its runner reads."""
+
+    label: str
+    est_s: float
+    args: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    required: bool
+    variants: tuple[Variant, ...]  # largest first
+    run: Callable[[Ctx, Variant], dict]  # -> {"rows": [(row name, figures)], "failed": why or None, ...figures}
+
+
+def plan(parts: list[Part], left_s: float) -> tuple[dict[str, int], list[str]]:
+    """{part name: variant index} of the parts that fit `left_s` seconds (a part left out is skipped), and one line
+    per part saying what it runs, or why it shrank or was skipped. Coverage first, then size, required parts
+    before optional ones: each group's parts join at their smallest variant in priority order (the order of
+    `parts`) while they fit, then grow towards their largest in the same order."""
+    choice: dict[str, int] = {}
+
+    def est(p: Part, i: int) -> float:
+        return p.variants[i].est_s
+
+    def total() -> float:
+        return sum(est(p, choice[p.name]) for p in parts if p.name in choice)
+
+    for group in ([p for p in parts if p.required], [p for p in parts if not p.required]):
+        for p in group:
+            if total() + est(p, -1) <= left_s:
+                choice[p.name] = len(p.variants) - 1
+        for p in group:
+            while (
+                p.name in choice
+                and choice[p.name] > 0
+                and total() - est(p, choice[p.name]) + est(p, choice[p.name] - 1) <= left_s
+            ):
+                choice[p.name] -= 1
+    lines = []
+    for p in parts:
+        if p.name not in choice:
+            lines.append(
+                f"{p.name}: skipped: its smallest variant ({p.variants[-1].label}) needs ~{est(p, -1):.0f} s, "
+                f"{max(0.0, left_s - total()):.0f} s of {left_s:.0f} s are left beside the parts kept"
+            )
+            continue
+        v = p.variants[choice[p.name]]
+        shrunk = (
+            f" (shrunk from {p.variants[0].label}, ~{est(p, 0):.0f} s, to fit {left_s:.0f} s)" if choice[p.name] else ""
+        )
+        lines.append(f"{p.name}: {v.label}, ~{v.est_s:.0f} s{shrunk}")
+    return choice, lines
+
+
+@dataclass
+class Ctx:
+    """What every part's runner shares: where it writes, the device, and the call's deadline."""
+
+    work: Path
+    cuda: bool
+    smoke: bool
+    deadline: float
+    timeout_s: float = 0.0  # the running part's, from `started`
+    started: float = 0.0
+
+    @property
+    def logs(self) -> Path:
+        return self.work / "logs"
+
+    def sh(self, cmd: list, log: str, check: bool = True) -> tuple[int, str]:
+        """Run `cmd` in its own process group within the running part's timeout: (exit status, stdout); stderr to
+        logs/LOG.log, stdout to logs/LOG.out. Past the timeout the whole group is killed (TimedOut); a nonzero
+        exit raises RuntimeError naming the log, unless not `check`."""
+        cmd = [str(c) for c in cmd]
+        print("$ " + " ".join(cmd), flush=True)
+        left = self.timeout_s - (time.monotonic() - self.started)
+        with open(self.logs / f"{log}.log", "w") as err, open(self.logs / f"{log}.out", "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=REPO, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=max(1.0, left))
+            except subprocess.TimeoutExpired:
+                kill_group(proc)
+                raise TimedOut(f"killed after {self.timeout_s:.0f} s (the part's share of the budget)") from None
+        stdout = (self.logs / f"{log}.out").read_text()
+        if rc and check:
+            raise RuntimeError(f"`{' '.join(cmd[:4])} ...` exited {rc}; see {self.logs / log}.log")
+        return rc, stdout
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the process group, SIGKILL to what is left of it once the child has gone or after 10 s (Ray's
+    processes share the group, or die with the driver that started them)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+
+
+def json_lines(text: str) -> list[dict]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+# ---- P7: the step per targets mode, its kernels, and the efficiency the bill should use ------------------------------
+def run_p7(ctx: Ctx, v: Variant) -> dict:
+    """P7 at a preset (the part `P7-head`: the paper student's head, its kernel choice; `P7`: every targets mode and
+    the efficiency the bill reads)."""
+    a, name = v.args, v.args.get("name", "P7")
+    log = name.lower().replace("-", "_")
+    cmd = [PY, "-m", "benchmarks.perf.distill_step", "--preset", a["preset"], "--targets", a["targets"]]
+    keys = ("paths", "kernels", "steps", "warmup", "threads", "precision", "meta_rehearsal")
+    cmd += [x for k in keys if k in a for x in (f"--{k.replace('_', '-')}", a[k])]
+    try:
+        rc, out = ctx.sh(cmd, log, check=False)
+        failed = (
+            f"exit {rc}: a path's loss trajectory left its tolerance, or it failed; see logs/{log}.log" if rc else None
+        )
+    except TimedOut as exc:  # the modes that finished printed their lines
+        out, failed = (ctx.logs / f"{log}.out").read_text(), str(exc)
+    lines = json_lines(out)
+    final = next((x for x in reversed(lines) if "targets" in x), None)
+    modes = final["targets"] if final else {x["mode"]: x for x in lines if "mode" in x}
+    device = final["device"] if final else gpu_name() if ctx.cuda else None
+    rows = [(f"{name} {m}", p7_figures(r)) for m, r in modes.items()]
+    rehearsal = next((x["meta_rehearsal"] for x in lines if "meta_rehearsal" in x), None)
+    if rehearsal:
+        rows.insert(0, (f"{name} meta", f"the head's GPU branch on meta tensors: {rehearsal}"))
+    eff = efficiency(modes, device, ctx) if modes and name == "P7" else None
+    if eff:
+        per = ", ".join(f"{m} {x['efficiency']:.3f}" for m, x in eff["modes"].items())
+        rows.append(("efficiency", f"{eff['key']}: {per} ({eff['peak']})"))
+    return {
+        "rows": rows or [(name, "no mode finished")],
+        "failed": failed,
+        "p7": final or {"targets": modes},
+        "efficiency": eff,
+        "kl_kernel": {
+            m: {"kernel": r["kl_kernel"], "device": device, **r["measured_at"]}
+            for m, r in modes.items()
+            if m in ("online", "hidden")
+        },
+    }
+
+
+def gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0)
+
+
+def p7_figures(r: dict) -> str:
+    def tps(k):
+        return f"{r[k]:,.0f}" if r.get(k) else "-"
+
+    def pct(x):
+        return f"{x:.1%}" if x else "-"
+
+    def ratio(x):
+        return f"{x:.2f}x" if x else "-"
+
+    kernels = "; ".join(
+        f"{n.partition(':')[2]} {t:,.0f} tok/s (gap {r['gap'][n]:.1e}"
+        + (f", step peak {r['peak_step_bytes'][n] / 2**30:.1f} GiB" if r.get("peak_step_bytes") else "")
+        + ")"
+        for n, t in r.get("tokens_per_s", {}).items()
+        if n.startswith("platform:")
+    )
+    agree = "" if r.get("losses_agree", True) else "; LOSS TRAJECTORIES DIFFER"
+    agree += "".join(f"; {n} FAILED ({why})" for n, why in (r.get("kernels_failed") or {}).items())
+    share = ""
+    if r.get("head_kl_s"):
+        share = f"head + KL {r['head_kl_s'] * 1e3:.1f} ms = {r['head_kl_share']:.0%} of the step; "
+    spread = f" (admitted within bf16-mixed's spread vs fp32, {r['bf16_spread']:.1e})" if r.get("bf16_spread") else ""
+    return (
+        f"tok/s platform {tps('platform_tokens_per_s')}, DeepSpeed {tps('platform_deepspeed_tokens_per_s')}, "
+        f"plain loop {tps('reference_tokens_per_s')}: ratio {ratio(r.get('ratio'))}, DeepSpeed "
+        f"{ratio(r.get('deepspeed_ratio'))}; MFU {pct(r.get('mfu'))} (loop {pct(r.get('reference_mfu'))}); {share}"
+        f"kernels: {kernels or 'chunked only'} -> auto: {r.get('kl_kernel', 'chunked')}{spread}{agree}"
+    )
+
+
+def efficiency(modes: dict, device: str | None, ctx: Ctx) -> dict | None:
+    """The fraction of the peak the platform's step reached per mode (with the kernel distill.kl_kernel=auto would
+    pick), at the bill's FLOPs per token: on a GPU against its data-sheet bf16 peak (accelerators.GPU_PEAK_BF16), the
+    figures `plan.efficiency` holds per mode; on the CPU against the measured matmul rate (P7's MFU), what
+    `plan.cpu_efficiency` is (plumbing only in the smoke)."""
+    from m2d_ray.accelerators import GPU_PEAK_BF16
+
+    per = {
+        m: {
+            "tokens_per_s": r["auto_tokens_per_s"],
+            "flops_per_token": r["flops_per_token"],
+            "mfu_vs_measured_matmul": r.get("mfu"),
+            "ratio_to_plain_loop": r.get("ratio"),
+        }
+        for m, r in modes.items()
+        if r.get("auto_tokens_per_s")
+    }
+    if not per:
+        return None
+    if ctx.cuda:
+        name = accelerator_of(device)
+        if name is None:
+            print(f"plan.efficiency: not measured ({device} has no data-sheet peak in accelerators.GPU_PEAK_BF16)")
+            return None
+        peak, key, what = GPU_PEAK_BF16[name], "plan.efficiency", f"{name}'s data-sheet bf16 peak"
+        for x in per.values():
+            x["efficiency"] = x["tokens_per_s"] * x["flops_per_token"] / peak
+    else:
+        if any(x["mfu_vs_measured_matmul"] is None for x in per.values()):
+            return None
+        peak, key, what = None, "plan.cpu_efficiency", "the measured fp32 matmul rate (CPU smoke: plumbing only)"
+        for x in per.values():
+            x["efficiency"] = x["mfu_vs_measured_matmul"]
+    return {"device": device, "key": key, "peak_flops": peak, "peak": what, "modes": per}
+
+
+# ---- run: m2d run of the demo config on the device -----------------------------------------------------------------
+def run_whole(ctx: Ctx, v: Variant) -> dict:
+    """The whole tiny run on this machine (all its CPUs): its stage walls against its bill, and the walls, overrides
+    and machine the measured file records (the GPU start-ups are fit on them)."""
+    import torch
+
+    out_dir = ctx.work / "run"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    machine = {"cpus": os.cpu_count(), "gpus": torch.cuda.device_count() if ctx.cuda else 0}
+    args = [f"ray.num_cpus={machine['cpus']}", *v.args["overrides"]]
+    _, out = ctx.sh(M2D + ["run", REPO / "experiments" / "tiny.yaml", "--out", out_dir, *args], "run")
+    res = json_lines(out)[-1]
+    walls = res.get("stages", {})
+    bill = json.loads((out_dir / "memory_plan.json").read_text()).get("cost", {})
+    est = {k: s["seconds"] for k, s in bill.get("stages", {}).items()}
+    students = ", ".join(f"{n} {k}" for k, n in res.get("outcome", {}).get("students", {}).items() if n)
+    fig = (
+        f"walls {', '.join(f'{k} {s:.0f} s' for k, s in walls.items())} (the bill: "
+        f"{', '.join(f'{k} {s:.0f} s' for k, s in est.items())}); "
+        f"students {students}; evaluated {res.get('outcome', {}).get('evaluated')}"
+    )
+    failed = (
+        None
+        if not res.get("outcome", {}).get("students", {}).get("failed")
+        else "a student failed (see the run's logs)"
+    )
+    return {
+        "rows": [("run", fig)],
+        "failed": failed,
+        "result": res,
+        "bill": bill,
+        "walls": walls,
+        "overrides": v.args["overrides"],
+        "machine": machine,
+    }
+
+
+# ---- tokens: the Ray Data token pass against one loop --------------------------------------------------------------
+def run_tokens(ctx: Ctx, v: Variant) -> dict:
+    a = v.args
+    _, out = ctx.sh(
+        [
+            PY,
+            "-m",
+            "benchmarks.perf.corpus_tokens",
+            "--mb",
+            a["mb"],
+            "--shard-mb",
+            a["shard_mb"],
+            "--modes",
+            *a["modes"],
+            "--cache",
+            ctx.work / "p9",
+        ],
+        "tokens",
+    )
+    rows = json_lines(out)[-1]["p9"]
+    same = len({r["shards_sha"] for r in rows}) == 1
+    fig = (
+        "; ".join(
+            f"{r['mode']} {r['tokens_per_s']:,} tok/s"
+            + (f" ({r['vs_loop']:.2f}x the loop)" if r["mode"] != "loop" and r["vs_loop"] else "")
+            for r in rows
+        )
+        + f"; {rows[0]['tokens']:,} tokens; shards {'identical' if same else 'DIFFER'}"
+    )
+    return {"rows": [("tokens", fig)], "failed": None if same else "the modes wrote different token shards", "p9": rows}
+
+
+# ---- memory: the memory plan against the device's peaks ------------------------------------------------------------
+def run_memory(ctx: Ctx, v: Variant) -> dict:
+    _, out = ctx.sh(
+        [PY, "-m", "benchmarks.perf.memory_plan", "--device", "cuda" if ctx.cuda else "cpu", *v.args["flags"]],
+        "memory",
+        check=False,
+    )
+    worst = next((ln for ln in out.splitlines() if ln.startswith("largest deviation")), None)
+    return {
+        "rows": [("memory", worst or "no result; see logs/memory.log")],
+        "failed": None if worst else "plan_measured failed",
+    }
+
+
+# ---- P5: calibration at full layer shapes against the matmul rate --------------------------------------------------
+def run_p5(ctx: Ctx, v: Variant) -> dict:
+    a, shape = v.args, FULL if ctx.cuda else TINY
+    teacher = ctx.work / "teacher"
+    ctx.sh(
+        [
+            PY,
+            "-m",
+            "benchmarks.tools.make_teacher",
+            "--out",
+            teacher,
+            "--layers",
+            a["layers"],
+            "--E",
+            shape["E"],
+            "--k",
+            shape["k"],
+            "--d",
+            shape["d"],
+            "--I",
+            shape["I"],
+            "--heads",
+            shape["heads"],
+            "--kv-heads",
+            shape["kv_heads"],
+            "--head-dim",
+            shape["head_dim"],
+            "--dtype",
+            shape["dtype"],
+        ],
+        "teacher",
+    )
+    mm = matmul_tflops(ctx.cuda)
+    calib = {}
+    for mode in ("whole", "streamed"):
+        out = ctx.work / f"stats-{mode}"
+        shutil.rmtree(out, ignore_errors=True)
+        _, text = ctx.sh(
+            [
+                PY,
+                "-m",
+                __spec__.name,
+                "--child-calibrate",
+                mode,
+                "--teacher",
+                teacher,
+                "--out",
+                out,
+                "--tokens",
+                a["tokens"],
+                "--seq-len",
+                a["seq_len"],
+            ],
+            f"calib-{mode}",
+        )
+        calib[mode] = json_lines(text)[-1]
+    diff = stats_agree(ctx.work / "stats-whole", ctx.work / "stats-streamed")
+    w, s = calib["whole"], calib["streamed"]
+    fig = (
+        f"{a['layers']} layers, {w['tokens']:,} tokens: stats {w['tflops']:.1f} TFLOP/s = {w['tflops'] / mm:.0%} of "
+        "the "
+        f"{'bf16 8192^3' if ctx.cuda else 'fp32 1024^3'} matmul's {mm:,.1f} (P5 target >= 60%); streamed "
+        f"{s['seconds'] / w['seconds']:.2f}x "
+        f"the whole's time, max rel diff {diff:.1e}"
+    )
+    return {"rows": [("P5", fig)], "failed": None, "calibration": calib, "matmul_tflops": mm}
+
+
+def child_calibrate(a) -> None:
+    import torch
+
+    from m2d_ray.calibrate import calibrate
+    from m2d_ray.calibrate.tokens import calibration_tokens
+    from m2d_ray.models import load_teacher
+    from m2d_ray.weights import open_teacher
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    streamed = a.mode == "streamed"
+    teacher = open_teacher(a.teacher, device=device) if streamed else load_teacher(a.teacher, device=device)
+    spec, tokens = calibration_tokens(teacher.tokenizer, "synthetic:valid", a.teacher, a.seq_len, a.tokens)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    art, _ = calibrate(teacher, tokens, spec, out=a.out, batch_size=8, device=device, stream=streamed, progress=False)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t
+    cfg, adapter = teacher.config, teacher.adapter
+    E, T, d, L, I = (
+        adapter.num_experts(cfg),
+        tokens.n_tokens,
+        cfg.hidden_size,
+        len(art.layers),
+        cfg.moe_intermediate_size,
+    )
+    flops = L * (
+        2.0 * T * E * 3 * I * d + 2.0 * E * E * T * d
+    )  # P1's count: every expert on every token, plus the Gram
+    print(
+        json.dumps({"seconds": seconds, "tokens": T, "tflops": flops / seconds / 1e12, "sha256": art.checksum}),
+        flush=True,
+    )
+
+
+def matmul_tflops(cuda: bool) -> float:
+    import torch
+
+    from benchmarks.common import matmul_gflops
+
+    return (
+        matmul_gflops(8192, torch.bfloat16, "cuda", iters=20) / 1e3
+        if cuda
+        else matmul_gflops(1024, torch.float32, "cpu") / 1e3
+    )
+
+
+def stats_agree(a: Path, b: Path) -> float:
+    """Largest relative difference of any statistic between two artifacts."""
+    from m2d_ray.arch.base import rel_error
+    from m2d_ray.calibrate.artifact import load_stats
+
+    x, y = load_stats(a).layers, load_stats(b).layers
+    return max(rel_error(v, y[i].to_tensors("")[n]) for i in x for n, v in x[i].to_tensors("").items())
+
+
+# ---- the parts, their variants and estimates ----------------------------------------------------------------------
+RUN_SHORT = ["calib.max_tokens=8192", "stage2.targets=hidden", "grid.scaling=[uniform]"]
+RUN_GRIDS = {  # label -> overrides of experiments/tiny.yaml
+    "4 configs, 4 + 2 students, 20 steps": [
+        "grid.scoring=[sf,do-acp]",
+        "grid.grouping=[rr,oc]",
+        "grid.K=[2,4]",
+        "distill.steps=20",
+        "distill.eval_every=10",
+        "stage2.baselines=[random-ffn,random-init]",
+        "stage3.limit=100",
+    ],
+    "1 config, 1 + 1 students, 10 steps": [
+        "grid.scoring=[sf]",
+        "grid.grouping=[rr]",
+        "grid.K=[2]",
+        "distill.steps=10",
+        "distill.eval_every=5",
+        "stage2.baselines=[random-init]",
+        "stage3.limit=50",
+    ],
+}
+RUN_SMOKE = [
+    "calib.max_tokens=4096",
+    "calib.seq_len=128",
+    "eval.max_chars=20000",
+    "eval.seq_len=128",
+    "eval.chunks=1",
+    "grid.scoring=[sf]",
+    "grid.grouping=[rr]",
+    "grid.scaling=[uniform]",
+    "grid.K=[2]",
+    "distill.steps=4",
+    "distill.eval_every=2",
+    "distill.seq_len=64",
+    "distill.batch_size=4",
+    "distill.eval_max_tokens=2048",
+    "distill.warmup_steps=1",
+    "stage2.baselines=[]",
+    "stage2.targets=hidden",
+    "stage3.limit=24",
+    "stage3.teacher=false",
+]
+
+
+# no DeepSpeed path (its CPU op compiles for ~80 s the first time in a checkout; the path is the same code with a flag);
+# one thread (a core busy with another process stalls every 2-thread OpenMP region: RESULTS.md's header)
+P7_SMOKE = {"preset": "smoke", "targets": "online,hidden,sampled:8", "paths": "platform,reference", "threads": 1}
+# the real-head part rehearsed: bf16-mixed (its fp32 spread path and the kernel admission), and the head's GPU branch
+# at the real head's shapes on meta tensors (numerics.tensor_cores forced: what a GPU's first step would fail at)
+P7_HEAD_SMOKE = {
+    "name": "P7-head",
+    "preset": "smoke",
+    "targets": "online",
+    "paths": "platform,reference",
+    "threads": 1,
+    "precision": "bf16-mixed",
+    "meta_rehearsal": "head",
+}
+
+
+def gpu_overrides(gpus: int) -> list[str]:
+    """The demo on one GPU: stage-1 trials on eighths of it, the calibration and targets actors on quarters, each
+    student a Train worker on a quarter (plain torch in bf16-mixed: distill.deepspeed=auto at one rank), lm-eval on
+    quarters; with two GPUs or more, each student on two workers of a whole GPU (DeepSpeed ZeRO-2 over NCCL between
+    GPUs: below half a GPU two ranks would share one)."""
+    students = ["distill.workers=2", "distill.gpus_per_worker=1"] if gpus >= 2 else ["distill.gpus_per_worker=0.25"]
+    return [
+        "ray.gpus_per_trial=0.125",
+        "ray.max_concurrent_trials=8",
+        "ray.data_gpus_per_actor=0.25",
+        *students,
+        "stage3.gpus_per_task=0.25",
+    ]
+
+
+def measured(part: str, label: str, guess: float, args: dict) -> Variant:
+    """A GPU variant, its estimate what the last call measured of the variant of this name (else `guess`)."""
+    return Variant(label, prior(part, label, guess), args)
+
+
+HEAD_FULL = "head preset (V 151,936, d 2048, 4096 tokens), online,hidden, 2 paths + fp32 + kernels, 2 + 6 steps"
+HEAD_SHORT = "head preset, online, 2 paths + fp32 + kernels, 1 + 3 steps"
+
+
+def parts(cuda: bool, gpus: int) -> list[Part]:
+    """The call's parts in priority order, with their variants (largest first) and estimated seconds: on a GPU what the
+    last call measured of a variant (`prior`), else a guess; or for the CPU smoke on 2 cores."""
+    if not cuda:
+        return [
+            Part(
+                "P7-head",
+                True,
+                (Variant("smoke preset, bf16-mixed, + the real head's GPU branch on meta", 20, P7_HEAD_SMOKE),),
+                run_p7,
+            ),
+            Part(
+                "P7",
+                True,
+                (Variant("smoke preset, online + hidden + sampled:8, platform + plain loop", 25, P7_SMOKE),),
+                run_p7,
+            ),
+            Part(
+                "run",
+                True,
+                (Variant("1 config, 1 student, 4 steps, hidden targets", 90, {"overrides": RUN_SMOKE}),),
+                run_whole,
+            ),
+            Part(
+                "tokens",
+                True,
+                (Variant("0.5 MB corpus, loop + ray1", 35, {"mb": 0.5, "shard_mb": 0.25, "modes": ["loop", "ray1"]}),),
+                run_tokens,
+            ),
+            Part(
+                "memory", False, (Variant("--small, 1 case", 40, {"flags": ["--small", "--cases", "1"]}),), run_memory
+            ),
+            Part(
+                "P5",
+                False,
+                (Variant("tiny shapes, 2 layers, 4,096 tokens", 45, {"layers": 2, "tokens": 4096, "seq_len": 256}),),
+                run_p5,
+            ),
+        ]
+    modes = "online,hidden,sampled:64"
+    run = gpu_overrides(gpus) + RUN_SHORT
+    paths = "platform,platform_deepspeed,reference"
+    head = "online,hidden"
+    head_paths = "platform,reference"  # + platform_fp32 (bf16's spread) and every kernel, added by P7 itself
+    return [
+        Part(
+            "P7-head",
+            True,
+            (
+                measured(
+                    "P7-head",
+                    HEAD_FULL,
+                    150,
+                    {"name": "P7-head", "preset": "head", "targets": head, "paths": head_paths},
+                ),
+                measured(
+                    "P7-head",
+                    HEAD_SHORT,
+                    90,  # a compilation and Liger's Triton JIT in it
+                    {
+                        "name": "P7-head",
+                        "preset": "head",
+                        "targets": "online",
+                        "paths": head_paths,
+                        "warmup": 1,
+                        "steps": 3,
+                    },
+                ),
+            ),
+            run_p7,
+        ),
+        Part(
+            "P7",
+            True,
+            (
+                measured(
+                    "P7",
+                    f"h100 preset, {modes}, 3 paths + kernels, 3 + 10 steps",
+                    240,
+                    {"preset": "h100", "targets": modes, "paths": paths},
+                ),
+                measured(
+                    "P7",
+                    f"h100 preset, {modes}, 3 paths + kernels, 2 + 5 steps",
+                    190,
+                    {"preset": "h100", "targets": modes, "warmup": 2, "steps": 5, "paths": paths},
+                ),
+                measured(
+                    "P7",
+                    "h100 preset, online,hidden, platform + plain loop, 2 + 5 steps (the kernels: P7-head's)",
+                    110,
+                    {
+                        "preset": "h100",
+                        "targets": "online,hidden",
+                        "warmup": 2,
+                        "steps": 5,
+                        "paths": "platform,reference",
+                        "kernels": "",
+                    },
+                ),
+            ),
+            run_p7,
+        ),
+        Part(
+            "run",
+            True,
+            tuple(
+                measured("run", f"tiny.yaml, {g}, hidden targets", est, {"overrides": run + grid})
+                for (g, grid), est in zip(RUN_GRIDS.items(), (320, 200))
+            ),
+            run_whole,
+        ),
+        Part(
+            "tokens",
+            True,
+            (
+                Variant("50 MB corpus, loop + ray4", 100, {"mb": 50, "shard_mb": 25, "modes": ["loop", "ray4"]}),
+                Variant("25 MB corpus, loop + ray4", 60, {"mb": 25, "shard_mb": 25, "modes": ["loop", "ray4"]}),
+            ),
+            run_tokens,
+        ),
+        Part(
+            "memory",
+            False,
+            (
+                Variant("all cases, mid sizes", 150, {"flags": []}),
+                Variant("all cases, --small", 60, {"flags": ["--small"]}),
+            ),
+            run_memory,
+        ),
+        Part(
+            "P5",
+            False,
+            (
+                Variant("4 layers, 262,144 tokens", 150, {"layers": 4, "tokens": 262144, "seq_len": 2048}),
+                Variant("2 layers, 65,536 tokens", 70, {"layers": 2, "tokens": 65536, "seq_len": 2048}),
+            ),
+            run_p5,
+        ),
+    ]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--work", default="/tmp/m2d-gpu-acceptance")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=540.0,
+        help="the call's seconds (default 540: 9 minutes on one H100 after the bundle is installed)",
+    )
+    p.add_argument(
+        "--parts", help="comma-separated subset of P7-head,P7,run,tokens,memory,P5 (default: all, as the budget allows)"
+    )
+    p.add_argument("--cpu-smoke", action="store_true", help="every part on the CPU with tiny shapes (plumbing check)")
+    p.add_argument("--child-calibrate", dest="mode", choices=["whole", "streamed"])
+    p.add_argument("--teacher")
+    p.add_argument("--out")
+    p.add_argument("--tokens", type=int)
+    p.add_argument("--seq-len", type=int, default=2048)
+    a = p.parse_args(argv)
+    if a.mode:
+        child_calibrate(a)
+        return 0
+    t0 = time.monotonic()
+    import torch
+
+    cuda = torch.cuda.is_available() and not a.cpu_smoke
+    if not cuda and not a.cpu_smoke:
+        raise SystemExit(
+            "gpu_acceptance: no CUDA device (torch.cuda.is_available() is False); use --cpu-smoke for the CPU plumbing "
+            "check"
+        )
+    todo = parts(cuda, torch.cuda.device_count() if cuda else 0)
+    if a.parts:
+        names = a.parts.split(",")
+        unknown = set(names) - {x.name for x in todo}
+        if unknown:
+            raise SystemExit(
+                f"gpu_acceptance: unknown part(s) {', '.join(sorted(unknown))}; choose from "
+                f"{', '.join(x.name for x in todo)}"
+            )
+        todo = [x for x in todo if x.name in names]
+    elif a.cpu_smoke:  # the optional parts have tests of their own (test_plan_measured.py, test_calibrate.py)
+        print("cpu smoke: the required parts; name memory and P5 in --parts to run them too", flush=True)
+        todo = [x for x in todo if x.required]
+    ctx = Ctx(Path(a.work), cuda, a.cpu_smoke, t0 + a.budget_s)
+    ctx.logs.mkdir(parents=True, exist_ok=True)
+    (ctx.work / "measured_gpu.json").unlink(missing_ok=True)
+    env = f"torch {torch.__version__}, " + (
+        gpu_name() + f" x {torch.cuda.device_count()}" if cuda else "CPU smoke (tiny shapes)"
+    )
+    rows, results, bad = [], {"env": env, "budget_s": a.budget_s, "parts": {}}, False
+    while todo:
+        left = ctx.deadline - time.monotonic() - RESERVE_S
+        choice, lines = plan(todo, left)
+        print(f"== plan, {left:.0f} s left ==\n  " + "\n  ".join(lines), flush=True)
+        part, todo = todo[0], todo[1:]
+        if part.name not in choice:
+            rows.append((part.name, "-", "-", "-", "skipped", lines[0].split(": ", 1)[1]))
+            results["parts"][part.name] = {"status": "skipped", "why": lines[0]}
+            continue
+        v = part.variants[choice[part.name]]
+        later = sum(x.variants[-1].est_s for x in todo if x.required and x.name in choice)
+        ctx.timeout_s, ctx.started = max(1.0, left - later), time.monotonic()
+        print(f"== {part.name}: {v.label} (estimate ~{v.est_s:.0f} s, timeout {ctx.timeout_s:.0f} s) ==", flush=True)
+        try:
+            res = part.run(ctx, v)
+            status = f"FAILED: {res['failed']}" if res.get("failed") else "ok"
+        except TimedOut as exc:
+            res, status = {"rows": [(part.name, "-")]}, f"TIMED OUT: {exc}"
+        except Exception as exc:  # a part's failure is recorded; the call goes on with the next
+            res, status = {"rows": [(part.name, "-")]}, f"FAILED: {type(exc).__name__}: {str(exc).strip()[:300]}"
+        secs = time.monotonic() - ctx.started
+        bad |= status != "ok"
+        results["parts"][part.name] = {
+            "variant": v.label,
+            "estimate_s": v.est_s,
+            "seconds": round(secs, 1),
+            "status": status,
+            **{k: x for k, x in res.items() if k != "rows"},
+        }
+        for i, (name, fig) in enumerate(res["rows"]):
+            rows.append(
+                (name, v.label, f"{v.est_s:.0f}", f"{secs:.0f}", status, fig) if i == 0 else (name, "", "", "", "", fig)
+            )
+        print(f"[{part.name}] {status} in {secs:.0f} s", flush=True)
+    total = time.monotonic() - t0
+    table = [
+        f"# GPU acceptance ({env}); {total:.0f} s of a {a.budget_s:.0f}-s budget; logs in {ctx.logs}",
+        "",
+        "| part | variant | planned s | s | status | figures |",
+        "|---|---|---:|---:|---|---|",
+    ]
+    table += [f"| {' | '.join(map(str, r))} |" for r in rows]
+    (ctx.work / "table.md").write_text("\n".join(table) + "\n")
+    (ctx.work / "results.json").write_text(json.dumps({**results, "seconds": total}, indent=1, default=str))
+    if cuda:  # the figures the code reads, in its own form: copy over m2d_ray/measured_gpu.json
+        when = time.strftime("%Y-%m-%d")
+        file = measured_file(results, gpu_name(), when)
+        (ctx.work / "measured_gpu.json").write_text(json.dumps(file, indent=1) + "\n")
+        print(f"measured: {ctx.work / 'measured_gpu.json'} (copy it over m2d_ray/measured_gpu.json)", flush=True)
+    print("\n" + "\n".join(table), flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Speed and memory: the platform against a baseline in the same run."""
