@@ -11,15 +11,11 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-)
+from transformers import AutoConfig, AutoTokenizer
 
 from m2d_ray import storage
 from m2d_ray.arch import get_adapter, supported_types
@@ -35,6 +31,12 @@ from m2d_ray.assets import TINY_DENSE_TEACHER_DIR, TINY_TEACHER_DIR
 from m2d_ray.checkpoint import WEIGHT_SUFFIXES, check_files, check_model_finite
 from m2d_ray.errors import M2DError
 from m2d_ray.storage import local_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+# Imported inside functions: transformers' model classes (seconds of modelling code; `m2d plan` reads this module
+# without building a model).
 
 
 def device_default() -> str:
@@ -125,7 +127,6 @@ class Teacher:
 
 def load_config(name: str):
     """The transformers config of a directory, hub name or storage URL (only its config.json is fetched)."""
-
     if storage.is_remote(name):
         try:
             return AutoConfig.from_pretrained(str(storage.fetch_file(storage.join(name, "config.json")).parent))
@@ -199,7 +200,6 @@ def _source(name: str) -> str:
 
 def load_tokenizer(name: str):
     """A model's tokenizer; from a storage URL only the files beside the weights are fetched."""
-
     src = str(storage.fetch_dir(name, without=WEIGHT_SUFFIXES)) if storage.is_remote(name) else _source(name)
     try:
         return AutoTokenizer.from_pretrained(src)
@@ -214,6 +214,7 @@ def load_model(name: str, device: str = "cpu", dtype: torch.dtype | None = None,
 
     Damaged checkpoints (a truncated file, NaN/inf weights) fail with one line naming the file or tensor.
     """
+    from transformers import AutoModelForCausalLM
 
     config = load_config(name)
     src = _source(name)

@@ -21,11 +21,12 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from huggingface_hub import hf_hub_download, snapshot_download
 from torch import Tensor, nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoTokenizer
 
 from m2d_ray import checkpoint, storage
 from m2d_ray.arch import get_adapter, supported_types
@@ -47,6 +48,12 @@ from m2d_ray.checkpoint import (
 )
 from m2d_ray.errors import M2DError
 from m2d_ray.models import default_teacher, load_config, model_fingerprint
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+# Imported inside functions: transformers' model classes (seconds of modelling code; `m2d plan` reads this module
+# without building a model).
 
 
 def check_finite(name: str, t: Tensor, experts: Sequence[int] | None = None) -> Tensor:
@@ -101,6 +108,8 @@ def skeleton(config, dtype: torch.dtype, device: str = "cpu") -> PreTrainedModel
     kwargs = {"dtype": dtype}
     if device == "cpu" and config.model_type in supported_types():
         kwargs["experts_implementation"] = "eager"  # grouped_mm rejects odd tiny shapes on CPU
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), **kwargs)
     for module in model.modules():

@@ -3,12 +3,19 @@ random init (nothing kept). They bound what the MoE-derived initialisation buys 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from m2d_ray.arch.base import DenseFFN
 from m2d_ray.catalog.methods import RANDOM_BASELINES
 from m2d_ray.convert.student import build_student, student_width
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+# Imported inside functions: transformers' model classes (seconds of modelling code; `m2d plan` reads this module
+# without building a model).
 
 
 def dense_width(teacher) -> int:
@@ -53,6 +60,8 @@ def random_ffn_student(teacher, seed: int = 0) -> PreTrainedModel:
 @RANDOM_BASELINES.register("random-init")
 def random_init_student(teacher, seed: int = 0) -> PreTrainedModel:
     """The student architecture with every weight freshly initialised (transformers' own init)."""
+    from transformers import AutoModelForCausalLM
+
     width = student_width(teacher.skeleton, teacher.adapter, dense_width(teacher))
     config = teacher.adapter.student_config(teacher.config, width)
     torch.manual_seed(seed)

@@ -6,14 +6,18 @@ demand): a layer reads only the experts its plan merges.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import PreTrainedModel
 
 from m2d_ray.arch.base import DenseFFN, ExpertWeights
 from m2d_ray.calibrate.stats import LayerStats
 from m2d_ray.convert.merge import append_shared, cast_ffn, concat_groups, merge_group
 from m2d_ray.convert.plan import ConversionPlan, LayerPlan, make_plan
 from m2d_ray.convert.student import build_student
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["convert", "layer_ffn", "merged_groups", "build_from_plan", "make_plan", "ConversionPlan"]
 

@@ -12,15 +12,21 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from m2d_ray.arch.base import ExpertWeights, expert_outputs, rel_error
 from m2d_ray.artifacts import atomic_dir
 from m2d_ray.convert.build import merged_groups
 from m2d_ray.convert.plan import ConversionPlan
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+# Imported inside functions: transformers' model classes (seconds of modelling code; `m2d plan` reads this module
+# without building a model).
 
 EXACT_TOL = 1e-10
 PLAN_FILE = "m2d_plan.json"
@@ -95,6 +101,8 @@ def export_student(
     before the reload: a caller that passes it without keeping a reference
     (`export_student(build_from_plan(...), ...)`) holds one student at a time, not two.
     """
+    from transformers import AutoModelForCausalLM
+
     record: dict = {}
     dtype, cls = next(student.parameters()).dtype, type(student).__name__
     with atomic_dir(out, "student", overwrite) as tmp:

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from m2d_ray.arch.base import DenseFFN, MoEAdapter, dense_from_mlp
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+# Imported inside functions: transformers' model classes (seconds of modelling code; `m2d plan` reads this module
+# without building a model).
 
 
 def teacher_ffn_keys(model: nn.Module, adapter: MoEAdapter) -> set[str]:
@@ -32,6 +39,8 @@ def build_student(teacher, ffns: dict[int, DenseFFN]) -> PreTrainedModel:
     layers' FFNs are read from it. Layers without an entry in `ffns` are the teacher's dense layers;
     every FFN is zero-padded to the widest one so the student has a single intermediate size.
     """
+    from transformers import AutoModelForCausalLM
+
     adapter, skeleton = teacher.adapter, teacher.skeleton
     layers = adapter.layers(skeleton)
     all_ffns = {i: ffns[i] if i in ffns else teacher.dense_ffn(i) for i in range(len(layers))}

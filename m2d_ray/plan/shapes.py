@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from m2d_ray.arch import ADAPTERS
+from m2d_ray.arch.counts import Counts, counts
 from m2d_ray.convert.baselines import dense_width
 from m2d_ray.convert.student import student_width
 from m2d_ray.weights import meta_model
@@ -61,9 +62,13 @@ def _dtype_bytes(config) -> int:
 
 
 def shape_of(config) -> Shape:
-    """A model's Shape from its transformers config (an MoE's expert sizes through its arch adapter)."""
+    """A model's Shape from its transformers config: by arithmetic (arch/counts.py) where the family is known, else
+    from the model built on the meta device (an MoE's expert sizes through its arch adapter)."""
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    c = counts(config)
+    if c is not None:
+        return _shape(config, text, c)
     model = meta_model(config)
     params = sum(p.numel() for p in model.parameters())
     heads = text.num_attention_heads
@@ -99,6 +104,46 @@ def shape_of(config) -> Shape:
     )
 
 
+def _heads(text) -> tuple[int, int]:
+    """(q width, kv width): heads x head_dim, key/value heads x head_dim."""
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return heads * head_dim, (getattr(text, "num_key_value_heads", None) or heads) * head_dim
+
+
+def _shape(config, text, c: Counts) -> Shape:
+    adapter = ADAPTERS[config.model_type] if c.moe_layers else None
+    E, k = (adapter.num_experts(config), adapter.top_k(config)) if adapter else (0, 0)
+    ffn = max(c.dense_width, k * c.expert_width + c.shared_width)
+    q, kv = _heads(text)
+    return Shape(
+        c.params,
+        max(c.layers),
+        _dtype_bytes(config),
+        text.vocab_size,
+        text.hidden_size,
+        len(c.layers),
+        q,
+        kv,
+        ffn,
+        E,
+        k,
+        c.expert_width if adapter else 0,
+        len(c.moe_layers),
+        c.tied,
+        c.vector_params,
+    )
+
+
+def student_width_of(config) -> int | None:
+    """The converted student's one intermediate size (convert/student.student_width: the widest of k x d_expert +
+    shared and the dense layers'), by arithmetic; None where the family is not counted here."""
+    c = counts(config)
+    if c is None or not c.moe_layers:
+        return None
+    return max(c.dense_width, ADAPTERS[config.model_type].top_k(config) * c.expert_width + c.shared_width)
+
+
 @dataclass(frozen=True)
 class Models:
     """The shapes a run plans for: its MoE teacher and the dense student every stage-1 config builds
@@ -114,9 +159,12 @@ def models_of(config) -> Models:
     """Teacher and student shapes from the teacher's config (the student's config as convert/ makes it)."""
 
     adapter = ADAPTERS[config.model_type]
-    model = meta_model(config)
-
-    width = student_width(model, adapter, dense_width(SimpleNamespace(adapter=adapter, skeleton=model, config=config)))
+    width = student_width_of(config)
+    if width is None:
+        model = meta_model(config)
+        width = student_width(
+            model, adapter, dense_width(SimpleNamespace(adapter=adapter, skeleton=model, config=config))
+        )
     student = adapter.student_config(config, width)
     student.dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     return Models(shape_of(config), shape_of(student), config, student)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from m2d_ray.arch.dense import (
     FFN,
@@ -31,6 +31,12 @@ from m2d_ray.errors import M2DError
 from m2d_ray.models import load_model, load_tokenizer
 from m2d_ray.prune.export import export_pruned
 from m2d_ray.prune.importance import Importance
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+# Imported inside functions: transformers' model classes (seconds of modelling code; `m2d plan` reads this module
+# without building a model).
 
 
 def check_sizes(config, sizes: DenseSizes) -> None:
@@ -101,6 +107,8 @@ def pruned_state(teacher: PreTrainedModel, adapter: DenseAdapter, keep: Keep) ->
 
 def prune(teacher: PreTrainedModel, sizes: DenseSizes, importance: Importance) -> PreTrainedModel:
     """The teacher pruned to `sizes` by `importance`: an instance of the teacher's own class, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
     adapter = get_dense_adapter(teacher.config)
     check_sizes(teacher.config, sizes)
     keep = keep_sets(teacher.config, adapter, sizes, importance)

@@ -119,7 +119,20 @@ def test_the_checks_find_what_they_look_for():
 #: what a module may import inside a function instead of at its top: packages that cost seconds to import or that a
 #: process must not load (`m2d plan` reads every stage without Ray), and the package modules that pull them
 LAZY = {"ray", "lm_eval", "mlflow", "deepspeed", "matplotlib", "datasets"}
+#: transformers' model classes (its modelling code: seconds of imports); its configs and tokenizers are not
+MODELS = "transformers models"
 REASON = "# Imported inside functions:"
+
+
+def _unit(name: str) -> str | None:
+    """The LAZY unit an imported name loads, if any (transformers' top level is lazy: a config class or a tokenizer
+    loads no modelling code, a model class does)."""
+    root = name.split(".")[0]
+    if root in LAZY:
+        return root
+    if root == "transformers" and "Model" in name.rpartition(".")[2]:
+        return MODELS
+    return None
 
 
 def _top_level(tree: ast.Module) -> list:
@@ -163,8 +176,8 @@ def lazy_packages() -> dict[str, set[str]]:
         if m not in memo:
             out = set()
             for n in direct[m]:
-                if n.split(".")[0] in LAZY:
-                    out.add(n.split(".")[0])
+                if _unit(n):
+                    out.add(_unit(n))
                 elif n.startswith("m2d_ray") and (r := resolve(n)) and r != m and r not in seen:
                     out |= pulls(r, seen | {m})
             memo[m] = out
@@ -193,8 +206,8 @@ def needless_lazy_imports() -> list[str]:
                     continue
                 need = set()
                 for n in _names(node):
-                    if n.split(".")[0] in LAZY:
-                        need.add(n.split(".")[0])
+                    if _unit(n):
+                        need.add(_unit(n))
                     elif n.startswith("m2d_ray") and (r := resolve(n)):
                         need |= have[r]
                 if not need - have[m]:
@@ -265,6 +278,22 @@ def test_the_light_core_imports_no_heavy_library():
     )
     assert _loaded_by(code) == []
     assert "torch" in _loaded_by("import m2d_ray.scoring.methods"), "the probe sees a heavy import"
+
+
+def test_the_plan_of_the_paper_run_builds_no_model():
+    """`m2d plan` of the paper's run counts its models by arithmetic (arch/counts.py) and loads no modelling code of
+    transformers (seconds of imports; the plan was 4.9 s): only its configs. The probe sees it load when it does."""
+    root = PKG.parent
+    code = (
+        "from m2d_ray.config import load_config\nfrom m2d_ray.pipeline import plan_run\n"
+        f"plan_run(load_config({str(root / 'experiments/qwen3_30b_a3b.yaml')!r}), "
+        f"model={str(root / 'experiments/configs/Qwen--Qwen3-30B-A3B')!r})\n"
+        "import m2d_ray.commands.plan\n"
+        "assert 'transformers.modeling_utils' not in sys.modules, 'modelling code loaded'"
+    )
+    _loaded_by(code)  # raises (check=True) when the assertion fails
+    with pytest.raises(subprocess.CalledProcessError):
+        _loaded_by(code.replace("import m2d_ray.commands.plan", "from transformers import PreTrainedModel"))
 
 
 def lazy_registries() -> dict[str, object]:
