@@ -114,7 +114,7 @@ def _heads(text) -> tuple[int, int]:
 def _shape(config, text, c: Counts) -> Shape:
     adapter = ADAPTERS[config.model_type] if c.moe_layers else None
     E, k = (adapter.num_experts(config), adapter.top_k(config)) if adapter else (0, 0)
-    ffn = max(c.dense_width, k * c.expert_width + c.shared_width)
+    ffn = max(getattr(text, "intermediate_size", 0) or 0, k * c.expert_width + c.shared_width)  # as shape_of's
     q, kv = _heads(text)
     return Shape(
         c.params,

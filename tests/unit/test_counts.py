@@ -58,3 +58,24 @@ def test_each_family_and_its_student_counted_as_the_model_itself(spec):
 def test_published_configs_counted_as_the_model_itself(name):
     config = load_config(str(CONFIGS / name))
     assert _arith(config) == _meta_counts(config)
+
+
+def _configs():
+    from m2d_ray.assets import TINY_DENSE_TEACHER_DIR, TINY_TEACHER_DIR
+
+    out = [(s.id, s.make_config) for s in FAMILIES]
+    out += [(n, lambda n=n: load_config(str(CONFIGS / n))) for n in PUBLISHED]
+    return out + [(p.name, lambda p=p: load_config(str(p))) for p in (TINY_TEACHER_DIR, TINY_DENSE_TEACHER_DIR)]
+
+
+@pytest.mark.parametrize("make", [m for _, m in _configs()], ids=[i for i, _ in _configs()])
+def test_the_plans_shapes_by_arithmetic_are_the_meta_models(make, monkeypatch):
+    """plan.shapes on the arithmetic path gives the Shape and the student it gave from the meta model."""
+    from m2d_ray.arch import supported_types
+    from m2d_ray.plan import shapes
+
+    config = make()
+    fast = shapes.shape_of(config), shapes.models_of(config).student if config.model_type in supported_types() else 0
+    monkeypatch.setattr(shapes, "counts", lambda c: None)
+    slow = shapes.shape_of(config), shapes.models_of(config).student if config.model_type in supported_types() else 0
+    assert fast == slow
