@@ -79,7 +79,7 @@ class Analysis(Stage):
         check_set(a.questions)  # MMLU fetched and intact
         kind, model = parse_judge(a.judge)
         if kind == "openai":
-            openai_judge(a, model).check()  # the server answers, before any generation
+            OpenAIJudge.configured(model, a).check()  # the server answers, before any generation
 
     def check_resume(self, rd, cfg) -> None:
         check_settings(rd, cfg.stage3.analysis)
@@ -165,18 +165,6 @@ class Analysis(Stage):
 def questions_of(a: AnalysisConfig) -> int:
     """How many questions the sample has (57 MMLU subjects, or the corpus' 6 domains; every subject has more rows)."""
     return a.per_subject * (len(MMLU_SUBJECTS) if a.questions == "mmlu" else len(DOMAINS))
-
-
-def openai_judge(a: AnalysisConfig, model: str) -> OpenAIJudge:
-    return OpenAIJudge(
-        model,
-        a.judge_url,
-        a.judge_key_env,
-        rate=a.judge_rate,
-        retries=a.judge_retries,
-        max_tokens=a.judge_max_tokens,
-        deadline=a.judge_deadline,
-    )
 
 
 def sampling(a: AnalysisConfig) -> Sampling:
@@ -277,7 +265,7 @@ def _analysed(ctx, stage: Analysis, jobs: list, questions: list[Question], base:
     answers = _generate(ctx, stage, jobs, questions)
     kind, model = parse_judge(a.judge)
     if kind == "openai" and a.judge_extracts:  # rule 8: the judge reads what the rules could not
-        extractor = openai_judge(a, model).extract
+        extractor = OpenAIJudge.configured(model, a).extract
         for got in answers.values():
             if "rows" in got:
                 got["rows"] = judge_extracted(got["rows"], extractor, th)
@@ -387,7 +375,7 @@ def _judge(ctx, stage: Analysis, records: list[dict]) -> tuple[list[str], str, l
     if kind == "none":
         return ["unjudged"] * len(records), "", []
     if kind == "openai":
-        judge = openai_judge(a, model)
+        judge = OpenAIJudge.configured(model, a)
         said = judge(records)
         unjudged = sum(v == "unjudged" for v in said)
         say(f"analysis: {judge.name} judged {len(records)} answers ({unjudged} unjudged, {judge.failures} failed)")
