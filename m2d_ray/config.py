@@ -24,6 +24,7 @@ from m2d_ray.catalog.distill import AUTO, CUDA_ONLY_KERNELS, KL_KERNELS, LOSSES,
 from m2d_ray.catalog.evaluate import SETS, check_stage3, parse_judge, parse_tasks
 from m2d_ray.catalog.methods import GROUPINGS, SCALINGS, SCORINGS
 from m2d_ray.catalog.targets import check_targets_loss, parse_targets
+from m2d_ray.catalog.units import ACTOR, MODEL, STUDENT, TRIAL
 from m2d_ray.errors import M2DError
 from m2d_ray.sizes import parse_size
 
@@ -565,7 +566,9 @@ class PlanConfig:
     def start_s(self, unit: str, gpu: bool) -> float:
         """A unit's fixed start (actor, trial, student, model) on a GPU or on CPUs; a key plan.gpu_start_s leaves out
         is the measured one."""
-        return {**measured.gpu().start_s, **self.gpu_start_s}[unit] if gpu else getattr(self, f"{unit}_s")
+        if gpu:
+            return {**measured.gpu().start_s, **self.gpu_start_s}[unit]
+        return {ACTOR: self.actor_s, TRIAL: self.trial_s, STUDENT: self.student_s, MODEL: self.model_s}[unit]
 
     def gpu_efficiency(self, work: str) -> float:
         """The efficiency of `work` (a targets mode, or forward) on a GPU; a key plan.efficiency leaves out is the

@@ -40,6 +40,7 @@ from functools import partial
 import torch
 
 from m2d_ray.artifacts import write_json_atomic, write_text_atomic
+from m2d_ray.catalog.units import ACTOR
 from m2d_ray.config import AnalysisConfig, SweepConfig
 from m2d_ray.console import say
 from m2d_ray.data.synthetic import DOMAINS
@@ -135,7 +136,7 @@ class Analysis(Stage):
         seq = prompt + a.max_new_tokens
         # a model's start is its load (an actor's, as a Ray Data actor's), its tasks go to the Ray the run runs
         generation = stage3.price_models(
-            c, self.name, lambda shape: n * seq * forward_flops(shape, int(seq)), "actor", rounds=0
+            c, self.name, lambda shape: n * seq * forward_flops(shape, int(seq)), ACTOR, rounds=0
         )
         answers = n * generation.units
         kind, model = parse_judge(a.judge)
@@ -150,7 +151,7 @@ class Analysis(Stage):
             plan = c.plans.get(f"{self.name}:{TEACHER_KEY}")
             s3 = p.cfg.stage3
             where = c.place(plan.name, plan.share * plan.units, s3.threads_per_task, 1, s3.accelerator, plan.request)
-            judge = c.stage(f"{self.name}:judge", [judged], where, "actor", rounds=0)
+            judge = c.stage(f"{self.name}:judge", [judged], where, ACTOR, rounds=0)
         # the judge runs after the generation; `before` adds the two (sums commute) and keeps the generation's row
         return [before(judge, generation)]
 

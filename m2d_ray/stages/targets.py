@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+from m2d_ray.catalog.units import ACTOR
 from m2d_ray.distill.targets import blocks_per_shard
 from m2d_ray.plan import memory
 from m2d_ray.plan.cost import before, forward_flops, head_flops, student_tokens
@@ -71,7 +72,7 @@ class Targets(Stage):
                 self.name,
                 _pass(p, t),
                 c.place(self.name, r.data_gpus_per_actor, r.threads_per_worker, r.data_actors, r.data_accelerator),
-                "actor",
+                ACTOR,
                 rounds=int(i == 0),
             )
             for i, t in enumerate(_stored(p))
