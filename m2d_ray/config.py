@@ -13,7 +13,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 import yaml
 
@@ -27,6 +27,13 @@ from m2d_ray.catalog.targets import check_targets_loss, parse_targets
 from m2d_ray.catalog.units import ACTOR, MODEL, STUDENT, TRIAL
 from m2d_ray.errors import M2DError
 from m2d_ray.sizes import parse_size
+
+#: the closed sets a key takes, as types: the reference shows them, and each section's check refuses any other value
+#: in one line with "did you mean" (the YAML reader checks only the value's type: config._coerce)
+Auto = Literal[AUTO]
+PrecisionName = Literal[(AUTO, *PRECISIONS)]
+KernelName = Literal[(AUTO, *KL_KERNELS)]
+QuestionSet = Literal[SETS]
 
 
 def setting(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = dataclasses.MISSING) -> Any:
@@ -102,8 +109,8 @@ class GridConfig:
         ("uniform", "proportional"),
         "scalings of the merged experts' down-projections (uniform, proportional, avg-cp)",
     )
-    K: str | tuple[int, ...] = setting(
-        "auto",
+    K: Auto | tuple[int, ...] = setting(
+        AUTO,
         "experts kept per layer, k <= K <= E: a list, or auto = k, 2k, 4k, ..., E",
     )
 
@@ -225,27 +232,27 @@ class DistillConfig:
         1024,
         "tokens per vocabulary chunk of the KL (a [tokens x vocabulary] float32 tensor never exists)",
     )
-    deepspeed: bool | str = setting(
-        "auto",
+    deepspeed: bool | Auto = setting(
+        AUTO,
         "DeepSpeed ZeRO (gloo on CPU); false = plain torch (DDP with several workers); auto = DeepSpeed where a "
         "student has more than one worker (at one rank ZeRO shards nothing and its step is slower: "
         "docs/how-to/gpu.md)",
     )
-    precision: str = setting(
-        "auto",
+    precision: PrecisionName = setting(
+        AUTO,
         "bf16-mixed: bfloat16 compute (student, teacher, cached states) with float32 master weights and optimizer "
         "states; bf16-pure: bfloat16 weights and optimizer states too (only when asked); fp32; auto = bf16-mixed "
         "on a GPU, fp32 on CPU (bf16-mixed on CPU rehearses a GPU's numerics where there is none, at CPU bf16 "
         "speed)",
     )
-    kl_kernel: str = setting(
-        "auto",
+    kl_kernel: KernelName = setting(
+        AUTO,
         "the KL's implementation (distill/kernels.py): chunked (the reference, every device), compiled "
         "(torch.compile of the student's forward and loss), liger (Liger Kernel's fused linear JSD at beta 0 = "
         "forward KL; GPU, the [gpu] extra); auto = the kernel the last GPU acceptance call measured fastest at "
         "the same loss (chunked on CPU)",
     )
-    zero_stage: int = setting(
+    zero_stage: Literal[0, 1, 2] = setting(
         2,
         "DeepSpeed's ZeRO stage: 2 shards the optimizer state and gradients over the workers (0, 1 or 2)",
     )
@@ -397,7 +404,9 @@ class AnalysisConfig:
     put in one category of the paper's error taxonomy (evaluate/taxonomy.py)."""
 
     enabled: bool = setting(False, "run the analysis stage after stage 3")
-    questions: str = setting("mmlu", "mmlu (the paper's: MMLU's test split, after `m2d fetch-data`) | local (offline)")
+    questions: QuestionSet = setting(
+        "mmlu", "mmlu (the paper's: MMLU's test split, after `m2d fetch-data`) | local (offline)"
+    )
     per_subject: int = setting(10, "questions per subject (the paper: 10 x 57 MMLU subjects)")
     max_new_tokens: int = setting(2048, "the longest answer generated, in tokens")
     temperature: float = setting(0.7, "sampling temperature (0 = greedy)")
@@ -596,7 +605,7 @@ class SweepConfig:
         "sweep",
         "the run's name (its default run directory runs/NAME-TIME, its MLflow parent run's name)",
     )
-    stage: int = setting(
+    stage: Literal[1, 2] = setting(
         1,
         "m2d sweep only: 1 = the pre-distillation grid; 2 = distil the promotions of a finished stage 1 (--resume "
         "RUN_DIR)",
@@ -638,7 +647,7 @@ class SweepConfig:
                 if n not in registry:
                     raise M2DError(f"grid.{axis}: {registry.unknown_message(n)}")
         K = self.grid.K
-        if isinstance(K, str) and K != "auto":
+        if isinstance(K, str) and K != AUTO:
             raise M2DError(f"grid.K={K!r}: write a list of integers such as [8, 16] or auto (k, 2k, 4k ... E)")
         if not isinstance(K, str) and not K:
             raise M2DError("grid.K is empty; give a list such as [8, 16] or auto (k, 2k, 4k ... E)")
@@ -820,7 +829,7 @@ def check_recipes(s2: Stage2Config) -> None:
 
 def k_values(K: str | tuple[int, ...], k: int, E: int) -> list[int]:
     """The K list for a model with top-k `k` and `E` experts; raises when a K is outside [k, E]."""
-    if K == "auto":
+    if K == AUTO:
         out, v = [], k
         while v < E:
             out.append(v)
@@ -944,6 +953,10 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
             except M2DError as exc:
                 errors.append(str(exc))
         raise M2DError(errors[-1])
+    if origin is Literal:  # membership is the section check's, which names the closest value
+        if type(value) in {type(a) for a in args}:
+            return value
+        raise M2DError(f"{path}={value!r}: write one of {', '.join(map(str, args))}")
     if origin is dict:
         if not isinstance(value, dict):
             raise M2DError(f"{path}={value!r} should be a mapping such as {{gpu_h100_8x: 55.04}}")

@@ -61,8 +61,8 @@ def read_responses(path: str, key_base: str = AUTO) -> list[dict]:
     lines = [(n, _line(path, n, line)) for n, line in enumerate(p.read_text().splitlines(), 1) if line.strip()]
     if not lines:
         raise M2DError(f"--responses {path} holds no answers; give a file with one JSON object per line")
-    base = int(key_base) if key_base != "auto" else integer_base((r["answer"], len(r["choices"])) for _, r in lines)
-    if key_base == "auto" and base == 1:
+    base = int(key_base) if key_base != AUTO else integer_base((r["answer"], len(r["choices"])) for _, r in lines)
+    if key_base == AUTO and base == 1:
         say(f"{path}: its integer answer keys include the number of choices and never 0: read as counted from 1 (1 is "
             "A; --key-base 0 reads them from 0)")  # fmt: skip
     out = []
@@ -80,7 +80,7 @@ def _key_help(base: int, asked: str) -> str:
     """What to write instead of a key that cannot be read."""
     if base == 1:
         return "give a letter, an integer counted from 1 (--key-base 1: 1 is A) or one choice's exact text"
-    also = " (the file's keys include 0, so they count from 0)" if asked == "auto" else ""
+    also = " (the file's keys include 0, so they count from 0)" if asked == AUTO else ""
     return (
         f"give a letter, an integer counted from 0{also} as Hugging Face's MMLU stores it (1 is B), --key-base 1 for "
         "keys counted from 1, or one choice's exact text"

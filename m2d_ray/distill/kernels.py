@@ -31,7 +31,7 @@ from packaging.version import Version
 from torch import Tensor
 
 from m2d_ray import measured
-from m2d_ray.catalog.distill import KL_KERNELS
+from m2d_ray.catalog.distill import AUTO, KL_KERNELS
 from m2d_ray.console import say
 from m2d_ray.distill.losses import chunked_kl
 from m2d_ray.errors import M2DError
@@ -134,7 +134,7 @@ def kl_kernel(name: str, device: str | torch.device, targets=None, where: Where 
     the measured choice for the mode where this run is what it was measured on, else chunked (one line, once); also
     chunked (said once) where the measured one cannot run here. A kernel asked for by name that cannot run here is
     one line."""
-    if name != "auto":
+    if name != AUTO:
         kernel = KL_KERNELS[name]
         why = kernel.unavailable(device)
         if why:

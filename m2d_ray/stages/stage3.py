@@ -24,6 +24,7 @@ import torch
 
 from m2d_ray import storage
 from m2d_ray.artifacts import write_json_atomic
+from m2d_ray.catalog.distill import AUTO
 from m2d_ray.catalog.units import MODEL
 from m2d_ray.config import Stage3Config, SweepConfig
 from m2d_ray.console import say
@@ -100,7 +101,7 @@ class Stage3(Stage):
                 )
                 parts = {
                     "weights": e.weights,
-                    "batch": (e.max_batch_size if c.batch_size == "auto" else e.batch_size) * e.sequence,
+                    "batch": (e.max_batch_size if c.batch_size == AUTO else e.batch_size) * e.sequence,
                 }
                 out.append(
                     row(
@@ -144,7 +145,7 @@ class Stage3(Stage):
                 continue
             g = max(e.gpus, gpus) if gpus >= 1 else e.gpus
             weights = e.max_memory_per_gpu or e.weights
-            per_gpu = weights + (e.max_batch_size if e.batch_size == "auto" else e.batch_size) * e.sequence
+            per_gpu = weights + (e.max_batch_size if e.batch_size == AUTO else e.batch_size) * e.sequence
             out.append(
                 row(
                     name,
