@@ -23,7 +23,7 @@ from m2d_ray.artifacts import write_text_atomic
 from m2d_ray.catalog.distill import AUTO, CUDA_ONLY_KERNELS, KL_KERNELS, LOSSES, PRECISIONS
 from m2d_ray.catalog.evaluate import SETS, check_stage3, parse_judge, parse_tasks
 from m2d_ray.catalog.methods import GROUPINGS, SCALINGS, SCORINGS
-from m2d_ray.catalog.targets import check_targets_loss, parse_targets
+from m2d_ray.catalog.targets import ONLINE, check_targets_loss, parse_targets
 from m2d_ray.catalog.units import ACTOR, MODEL, STUDENT, TRIAL
 from m2d_ray.errors import M2DError
 from m2d_ray.sizes import parse_size
@@ -361,7 +361,7 @@ class Stage2Config:
     )
     pairs: tuple[str, ...] = setting((), 'the "scoring/grouping" pairs to distil; empty = every promoted pair')
     targets: str = setting(
-        "online",
+        ONLINE,
         "the teacher's outputs: online (the teacher runs beside every student) | hidden (its final hidden states: "
         "exact, a rank reads the teacher's output head only) | topk[:K] | sampled[:N] (approximate); cached modes "
         "are computed once over the run's tokens into its storage, and students load no teacher weights; auto: "

@@ -13,7 +13,7 @@ from m2d_ray.config import EvalConfig
 from m2d_ray.console import emit, say
 from m2d_ray.convert.build import build_from_plan
 from m2d_ray.convert.export import export_student
-from m2d_ray.convert.plan import check_K, check_methods, make_plan
+from m2d_ray.convert.plan import check_K, check_method_names, make_plan
 from m2d_ray.data.text import check_spec, load_text, tokenize
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.perplexity import EVAL_MAX_CHARS, Perplexity, perplexity
@@ -64,7 +64,7 @@ def convert_one(
     if baseline:
         RANDOM_BASELINES.check(baseline)
     else:
-        check_methods(scoring, grouping, scaling)
+        check_method_names(scoring, grouping, scaling)
     check_output(out, "student", overwrite)
     name = model or default_teacher()
     adapter, config = check_teacher(name), model_config(name)

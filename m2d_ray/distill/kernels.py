@@ -32,6 +32,7 @@ from torch import Tensor
 
 from m2d_ray import measured
 from m2d_ray.catalog.distill import AUTO, KL_KERNELS
+from m2d_ray.catalog.targets import ONLINE
 from m2d_ray.console import say
 from m2d_ray.distill.losses import chunked_kl
 from m2d_ray.errors import M2DError
@@ -142,7 +143,7 @@ def kl_kernel(name: str, device: str | torch.device, targets=None, where: Where 
         return kernel
     if torch.device(device).type != "cuda":
         return KL_KERNELS["chunked"]
-    mode = "online" if targets is None else targets.mode
+    mode = ONLINE if targets is None else targets.mode
     entry = measured.gpu().kl_kernel.get(mode)
     if entry is None or entry["kernel"] == "chunked":
         return KL_KERNELS["chunked"]

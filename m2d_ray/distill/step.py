@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from m2d_ray.catalog.targets import TOPK
 from m2d_ray.config import DistillConfig
 from m2d_ray.distill import kernels
 from m2d_ray.distill.kernels import KLKernel, Where, kl_kernel
@@ -161,7 +162,7 @@ class StudentLoss(nn.Module):
         )
         if self.targets is not None and not self.targets.exact:
             flat = {k: v.reshape(h.shape[0], *v.shape[2:]) for k, v in t_last.items()}
-            if self.targets.mode == "topk":
+            if self.targets.mode == TOPK:
                 return sparse_kl(h, w_s, flat["ids"], flat["logp"], flat["tail"], temperature=t, chunk=c)
             return sampled_kl(h, w_s, flat["ids"], flat["counts"], flat["logp"], temperature=t, chunk=c)
         loss = self.kl(h, w_s, t_last.reshape(-1, t_last.shape[-1]), w_t, kind=self.kind, temperature=t, chunk=c)
