@@ -20,11 +20,12 @@ import yaml
 from m2d_ray import measured
 from m2d_ray.accelerators import check_accelerator
 from m2d_ray.artifacts import write_text_atomic
-from m2d_ray.catalog.distill import AUTO, CUDA_ONLY_KERNELS, KL_KERNELS, LOSSES, PRECISIONS
+from m2d_ray.catalog.distill import AUTO, COMPILED, CUDA_ONLY_KERNELS, KL_KERNELS, LOSSES, PRECISIONS
 from m2d_ray.catalog.evaluate import SETS, check_stage3, parse_judge, parse_tasks
 from m2d_ray.catalog.methods import GROUPINGS, SCALINGS, SCORINGS
 from m2d_ray.catalog.targets import ONLINE, check_targets_loss, parse_targets
 from m2d_ray.catalog.units import ACTOR, MODEL, STUDENT, TRIAL
+from m2d_ray.console import say
 from m2d_ray.errors import M2DError
 from m2d_ray.sizes import parse_size
 
@@ -247,10 +248,15 @@ class DistillConfig:
     )
     kl_kernel: KernelName = setting(
         AUTO,
-        "the KL's implementation (distill/kernels.py): chunked (the reference, every device), compiled "
-        "(torch.compile of the student's forward and loss), liger (Liger Kernel's fused linear JSD at beta 0 = "
-        "forward KL; GPU, the [gpu] extra); auto = the kernel the last GPU acceptance call measured fastest at "
-        "the same loss (chunked on CPU)",
+        "the KL's implementation (distill/kernels.py): chunked (the reference, every device), liger (Liger "
+        "Kernel's fused linear JSD at beta 0 = forward KL; GPU, the [gpu] extra); auto = the kernel the last GPU "
+        "acceptance call measured fastest at the same loss (chunked on CPU); compiled (deprecated) = chunked with "
+        "distill.compile=true",
+    )
+    compile: bool = setting(
+        False,
+        "torch.compile the student's forward and loss (inductor fuses its norms, SwiGLU and rotary embeddings; the "
+        "first step pays the compilation), with any kl_kernel",
     )
     zero_stage: Literal[0, 1, 2] = setting(
         2,
@@ -274,6 +280,11 @@ class DistillConfig:
         1,
         "passes over train_data the budget may take (1: a corpus shorter than the budget is refused)",
     )
+
+    def __post_init__(self) -> None:
+        if self.kl_kernel == COMPILED:  # the deprecated kernel name: chunked, the student compiled
+            object.__setattr__(self, "kl_kernel", "chunked")
+            object.__setattr__(self, "compile", True)
 
     @property
     def blocks(self) -> int:
@@ -853,6 +864,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> SweepConf
             )
         _set_path(raw, key.strip().split("."), yaml.safe_load(value))
     _retired(raw)
+    if (raw.get("distill") or {}).get("kl_kernel") == COMPILED:
+        say(
+            "distill.kl_kernel=compiled is deprecated: it is read as distill.kl_kernel=chunked distill.compile=true; "
+            "write that"
+        )
     cfg = _build(SweepConfig, raw, "")
     cfg.check()
     return cfg

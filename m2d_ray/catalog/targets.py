@@ -65,6 +65,12 @@ def parse_targets(text: str, temperature: float = 1.0, seed: int = 0) -> TargetS
     return TargetSpec(mode, n, float(temperature), int(seed))
 
 
+def mode_of(spec: TargetSpec | None) -> str:
+    """The training mode a student trains in: online (no cached targets), else the cache's mode; what DistillStep's
+    batches, StudentLoss's loss and the kernel's choice all read."""
+    return ONLINE if spec is None else spec.mode
+
+
 def check_targets_loss(loss: str, spec: TargetSpec | None) -> None:
     """Cached hidden states give the teacher's whole output distribution: every loss of it (fkl, rkl) trains
     from them. Top-K and sampled targets keep a few log-probs per token: only the forward KL. No cache keeps
