@@ -182,6 +182,10 @@ class DistillStep:
     them), after the plain path's float32 masters are taken from them. A student that shares a tensor with its
     teacher is refused: the step would train the frozen teacher too.
     DeepSpeed, or `world` > 1, needs an initialised process group (Ray Train's, or deepspeed.init_distributed).
+
+    `__init__` reads top to bottom as named steps (torchtune's KD recipe's way): the training mode, the teacher's
+    head, the loss (kernel; compiled with distill.compile), the float32 masters, the cast, the optimizer and schedule,
+    then the data-parallel wrapper (DeepSpeed replaces the optimizer and schedule, so it comes last).
     """
 
     def __init__(
