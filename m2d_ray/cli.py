@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import sys
 import traceback
@@ -142,6 +143,9 @@ def _yaml(value: object) -> str:
     return {True: "true", False: "false", None: "null"}.get(value, value) if not isinstance(value, float) else value
 
 
+_hints = functools.cache(typing.get_type_hints)  # a section's field types, evaluated once per process
+
+
 def _kind(hint) -> dict:
     """argparse's type/action for a field's type: a switch for a bool, a positive count for an int, else text."""
     kinds = [a for a in typing.get_args(hint) or (hint,) if a is not type(None)]
@@ -153,7 +157,7 @@ def _kind(hint) -> dict:
 def _setting(p: argparse.ArgumentParser, cls: type, name: str, flag: str | None = None, also: str = "", **kw) -> None:
     """A command's own option whose default and doc are config field `cls.name`'s."""
     d = default(cls, name)
-    kw = {**_kind(typing.get_type_hints(cls)[name]), **kw}
+    kw = {**_kind(_hints(cls)[name]), **kw}
     shown = {True: "on", False: "off"}.get(d, d) if kw.get("action") is argparse.BooleanOptionalAction else d
     p.add_argument(flag or "--" + name.replace("_", "-"), default=d, help=_help(cls, name, shown, also), **kw)
 
@@ -162,7 +166,7 @@ def _override(p: argparse.ArgumentParser, command: str, dest: str, also: str = "
     """A flag that overrides config key OVERRIDE_FLAGS[command][dest]: given or not (None: the config's value)."""
     key = OVERRIDE_FLAGS[command][dest]
     cls, name = _field(key)
-    kw = {**_kind(typing.get_type_hints(cls)[name]), **kw}
+    kw = {**_kind(_hints(cls)[name]), **kw}
     shown = f"{key}: {_yaml(default(cls, name))}"
     p.add_argument("--" + dest.replace("_", "-"), help=_help(cls, name, shown, also), **kw)
 
