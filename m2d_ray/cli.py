@@ -138,7 +138,7 @@ def _help(cls: type, name: str, shown: object, also: str = "") -> str:
     return (text + (f" (default {shown})" if shown not in (None, "") else "")).replace("%", "%%")
 
 
-def _yaml(value: object) -> str:
+def _yaml(value: object) -> object:
     """A config value as a YAML file or an override writes it (true, null)."""
     return {True: "true", False: "false", None: "null"}.get(value, value) if not isinstance(value, float) else value
 
@@ -192,14 +192,15 @@ def _add_calib(p: argparse.ArgumentParser, streamed: bool = True) -> None:
 
 
 def _add_run_flags(p: argparse.ArgumentParser, resume: str) -> None:
-    """What `m2d sweep` and `m2d run` share: the run directory, resuming, MLflow and storage."""
+    """What `m2d sweep` and `m2d run` share: the run directory, resuming and MLflow's tracking URI."""
     p.add_argument("--out", help="run directory (default runs/<name>-<time>)")
     p.add_argument("--resume", metavar="RUN_DIR", help=resume)
     _setting(p, TrackConfig, "tracking_uri")
 
 
 def _add_analysis(p: argparse.ArgumentParser) -> None:
-    """m2d analyze's generation and judge settings: stage3.analysis's keys, as flags (analysis_config reads them)."""
+    """m2d analyze's generation and judge settings: stage3.analysis's keys as flags (commands/analyze.settings makes
+    them the stage's AnalysisConfig again)."""
     kinds = {
         "temperature": {"type": _temperature},
         "seed": {"type": int},
