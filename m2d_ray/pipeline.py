@@ -19,6 +19,7 @@ from pathlib import Path
 
 from m2d_ray.artifacts import write_json_atomic
 from m2d_ray.catalog.distill import LOSSES
+from m2d_ray.catalog.targets import HIDDEN, ONLINE
 from m2d_ray.checkpoint import scan
 from m2d_ray.config import SweepConfig, load_config
 from m2d_ray.console import say
@@ -259,11 +260,11 @@ def _candidates(p: Planning, t) -> list[TeacherTargets]:
     from the final states), online whole (unless stage2.shard_teacher), online sharded (over more than one worker)."""
     cfg, out = p.cfg, []
     if t.students > 1 and not LOSSES[cfg.distill.loss][1]:  # fkl+mse needs every layer's states: online only
-        out.append(TeacherTargets("hidden"))
+        out.append(TeacherTargets(HIDDEN))
     if not cfg.stage2.shard_teacher:
-        out.append(TeacherTargets("online"))
+        out.append(TeacherTargets(ONLINE))
     if cfg.distill.workers > 1:
-        out.append(TeacherTargets("online", shard=True))
+        out.append(TeacherTargets(ONLINE, shard=True))
     return out
 
 

@@ -7,7 +7,7 @@
             the kernel auto uses, at the shapes that cost money)          where it was measured)
     P7      perf.distill_step --preset h100, online, hidden,        per mode: platform, DeepSpeed and plain-loop
             sampled:64: DistillStep (plain torch, DeepSpeed ZeRO-2, and   tok/s at equal numerics (bf16-mixed), both
-            each exact-KL kernel: chunked, compiled, liger) against a     ratios, MFU, each kernel's tok/s, step peak
+            each exact-KL kernel: chunked, liger) against a       ratios, MFU, each kernel's tok/s, step peak
             plain PyTorch loop, 2.52B Qwen3-MoE teacher -> 0.40B student  and trajectory gap; the efficiency per mode
                                                                           and the fastest kernel at the same loss
     run     m2d run experiments/tiny.yaml on the GPU (short budgets):     stage walls against the bill (the GPU start-

@@ -8,7 +8,7 @@ written. For each targets mode, the paths then take turns in this process on one
 round (each going first in turn), every one from the same initial student and on the same batches:
 
     platform            m2d_ray.distill.step.DistillStep, what stage 2 runs at one rank: plain torch, chunked KL
-    platform:KERNEL     the same step with distill.kl_kernel=KERNEL (compiled, liger), exact modes only
+    platform:KERNEL     the same step with distill.kl_kernel=KERNEL (liger), exact modes only
     platform_deepspeed  the same step with DeepSpeed ZeRO-2 (world of 1): what the paper configs run
     reference           this file's plain loop, the same update (backward, clip, fused AdamW, the same parameter
                         groups and warm-up/cosine schedule) from the whole [tokens x vocab] float32 logits:
@@ -45,7 +45,7 @@ Output: one JSON line per mode as it finishes ({"mode": ...}), then one line wit
     python -m benchmarks.perf.distill_step --precision bf16-mixed --steps 20 --warmup 0   # a GPU's numerics on CPU
     python -m benchmarks.perf.distill_step --preset h100 --targets online,hidden,sampled:64
                                                               # the 2.52B teacher -> 0.40B student, 8 x 2048
-                                                              tokens, bf16-mixed, kernels chunked, compiled, liger
+                                                              tokens, bf16-mixed, kernels chunked, liger
     python -m benchmarks.perf.distill_step --preset smoke --targets online,hidden,sampled:8   # plumbing, seconds
     python -m benchmarks.perf.distill_step --preset head --targets online --paths platform,reference
                                                               # the paper student's head (V 151,936, d 2048), 4096

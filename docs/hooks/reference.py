@@ -2,7 +2,7 @@
 
     reference/cli.md            every `m2d` command and flag, from the argparse parser (m2d_ray/cli.py)
     reference/config.md         every config key with its type, default and meaning, from the config dataclasses
-                                (m2d_ray/config.py: the comment beside or above a field)
+                                (m2d_ray/config.py: each field's `setting(default, doc)`)
     reference/registries.md     every registry's names with their docstrings (scorings, groupings, scalings, baselines,
                                 losses, targets modes, the stages of a run)
     reference/run-directory.md  the run directory's files (m2d_ray/run_dir.py, the one owner of their names) and the
@@ -20,9 +20,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
-import io
 import re
-import tokenize
 import typing
 from pathlib import Path
 
@@ -103,25 +101,10 @@ def _sections(prefix: str, cls: type) -> list[tuple[str, type]]:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Each field's description: the comment lines right above it and the comment beside it, as written."""
-    src = inspect.getsource(cls)
-    lines = src.splitlines()
-    beside = {}
-    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
-        if tok.type == tokenize.COMMENT and lines[tok.start[0] - 1][: tok.start[1]].strip():
-            beside[tok.start[0]] = tok.string.lstrip("#").strip()
-    node = ast.parse(src).body[0]
-    out = {}
-    for stmt in node.body:
-        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-            above, row = [], stmt.lineno - 1
-            while row >= 1 and lines[row - 1].strip().startswith("#"):
-                above.insert(0, lines[row - 1].strip().lstrip("#").strip())
-                row -= 1
-            out[stmt.target.id] = " ".join(
-                [*above, beside.get(stmt.end_lineno, "") or beside.get(stmt.lineno, "")]
-            ).strip()
-    return out
+    """Each field's description: its one-line doc, written once beside its default (config.setting)."""
+    from m2d_ray.config import docs
+
+    return docs(cls)
 
 
 def _type(hint) -> str:

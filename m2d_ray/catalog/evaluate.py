@@ -4,6 +4,7 @@ suites, judges, question sets and batch sizes. `harness.py`, `runner.py`, `judge
 
 from __future__ import annotations
 
+from m2d_ray.catalog.distill import AUTO
 from m2d_ray.errors import M2DError
 from m2d_ray.sizes import parse_size
 
@@ -42,8 +43,8 @@ def parse_tasks(spec: str, num_fewshot: int | None = None) -> list[tuple[str, in
 def parse_batch(value) -> int | str:
     """A batch size as configured: a positive int or "auto"."""
 
-    if value == "auto":
-        return "auto"
+    if value == AUTO:
+        return AUTO
     try:
         n = int(value)
     except (TypeError, ValueError):

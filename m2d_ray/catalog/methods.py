@@ -63,3 +63,7 @@ RANDOM_BASELINES = Registry(
         ),
     },
 )
+
+#: the paper's best recipe (D-optimal ACP scores, round-robin groups by rank, uniform scaling): what `m2d convert`
+#: makes unless told otherwise
+PAPER_BEST = {"scoring": "do-acp", "grouping": "rr", "scaling": "uniform"}

@@ -9,8 +9,11 @@ from dataclasses import dataclass
 from m2d_ray.catalog.distill import LOSSES
 from m2d_ray.errors import M2DError
 
-MODES = ("hidden", "topk", "sampled")
-DEFAULT_K = {"topk": 64, "sampled": 64}
+#: stage2.targets' modes: the teacher runs beside every student (online), or its outputs are cached once: its final
+#: hidden states (exact), the top-K log-probabilities and the tail, or N sampled ids (approximate)
+ONLINE, HIDDEN, TOPK, SAMPLED = "online", "hidden", "topk", "sampled"
+MODES = (HIDDEN, TOPK, SAMPLED)  # the cached ones
+DEFAULT_K = {TOPK: 64, SAMPLED: 64}
 MAX_DRAWS = 255  # counts are uint8
 MANIFEST = "manifest.json"
 FINGERPRINT = ("teacher", "tokenizer", "tokens", "teacher_topk", "temperature")
@@ -27,12 +30,12 @@ class TargetSpec:
     seed: int = 0
 
     def __str__(self) -> str:
-        return self.mode if self.mode == "hidden" else f"{self.mode}:{self.k}"
+        return self.mode if self.mode == HIDDEN else f"{self.mode}:{self.k}"
 
     @property
     def exact(self) -> bool:
         """The student's loss is the online one (the teacher's logits recomputed from its states)."""
-        return self.mode == "hidden"
+        return self.mode == HIDDEN
 
 
 def parse_targets(text: str, temperature: float = 1.0, seed: int = 0) -> TargetSpec | None:
@@ -40,26 +43,32 @@ def parse_targets(text: str, temperature: float = 1.0, seed: int = 0) -> TargetS
     one cache serves every temperature); `topk`, `topk:K`, `sampled`, `sampled:N` -> a TargetSpec (K and N
     default to 64)."""
     mode, colon, k = str(text).strip().partition(":")
-    if mode == "online" and not colon:
+    if mode == ONLINE and not colon:
         return None
-    if mode == "hidden" and not colon:
-        return TargetSpec("hidden", 0)
+    if mode == HIDDEN and not colon:
+        return TargetSpec(HIDDEN, 0)
     usage = (
         "write online, hidden, topk[:K] (K >= 1), sampled[:N] (1 <= N <= 255) or auto (the plan's exact choice), "
         "e.g. hidden or sampled:64"
     )
-    if mode not in MODES or mode == "hidden":
+    if mode not in MODES or mode == HIDDEN:
         raise M2DError(f"stage2.targets={text!r}: unknown mode {mode!r}; {usage}")
     try:
         n = int(k) if colon else DEFAULT_K[mode]
     except ValueError:
         raise M2DError(f"stage2.targets={text!r}: {k!r} is not a whole number; {usage}") from None
-    if n < 1 or (mode == "sampled" and n > MAX_DRAWS):
+    if n < 1 or (mode == SAMPLED and n > MAX_DRAWS):
         raise M2DError(
             f"stage2.targets={text!r}: {mode} needs 1 <= {'K' if mode == 'topk' else 'N'}"
             f"{'' if mode == 'topk' else ' <= 255 (counts are stored as uint8)'}; {usage}"
         )
     return TargetSpec(mode, n, float(temperature), int(seed))
+
+
+def mode_of(spec: TargetSpec | None) -> str:
+    """The training mode a student trains in: online (no cached targets), else the cache's mode; what DistillStep's
+    batches, StudentLoss's loss and the kernel's choice all read."""
+    return ONLINE if spec is None else spec.mode
 
 
 def check_targets_loss(loss: str, spec: TargetSpec | None) -> None:
@@ -86,11 +95,11 @@ def bytes_per_token(spec: TargetSpec, state_bytes: int = 0) -> int:
         topk:K     K x 4 (int32 ids) + K x 2 (fp16 log-probs) + 4 (fp32 tail)  = 6K + 4  (topk:64: 388)
         sampled:N  N x 4 (int32 ids) + N x 1 (uint8 counts) + N x 2 (fp16 log-probs) = 7N  (sampled:64: 448)
     int32 ids because vocabularies exceed 65,536 (Qwen3: 151,936)."""
-    if spec.mode == "hidden":
+    if spec.mode == HIDDEN:
         if state_bytes < 1:
             raise ValueError("hidden targets: bytes_per_token needs the state's bytes (hidden size x dtype bytes)")
         return int(state_bytes)
-    return 6 * spec.k + 4 if spec.mode == "topk" else 7 * spec.k
+    return 6 * spec.k + 4 if spec.mode == TOPK else 7 * spec.k
 
 
 TARGET_SHARD_BYTES = (
@@ -112,4 +121,4 @@ def state_bytes(hidden_size: int, gpu: bool) -> int:
 def loss_metric(spec: TargetSpec | None) -> str:
     """The name a student's training loss is reported under: top-K's bucketed KL is a lower bound of the true
     KL, so it never shares a curve with the exact (online, hidden) or unbiased (sampled) losses."""
-    return "train_loss_buckets" if spec is not None and spec.mode == "topk" else "train_loss"
+    return "train_loss_buckets" if spec is not None and spec.mode == TOPK else "train_loss"

@@ -20,6 +20,7 @@ classified written; with --model the answers stay saved and the same command con
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -33,7 +34,9 @@ from m2d_ray.artifacts import (
     write_marker,
     write_text_atomic,
 )
+from m2d_ray.catalog.distill import AUTO
 from m2d_ray.checkpoint import check_files
+from m2d_ray.config import AnalysisConfig
 from m2d_ray.console import bar, emit, say
 from m2d_ray.errors import M2DError, RunFailed
 from m2d_ray.evaluate.generation import BatchStore, Sampling, answer_all, load, recorded
@@ -47,7 +50,7 @@ from m2d_ray.plan.suite import prompt_tokens
 FIELDS = ("id", "subject", "question", "choices", "answer", "response")
 
 
-def read_responses(path: str, key_base: str = "auto") -> list[dict]:
+def read_responses(path: str, key_base: str = AUTO) -> list[dict]:
     """The answers of a responses file, every line checked (one line naming the first line and field that cannot be
     read, and what to write); each response cut where the model's answer ended, each key made its letter (integer
     keys counted from `key_base`: 0, 1, or auto: 1 when the file's keys include a number of choices and never 0,
@@ -58,8 +61,8 @@ def read_responses(path: str, key_base: str = "auto") -> list[dict]:
     lines = [(n, _line(path, n, line)) for n, line in enumerate(p.read_text().splitlines(), 1) if line.strip()]
     if not lines:
         raise M2DError(f"--responses {path} holds no answers; give a file with one JSON object per line")
-    base = int(key_base) if key_base != "auto" else integer_base((r["answer"], len(r["choices"])) for _, r in lines)
-    if key_base == "auto" and base == 1:
+    base = int(key_base) if key_base != AUTO else integer_base((r["answer"], len(r["choices"])) for _, r in lines)
+    if key_base == AUTO and base == 1:
         say(f"{path}: its integer answer keys include the number of choices and never 0: read as counted from 1 (1 is "
             "A; --key-base 0 reads them from 0)")  # fmt: skip
     out = []
@@ -77,7 +80,7 @@ def _key_help(base: int, asked: str) -> str:
     """What to write instead of a key that cannot be read."""
     if base == 1:
         return "give a letter, an integer counted from 1 (--key-base 1: 1 is A) or one choice's exact text"
-    also = " (the file's keys include 0, so they count from 0)" if asked == "auto" else ""
+    also = " (the file's keys include 0, so they count from 0)" if asked == AUTO else ""
     return (
         f"give a letter, an integer counted from 0{also} as Hugging Face's MMLU stores it (1 is B), --key-base 1 for "
         "keys counted from 1, or one choice's exact text"
@@ -107,7 +110,7 @@ def check_judge(args) -> None:
     openai server that serves the model."""
     kind, model = parse_judge(args.judge)
     if kind == "openai":
-        openai_judge(args, model).check()
+        OpenAIJudge.configured(model, settings(args)).check()
     elif kind == "teacher":
         if not args.teacher:
             raise M2DError(
@@ -118,10 +121,11 @@ def check_judge(args) -> None:
         check_files(args.teacher, "judge teacher")
 
 
-def openai_judge(args, model: str) -> OpenAIJudge:
-    return OpenAIJudge(
-        model, args.judge_url, args.judge_key_env, max_tokens=args.judge_max_tokens, deadline=args.judge_deadline
-    )
+def settings(args) -> AnalysisConfig:
+    """The command's flags as stage3.analysis's settings (cli.py makes a flag of each key the command takes, with
+    the key's default and doc), so that the command and the stage read one thing."""
+    keys = {f.name for f in dataclasses.fields(AnalysisConfig)}
+    return AnalysisConfig(**{k: v for k, v in vars(args).items() if k in keys})
 
 
 def extractor_of(judge, args):
@@ -134,7 +138,7 @@ def load_judge(args, device: str):
     """The judge the checked --judge names (the teacher loaded now), or None."""
     kind, model = parse_judge(args.judge)
     if kind == "openai":
-        return openai_judge(args, model)
+        return OpenAIJudge.configured(model, settings(args))
     if kind == "teacher":
         return TeacherJudge(*load_model(args.teacher, device=device), batch_size=args.batch_size)
     return None

@@ -9,6 +9,7 @@ from m2d_ray.artifacts import check_output
 from m2d_ray.calibrate import StatsArtifact, calibrate, data_fingerprint
 from m2d_ray.calibrate.artifact import load_matching
 from m2d_ray.calibrate.tokens import calibration_tokens, resolve_calib
+from m2d_ray.config import CalibConfig
 from m2d_ray.console import emit
 from m2d_ray.data.text import check_spec
 from m2d_ray.models import (
@@ -28,9 +29,9 @@ def run_calibrate(
     model: str | None,
     calib_data: str | None,
     out: str | Path | None,
-    max_tokens: int = 32768,
-    seq_len: int = 256,
-    batch_size: int = 8,
+    max_tokens: int = CalibConfig.max_tokens,
+    seq_len: int = CalibConfig.seq_len,
+    batch_size: int = CalibConfig.batch_size,
     device: str | None = None,
     teacher: Teacher | LazyTeacher | None = None,
     overwrite: bool = False,

@@ -9,10 +9,11 @@ from m2d_ray.artifacts import check_output
 from m2d_ray.calibrate.artifact import load_stats
 from m2d_ray.catalog.methods import RANDOM_BASELINES
 from m2d_ray.commands.calibrate import calib_options, run_calibrate
+from m2d_ray.config import EvalConfig
 from m2d_ray.console import emit, say
 from m2d_ray.convert.build import build_from_plan
 from m2d_ray.convert.export import export_student
-from m2d_ray.convert.plan import check_K, check_methods, make_plan
+from m2d_ray.convert.plan import check_K, check_method_names, make_plan
 from m2d_ray.data.text import check_spec, load_text, tokenize
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.perplexity import EVAL_MAX_CHARS, Perplexity, perplexity
@@ -28,7 +29,12 @@ from m2d_ray.weights import open_teacher
 
 
 def evaluate_ppl(
-    model, tokenizer, eval_data: str, seq_len: int = 256, max_chars: int | None = EVAL_MAX_CHARS, batch_size: int = 8
+    model,
+    tokenizer,
+    eval_data: str,
+    seq_len: int = EvalConfig.seq_len,
+    max_chars: int | None = EVAL_MAX_CHARS,
+    batch_size: int = EvalConfig.batch_size,
 ) -> Perplexity:
     ids = tokenize(tokenizer, load_text(eval_data, max_chars=max_chars), max_chars=max_chars)
     return perplexity(model, ids, seq_len=seq_len, batch_size=batch_size, progress=True)
@@ -58,7 +64,7 @@ def convert_one(
     if baseline:
         RANDOM_BASELINES.check(baseline)
     else:
-        check_methods(scoring, grouping, scaling)
+        check_method_names(scoring, grouping, scaling)
     check_output(out, "student", overwrite)
     name = model or default_teacher()
     adapter, config = check_teacher(name), model_config(name)

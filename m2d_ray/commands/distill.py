@@ -18,6 +18,7 @@ from pathlib import Path
 from m2d_ray.artifacts import check_output, replace_dir, write_json_atomic, write_marker
 from m2d_ray.catalog.distill import AUTO
 from m2d_ray.catalog.methods import RANDOM_BASELINES
+from m2d_ray.catalog.targets import ONLINE
 from m2d_ray.checkpoint import check_files, scan
 from m2d_ray.commands.runs import keep_logs
 from m2d_ray.config import RayConfig, load_config
@@ -137,7 +138,7 @@ def distill_one(
         "deepspeed": cfg.uses_deepspeed,
         "precision": cfg.precision,
         "workers": cfg.workers,
-        "targets": str(spec or "online") + (", sharded" if shard else ""),
+        "targets": str(spec or ONLINE) + (", sharded" if shard else ""),
         "peak_rss_bytes": m.get("peak_rss_bytes"),
         "peak_cuda_bytes": m.get("peak_cuda_bytes"),
         "metrics": str(out / "metrics.jsonl"),

@@ -18,6 +18,7 @@ from m2d_ray.arch.dense import DenseSizes, get_dense_adapter
 from m2d_ray.artifacts import check_output
 from m2d_ray.checkpoint import check_files
 from m2d_ray.commands.calibrate import calib_options
+from m2d_ray.config import CalibConfig
 from m2d_ray.console import emit
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.perplexity import EVAL_MAX_CHARS
@@ -49,9 +50,9 @@ def prune_dense(
     sizes: dict | None = None,
     calib_data: str | None = None,
     eval_data: str | None = None,
-    max_tokens: int = 32768,
-    seq_len: int = 256,
-    batch_size: int = 8,
+    max_tokens: int = CalibConfig.max_tokens,
+    seq_len: int = CalibConfig.seq_len,
+    batch_size: int = CalibConfig.batch_size,
     device: str | None = None,
     overwrite: bool = False,
 ) -> dict:

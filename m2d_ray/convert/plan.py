@@ -77,7 +77,7 @@ class ConversionPlan:
         )
 
 
-def check_methods(scoring: str, grouping: str, scaling: str) -> None:
+def check_method_names(scoring: str, grouping: str, scaling: str) -> None:
     SCORINGS.check(scoring)
     GROUPINGS.check(grouping)
     SCALINGS.check(scaling)
@@ -126,7 +126,7 @@ def make_plans(
     adapter, config = teacher.adapter, teacher.config
     k, E = adapter.top_k(config), adapter.num_experts(config)
     for scoring, grouping, scaling, K in recipes:
-        check_methods(scoring, grouping, scaling)
+        check_method_names(scoring, grouping, scaling)
         check_K(K, k, E)
     blocks = adapter.moe_blocks(teacher.skeleton)
     if sorted(blocks) != sorted(stats):

@@ -3,8 +3,6 @@ student's softmax over the whole vocabulary from their final hidden states and h
 
     chunked   losses.chunked_kl: float32 logits, log-softmax and gradients a chunk of tokens at a time (every
               device; the reference the others are held to)
-    compiled  the same loss, with the student's forward and the loss compiled by torch.compile (inductor fuses the
-              norms, SwiGLU and rotary embeddings of the student; the first step pays the compilation)
     liger     Liger Kernel's fused linear JSD (`pip install liger-kernel`, CUDA and Triton only): at beta = 0 its
               generalised JSD is the forward KL, at beta = 1 the reverse; it forms float32 logits like chunked but
               rounds the logits' gradient to the compute dtype before the two gradient matmuls (bfloat16 tensor
@@ -17,6 +15,8 @@ student's softmax over the whole vocabulary from their final hidden states and h
 Each is held to chunked: on the CPU where it runs there (tests/unit/test_kernels.py), and on a GPU by the acceptance
 call, which trains every kernel from the same student on the same batches and compares the loss trajectories.
 Only the exact modes (online, hidden) have kernels: cached top-K and sampled targets have their own losses.
+Compiling the student is not a kernel but a setting of its own, `distill.compile`, with any of them (the name
+`compiled` of earlier versions is read as chunked with distill.compile=true).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from packaging.version import Version
 from torch import Tensor
 
 from m2d_ray import measured
-from m2d_ray.catalog.distill import KL_KERNELS
+from m2d_ray.catalog.distill import AUTO, COMPILED, KL_KERNELS
+from m2d_ray.catalog.targets import mode_of
 from m2d_ray.console import say
 from m2d_ray.distill.losses import chunked_kl
 from m2d_ray.errors import M2DError
@@ -39,7 +40,7 @@ from m2d_ray.errors import M2DError
 # Imported inside functions: liger_kernel (an optional GPU dependency, the [gpu] extra).
 
 KL = Callable[..., Tensor]  # (h_s, w_s, h_t, w_t, kind=, temperature=, chunk=) -> the mean per-token loss
-#: torch.compile's backend for the compiled kernel (the CPU tests swap in aot_eager: the same capture, no codegen)
+#: torch.compile's backend under distill.compile (the CPU tests swap in aot_eager: the same capture, no codegen)
 COMPILE_BACKEND = "inductor"
 
 
@@ -47,7 +48,6 @@ COMPILE_BACKEND = "inductor"
 class KLKernel:
     name: str
     kl: KL
-    compiles: bool = False  # the student's loss module is compiled around it
     cuda_only: bool = False
     needs: str | None = None  # the module it imports, and what installs it
     min_version: tuple[str, str] | None = None  # (distribution, the oldest version the glue works with)
@@ -116,7 +116,6 @@ def liger_kl(
 
 for _k in (
     KLKernel("chunked", chunked_kl),
-    KLKernel("compiled", chunked_kl, compiles=True),
     KLKernel(
         "liger",
         liger_kl,
@@ -134,7 +133,7 @@ def kl_kernel(name: str, device: str | torch.device, targets=None, where: Where 
     the measured choice for the mode where this run is what it was measured on, else chunked (one line, once); also
     chunked (said once) where the measured one cannot run here. A kernel asked for by name that cannot run here is
     one line."""
-    if name != "auto":
+    if name != AUTO:
         kernel = KL_KERNELS[name]
         why = kernel.unavailable(device)
         if why:
@@ -142,9 +141,9 @@ def kl_kernel(name: str, device: str | torch.device, targets=None, where: Where 
         return kernel
     if torch.device(device).type != "cuda":
         return KL_KERNELS["chunked"]
-    mode = "online" if targets is None else targets.mode
+    mode = mode_of(targets)
     entry = measured.gpu().kl_kernel.get(mode)
-    if entry is None or entry["kernel"] == "chunked":
+    if entry is None or entry["kernel"] in ("chunked", COMPILED):  # compiling is distill.compile's, not auto's
         return KL_KERNELS["chunked"]
     here = {"device": device_name(device), **asdict(where or Where())}
     differ = {k: (entry.get(k), v) for k, v in here.items() if entry.get(k) != v}

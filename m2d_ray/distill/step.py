@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from m2d_ray.catalog.targets import HIDDEN, ONLINE, TOPK, mode_of
 from m2d_ray.config import DistillConfig
 from m2d_ray.distill import kernels
 from m2d_ray.distill.kernels import KLKernel, Where, kl_kernel
@@ -140,6 +141,7 @@ class StudentLoss(nn.Module):
         self.student = student
         self.kind, self.with_states = LOSSES[cfg.loss]
         self.cfg, self.targets = cfg, targets
+        self.mode = mode_of(targets)
         self.kl = (kernel or kl_kernel("chunked", "cpu")).kl
 
     def forward(
@@ -159,9 +161,9 @@ class StudentLoss(nn.Module):
             self.cfg.temperature,
             self.cfg.loss_chunk,
         )
-        if self.targets is not None and not self.targets.exact:
+        if self.mode not in (ONLINE, HIDDEN):  # cached top-K / sampled targets: their own losses
             flat = {k: v.reshape(h.shape[0], *v.shape[2:]) for k, v in t_last.items()}
-            if self.targets.mode == "topk":
+            if self.mode == TOPK:
                 return sparse_kl(h, w_s, flat["ids"], flat["logp"], flat["tail"], temperature=t, chunk=c)
             return sampled_kl(h, w_s, flat["ids"], flat["counts"], flat["logp"], temperature=t, chunk=c)
         loss = self.kl(h, w_s, t_last.reshape(-1, t_last.shape[-1]), w_t, kind=self.kind, temperature=t, chunk=c)
@@ -180,6 +182,10 @@ class DistillStep:
     them), after the plain path's float32 masters are taken from them. A student that shares a tensor with its
     teacher is refused: the step would train the frozen teacher too.
     DeepSpeed, or `world` > 1, needs an initialised process group (Ray Train's, or deepspeed.init_distributed).
+
+    `__init__` reads top to bottom as named steps (torchtune's KD recipe's way): the training mode, the teacher's
+    head, the loss (kernel; compiled with distill.compile), the float32 masters, the cast, the optimizer and schedule,
+    then the data-parallel wrapper (DeepSpeed replaces the optimizer and schedule, so it comes last).
     """
 
     def __init__(
@@ -193,56 +199,103 @@ class DistillStep:
         targets: TargetSpec | None = None,
         head: Tensor | None = None,
     ) -> None:
+        """The set-up, in the order its steps depend on each other (each step's docstring says what it needs)."""
         self.cfg, self.student, self.teacher, self.device, self.world = cfg, student, teacher, device, world
-        if head is None and teacher is not None:
-            head = teacher.get_output_embeddings().weight
-        self.head = head.detach() if head is not None else None
+        self.precision, self.targets = precision, targets
+        self.mode = self._setup_mode()
+        self.head = self._setup_head(head)
         refuse_aliases(student, [teacher, self.head])
-        where = Where.of(cfg.loss, cfg.temperature, cfg.uses_deepspeed, world)
-        self.precision, self.kernel = precision, kl_kernel(cfg.kl_kernel, device, targets, where)
-        self.loss_module = StudentLoss(student, cfg, targets, self.kernel)
-        if self.kernel.compiles:
-            self.loss_module.compile(backend=kernels.COMPILE_BACKEND, dynamic=False)
-        plain_masters = precision.masters and not cfg.uses_deepspeed
-        self.masters = MasterWeights(student.parameters(), world) if plain_masters else None
-        cast_parameters(student, precision.dtype)
-        groups = param_groups(student, cfg.weight_decay)
-        fused = torch.device(device).type in ("cpu", "cuda")  # one kernel for all tensors (P7, 1 thread: -2.6% step)
-        self.opt = torch.optim.AdamW(
+        self.kernel, self.loss_module = self._setup_loss()
+        self.masters = self._setup_masters()
+        cast_parameters(student, precision.dtype)  # after the masters: they copy the float32 weights
+        self.opt, self.sched = self._setup_optimizer()
+        self.trained = [p for g in self.opt.param_groups for p in g["params"]]  # what the gradient clip reads
+        self.engine, self.ddp = self._setup_parallel()
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._losses = 0
+
+    def _setup_mode(self) -> str:
+        """The training mode, the one source that step() and StudentLoss read: online (the teacher runs here) or the
+        cached targets' mode (hidden, topk, sampled)."""
+        if (self.teacher is None) == (self.targets is None):
+            raise ValueError("DistillStep trains online (a teacher, no targets) or from cached targets (no teacher)")
+        return mode_of(self.targets)
+
+    def _setup_head(self, head: Tensor | None) -> Tensor | None:
+        """The teacher's output head [V, d] the exact modes form its logits with: given (hidden targets, a sharded
+        teacher), else the loaded teacher's; no gradient reaches it."""
+        if head is None and self.teacher is not None:
+            head = self.teacher.get_output_embeddings().weight
+        return head.detach() if head is not None else None
+
+    def _setup_loss(self) -> tuple[KLKernel, StudentLoss]:
+        """The KL kernel for this run (its loss, temperature and path) and the student's loss module, compiled
+        when distill.compile says so (before the masters and the cast: it wraps the module, not its weights)."""
+        cfg = self.cfg
+        where = Where.of(cfg.loss, cfg.temperature, cfg.uses_deepspeed, self.world)
+        kernel = kl_kernel(cfg.kl_kernel, self.device, self.targets, where)
+        loss_module = StudentLoss(self.student, cfg, self.targets, kernel)
+        if cfg.compile:
+            loss_module.compile(backend=kernels.COMPILE_BACKEND, dynamic=False)
+        return kernel, loss_module
+
+    def _setup_masters(self) -> MasterWeights | None:
+        """Float32 master copies of the student's parameters on the plain paths of a policy with masters; taken
+        before the parameters are cast to the policy's dtype (DeepSpeed keeps its own)."""
+        if self.precision.masters and not self.cfg.uses_deepspeed:
+            return MasterWeights(self.student.parameters(), self.world)
+        return None
+
+    def _setup_optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        """AdamW over the masters (if any) or the cast parameters, and the warm-up + cosine schedule; needs the
+        masters and the cast done."""
+        cfg = self.cfg
+        groups = param_groups(self.student, cfg.weight_decay)
+        fused = torch.device(self.device).type in ("cpu", "cuda")  # one kernel for all tensors (P7: -2.6% step)
+        opt = torch.optim.AdamW(
             self.masters.groups(groups) if self.masters else groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=fused
         )
-        self.trained = [p for g in self.opt.param_groups for p in g["params"]]  # what the gradient clip reads
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, cfg))
-        self.engine = self.ddp = None
-        if cfg.uses_deepspeed:
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+
+    def _setup_parallel(self):
+        """The data-parallel wrapper: a DeepSpeed engine (which replaces the optimizer and the scheduler by its own
+        wrappers: called last), DDP over the loss module on several plain ranks without masters (masters sum and
+        reduce their gradients in float32 themselves), or none."""
+        if self.cfg.uses_deepspeed:
             import deepspeed
 
-            self.engine, self.opt, _, self.sched = deepspeed.initialize(
-                model=student, optimizer=self.opt, lr_scheduler=self.sched, config=ds_config(cfg, precision.dtype)
+            engine, self.opt, _, self.sched = deepspeed.initialize(
+                model=self.student,
+                optimizer=self.opt,
+                lr_scheduler=self.sched,
+                config=ds_config(self.cfg, self.precision.dtype),
             )
-        elif world > 1 and self.masters is None:  # masters sum and reduce their gradients in float32 themselves
-            cuda = torch.device(device).type == "cuda"
-            self.ddp = nn.parallel.DistributedDataParallel(
+            return engine, None
+        if self.world > 1 and self.masters is None:
+            cuda = torch.device(self.device).type == "cuda"
+            ddp = nn.parallel.DistributedDataParallel(
                 self.loss_module,
                 device_ids=[torch.cuda.current_device()] if cuda else None,
                 gradient_as_bucket_view=True,
             )
-        self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self._losses = 0
+            return None, ddp
+        return None, None
+
+    def _inputs(self, mb: Tensor | dict[str, Tensor]) -> tuple[Tensor, tuple]:
+        """A micro-batch as the student's ids and what its loss compares them with, by the training mode."""
+        if self.mode == ONLINE:
+            t_last, t_states = teacher_outputs(self.teacher, mb, self.loss_module.with_states)
+            return mb, (t_last, self.head, t_states)
+        if self.mode == HIDDEN:  # cached final hidden states: the online loss through the head
+            return mb["tokens"], (mb[HIDDEN].to(self.head.dtype), self.head)
+        return mb["tokens"], ({k: v for k, v in mb.items() if k != "tokens"},)  # top-K / sampled targets
 
     def step(self, micro_batches: Sequence[Tensor | dict[str, Tensor]]) -> None:
         """Micro-batches of ids (online: the teacher runs here), or dicts of input `tokens` and their cached targets."""
         forward = self.ddp or self.loss_module
         last = len(micro_batches) - 1
         for i, mb in enumerate(micro_batches):
-            if self.teacher is None and "hidden" in mb:  # cached final hidden states: the online loss through the head
-                ids, teacher = mb["tokens"], (mb["hidden"].to(self.head.dtype), self.head)
-            elif self.teacher is None:  # cached top-K / sampled: the input tokens and their targets
-                ids, teacher = mb["tokens"], ({k: v for k, v in mb.items() if k != "tokens"},)
-            else:
-                ids = mb
-                t_last, t_states = teacher_outputs(self.teacher, ids, self.loss_module.with_states)
-                teacher = (t_last, self.head, t_states)
+            ids, teacher = self._inputs(mb)
             with self.ddp.no_sync() if self.ddp is not None and i < last else contextlib.nullcontext():
                 loss = forward(ids, *teacher)
                 if self.engine is not None:

@@ -36,10 +36,13 @@ from m2d_ray.catalog.distill import AUTO  # noqa: F401  (re-exported)
 from m2d_ray.catalog.targets import (  # noqa: F401  (the light part; re-exported for the code that makes targets)
     DEFAULT_K,
     FINGERPRINT,
+    HIDDEN,
     MANIFEST,
     MAX_DRAWS,
     MODES,
+    SAMPLED,
     TARGET_SHARD_BYTES,
+    TOPK,
     TargetSpec,
     blocks_per_shard,
     bytes_per_token,
@@ -68,15 +71,15 @@ def teacher_targets(
 
     Logits are formed `chunk` tokens at a time (peak ~3 x chunk x V floats), never for all tokens at once.
     """
-    if spec.mode == "hidden":
+    if spec.mode == HIDDEN:
         return {"hidden": h_t}
     b, length, _ = h_t.shape
     k, dev, t = spec.k, h_t.device, float(spec.temperature)
-    if spec.mode == "topk" and k > w_t.shape[0]:
+    if spec.mode == TOPK and k > w_t.shape[0]:
         raise M2DError(
             f"stage2.targets={spec}: K is larger than the teacher's vocabulary ({w_t.shape[0]}); use a smaller K"
         )
-    if spec.mode == "topk":
+    if spec.mode == TOPK:
         out = {
             "ids": torch.empty(b, length, k, dtype=torch.int32, device=dev),
             "logp": torch.empty(b, length, k, dtype=torch.float16, device=dev),
@@ -95,13 +98,13 @@ def teacher_targets(
                 torch.rand(length, k, generator=block_generator(spec.seed, first_block + i), dtype=torch.float64).to(
                     dev
                 )
-                if spec.mode == "sampled"
+                if spec.mode == SAMPLED
                 else None
             )
             for s in range(0, length, chunk):
                 lp = log_probs(h_t[i, s : s + chunk], w_t, t)
                 rows = {name: x[i, s : s + chunk] for name, x in out.items()}
-                if spec.mode == "topk":
+                if spec.mode == TOPK:
                     _topk(lp, k, **rows)
                 else:
                     _sampled(lp, u[s : s + chunk], **rows)

@@ -31,6 +31,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from m2d_ray import storage
+from m2d_ray.config import AnalysisConfig
 from m2d_ray.evaluate.questions import TEMPLATE, UNTIL, Question, answer_part
 from m2d_ray.models import _source, load_model, load_tokenizer
 
@@ -39,10 +40,10 @@ from m2d_ray.models import _source, load_model, load_tokenizer
 class Sampling:
     """What a model's answers are drawn with (recorded with the results; a resumed run must keep it)."""
 
-    max_new_tokens: int = 2048
-    temperature: float = 0.7
-    seed: int = 0
-    batch_size: int = 16
+    max_new_tokens: int = AnalysisConfig.max_new_tokens  # defaults and docs: stage3.analysis (config.py)
+    temperature: float = AnalysisConfig.temperature
+    seed: int = AnalysisConfig.seed
+    batch_size: int = AnalysisConfig.batch_size
 
 
 def recorded(questions: str, per_subject: int, s: Sampling, template: str = TEMPLATE) -> dict:

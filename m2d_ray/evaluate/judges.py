@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from m2d_ray.catalog.evaluate import parse_judge  # noqa: F401  (re-exported)
+from m2d_ray.config import AnalysisConfig
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.generation import context_of
 from m2d_ray.evaluate.taxonomy import JUDGED, letters
@@ -293,11 +294,11 @@ class OpenAIJudge:
     """An OpenAI-compatible chat-completions server as the judge."""
 
     model: str
-    url: str = "https://api.openai.com/v1"
-    key_env: str = "OPENAI_API_KEY"
-    rate: float = 2.0  # requests per second, at most
-    retries: int = 4
-    max_tokens: int = 4096  # a reasoning or thinking model's room to think before its one word
+    url: str = AnalysisConfig.judge_url  # its settings' defaults and docs: stage3.analysis.judge_* (config.py)
+    key_env: str = AnalysisConfig.judge_key_env
+    rate: float = AnalysisConfig.judge_rate
+    retries: int = AnalysisConfig.judge_retries
+    max_tokens: int = AnalysisConfig.judge_max_tokens
     backoff: float = 1.0  # seconds before the first retry; doubled each time
     timeout: float = 60.0
     deadline: float | None = None  # seconds for one call (a model's answers), retries included; None: no bound
@@ -309,6 +310,19 @@ class OpenAIJudge:
     _temperature: bool = True  # send temperature 0 (until a 400 refuses it)
     _tokens: str = "max_tokens"  # the field of the token limit (max_completion_tokens once a 400 asks for it)
     _until: float | None = None  # the monotonic time the current call's deadline passes
+
+    @classmethod
+    def configured(cls, model: str, a: AnalysisConfig) -> OpenAIJudge:
+        """The judge as stage3.analysis (a run's stage, or `m2d analyze`'s flags) sets it."""
+        return cls(
+            model,
+            a.judge_url,
+            a.judge_key_env,
+            rate=a.judge_rate,
+            retries=a.judge_retries,
+            max_tokens=a.judge_max_tokens,
+            deadline=a.judge_deadline,
+        )
 
     @property
     def name(self) -> str:

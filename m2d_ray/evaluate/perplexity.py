@@ -18,10 +18,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from m2d_ray import console
+from m2d_ray.config import EvalConfig
 from m2d_ray.errors import M2DError
 from m2d_ray.numerics import logits
 
-EVAL_MAX_CHARS = 300_000  # the protocol: the first 300,000 characters of the evaluation text
+EVAL_MAX_CHARS = EvalConfig.max_chars  # the protocol: the first 300,000 characters of the evaluation text
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,13 @@ def window_nll(model, ids: Tensor, mask: Tensor, chunk: int = 1024) -> tuple[flo
     return total, int(valid.sum())
 
 
-def perplexity_batches(model, ids: Tensor, seq_len: int = 256, batch_size: int = 8, progress: bool = False):
+def perplexity_batches(
+    model,
+    ids: Tensor,
+    seq_len: int = EvalConfig.seq_len,
+    batch_size: int = EvalConfig.batch_size,
+    progress: bool = False,
+):
     """Yield the running Perplexity after each batch of windows (for chunked early stopping)."""
     w, m = windows(ids, seq_len)
     total, count = 0.0, 0
@@ -83,7 +90,13 @@ def perplexity_batches(model, ids: Tensor, seq_len: int = 256, batch_size: int =
         yield _result(total, count, min(start + batch_size, w.shape[0]))
 
 
-def perplexity(model, ids: Tensor, seq_len: int = 256, batch_size: int = 8, progress: bool = False) -> Perplexity:
+def perplexity(
+    model,
+    ids: Tensor,
+    seq_len: int = EvalConfig.seq_len,
+    batch_size: int = EvalConfig.batch_size,
+    progress: bool = False,
+) -> Perplexity:
     result = None
     for result in perplexity_batches(model, ids, seq_len, batch_size, progress):
         if result.diverged:

@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 from m2d_ray.arch.counts import counts
+from m2d_ray.catalog.distill import AUTO
 from m2d_ray.errors import M2DError
 from m2d_ray.weights import meta_model
 
@@ -86,7 +87,7 @@ class EvalPlacement:
         where = f"{self.gpus:g} GPU" + ("s, sharded" if self.shard else "") if self.gpus else "CPU"
         return (
             f"{where}; weights {_gib(self.weights)}, {_gib(self.sequence)} per {self.max_length}-token sequence, "
-            f"batch {self.batch_size}" + (f" (at most {self.max_batch_size})" if self.batch_size == "auto" else "")
+            f"batch {self.batch_size}" + (f" (at most {self.max_batch_size})" if self.batch_size == AUTO else "")
         )
 
 
@@ -143,10 +144,10 @@ def plan_eval(
         fit = MAX_BATCH if host_bytes is None else max(1, min(MAX_BATCH, (host_bytes - size.weights) // seq))
         if batch_memory is not None:
             fit = max(1, min(fit, batch_memory // seq))
-        batch = fit if batch_size == "auto" else min(int(batch_size), fit)
+        batch = fit if batch_size == AUTO else min(int(batch_size), fit)
         return EvalPlacement(0, False, batch, fit, max_length, None, size.weights, seq)
     usable = gpu_bytes * UTILISATION - RESERVE
-    least = min(MIN_BATCH, MAX_BATCH if batch_size == "auto" else int(batch_size))
+    least = min(MIN_BATCH, MAX_BATCH if batch_size == AUTO else int(batch_size))
     if gpu_fraction is not None and 0 < gpu_fraction < 1:
         share = gpu_bytes * gpu_fraction * UTILISATION - RESERVE
         if size.weights + least * seq <= share:
@@ -207,7 +208,7 @@ def _batch(size, seq, gpus, shard, free, cap, batch_size, batch_memory, max_leng
     fit = int(max(1, min(MAX_BATCH, free // seq)))
     if batch_memory is not None:
         fit = int(max(1, min(fit, batch_memory // seq)))
-    batch = "auto" if batch_size == "auto" else min(int(batch_size), fit)
+    batch = AUTO if batch_size == AUTO else min(int(batch_size), fit)
     return EvalPlacement(gpus, shard, batch, fit, max_length, cap, size.weights, seq)
 
 

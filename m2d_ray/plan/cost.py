@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from m2d_ray.accelerators import GPU_PEAK_BF16
+from m2d_ray.catalog.targets import HIDDEN, ONLINE
 from m2d_ray.config import SweepConfig, k_values
 from m2d_ray.distill.flops import causal_attention_flops, matmul_rate
 from m2d_ray.plan.devices import NodeType, holders
@@ -256,9 +257,9 @@ def stage2_flops(
     x = cfg.distill
     teacher = teacher or m.teacher
     student = forward_flops(m.student, x.seq_len)
-    if targets == "online":
+    if targets == ONLINE:
         side = forward_flops(teacher, x.seq_len)
-    elif targets == "hidden":
+    elif targets == HIDDEN:
         side = head_flops(teacher)
     else:
         side = 0.0

@@ -37,6 +37,7 @@ benchmarks/perf/memory_plan.py hold each estimate to within 25% of a measured pe
 
 from __future__ import annotations
 
+from m2d_ray.catalog.targets import HIDDEN, ONLINE
 from m2d_ray.plan.shapes import Shape
 
 FP32 = 4
@@ -143,20 +144,20 @@ def student_rank(
     zero_stage: int,
     checkpointing: bool,
     chunk: int,
-    targets: str = "online",
+    targets: str = ONLINE,
     per_token: int = 0,
     shard: bool = False,
     masters: bool = False,
 ) -> dict[str, int]:
     """One stage-2 rank: `training` and what it holds of its teacher for `targets` (online, whole or `shard`ed over
     the ranks; hidden, topk, sampled; `per_token`: the cache's bytes per token)."""
-    exact = targets in ("online", "hidden")
+    exact = targets in (ONLINE, HIDDEN)
     out = training(
         student, tokens, b, world, deepspeed, zero_stage, checkpointing, chunk, teacher_logits=exact, masters=masters
     )
-    if targets == "online":
+    if targets == ONLINE:
         return {**out, **(sharded_teacher(teacher, tokens, b, world) if shard else online_teacher(teacher, tokens, b))}
-    if targets == "hidden":
+    if targets == HIDDEN:
         out["teacher head"] = teacher.vocab * teacher.hidden * b
     return {**out, **cached_targets(tokens, per_token)}
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from m2d_ray.catalog.distill import AUTO
-from m2d_ray.catalog.targets import TargetSpec, bytes_per_token, parse_targets, state_bytes
+from m2d_ray.catalog.targets import ONLINE, TargetSpec, bytes_per_token, parse_targets, state_bytes
 from m2d_ray.plan.shapes import Shape
 from m2d_ray.storage import is_remote
 
@@ -42,7 +42,7 @@ class TeacherTargets:
     """One teacher's targets: `mode` online | hidden | topk:K | sampled:N, `shard` (online: over a student's ranks),
     and, when the plan chose it (`auto`), why."""
 
-    mode: str = "online"
+    mode: str = ONLINE
     shard: bool = False
     why: str = ""
 
@@ -57,7 +57,7 @@ class TeacherTargets:
     @property
     def stores(self) -> bool:
         """Whether its outputs are cached (a targets pass and storage), not computed beside each student."""
-        return self.mode != "online"
+        return self.mode != ONLINE
 
     @property
     def label(self) -> str:
@@ -80,8 +80,8 @@ def configured(cfg, keys) -> dict[str, TeacherTargets]:
     """The config's choice for every teacher in `keys` (an explicit stage2.targets; empty under auto)."""
     if cfg.stage2.targets == AUTO:
         return {}
-    mode = str(cfg.target_spec() or "online")
-    return {k: TeacherTargets(mode, cfg.stage2.shard_teacher and mode == "online") for k in keys}
+    mode = str(cfg.target_spec() or ONLINE)
+    return {k: TeacherTargets(mode, cfg.stage2.shard_teacher and mode == ONLINE) for k in keys}
 
 
 def per_token(t: TeacherTargets, teacher: Shape, cfg) -> int:

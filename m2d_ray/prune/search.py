@@ -23,6 +23,7 @@ from torch import Tensor
 
 from m2d_ray import console
 from m2d_ray.arch.dense import DenseAdapter, DenseSizes, get_dense_adapter
+from m2d_ray.config import EvalConfig
 from m2d_ray.convert.baselines import dense_width
 from m2d_ray.convert.student import student_width
 from m2d_ray.data.text import TokenSet
@@ -146,8 +147,8 @@ def search(
     *,
     model: PreTrainedModel | None = None,
     shapes: list[tuple[str, DenseSizes]] | None = None,
-    seq_len: int = 256,
-    batch_size: int = 8,
+    seq_len: int = EvalConfig.seq_len,
+    batch_size: int = EvalConfig.batch_size,
     device: str = "cpu",
     progress: bool = False,
 ) -> SearchResult:

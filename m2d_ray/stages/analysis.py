@@ -40,6 +40,7 @@ from functools import partial
 import torch
 
 from m2d_ray.artifacts import write_json_atomic, write_text_atomic
+from m2d_ray.catalog.units import ACTOR
 from m2d_ray.config import AnalysisConfig, SweepConfig
 from m2d_ray.console import say
 from m2d_ray.data.synthetic import DOMAINS
@@ -79,7 +80,7 @@ class Analysis(Stage):
         check_set(a.questions)  # MMLU fetched and intact
         kind, model = parse_judge(a.judge)
         if kind == "openai":
-            openai_judge(a, model).check()  # the server answers, before any generation
+            OpenAIJudge.configured(model, a).check()  # the server answers, before any generation
 
     def check_resume(self, rd, cfg) -> None:
         check_settings(rd, cfg.stage3.analysis)
@@ -135,7 +136,7 @@ class Analysis(Stage):
         seq = prompt + a.max_new_tokens
         # a model's start is its load (an actor's, as a Ray Data actor's), its tasks go to the Ray the run runs
         generation = stage3.price_models(
-            c, self.name, lambda shape: n * seq * forward_flops(shape, int(seq)), "actor", rounds=0
+            c, self.name, lambda shape: n * seq * forward_flops(shape, int(seq)), ACTOR, rounds=0
         )
         answers = n * generation.units
         kind, model = parse_judge(a.judge)
@@ -150,7 +151,7 @@ class Analysis(Stage):
             plan = c.plans.get(f"{self.name}:{TEACHER_KEY}")
             s3 = p.cfg.stage3
             where = c.place(plan.name, plan.share * plan.units, s3.threads_per_task, 1, s3.accelerator, plan.request)
-            judge = c.stage(f"{self.name}:judge", [judged], where, "actor", rounds=0)
+            judge = c.stage(f"{self.name}:judge", [judged], where, ACTOR, rounds=0)
         # the judge runs after the generation; `before` adds the two (sums commute) and keeps the generation's row
         return [before(judge, generation)]
 
@@ -165,18 +166,6 @@ class Analysis(Stage):
 def questions_of(a: AnalysisConfig) -> int:
     """How many questions the sample has (57 MMLU subjects, or the corpus' 6 domains; every subject has more rows)."""
     return a.per_subject * (len(MMLU_SUBJECTS) if a.questions == "mmlu" else len(DOMAINS))
-
-
-def openai_judge(a: AnalysisConfig, model: str) -> OpenAIJudge:
-    return OpenAIJudge(
-        model,
-        a.judge_url,
-        a.judge_key_env,
-        rate=a.judge_rate,
-        retries=a.judge_retries,
-        max_tokens=a.judge_max_tokens,
-        deadline=a.judge_deadline,
-    )
 
 
 def sampling(a: AnalysisConfig) -> Sampling:
@@ -277,7 +266,7 @@ def _analysed(ctx, stage: Analysis, jobs: list, questions: list[Question], base:
     answers = _generate(ctx, stage, jobs, questions)
     kind, model = parse_judge(a.judge)
     if kind == "openai" and a.judge_extracts:  # rule 8: the judge reads what the rules could not
-        extractor = openai_judge(a, model).extract
+        extractor = OpenAIJudge.configured(model, a).extract
         for got in answers.values():
             if "rows" in got:
                 got["rows"] = judge_extracted(got["rows"], extractor, th)
@@ -387,7 +376,7 @@ def _judge(ctx, stage: Analysis, records: list[dict]) -> tuple[list[str], str, l
     if kind == "none":
         return ["unjudged"] * len(records), "", []
     if kind == "openai":
-        judge = openai_judge(a, model)
+        judge = OpenAIJudge.configured(model, a)
         said = judge(records)
         unjudged = sum(v == "unjudged" for v in said)
         say(f"analysis: {judge.name} judged {len(records)} answers ({unjudged} unjudged, {judge.failures} failed)")

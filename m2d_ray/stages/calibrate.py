@@ -13,6 +13,7 @@ makes it finished too.
 from __future__ import annotations
 
 from m2d_ray.calibrate.tokens import calibration_tokens, resolve_calib
+from m2d_ray.catalog.units import ACTOR
 from m2d_ray.console import say
 from m2d_ray.data.text import check_spec
 from m2d_ray.models import load_tokenizer
@@ -58,7 +59,7 @@ class Calibrate(Stage):
         r = cfg.ray
         flops = cfg.calib.max_tokens * calibration_flops(c.p.models.teacher, cfg.calib.seq_len)
         where = c.place(self.name, r.data_gpus_per_actor, r.threads_per_worker, r.data_actors, r.data_accelerator)
-        return [c.stage(self.name, [flops / r.data_actors] * r.data_actors, where, "actor")]
+        return [c.stage(self.name, [flops / r.data_actors] * r.data_actors, where, ACTOR)]
 
     def finished(self, ctx) -> bool:
         return ctx.rd.promotions.exists()  # stage 1 read the statistics already

@@ -23,6 +23,7 @@ from m2d_ray.accelerators import pin
 from m2d_ray.arch.dense import dense_types
 from m2d_ray.artifacts import MARKER, atomic_dir, write_marker
 from m2d_ray.calibrate.stream import final_hidden_streamed, should_stream
+from m2d_ray.catalog.distill import AUTO
 from m2d_ray.config import DistillConfig
 from m2d_ray.console import say
 from m2d_ray.data import source
@@ -137,7 +138,7 @@ class TargetsActor:
         stream: bool | None,
         max_memory: str | None,
         store: RunStorage | None = None,
-        precision: str = "auto",
+        precision: str = AUTO,
     ) -> None:
 
         if store is not None:
@@ -188,7 +189,7 @@ def _teacher_forward(
     stream: bool | None,
     max_memory: str | None,
     head: bool = True,
-    precision: str = "auto",
+    precision: str = AUTO,
 ):
     """(ids [n, L] -> the final hidden states of `batch_size` blocks at a time on `device`, in order; the output
     projection [V, d], or None when not `head`) of a teacher: an MoE teacher that does not fit its budget is
@@ -301,7 +302,7 @@ def targets_here(
     batch_size: int = 8,
     ranges: list[tuple[int, int]] | None = None,
     stream: bool | None = None,
-    precision: str = "auto",
+    precision: str = AUTO,
 ) -> None:
     """The targets pass in this process on CPU (one `TargetsActor`, no Ray) over `ranges` of (first block,
     blocks) (default: all blocks at once), the teacher in distill.precision's dtype (`precision`), with the manifest a

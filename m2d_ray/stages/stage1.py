@@ -21,6 +21,7 @@ from functools import partial
 from pathlib import Path
 
 from m2d_ray.accelerators import spot
+from m2d_ray.catalog.units import TRIAL
 from m2d_ray.config import parse_recipe
 from m2d_ray.data.text import check_spec
 from m2d_ray.errors import M2DError, RunFailed
@@ -107,7 +108,7 @@ class Stage1(Stage):
         )
         where = c.place(self.name, r.gpus_per_trial, r.threads_per_worker, r.max_concurrent_trials, r.trial_accelerator)
         return [
-            c.stage(self.name, [per_trial] * trials, where, "trial", rounds=2 if trials > distinct else 1)
+            c.stage(self.name, [per_trial] * trials, where, TRIAL, rounds=2 if trials > distinct else 1)
         ]  # the probe round is a Tune experiment of its own
 
     def finished(self, ctx) -> bool:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
+from m2d_ray.catalog.units import STUDENT
 from m2d_ray.config import dump_config, load_config
 from m2d_ray.console import say
 from m2d_ray.convert.initial import InitialStudent
@@ -189,7 +190,7 @@ class Stage2(Stage):
             io.append(read / read_bandwidth(p.cfg, p.storage_kind))
             comm.append(gather_seconds(p.cfg, t.shape, share * x.steps, one_node) if choice.shard else 0.0)
             work.append(choice.kind)  # a step's efficiency is its targets mode's (plan.efficiency)
-        row = c.stage(self.name, flops, where, "student", io_s=io, comm_s=comm, work=work)
+        row = c.stage(self.name, flops, where, STUDENT, io_s=io, comm_s=comm, work=work)
         for b in baselines.of(p.cfg):
             first = b.prepare_cost(c)
             row = before(first, row) if first else row

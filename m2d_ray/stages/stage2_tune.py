@@ -15,6 +15,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
 from m2d_ray import storage
+from m2d_ray.catalog.targets import ONLINE
 from m2d_ray.config import SweepConfig
 from m2d_ray.console import say
 from m2d_ray.distill.trainer import fit
@@ -154,7 +155,7 @@ class Recorder(tune.Callback):
             "peak_rss_bytes": last.get("peak_rss_bytes"),
             "peak_work_bytes": last.get("peak_work_bytes"),
             "peak_cuda_bytes": last.get("peak_cuda_bytes"),
-            "targets": self.targets.get(key, "online"),
+            "targets": self.targets.get(key, ONLINE),
             "curve": [[s, _finite(p)] for s, p in full],  # from step 0, across resumes
         }
         self.out.write(r)

@@ -24,6 +24,8 @@ import torch
 
 from m2d_ray import storage
 from m2d_ray.artifacts import write_json_atomic
+from m2d_ray.catalog.distill import AUTO
+from m2d_ray.catalog.units import MODEL
 from m2d_ray.config import Stage3Config, SweepConfig
 from m2d_ray.console import say
 from m2d_ray.errors import M2DError
@@ -99,7 +101,7 @@ class Stage3(Stage):
                 )
                 parts = {
                     "weights": e.weights,
-                    "batch": (e.max_batch_size if c.batch_size == "auto" else e.batch_size) * e.sequence,
+                    "batch": (e.max_batch_size if c.batch_size == AUTO else e.batch_size) * e.sequence,
                 }
                 out.append(
                     row(
@@ -143,7 +145,7 @@ class Stage3(Stage):
                 continue
             g = max(e.gpus, gpus) if gpus >= 1 else e.gpus
             weights = e.max_memory_per_gpu or e.weights
-            per_gpu = weights + (e.max_batch_size if e.batch_size == "auto" else e.batch_size) * e.sequence
+            per_gpu = weights + (e.max_batch_size if e.batch_size == AUTO else e.batch_size) * e.sequence
             out.append(
                 row(
                     name,
@@ -201,7 +203,7 @@ def gpu_room(p) -> tuple[float, int | None, int]:
     return gpus, mem, per_node
 
 
-def price_models(c, name: str, flops_of, unit: str = "model", rounds: int = 1) -> StageCost:
+def price_models(c, name: str, flops_of, unit: str = MODEL, rounds: int = 1) -> StageCost:
     """The bill of `flops_of(shape)` through each model stage 3 evaluates (each student stage 2 finishes: ASHA's stopped
     students are not exported; the teacher; the baselines' teachers), placed as the rows `name:KEY` of the plan say,
     each with the start of a `unit` (default a model: plan.model_s) in `rounds` Ray rounds; models of different GPU

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 
+from m2d_ray.catalog.targets import HIDDEN, ONLINE
+from m2d_ray.catalog.units import ACTOR
 from m2d_ray.distill.targets import blocks_per_shard
 from m2d_ray.plan import memory
 from m2d_ray.plan.cost import before, forward_flops, head_flops, student_tokens
@@ -30,7 +32,7 @@ class Targets(Stage):
 
     def wanted(self, cfg) -> bool:
         """With a cached mode, or auto (a teacher the plan has store its states; none: nothing to do, `finished`)."""
-        return cfg.stage2.targets != "online"
+        return cfg.stage2.targets != ONLINE
 
     def request(self, cfg) -> dict:
         return bundle(1, cfg.ray.data_gpus_per_actor, cfg.ray.data_accelerator)
@@ -50,7 +52,7 @@ class Targets(Stage):
                     t.shape.dtype_bytes,
                     streamed,
                     p.per_token(t.shape, t.key),
-                    p.choice(t.key).kind != "hidden",
+                    p.choice(t.key).kind != HIDDEN,
                 ),
             )
             for t in _stored(p)
@@ -71,7 +73,7 @@ class Targets(Stage):
                 self.name,
                 _pass(p, t),
                 c.place(self.name, r.data_gpus_per_actor, r.threads_per_worker, r.data_actors, r.data_accelerator),
-                "actor",
+                ACTOR,
                 rounds=int(i == 0),
             )
             for i, t in enumerate(_stored(p))
@@ -107,7 +109,7 @@ def _pass(p, t) -> list[float]:
     x = p.cfg.distill
     shards = math.ceil(x.blocks / blocks_per_shard(x.seq_len, p.per_token(t.shape, t.key)))
     actors = max(1, min(p.cfg.ray.data_actors, shards))
-    hidden = p.choice(t.key).kind == "hidden"
+    hidden = p.choice(t.key).kind == HIDDEN
     f = student_tokens(p.cfg) * (forward_flops(t.shape, x.seq_len) - (head_flops(t.shape) if hidden else 0.0))
     return [f / actors] * actors
 

@@ -186,3 +186,62 @@ def test_platform_lines_start_a_line_of_their_own_in_the_log(tmp_path):
     lines = next(tmp_path.glob("m2d-probe-*.log")).read_text().splitlines()
     assert "[m2d] == stage1 ==" in lines
     assert any(ln.startswith("[m2d] m2d: 1 library warning, all in ") for ln in lines), lines
+
+
+def test_a_flag_that_is_a_config_key_takes_the_key_s_default_and_doc():
+    """Each default is written once, in the config dataclasses: the flags read theirs (and their help) from there."""
+    from m2d_ray.cli import parser
+    from m2d_ray.config import AnalysisConfig, CalibConfig, Stage3Config, docs
+
+    p = parser()
+    calib = p.parse_args(["calibrate", "--out", "o"])
+    assert (calib.max_tokens, calib.seq_len, calib.batch_size) == (
+        CalibConfig.max_tokens,
+        CalibConfig.seq_len,
+        CalibConfig.batch_size,
+    )
+    assert p.parse_args(["eval", "--model", "m"]).batch_size == Stage3Config.batch_size
+    analyze = p.parse_args(["analyze", "--responses", "r.jsonl", "--out", "o"])
+    for key in ("per_subject", "max_new_tokens", "temperature", "seed", "batch_size", "judge_rate", "max_unjudged"):
+        assert getattr(analyze, key) == getattr(AnalysisConfig, key), key
+    sub = next(a for a in p._actions if a.dest == "command").choices
+    helps = {a.dest: a.help for a in sub["calibrate"]._actions}
+    assert helps["max_tokens"].startswith(docs(CalibConfig)["max_tokens"]) and "32768" in helps["max_tokens"]
+    steps = next(a for a in sub["distill"]._actions if a.dest == "steps")
+    assert steps.default is None and "distill.steps: 200" in steps.help  # an override: given or the config's
+
+
+def test_m2d_analyze_reads_the_settings_the_stage_reads():
+    """The command's flags become the stage's AnalysisConfig, so the openai judge gets judge_rate and judge_retries
+    from either place, and its defaults are the config's."""
+    from m2d_ray.cli import parser
+    from m2d_ray.commands.analyze import settings
+    from m2d_ray.config import AnalysisConfig
+    from m2d_ray.evaluate.judges import OpenAIJudge
+
+    args = parser().parse_args(
+        ["analyze", "--responses", "r.jsonl", "--out", "o", "--judge-rate", "0.5", "--judge-retries", "0"]
+    )
+    a = settings(args)
+    assert a == AnalysisConfig(judge="none", judge_rate=0.5, judge_retries=0)
+    judge = OpenAIJudge.configured("m", a)
+    assert (judge.rate, judge.retries, judge.url) == (0.5, 0, AnalysisConfig.judge_url)
+    assert OpenAIJudge("m").max_tokens == AnalysisConfig.judge_max_tokens
+
+
+def test_the_cli_writes_at_most_three_literal_defaults():
+    """A default that is a config key's is read from the config (issue 57): cli.py keeps literals only for the
+    flags of no config key."""
+    import ast
+
+    from conftest import ROOT
+
+    tree = ast.parse((ROOT / "m2d_ray" / "cli.py").read_text())
+    literals = [
+        ast.unparse(k.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        for k in node.keywords
+        if k.arg == "default" and isinstance(k.value, (ast.Constant, ast.List, ast.Tuple, ast.Dict))
+    ]
+    assert len(literals) <= 3, literals

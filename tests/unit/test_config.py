@@ -174,3 +174,15 @@ def test_a_relative_d2d_teacher_reaches_ray_workers_as_an_absolute_path(tmp_path
     cfg = load_config(EXPERIMENTS / "tiny.yaml", [f"stage2.d2d_teacher={rel}"])
     assert not Path(cfg.stage2.d2d_teacher).is_absolute()
     assert BASELINES["d2d"].teacher(cfg) == str(Path(default_dense_teacher()).resolve())
+
+
+def test_every_unit_kind_has_a_start_on_cpus_and_a_measured_one_on_a_gpu():
+    """The unit kinds are names (catalog/units.py): plan.<unit>_s on CPUs, measured_gpu.json's start_s on a GPU."""
+    from m2d_ray import measured
+    from m2d_ray.catalog.units import UNITS
+    from m2d_ray.config import PlanConfig
+
+    plan = PlanConfig()
+    assert set(measured.gpu().start_s) == set(UNITS)
+    assert [plan.start_s(u, gpu=False) for u in UNITS] == [plan.actor_s, plan.trial_s, plan.student_s, plan.model_s]
+    assert all(plan.start_s(u, gpu=True) == measured.gpu().start_s[u] for u in UNITS)

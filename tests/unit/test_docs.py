@@ -48,7 +48,7 @@ def test_every_config_key_is_described(ref):
             if dataclasses.is_dataclass(hints[f.name]):
                 continue
             key = f"{section}.{f.name}" if section else f.name
-            assert docs.get(f.name), f"config key {key}: describe it in a comment beside or above the field"
+            assert docs.get(f.name), f'config key {key}: give its field a doc: setting(default, "...")'
             assert f"| `{key}` |" in page
 
 

@@ -129,7 +129,7 @@ def test_p7_reference_loop_backpropagates_on_the_gpu_branch(gpu_branch):
 
 
 def test_compiled_student_widens_instead_of_out_dtype_products(gpu_branch):
-    """Under torch.compile (the `compiled` kernel compiles the student's forward and its loss) the GPU branch widens
+    """Under torch.compile (distill.compile compiles the student's forward and its loss) the GPU branch widens
     its operands: on an H200 (torch 2.11, 2026-11-28) Dynamo's fake-tensor pass broke on addmm(out_dtype=, out=),
     failing the whole P7-head part. The graph handed to the compiler holds no out_dtype matmul, and the same loss
     runs eagerly (outside compile) on the out_dtype ops."""

@@ -21,14 +21,14 @@ from m2d_ray.errors import M2DError
 from m2d_ray.random_models import STEP_PRESETS, teacher_and_student
 
 
-def _trajectory(kernel: str, steps: int = 6) -> list[float]:
+def _trajectory(kernel: str, steps: int = 6, compile: bool = False) -> list[float]:
     p = STEP_PRESETS["smoke"]
     torch.manual_seed(0)
     teacher, student = teacher_and_student(p, torch.float32)
     cfg = DistillConfig(
         steps=steps, warmup_steps=2, batch_size=p["batch"], seq_len=p["seq_len"], lr=1e-3, deepspeed=False
     )
-    trainer = DistillStep(student, teacher.model, dataclasses.replace(cfg, kl_kernel=kernel), "cpu")
+    trainer = DistillStep(student, teacher.model, dataclasses.replace(cfg, kl_kernel=kernel, compile=compile), "cpu")
     g, out = torch.Generator().manual_seed(1), []
     for _ in range(steps):
         trainer.step([torch.randint(0, p["vocab"], (p["batch"], p["seq_len"]), generator=g)])
@@ -46,12 +46,12 @@ def test_the_compiled_students_trajectory_is_chunkeds(monkeypatch):
     two cores: the slow test below and the GPU acceptance call run it)."""
     monkeypatch.setattr(kernels, "COMPILE_BACKEND", "aot_eager")
     chunked = _trajectory("chunked")
-    assert 0 < _gap(_trajectory("compiled"), chunked) < 1e-4
+    assert 0 < _gap(_trajectory("chunked", compile=True), chunked) < 1e-4
 
 
 @pytest.mark.slow
 def test_the_inductor_compiled_students_trajectory_is_chunkeds():
-    assert _gap(_trajectory("compiled"), _trajectory("chunked")) < 1e-4
+    assert _gap(_trajectory("chunked", compile=True), _trajectory("chunked")) < 1e-4
 
 
 def _liger_reference(h_s, w_s, h_t, w_t, labels, beta, ignore_index, t, accum_dtype=None):
@@ -94,13 +94,17 @@ def _measured(monkeypatch, kernel: str, **at) -> None:
     entry = {"kernel": kernel, "device": "NVIDIA H200", "loss": "fkl", "temperature": 1.0, "path": "plain", **at}
     monkeypatch.setattr(measured, "gpu", lambda: dataclasses.replace(m, kl_kernel={"online": entry}))
     monkeypatch.setattr(kernels, "device_name", lambda device: "NVIDIA H200")
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))  # liger runs "here"
+    monkeypatch.setattr(kernels, "installed_version", lambda dist: "0.8.5")
 
 
 def test_auto_is_chunked_on_a_cpu_and_the_measured_choice_on_a_gpu(monkeypatch):
     assert kernels.kl_kernel("auto", "cpu").name == "chunked"
-    _measured(monkeypatch, "compiled")
-    assert kernels.kl_kernel("auto", "cuda").name == "compiled"
+    _measured(monkeypatch, "liger")
+    assert kernels.kl_kernel("auto", "cuda").name == "liger"
     assert kernels.kl_kernel("auto", "cuda", parse_targets("hidden")).name == "chunked"  # a mode not measured
+    _measured(monkeypatch, "compiled")  # an older file's choice: compiling is distill.compile's, not auto's
+    assert kernels.kl_kernel("auto", "cuda").name == "chunked"
 
 
 @pytest.mark.parametrize(
@@ -116,8 +120,8 @@ def test_auto_is_chunked_on_a_cpu_and_the_measured_choice_on_a_gpu(monkeypatch):
 def test_auto_uses_the_measured_kernel_only_where_it_was_measured(monkeypatch, capsys, where, device, said):
     """A kernel's speed and its agreement with chunked were measured at one device, loss, temperature and path:
     anywhere else auto is chunked, said in one line (the device's name through the seam: no CUDA here)."""
-    _measured(monkeypatch, "compiled")
-    assert kernels.kl_kernel("auto", "cuda", where=kernels.Where()).name == "compiled"
+    _measured(monkeypatch, "liger")
+    assert kernels.kl_kernel("auto", "cuda", where=kernels.Where()).name == "liger"
     monkeypatch.setattr(kernels, "device_name", lambda d: device)
     assert kernels.kl_kernel("auto", "cuda", where=where).name == "chunked"
     out = capsys.readouterr()
@@ -168,7 +172,22 @@ def test_a_kernel_asked_for_that_cannot_run_here_is_one_line():
 
 
 def test_every_kernel_is_a_registry_entry_with_its_own_description():
-    assert list(kernels.KL_KERNELS) == ["chunked", "compiled", "liger"]
+    assert list(kernels.KL_KERNELS) == ["chunked", "liger"]
     doc = kernels.__doc__
     assert all(f"    {name}" in doc for name in kernels.KL_KERNELS)
-    assert [k.compiles for k in map(kernels.KL_KERNELS.__getitem__, kernels.KL_KERNELS)] == [False, True, False]
+
+
+def test_compiling_the_student_is_a_setting_and_the_old_kernel_name_reads_as_it(tmp_path, capsys):
+    """distill.compile is its own key (with any kernel); kl_kernel=compiled, the name of earlier versions, is read as
+    chunked with compile on, said in one line, and a measured choice of it is chunked under auto."""
+    from m2d_ray.config import load_config
+
+    assert DistillConfig().compile is False
+    old = DistillConfig(kl_kernel="compiled")
+    assert (old.kl_kernel, old.compile) == ("chunked", True)
+    assert dataclasses.replace(DistillConfig(), kl_kernel="compiled").compile
+    cfg = load_config(None, ["distill.kl_kernel=compiled"])
+    assert (cfg.distill.kl_kernel, cfg.distill.compile) == ("chunked", True)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "distill.kl_kernel=chunked distill.compile=true" in err
+    assert "compiled" not in kernels.KL_KERNELS

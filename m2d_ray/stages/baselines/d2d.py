@@ -31,6 +31,7 @@ import torch
 from m2d_ray.arch.dense import DenseSizes, get_dense_adapter
 from m2d_ray.artifacts import write_json_atomic, write_text_atomic
 from m2d_ray.calibrate.tokens import resolve_calib
+from m2d_ray.catalog.units import MODEL
 from m2d_ray.checkpoint import check_files
 from m2d_ray.config import CalibConfig, EvalConfig, SweepConfig
 from m2d_ray.console import say
@@ -162,7 +163,7 @@ class D2D(Baseline):
             "d2d",
             [flops],
             c.place("stage2", gpus, x.threads_per_worker, 1, x.accelerator),
-            "model",
+            MODEL,
             idle=False,
         )
 
