@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 M2D = [sys.executable, "-m", "m2d_ray.cli"]
 PAPER = [
     "plan",

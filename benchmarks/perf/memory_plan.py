@@ -33,7 +33,7 @@ from pathlib import Path
 
 from benchmarks.common import python_m
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # (hidden, layers, ffn, vocab): a mid-size student / teacher on this 2-core machine, and a small one for the test
 SIZES = {"mid": (512, 8, 1536, 32000), "small": (256, 4, 768, 16000)}

@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers.modeling_utils", "transformers", "ray", "mlflow", "datasets", "deepspeed", "lm_eval")
 #: unit -> the module whose import a worker of it pays before its first call
 UNITS = {

@@ -16,7 +16,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHOTS = REPO / "benchmarks" / "screenshots"
 PAGES = {"docs_home.png": "", "docs_reference_config.png": "reference/config/"}
 
