@@ -14,6 +14,7 @@ import importlib
 import sys
 import traceback
 import typing
+from collections.abc import Callable
 
 from m2d_ray import console
 from m2d_ray.catalog.distill import AUTO
@@ -41,54 +42,26 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _positive(v: str) -> int:
-    try:
-        n = int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{v!r} is not an integer") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"{v!r} must be positive")
-    return n
+def _checked(cast: type, what: str, ok: Callable[[float], bool], must: str) -> Callable[[str], float]:
+    """An argparse type: `cast` of the value, refused in one line when it is not `what` or fails `ok`."""
+
+    def parse(v: str):
+        try:
+            x = cast(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{v!r} is not {what}") from None
+        if not ok(x):
+            raise argparse.ArgumentTypeError(f"{v!r} must be {must}")
+        return x
+
+    return parse
 
 
-def _temperature(v: str) -> float:
-    try:
-        t = float(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{v!r} is not a number") from None
-    if not t >= 0:
-        raise argparse.ArgumentTypeError(f"{v!r} must be >= 0")
-    return t
-
-
-def _positive_number(v: str) -> float:
-    try:
-        x = float(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{v!r} is not a number") from None
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"{v!r} must be positive")
-    return x
-
-
-def _count(v: str) -> int:
-    try:
-        n = int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{v!r} is not an integer") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{v!r} must be >= 0")
-    return n
-
-
-def _share(v: str) -> float:
-    try:
-        x = float(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{v!r} is not a number") from None
-    if not 0 <= x <= 1:
-        raise argparse.ArgumentTypeError(f"{v!r} must be a share in [0, 1]")
-    return x
+_positive = _checked(int, "an integer", lambda n: n > 0, "positive")
+_count = _checked(int, "an integer", lambda n: n >= 0, ">= 0")
+_temperature = _checked(float, "a number", lambda t: t >= 0, ">= 0")
+_positive_number = _checked(float, "a number", lambda x: x > 0, "positive")
+_share = _checked(float, "a number", lambda x: 0 <= x <= 1, "a share in [0, 1]")
 
 
 def _batch(v: str) -> int | str:
