@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import platform
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -44,13 +43,6 @@ def cpu_busy(seconds: float = 0.5) -> float:
         return 1.0 - (i1 - i0) / max(t1 - t0, 1)
     except (OSError, IndexError, ValueError):
         return float("nan")
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1, for a process group's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def machine_line() -> str:

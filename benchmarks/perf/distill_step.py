@@ -73,7 +73,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import cpu_model, free_port, machine_line
+from benchmarks.common import cpu_model, machine_line
+from m2d_ray.local_group import free_port
 from m2d_ray.random_models import STEP_PRESETS, teacher_and_student
 
 #: model shape, batch and timing of each preset, and the models built from one: the fixture module's, which the tests
