@@ -45,19 +45,16 @@ by hand. Exit status 1 when a part failed or timed out.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from m2d_ray.measured_write import accelerator_of, measured_file, prior
+from m2d_ray.time_budget import Part, TimedOut, Variant, plan, run_logged
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -67,67 +64,6 @@ FULL = dict(
     d=2048, I=768, E=128, k=8, heads=32, kv_heads=4, head_dim=128, dtype="bfloat16"
 )  # Qwen3-30B-A3B's layer shapes
 TINY = dict(d=64, I=32, E=16, k=2, heads=4, kv_heads=2, head_dim=16, dtype="float32")
-
-
-class TimedOut(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One size of a part: a label for the plan, its estimated seconds, and the settings its runner reads."""
-
-    label: str
-    est_s: float
-    args: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Part:
-    name: str
-    required: bool
-    variants: tuple[Variant, ...]  # largest first
-    run: Callable[[Ctx, Variant], dict]  # -> {"rows": [(row name, figures)], "failed": why or None, ...figures}
-
-
-def plan(parts: list[Part], left_s: float) -> tuple[dict[str, int], list[str]]:
-    """{part name: variant index} of the parts that fit `left_s` seconds (a part left out is skipped), and one line
-    per part saying what it runs, or why it shrank or was skipped. Coverage first, then size, required parts
-    before optional ones: each group's parts join at their smallest variant in priority order (the order of
-    `parts`) while they fit, then grow towards their largest in the same order."""
-    choice: dict[str, int] = {}
-
-    def est(p: Part, i: int) -> float:
-        return p.variants[i].est_s
-
-    def total() -> float:
-        return sum(est(p, choice[p.name]) for p in parts if p.name in choice)
-
-    for group in ([p for p in parts if p.required], [p for p in parts if not p.required]):
-        for p in group:
-            if total() + est(p, -1) <= left_s:
-                choice[p.name] = len(p.variants) - 1
-        for p in group:
-            while (
-                p.name in choice
-                and choice[p.name] > 0
-                and total() - est(p, choice[p.name]) + est(p, choice[p.name] - 1) <= left_s
-            ):
-                choice[p.name] -= 1
-    lines = []
-    for p in parts:
-        if p.name not in choice:
-            lines.append(
-                f"{p.name}: skipped: its smallest variant ({p.variants[-1].label}) needs ~{est(p, -1):.0f} s, "
-                f"{max(0.0, left_s - total()):.0f} s of {left_s:.0f} s are left beside the parts kept"
-            )
-            continue
-        v = p.variants[choice[p.name]]
-        shrunk = (
-            f" (shrunk from {p.variants[0].label}, ~{est(p, 0):.0f} s, to fit {left_s:.0f} s)" if choice[p.name] else ""
-        )
-        lines.append(f"{p.name}: {v.label}, ~{v.est_s:.0f} s{shrunk}")
-    return choice, lines
 
 
 @dataclass
@@ -146,33 +82,8 @@ class Ctx:
         return self.work / "logs"
 
     def sh(self, cmd: list, log: str, check: bool = True) -> tuple[int, str]:
-        """Run `cmd` in its own process group within the running part's timeout: (exit status, stdout); stderr to
-        logs/LOG.log, stdout to logs/LOG.out. Past the timeout the whole group is killed (TimedOut); a nonzero
-        exit raises RuntimeError naming the log, unless not `check`."""
-        cmd = [str(c) for c in cmd]
-        print("$ " + " ".join(cmd), flush=True)
-        left = self.timeout_s - (time.monotonic() - self.started)
-        with open(self.logs / f"{log}.log", "w") as err, open(self.logs / f"{log}.out", "w") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=REPO, start_new_session=True)
-            try:
-                rc = proc.wait(timeout=max(1.0, left))
-            except subprocess.TimeoutExpired:
-                kill_group(proc)
-                raise TimedOut(f"killed after {self.timeout_s:.0f} s (the part's share of the budget)") from None
-        stdout = (self.logs / f"{log}.out").read_text()
-        if rc and check:
-            raise RuntimeError(f"`{' '.join(cmd[:4])} ...` exited {rc}; see {self.logs / log}.log")
-        return rc, stdout
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to the process group, SIGKILL to what is left of it once the child has gone or after 10 s (Ray's
-    processes share the group, or die with the driver that started them)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
+        """`cmd` within the running part's timeout, logged under logs/ (`time_budget.run_logged`)."""
+        return run_logged(cmd, self.logs, log, self.timeout_s, self.started, REPO, check)
 
 
 def json_lines(text: str) -> list[dict]:
@@ -748,6 +659,12 @@ def main(argv=None) -> int:
         "--parts", help="comma-separated subset of P7-head,P7,run,tokens,memory,P5 (default: all, as the budget allows)"
     )
     p.add_argument("--cpu-smoke", action="store_true", help="every part on the CPU with tiny shapes (plumbing check)")
+    p.add_argument(
+        "--plan-only",
+        type=int,
+        metavar="GPUS",
+        help="print the GPU call's parts and their plan at --budget-s for GPUS devices as one JSON line; run nothing",
+    )
     p.add_argument("--child-calibrate", dest="mode", choices=["whole", "streamed"])
     p.add_argument("--teacher")
     p.add_argument("--out")
@@ -756,6 +673,13 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.mode:
         child_calibrate(a)
+        return 0
+    if a.plan_only is not None:
+        todo = parts(cuda=True, gpus=a.plan_only)
+        choice, lines = plan(todo, a.budget_s - RESERVE_S)
+        print(
+            json.dumps({"parts": [asdict(x) | {"run": x.run.__name__} for x in todo], "choice": choice, "lines": lines})
+        )
         return 0
     t0 = time.monotonic()
     import torch
