@@ -78,31 +78,33 @@ def plan(parts: list[Part], left_s: float) -> tuple[dict[str, int], list[str]]:
     return choice, lines
 
 
-def run_logged(
-    cmd: list,
-    logs: Path,
-    log: str,
-    timeout_s: float,
-    started: float | None = None,
-    cwd: Path | None = None,
-    check: bool = True,
-) -> tuple[int, str]:
-    """Run `cmd` in its own process group within `timeout_s` of `started` (default: now): (exit status, stdout);
-    stderr to logs/LOG.log, stdout to logs/LOG.out. Past the timeout the whole group is killed (TimedOut); a nonzero
-    exit raises RuntimeError naming the log, unless not `check`."""
+@dataclass(frozen=True)
+class Share:
+    """A part's share of the budget: `seconds` from `started` (a time.monotonic() reading, by default now)."""
+
+    seconds: float
+    started: float = field(default_factory=time.monotonic)
+
+    def left(self) -> float:
+        return self.seconds - (time.monotonic() - self.started)
+
+
+def run_logged(cmd: list, log: Path, share: Share, cwd: Path | None = None, check: bool = True) -> tuple[int, str]:
+    """Run `cmd` in its own process group within its `share` of the budget: (exit status, stdout); stderr to LOG.log,
+    stdout to LOG.out. Past the share the whole group is killed (TimedOut); a nonzero exit raises RuntimeError
+    naming the log, unless not `check`."""
     cmd = [str(c) for c in cmd]
     print("$ " + " ".join(cmd), flush=True)
-    left = timeout_s - (time.monotonic() - (started if started is not None else time.monotonic()))
-    with open(logs / f"{log}.log", "w") as err, open(logs / f"{log}.out", "w") as out:
+    with open(f"{log}.log", "w") as err, open(f"{log}.out", "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=cwd, start_new_session=True)
         try:
-            rc = proc.wait(timeout=max(1.0, left))
+            rc = proc.wait(timeout=max(1.0, share.left()))
         except subprocess.TimeoutExpired:
             kill_group(proc)
-            raise TimedOut(f"killed after {timeout_s:.0f} s (the part's share of the budget)") from None
-    stdout = (logs / f"{log}.out").read_text()
+            raise TimedOut(f"killed after {share.seconds:.0f} s (the part's share of the budget)") from None
+    stdout = Path(f"{log}.out").read_text()
     if rc and check:
-        raise RuntimeError(f"`{' '.join(cmd[:4])} ...` exited {rc}; see {logs / log}.log")
+        raise RuntimeError(f"`{' '.join(cmd[:4])} ...` exited {rc}; see {log}.log")
     return rc, stdout
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,76 +33,69 @@ def gap(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-def batches(steps: int, batch: int, seq: int, preset: str = "cpu", accum: int = 1) -> torch.Tensor:
+@dataclass(frozen=True)
+class Sizes:
+    """A run's sizes: `steps` steps of `batch` global sequences of `seq` tokens, in `accum` micro-batches a step, on
+    the models of a STEP_PRESETS `preset`, the teacher's head scaled by `sharpen` (a teacher as sure of its tokens
+    as a trained one)."""
+
+    steps: int
+    batch: int
+    seq: int
+    preset: str = "cpu"
+    accum: int = 1
+    sharpen: float = 1.0
+
+
+def batches(s: Sizes) -> torch.Tensor:
     """[steps, accum, batch, seq] ids: each step's `accum` micro-batches of `batch` global sequences."""
     g = torch.Generator().manual_seed(1)
-    return torch.randint(0, STEP_PRESETS[preset]["vocab"], (steps, accum, batch, seq), generator=g)
+    return torch.randint(0, STEP_PRESETS[s.preset]["vocab"], (s.steps, s.accum, s.batch, s.seq), generator=g)
 
 
-def trajectory(
-    path: str,
-    precision: str,
-    rank: int,
-    world: int,
-    steps: int,
-    batch: int,
-    seq: int,
-    preset: str = "cpu",
-    accum: int = 1,
-    sharpen: float = 1.0,
-) -> list[float]:
+def trajectory(path: str, precision: str, rank: int, world: int, s: Sizes) -> list[float]:
     """`path`'s losses (means over the ranks and micro-batches), this rank reading its share of each global
-    micro-batch, `accum` micro-batches a step. plain / ddp: DistillStep without DeepSpeed (with master weights, their
-    float32 sums in place of DDP); deepspeed: ZeRO-2; sharded: plain beside an FSDP2-sharded teacher; gradsum: not a
-    trajectory but the summed gradient's error in this group (`summed_gradient_error`)."""
+    micro-batch. plain / ddp: DistillStep without DeepSpeed (with master weights, their float32 sums in place of
+    DDP); deepspeed: ZeRO-2; sharded: plain beside an FSDP2-sharded teacher; gradsum: not a trajectory but the
+    summed gradient's error in this group (`summed_gradient_error`)."""
     if path == "gradsum":
-        return [summed_gradient_error(preset, accum, rank, world, seq, False)]
+        return [summed_gradient_error(s.preset, s.accum, rank, world, s.seq, False)]
     policy = PRECISIONS[precision]
     torch.manual_seed(0)
-    teacher, student = teacher_and_student(STEP_PRESETS[preset], torch.float32)
+    teacher, student = teacher_and_student(STEP_PRESETS[s.preset], torch.float32)
     model = teacher.model.to(policy.dtype)  # the teacher computes in the policy's dtype, as distill/loop.py loads it
     head = model.get_output_embeddings().weight.detach()
-    head.mul_(sharpen)  # a random head's logits are nearly uniform (std ~0.02 sqrt(d)): a loss of ~1e-4 is all noise
+    head.mul_(s.sharpen)  # a random head's logits are nearly uniform (std ~0.02 sqrt(d)): a loss of ~1e-4 is noise
     if path == "sharded":
         shard_loaded(model, teacher.adapter.layers(model), "cpu")
     cfg = DistillConfig(
-        steps=steps,
-        warmup_steps=max(1, steps // 4),
-        batch_size=batch // world,
-        seq_len=seq,
-        grad_accum=accum,
+        steps=s.steps,
+        warmup_steps=max(1, s.steps // 4),
+        batch_size=s.batch // world,
+        seq_len=s.seq,
+        grad_accum=s.accum,
         deepspeed=path == "deepspeed",
     )
     trainer = DistillStep(student.train(), model, cfg, "cpu", world, policy, head=head)
     losses = []
-    share = slice(rank * batch // world, (rank + 1) * batch // world)
-    for b in batches(steps, batch, seq, preset, accum):
+    share = slice(rank * s.batch // world, (rank + 1) * s.batch // world)
+    for b in batches(s):
         trainer.step([mb[share] for mb in b])
         losses.append(trainer.take_loss())
     return losses
 
 
-def _group_main(rank: int, world: int, port: int, runs: list, sizes: tuple, out: str) -> None:
+def _group_main(rank: int, world: int, port: int, runs: list, sizes: Sizes, out: str) -> None:
     with gloo_rank(rank, world, port):
-        result = {f"{path}/{x}": trajectory(path, x, rank, world, *sizes) for path, x in runs}
+        result = {f"{path}/{x}": trajectory(path, x, rank, world, sizes) for path, x in runs}
         if rank == 0:
             Path(out).write_text(json.dumps(result))
 
 
-def run_group(
-    world: int,
-    runs: list[tuple[str, str]],
-    out: Path,
-    steps: int,
-    batch: int,
-    seq: int,
-    preset: str = "cpu",
-    accum: int = 1,
-    sharpen: float = 1.0,
-) -> dict:
-    """{"path/precision": losses} of `runs`, each trained by a group of `world` gloo processes (`sharpen`: the
-    teacher's head scaled by it, for a teacher as sure of its tokens as a trained one)."""
-    spawn(_group_main, world, runs, (steps, batch, seq, preset, accum, sharpen), str(out))
+def run_group(world: int, runs: list[tuple[str, str]], out: Path, *sizes) -> dict:
+    """{"path/precision": losses} of `runs`, each trained by a group of `world` gloo processes at `sizes` (the
+    fields of `Sizes`, in order), the group's result written to `out`."""
+    spawn(_group_main, world, runs, Sizes(*sizes), str(out))
     return json.loads(out.read_text())
 
 

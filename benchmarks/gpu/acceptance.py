@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from m2d_ray.measured_write import accelerator_of, measured_file, prior
-from m2d_ray.time_budget import Part, TimedOut, Variant, plan, run_logged
+from m2d_ray.time_budget import Part, Share, TimedOut, Variant, plan, run_logged
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -83,7 +83,7 @@ class Ctx:
 
     def sh(self, cmd: list, log: str, check: bool = True) -> tuple[int, str]:
         """`cmd` within the running part's timeout, logged under logs/ (`time_budget.run_logged`)."""
-        return run_logged(cmd, self.logs, log, self.timeout_s, self.started, REPO, check)
+        return run_logged(cmd, self.logs / log, Share(self.timeout_s, self.started), REPO, check)
 
 
 def json_lines(text: str) -> list[dict]:

@@ -49,7 +49,9 @@ def test_a_command_past_the_parts_timeout_is_killed_with_its_process_group(tmp_p
     pid_file = tmp_path / "child.pid"
     t = time.monotonic()
     with pytest.raises(acc.TimedOut, match="killed after 2 s"):
-        acc.run_logged(["bash", "-c", f"sleep 300 & echo $! > {pid_file}; wait"], tmp_path, "sleepy", 2.0, t)
+        acc.run_logged(
+            ["bash", "-c", f"sleep 300 & echo $! > {pid_file}; wait"], tmp_path / "sleepy", acc.Share(2.0, t)
+        )
     assert time.monotonic() - t < 30
     child = int(pid_file.read_text())
     time.sleep(0.5)
@@ -57,9 +59,9 @@ def test_a_command_past_the_parts_timeout_is_killed_with_its_process_group(tmp_p
     state = stat.read_text().split()[2] if stat.exists() else "gone"
     assert state in ("gone", "Z"), f"the part's child {child} outlived its timeout (state {state})"
     fails = ["bash", "-c", "echo '{\"a\": 1}'; exit 3"]
-    assert acc.run_logged(fails, tmp_path, "fails", 60.0, check=False) == (3, '{"a": 1}\n')
+    assert acc.run_logged(fails, tmp_path / "fails", acc.Share(60.0), check=False) == (3, '{"a": 1}\n')
     with pytest.raises(RuntimeError, match="exited 3; see .*fails.log"):
-        acc.run_logged(["bash", "-c", "exit 3"], tmp_path, "fails", 60.0)
+        acc.run_logged(["bash", "-c", "exit 3"], tmp_path / "fails", acc.Share(60.0))
 
 
 def test_cpu_smoke_runs_every_required_part_and_writes_the_table_and_results(tmp_path):
