@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import collections
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import SYNTHETIC_DISTILL
 from transformers import AutoModelForCausalLM
 
 from m2d_ray.config import DistillConfig
@@ -18,17 +20,8 @@ from m2d_ray.distill.step import DistillStep
 from m2d_ray.local_group import join, spawn
 from m2d_ray.models import default_teacher, load_teacher
 
-CFG = DistillConfig(
-    train_data="synthetic:train",
-    steps=4,
-    eval_every=2,
-    lr=3e-3,
-    min_lr=3e-4,
-    warmup_steps=1,
-    seq_len=64,
-    eval_max_tokens=1024,
-    eval_batch_size=2,
-    deepspeed=False,
+CFG = replace(
+    SYNTHETIC_DISTILL, steps=4, eval_every=2, warmup_steps=1, seq_len=64, eval_max_tokens=1024, eval_batch_size=2
 )
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from families import FAMILIES, HIDDEN, VOCAB, reinit_, tiny_model
+from families import COMMON, FAMILIES, VOCAB, reinit_, tiny_model
 from test_distill_ranks import CFG
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, Qwen3Config
@@ -46,16 +46,7 @@ def teachers(tmp_path_factory) -> Path:
     from m2d_ray.data.synthetic import build_tokenizer
 
     root, tok = tmp_path_factory.mktemp("sharded"), build_tokenizer()
-    dense = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=False,
-    )
+    dense = Qwen3Config(**COMMON, intermediate_size=96, num_hidden_layers=2, head_dim=16)
     models = {f.id: tiny_model(f) for f in FAMILIES}
     models["dense"] = AutoModelForCausalLM.from_config(dense)
     reinit_(models["dense"], 1)
