@@ -16,6 +16,12 @@ from conftest import ROOT
 from m2d_ray import time_budget as acc
 
 
+def _acceptance(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    """`python -m benchmarks.gpu.acceptance ARGS` from the repository's root, its output captured."""
+    cmd = [sys.executable, "-m", "benchmarks.gpu.acceptance", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout, check=False)
+
+
 def _part(name: str, required: bool, *ests: float) -> acc.Part:
     return acc.Part(name, required, tuple(acc.Variant(f"{name}-{e:g}", e) for e in ests), lambda ctx, v: {})
 
@@ -71,14 +77,7 @@ def test_cpu_smoke_runs_every_required_part_and_writes_the_table_and_results(tmp
     (hidden targets, one student) and the Ray Data token pass, on the CPU with tiny shapes; one table at the end, the
     efficiency per mode in the results (on the CPU: `plan.cpu_efficiency`'s figure, tiny shapes: plumbing only), and
     no measured_gpu.json (a CPU measures no GPU figure; tests/unit/test_plan_gpu.py checks the file's making)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu.acceptance", "--cpu-smoke", "--work", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=900,
-        check=False,
-    )
+    proc = _acceptance("--cpu-smoke", "--work", str(tmp_path), timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert {k: v["status"] for k, v in results["parts"].items()} == {
@@ -146,14 +145,8 @@ def test_on_a_gpu_the_real_head_runs_first_and_fits_the_budget():
     """The call's first part is P7 at the paper student's head (vocabulary 151,936, hidden 2048, 4096 tokens): it sets
     the kernel auto uses, and is planned in at the budget a lent GPU's session passes (480 s) with every required
     part."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu.acceptance", "--plan-only", "1", "--budget-s", "480"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-        check=True,
-    )
+    proc = _acceptance("--plan-only", "1", "--budget-s", "480", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     call = json.loads(proc.stdout.strip().splitlines()[-1])  # the parts planned at 480 s less the call's reserve
     todo = call["parts"]
     assert todo[0]["name"] == "P7-head" and todo[0]["required"]
