@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import sys
@@ -43,6 +44,16 @@ def cpu_busy(seconds: float = 0.5) -> float:
         return 1.0 - (i1 - i0) / max(t1 - t0, 1)
     except (OSError, IndexError, ValueError):
         return float("nan")
+
+
+def write_json(path: str | Path | None, obj) -> None:
+    """`obj` as JSON at `path`, written under a temporary name and renamed (whoever reads it, even after this process
+    was killed, finds a whole file); nothing when `path` is None. How a benchmark hands its figures to a caller."""
+    if path is None:
+        return
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(obj))
+    tmp.replace(path)
 
 
 def machine_line() -> str:

@@ -31,6 +31,9 @@ it needed. A part runs with a timeout that leaves the smallest variants of the r
 one that overruns is killed (its whole process group, Ray's processes included) and recorded as timed out, and the
 call goes on.
 
+Each part's benchmark writes its figures to WORK/logs/PART.json (--json-out, rewritten as it goes: a part killed
+for its time keeps what it finished), not to be read back from its output.
+
 Output: one table at the end (also WORK/table.md), every figure in WORK/results.json, logs in WORK/logs, and on a GPU
 WORK/measured_gpu.json: m2d_ray/measured_gpu.json as this call measured it (plan.efficiency per targets mode, the
 fastest exact kernel per mode for distill.kl_kernel=auto, the run's walls and the start-ups fit on them, each part's
@@ -81,12 +84,24 @@ class Ctx:
     def logs(self) -> Path:
         return self.work / "logs"
 
+    def json_out(self, log: str) -> Path:
+        """Where a part's child writes its figures (its --json-out), beside its logs."""
+        return self.logs / f"{log}.json"
+
+    def figures(self, log: str) -> dict:
+        """What the child writing `json_out(log)` left there ({} where it wrote nothing: it failed or was killed
+        first)."""
+        path = self.json_out(log)
+        return json.loads(path.read_text()) if path.exists() else {}
+
     def sh(self, cmd: list, log: str, check: bool = True) -> tuple[int, str]:
         """`cmd` within the running part's timeout, logged under logs/ (`time_budget.run_logged`)."""
         return run_logged(cmd, self.logs / log, Share(self.timeout_s, self.started), REPO, check)
 
 
 def json_lines(text: str) -> list[dict]:
+    """The JSON lines of a command's stdout: `m2d run`'s result is its last (the CLI's contract); the benchmarks a
+    part runs write their figures to a file instead (--json-out, `Ctx.figures`)."""
     out = []
     for line in text.splitlines():
         if line.startswith("{"):
@@ -106,19 +121,20 @@ def run_p7(ctx: Ctx, v: Variant) -> dict:
     cmd = [PY, "-m", "benchmarks.perf.distill_step", "--preset", a["preset"], "--targets", a["targets"]]
     keys = ("paths", "kernels", "steps", "warmup", "threads", "precision", "meta_rehearsal")
     cmd += [x for k in keys if k in a for x in (f"--{k.replace('_', '-')}", a[k])]
+    ctx.json_out(log).unlink(missing_ok=True)
     try:
-        rc, out = ctx.sh(cmd, log, check=False)
+        rc, _ = ctx.sh([*cmd, "--json-out", ctx.json_out(log)], log, check=False)
         failed = (
             f"exit {rc}: a path's loss trajectory left its tolerance, or it failed; see logs/{log}.log" if rc else None
         )
-    except TimedOut as exc:  # the modes that finished printed their lines
-        out, failed = (ctx.logs / f"{log}.out").read_text(), str(exc)
-    lines = json_lines(out)
-    final = next((x for x in reversed(lines) if "targets" in x), None)
-    modes = final["targets"] if final else {x["mode"]: x for x in lines if "mode" in x}
+    except TimedOut as exc:  # the modes that finished are in its file
+        failed = str(exc)
+    got = ctx.figures(log)
+    final = got.get("final")
+    modes = final["targets"] if final else got.get("modes", {})
     device = final["device"] if final else gpu_name() if ctx.cuda else None
     rows = [(f"{name} {m}", p7_figures(r)) for m, r in modes.items()]
-    rehearsal = next((x["meta_rehearsal"] for x in lines if "meta_rehearsal" in x), None)
+    rehearsal = got.get("meta_rehearsal")
     if rehearsal:
         rows.insert(0, (f"{name} meta", f"the head's GPU branch on meta tensors: {rehearsal}"))
     eff = efficiency(modes, device, ctx) if modes and name == "P7" else None
@@ -251,7 +267,8 @@ def run_whole(ctx: Ctx, v: Variant) -> dict:
 # ---- tokens: the Ray Data token pass against one loop --------------------------------------------------------------
 def run_tokens(ctx: Ctx, v: Variant) -> dict:
     a = v.args
-    _, out = ctx.sh(
+    ctx.json_out("tokens").unlink(missing_ok=True)
+    ctx.sh(
         [
             PY,
             "-m",
@@ -264,10 +281,12 @@ def run_tokens(ctx: Ctx, v: Variant) -> dict:
             *a["modes"],
             "--cache",
             ctx.work / "p9",
+            "--json-out",
+            ctx.json_out("tokens"),
         ],
         "tokens",
     )
-    rows = json_lines(out)[-1]["p9"]
+    rows = ctx.figures("tokens")["p9"]
     same = len({r["shards_sha"] for r in rows}) == 1
     fig = (
         "; ".join(
@@ -331,13 +350,17 @@ def run_p5(ctx: Ctx, v: Variant) -> dict:
     for mode in ("whole", "streamed"):
         out = ctx.work / f"stats-{mode}"
         shutil.rmtree(out, ignore_errors=True)
-        _, text = ctx.sh(
+        log = f"calib-{mode}"
+        ctx.json_out(log).unlink(missing_ok=True)
+        ctx.sh(
             [
                 PY,
                 "-m",
                 __spec__.name,
                 "--child-calibrate",
                 mode,
+                "--json-out",
+                ctx.json_out(log),
                 "--teacher",
                 teacher,
                 "--out",
@@ -347,9 +370,9 @@ def run_p5(ctx: Ctx, v: Variant) -> dict:
                 "--seq-len",
                 a["seq_len"],
             ],
-            f"calib-{mode}",
+            log,
         )
-        calib[mode] = json_lines(text)[-1]
+        calib[mode] = ctx.figures(log)
     diff = stats_agree(ctx.work / "stats-whole", ctx.work / "stats-streamed")
     w, s = calib["whole"], calib["streamed"]
     fig = (
@@ -392,10 +415,11 @@ def child_calibrate(a) -> None:
     flops = L * (
         2.0 * T * E * 3 * I * d + 2.0 * E * E * T * d
     )  # P1's count: every expert on every token, plus the Gram
-    print(
-        json.dumps({"seconds": seconds, "tokens": T, "tflops": flops / seconds / 1e12, "sha256": art.checksum}),
-        flush=True,
-    )
+    from benchmarks.common import write_json
+
+    figures = {"seconds": seconds, "tokens": T, "tflops": flops / seconds / 1e12, "sha256": art.checksum}
+    print(json.dumps(figures), flush=True)
+    write_json(a.json_out, figures)
 
 
 def matmul_tflops(cuda: bool) -> float:
@@ -670,6 +694,7 @@ def main(argv=None) -> int:
     p.add_argument("--out")
     p.add_argument("--tokens", type=int)
     p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--json-out", help=argparse.SUPPRESS)  # --child-calibrate's figures, for the P5 part
     a = p.parse_args(argv)
     if a.mode:
         child_calibrate(a)
