@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -46,11 +46,14 @@ def cpu_busy(seconds: float = 0.5) -> float:
         return float("nan")
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1, for a process group's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def write_json(path: str | Path | None, obj) -> None:
+    """`obj` as JSON at `path`, written under a temporary name and renamed (whoever reads it, even after this process
+    was killed, finds a whole file); nothing when `path` is None. How a benchmark hands its figures to a caller."""
+    if path is None:
+        return
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(obj))
+    tmp.replace(path)
 
 
 def machine_line() -> str:

@@ -61,32 +61,13 @@ DEFAULT_DENSE_OUT = REPO / "m2d_ray" / "assets" / "tiny_qwen3_dense"
 # Model
 # ----------------------------------------------------------------------------------------------------------------
 def make_config(vocab_size: int, seq_len: int = 128):
-    from transformers import Qwen3MoeConfig
+    from m2d_ray.arch.qwen3_moe import moe_config
 
-    padded = int(math.ceil(vocab_size / 8) * 8)
-    return Qwen3MoeConfig(
-        vocab_size=padded,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=16,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        max_position_embeddings=max(256, seq_len),
-        tie_word_embeddings=False,
-        router_aux_loss_coef=0.01,
-        output_router_logits=True,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-        dtype="float32",
-    )
+    shape = dict(hidden=64, ffn=128, layers=4, heads=4, kv_heads=2, head_dim=16, experts=16, top_k=2, expert_width=32)
+    training = dict(router_aux_loss_coef=0.01, output_router_logits=True, use_cache=False, decoder_sparse_step=1)
+    ids = dict(bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    vocab = int(math.ceil(vocab_size / 8) * 8)
+    return moe_config(vocab=vocab, max_positions=max(256, seq_len), **shape, **training, **ids, dtype="float32")
 
 
 def make_dense_config(vocab_size: int, seq_len: int = 128):

@@ -10,7 +10,7 @@ cycles, except that arch/ registers its families by importing them (tests/unit/t
 this list against the code):
 
     1. errors, console, registry, artifacts, storage, checkpoint, assets, accelerators, peaks, sizes, numerics, measured
-    2. catalog
+    2. catalog, local_group, time_budget
     3. config
     4. arch
     5. models, weights, data
@@ -20,7 +20,7 @@ this list against the code):
     9. convert
     10. evaluate
     11. prune
-    12. distill, random_models
+    12. distill, random_models, trajectories
     13. plan
     14. run_dir
     15. track

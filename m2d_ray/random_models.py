@@ -20,76 +20,24 @@ def tokenizer_fields(tok, multiple: int = 8) -> dict:
     return dict(vocab=-(-len(tok) // multiple) * multiple, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
 
 
-#: model shape, batch and timing of each preset of the distillation-step benchmarks (benchmarks/perf/distill_step.py,
-#: science/precision_trajectories.py) and their tests: the teacher is Qwen3-MoE; student width = top_k x expert width
-STEP_PRESETS = {
-    "cpu": dict(
-        device="cpu",
-        hidden=256,
-        layers=4,
-        heads=4,
-        kv_heads=2,
-        head_dim=64,
-        experts=16,
-        expert_width=128,
-        top_k=4,
-        vocab=4096,
-        seq_len=256,
-        batch=4,
-        warmup=2,
-        steps=12,
-    ),
-    "h100": dict(
-        device="cuda",
-        hidden=2048,
-        layers=8,
-        heads=16,
-        kv_heads=4,
-        head_dim=128,
-        experts=64,
-        expert_width=768,
-        top_k=8,
-        vocab=4096,
-        seq_len=2048,
-        batch=8,
-        warmup=3,
-        steps=10,
-    ),
+#: a preset's model shape: the teacher is moe_config(**shape), the student's width top_k x expert width
+SHAPE = ("hidden", "layers", "heads", "kv_heads", "head_dim", "experts", "expert_width", "top_k", "vocab")
+#: and its run: where, tokens a sequence, sequences a step, warm-up steps and timed steps
+RUN = ("device", "seq_len", "batch", "warmup", "steps")
+# fmt: off
+_ROWS = {
+    # hidden layers heads kv_heads head_dim experts expert_width top_k vocab | device seq_len batch warmup steps
+    "cpu": (256, 4, 4, 2, 64, 16, 128, 4, 4096, "cpu", 256, 4, 2, 12),
+    "h100": (2048, 8, 16, 4, 128, 64, 768, 8, 4096, "cuda", 2048, 8, 3, 10),
     # the paper student's head (STEP_PRESETS["head"] below) on the CPU: one layer, 128 tokens, one path (the share of
     # a step the head and the KL take)
-    "head-cpu": dict(
-        device="cpu",
-        hidden=2048,
-        layers=1,
-        heads=16,
-        kv_heads=4,
-        head_dim=128,
-        experts=4,
-        expert_width=768,
-        top_k=2,
-        vocab=151936,
-        seq_len=128,
-        batch=1,
-        warmup=1,
-        steps=2,
-    ),
-    "smoke": dict(
-        device="cpu",
-        hidden=64,
-        layers=2,
-        heads=4,
-        kv_heads=2,
-        head_dim=16,
-        experts=8,
-        expert_width=32,
-        top_k=2,
-        vocab=512,
-        seq_len=64,
-        batch=2,
-        warmup=1,
-        steps=2,
-    ),
+    "head-cpu": (2048, 1, 16, 4, 128, 4, 768, 2, 151936, "cpu", 128, 1, 1, 2),
+    "smoke": (64, 2, 4, 2, 16, 8, 32, 2, 512, "cpu", 64, 2, 1, 2),
 }
+# fmt: on
+#: model shape, batch and timing of each preset of the distillation-step benchmarks (benchmarks/perf/distill_step.py,
+#: science/precision_trajectories.py) and their tests, by name: {field of SHAPE or RUN: value}
+STEP_PRESETS = {name: dict(zip(SHAPE + RUN, row)) for name, row in _ROWS.items()}
 
 # the paper student's head (Qwen3: vocabulary 151,936, hidden 2048) at 4096-token sequences, 2 decoder layers: the
 # head and the KL at the shapes that cost money, every path and kernel side by side in 80 GB (by arithmetic, not
@@ -109,18 +57,7 @@ STEP_PRESETS["head"] = {
 
 def teacher_and_student(p: dict, dtype: torch.dtype) -> tuple[Teacher, torch.nn.Module]:
     """(teacher Teacher, initial student) on the preset's device, the way stage 2 loads them."""
-    config = moe_config(
-        vocab=p["vocab"],
-        hidden=p["hidden"],
-        layers=p["layers"],
-        heads=p["heads"],
-        kv_heads=p["kv_heads"],
-        head_dim=p["head_dim"],
-        experts=p["experts"],
-        expert_width=p["expert_width"],
-        top_k=p["top_k"],
-        max_positions=p["seq_len"],
-    )
+    config = moe_config(**{k: p[k] for k in SHAPE}, max_positions=p["seq_len"])
     kwargs = {"experts_implementation": "eager"} if p["device"] == "cpu" else {}  # as models.load_model on CPU
     torch.manual_seed(0)
     with torch.device(p["device"]):

@@ -11,8 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from m2d_ray.config import DistillConfig
+
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 SHARED = ROOT.parent / "shared"
+#: stage 2 on the synthetic corpus at a learning rate that moves a tiny student in a few steps; each test sets its sizes
+SYNTHETIC_DISTILL = DistillConfig(train_data="synthetic:train", lr=3e-3, min_lr=3e-4, deepspeed=False)
+#: calibration at test size on the synthetic corpus' validation split (`m2d calibrate`, `convert`, `prune-dense` flags)
+SMALL_CALIB = ["--calib-data", "synthetic:valid", "--max-tokens", "1024", "--seq-len", "64"]
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -31,6 +31,9 @@ it needed. A part runs with a timeout that leaves the smallest variants of the r
 one that overruns is killed (its whole process group, Ray's processes included) and recorded as timed out, and the
 call goes on.
 
+Each part's benchmark writes its figures to WORK/logs/PART.json (--json-out, rewritten as it goes: a part killed
+for its time keeps what it finished), not to be read back from its output.
+
 Output: one table at the end (also WORK/table.md), every figure in WORK/results.json, logs in WORK/logs, and on a GPU
 WORK/measured_gpu.json: m2d_ray/measured_gpu.json as this call measured it (plan.efficiency per targets mode, the
 fastest exact kernel per mode for distill.kl_kernel=auto, the run's walls and the start-ups fit on them, each part's
@@ -45,19 +48,16 @@ by hand. Exit status 1 when a part failed or timed out.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from m2d_ray.measured_write import accelerator_of, measured_file, prior
+from m2d_ray.time_budget import Part, Share, TimedOut, Variant, plan, run_logged
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -67,67 +67,6 @@ FULL = dict(
     d=2048, I=768, E=128, k=8, heads=32, kv_heads=4, head_dim=128, dtype="bfloat16"
 )  # Qwen3-30B-A3B's layer shapes
 TINY = dict(d=64, I=32, E=16, k=2, heads=4, kv_heads=2, head_dim=16, dtype="float32")
-
-
-class TimedOut(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One size of a part: a label for the plan, its estimated seconds, and the settings its runner reads."""
-
-    label: str
-    est_s: float
-    args: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Part:
-    name: str
-    required: bool
-    variants: tuple[Variant, ...]  # largest first
-    run: Callable[[Ctx, Variant], dict]  # -> {"rows": [(row name, figures)], "failed": why or None, ...figures}
-
-
-def plan(parts: list[Part], left_s: float) -> tuple[dict[str, int], list[str]]:
-    """{part name: variant index} of the parts that fit `left_s` seconds (a part left out is skipped), and one line
-    per part saying what it runs, or why it shrank or was skipped. Coverage first, then size, required parts
-    before optional ones: each group's parts join at their smallest variant in priority order (the order of
-    `parts`) while they fit, then grow towards their largest in the same order."""
-    choice: dict[str, int] = {}
-
-    def est(p: Part, i: int) -> float:
-        return p.variants[i].est_s
-
-    def total() -> float:
-        return sum(est(p, choice[p.name]) for p in parts if p.name in choice)
-
-    for group in ([p for p in parts if p.required], [p for p in parts if not p.required]):
-        for p in group:
-            if total() + est(p, -1) <= left_s:
-                choice[p.name] = len(p.variants) - 1
-        for p in group:
-            while (
-                p.name in choice
-                and choice[p.name] > 0
-                and total() - est(p, choice[p.name]) + est(p, choice[p.name] - 1) <= left_s
-            ):
-                choice[p.name] -= 1
-    lines = []
-    for p in parts:
-        if p.name not in choice:
-            lines.append(
-                f"{p.name}: skipped: its smallest variant ({p.variants[-1].label}) needs ~{est(p, -1):.0f} s, "
-                f"{max(0.0, left_s - total()):.0f} s of {left_s:.0f} s are left beside the parts kept"
-            )
-            continue
-        v = p.variants[choice[p.name]]
-        shrunk = (
-            f" (shrunk from {p.variants[0].label}, ~{est(p, 0):.0f} s, to fit {left_s:.0f} s)" if choice[p.name] else ""
-        )
-        lines.append(f"{p.name}: {v.label}, ~{v.est_s:.0f} s{shrunk}")
-    return choice, lines
 
 
 @dataclass
@@ -145,37 +84,24 @@ class Ctx:
     def logs(self) -> Path:
         return self.work / "logs"
 
+    def json_out(self, log: str) -> Path:
+        """Where a part's child writes its figures (its --json-out), beside its logs."""
+        return self.logs / f"{log}.json"
+
+    def figures(self, log: str) -> dict:
+        """What the child writing `json_out(log)` left there ({} where it wrote nothing: it failed or was killed
+        first)."""
+        path = self.json_out(log)
+        return json.loads(path.read_text()) if path.exists() else {}
+
     def sh(self, cmd: list, log: str, check: bool = True) -> tuple[int, str]:
-        """Run `cmd` in its own process group within the running part's timeout: (exit status, stdout); stderr to
-        logs/LOG.log, stdout to logs/LOG.out. Past the timeout the whole group is killed (TimedOut); a nonzero
-        exit raises RuntimeError naming the log, unless not `check`."""
-        cmd = [str(c) for c in cmd]
-        print("$ " + " ".join(cmd), flush=True)
-        left = self.timeout_s - (time.monotonic() - self.started)
-        with open(self.logs / f"{log}.log", "w") as err, open(self.logs / f"{log}.out", "w") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=REPO, start_new_session=True)
-            try:
-                rc = proc.wait(timeout=max(1.0, left))
-            except subprocess.TimeoutExpired:
-                kill_group(proc)
-                raise TimedOut(f"killed after {self.timeout_s:.0f} s (the part's share of the budget)") from None
-        stdout = (self.logs / f"{log}.out").read_text()
-        if rc and check:
-            raise RuntimeError(f"`{' '.join(cmd[:4])} ...` exited {rc}; see {self.logs / log}.log")
-        return rc, stdout
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to the process group, SIGKILL to what is left of it once the child has gone or after 10 s (Ray's
-    processes share the group, or die with the driver that started them)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
+        """`cmd` within the running part's timeout, logged under logs/ (`time_budget.run_logged`)."""
+        return run_logged(cmd, self.logs / log, Share(self.timeout_s, self.started), REPO, check)
 
 
 def json_lines(text: str) -> list[dict]:
+    """The JSON lines of a command's stdout: `m2d run`'s result is its last (the CLI's contract); the benchmarks a
+    part runs write their figures to a file instead (--json-out, `Ctx.figures`)."""
     out = []
     for line in text.splitlines():
         if line.startswith("{"):
@@ -195,19 +121,20 @@ def run_p7(ctx: Ctx, v: Variant) -> dict:
     cmd = [PY, "-m", "benchmarks.perf.distill_step", "--preset", a["preset"], "--targets", a["targets"]]
     keys = ("paths", "kernels", "steps", "warmup", "threads", "precision", "meta_rehearsal")
     cmd += [x for k in keys if k in a for x in (f"--{k.replace('_', '-')}", a[k])]
+    ctx.json_out(log).unlink(missing_ok=True)
     try:
-        rc, out = ctx.sh(cmd, log, check=False)
+        rc, _ = ctx.sh([*cmd, "--json-out", ctx.json_out(log)], log, check=False)
         failed = (
             f"exit {rc}: a path's loss trajectory left its tolerance, or it failed; see logs/{log}.log" if rc else None
         )
-    except TimedOut as exc:  # the modes that finished printed their lines
-        out, failed = (ctx.logs / f"{log}.out").read_text(), str(exc)
-    lines = json_lines(out)
-    final = next((x for x in reversed(lines) if "targets" in x), None)
-    modes = final["targets"] if final else {x["mode"]: x for x in lines if "mode" in x}
+    except TimedOut as exc:  # the modes that finished are in its file
+        failed = str(exc)
+    got = ctx.figures(log)
+    final = got.get("final")
+    modes = final["targets"] if final else got.get("modes", {})
     device = final["device"] if final else gpu_name() if ctx.cuda else None
     rows = [(f"{name} {m}", p7_figures(r)) for m, r in modes.items()]
-    rehearsal = next((x["meta_rehearsal"] for x in lines if "meta_rehearsal" in x), None)
+    rehearsal = got.get("meta_rehearsal")
     if rehearsal:
         rows.insert(0, (f"{name} meta", f"the head's GPU branch on meta tensors: {rehearsal}"))
     eff = efficiency(modes, device, ctx) if modes and name == "P7" else None
@@ -340,7 +267,8 @@ def run_whole(ctx: Ctx, v: Variant) -> dict:
 # ---- tokens: the Ray Data token pass against one loop --------------------------------------------------------------
 def run_tokens(ctx: Ctx, v: Variant) -> dict:
     a = v.args
-    _, out = ctx.sh(
+    ctx.json_out("tokens").unlink(missing_ok=True)
+    ctx.sh(
         [
             PY,
             "-m",
@@ -353,10 +281,12 @@ def run_tokens(ctx: Ctx, v: Variant) -> dict:
             *a["modes"],
             "--cache",
             ctx.work / "p9",
+            "--json-out",
+            ctx.json_out("tokens"),
         ],
         "tokens",
     )
-    rows = json_lines(out)[-1]["p9"]
+    rows = ctx.figures("tokens")["p9"]
     same = len({r["shards_sha"] for r in rows}) == 1
     fig = (
         "; ".join(
@@ -420,13 +350,17 @@ def run_p5(ctx: Ctx, v: Variant) -> dict:
     for mode in ("whole", "streamed"):
         out = ctx.work / f"stats-{mode}"
         shutil.rmtree(out, ignore_errors=True)
-        _, text = ctx.sh(
+        log = f"calib-{mode}"
+        ctx.json_out(log).unlink(missing_ok=True)
+        ctx.sh(
             [
                 PY,
                 "-m",
                 __spec__.name,
                 "--child-calibrate",
                 mode,
+                "--json-out",
+                ctx.json_out(log),
                 "--teacher",
                 teacher,
                 "--out",
@@ -436,9 +370,9 @@ def run_p5(ctx: Ctx, v: Variant) -> dict:
                 "--seq-len",
                 a["seq_len"],
             ],
-            f"calib-{mode}",
+            log,
         )
-        calib[mode] = json_lines(text)[-1]
+        calib[mode] = ctx.figures(log)
     diff = stats_agree(ctx.work / "stats-whole", ctx.work / "stats-streamed")
     w, s = calib["whole"], calib["streamed"]
     fig = (
@@ -481,10 +415,11 @@ def child_calibrate(a) -> None:
     flops = L * (
         2.0 * T * E * 3 * I * d + 2.0 * E * E * T * d
     )  # P1's count: every expert on every token, plus the Gram
-    print(
-        json.dumps({"seconds": seconds, "tokens": T, "tflops": flops / seconds / 1e12, "sha256": art.checksum}),
-        flush=True,
-    )
+    from benchmarks.common import write_json
+
+    figures = {"seconds": seconds, "tokens": T, "tflops": flops / seconds / 1e12, "sha256": art.checksum}
+    print(json.dumps(figures), flush=True)
+    write_json(a.json_out, figures)
 
 
 def matmul_tflops(cuda: bool) -> float:
@@ -748,14 +683,28 @@ def main(argv=None) -> int:
         "--parts", help="comma-separated subset of P7-head,P7,run,tokens,memory,P5 (default: all, as the budget allows)"
     )
     p.add_argument("--cpu-smoke", action="store_true", help="every part on the CPU with tiny shapes (plumbing check)")
+    p.add_argument(
+        "--plan-only",
+        type=int,
+        metavar="GPUS",
+        help="print the GPU call's parts and their plan at --budget-s for GPUS devices as one JSON line; run nothing",
+    )
     p.add_argument("--child-calibrate", dest="mode", choices=["whole", "streamed"])
     p.add_argument("--teacher")
     p.add_argument("--out")
     p.add_argument("--tokens", type=int)
     p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--json-out", help=argparse.SUPPRESS)  # --child-calibrate's figures, for the P5 part
     a = p.parse_args(argv)
     if a.mode:
         child_calibrate(a)
+        return 0
+    if a.plan_only is not None:
+        todo = parts(cuda=True, gpus=a.plan_only)
+        choice, lines = plan(todo, a.budget_s - RESERVE_S)
+        print(
+            json.dumps({"parts": [asdict(x) | {"run": x.run.__name__} for x in todo], "choice": choice, "lines": lines})
+        )
         return 0
     t0 = time.monotonic()
     import torch

@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.common import machine_line, python_m
+from benchmarks.common import machine_line, python_m, write_json
 
 SEQ_LEN = 2048
 SHARD_MB = 25
@@ -169,12 +169,13 @@ def main() -> None:
     ap.add_argument("--shard-mb", type=float, default=SHARD_MB, help="size of one Parquet shard (MB)")
     ap.add_argument("--modes", nargs="+", default=["loop", "ray1", "ray2"])
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "m2d-p9"))
-    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one mode and print its JSON
+    ap.add_argument("--json-out", help="also write the figures ({p9: rows, corpus_mb}) to this JSON file")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one mode, its figures to --json-out
     ap.add_argument("--blocks", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     corpus = make_corpus(Path(args.cache), args.mb, args.shard_mb)
     if args.one:
-        print(json.dumps(run_mode(args.one, corpus, args.blocks)))
+        write_json(args.json_out, run_mode(args.one, corpus, args.blocks))
         return
     from m2d_ray.models import default_teacher, load_tokenizer
 
@@ -193,7 +194,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     base, rows = None, []
     for mode in args.modes:
-        out = subprocess.run(
+        one = Path(args.cache) / f"{mode}.json"
+        subprocess.run(
             [
                 *python_m(__spec__.name),
                 "--mb",
@@ -206,14 +208,13 @@ def main() -> None:
                 mode,
                 "--blocks",
                 str(blocks),
+                "--json-out",
+                one,
             ],
             capture_output=True,
-            text=True,
             check=True,
         )
-        r = json.loads(
-            next(line for line in reversed(out.stdout.splitlines()) if line.startswith("{"))
-        )  # Ray may print after it
+        r = json.loads(one.read_text())
         base = base or (r["tokens_per_s"] if mode == "loop" else None)
         rows.append({**r, "vs_loop": r["tokens_per_s"] / base if base else None})
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
@@ -223,7 +224,9 @@ def main() -> None:
             f"{r['driver_rss']} / {r['driver_private']} | {r['worker_rss']} / {r['worker_private']} |",
             flush=True,
         )
-    print(json.dumps({"p9": rows, "corpus_mb": round(size / 1e6, 1)}))
+    result = {"p9": rows, "corpus_mb": round(size / 1e6, 1)}
+    print(json.dumps(result))
+    write_json(args.json_out, result)
 
 
 if __name__ == "__main__":

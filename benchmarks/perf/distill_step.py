@@ -73,7 +73,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import cpu_model, free_port, machine_line
+from benchmarks.common import cpu_model, machine_line, write_json
+from m2d_ray.local_group import free_port
 from m2d_ray.random_models import STEP_PRESETS, teacher_and_student
 
 #: model shape, batch and timing of each preset, and the models built from one: the fixture module's, which the tests
@@ -443,6 +444,10 @@ def main() -> None:
         default=None,
         help="exact-KL kernels timed beside chunked, comma-separated (default: on a GPU every one that imports here)",
     )
+    ap.add_argument(
+        "--json-out",
+        help="also write the figures to this JSON file, rewritten as each mode finishes: meta_rehearsal, modes, final",
+    )
     a = ap.parse_args()
     p = dict(PRESETS[a.preset])
     p["steps"], p["warmup"] = a.steps or p["steps"], a.warmup if a.warmup is not None else p["warmup"]
@@ -455,8 +460,11 @@ def main() -> None:
     from m2d_ray.distill.flops import matmul_rate
     from m2d_ray.distill.precision import for_device
 
+    record: dict = {"modes": {}}  # what --json-out holds so far (a caller that kills this run keeps it)
     if a.meta_rehearsal:
-        print(json.dumps({"meta_rehearsal": meta_rehearsal(PRESETS[a.meta_rehearsal])}), flush=True)
+        record["meta_rehearsal"] = meta_rehearsal(PRESETS[a.meta_rehearsal])
+        print(json.dumps({"meta_rehearsal": record["meta_rehearsal"]}), flush=True)
+        write_json(a.json_out, record)
     precision = for_device(a.precision, device)  # what stage 2 trains in
     kernels = [k for k in (default_kernels(device) if a.kernels is None else a.kernels).split(",") if k]
     print(machine_line(), file=sys.stderr)
@@ -484,6 +492,7 @@ def main() -> None:
             json.dumps(modes[text]), flush=True
         )  # MFU against the rate before the steps (a caller killed later keeps it)
         print(summary_line(modes[text]), file=sys.stderr, flush=True)
+        write_json(a.json_out, record | {"modes": modes})
     rate = max(rate, matmul_rate(device, precision.dtype))  # before and after the steps: the best this run saw
     for m in modes.values():
         add_mfu(m, rate)
@@ -506,6 +515,7 @@ def main() -> None:
     }
     print(machine_line(), file=sys.stderr)
     print(json.dumps(out))
+    write_json(a.json_out, record | {"modes": modes, "final": out})
     bad = {t: {n: round(g, 5) for n, g in m["gap"].items()} for t, m in modes.items() if not m["losses_agree"]}
     if bad:
         raise SystemExit(f"loss trajectories differ beyond their tolerance (largest relative gap per path): {bad}")

@@ -339,6 +339,8 @@ def main(argv=None) -> None:
         "--repeat", type=int, default=1, help="runs of each case: the table shows the spread (min-max) over them"
     )
     ap.add_argument("--cases", help="indices into CASES, comma-separated (default: all)")
+    ap.add_argument("--work", type=Path, help="where the models are saved (default: under the temp directory)")
+    ap.add_argument("--json", action="store_true", help="each run's figures as a JSON line instead of the table")
     ap.add_argument("--child")
     ap.add_argument("--build")
     a = ap.parse_args(argv)
@@ -352,6 +354,13 @@ def main(argv=None) -> None:
         return
     size = "small" if a.small else "mid"
     cases = [CASES[int(i)] for i in a.cases.split(",")] if a.cases else CASES
+    if a.json:
+        for case, kw in cases:
+            for _ in range(a.repeat):
+                print(
+                    json.dumps({"case": case, "settings": kw, **measure(case, kw, size, a.work, a.device)}), flush=True
+                )
+        return
 
     def mib(xs):
         return f"{min(xs) / 2**20:.0f}" + (f"-{max(xs) / 2**20:.0f}" if len(xs) > 1 else "") + " MiB"
@@ -362,7 +371,7 @@ def main(argv=None) -> None:
     )
     worst = 0.0
     for case, kw in cases:
-        rs = [measure(case, kw, size, device=a.device) for _ in range(a.repeat)]
+        rs = [measure(case, kw, size, a.work, a.device) for _ in range(a.repeat)]
         ratios = [r["ratio"] for r in rs]
         worst = max([worst] + [abs(x - 1) for x in ratios])
         settings = ", ".join(f"{k} {v}" for k, v in kw.items())

@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from m2d_ray.local_group import join, spawn
 
 SEQ = 256
 
@@ -50,23 +50,13 @@ def _reset_hwm() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def _join(rank: int, world: int, port: int) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
-    )
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-
-
 def _ids(vocab: int, n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, (n, 1, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
 def _spawn(fn, world: int, *args) -> list[dict]:
-    from benchmarks.common import free_port
-
     with tempfile.TemporaryDirectory(prefix="m2d-p10-") as out:
-        mp.spawn(fn, args=(world, free_port(), out, *args), nprocs=world, join=True)
+        spawn(fn, world, out, *args)
         return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]
 
 
@@ -87,7 +77,7 @@ def _forward_s(model, ids: torch.Tensor) -> float:
 
 
 def _choose_main(rank: int, world: int, port: int, out: str, teacher: str, impl: str) -> None:
-    _join(rank, world, port)
+    join(rank, world, port)
     from m2d_ray.models import load_distill_teacher
 
     base = _vm("VmRSS")
@@ -126,7 +116,7 @@ def _zero3(teacher: str):
 
 # ---- memory: a distillation step's rank -------------------------------------------------------------------------
 def _step_main(rank: int, world: int, port: int, out: str, teacher: str, student: str, mode: str, steps: int) -> None:
-    _join(rank, world, port)
+    join(rank, world, port)
     from transformers import AutoModelForCausalLM
 
     from m2d_ray.config import DistillConfig
@@ -164,7 +154,7 @@ def _read_whole(teacher: str):
 
 # ---- quality: the wiki4 pair, 2 ranks --------------------------------------------------------------------------
 def _quality_main(rank: int, world: int, port: int, out: str, work: str, steps: int) -> None:
-    _join(rank, world, port)
+    join(rank, world, port)
     from benchmarks.common import TEACHER_DIR, WIKI_TEST, WIKI_VALID
     from m2d_ray.config import DistillConfig
     from m2d_ray.distill.loop import DistillJob, WorkerIO, run_distill
@@ -219,7 +209,7 @@ def _quality(work: Path, steps: int) -> list[dict]:
 
 # ---- speed: both teachers in one run ---------------------------------------------------------------------------
 def _speed_main(rank: int, world: int, port: int, out: str, teacher: str, student: str, steps: int) -> None:
-    _join(rank, world, port)
+    join(rank, world, port)
     from transformers import AutoModelForCausalLM
 
     from m2d_ray.config import DistillConfig

@@ -220,8 +220,15 @@ def main() -> None:
     ap.add_argument("--set", default=str(SET))
     ap.add_argument("--misses", action="store_true", help="print the responses m2d reads otherwise than the label")
     ap.add_argument("--before", default=None, help="a git revision: also m2d's reader as it was there")
+    ap.add_argument("--json", action="store_true", help="one JSON line: each extractor's letters and agreement")
     a = ap.parse_args()
     rows = [json.loads(line) for line in Path(a.set).read_text().splitlines() if line.strip()]
+    if a.json:
+        reads = extractors(a.before)
+        said = {name: read(rows) for name, read in reads.items()}
+        agree = {name: agreement(rows, lambda _, got=got: got) for name, got in said.items()}
+        print(json.dumps({"read": said, "agreement": agree}))
+        return
     real = sum(r["source"] != "written" for r in rows)
     print(f"{len(rows)} responses ({real} real generations, {len(rows) - real} written), {a.set}")
     print(table(rows, a.before))

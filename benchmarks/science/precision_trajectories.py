@@ -18,112 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-from benchmarks.common import free_port, machine_line
-from benchmarks.perf import distill_step as p7
-
-ONE_RANK = [(p, x) for p in ("plain", "deepspeed") for x in ("fp32", "bf16-mixed")] + [("plain", "bf16-pure")]
-TWO_RANKS = [(p, x) for p in ("ddp", "deepspeed", "sharded") for x in ("fp32", "bf16-mixed")]
-
-
-def gap(a: list[float], b: list[float]) -> float:
-    """The largest relative difference between two loss trajectories, step by step."""
-    assert len(a) == len(b)
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
-def batches(steps: int, batch: int, seq: int, preset: str = "cpu", accum: int = 1) -> torch.Tensor:
-    """[steps, accum, batch, seq] ids: each step's `accum` micro-batches of `batch` global sequences."""
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, p7.PRESETS[preset]["vocab"], (steps, accum, batch, seq), generator=g)
-
-
-def trajectory(
-    path: str,
-    precision: str,
-    rank: int,
-    world: int,
-    steps: int,
-    batch: int,
-    seq: int,
-    preset: str = "cpu",
-    accum: int = 1,
-    sharpen: float = 1.0,
-) -> list[float]:
-    """`path`'s losses (means over the ranks and micro-batches), this rank reading its share of each global
-    micro-batch, `accum` micro-batches a step. plain / ddp: DistillStep without DeepSpeed (with master weights, their
-    float32 sums in place of DDP); deepspeed: ZeRO-2; sharded: plain beside an FSDP2-sharded teacher."""
-    from m2d_ray.config import DistillConfig
-    from m2d_ray.distill.precision import PRECISIONS
-    from m2d_ray.distill.sharded_teacher import shard_loaded
-    from m2d_ray.distill.step import DistillStep
-
-    if path == "gradsum":  # not a trajectory: the summed gradient's error in this group (science/bf16_grad_sums.py)
-        from benchmarks.science import bf16_grad_sums as grad_sums
-
-        return [grad_sums.summed_gradient_error(preset, accum, rank, world, seq, False)]
-    policy = PRECISIONS[precision]
-    torch.manual_seed(0)
-    teacher, student = p7.build_models(p7.PRESETS[preset], torch.float32)
-    model = teacher.model.to(policy.dtype)  # the teacher computes in the policy's dtype, as distill/loop.py loads it
-    head = model.get_output_embeddings().weight.detach()
-    head.mul_(sharpen)  # a random head's logits are nearly uniform (std ~0.02 sqrt(d)): a loss of ~1e-4 is all noise
-    if path == "sharded":
-        shard_loaded(model, teacher.adapter.layers(model), "cpu")
-    cfg = DistillConfig(
-        steps=steps,
-        warmup_steps=max(1, steps // 4),
-        batch_size=batch // world,
-        seq_len=seq,
-        grad_accum=accum,
-        deepspeed=path == "deepspeed",
-    )
-    trainer = DistillStep(student.train(), model, cfg, "cpu", world, policy, head=head)
-    losses = []
-    share = slice(rank * batch // world, (rank + 1) * batch // world)
-    for b in batches(steps, batch, seq, preset, accum):
-        trainer.step([mb[share] for mb in b])
-        losses.append(trainer.take_loss())
-    return losses
-
-
-def _group_main(rank: int, world: int, port: int, runs: list, sizes: tuple, out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
-    )
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = {f"{path}/{x}": trajectory(path, x, rank, world, *sizes) for path, x in runs}
-        if rank == 0:
-            Path(out).write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_group(
-    world: int,
-    runs: list[tuple[str, str]],
-    out: Path,
-    steps: int,
-    batch: int,
-    seq: int,
-    preset: str = "cpu",
-    accum: int = 1,
-    sharpen: float = 1.0,
-) -> dict:
-    """{"path/precision": losses} of `runs`, each trained by a group of `world` gloo processes (`sharpen`: the
-    teacher's head scaled by it, for a teacher as sure of its tokens as a trained one)."""
-    sizes = (steps, batch, seq, preset, accum, sharpen)
-    mp.spawn(_group_main, args=(world, free_port(), runs, sizes, str(out)), nprocs=world, join=True)
-    return json.loads(out.read_text())
+from benchmarks.common import machine_line
+from m2d_ray.random_models import STEP_PRESETS
+from m2d_ray.trajectories import ONE_RANK, TWO_RANKS, gap, run_group
 
 
 def main() -> None:
@@ -131,7 +31,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=2, help="global sequences per step (even: two ranks split it)")
     ap.add_argument("--seq", type=int, default=32)
-    ap.add_argument("--preset", default="cpu", choices=sorted(p7.PRESETS), help="P7's model shapes (default cpu)")
+    ap.add_argument("--preset", default="cpu", choices=sorted(STEP_PRESETS), help="P7's model shapes (default cpu)")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches a step (distill.grad_accum)")
     ap.add_argument("--sharpen", type=float, default=1.0, help="the teacher's head scaled by it (default 1)")
     ap.add_argument("--work", default="/tmp/m2d-precision")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import ROOT
+from conftest import ROOT, SMALL_CALIB
 from judge_server import JudgeServer
 
 from m2d_ray.cli import main
@@ -224,6 +224,10 @@ def w(tmp_path_factory, tiny_teacher_dir):
     return p
 
 
+def _calib(w, data: str) -> list[str]:
+    return ["calibrate", "--model", str(w["teacher"]), "--calib-data", data, "--out", "s"]
+
+
 def _conv(w, *extra):
     return [
         "convert",
@@ -293,19 +297,7 @@ CASES = {
         "holds an m2d student, not a statistics",
     ),
     "calibrate out holds other stats": (
-        lambda w: [
-            "calibrate",
-            "--model",
-            str(w["teacher"]),
-            "--calib-data",
-            "synthetic:valid",
-            "--max-tokens",
-            "1024",
-            "--seq-len",
-            "64",
-            "--out",
-            str(w["stats"]),
-        ],
+        lambda w: ["calibrate", "--model", str(w["teacher"]), *SMALL_CALIB, "--out", str(w["stats"])],
         "pass --overwrite",
     ),
     "distill out is a file": (
@@ -434,23 +426,23 @@ CASES = {
     "stats of another teacher": (lambda w: _conv(w, "--stats", str(w["other_stats"])), "computed for some/other-moe"),
     # data
     "calibration text empty": (
-        lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "empty.txt", "--out", "s"],
+        lambda w: _calib(w, "empty.txt"),
         "empty",
     ),
     "calibration text too short": (
-        lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "short.txt", "--out", "s"],
+        lambda w: _calib(w, "short.txt"),
         "at least",
     ),
     "calibration text binary": (
-        lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "binary.bin", "--out", "s"],
+        lambda w: _calib(w, "binary.bin"),
         "not a UTF-8 text file",
     ),
     "calibration data is a directory without corpus files": (
-        lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "mine", "--out", "s"],
+        lambda w: _calib(w, "mine"),
         "is a directory with no .parquet",
     ),
     "calibration split unknown": (
-        lambda w: ["calibrate", "--model", str(w["teacher"]), "--calib-data", "synthetic:dev", "--out", "s"],
+        lambda w: _calib(w, "synthetic:dev"),
         "unknown split",
     ),
     "convert eval data missing (before any work)": (

@@ -27,27 +27,27 @@ def calib_file(tmp_path_factory):
     return p
 
 
+def _calibrate(model, data, out) -> list[str]:
+    """`m2d calibrate` of `model` on the text file `data` (2,048 tokens in 64-token sequences) into `out`."""
+    return [
+        "calibrate",
+        "--model",
+        str(model),
+        "--calib-data",
+        str(data),
+        "--max-tokens",
+        "2048",
+        "--seq-len",
+        "64",
+        "--out",
+        str(out),
+    ]
+
+
 @pytest.fixture(scope="module")
 def stats_dir(tiny_teacher_dir, calib_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("stats") / "stats"
-    assert (
-        main(
-            [
-                "calibrate",
-                "--model",
-                str(tiny_teacher_dir),
-                "--calib-data",
-                str(calib_file),
-                "--max-tokens",
-                "2048",
-                "--seq-len",
-                "64",
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    assert main(_calibrate(tiny_teacher_dir, calib_file, out)) == 0
     return out
 
 
@@ -88,20 +88,7 @@ def test_calibrate_then_convert_prints_plan_and_ppl(capsys, tiny_teacher_dir, st
 
 
 def test_calibrate_reuses_matching_stats(capsys, tiny_teacher_dir, calib_file, stats_dir):
-    code, out, _ = run(
-        capsys,
-        "calibrate",
-        "--model",
-        str(tiny_teacher_dir),
-        "--calib-data",
-        str(calib_file),
-        "--max-tokens",
-        "2048",
-        "--seq-len",
-        "64",
-        "--out",
-        str(stats_dir),
-    )
+    code, out, _ = run(capsys, *_calibrate(tiny_teacher_dir, calib_file, stats_dir))
     assert code == 0 and json.loads(out)["reused"] is True
 
 

@@ -29,11 +29,12 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from m2d_ray.local_group import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "experiments" / "tiny.yaml"
@@ -60,12 +61,6 @@ SMALL = [
     "stage2.targets=hidden",
 ]
 BUCKET = "m2d-test"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sh(cmd: list[str], env: dict, log: Path, timeout: float = 300) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import SMALL_CALIB
 
 from m2d_ray.artifacts import MARKER, atomic_dir, check_output, output_kind
 from m2d_ray.cli import main
@@ -88,12 +89,7 @@ def test_convert_overwrite_through_the_cli(tiny_teacher_dir, tmp_path, capsys, m
         "convert",
         "--model",
         str(tiny_teacher_dir),
-        "--calib-data",
-        "synthetic:valid",
-        "--max-tokens",
-        "1024",
-        "--seq-len",
-        "64",
+        *SMALL_CALIB,
     ]
     assert main([*base, "--K", "2", "--out", str(out)]) == 0
     first = (out / "model.safetensors").read_bytes()

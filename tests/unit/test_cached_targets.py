@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import forbid
+from conftest import SYNTHETIC_DISTILL, forbid
 from torch.overrides import TorchFunctionMode
 
 from m2d_ray.config import DistillConfig
@@ -24,17 +24,8 @@ from m2d_ray.distill.tokens import TokenShards, write_tokens
 from m2d_ray.errors import M2DError
 from m2d_ray.models import default_teacher
 
-CFG = DistillConfig(
-    train_data="synthetic:train",
-    steps=6,
-    lr=3e-3,
-    min_lr=3e-4,
-    warmup_steps=1,
-    batch_size=4,
-    seq_len=64,
-    eval_every=3,
-    eval_max_tokens=1024,
-    deepspeed=False,
+CFG = dataclasses.replace(
+    SYNTHETIC_DISTILL, steps=6, warmup_steps=1, batch_size=4, seq_len=64, eval_every=3, eval_max_tokens=1024
 )
 BLOCKS = CFG.steps * CFG.batch_size
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import SYNTHETIC_DISTILL
 from transformers import AutoModelForCausalLM
 
 from m2d_ray.config import STOP_POLL_STEPS, DistillConfig, load_config
@@ -16,17 +18,8 @@ from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.perplexity import window_nll, windows
 from m2d_ray.models import default_teacher
 
-CFG = DistillConfig(
-    train_data="synthetic:train",
-    steps=24,
-    lr=3e-3,
-    min_lr=3e-4,
-    warmup_steps=2,
-    batch_size=8,
-    seq_len=128,
-    eval_every=8,
-    eval_max_tokens=4096,
-    deepspeed=False,
+CFG = replace(
+    SYNTHETIC_DISTILL, steps=24, warmup_steps=2, batch_size=8, seq_len=128, eval_every=8, eval_max_tokens=4096
 )
 
 

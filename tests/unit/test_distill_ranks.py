@@ -5,32 +5,23 @@ from __future__ import annotations
 
 import collections
 import json
-import os
-import socket
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from conftest import SYNTHETIC_DISTILL
 from transformers import AutoModelForCausalLM
 
 from m2d_ray.config import DistillConfig
 from m2d_ray.distill.loop import DistillJob, WorkerIO, run_distill, stop_requested, validate
 from m2d_ray.distill.step import DistillStep
+from m2d_ray.local_group import join, spawn
 from m2d_ray.models import default_teacher, load_teacher
 
-CFG = DistillConfig(
-    train_data="synthetic:train",
-    steps=4,
-    eval_every=2,
-    lr=3e-3,
-    min_lr=3e-4,
-    warmup_steps=1,
-    seq_len=64,
-    eval_max_tokens=1024,
-    eval_batch_size=2,
-    deepspeed=False,
+CFG = replace(
+    SYNTHETIC_DISTILL, steps=4, eval_every=2, warmup_steps=1, seq_len=64, eval_max_tokens=1024, eval_batch_size=2
 )
 
 
@@ -43,11 +34,7 @@ def student_dir(tmp_path_factory) -> Path:
 
 def _rank_main(rank: int, world: int, port: int, student: str, out: str, runs: dict[str, DistillConfig]) -> None:
     """One rank: a gloo group as Ray Train makes it, every all_reduce the Python side issues recorded."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
-    )
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join(rank, world, port)
     calls: list[str] = []
     real = dist.all_reduce
 
@@ -68,12 +55,6 @@ def _rank_main(rank: int, world: int, port: int, student: str, out: str, runs: d
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _weights(path) -> dict[str, torch.Tensor]:
     return AutoModelForCausalLM.from_pretrained(path).state_dict()
 
@@ -85,7 +66,7 @@ def test_two_gloo_ranks_with_ddp_and_deepspeed_match_one_rank(student_dir, ds_en
         "ddp": DistillConfig(**{**CFG.__dict__, "batch_size": 2}),
         "deepspeed": DistillConfig(**{**CFG.__dict__, "batch_size": 2, "deepspeed": True}),
     }
-    mp.spawn(_rank_main, args=(2, _free_port(), str(student_dir), str(tmp_path), runs), nprocs=2, join=True)
+    spawn(_rank_main, 2, str(student_dir), str(tmp_path), runs)
     one: list[dict] = []
     run_distill(
         DistillJob(

@@ -21,21 +21,10 @@ def qwen3_30b_a3b():
 
 
 def qwen3_student():
-    """Its K = k dense student: a Qwen3 of FFN width 8 x 768 = 6,144."""
-    from transformers import Qwen3Config
+    """Its K = k dense student: a Qwen3 of FFN width 8 x 768 = 6,144, as the adapter shapes it."""
+    from m2d_ray.arch.qwen3_moe import Qwen3MoeAdapter
 
-    return Qwen3Config(
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=48,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        max_position_embeddings=40960,
-        tie_word_embeddings=False,
-        dtype="bfloat16",
-    )
+    return Qwen3MoeAdapter().student_config(qwen3_30b_a3b(), 8 * 768)
 
 
 @pytest.fixture(scope="module")

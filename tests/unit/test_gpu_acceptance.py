@@ -1,5 +1,6 @@
-"""The GPU acceptance call (benchmarks/gpu/acceptance.py) on the CPU: its budget plan, its timeout, and the whole
-call's plumbing with tiny shapes (`--cpu-smoke`), so that the script a GPU session runs has run here."""
+"""The GPU acceptance call (benchmarks/gpu/acceptance.py) on the CPU: its budget plan and its timeout
+(m2d_ray/time_budget.py), and the whole call's plumbing with tiny shapes (`--cpu-smoke`) and its plan on a GPU
+(`--plan-only`), so that the script a GPU session runs has run here."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from benchmarks.gpu import acceptance as acc
+from m2d_ray import time_budget as acc
+
+
+def _acceptance(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    """`python -m benchmarks.gpu.acceptance ARGS` from the repository's root, its output captured."""
+    cmd = [sys.executable, "-m", "benchmarks.gpu.acceptance", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout, check=False)
 
 
 def _part(name: str, required: bool, *ests: float) -> acc.Part:
@@ -45,23 +52,22 @@ def test_the_plan_covers_the_required_parts_first_then_grows_them_in_priority_or
 def test_a_command_past_the_parts_timeout_is_killed_with_its_process_group(tmp_path):
     """A part that overruns its share is killed whole (here a shell and the child it started; in the call, `m2d
     run` and its Ray processes), so the call keeps to its budget."""
-    ctx = acc.Ctx(
-        tmp_path, cuda=False, smoke=True, deadline=time.monotonic() + 60, timeout_s=2.0, started=time.monotonic()
-    )
-    ctx.logs.mkdir()
     pid_file = tmp_path / "child.pid"
     t = time.monotonic()
     with pytest.raises(acc.TimedOut, match="killed after 2 s"):
-        ctx.sh(["bash", "-c", f"sleep 300 & echo $! > {pid_file}; wait"], "sleepy")
+        acc.run_logged(
+            ["bash", "-c", f"sleep 300 & echo $! > {pid_file}; wait"], tmp_path / "sleepy", acc.Share(2.0, t)
+        )
     assert time.monotonic() - t < 30
     child = int(pid_file.read_text())
     time.sleep(0.5)
     stat = Path(f"/proc/{child}/stat")
     state = stat.read_text().split()[2] if stat.exists() else "gone"
     assert state in ("gone", "Z"), f"the part's child {child} outlived its timeout (state {state})"
-    assert ctx.sh(["bash", "-c", "echo '{\"a\": 1}'; exit 3"], "fails", check=False) == (3, '{"a": 1}\n')
+    fails = ["bash", "-c", "echo '{\"a\": 1}'; exit 3"]
+    assert acc.run_logged(fails, tmp_path / "fails", acc.Share(60.0), check=False) == (3, '{"a": 1}\n')
     with pytest.raises(RuntimeError, match="exited 3; see .*fails.log"):
-        ctx.sh(["bash", "-c", "exit 3"], "fails")
+        acc.run_logged(["bash", "-c", "exit 3"], tmp_path / "fails", acc.Share(60.0))
 
 
 def test_cpu_smoke_runs_every_required_part_and_writes_the_table_and_results(tmp_path):
@@ -71,14 +77,7 @@ def test_cpu_smoke_runs_every_required_part_and_writes_the_table_and_results(tmp
     (hidden targets, one student) and the Ray Data token pass, on the CPU with tiny shapes; one table at the end, the
     efficiency per mode in the results (on the CPU: `plan.cpu_efficiency`'s figure, tiny shapes: plumbing only), and
     no measured_gpu.json (a CPU measures no GPU figure; tests/unit/test_plan_gpu.py checks the file's making)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu.acceptance", "--cpu-smoke", "--work", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=900,
-        check=False,
-    )
+    proc = _acceptance("--cpu-smoke", "--work", str(tmp_path), timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert {k: v["status"] for k, v in results["parts"].items()} == {
@@ -146,9 +145,12 @@ def test_on_a_gpu_the_real_head_runs_first_and_fits_the_budget():
     """The call's first part is P7 at the paper student's head (vocabulary 151,936, hidden 2048, 4096 tokens): it sets
     the kernel auto uses, and is planned in at the budget a lent GPU's session passes (480 s) with every required
     part."""
-    todo = acc.parts(cuda=True, gpus=1)
-    assert todo[0].name == "P7-head" and todo[0].required
-    assert all(v.args["preset"] == "head" for v in todo[0].variants)
+    proc = _acceptance("--plan-only", "1", "--budget-s", "480", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    call = json.loads(proc.stdout.strip().splitlines()[-1])  # the parts planned at 480 s less the call's reserve
+    todo = call["parts"]
+    assert todo[0]["name"] == "P7-head" and todo[0]["required"]
+    assert all(v["args"]["preset"] == "head" for v in todo[0]["variants"])
     from m2d_ray.random_models import STEP_PRESETS
 
     assert (STEP_PRESETS["head"]["vocab"], STEP_PRESETS["head"]["hidden"], STEP_PRESETS["head"]["seq_len"]) == (
@@ -156,5 +158,4 @@ def test_on_a_gpu_the_real_head_runs_first_and_fits_the_budget():
         2048,
         4096,
     )
-    choice, _ = acc.plan(todo, 480 - acc.RESERVE_S)
-    assert {p.name for p in todo if p.required} <= set(choice)
+    assert {p["name"] for p in todo if p["required"]} <= set(call["choice"])

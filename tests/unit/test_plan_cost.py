@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -249,12 +251,13 @@ def test_asha_s_stops_shorten_stage_2_and_leave_stage_3_only_the_finishers(paper
 
 def test_the_plan_s_asha_decides_as_ray_s_own_scheduler():
     """plan/cost.py's copy of ASHA's rule stops the same students at the same reports as Ray Tune's
-    ASHAScheduler on the same simulated students (benchmarks/perf/asha_bill.py), in each case of the benchmark."""
+    ASHAScheduler on the same simulated students (plan/asha_ray.py), in each case benchmarks/perf/asha_bill.py
+    measures."""
     import random
 
-    from benchmarks.perf import asha_bill
+    from m2d_ray.plan import asha_ray
 
-    for _, n, reports, grace, rf, lanes in asha_bill.CASES:
+    for _, n, reports, grace, rf, lanes in asha_ray.CASES:
         rungs = cost.asha_rungs(reports, grace, rf)
         assert rungs and rungs[-1] < reports
         for seed in range(8):
@@ -263,13 +266,13 @@ def test_the_plan_s_asha_decides_as_ray_s_own_scheduler():
                 rng.gauss(0, 1) for _ in range(n)
             ]  # simulate's students: at rho = 1 each keeps its quality as its loss
             ours = cost._asha_run(quality, reports, rungs, rf, lanes)
-            assert ours == asha_bill.simulate(n, reports, grace, rf, lanes, 1.0, seed) and sum(ours.values()) == n
+            assert ours == asha_ray.simulate(n, reports, grace, rf, lanes, 1.0, seed) and sum(ours.values()) == n
     # students whose order changes between reports are stopped no later: the plan's expectation is the dearest case
-    n, reports, grace, rf, lanes = asha_bill.CASES[2][1:]
-    plan = sum(r * k for r, k in asha_bill.plan_ends(n, reports, grace, rf, lanes))
+    n, reports, grace, rf, lanes = asha_ray.CASES[2][1:]
+    plan = sum(r * k for r, k in asha_ray.plan_ends(n, reports, grace, rf, lanes))
     shuffled = (
         sum(
-            sum(r * k for r, k in asha_bill.simulate(n, reports, grace, rf, lanes, 0.0, seed).items())
+            sum(r * k for r, k in asha_ray.simulate(n, reports, grace, rf, lanes, 0.0, seed).items())
             for seed in range(20)
         )
         / 20
@@ -399,7 +402,6 @@ def test_the_paper_suite_s_figures_are_its_data_s():
     min: a task's first rows are not like the rest, HellaSwag's half as long); within the table's rounding."""
     from datasets import load_from_disk
 
-    from benchmarks.perf import suite_tokens
     from m2d_ray.evaluate.harness import PAPER_SUITE, base_name
     from m2d_ray.evaluate.paper_tasks import MMLU_SUBJECTS, PREFIX, TASKS
     from m2d_ray.plan.suite import CHARS_PER_TOKEN, PAPER
@@ -407,8 +409,13 @@ def test_the_paper_suite_s_figures_are_its_data_s():
     SHOTS = {base_name(t).removeprefix(PREFIX): k for t, k in PAPER_SUITE}
 
     root = _fetched_paper_data()
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.perf.suite_tokens"], capture_output=True, text=True, cwd=ROOT, check=True
+    ).stdout
+    measured = {r["task"]: r for r in json.loads(next(ln for ln in out.splitlines() if ln.startswith("[")))}
     for name, (_, split, _, _) in TASKS.items():
-        r = suite_tokens.measure(name, SHOTS[name], root, None)
+        r = measured[name]
+        assert r["shots"] == SHOTS[name]
         rows, per_row, tok, shot = PAPER[name]
         parts = MMLU_SUBJECTS if name == "mmlu" else [""]
         assert (

@@ -18,8 +18,7 @@ import copy
 import pytest
 import torch
 
-# the benchmark whose figures these tests hold (run from the repository's root, like `python -m pytest`)
-from benchmarks.science import precision_trajectories as pt
+from m2d_ray import trajectories as pt
 from m2d_ray.config import DistillConfig
 from m2d_ray.distill.precision import PRECISIONS, MasterWeights, resolve
 from m2d_ray.distill.step import DistillStep
@@ -77,11 +76,10 @@ SMOKE = dict(steps=20, batch=2, seq=32, preset="smoke", sharpen=8.0)  # smoke sh
 
 def test_micro_batches_and_ranks_sum_their_gradients_in_float32(two_ranks_accum):
     """The gradient the optimizer reads (bf16-mixed, plain path) against the exact sum of the micro-batches' own
-    bfloat16 gradients (benchmarks/science/bf16_grad_sums.py): a bfloat16 sum was off by 3.5e-3 at 12 micro-batches
-    on one rank and by 1.5e-3 over 2 ranks (DDP's bfloat16 all-reduce); a float32 sum is off by ~1e-9."""
-    from benchmarks.science import bf16_grad_sums as grad_sums
-
-    assert grad_sums.summed_gradient_error("smoke", 12, 0, 1, 32, False) < 1e-6
+    bfloat16 gradients (m2d_ray/trajectories.py, printed by benchmarks/science/bf16_grad_sums.py): a bfloat16 sum was
+    off by 3.5e-3 at 12 micro-batches on one rank and by 1.5e-3 over 2 ranks (DDP's bfloat16 all-reduce); a float32
+    sum is off by ~1e-9."""
+    assert pt.summed_gradient_error("smoke", 12, 0, 1, 32, False) < 1e-6
     assert two_ranks_accum["gradsum/bf16-mixed"][0] < 1e-6  # 2 ranks x 2 micro-batches
 
 

@@ -10,6 +10,7 @@ import pickle
 
 import pytest
 import torch
+from conftest import SMALL_CALIB
 from families import FAMILIES, reinit_
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
@@ -309,12 +310,7 @@ def test_m2d_prune_dense_end_to_end(twin, tmp_path, capsys):
         str(path),
         "--match",
         str(moe),
-        "--calib-data",
-        "synthetic:valid",
-        "--max-tokens",
-        "1024",
-        "--seq-len",
-        "64",
+        *SMALL_CALIB,
         "--eval-data",
         "synthetic:valid",
         "--out",

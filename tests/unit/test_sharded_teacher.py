@@ -7,16 +7,14 @@ kill at its checkpoint."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from families import FAMILIES, HIDDEN, VOCAB, reinit_, tiny_model
-from test_distill_ranks import CFG, _free_port
+from families import COMMON, FAMILIES, VOCAB, reinit_, tiny_model
+from test_distill_ranks import CFG
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -24,6 +22,7 @@ from m2d_ray.config import DistillConfig
 from m2d_ray.distill import sharded_teacher
 from m2d_ray.distill.loop import DistillJob, WorkerIO, run_distill
 from m2d_ray.distill.step import DistillStep
+from m2d_ray.local_group import join, spawn
 from m2d_ray.models import default_dense_teacher, default_teacher, load_distill_teacher
 
 #: per teacher, the loss settings its case runs (together: every loss, a temperature, expanded routing k')
@@ -40,14 +39,6 @@ SETTINGS = {
 STEP = DistillConfig(lr=3e-3, warmup_steps=1, steps=2, seq_len=16, loss_chunk=8, deepspeed=False)
 
 
-def _join(rank: int, world: int, port: int) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
-    )
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-
-
 @pytest.fixture(scope="module")
 def teachers(tmp_path_factory) -> Path:
     """Every family's tiny teacher and a tiny dense one (the d2d baseline's kind), saved with a tokenizer, and one
@@ -55,16 +46,7 @@ def teachers(tmp_path_factory) -> Path:
     from m2d_ray.data.synthetic import build_tokenizer
 
     root, tok = tmp_path_factory.mktemp("sharded"), build_tokenizer()
-    dense = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=False,
-    )
+    dense = Qwen3Config(**COMMON, intermediate_size=96, num_hidden_layers=2, head_dim=16)
     models = {f.id: tiny_model(f) for f in FAMILIES}
     models["dense"] = AutoModelForCausalLM.from_config(dense)
     reinit_(models["dense"], 1)
@@ -96,7 +78,7 @@ def _losses(rank: int, teacher, head, settings: dict, root: Path) -> list[float]
 def _families_main(rank: int, world: int, port: int, root: str, out: str) -> None:
     """Per teacher: the unsharded online losses, then streamed and sharded, then loaded whole and sharded; and the
     most teacher bytes held at once while the streamed one loaded (every fully_shard call looked at)."""
-    _join(rank, world, port)
+    join(rank, world, port)
     root, held, shards = Path(root), [], {}
     real = sharded_teacher.fully_shard
 
@@ -142,7 +124,7 @@ def _families_main(rank: int, world: int, port: int, root: str, out: str) -> Non
 
 
 def test_sharded_loss_equals_unsharded_for_every_family_and_the_dense_teacher(teachers, tmp_path):
-    mp.spawn(_families_main, args=(2, _free_port(), str(teachers), str(tmp_path)), nprocs=2, join=True)
+    spawn(_families_main, 2, str(teachers), str(tmp_path))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert set(ranks[0]) == {f.id for f in FAMILIES} | {"dense"}
     for name in SETTINGS:
@@ -163,7 +145,7 @@ RUN = DistillConfig(**{**CFG.__dict__, "batch_size": 2})  # test_distill_ranks' 
 
 def _run_main(rank: int, world: int, port: int, teacher: str, student: str, out: str) -> None:
     """Online unsharded, sharded, and sharded again from its step-2 checkpoint (a run killed after it)."""
-    _join(rank, world, port)
+    join(rank, world, port)
     out = Path(out)
 
     def job(name: str, shard: bool) -> DistillJob:
@@ -203,7 +185,7 @@ def test_a_sharded_distillation_reports_as_online_and_resumes(teacher, tmp_path)
     name = default_teacher() if teacher == "moe" else default_dense_teacher()
     # the random-FFN student of the MoE teacher: the dense twin's vocabulary and width too
     student = materialize(open_teacher(default_teacher()), tmp_path / "init", baseline="random-ffn")
-    mp.spawn(_run_main, args=(2, _free_port(), name, str(student), str(tmp_path)), nprocs=2, join=True)
+    spawn(_run_main, 2, name, str(student), str(tmp_path))
     for r in (0, 1):
         runs = json.loads((tmp_path / f"rank{r}.json").read_text())
         online, sharded, resumed = runs["online"], runs["sharded"], runs["resumed"]

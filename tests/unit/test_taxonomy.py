@@ -5,10 +5,16 @@ model's answers add up to."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from m2d_ray.evaluate.questions import answer_part, group_of
 from m2d_ray.evaluate.taxonomy import (
@@ -405,35 +411,58 @@ def test_summary_counts_shares_rates_and_subject_groups():
     assert s["groups"]["unmapped"]["n"] == 1  # a subject of neither question set is not put in MMLU's "other"
 
 
-# ---- the labelled set: m2d against the extractors people use (benchmarks/science/answer_extraction.py) -------------
+# ---- the labelled set: m2d against the extractors people use (python -m benchmarks.science.answer_extraction) ------
+EXTRACTION_SET = ROOT / "benchmarks" / "data" / "extraction_set.jsonl"  # labelled by hand (RESULTS.md)
+
+
+def _extraction(rows_file: Path) -> dict:
+    """The benchmark's --json line over a set file: each extractor's letters ("read") and agreement with the labels."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.science.answer_extraction", "--set", str(rows_file), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        check=True,
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _opencompass_here() -> bool:
+    """OpenCompass's code is here: installed, or its wheel fetched where the benchmark reads it."""
+    wheels = Path.home() / ".cache" / "m2d" / "wheels"
+    return importlib.util.find_spec("opencompass") is not None or any(wheels.glob("opencompass-0.5.2-*.whl"))
+
+
 def test_m2d_leads_every_anchor_on_the_labelled_set():
-    import json
-
-    from benchmarks.science import answer_extraction as extraction
-
-    rows = [json.loads(line) for line in extraction.SET.read_text().splitlines()]
+    rows = [json.loads(line) for line in EXTRACTION_SET.read_text().splitlines()]
     real = [r for r in rows if r["source"] != "written"]
     assert len(rows) >= 150 and len(real) > len(rows) / 2  # the bulk real generations
     assert all(r["label"] is None or r["label"] in "ABCDE" and len(r["label"]) == 1 for r in rows)
-    scores = {name: extraction.agreement(rows, read) for name, read in extraction.extractors().items()}
-    assert len(scores) == 5 + (extraction.opencompass_reader() is not None)  # OpenCompass: where its wheel is
+    scores = _extraction(EXTRACTION_SET)["agreement"]
+    assert len(scores) == 5 + _opencompass_here()  # OpenCompass: where its wheel is
     for part in ("all", "written", "held out", "committed"):
         ours = scores["m2d"][part][0]
         assert all(ours > s[part][0] for name, s in scores.items() if name != "m2d"), (part, scores)
     assert scores["m2d"]["real"][0] == len(real)  # no letter read into text that commits to none
 
 
-def test_the_anchors_read_as_their_sources_do():
-    from benchmarks.science import answer_extraction as extraction
-
-    fo = extraction.first_option_postprocess()
-    if fo is not None:  # OpenCompass's own code, where its wheel or package is here (science/answer_extraction.py)
-        assert fo("The answer is (C).", "ABCD") == "C" and fo("答案是B", "ABCD") == "B"
-        assert fo("I think A metal", "ABCD") == "A" and fo("nothing here", "ABCD") == ""  # its cushion: any capital
-    assert extraction.simple_evals("Answer: b", []) == "b" and extraction.simple_evals("Answer - B", []) is None
-    mcr = next(read for name, read in extraction.lm_eval_extractors().items() if "multi_choice_regex" in name)
-    rows = [{"response": r, "choices": ["Iron", "Copper", "Zinc", "Tin"]} for r in ("so (B).", "it is zinc", "hm")]
-    assert mcr(rows) == ["B", "C", None]  # its regex, then a choice's text, then none
+def test_the_anchors_read_as_their_sources_do(tmp_path):
+    said = ["The answer is (C).", "答案是B", "I think A metal", "nothing here", "Answer: b", "Answer - B"]
+    said += ["so (B).", "it is zinc", "hm"]
+    rows = [
+        {"id": str(i), "response": r, "choices": ["Iron", "Copper", "Zinc", "Tin"], "label": None}
+        | {"source": "written", "kind": "anchor"}
+        for i, r in enumerate(said)
+    ]
+    (tmp_path / "set.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    read = _extraction(tmp_path / "set.jsonl")["read"]
+    fo = read.get("OpenCompass first_option_postprocess")
+    if _opencompass_here():  # OpenCompass's own code (science/answer_extraction.py); "" read as no letter
+        assert fo[:4] == ["C", "B", "A", None]  # its cushion: any capital
+    assert read["simple-evals Answer: pattern"][4:6] == ["b", None]
+    mcr = next(got for name, got in read.items() if "multi_choice_regex" in name)
+    assert mcr[6:] == ["B", "C", None]  # its regex, then a choice's text, then none
 
 
 # ---- issue 55's judge kinds: one verdict, Retry-After in both forms, how sure it was, what it extracts -----------

@@ -100,10 +100,8 @@ def test_lazy_student_is_bitwise_the_eager_one(family, layout, tmp_path):
     assert same_state(RANDOM_BASELINES["random-ffn"](lazy), RANDOM_BASELINES["random-ffn"](eager))
 
 
-def test_only_the_planned_experts_are_read(family, monkeypatch):
-    spec, eager, stats, _, _, hub = family
-    lazy = open_teacher(str(hub))
-    plan = make_plan(eager, stats, "sf", "rr", "uniform", 2 * eager.adapter.top_k(eager.config))
+def _record_reads(monkeypatch) -> list[tuple[str, list[int] | None]]:
+    """(tensor name, rows or None for all) of every read from a checkpoint shard from now on."""
     read: list[tuple[str, list[int] | None]] = []
     original = Shard.read
     monkeypatch.setattr(
@@ -111,6 +109,14 @@ def test_only_the_planned_experts_are_read(family, monkeypatch):
         "read",
         lambda self, name, rows=None, out=None: read.append((name, rows)) or original(self, name, rows, out),
     )
+    return read
+
+
+def test_only_the_planned_experts_are_read(family, monkeypatch):
+    spec, eager, stats, _, _, hub = family
+    lazy = open_teacher(str(hub))
+    plan = make_plan(eager, stats, "sf", "rr", "uniform", 2 * eager.adapter.top_k(eager.config))
+    read = _record_reads(monkeypatch)
     build_from_plan(lazy, plan)
     for i, p in plan.layers.items():
         got = set()
@@ -131,13 +137,7 @@ def test_planning_reads_only_the_experts_a_recipe_selects(family, monkeypatch):
     if 2 * k >= E:
         pytest.skip("every expert is selected at K = 2k")
     recipes = [("acp", "wc", "proportional", 2 * k), ("sf", "wc", "uniform", 2 * k)]
-    read: list[tuple[str, list[int] | None]] = []
-    original = Shard.read
-    monkeypatch.setattr(
-        Shard,
-        "read",
-        lambda self, name, rows=None, out=None: read.append((name, rows)) or original(self, name, rows, out),
-    )
+    read = _record_reads(monkeypatch)
     plans = make_plans(lazy, stats, recipes)
     assert [p.to_json() for p in plans] == [p.to_json() for p in make_plans(eager, stats, recipes)]
     for i in stats:
