@@ -237,7 +237,8 @@ def run_whole(ctx: Ctx, v: Variant) -> dict:
     shutil.rmtree(out_dir, ignore_errors=True)
     machine = {"cpus": os.cpu_count(), "gpus": torch.cuda.device_count() if ctx.cuda else 0}
     args = [f"ray.num_cpus={machine['cpus']}", *v.args["overrides"]]
-    _, out = ctx.sh(M2D + ["run", REPO / "experiments" / "tiny.yaml", "--out", out_dir, *args], "run")
+    config = REPO / "experiments" / v.args.get("config", "tiny.yaml")
+    _, out = ctx.sh(M2D + ["run", config, "--out", out_dir, *args], "run")
     res = json_lines(out)[-1]
     walls = res.get("stages", {})
     bill = json.loads((out_dir / "memory_plan.json").read_text()).get("cost", {})
@@ -465,27 +466,10 @@ RUN_GRIDS = {  # label -> overrides of experiments/tiny.yaml
         "stage3.limit=50",
     ],
 }
-RUN_SMOKE = [
-    "calib.max_tokens=4096",
-    "calib.seq_len=128",
-    "eval.max_chars=20000",
-    "eval.seq_len=128",
-    "eval.chunks=1",
-    "grid.scoring=[sf]",
-    "grid.grouping=[rr]",
-    "grid.scaling=[uniform]",
-    "grid.K=[2]",
-    "distill.steps=4",
-    "distill.eval_every=2",
-    "distill.seq_len=64",
-    "distill.batch_size=4",
-    "distill.eval_max_tokens=2048",
-    "distill.warmup_steps=1",
-    "stage2.baselines=[]",
-    "stage2.targets=hidden",
-    "stage3.limit=24",
-    "stage3.teacher=false",
-]
+RUN_SMOKE = {  # the CPU rehearsal's run: experiments/smoke.yaml and what it changes
+    "config": "smoke.yaml",
+    "overrides": ["stage2.targets=hidden", "stage3.limit=24", "stage3.teacher=false"],
+}
 
 
 # no DeepSpeed path (its CPU op compiles for ~80 s the first time in a checkout; the path is the same code with a flag);
@@ -548,7 +532,7 @@ def parts(cuda: bool, gpus: int) -> list[Part]:
             Part(
                 "run",
                 True,
-                (Variant("1 config, 1 student, 4 steps, hidden targets", 90, {"overrides": RUN_SMOKE}),),
+                (Variant("1 config, 1 student, 4 steps, hidden targets", 90, RUN_SMOKE),),
                 run_whole,
             ),
             Part(

@@ -25,26 +25,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ROOT / "experiments" / "tiny.yaml"
+TINY = ROOT / "experiments" / "smoke.yaml"
 #: one recipe, a few steps: one student, stage 1 skipped by naming the recipe
-SMALL = [
-    "calib.max_tokens=2048",
-    "calib.seq_len=128",
-    "eval.max_chars=12000",
-    "eval.seq_len=128",
-    "eval.chunks=1",
-    "grid.scoring=[sf]",
-    "grid.grouping=[rr]",
-    "grid.scaling=[uniform]",
-    "grid.K=[2]",
+SMALL = [  # overrides of experiments/smoke.yaml: its one recipe named, so stage 1 is skipped
     "stage2.recipes=[sf/rr/K2/uniform]",
-    "stage2.baselines=[]",
-    "distill.steps=4",
-    "distill.eval_every=2",
-    "distill.seq_len=64",
-    "distill.batch_size=4",
-    "distill.eval_max_tokens=1024",
-    "distill.warmup_steps=1",
     "stage3.limit=4",
     "stage3.teacher=false",
     "stage3.analysis.enabled=false",

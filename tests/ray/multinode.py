@@ -37,27 +37,11 @@ from pathlib import Path
 from m2d_ray.local_group import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ROOT / "experiments" / "tiny.yaml"
-SMALL = [
-    "calib.max_tokens=2048",
-    "calib.seq_len=128",
-    "eval.max_chars=12000",
-    "eval.seq_len=128",
-    "eval.chunks=1",
+TINY = ROOT / "experiments" / "smoke.yaml"
+SMALL = [  # overrides of experiments/smoke.yaml
     "grid.scoring=[sf,do-acp]",
-    "grid.grouping=[rr]",
-    "grid.scaling=[uniform]",
-    "grid.K=[2]",
-    "distill.steps=4",
-    "distill.eval_every=2",
-    "distill.seq_len=64",
-    "distill.batch_size=4",
-    "distill.eval_max_tokens=1024",
-    "distill.warmup_steps=1",
-    "stage2.baselines=[]",
     "stage3.limit=8",
     "ray.data_actors=1",
-    # the teacher once: its final hidden states cached in the storage, only its head on the students
     "stage2.targets=hidden",
 ]
 BUCKET = "m2d-test"

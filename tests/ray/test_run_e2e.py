@@ -19,23 +19,13 @@ from conftest import ROOT, multinode_unavailable
 
 from m2d_ray.cli import main
 
-TINY = ROOT / "experiments" / "tiny.yaml"
-SHORT = [
+TINY = ROOT / "experiments" / "smoke.yaml"
+SHORT = [  # overrides of experiments/smoke.yaml: more data, two scorings and two K, the baselines
     "calib.max_tokens=4096",
-    "calib.seq_len=128",
     "eval.max_chars=20000",
-    "eval.seq_len=128",
-    "eval.chunks=1",
     "grid.scoring=[sf,do-acp]",
-    "grid.grouping=[rr]",
-    "grid.scaling=[uniform]",
     "grid.K=[2,4]",
-    "distill.steps=4",
-    "distill.eval_every=2",
-    "distill.seq_len=64",
-    "distill.batch_size=4",
     "distill.eval_max_tokens=2048",
-    "distill.warmup_steps=1",
     "stage2.baselines=[random-init,d2d]",
     "stage3.limit=24",
 ]
