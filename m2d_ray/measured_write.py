@@ -50,8 +50,9 @@ def fitted_starts(m: GpuMeasured) -> dict[str, float]:
 
 def efficiencies(measured: dict[str, float]) -> dict[str, float]:
     """The efficiency keys of what a call measured per targets mode (`sampled:64` is kept as its kind, `sampled`),
-    each a fraction of the peak; a mode the plan does not read, or a figure outside (0, 1], is refused."""
-    out = {m.partition(":")[0]: float(x) for m, x in measured.items()}
+    each a fraction of the peak to 3 digits (what a step's spread supports); a mode the plan does not read, or a
+    figure outside (0, 1], is refused."""
+    out = {m.partition(":")[0]: round(float(x), 3) for m, x in measured.items()}
     bad = {m: x for m, x in out.items() if m not in EFFICIENCY_KEYS or not 0 < x <= 1}
     if bad:
         raise ValueError(f"efficiency: {bad} (known modes: {', '.join(EFFICIENCY_KEYS)}; a fraction of the peak)")
