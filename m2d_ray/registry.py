@@ -22,7 +22,7 @@ class Registry(Generic[T]):
 
     **Lazy entries.** A registry is declared where it is cheap to import (a package's `__init__`, beside the
     config that names it) with each built-in entry's name, the module that implements it and a one-line doc:
-    ``Registry("scoring", lazy={"sf": ("m2d_ray.scoring.methods", "Top-K experts by selection frequency.")})``.
+    ``Registry.in_module("scoring", "m2d_ray.scoring.methods", {"sf": "Top-K experts by selection frequency."})``.
     Names, docs, "did you mean" and config checks need nothing more, so `m2d --help`, `m2d plan` and every
     process that only reads a config import no torch. The first lookup of a name imports its module, which
     registers the implementation as before, ``SCORINGS.register("sf")(fn)``; `tests/unit/test_imports.py` checks
@@ -41,6 +41,11 @@ class Registry(Generic[T]):
         self.message = message
         self._lazy: dict[str, tuple[str, str]] = dict(lazy or {})
         self._items: dict[str, T] = {}
+
+    @classmethod
+    def in_module(cls, kind: str, module: str, docs: Mapping[str, str], message: str | None = None) -> Registry[T]:
+        """A registry whose built-in entries are all registered by `module`: name -> its one-line doc."""
+        return cls(kind, message, lazy={name: (module, doc) for name, doc in docs.items()})
 
     def register(self, name: str) -> Callable[[T], T]:
         def deco(obj: T) -> T:

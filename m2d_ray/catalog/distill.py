@@ -18,24 +18,24 @@ LOSSES.register("fkl")(("fkl", False))
 LOSSES.register("rkl")(("rkl", False))
 LOSSES.register("fkl+mse")(("fkl", True))
 
-_PRECISION = "m2d_ray.distill.precision"
 #: distill.precision besides auto (float16 would need loss scaling)
-PRECISIONS = Registry(
+PRECISIONS = Registry.in_module(
     "distill.precision",
-    lazy={
-        "bf16-mixed": (_PRECISION, "bfloat16 compute; float32 master weights, gradients and AdamW moments."),
-        "bf16-pure": (_PRECISION, "Everything in bfloat16, AdamW's moments too (only when asked)."),
-        "fp32": (_PRECISION, "Everything in float32 (auto on a CPU)."),
+    "m2d_ray.distill.precision",
+    {
+        "bf16-mixed": "bfloat16 compute; float32 master weights, gradients and AdamW moments.",
+        "bf16-pure": "Everything in bfloat16, AdamW's moments too (only when asked).",
+        "fp32": "Everything in float32 (auto on a CPU).",
     },
 )
 
-_KERNELS = "m2d_ray.distill.kernels"
 #: distill.kl_kernel besides auto
-KL_KERNELS = Registry(
+KL_KERNELS = Registry.in_module(
     "distill.kl_kernel",
-    lazy={
-        "chunked": (_KERNELS, "The exact KL chunk by chunk over the tokens, its gradient formed in the forward."),
-        "liger": (_KERNELS, "Liger Kernel's fused linear JSD at beta 0 / 1 (forward / reverse KL); CUDA only."),
+    "m2d_ray.distill.kernels",
+    {
+        "chunked": "The exact KL chunk by chunk over the tokens, its gradient formed in the forward.",
+        "liger": "Liger Kernel's fused linear JSD at beta 0 / 1 (forward / reverse KL); CUDA only.",
     },
 )
 #: distill.kl_kernel's name of earlier versions for chunked with the student compiled: distill.compile=true now (a

@@ -8,59 +8,46 @@ from __future__ import annotations
 
 from m2d_ray.registry import Registry
 
-_SCORING = "m2d_ray.scoring.methods"
-
-SCORINGS = Registry(
+SCORINGS = Registry.in_module(
     "scoring",
-    lazy={
-        **{b: (_SCORING, f"Top-K experts by {b.upper()}.") for b in ("sf", "pp", "ps", "cp", "acp")},
-        "do-cp": (_SCORING, "D-optimal (greedy log-det) with base importance CP."),
-        "do-acp": (_SCORING, "D-optimal (greedy log-det) with base importance ACP."),
+    "m2d_ray.scoring.methods",
+    {
+        **{b: f"Top-K experts by {b.upper()}." for b in ("sf", "pp", "ps", "cp", "acp")},
+        "do-cp": "D-optimal (greedy log-det) with base importance CP.",
+        "do-acp": "D-optimal (greedy log-det) with base importance ACP.",
     },
 )
 
-_GROUPING = "m2d_ray.grouping.methods"
-
-GROUPINGS = Registry(
+GROUPINGS = Registry.in_module(
     "grouping",
-    lazy={
-        "rr": (_GROUPING, "Rank r (by score) goes to group r mod k."),
-        "wc": (_GROUPING, "Average-linkage on cosine distance of the flattened concat(gate, up, down)."),
-        "rc": (_GROUPING, "Average-linkage on cosine distance of the router weight rows."),
-        "ab": (
-            _GROUPING,
-            "MC-SMoE: the k best-scored experts anchor; every other one joins its most router-similar anchor.",
-        ),
-        "oc": (_GROUPING, "HC-SMoE: average-linkage on 1 - rho, rho_ij = G_ij / sqrt(G_ii G_jj) (output cosine)."),
+    "m2d_ray.grouping.methods",
+    {
+        "rr": "Rank r (by score) goes to group r mod k.",
+        "wc": "Average-linkage on cosine distance of the flattened concat(gate, up, down).",
+        "rc": "Average-linkage on cosine distance of the router weight rows.",
+        "ab": "MC-SMoE: the k best-scored experts anchor; every other one joins its most router-similar anchor.",
+        "oc": "HC-SMoE: average-linkage on 1 - rho, rho_ij = G_ij / sqrt(G_ii G_jj) (output cosine).",
     },
 )
 
-_SCALING = "m2d_ray.convert.scaling"
-_BASELINES = "m2d_ray.convert.baselines"
-
-SCALINGS = Registry(
+SCALINGS = Registry.in_module(
     "scaling",
-    lazy={
-        "uniform": (
-            _SCALING,
-            "alpha_g = 1/k (times the router's routed_scaling_factor): the mean weight of a renormalised top-k router.",
-        ),
-        "proportional": (
-            _SCALING,
-            "alpha_g = group score mass / total score mass (x routed_scaling_factor; uniform for all-zero scores).",
-        ),
-        "avg-cp": (_SCALING, "alpha_g = mean over the group of the weight the router applies to e when it selects e."),
+    "m2d_ray.convert.scaling",
+    {
+        "uniform": "alpha_g = 1/k (times the router's routed_scaling_factor): the mean weight of a renormalised "
+        "top-k router.",
+        "proportional": "alpha_g = group score mass / total score mass (x routed_scaling_factor; uniform for all-zero "
+        "scores).",
+        "avg-cp": "alpha_g = mean over the group of the weight the router applies to e when it selects e.",
     },
 )
 
-RANDOM_BASELINES = Registry(
+RANDOM_BASELINES = Registry.in_module(
     "baseline",
-    lazy={
-        "random-ffn": (_BASELINES, "Teacher attention, embeddings, norms and head; every MoE FFN freshly initialised."),
-        "random-init": (
-            _BASELINES,
-            "The student architecture with every weight freshly initialised (transformers' own init).",
-        ),
+    "m2d_ray.convert.baselines",
+    {
+        "random-ffn": "Teacher attention, embeddings, norms and head; every MoE FFN freshly initialised.",
+        "random-init": "The student architecture with every weight freshly initialised (transformers' own init).",
     },
 )
 

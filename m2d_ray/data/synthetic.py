@@ -800,11 +800,5 @@ def build_tokenizer():
     # WordPiece decoding without a continuation prefix in the vocabulary = join the tokens with single spaces
     tk.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     tk.add_special_tokens([EOS_TOKEN, UNK_TOKEN])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tk,
-        bos_token=EOS_TOKEN,
-        eos_token=EOS_TOKEN,
-        pad_token=EOS_TOKEN,
-        unk_token=UNK_TOKEN,
-        clean_up_tokenization_spaces=False,
-    )
+    specials = {**dict.fromkeys(("bos_token", "eos_token", "pad_token"), EOS_TOKEN), "unk_token": UNK_TOKEN}
+    return PreTrainedTokenizerFast(tokenizer_object=tk, clean_up_tokenization_spaces=False, **specials)
