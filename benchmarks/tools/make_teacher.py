@@ -45,35 +45,15 @@ def make_teacher(
 
     out = Path(out)
     head_dim = head_dim or d // heads
-    shape = {
-        "E": E,
-        "k": k,
-        "d": d,
-        "I": I,
-        "layers": layers,
-        "heads": heads,
-        "kv_heads": kv_heads,
-        "head_dim": head_dim,
-        "dtype": dtype,
-        "shards": shards,
-        "seed": seed,
-    }
+    shape = dict(E=E, k=k, d=d, I=I, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    shape |= dict(dtype=dtype, shards=shards, seed=seed)  # the stamp: what a teacher already there was made with
     stamp = out / "p6_shape.json"
     if stamp.exists() and json.loads(stamp.read_text()) == shape:
         return out
     tok = build_tokenizer()
+    sizes = dict(hidden=d, ffn=4 * d, expert_width=I, experts=E, top_k=k, max_positions=4096)
     cfg = moe_config(
-        hidden=d,
-        ffn=4 * d,
-        expert_width=I,
-        layers=layers,
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        experts=E,
-        top_k=k,
-        max_positions=4096,
-        **tokenizer_fields(tok, 64),
+        **sizes, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim, **tokenizer_fields(tok, 64)
     )
     torch_dtype = getattr(torch, dtype)
     with torch.device("meta"):
@@ -116,20 +96,7 @@ def main(argv=None) -> None:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     a = p.parse_args(argv)
-    out = make_teacher(
-        a.out,
-        E=a.E,
-        k=a.k,
-        d=a.d,
-        I=a.I,
-        layers=a.layers,
-        heads=a.heads,
-        kv_heads=a.kv_heads,
-        head_dim=a.head_dim,
-        dtype=a.dtype,
-        shards=a.shards,
-        seed=a.seed,
-    )
+    out = make_teacher(a.out, **{k: v for k, v in vars(a).items() if k != "out"})
     files = sorted(out.glob("*.safetensors"))
     print(json.dumps({"out": str(out), "shards": len(files), "bytes": sum(f.stat().st_size for f in files)}))
 
