@@ -27,6 +27,13 @@ def _steps(metrics: Path) -> list[int]:
 
 
 @pytest.mark.slow
+def _distill(out: Path, steps: int, *more: str) -> list[str]:
+    """`m2d distill` of a random-FFN student on the synthetic corpus into `out`, `steps` steps, and `more`."""
+    data = ["--train-data", "synthetic:train", "--eval-data", "synthetic:valid"]
+    cmd = [sys.executable, "-m", "m2d_ray.cli", "distill", "--student", "random-ffn", *data]
+    return [*cmd, "--steps", str(steps), "--out", str(out), *more]
+
+
 @pytest.mark.parametrize("shard", [[], ["--shard-teacher"]], ids=["online", "sharded"])
 def test_deepspeed_zero2_on_two_cpu_workers_killed_and_resumed(ray_address, ds_env, tmp_path, shard):
     """`m2d distill` on two Ray Train workers with ZeRO-2, SIGKILLed and resumed (~2 min each here: slow), its teacher
@@ -34,25 +41,13 @@ def test_deepspeed_zero2_on_two_cpu_workers_killed_and_resumed(ray_address, ds_e
     In the default run: ZeRO-2 over two ranks in test_distill_ranks.py, a sharded run's resume without Ray in
     test_sharded_teacher.py, a killed run's resume in test_multinode.py (`m2d run`'s driver SIGKILLed in stage 2)."""
     out = tmp_path / "distill"
-    args = [
-        sys.executable,
-        "-m",
-        "m2d_ray.cli",
-        "distill",
-        "--student",
-        "random-ffn",
-        "--train-data",
-        "synthetic:train",
-        "--eval-data",
-        "synthetic:valid",
-        "--steps",
-        "24",
+    args = _distill(
+        out,
+        24,
         "--workers",
         "2",
         "--deepspeed",
         *shard,
-        "--out",
-        str(out),
         "lr=3e-3",
         "eval_every=4",
         "seq_len=64",
@@ -60,7 +55,7 @@ def test_deepspeed_zero2_on_two_cpu_workers_killed_and_resumed(ray_address, ds_e
         "eval_max_tokens=1024",
         "warmup_steps=2",
         "--keep-training-state",
-    ]
+    )
     env = {**os.environ, "RAY_ADDRESS": ray_address}
     proc = subprocess.Popen(
         args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
@@ -94,29 +89,8 @@ def test_deepspeed_zero2_on_two_cpu_workers_killed_and_resumed(ray_address, ds_e
     again = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "already holds a finished distillation" in again.stderr
     assert again.stderr.count("\n") == 1  # one line
-    redo = [
-        sys.executable,
-        "-m",
-        "m2d_ray.cli",
-        "distill",
-        "--student",
-        "random-ffn",
-        "--train-data",
-        "synthetic:train",
-        "--eval-data",
-        "synthetic:valid",
-        "--steps",
-        "4",
-        "--no-deepspeed",
-        "--out",
-        str(out),
-        "--overwrite",
-        "eval_every=2",
-        "seq_len=64",
-        "batch_size=2",
-        "eval_max_tokens=1024",
-        "warmup_steps=1",
-    ]
+    small = ["eval_every=2", "seq_len=64", "batch_size=2", "eval_max_tokens=1024", "warmup_steps=1"]
+    redo = _distill(out, 4, "--no-deepspeed", "--overwrite", *small)
     redo = subprocess.run(redo, env=env, capture_output=True, text=True, timeout=300)
     assert redo.returncode == 0, redo.stderr[-3000:]
     assert json.loads((out / "result.json").read_text())["steps"] == 4 and json.loads(
