@@ -74,18 +74,8 @@ def tiny_teacher_dir(tmp_path_factory) -> Path:
     from m2d_ray.random_models import tokenizer_fields
 
     tok = build_tokenizer()
-    cfg = moe_config(
-        hidden=32,
-        ffn=64,
-        expert_width=16,
-        layers=2,
-        heads=2,
-        kv_heads=1,
-        head_dim=16,
-        experts=8,
-        top_k=2,
-        **tokenizer_fields(tok),
-    )
+    shape = dict(hidden=32, ffn=64, expert_width=16, layers=2, heads=2, kv_heads=1, head_dim=16, experts=8, top_k=2)
+    cfg = moe_config(**shape, **tokenizer_fields(tok))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():

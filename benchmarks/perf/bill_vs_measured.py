@@ -91,19 +91,8 @@ def paper() -> None:
         ("teacher online, checkpointing", "online", True),
         ("hidden states (m2d's paper configs), checkpointing", "hidden", True),
     ):
-        c = replace(
-            cfg,
-            distill=replace(
-                cfg.distill,
-                steps=1,
-                batch_size=384,
-                grad_accum=1,
-                workers=1,
-                seq_len=4096,
-                eval_max_tokens=0,
-                gradient_checkpointing=ckpt,
-            ),
-        )
+        one_step = dict(steps=1, batch_size=384, grad_accum=1, workers=1, seq_len=4096, eval_max_tokens=0)
+        c = replace(cfg, distill=replace(cfg.distill, **one_step, gradient_checkpointing=ckpt))
         f = cost.stage2_flops(c, m, targets)
         peak = 2 * GPU_PEAK_BF16["B200"]
         print(
