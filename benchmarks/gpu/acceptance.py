@@ -171,11 +171,11 @@ def p7_figures(r: dict) -> str:
         return f"{x:.2f}x" if x else "-"
 
     kernels = "; ".join(
-        f"{n.partition(':')[2]} {t:,.0f} tok/s (gap {r['gap'][n]:.1e}"
+        f"{n.partition(':')[2] or 'compiled student'} {t:,.0f} tok/s (gap {r['gap'][n]:.1e}"
         + (f", step peak {r['peak_step_bytes'][n] / 2**30:.1f} GiB" if r.get("peak_step_bytes") else "")
         + ")"
         for n, t in r.get("tokens_per_s", {}).items()
-        if n.startswith("platform:")
+        if n.startswith("platform:") or n == "platform_compiled"
     )
     agree = "" if r.get("losses_agree", True) else "; LOSS TRAJECTORIES DIFFER"
     agree += "".join(f"; {n} FAILED ({why})" for n, why in (r.get("kernels_failed") or {}).items())
@@ -555,7 +555,7 @@ def parts(cuda: bool, gpus: int) -> list[Part]:
     run = gpu_overrides(gpus) + RUN_SHORT
     paths = "platform,platform_deepspeed,reference"
     head = "online,hidden"
-    head_paths = "platform,reference"  # + platform_fp32 (bf16's spread) and every kernel, added by P7 itself
+    head_paths = "platform,reference,platform_compiled"  # + platform_fp32 and every kernel, added by P7 itself
     return [
         Part(
             "P7-head",

@@ -218,6 +218,9 @@ def builders(teacher, cfg, device: str, precision, spec, head, kernels: list[str
         "platform_fp32": lambda s: platform_path(
             s, teacher.model, with_(kl_kernel="chunked"), device, PRECISIONS["fp32"], spec, head
         ),
+        "platform_compiled": lambda s: platform_path(  # distill.compile: the student's loss module compiled
+            s, teacher.model, with_(kl_kernel="chunked", compile=True), device, precision, spec, head
+        ),
     }
     for k in kernels if spec is None or spec.exact else []:  # top-K / sampled targets have no kernels
         out[f"platform:{k}"] = lambda s, k=k: platform_path(
@@ -321,10 +324,10 @@ def run_mode(text: str, p: dict, teacher, student0, ids: list, cfg, names: list[
 
 @contextlib.contextmanager
 def _kernel_failure(name: str, failed: dict[str, str]):
-    """A kernel path (`platform:KERNEL`) that raises is recorded in `failed` with its one line and left out; the
-    part goes on with the other paths (a kernel the GPU's libraries cannot run must not hide every other figure).
-    Any other path's failure is the part's."""
-    if not name.startswith("platform:"):
+    """A kernel path (`platform:KERNEL`) or the compiled student (`platform_compiled`) that raises is recorded in
+    `failed` with its one line and left out; the part goes on with the other paths (what the GPU's libraries cannot
+    run must not hide every other figure). Any other path's failure is the part's."""
+    if not (name.startswith("platform:") or name == "platform_compiled"):
         yield
         return
     try:
