@@ -163,6 +163,18 @@ def _deepseek_shared(c) -> int:
     return int(_get(c, "n_shared_experts", 0) or 0) * c.moe_intermediate_size
 
 
+def _every_layer_moe(attention: Callable[[object], _Tally], experts: str, biases: bool = False) -> Family:
+    """A family whose every layer is MoE with experts of width intermediate_size (Mixtral, OLMoE, gpt-oss); the number
+    of experts under the config key `experts`; `biases`: the experts' and the router's (gpt-oss)."""
+    return Family(
+        attention,
+        _always,
+        moe=lambda c: _experts(c, getattr(c, experts), c.intermediate_size, bias=biases, router_bias=biases),
+        mlp=None,
+        expert_width=lambda c: c.intermediate_size,
+    )
+
+
 FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family(
         _qwen3_attention,
@@ -181,21 +193,9 @@ FAMILIES: dict[str, Family] = {
         shared_width=lambda c: int(_get(c, "shared_expert_intermediate_size", 0)),
     ),
     "qwen2": Family(lambda c: _gqa(c, True, False), _never, moe=None, mlp=_dense_mlp),
-    "mixtral": Family(
-        lambda c: _gqa(c, False, False),
-        _always,
-        moe=lambda c: _experts(c, c.num_local_experts, c.intermediate_size),
-        mlp=None,
-        expert_width=lambda c: c.intermediate_size,
-    ),
+    "mixtral": _every_layer_moe(lambda c: _gqa(c, False, False), "num_local_experts"),
     "mistral": Family(lambda c: _gqa(c, False, False), _never, moe=None, mlp=_dense_mlp),
-    "olmoe": Family(
-        _olmoe_attention,
-        _always,
-        moe=lambda c: _experts(c, c.num_experts, c.intermediate_size),
-        mlp=None,
-        expert_width=lambda c: c.intermediate_size,
-    ),
+    "olmoe": _every_layer_moe(_olmoe_attention, "num_experts"),
     **{
         name: Family(
             _mla,
@@ -207,13 +207,7 @@ FAMILIES: dict[str, Family] = {
         )
         for name in ("deepseek_v2", "deepseek_v3")
     },
-    "gpt_oss": Family(
-        lambda c: _gqa(c, True, True, sinks=True),
-        _always,
-        moe=lambda c: _experts(c, c.num_local_experts, c.intermediate_size, bias=True, router_bias=True),
-        mlp=None,
-        expert_width=lambda c: c.intermediate_size,
-    ),
+    "gpt_oss": _every_layer_moe(lambda c: _gqa(c, True, True, sinks=True), "num_local_experts", biases=True),
 }
 
 
