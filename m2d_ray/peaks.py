@@ -14,6 +14,9 @@ from pathlib import Path
 
 import torch
 
+# Imported inside functions: transformers' modelling code (reset_peaks: loaded before a work's window opens, by the
+# workers that build a model; `m2d plan` reads the stages without it).
+
 
 def proc_kib(path: str, field: str) -> int | None:
     """A "Field: N kB" line of a /proc file in bytes (None off Linux)."""
@@ -38,7 +41,11 @@ _base: int | None = None  # resident memory when the work started (reset_peaks)
 
 
 def reset_peaks() -> None:
-    """Start both high-water marks again from now (writing 5 to clear_refs resets VmHWM, Linux >= 4.0)."""
+    """Start both high-water marks again from now (writing 5 to clear_refs resets VmHWM, Linux >= 4.0). Every caller
+    builds a model next: transformers' modelling code (~140 MiB of a process, imported where a model is first built)
+    is loaded first, so that the work's peak is the work's and not the library's."""
+    import transformers.modeling_utils  # noqa: F401
+
     global _base
     try:
         Path("/proc/self/clear_refs").write_text("5")

@@ -186,6 +186,8 @@ def child(case: str, size: str, kw: dict, work: Path, device: str = "cpu") -> di
     torch.manual_seed(0)
     gpu = device == "cuda"
     dtype, b, Peak = (torch.bfloat16, 2, CudaPeak) if gpu else (torch.float32, 4, AnonPeak)
+    import transformers.modeling_utils  # noqa: F401  (code, not the stage's working memory: loaded before any window)
+
     from m2d_ray.plan import memory
     from m2d_ray.plan.shapes import shape_of
 

@@ -130,7 +130,7 @@ def _unit(name: str) -> str | None:
     root = name.split(".")[0]
     if root in LAZY:
         return root
-    if root == "transformers" and "Model" in name.rpartition(".")[2]:
+    if root == "transformers" and ("Model" in name.rpartition(".")[2] or ".modeling" in name):
         return MODELS
     return None
 
