@@ -26,7 +26,6 @@ def _steps(metrics: Path) -> list[int]:
     return [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
 
 
-@pytest.mark.slow
 def _distill(out: Path, steps: int, *more: str) -> list[str]:
     """`m2d distill` of a random-FFN student on the synthetic corpus into `out`, `steps` steps, and `more`."""
     data = ["--train-data", "synthetic:train", "--eval-data", "synthetic:valid"]
@@ -34,6 +33,7 @@ def _distill(out: Path, steps: int, *more: str) -> list[str]:
     return [*cmd, "--steps", str(steps), "--out", str(out), *more]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shard", [[], ["--shard-teacher"]], ids=["online", "sharded"])
 def test_deepspeed_zero2_on_two_cpu_workers_killed_and_resumed(ray_address, ds_env, tmp_path, shard):
     """`m2d distill` on two Ray Train workers with ZeRO-2, SIGKILLed and resumed (~2 min each here: slow), its teacher
