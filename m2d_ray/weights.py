@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from transformers import AutoTokenizer
 
 from m2d_ray import checkpoint, storage
-from m2d_ray.arch import get_adapter, supported_types
+from m2d_ray.arch import ADAPTERS, get_adapter, supported_types
 from m2d_ray.arch.base import (
     DenseFFN,
     ExpertWeights,
@@ -37,6 +37,7 @@ from m2d_ray.arch.base import (
     SharedExpert,
     dense_from_mlp,
 )
+from m2d_ray.arch.counts import Counts, counts
 from m2d_ray.arch.dense import dense_layout
 from m2d_ray.arch.head import check_plain_head, head_names
 from m2d_ray.checkpoint import (
@@ -100,6 +101,36 @@ def meta_model(config) -> PreTrainedModel:
     if key not in _META:
         _META[key] = skeleton(config, torch.bfloat16, device="meta")
     return _META[key]
+
+
+def meta_counts(config) -> Counts:
+    """A model's parameter counts read off its meta-device model (through its arch adapter for an MoE): what
+    arch/counts.py computes by arithmetic, for a model type it does not know, and the reference it is held to."""
+    model = meta_model(config)
+    adapter = ADAPTERS[config.model_type] if config.model_type in ADAPTERS else None
+    layers = adapter.layers(model) if adapter is not None else model.base_model.layers
+    blocks = adapter.moe_blocks(model) if adapter is not None else {}
+    block = next(iter(blocks.values()), None)
+    shared = adapter.shared(block) if block is not None else None
+    dense = [
+        dense_from_mlp(x.mlp).width for i, x in enumerate(layers) if i not in blocks and hasattr(x.mlp, "gate_proj")
+    ]
+    return Counts(
+        sum(p.numel() for p in model.parameters()),
+        tuple(sum(p.numel() for p in layer.parameters()) for layer in layers),
+        sum(p.numel() for p in model.parameters() if p.ndim < 2),
+        tuple(blocks),
+        model.get_input_embeddings().weight is model.get_output_embeddings().weight,
+        adapter.experts(block).width if block is not None else 0,
+        shared.weights.width if shared else 0,
+        max(dense, default=0),
+    )
+
+
+def param_counts(config) -> Counts:
+    """A model's parameter counts: by arithmetic where arch/counts.py knows its family (no modelling code loaded),
+    else on the meta device."""
+    return counts(config) or meta_counts(config)
 
 
 def skeleton(config, dtype: torch.dtype, device: str = "cpu") -> PreTrainedModel:

@@ -25,10 +25,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from m2d_ray.arch.counts import counts
 from m2d_ray.catalog.distill import AUTO
 from m2d_ray.errors import M2DError
-from m2d_ray.weights import meta_model
+from m2d_ray.weights import param_counts
 
 GiB = 1 << 30
 RESERVE = 1 * GiB  # CUDA context, allocator slack
@@ -96,12 +95,11 @@ def _gib(n: int) -> str:
 
 
 def model_size(config, dtype_bytes: int | None = None) -> ModelSize:
-    """Parameters counted by arithmetic (arch/counts.py), else on the meta device (no weights read), and the shapes
-    the batch estimate needs."""
+    """Parameters counted from the config (weights.param_counts: no weights read), and the shapes the batch estimate
+    needs."""
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    c = counts(config)
-    params = c.params if c is not None else sum(p.numel() for p in meta_model(config).parameters())
+    params = param_counts(config).params
     if dtype_bytes is None:
         dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         dtype_bytes = 4 if str(dt).endswith("float32") else 2

@@ -1,15 +1,12 @@
-"""The sizes a memory plan needs, read from a model's config on the meta device (no weights are read)."""
+"""The sizes a memory plan needs, from a model's config alone: its parameters counted by arithmetic (arch/counts.py),
+or on the meta device for a family that module does not know (no weights are read either way)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 from m2d_ray.arch import ADAPTERS
-from m2d_ray.arch.counts import Counts, counts
-from m2d_ray.convert.baselines import dense_width
-from m2d_ray.convert.student import student_width
-from m2d_ray.weights import meta_model
+from m2d_ray.weights import param_counts
 
 GiB = 1 << 30
 
@@ -62,60 +59,15 @@ def _dtype_bytes(config) -> int:
 
 
 def shape_of(config) -> Shape:
-    """A model's Shape from its transformers config: by arithmetic (arch/counts.py) where the family is known, else
-    from the model built on the meta device (an MoE's expert sizes through its arch adapter)."""
-
+    """A model's Shape from its transformers config: its parameters counted by arithmetic where its family is known
+    (arch/counts.py), else on the meta device (weights.param_counts); an MoE's E and k through its arch adapter."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    c = counts(config)
-    if c is not None:
-        return _shape(config, text, c)
-    model = meta_model(config)
-    params = sum(p.numel() for p in model.parameters())
+    c = param_counts(config)
+    adapter = ADAPTERS[config.model_type] if c.moe_layers else None
+    E, k = (adapter.num_experts(config), adapter.top_k(config)) if adapter else (0, 0)
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv = getattr(text, "num_key_value_heads", None) or heads
-    adapter = ADAPTERS[config.model_type] if config.model_type in ADAPTERS else None
-    layers = adapter.layers(model) if adapter is not None else model.base_model.layers
-    layer_params = max(sum(p.numel() for p in layer.parameters()) for layer in layers)
-    E = k = I = 0
-    ffn = getattr(text, "intermediate_size", 0) or 0
-    moe = adapter.moe_blocks(model) if adapter is not None else {}
-    if moe:
-        block = next(iter(moe.values()))
-        E, k, I = adapter.num_experts(config), adapter.top_k(config), adapter.experts(block).width
-        shared = adapter.shared(block)
-        ffn = max(ffn, k * I + (shared.weights.width if shared else 0))
-    return Shape(
-        params,
-        layer_params,
-        _dtype_bytes(config),
-        text.vocab_size,
-        text.hidden_size,
-        len(layers),
-        heads * head_dim,
-        kv * head_dim,
-        ffn,
-        E,
-        k,
-        I,
-        len(moe),
-        model.get_input_embeddings().weight is model.get_output_embeddings().weight,
-        sum(p.numel() for p in model.parameters() if p.ndim < 2),
-    )
-
-
-def _heads(text) -> tuple[int, int]:
-    """(q width, kv width): heads x head_dim, key/value heads x head_dim."""
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return heads * head_dim, (getattr(text, "num_key_value_heads", None) or heads) * head_dim
-
-
-def _shape(config, text, c: Counts) -> Shape:
-    adapter = ADAPTERS[config.model_type] if c.moe_layers else None
-    E, k = (adapter.num_experts(config), adapter.top_k(config)) if adapter else (0, 0)
-    ffn = max(getattr(text, "intermediate_size", 0) or 0, k * c.expert_width + c.shared_width)  # as shape_of's
-    q, kv = _heads(text)
     return Shape(
         c.params,
         max(c.layers),
@@ -123,9 +75,9 @@ def _shape(config, text, c: Counts) -> Shape:
         text.vocab_size,
         text.hidden_size,
         len(c.layers),
-        q,
-        kv,
-        ffn,
+        heads * head_dim,
+        kv * head_dim,
+        max(getattr(text, "intermediate_size", 0) or 0, k * c.expert_width + c.shared_width),
         E,
         k,
         c.expert_width if adapter else 0,
@@ -133,15 +85,6 @@ def _shape(config, text, c: Counts) -> Shape:
         c.tied,
         c.vector_params,
     )
-
-
-def student_width_of(config) -> int | None:
-    """The converted student's one intermediate size (convert/student.student_width: the widest of k x d_expert +
-    shared and the dense layers'), by arithmetic; None where the family is not counted here."""
-    c = counts(config)
-    if c is None or not c.moe_layers:
-        return None
-    return max(c.dense_width, ADAPTERS[config.model_type].top_k(config) * c.expert_width + c.shared_width)
 
 
 @dataclass(frozen=True)
@@ -156,15 +99,10 @@ class Models:
 
 
 def models_of(config) -> Models:
-    """Teacher and student shapes from the teacher's config (the student's config as convert/ makes it)."""
-
-    adapter = ADAPTERS[config.model_type]
-    width = student_width_of(config)
-    if width is None:
-        model = meta_model(config)
-        width = student_width(
-            model, adapter, dense_width(SimpleNamespace(adapter=adapter, skeleton=model, config=config))
-        )
+    """Teacher and student shapes from the teacher's config (the student's config as convert/ makes it: one width,
+    convert/student.student_width's widest of k x d_expert + shared and the dense layers')."""
+    adapter, c = ADAPTERS[config.model_type], param_counts(config)
+    width = max(c.dense_width, adapter.top_k(config) * c.expert_width + c.shared_width)
     student = adapter.student_config(config, width)
     student.dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     return Models(shape_of(config), shape_of(student), config, student)
