@@ -9,6 +9,7 @@ round (each going first in turn), every one from the same initial student and on
 
     platform            m2d_ray.distill.step.DistillStep, what stage 2 runs at one rank: plain torch, chunked KL
     platform:KERNEL     the same step with distill.kl_kernel=KERNEL (liger), exact modes only
+    platform_compiled   the same step with distill.compile (the student's loss module compiled), chunked KL
     platform_deepspeed  the same step with DeepSpeed ZeRO-2 (world of 1): what the paper configs run
     reference           this file's plain loop, the same update (backward, clip, fused AdamW, the same parameter
                         groups and warm-up/cosine schedule) from the whole [tokens x vocab] float32 logits:
@@ -76,11 +77,6 @@ import torch.nn.functional as F
 from benchmarks.common import cpu_model, machine_line, write_json
 from m2d_ray.local_group import free_port
 from m2d_ray.random_models import STEP_PRESETS, teacher_and_student
-
-#: model shape, batch and timing of each preset, and the models built from one: the fixture module's, which the tests
-#: use too
-PRESETS = STEP_PRESETS
-build_models = teacher_and_student
 
 
 def init_process_group(device: str) -> None:
@@ -430,7 +426,7 @@ def default_kernels(device: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    ap.add_argument("--preset", choices=sorted(STEP_PRESETS), default="cpu")
     ap.add_argument("--targets", default="online", help="comma-separated: online, hidden, sampled:N (default: online)")
     ap.add_argument("--steps", type=int, help="timed steps per path (default: the preset's)")
     ap.add_argument("--warmup", type=int, help="untimed steps per path first (default: the preset's)")
@@ -439,7 +435,7 @@ def main() -> None:
     ap.add_argument("--precision", default="auto", help="distill.precision (default auto: bf16-mixed on a GPU, fp32)")
     ap.add_argument(
         "--meta-rehearsal",
-        choices=sorted(PRESETS),
+        choices=sorted(STEP_PRESETS),
         help="first run the head's GPU branch on meta tensors at this preset's head and tokens (a CPU rehearsal)",
     )
     ap.add_argument(
@@ -452,7 +448,7 @@ def main() -> None:
         help="also write the figures to this JSON file, rewritten as each mode finishes: meta_rehearsal, modes, final",
     )
     a = ap.parse_args()
-    p = dict(PRESETS[a.preset])
+    p = dict(STEP_PRESETS[a.preset])
     p["steps"], p["warmup"] = a.steps or p["steps"], a.warmup if a.warmup is not None else p["warmup"]
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -465,14 +461,14 @@ def main() -> None:
 
     record: dict = {"modes": {}}  # what --json-out holds so far (a caller that kills this run keeps it)
     if a.meta_rehearsal:
-        record["meta_rehearsal"] = meta_rehearsal(PRESETS[a.meta_rehearsal])
+        record["meta_rehearsal"] = meta_rehearsal(STEP_PRESETS[a.meta_rehearsal])
         print(json.dumps({"meta_rehearsal": record["meta_rehearsal"]}), flush=True)
         write_json(a.json_out, record)
     precision = for_device(a.precision, device)  # what stage 2 trains in
     kernels = [k for k in (default_kernels(device) if a.kernels is None else a.kernels).split(",") if k]
     print(machine_line(), file=sys.stderr)
     t0 = time.perf_counter()
-    teacher, student0 = build_models(p, precision.dtype)
+    teacher, student0 = teacher_and_student(p, precision.dtype)
     rate = matmul_rate(device, precision.dtype)
     n_steps = p["warmup"] + p["steps"]
     cfg = DistillConfig(

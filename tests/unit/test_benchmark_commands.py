@@ -74,3 +74,36 @@ def test_no_document_runs_a_benchmark_by_its_old_path():
     old = re.compile(r"python3? benchmarks/\w+\.py|benchmarks/(?:p\d+_|s\d_|_common|gpu_acceptance\.py)")
     hits = [f"{d.relative_to(ROOT)}: {m.group(0)}" for d in DOCS for m in old.finditer(d.read_text())]
     assert not hits, hits
+
+
+def _python_files(*folders: str):
+    return [p for f in folders for p in sorted((ROOT / f).rglob("*.py"))]
+
+
+def test_no_test_imports_a_benchmark_or_puts_benchmarks_on_the_path():
+    """Editing a benchmark cannot break a unit test: a test runs a benchmark as `python -m benchmarks...` when it
+    tests one, and never imports it or adds benchmarks/ to sys.path."""
+    bad = []
+    for path in _python_files("tests"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Call) and "sys.path" in ast.unparse(node.func):
+                names = ["benchmarks"] if "benchmarks" in ast.unparse(node) else []
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno}" for n in names if n.split(".")[0] == "benchmarks"]
+    assert bad == []
+
+
+def test_a_random_qwen3_moe_config_is_built_in_one_place():
+    """Tests, benchmarks and the package build their random Qwen3-MoE teachers' configs through
+    arch/qwen3_moe.moe_config (issue 57: at most 2 files construct the config class)."""
+    building = {
+        str(p.relative_to(ROOT))
+        for p in _python_files("tests", "benchmarks", "m2d_ray")
+        if re.search(r"\bQwen3MoeConfig\(", p.read_text())
+    }
+    assert len(building) <= 2 and "m2d_ray/arch/qwen3_moe.py" in building, building
