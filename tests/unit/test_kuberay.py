@@ -89,7 +89,7 @@ def test_the_manifests_hold_a_raycluster_and_a_rayjob_on_it():
     cluster, job = of_kind("RayCluster"), of_kind("RayJob")
     assert job["spec"]["clusterSelector"] == {"ray.io/cluster": cluster["metadata"]["name"]}
     assert cluster["spec"]["rayVersion"] == ray.__version__  # the image's Ray is the one pyproject.toml pins
-    assert f"FROM rayproject/ray:{ray.__version__}-" in (K8S / "Dockerfile").read_text()
+    assert f"ARG BASE_IMAGE=rayproject/ray:{ray.__version__}-" in (K8S / "Dockerfile").read_text()
     images = {c["image"] for g in _groups(cluster) for c in g["template"]["spec"]["containers"]}
     assert len(images) == 1  # one image on every pod (the submitter pod takes the head's)
 
