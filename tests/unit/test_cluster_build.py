@@ -225,3 +225,119 @@ def test_the_wheel_cache_builds_once_and_stops_on_a_bucket_it_cannot_reach(node)
     rc, log = run_on(node, build.replace("set -e;", "", 1))  # as it was: steps joined with `;`
     assert rc != 0 or "built" in log
     assert "built" in log  # compiled for an hour, then the upload failed
+
+
+# --- the tutorial's account setup (aws/setup.sh) and the docs' shell --------------------------------------------------
+
+AWS_STUB = r"""#!/usr/bin/env bash
+echo "aws $*" >> "$M2D_LOG"
+case " $* " in *" $M2D_FAIL "*) echo "An error occurred (AccessDenied)" >&2; exit 254 ;; esac
+case "$*" in
+  "sts get-caller-identity"*) echo 123456789012 ;;
+  "iam get-"*) exit 254 ;;  # nothing exists yet
+  "ec2 describe-vpcs"*is-default*) echo "${M2D_DEFAULT_VPC:-None}" ;;
+  "ec2 describe-vpcs"*) echo None ;;
+  "ec2 create-vpc"*) echo vpc-0new ;;
+  "ec2 create-internet-gateway"*) echo igw-0new ;;
+  "ec2 create-route-table"*) echo rtb-0new ;;
+  "ec2 create-subnet"*) echo "subnet-$RANDOM" ;;
+  "ec2 describe-subnets"*) echo "${M2D_PUBLIC_SUBNETS:-4}" ;;
+  "ec2 describe-security-groups"*) echo None ;;
+  "ec2 create-security-group"*) echo sg-0new ;;
+  "ec2 describe-images"*--image-ids*) echo "Supported EC2 instances: ... NVIDIA driver 580, CUDA 13.0" ;;
+  "ec2 describe-images"*) echo ami-0new ;;
+esac
+"""
+
+
+def setup_run(tmp_path: Path, script: str | None = None, **env: str) -> tuple[int, str, str]:
+    """aws/setup.sh in a copy of the repository's files it reads and edits, with `aws` and `curl` stood in for:
+    (exit status, the aws calls in order, cluster.yaml after)."""
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "aws", repo / "aws")
+    shutil.copy(CLUSTER_YAML, repo / "cluster.yaml")
+    if script is not None:
+        (repo / "aws" / "setup.sh").write_text(script)
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    for name, body in {"aws": AWS_STUB, "curl": "#!/bin/sh\necho 203.0.113.7\n"}.items():
+        (bin_ / name).write_text(body)
+        os.chmod(bin_ / name, 0o755)
+    log = tmp_path / "calls"
+    log.touch()
+    full = {"PATH": f"{bin_}:/usr/bin:/bin", "HOME": str(tmp_path), "M2D_LOG": str(log), "M2D_PROFILE_WAIT": "0"}
+    out = subprocess.run(["bash", str(repo / "aws" / "setup.sh"), "my-bucket"], env={**full, "M2D_FAIL": "-", **env},
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    return out.returncode, log.read_text(), (repo / "cluster.yaml").read_text()
+
+
+def test_the_account_setup_fills_cluster_yaml_in_a_default_vpc(tmp_path):
+    rc, calls, cluster = setup_run(tmp_path, M2D_DEFAULT_VPC="vpc-0default")
+    assert rc == 0, calls
+    assert "MY-BUCKET" not in cluster and "s3://my-bucket/m2d/wheels" in cluster
+    assert "SecurityGroupIds: &sg [sg-0new]" in cluster and "ImageId: &dlami ami-0new" in cluster
+    assert "create-vpc" not in calls and "--vpc-id vpc-0default --group-name m2d-ray" in calls
+    assert "--cidr 203.0.113.7/32" in calls
+    lines = calls.splitlines()
+    first = {what: next(i for i, c in enumerate(lines) if what in c) for what in ("head-bucket", "create-role", "ec2 ")}
+    assert first["head-bucket"] < first["create-role"]  # the bucket before anything is made
+    waits = [i for i, c in enumerate(lines) if "wait instance-profile-exists" in c]
+    assert len(waits) == 2 and max(waits) < first["ec2 "]  # the new profiles exist before anything launches
+    policy = next(c for c in lines if "--policy-name launch-workers" in c)
+    assert "put-role-policy --role-name m2d-ray-head" in policy
+
+
+def test_the_account_setup_makes_a_public_network_where_there_is_no_default_vpc(tmp_path):
+    rc, calls, _ = setup_run(tmp_path)
+    assert rc == 0, calls
+    zones = re.search(r"availability_zone: (\S+)", CLUSTER_YAML.read_text()).group(1).split(",")
+    subnets = [c for c in calls.splitlines() if "create-subnet" in c]
+    assert [re.search(r"--availability-zone (\S+)", c).group(1) for c in subnets] == zones
+    assert calls.count("--map-public-ip-on-launch") == len(zones)
+    assert "attach-internet-gateway" in calls and "--destination-cidr-block 0.0.0.0/0 --gateway-id igw-0new" in calls
+    assert "--vpc-id vpc-0new --group-name m2d-ray" in calls
+    rc, calls, cluster = setup_run(tmp_path / "2", M2D_DEFAULT_VPC="vpc-0private", M2D_PUBLIC_SUBNETS="0")
+    assert rc != 0 and "create-security-group" not in calls and "MY-BUCKET" in cluster  # no subnet Ray could use
+
+
+def test_the_account_setup_stops_at_its_first_failing_command(tmp_path):
+    for n, fail in enumerate(("head-bucket", "put-role-policy", "create-security-group")):
+        rc, calls, cluster = setup_run(tmp_path / str(n), M2D_DEFAULT_VPC="vpc-0d", M2D_FAIL=fail)
+        assert rc != 0 and calls.splitlines()[-1].split()[2] == fail, (fail, calls)  # nothing after it
+        assert "sg-REPLACE_WITH_M2D_SG" in cluster, fail
+    script = (ROOT / "aws" / "setup.sh").read_text()
+    assert "\nset -euo pipefail\n" in script
+    rc, calls, _ = setup_run(tmp_path / "old", script.replace("set -euo pipefail", ""), M2D_DEFAULT_VPC="vpc-0d",
+                             M2D_FAIL="put-role-policy")  # fmt: skip
+    assert "create-security-group" in calls  # without set -e it went on past the failure
+
+
+def shell_blocks() -> list[tuple[str, str]]:
+    """(page, block) of every ```bash block of the docs, dedented (blocks inside list items are indented)."""
+    import textwrap
+
+    out = []
+    for path in sorted((ROOT / "docs").rglob("*.md")):
+        for block in re.findall(r"^( *)```bash\n(.*?)^\1```", path.read_text(), flags=re.S | re.M):
+            out.append((str(path.relative_to(ROOT)), textwrap.dedent(block[1])))
+    return out
+
+
+def gnu_sed_i(text: str) -> list[str]:
+    """`sed -i` without a suffix joined to it: GNU sed's form, which macOS's sed reads as `-i SUFFIX` and fails."""
+    return re.findall(r"\bsed\s+(?:-\w+\s+)*-i(?=\s|$)[^\n]*", text)
+
+
+def test_every_shell_block_of_the_docs_parses_and_runs_on_macos_sed():
+    blocks = shell_blocks()
+    assert len(blocks) >= 20 and any("aws/setup.sh" in b for _, b in blocks)
+    for page, block in blocks:
+        out = subprocess.run(["bash", "-n"], input=block, capture_output=True, text=True)
+        assert out.returncode == 0, (page, out.stderr, block[:300])
+        assert gnu_sed_i(block) == [], page
+    for script in (ROOT / "aws" / "setup.sh", JOBS):
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script
+        assert gnu_sed_i(script.read_text()) == [], script
+    old = 'sed -i "s/sg-REPLACE_WITH_M2D_SG/$SG/" cluster.yaml'  # the tutorial's line before
+    assert gnu_sed_i(old) == [old] and gnu_sed_i("sed -i.bak 's/a/b/' f && rm f.bak") == []
+    assert subprocess.run(["bash", "-n"], input="for x in a; do\n", capture_output=True, text=True).returncode != 0
