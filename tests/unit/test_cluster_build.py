@@ -341,3 +341,16 @@ def test_every_shell_block_of_the_docs_parses_and_runs_on_macos_sed():
     old = 'sed -i "s/sg-REPLACE_WITH_M2D_SG/$SG/" cluster.yaml'  # the tutorial's line before
     assert gnu_sed_i(old) == [old] and gnu_sed_i("sed -i.bak 's/a/b/' f && rm f.bak") == []
     assert subprocess.run(["bash", "-n"], input="for x in a; do\n", capture_output=True, text=True).returncode != 0
+
+
+def test_the_base_image_s_tag_is_checked_before_the_build_and_every_node_has_disk_for_the_image():
+    """The how-to's build line inspects the Dockerfile's base tag before `docker build` (an hour's build on a missing
+    tag fails at its first line), and says the fallback; every EKS node group's disk holds the ~20 GB image, the head's
+    included (EKS's default is 20Gi)."""
+    (base,) = re.findall(r"^ARG BASE_IMAGE=(\S+)$", DOCKERFILE.read_text(), flags=re.M)
+    how_to = (ROOT / "docs" / "how-to" / "kubernetes.md").read_text()
+    (build,) = [b for _, b in shell_blocks() if "docker build" in b]
+    assert build.index(f"docker manifest inspect {base} >/dev/null &&") < build.index("docker build")
+    assert "--build-arg BASE_IMAGE=" in how_to and "no such manifest" in how_to
+    disk = " ".join(how_to[how_to.index("- **Disk on every node group") :].split("\n- **")[0].split())
+    assert "head's node group (`m5.2xlarge`) a root disk of 100Gi" in disk and "GPU machines 600Gi" in disk
