@@ -48,7 +48,8 @@ def torch_cuda_major(requires_dist: list[str]) -> str:
 def dockerfile() -> tuple[str, str]:
     """(base image tag, the torch version it installs)."""
     text = DOCKERFILE.read_text()
-    (tag,) = re.findall(r"^FROM rayproject/ray:(\S+)$", text, flags=re.M)
+    (tag,) = re.findall(r"^ARG BASE_IMAGE=rayproject/ray:(\S+)$", text, flags=re.M)
+    assert re.findall(r"^FROM (\S+)", text, flags=re.M)[0] == "${BASE_IMAGE}"  # the first stage is built on it
     (torch_pin,) = re.findall(r"torch==([\w.]+)", text)
     return tag, torch_pin
 

@@ -204,6 +204,8 @@ NOT_OUTPUT = {
     "about 2 GB of memory": "what the demo asks of a laptop",
     "with 2 GiB free": "the demo plan's laptop (figures.DEMO_HOST)",
     "stages cost $0": "the rule: a CPU stage runs on the head or on this machine",
+    "compile job": "flash-attn's build memory, its setup.py's figure",
+    "a job at": "flash-attn's build memory (scripts/flash-attn-jobs.sh)",
 }
 
 

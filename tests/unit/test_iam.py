@@ -2,8 +2,12 @@
 in Ray 2.60's AWS node provider (its source, read here) that the head's autoscaler makes with cluster.yaml's settings,
 and the S3 calls of the run's storage (pyarrow.fs, `aws s3 sync`). Least privilege both ways: each call is allowed, and
 the calls a worker or a stolen credential could abuse are not (launching or ending other instances, passing another
-role, another bucket). The evaluator below covers what these policies use: Allow statements, `*`/`?` wildcards in
-actions and resources, StringEquals conditions. No AWS here: the policies are not tried against IAM itself."""
+role, another bucket). The evaluator below decides a request as IAM does for one identity-based policy set: every
+resource the call touches must be allowed (RunInstances asks for the instance, the image, the subnet, the security
+group, the network interface, the volume, the key pair, a spot request: a policy narrowed on the instance alone is
+refused), an explicit Deny wins, and no statement means no; it covers what these policies use (`*`/`?` wildcards in
+actions and resources; StringEquals, StringLike, StringNotEquals, their ForAllValues/ForAnyValue forms). No AWS here:
+the policies are not tried against IAM itself."""
 
 from __future__ import annotations
 
@@ -27,30 +31,117 @@ def policy(name: str) -> dict:
     return json.loads(text)
 
 
-def allowed(policies: list[dict], action: str, resource: str = "*", context: dict | None = None) -> bool:
-    """Whether an Allow statement of `policies` covers the call (no Deny statements are used; IAM denies by
-    default)."""
+def decide(policies: list[dict], action: str, resources: list[tuple[str, dict]], context: dict | None = None) -> bool:
+    """IAM's answer to one call: `resources` is every (ARN, that resource's condition keys) the call touches, `context`
+    the request's own keys (aws:RequestTag/..., aws:TagKeys), seen by every resource. Allowed when no Deny statement
+    matches any resource and an Allow statement matches each one."""
     context = context or {}
-    for p in policies:
-        for s in p["Statement"]:
-            assert s["Effect"] == "Allow" and set(s) <= {"Sid", "Effect", "Action", "Resource", "Condition"}, s
-            actions, resources = _list(s["Action"]), _list(s["Resource"])
-            if not any(fnmatch.fnmatchcase(action.lower(), a.lower()) for a in actions):
-                continue
-            if not any(fnmatch.fnmatchcase(resource, r) for r in resources):
-                continue
-            if all(_holds(op, cond, context) for op, cond in s.get("Condition", {}).items()):
-                return True
-    return False
+    for s in (s for p in policies for s in p["Statement"]):  # what this evaluator knows how to read
+        assert s["Effect"] in ("Allow", "Deny") and set(s) <= {"Sid", "Effect", "Action", "Resource", "Condition"}, s
+    for arn, own in resources:
+        keys = {**context, **own}
+        if any(_matches(s, action, arn, keys) for p in policies for s in p["Statement"] if s["Effect"] == "Deny"):
+            return False
+        if not any(_matches(s, action, arn, keys) for p in policies for s in p["Statement"] if s["Effect"] == "Allow"):
+            return False
+    return bool(resources)
 
 
-def _holds(op: str, cond: dict, context: dict) -> bool:
-    assert op == "StringEquals", op  # the only operator these policies use
-    return all(context.get(k) in _list(v) for k, v in cond.items())
+def allowed(policies: list[dict], action: str, resource: str = "*", context: dict | None = None) -> bool:
+    """A call that touches one resource."""
+    return decide(policies, action, [(resource, {})], context)
+
+
+def _matches(s: dict, action: str, resource: str, keys: dict) -> bool:
+    if not any(fnmatch.fnmatchcase(action.lower(), a.lower()) for a in _list(s["Action"])):
+        return False
+    if not any(fnmatch.fnmatchcase(resource, r) for r in _list(s["Resource"])):
+        return False
+    return all(
+        _holds(op, key, values, keys) for op, cond in s.get("Condition", {}).items() for key, values in cond.items()
+    )
+
+
+def _holds(op: str, key: str, values, keys: dict) -> bool:
+    """One condition key of one operator; a key the request lacks fails a positive operator and passes a negated one
+    (StringNotEquals), as in IAM; ForAllValues holds on an absent key, ForAnyValue does not."""
+    qualifier, _, base = op.rpartition(":")
+    assert qualifier in ("", "ForAllValues", "ForAnyValue") and base in (
+        "StringEquals",
+        "StringLike",
+        "StringNotEquals",
+    )
+    patterns = _list(values)
+
+    def one(value) -> bool:
+        if base == "StringEquals":
+            return value in patterns
+        if base == "StringLike":
+            return any(fnmatch.fnmatchcase(value, p) for p in patterns)
+        return value not in patterns
+
+    if key not in keys:
+        return base == "StringNotEquals" or qualifier == "ForAllValues"
+    got = _list(keys[key])
+    if qualifier == "ForAllValues":
+        return all(one(v) for v in got)
+    return any(one(v) for v in got) if qualifier == "ForAnyValue" or len(got) == 1 else False
 
 
 def _list(v) -> list:
     return v if isinstance(v, list) else [v]
+
+
+def run_instances(
+    instance_type: str, spot: bool = False, tags: dict | None = None, image_owner: str = "amazon"
+) -> tuple[list[tuple[str, dict]], dict]:
+    """What Ray's node provider asks EC2 for when it launches a worker (create_instances with cluster.yaml's
+    node_config: InstanceType, ImageId, SecurityGroupIds, its SubnetId, BlockDeviceMappings, the key pair Ray made,
+    InstanceMarketOptions on a spot type, TagSpecifications for the instance with ray-cluster-name), as the resources
+    IAM checks and the request's tags."""
+    tags = {"ray-cluster-name": CLUSTER, "ray-node-type": "worker"} if tags is None else tags
+    region = f"arn:aws:ec2:us-west-2:{ACCOUNT}"
+    resources = [
+        (f"{region}:instance/*", {"ec2:InstanceType": instance_type}),
+        ("arn:aws:ec2:us-west-2::image/ami-0123456789abcdef0", {"ec2:Owner": image_owner}),
+        (f"{region}:subnet/subnet-0123456789abcdef0", {}),
+        (f"{region}:security-group/sg-0123456789abcdef0", {}),
+        (f"{region}:network-interface/*", {}),
+        (f"{region}:volume/*", {}),
+        (f"{region}:key-pair/ray-autoscaler_us-west-2", {}),
+    ]
+    if spot:
+        resources.append((f"{region}:spot-instances-request/*", {}))
+    request = {f"aws:RequestTag/{k}": v for k, v in tags.items()} | {"aws:TagKeys": list(tags)}
+    return resources, request
+
+
+def worker_types() -> dict[str, tuple[str, bool]]:
+    """cluster.yaml's worker node types: (instance type, spot)."""
+    raw = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    return {
+        name: (n["node_config"]["InstanceType"], "InstanceMarketOptions" in n["node_config"])
+        for name, n in raw["available_node_types"].items()
+        if name != raw["head_node_type"]
+    }
+
+
+def launch_problems(policies: list[dict]) -> list[str]:
+    """What is wrong with a head's launch rights: a worker type of cluster.yaml it cannot launch, or a launch outside
+    the cluster it can (another instance type, no cluster tag or another cluster's, an image not Amazon's)."""
+    out = []
+    for name, (itype, spot) in worker_types().items():
+        if not decide(policies, "ec2:RunInstances", *run_instances(itype, spot)):
+            out.append(f"cannot launch {name} ({itype})")
+    (itype, _), *_ = worker_types().values()
+    wrong = {
+        "another instance type": run_instances("p4de.24xlarge"),
+        "untagged": run_instances(itype, tags={}),
+        "another cluster's tag": run_instances(itype, tags={"ray-cluster-name": "someone-else"}),
+        "an image not Amazon's": run_instances(itype, image_owner="111122223333"),
+    }
+    out += [f"may launch {what}" for what, call in wrong.items() if decide(policies, "ec2:RunInstances", *call)]
+    return out
 
 
 HEAD = [policy("head-launch"), policy("bucket")]
@@ -102,7 +193,7 @@ def test_the_head_may_make_every_call_its_autoscaler_makes():
     assert needed == {"ec2:DescribeInstances", "ec2:RunInstances", "ec2:CreateTags", "ec2:TerminateInstances"}
     own = {"ec2:ResourceTag/ray-cluster-name": CLUSTER}
     assert allowed(HEAD, "ec2:DescribeInstances")
-    assert allowed(HEAD, "ec2:RunInstances", INSTANCE)
+    assert launch_problems(HEAD) == []  # every worker type, with every resource of its launch
     assert allowed(HEAD, "ec2:CreateTags", INSTANCE, {"ec2:CreateAction": "RunInstances"})  # TagSpecifications
     assert allowed(HEAD, "ec2:CreateTags", INSTANCE, own)  # set_node_tags on a running node
     assert allowed(HEAD, "ec2:TerminateInstances", INSTANCE, own)
@@ -110,6 +201,58 @@ def test_the_head_may_make_every_call_its_autoscaler_makes():
     assert allowed(HEAD, "iam:PassRole", WORKER_ROLE, {"iam:PassedToService": "ec2.amazonaws.com"})
     for action in NOT_ON_THIS_HEAD:
         assert not allowed(HEAD, action, INSTANCE, own), action
+
+
+def test_the_head_launches_this_cluster_s_worker_types_and_nothing_else():
+    """RunInstances is narrowed on the instance by the cluster's tag and the worker types of cluster.yaml (the policy's
+    list is theirs), on the image by its owner; its other resources have a statement of their own."""
+    (narrowed,) = [
+        s
+        for s in policy("head-launch")["Statement"]
+        if s["Resource"] == "arn:aws:ec2:*:123456789012:instance/*" and s["Action"] == ["ec2:RunInstances"]
+    ]
+    types = narrowed["Condition"]["StringEquals"]["ec2:InstanceType"]
+    assert sorted(types) == sorted({itype for itype, _ in worker_types().values()})
+    assert narrowed["Condition"]["StringEquals"]["aws:RequestTag/ray-cluster-name"] == CLUSTER
+    assert launch_problems(HEAD) == []
+
+
+def test_a_launch_is_decided_on_every_resource_it_touches():
+    """What the old policy allowed (RunInstances on `*`) launches anything; a policy narrowed on the instance alone
+    passes a check of the instance ARN but IAM refuses it, since the image, subnet, security group, network interface,
+    volume and key pair of the call are each checked too; an explicit Deny wins over an Allow."""
+    old = {"Statement": [{"Effect": "Allow", "Action": ["ec2:RunInstances"], "Resource": "*"}]}
+    assert launch_problems([old]) == [
+        "may launch another instance type",
+        "may launch untagged",
+        "may launch another cluster's tag",
+        "may launch an image not Amazon's",
+    ]
+    instance_only = {
+        "Statement": [
+            s
+            for s in policy("head-launch")["Statement"]
+            if s["Resource"] == "arn:aws:ec2:*:123456789012:instance/*" and s["Action"] == ["ec2:RunInstances"]
+        ]
+    }
+    resources, request = run_instances("g5.2xlarge")
+    assert decide([instance_only], "ec2:RunInstances", resources[:1], request)  # the instance alone: allowed
+    assert not decide([instance_only], "ec2:RunInstances", resources, request)  # the whole call: refused
+    assert launch_problems([instance_only]) == [
+        f"cannot launch {name} ({t})" for name, (t, _) in worker_types().items()
+    ]
+    deny_p5 = {
+        "Statement": [
+            {
+                "Effect": "Deny",
+                "Action": "ec2:RunInstances",
+                "Resource": "*",
+                "Condition": {"StringEquals": {"ec2:InstanceType": "p5.48xlarge"}},
+            }
+        ]
+    }
+    assert not decide([*HEAD, deny_p5], "ec2:RunInstances", *run_instances("p5.48xlarge"))
+    assert decide([*HEAD, deny_p5], "ec2:RunInstances", *run_instances("g5.2xlarge"))
 
 
 def test_the_head_ends_and_passes_nothing_else():
@@ -179,8 +322,11 @@ def test_the_evaluator_can_fail():
     assert allowed([wide], "ec2:TerminateInstances", INSTANCE) and allowed([wide], "s3:GetObject", "arn:aws:s3:::b/k")
     passes_all = {"Statement": [{"Effect": "Allow", "Action": "iam:PassRole", "Resource": "*"}]}
     assert allowed([passes_all], "iam:PassRole", f"arn:aws:iam::{ACCOUNT}:role/Admin")
+    denied = {"Statement": [{**wide["Statement"][0], "Effect": "Deny", "Action": "s3:*"}]}
+    assert not allowed([wide, denied], "s3:GetObject", "arn:aws:s3:::b/k")  # an explicit Deny wins
+    assert allowed([wide, denied], "ec2:TerminateInstances", INSTANCE)
     with pytest.raises(AssertionError):
-        allowed([{"Statement": [{**wide["Statement"][0], "Effect": "Deny"}]}], "s3:GetObject")
+        allowed([{"Statement": [{**wide["Statement"][0], "Effect": "Maybe"}]}], "s3:GetObject")
 
 
 def test_the_roles_trust_ec2_and_every_page_uses_these_files():

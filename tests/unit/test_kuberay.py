@@ -89,7 +89,7 @@ def test_the_manifests_hold_a_raycluster_and_a_rayjob_on_it():
     cluster, job = of_kind("RayCluster"), of_kind("RayJob")
     assert job["spec"]["clusterSelector"] == {"ray.io/cluster": cluster["metadata"]["name"]}
     assert cluster["spec"]["rayVersion"] == ray.__version__  # the image's Ray is the one pyproject.toml pins
-    assert f"FROM rayproject/ray:{ray.__version__}-" in (K8S / "Dockerfile").read_text()
+    assert f"ARG BASE_IMAGE=rayproject/ray:{ray.__version__}-" in (K8S / "Dockerfile").read_text()
     images = {c["image"] for g in _groups(cluster) for c in g["template"]["spec"]["containers"]}
     assert len(images) == 1  # one image on every pod (the submitter pod takes the head's)
 
@@ -335,3 +335,113 @@ def test_the_image_holds_what_the_rayjob_reads():
         top = PurePosixPath(path).relative_to(IMAGE_ROOT).parts[0]
         assert top not in ignored, path
     assert {".git", ".venv", "runs", "teachers"} <= set(ignored)
+
+
+# --- who may do what: the namespace's PodSecurity level, the head's and the workers' service accounts -----------------
+
+#: the volume types PodSecurity `restricted` admits (Kubernetes' Pod Security Standards)
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected"}
+
+
+def restricted_problems(spec: dict, extra_containers: tuple[dict, ...] = ()) -> list[str]:
+    """What PodSecurity `restricted` (Kubernetes' Pod Security Standards, as the admission controller checks them)
+    refuses in a pod spec: host namespaces, privileged or root containers, privilege escalation, capabilities beyond
+    NET_BIND_SERVICE, no seccomp profile, a volume type outside its list. `extra_containers`: containers KubeRay adds
+    (its autoscaler sidecar) with their securityContext."""
+    ctx = spec.get("securityContext", {})
+    out = [f"spec.{k}" for k in ("hostNetwork", "hostPID", "hostIPC") if spec.get(k)]
+    out += [f"volume {v['name']}" for v in spec.get("volumes", []) if not set(v) - {"name"} <= RESTRICTED_VOLUMES]
+    if ctx.get("runAsUser") == 0:
+        out.append("runs as root")
+    containers = [*spec.get("initContainers", []), *spec["containers"], *extra_containers]
+    for c in containers:
+        sc, name = c.get("securityContext") or {}, c.get("name", "?")
+        if sc.get("privileged"):
+            out.append(f"{name}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            out.append(f"{name}: allowPrivilegeEscalation not false")
+        caps = sc.get("capabilities", {})
+        if "ALL" not in caps.get("drop", []) or set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+            out.append(f"{name}: capabilities not dropped")
+        if not sc.get("runAsNonRoot", ctx.get("runAsNonRoot")) or sc.get("runAsUser") == 0:
+            out.append(f"{name}: runAsNonRoot not set")
+        seccomp = sc.get("seccompProfile", ctx.get("seccompProfile", {})).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            out.append(f"{name}: no seccomp profile")
+    return out
+
+
+def sidecar(cluster: dict) -> dict:
+    """KubeRay's autoscaler container on the head, with the securityContext autoscalerOptions gives it."""
+    return {
+        "name": "autoscaler",
+        **{k: v for k, v in cluster["spec"]["autoscalerOptions"].items() if k == "securityContext"},
+    }
+
+
+def test_everything_runs_in_a_namespace_of_its_own_under_restricted_pod_security():
+    """Every pod of the cluster (the head with KubeRay's autoscaler sidecar, the GPU pods, whose wait-gcs-ready init
+    container copies the Ray container's securityContext, the RayJob's submitter) meets PodSecurity `restricted`, which
+    the namespace enforces."""
+    (ns,) = [d for d in manifests() if d["kind"] == "Namespace"]
+    labels = ns["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+    for doc in manifests():
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"].get("namespace") == ns["metadata"]["name"], (doc["kind"], doc["metadata"]["name"])
+    cluster, job = of_kind("RayCluster"), of_kind("RayJob")
+    for name, template in pod_templates().items():
+        extra = (sidecar(cluster),) if name == "head" else ()
+        assert restricted_problems(template["spec"], extra) == [], name
+    submitter = job["spec"]["submitterPodTemplate"]
+    assert restricted_problems(submitter["spec"]) == []
+    assert core_problems(submitter, "V1PodTemplateSpec") == []
+    images = {c["image"] for c in submitter["spec"]["containers"]}
+    assert images == {c["image"] for g in _groups(cluster) for c in g["template"]["spec"]["containers"]}
+
+
+def test_the_restricted_check_can_fail():
+    """The head's pod as it was (no seccomp profile, no capabilities dropped, escalation allowed), KubeRay's sidecar
+    without autoscalerOptions.securityContext, a hostPath volume, a root container."""
+    old = {
+        "securityContext": {"runAsUser": 1000, "runAsGroup": 100, "fsGroup": 100},
+        "containers": [{"name": "ray-head", "image": "x"}],
+    }
+    assert restricted_problems(old) == [
+        "ray-head: allowPrivilegeEscalation not false",
+        "ray-head: capabilities not dropped",
+        "ray-head: runAsNonRoot not set",
+        "ray-head: no seccomp profile",
+    ]
+    head = copy.deepcopy(pod_templates()["head"]["spec"])
+    assert restricted_problems(head, ({"name": "autoscaler"},))[0] == "autoscaler: allowPrivilegeEscalation not false"
+    head["volumes"].append({"name": "host", "hostPath": {"path": "/"}})
+    head["containers"][0]["securityContext"] = {**head["containers"][0]["securityContext"], "runAsUser": 0}
+    assert restricted_problems(head) == ["volume host", "ray-head: runAsNonRoot not set"]
+
+
+def test_the_workers_run_apart_from_the_head():
+    """KubeRay binds its autoscaler's Role (pods and this RayCluster: read and patch) to the head's service account:
+    the GPU pods, where any Ray task runs, have another one, with no Role, no API token, and a cloud role of their own
+    (the run's bucket alone)."""
+    accounts = {d["metadata"]["name"]: d for d in manifests() if d["kind"] == "ServiceAccount"}
+    head = pod_templates()["head"]["spec"]
+    workers = [t["spec"] for name, t in pod_templates().items() if name != "head"]
+    assert head["serviceAccountName"] == "m2d-head" and head.get("automountServiceAccountToken", True)
+    for spec in workers:
+        assert spec["serviceAccountName"] == "m2d-worker" and spec["automountServiceAccountToken"] is False
+    assert (
+        set(accounts) == {"m2d-head", "m2d-worker"} and accounts["m2d-worker"]["automountServiceAccountToken"] is False
+    )
+    roles = {name: a["metadata"]["annotations"]["eks.amazonaws.com/role-arn"] for name, a in accounts.items()}
+    assert roles == {
+        "m2d-head": "arn:aws:iam::MY-ACCOUNT:role/m2d-k8s-head",
+        "m2d-worker": "arn:aws:iam::MY-ACCOUNT:role/m2d-k8s-worker",
+    }
+    assert not [d for d in manifests() if d["kind"] in ("Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding")]
+    job = of_kind("RayJob")["spec"]["submitterPodTemplate"]["spec"]
+    assert job["automountServiceAccountToken"] is False and "serviceAccountName" not in job
+    how_to = (ROOT / "docs" / "how-to" / "kubernetes.md").read_text()
+    for name, arn in roles.items():  # the how-to makes each role for its account, in the namespace
+        assert f"--name {name}" in how_to and f"--role-name {arn.rsplit('/', 1)[1]}" in how_to, name
+    assert how_to.count("--namespace m2d --name m2d-") == 2

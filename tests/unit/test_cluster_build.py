@@ -1,0 +1,356 @@
+"""What the cluster's nodes and image install, and how they build flash-attn, read from the files: every install line of
+cluster.yaml and k8s/Dockerfile takes constraints.txt (the versions the suite last passed with), so the head, workers
+that join hours later and the image agree on torch (the wheel cache's key), flash-attn and MLflow (a copied run's
+store); the Dockerfile builds flash-attn from no more of the tree than it needs, before the tree is copied; the build's
+parallelism is sized to the memory it sees (scripts/flash-attn-jobs.sh, run here on planted /proc/meminfo and cgroup
+files); and a setup command stops at its first failing step, the bucket checked before any build (cluster.yaml's build
+command run here under bash with stand-ins for aws and python). Each check is shown failing on the file as it was."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT
+
+CLUSTER_YAML = ROOT / "cluster.yaml"
+DOCKERFILE = ROOT / "k8s" / "Dockerfile"
+JOBS = ROOT / "scripts" / "flash-attn-jobs.sh"
+SETUP_LISTS = ("setup_commands", "head_setup_commands", "worker_setup_commands")
+INSTALL = re.compile(r"\b(?:uv pip install|pip install|pip wheel)\b")
+
+
+def constraints() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    return pins
+
+
+def dockerfile_runs(text: str) -> list[str]:
+    """The Dockerfile's instructions, continued lines joined."""
+    lines = re.sub(r"\\\n\s*", " ", text).splitlines()
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def install_calls(command: str) -> list[str]:
+    """Each pip / uv pip invocation of a shell command line (split at &&, ||, ; and |)."""
+    return [part.strip() for part in re.split(r"&&|\|\||;|\|", command) if INSTALL.search(part)]
+
+
+def unconstrained(commands: list[str]) -> list[str]:
+    return [c for cmd in commands for c in install_calls(cmd) if not re.search(r"(?:^|\s)-c\s+\S*constraints\.txt", c)]
+
+
+def cluster_commands(text: str) -> list[str]:
+    raw = yaml.safe_load(text)
+    return [c for key in SETUP_LISTS for c in raw[key]]
+
+
+def test_every_install_of_the_cluster_and_the_image_takes_the_constraints():
+    commands = cluster_commands(CLUSTER_YAML.read_text())
+    runs = [line for line in dockerfile_runs(DOCKERFILE.read_text()) if line.startswith("RUN ")]
+    calls = [c for cmd in commands + runs for c in install_calls(cmd)]
+    assert len(calls) >= 10, calls  # the project, ray[default], awscli, build tools, boto3, flash-attn, [gpu]
+    assert unconstrained(commands + runs) == []
+    # what the old files did: no constraints on the project's install (the planted check can fail)
+    old = '~/.local/bin/uv pip install --python ~/venv/bin/python -e "$HOME/m2d_ray" "ray[default]==2.60.0"'
+    assert unconstrained([old, "RUN pip install --no-cache-dir torch==2.13.0 && pip install -e '.[gpu]'"]) == [
+        old,
+        "RUN pip install --no-cache-dir torch==2.13.0",
+        "pip install -e '.[gpu]'",
+    ]
+
+
+def test_the_constraints_pin_what_machines_must_agree_on():
+    """torch (the wheel cache's key and flash-attn's ABI), flash-attn and liger-kernel (the [gpu] extra, outside the CPU
+    suite's freeze), MLflow (a copied run's store), Ray (the nodes and the laptop), boto3/awscli (the head's launches,
+    the bucket); a version written beside an install line is the constraints' own."""
+    pins = constraints()
+    for name in ("torch", "flash-attn", "liger-kernel", "mlflow", "ray", "boto3", "awscli", "botocore"):
+        assert name in pins, name
+    text = CLUSTER_YAML.read_text() + DOCKERFILE.read_text()
+    for name, version in re.findall(r"\b(torch|ray)(?:\[[\w,]+\])?==([\w.]+)", text):
+        assert pins[name] == version, (name, version)
+
+
+def test_the_image_builds_flash_attn_before_the_tree_is_copied():
+    """An edit of the tree (the bucket, the image's name) rebuilds only the layers after `COPY . .`: flash-attn's wheel
+    is built in a stage that copies constraints.txt and the jobs script alone, and installed before the tree comes."""
+    text = DOCKERFILE.read_text()
+    assert layer_problems(text) == []
+    old = (
+        "FROM rayproject/ray:2.60.0-py311-cu130\nWORKDIR /home/ray/m2d_ray\nCOPY --chown=ray:users . .\n"
+        'RUN pip install --no-cache-dir torch==2.13.0 && FLASH_ATTN_CUDA_ARCHS="80;90" MAX_JOBS=4 pip install '
+        '--no-build-isolation "flash-attn>=2.6"\n'
+    )
+    assert layer_problems(old)
+
+
+def layer_problems(text: str) -> list[str]:
+    lines = dockerfile_runs(text)
+    tree = [i for i, line in enumerate(lines) if re.fullmatch(r"COPY (--chown=\S+ )?\. \.", line)]
+    build = [i for i, line in enumerate(lines) if "flash-attn" in line and "pip wheel" in line]
+    install = [i for i, line in enumerate(lines) if "pip install" in line and "flash_attn-" in line]
+    problems = []
+    if len(tree) != 1 or len(build) != 1 or len(install) != 1:
+        return [f"one tree copy, one flash-attn build, one wheel install: {tree}, {build}, {install}"]
+    if not build[0] < install[0] < tree[0]:
+        problems.append("flash-attn built or installed after the tree is copied")
+    copies = [line for line in lines[: build[0]] if line.startswith("COPY")]
+    copied = {p for line in copies for p in line.split()[1:-1] if not p.startswith("--")}
+    if not copied <= {"constraints.txt", "scripts/flash-attn-jobs.sh"}:
+        problems.append(f"the build's layers copy {copied}")
+    if re.search(r"MAX_JOBS=\d", text):
+        problems.append("a fixed MAX_JOBS")
+    if "flash-attn-jobs.sh" not in lines[build[0]]:
+        problems.append("the build's jobs not sized to its memory")
+    return problems
+
+
+# --- the build's parallelism ------------------------------------------------------------------------------------------
+
+
+def jobs(tmp_path: Path, available_gib: float, cpus: int = 8, cgroup: tuple[float, float] | None = None) -> str:
+    """scripts/flash-attn-jobs.sh's output on a machine with that much MemAvailable, CPUs and cgroup (limit, usage)."""
+    (tmp_path / "meminfo").write_text(f"MemTotal: 99999999 kB\nMemAvailable: {int(available_gib * 2**20)} kB\n")
+    cg = tmp_path / "cgroup"
+    cg.mkdir(exist_ok=True)
+    if cgroup:
+        (cg / "memory.max").write_text(f"{int(cgroup[0] * 2**30)}\n")
+        (cg / "memory.current").write_text(f"{int(cgroup[1] * 2**30)}\n")
+    env = {"PATH": "/usr/bin:/bin", "M2D_MEMINFO": str(tmp_path / "meminfo"), "M2D_CGROUP": str(cg)}
+    out = subprocess.run(["sh", str(JOBS)], env={**env, "M2D_NPROC": str(cpus)}, capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else f"exit {out.returncode}: {out.stderr.strip()}"
+
+
+def test_the_build_s_jobs_fit_the_memory_it_sees(tmp_path):
+    """flash-attn's setup.py: ~8-9 GB a compile job at nvcc's 4 threads (its default). The head (m5.2xlarge, 32 GiB,
+    ~30.5 available) gets 3 jobs, not the 4 (~36 GB) that ran out of memory; Docker Desktop's 8 GiB VM one job at fewer
+    threads; a container's cgroup limit counts, not the host's memory; under one thread's share it stops at once."""
+    assert jobs(tmp_path, 30.5) == "MAX_JOBS=3 NVCC_THREADS=4"
+    assert 4 * 9 > 30.5  # the old MAX_JOBS=4 on the head
+    assert jobs(tmp_path, 2000, cpus=192) == "MAX_JOBS=96 NVCC_THREADS=4"  # a p5: half the CPUs, flash-attn's cap
+    assert jobs(tmp_path, 7.5) == "MAX_JOBS=1 NVCC_THREADS=3"
+    assert jobs(tmp_path, 120, cgroup=(8, 0.5)) == "MAX_JOBS=1 NVCC_THREADS=3"  # docker build --memory 8g on a big host
+    assert jobs(tmp_path, 1.5).startswith("exit 1: m2d: ") and "9 GiB" in jobs(tmp_path, 1.5)
+    for gib in (3, 9, 17.9, 18, 30.5, 64, 100):
+        out = dict(kv.split("=") for kv in jobs(tmp_path, gib, cpus=64).split())
+        assert int(out["MAX_JOBS"]) * int(out["NVCC_THREADS"]) * 2.25 <= gib, (gib, out)
+
+
+def test_the_ram_the_build_needs_is_said_where_it_runs():
+    for page in ("docs/how-to/kubernetes.md", "docs/tutorials/cluster.md"):
+        text = " ".join((ROOT / page).read_text().split())
+        assert "9 GiB" in text and "scripts/flash-attn-jobs.sh" in text, page
+    assert "flash-attn-jobs.sh" in CLUSTER_YAML.read_text() and not re.search(r"MAX_JOBS=\d", CLUSTER_YAML.read_text())
+
+
+# --- setup commands stop at their first failure -----------------------------------------------------------------------
+
+
+def not_stopping(commands: list[str]) -> list[str]:
+    """Commands of several steps (joined by `;`, outside a `{ ...; exit 1; }` failure branch) that do not start with
+    `set -e`: a failing step would be passed over."""
+    return [c for c in commands if ";" in re.sub(r"\{[^{}]*\}", "", c) and not c.lstrip().startswith("set -e")]
+
+
+def test_every_setup_command_of_several_steps_stops_at_its_first_failure():
+    raw = yaml.safe_load(CLUSTER_YAML.read_text())
+    assert not_stopping(cluster_commands(CLUSTER_YAML.read_text())) == []
+    old_build = "if command -v aws >/dev/null; then aws=aws; fi; mkdir -p ~/wheels && $aws s3 sync x ~/wheels; ls ~/w"
+    assert not_stopping([old_build]) == [old_build]
+    setup = raw["setup_commands"]
+    check = next(i for i, c in enumerate(setup) if re.match(r"\S*aws s3 ls s3://MY-BUCKET/", c))
+    build = next(i for i, c in enumerate(setup) if "pip wheel" in c)
+    assert check < build and "exit 1" in setup[check]
+
+
+@pytest.fixture
+def node(tmp_path) -> Path:
+    """A head's home with stand-ins: python (torch's version; `pip wheel` writes a wheel and logs it) and aws (logs its
+    call, fails when the file `aws-fails` exists), the checkout's constraints and jobs script."""
+    if shutil.which("bash") is None:
+        pytest.skip("needs bash")
+    home = tmp_path / "home"
+    (home / "venv" / "bin").mkdir(parents=True)
+    (home / "m2d_ray" / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "constraints.txt", home / "m2d_ray")
+    shutil.copy(JOBS, home / "m2d_ray" / "scripts")
+    fa = constraints()["flash-attn"]
+    stubs = {
+        "python": f"""case "$*" in
+  *"import torch"*) echo 2.13.0 ;;
+  *"pip wheel"*) echo "built $MAX_JOBS $NVCC_THREADS" >> "$HOME/log"
+    touch "$HOME/wheels/flash_attn-{fa}-cp311-linux_x86_64.whl" ;;
+esac""",
+        "aws": 'echo "aws $*" >> "$HOME/log"; test ! -e "$HOME/aws-fails"',
+    }
+    for name, body in stubs.items():
+        (home / "venv" / "bin" / name).write_text(f"#!/bin/sh\n{body}\n")
+        os.chmod(home / "venv" / "bin" / name, 0o755)
+    (tmp_path / "meminfo").write_text("MemAvailable: 31981568 kB\n")
+    return home
+
+
+def run_on(home: Path, command: str) -> tuple[int, str]:
+    """The command as Ray's updater runs it (in a subshell, after the login shell's own lines)."""
+    env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "M2D_MEMINFO": str(home.parent / "meminfo"), "M2D_NPROC": "8"}
+    out = subprocess.run(["bash", "--norc", "-c", f"true && ({command})"], env=env, capture_output=True, text=True)
+    log = home / "log"
+    return out.returncode, log.read_text() if log.exists() else ""
+
+
+def test_the_wheel_cache_builds_once_and_stops_on_a_bucket_it_cannot_reach(node):
+    (build,) = [c for c in yaml.safe_load(CLUSTER_YAML.read_text())["setup_commands"] if "pip wheel" in c]
+    rc, log = run_on(node, build)
+    assert rc == 0 and "built 3 4" in log, log  # the head's memory: 3 jobs at 4 threads
+    assert log.count("aws s3 sync") == 2 and log.index("s3://MY-BUCKET") < log.index("built")
+    (node / "log").unlink()
+    rc, log = run_on(node, build)
+    assert rc == 0 and "built" not in log  # the wheel is there: no build
+    shutil.rmtree(node / "wheels")
+    (node / "log").unlink()
+    (node / "aws-fails").touch()  # MY-BUCKET left in place, or a role without it
+    rc, log = run_on(node, build)
+    assert rc != 0 and "built" not in log, log  # stops at the first failing step, before an hour's compile
+    (node / "log").unlink()
+    rc, log = run_on(node, build.replace("set -e;", "", 1))  # as it was: steps joined with `;`
+    assert rc != 0 or "built" in log
+    assert "built" in log  # compiled for an hour, then the upload failed
+
+
+# --- the tutorial's account setup (aws/setup.sh) and the docs' shell --------------------------------------------------
+
+AWS_STUB = r"""#!/usr/bin/env bash
+echo "aws $*" >> "$M2D_LOG"
+case " $* " in *" $M2D_FAIL "*) echo "An error occurred (AccessDenied)" >&2; exit 254 ;; esac
+case "$*" in
+  "sts get-caller-identity"*) echo 123456789012 ;;
+  "iam get-"*) exit 254 ;;  # nothing exists yet
+  "ec2 describe-vpcs"*is-default*) echo "${M2D_DEFAULT_VPC:-None}" ;;
+  "ec2 describe-vpcs"*) echo None ;;
+  "ec2 create-vpc"*) echo vpc-0new ;;
+  "ec2 create-internet-gateway"*) echo igw-0new ;;
+  "ec2 create-route-table"*) echo rtb-0new ;;
+  "ec2 create-subnet"*) echo "subnet-$RANDOM" ;;
+  "ec2 describe-subnets"*) echo "${M2D_PUBLIC_SUBNETS:-4}" ;;
+  "ec2 describe-security-groups"*) echo None ;;
+  "ec2 create-security-group"*) echo sg-0new ;;
+  "ec2 describe-images"*--image-ids*) echo "Supported EC2 instances: ... NVIDIA driver 580, CUDA 13.0" ;;
+  "ec2 describe-images"*) echo ami-0new ;;
+esac
+"""
+
+
+def setup_run(tmp_path: Path, script: str | None = None, **env: str) -> tuple[int, str, str]:
+    """aws/setup.sh in a copy of the repository's files it reads and edits, with `aws` and `curl` stood in for:
+    (exit status, the aws calls in order, cluster.yaml after)."""
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "aws", repo / "aws")
+    shutil.copy(CLUSTER_YAML, repo / "cluster.yaml")
+    if script is not None:
+        (repo / "aws" / "setup.sh").write_text(script)
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    for name, body in {"aws": AWS_STUB, "curl": "#!/bin/sh\necho 203.0.113.7\n"}.items():
+        (bin_ / name).write_text(body)
+        os.chmod(bin_ / name, 0o755)
+    log = tmp_path / "calls"
+    log.touch()
+    full = {"PATH": f"{bin_}:/usr/bin:/bin", "HOME": str(tmp_path), "M2D_LOG": str(log), "M2D_PROFILE_WAIT": "0"}
+    out = subprocess.run(["bash", str(repo / "aws" / "setup.sh"), "my-bucket"], env={**full, "M2D_FAIL": "-", **env},
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    return out.returncode, log.read_text(), (repo / "cluster.yaml").read_text()
+
+
+def test_the_account_setup_fills_cluster_yaml_in_a_default_vpc(tmp_path):
+    rc, calls, cluster = setup_run(tmp_path, M2D_DEFAULT_VPC="vpc-0default")
+    assert rc == 0, calls
+    assert "MY-BUCKET" not in cluster and "s3://my-bucket/m2d/wheels" in cluster
+    assert "SecurityGroupIds: &sg [sg-0new]" in cluster and "ImageId: &dlami ami-0new" in cluster
+    assert "create-vpc" not in calls and "--vpc-id vpc-0default --group-name m2d-ray" in calls
+    assert "--cidr 203.0.113.7/32" in calls
+    lines = calls.splitlines()
+    first = {what: next(i for i, c in enumerate(lines) if what in c) for what in ("head-bucket", "create-role", "ec2 ")}
+    assert first["head-bucket"] < first["create-role"]  # the bucket before anything is made
+    waits = [i for i, c in enumerate(lines) if "wait instance-profile-exists" in c]
+    assert len(waits) == 2 and max(waits) < first["ec2 "]  # the new profiles exist before anything launches
+    policy = next(c for c in lines if "--policy-name launch-workers" in c)
+    assert "put-role-policy --role-name m2d-ray-head" in policy
+
+
+def test_the_account_setup_makes_a_public_network_where_there_is_no_default_vpc(tmp_path):
+    rc, calls, _ = setup_run(tmp_path)
+    assert rc == 0, calls
+    zones = re.search(r"availability_zone: (\S+)", CLUSTER_YAML.read_text()).group(1).split(",")
+    subnets = [c for c in calls.splitlines() if "create-subnet" in c]
+    assert [re.search(r"--availability-zone (\S+)", c).group(1) for c in subnets] == zones
+    assert calls.count("--map-public-ip-on-launch") == len(zones)
+    assert "attach-internet-gateway" in calls and "--destination-cidr-block 0.0.0.0/0 --gateway-id igw-0new" in calls
+    assert "--vpc-id vpc-0new --group-name m2d-ray" in calls
+    rc, calls, cluster = setup_run(tmp_path / "2", M2D_DEFAULT_VPC="vpc-0private", M2D_PUBLIC_SUBNETS="0")
+    assert rc != 0 and "create-security-group" not in calls and "MY-BUCKET" in cluster  # no subnet Ray could use
+
+
+def test_the_account_setup_stops_at_its_first_failing_command(tmp_path):
+    for n, fail in enumerate(("head-bucket", "put-role-policy", "create-security-group")):
+        rc, calls, cluster = setup_run(tmp_path / str(n), M2D_DEFAULT_VPC="vpc-0d", M2D_FAIL=fail)
+        assert rc != 0 and calls.splitlines()[-1].split()[2] == fail, (fail, calls)  # nothing after it
+        assert "sg-REPLACE_WITH_M2D_SG" in cluster, fail
+    script = (ROOT / "aws" / "setup.sh").read_text()
+    assert "\nset -euo pipefail\n" in script
+    rc, calls, _ = setup_run(tmp_path / "old", script.replace("set -euo pipefail", ""), M2D_DEFAULT_VPC="vpc-0d",
+                             M2D_FAIL="put-role-policy")  # fmt: skip
+    assert "create-security-group" in calls  # without set -e it went on past the failure
+
+
+def shell_blocks() -> list[tuple[str, str]]:
+    """(page, block) of every ```bash block of the docs, dedented (blocks inside list items are indented)."""
+    import textwrap
+
+    out = []
+    for path in sorted((ROOT / "docs").rglob("*.md")):
+        for block in re.findall(r"^( *)```bash\n(.*?)^\1```", path.read_text(), flags=re.S | re.M):
+            out.append((str(path.relative_to(ROOT)), textwrap.dedent(block[1])))
+    return out
+
+
+def gnu_sed_i(text: str) -> list[str]:
+    """`sed -i` without a suffix joined to it: GNU sed's form, which macOS's sed reads as `-i SUFFIX` and fails."""
+    return re.findall(r"\bsed\s+(?:-\w+\s+)*-i(?=\s|$)[^\n]*", text)
+
+
+def test_every_shell_block_of_the_docs_parses_and_runs_on_macos_sed():
+    blocks = shell_blocks()
+    assert len(blocks) >= 20 and any("aws/setup.sh" in b for _, b in blocks)
+    for page, block in blocks:
+        out = subprocess.run(["bash", "-n"], input=block, capture_output=True, text=True)
+        assert out.returncode == 0, (page, out.stderr, block[:300])
+        assert gnu_sed_i(block) == [], page
+    for script in (ROOT / "aws" / "setup.sh", JOBS):
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script
+        assert gnu_sed_i(script.read_text()) == [], script
+    old = 'sed -i "s/sg-REPLACE_WITH_M2D_SG/$SG/" cluster.yaml'  # the tutorial's line before
+    assert gnu_sed_i(old) == [old] and gnu_sed_i("sed -i.bak 's/a/b/' f && rm f.bak") == []
+    assert subprocess.run(["bash", "-n"], input="for x in a; do\n", capture_output=True, text=True).returncode != 0
+
+
+def test_the_base_image_s_tag_is_checked_before_the_build_and_every_node_has_disk_for_the_image():
+    """The how-to's build line inspects the Dockerfile's base tag before `docker build` (an hour's build on a missing
+    tag fails at its first line), and says the fallback; every EKS node group's disk holds the ~20 GB image, the head's
+    included (EKS's default is 20Gi)."""
+    (base,) = re.findall(r"^ARG BASE_IMAGE=(\S+)$", DOCKERFILE.read_text(), flags=re.M)
+    how_to = (ROOT / "docs" / "how-to" / "kubernetes.md").read_text()
+    (build,) = [b for _, b in shell_blocks() if "docker build" in b]
+    assert build.index(f"docker manifest inspect {base} >/dev/null &&") < build.index("docker build")
+    assert "--build-arg BASE_IMAGE=" in how_to and "no such manifest" in how_to
+    disk = " ".join(how_to[how_to.index("- **Disk on every node group") :].split("\n- **")[0].split())
+    assert "head's node group (`m5.2xlarge`) a root disk of 100Gi" in disk and "GPU machines 600Gi" in disk
