@@ -20,7 +20,16 @@ import yaml
 from m2d_ray import measured
 from m2d_ray.accelerators import check_accelerator
 from m2d_ray.artifacts import write_text_atomic
-from m2d_ray.catalog.distill import AUTO, COMPILED, CUDA_ONLY_KERNELS, KL_KERNELS, LOSSES, PRECISIONS
+from m2d_ray.catalog.distill import (
+    AUTO,
+    CHECKPOINTING,
+    COMPILED,
+    CUDA_ONLY_KERNELS,
+    KL_KERNELS,
+    LOSSES,
+    PRECISIONS,
+    RETIRED_CHECKPOINTING,
+)
 from m2d_ray.catalog.evaluate import SETS, check_stage3, parse_judge, parse_tasks
 from m2d_ray.catalog.methods import GROUPINGS, SCALINGS, SCORINGS
 from m2d_ray.catalog.targets import ONLINE, check_targets_loss, parse_targets
@@ -34,6 +43,7 @@ from m2d_ray.sizes import parse_size
 Auto = Literal[AUTO]
 PrecisionName = Literal[(AUTO, *PRECISIONS)]
 KernelName = Literal[(AUTO, *KL_KERNELS)]
+CheckpointingName = Literal[(AUTO, *CHECKPOINTING)]
 QuestionSet = Literal[SETS]
 
 
@@ -267,9 +277,12 @@ class DistillConfig:
     accelerator: str | None = setting(None, "pin the workers to a GPU type (Ray's accelerator_type, e.g. H100)")
     cpus_per_worker: float = setting(1.0, "CPUs per worker")
     threads_per_worker: int = setting(1, "torch threads per worker on CPU")
-    gradient_checkpointing: bool = setting(
-        False,
-        "recompute each layer's activations in the backward (less memory, a fourth forward of time)",
+    checkpointing: CheckpointingName = setting(
+        AUTO,
+        "activations recomputed in the backward: none; selective (per op: matmul and attention outputs kept, the "
+        "elementwise ops recomputed); full (each layer's input kept, its forward recomputed: a fourth forward of "
+        "time); auto = the least recompute whose stage-2 rank fits its device (the plan decides it and the run's "
+        "config records it); distill.gradient_checkpointing=true/false of earlier versions reads as full/none",
     )
     keep_checkpoints: int = setting(2, "Train checkpoints a student keeps (the latest ones)")
     seed: int = setting(
@@ -335,6 +348,8 @@ def check_distill(d: DistillConfig) -> None:
             "distill.precision=bf16-pure: DeepSpeed keeps float32 master weights in bf16; set distill.deepspeed=false "
             "for pure bfloat16 training, or use bf16-mixed"
         )
+    if d.checkpointing != AUTO and d.checkpointing not in CHECKPOINTING:
+        raise M2DError(f"distill.checkpointing: {CHECKPOINTING.unknown_message(d.checkpointing)} (or auto)")
     if d.kl_kernel != AUTO and d.kl_kernel not in KL_KERNELS:
         raise M2DError(f"distill.kl_kernel: {KL_KERNELS.unknown_message(d.kl_kernel)} (or auto)")
     if d.kl_kernel != AUTO and d.kl_kernel in CUDA_ONLY_KERNELS and d.gpus_per_worker <= 0:
@@ -864,6 +879,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> SweepConf
             )
         _set_path(raw, key.strip().split("."), yaml.safe_load(value))
     _retired(raw)
+    _retired_checkpointing(raw.get("distill"))
     if (raw.get("distill") or {}).get("kl_kernel") == COMPILED:
         say(
             "distill.kl_kernel=compiled is deprecated: it is read as distill.kl_kernel=chunked distill.compile=true; "
@@ -886,6 +902,23 @@ def _retired(raw: dict) -> None:
         if isinstance(node, dict) and key in node:
             if node.pop(key) is not None:
                 raise M2DError(f"{section}.{key} was replaced by {instead}; write that instead")
+
+
+def _retired_checkpointing(distill: dict | None) -> None:
+    """distill.gradient_checkpointing (a boolean of earlier versions) read as distill.checkpointing full / none, said
+    in one line (a saved run's config keeps running); with both keys given, one line asks for one."""
+    if not isinstance(distill, dict) or "gradient_checkpointing" not in distill:
+        return
+    old = distill.pop("gradient_checkpointing")
+    if "checkpointing" in distill:
+        raise M2DError("distill.gradient_checkpointing was replaced by distill.checkpointing; give only that one")
+    if old not in RETIRED_CHECKPOINTING:
+        raise M2DError(f"distill.gradient_checkpointing={old!r}: write distill.checkpointing=none|selective|full|auto")
+    distill["checkpointing"] = RETIRED_CHECKPOINTING[old]
+    say(
+        f"distill.gradient_checkpointing={str(old).lower()} is read as distill.checkpointing="
+        f"{distill['checkpointing']}; write that (or auto: the plan picks the least recompute that fits)"
+    )
 
 
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:

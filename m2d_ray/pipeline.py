@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from m2d_ray.artifacts import write_json_atomic
-from m2d_ray.catalog.distill import LOSSES
+from m2d_ray.catalog.distill import AUTO, CHECKPOINTING, LOSSES
 from m2d_ray.catalog.targets import HIDDEN, ONLINE
 from m2d_ray.checkpoint import scan
 from m2d_ray.config import SweepConfig, load_config
@@ -181,6 +181,8 @@ def plan(
     """Every stage's rows added up, from configs alone: the MoE teacher's, and the baselines' own teachers' (`own`, by
     stage 3's key) where known (else planned at the MoE teacher's shape). Under stage2.targets=auto each stage-2
     teacher's targets are chosen first (`choose_targets`)."""
+    if cfg.distill.checkpointing == AUTO:
+        return decide_checkpointing(cfg, teacher_config, devices, own, stages, choices)
     own = own or {}
     p = Planning(cfg, models_of(teacher_config), devices, {k: shape_of(c) for k, c in own.items()}, own)
     run = wanted(cfg, stages)
@@ -198,6 +200,22 @@ def plan(
         for k in unread
     )
     return replace(_plan_with(replace(p, targets=chosen), run, cpu, refusals), notes=notes)
+
+
+def decide_checkpointing(cfg: SweepConfig, teacher_config, devices, own, stages, choices) -> RunPlan:
+    """distill.checkpointing=auto: the least recompute (none, selective, full, in CHECKPOINTING's order) under which
+    every stage fits its device, else full (and the plan says what does not fit); said in one note, and recorded in
+    `RunPlan.decided` for the run to apply to its config (so its workers and a resume read a decided value)."""
+    tried = []
+    for name in CHECKPOINTING:
+        x = replace(cfg, distill=replace(cfg.distill, checkpointing=name))
+        out = plan(x, teacher_config, devices, own, stages, choices)
+        over = [r for r in out.stages if r.fits is False]
+        tried.append(f"{name}: {gib(over[0].per_device)} a {over[0].unit}" if over else f"{name}: fits")
+        if not over:
+            break
+    note = f"distill.checkpointing=auto: {name} ({'; '.join(tried)})"
+    return replace(out, notes=(*out.notes, note), decided={**out.decided, "distill.checkpointing": name})
 
 
 def _plan_with(p: Planning, run: list[Stage], cpu: Host | None, refusals: tuple[str, ...] = ()) -> RunPlan:

@@ -46,6 +46,7 @@ STEP_PRESETS = {name: dict(zip(SHAPE + RUN, row)) for name, row in _ROWS.items()
 # logits ~12 GB at its step: ~78 GB with platform, loop, fp32, compiled and liger; a third layer would not fit)
 STEP_PRESETS["head"] = {
     **STEP_PRESETS["h100"],
+    "heads": 32,  # the paper student's 32 query heads of 128 (4 key/value heads)
     "layers": 2,
     "vocab": 151936,
     "seq_len": 4096,
@@ -55,18 +56,48 @@ STEP_PRESETS["head"] = {
 }
 
 
-def teacher_and_student(p: dict, dtype: torch.dtype) -> tuple[Teacher, torch.nn.Module]:
-    """(teacher Teacher, initial student) on the preset's device, the way stage 2 loads them."""
-    config = moe_config(**{k: p[k] for k in SHAPE}, max_positions=p["seq_len"])
-    kwargs = {"experts_implementation": "eager"} if p["device"] == "cpu" else {}  # as models.load_model on CPU
+# the paper's student (Qwen3-30B-A3B's K = k student: what `m2d plan experiments/qwen3_30b_a3b.yaml` builds for stage 2,
+# tests/unit/test_paper_step.py holds it equal): 48 layers of hidden 2048, 32 query and 4 key/value heads of 128, an
+# FFN of 8 x 768 = 6144, an untied 151,936-word head, 4 x 4096 tokens a micro-batch, trained from the teacher's cached
+# final hidden states (stage2.targets=hidden, what the plan chooses for the paper run) on one rank. Its teacher is only
+# as large as hidden mode needs: one MoE layer (`teacher_layers`) to make the cached states, and its head; the student
+# is built whole at the full depth (fresh weights: the step's speed does not depend on them). By arithmetic: 3.34B
+# parameters, ~60 GB of weights, float32 masters, sums and moments on one rank, activations as the plan's checkpointing
+# decides for the device (`checkpointing`: auto).
+STEP_PRESETS["paper"] = {
+    **dict(zip(SHAPE + RUN, (2048, 48, 32, 4, 128, 128, 768, 8, 151936, "cuda", 4096, 4, 1, 4))),
+    "teacher_layers": 1,
+    "targets": "hidden",
+    "checkpointing": "auto",
+}
+
+
+def preset_config(p: dict, layers: int | None = None):
+    """The teacher config of preset `p` (at `layers` decoder layers, default the preset's)."""
+    return moe_config(**{**{k: p[k] for k in SHAPE}, "layers": layers or p["layers"]}, max_positions=p["seq_len"])
+
+
+def teacher_and_student(p: dict, dtype: torch.dtype, device: str | None = None) -> tuple[Teacher, torch.nn.Module]:
+    """(teacher Teacher, initial student) on the preset's device (or `device`: `meta` rehearses the shapes), the way
+    stage 2 loads them: the random-FFN student of the teacher, or with `teacher_layers` a teacher of that many layers
+    and a freshly initialised student of the preset's full depth."""
+    device = device or p["device"]
+    config = preset_config(p, p.get("teacher_layers"))
+    kwargs = {"experts_implementation": "eager"} if device == "cpu" else {}  # as models.load_model on CPU
     torch.manual_seed(0)
-    with torch.device(p["device"]):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs).eval()
     for w in model.parameters():
         w.requires_grad_(False)
-    teacher = Teacher(name="random", model=model, tokenizer=None, adapter=get_adapter(config))
-    student = RANDOM_BASELINES["random-ffn"](teacher, seed=0)
-    if p["device"] == "cuda":
+    adapter = get_adapter(config)
+    teacher = Teacher(name="random", model=model, tokenizer=None, adapter=adapter)
+    if p.get("teacher_layers"):
+        width = p["top_k"] * p["expert_width"]
+        with torch.device(device):
+            student = AutoModelForCausalLM.from_config(adapter.student_config(preset_config(p), width), dtype=dtype)
+    else:
+        student = RANDOM_BASELINES["random-ffn"](teacher, seed=0)
+    if device == "cuda":
         student.set_attn_implementation(attention_implementation())
     student.config.use_cache = False
     return teacher, student

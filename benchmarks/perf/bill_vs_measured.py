@@ -87,12 +87,12 @@ def paper() -> None:
         f"{cfg.plan.efficiency} | efficiency the paper's 73 s implies |\n|---|---:|---:|---:|---:|"
     )
     for label, targets, ckpt in (
-        ("teacher online, no checkpointing", "online", False),
-        ("teacher online, checkpointing", "online", True),
-        ("hidden states (m2d's paper configs), checkpointing", "hidden", True),
+        ("teacher online, no checkpointing", "online", "none"),
+        ("teacher online, checkpointing", "online", "full"),
+        ("hidden states (m2d's paper configs), checkpointing", "hidden", "full"),
     ):
         one_step = dict(steps=1, batch_size=384, grad_accum=1, workers=1, seq_len=4096, eval_max_tokens=0)
-        c = replace(cfg, distill=replace(cfg.distill, **one_step, gradient_checkpointing=ckpt))
+        c = replace(cfg, distill=replace(cfg.distill, **one_step, checkpointing=ckpt))
         f = cost.stage2_flops(c, m, targets)
         peak = 2 * GPU_PEAK_BF16["B200"]
         print(

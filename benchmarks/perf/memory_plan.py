@@ -38,15 +38,16 @@ REPO = Path(__file__).resolve().parents[2]
 # (hidden, layers, ffn, vocab): a mid-size student / teacher on this 2-core machine, and a small one for the test
 SIZES = {"mid": (512, 8, 1536, 32000), "small": (256, 4, 768, 16000)}
 CASES = [
-    ("train", {"targets": "online", "ckpt": False, "batch": 4, "seq": 512}),
-    ("train", {"targets": "online", "ckpt": True, "batch": 8, "seq": 512}),
-    ("train", {"targets": "topk:64", "ckpt": False, "batch": 4, "seq": 512}),
-    ("train", {"targets": "topk:64", "ckpt": True, "batch": 16, "seq": 256}),
+    ("train", {"targets": "online", "ckpt": "none", "batch": 4, "seq": 512}),
+    ("train", {"targets": "online", "ckpt": "full", "batch": 8, "seq": 512}),
+    ("train", {"targets": "topk:64", "ckpt": "none", "batch": 4, "seq": 512}),
+    ("train", {"targets": "topk:64", "ckpt": "full", "batch": 16, "seq": 256}),
     ("calibrate", {"experts": 32, "batch": 4, "seq": 512}),
     ("calibrate", {"experts": 128, "batch": 2, "seq": 1024}),
     ("eval", {"batch": 8, "seq": 512}),
     ("eval", {"batch": 32, "seq": 256}),
-    ("train", {"targets": "hidden", "ckpt": False, "batch": 4, "seq": 512}),
+    ("train", {"targets": "hidden", "ckpt": "none", "batch": 4, "seq": 512}),
+    ("train", {"targets": "online", "ckpt": "selective", "batch": 8, "seq": 512}),
 ]
 
 
@@ -197,6 +198,7 @@ def child(case: str, size: str, kw: dict, work: Path, device: str = "cpu") -> di
         from transformers import AutoModelForCausalLM
 
         from m2d_ray.config import DistillConfig
+        from m2d_ray.distill import checkpointing
         from m2d_ray.distill.precision import resolve
         from m2d_ray.distill.step import DistillStep
         from m2d_ray.distill.targets import bytes_per_token, parse_targets, state_bytes
@@ -205,7 +207,7 @@ def child(case: str, size: str, kw: dict, work: Path, device: str = "cpu") -> di
 
         B, L, online = kw["batch"], kw["seq"], kw["targets"] == "online"
         spec = None if online else parse_targets(kw["targets"])
-        cfg = DistillConfig(deepspeed=False, batch_size=B, seq_len=L, gradient_checkpointing=kw["ckpt"])
+        cfg = DistillConfig(deepspeed=False, batch_size=B, seq_len=L, checkpointing=kw["ckpt"])
         V, d = dense.vocab_size, moe.hidden_size
 
         def ids():
@@ -231,8 +233,7 @@ def child(case: str, size: str, kw: dict, work: Path, device: str = "cpu") -> di
         t = load_distill_teacher(teacher, dtype=dtype, device=device).model if online else None
         head = read_output_head(teacher, dtype).to(device) if spec is not None and spec.exact else None
         s = AutoModelForCausalLM.from_pretrained(student, dtype=dtype).to(device).train()
-        if kw["ckpt"]:
-            s.gradient_checkpointing_enable()
+        checkpointing.apply(s, kw["ckpt"])
         s.config.use_cache = False
         precision = resolve("auto", gpu)  # what stage 2 trains in: bf16-mixed on a GPU, fp32 on CPU
         step = DistillStep(s, t, cfg, device, 1, precision, spec, head)

@@ -43,3 +43,18 @@ KL_KERNELS = Registry.in_module(
 COMPILED = "compiled"
 #: the kernels that run on CUDA devices only (a config check, before their modules are imported)
 CUDA_ONLY_KERNELS = frozenset({"liger"})
+
+#: distill.checkpointing besides auto, in the order of their memory (most first) and of their recompute (least first):
+#: auto takes the first whose stage-2 rank fits its device (the plan decides it, stages/stage2.py)
+CHECKPOINTING = Registry.in_module(
+    "distill.checkpointing",
+    "m2d_ray.distill.checkpointing",
+    {
+        "none": "Every decoder layer keeps its activations for the backward (no recompute).",
+        "selective": "Per op (torchtitan's SAC): matmul and attention outputs kept, norms, rotary and SwiGLU's "
+        "elementwise ops recomputed.",
+        "full": "Each decoder layer keeps its input only and recomputes its whole forward in the backward.",
+    },
+)
+#: distill.gradient_checkpointing (a boolean) of earlier versions: true reads as full, false as none, with one line
+RETIRED_CHECKPOINTING = {True: "full", False: "none"}

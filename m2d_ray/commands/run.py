@@ -53,6 +53,8 @@ def run(
     # every stage fits a device it can get, before any work (else exit 2); under stage2.targets=auto the plan chooses
     # each teacher's targets here, once, and the run uses them
     plan = check_run(cfg, gpu_memory, cluster, chosen)
+    if plan.decided:  # what the plan decided for an auto setting: the run's config records the decided value
+        cfg = load_config(rd.config if resume else config, [*overrides, *plan.overrides()])
     check_space(plan, rd.path, cfg, resumed=bool(resume))  # and the disk it writes to has room for its peak
     ctx = (
         RunContext(cfg, rd, tracking_uri, tuple(stages), plan.targets)

@@ -33,10 +33,12 @@ def sweep(
         stages = _stages(cfg.stage)
         pipeline.check_resume(rd, cfg, stages, tracking_uri)
         chosen = {}
-        if cfg.stage == 2 and cfg.stage2.targets == AUTO:  # the plan chooses each teacher's targets, once
+        if cfg.stage == 2 and AUTO in (cfg.stage2.targets, cfg.distill.checkpointing):  # the plan decides, once
             plan = check_run(cfg, choices=kept_choices(rd, cfg))
             record_plan(rd, plan)
             chosen = plan.targets
+            if plan.decided:
+                cfg = load_config(config or rd.config, [*overrides, *plan.overrides()])
         ctx = RunContext(cfg, rd, tracking_uri, tuple(stages), chosen)
     else:
         if config is None:

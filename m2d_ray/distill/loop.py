@@ -30,6 +30,7 @@ from m2d_ray.arch import ADAPTERS
 from m2d_ray.config import DistillConfig
 from m2d_ray.convert.export import export_student
 from m2d_ray.data.text import load_text, tokenize
+from m2d_ray.distill import checkpointing
 from m2d_ray.distill.data import train_batches
 from m2d_ray.distill.flops import active_params, flops_per_token, matmul_rate
 from m2d_ray.distill.gpu import attention_implementation
@@ -196,8 +197,7 @@ def _load_models(job: DistillJob, io: WorkerIO, dtype: torch.dtype):
     if job.device == "cuda":
         kwargs["attn_implementation"] = attention_implementation()
     student = AutoModelForCausalLM.from_pretrained(storage.local_model(job.student), **kwargs).to(job.device)
-    if job.cfg.gradient_checkpointing:
-        student.gradient_checkpointing_enable()
+    checkpointing.apply(student, job.cfg.checkpointing)
     student.config.use_cache = False
     return teacher, head, student.train()
 

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from m2d_ray.catalog.targets import HIDDEN, ONLINE, TOPK, mode_of
 from m2d_ray.config import DistillConfig
 from m2d_ray.distill import kernels
+from m2d_ray.distill.checkpointing import compile_layers
 from m2d_ray.distill.kernels import KLKernel, Where, kl_kernel
 from m2d_ray.distill.losses import LOSSES, hidden_mse, sampled_kl, sparse_kl
 from m2d_ray.distill.precision import PRECISIONS, MasterWeights, Precision
@@ -229,14 +230,16 @@ class DistillStep:
         return head.detach() if head is not None else None
 
     def _setup_loss(self) -> tuple[KLKernel, StudentLoss]:
-        """The KL kernel for this run (its loss, temperature and path) and the student's loss module, compiled
-        when distill.compile says so (before the masters and the cast: it wraps the module, not its weights)."""
+        """The KL kernel for this run (its loss, temperature and path) and the student's loss module; with
+        distill.compile the student's decoder layers compiled one by one, the head and the KL left eager
+        (distill/checkpointing.py compile_layers; before the masters and the cast: it wraps the modules, not their
+        weights)."""
         cfg = self.cfg
         where = Where.of(cfg.loss, cfg.temperature, cfg.uses_deepspeed, self.world)
         kernel = kl_kernel(cfg.kl_kernel, self.device, self.targets, where)
         loss_module = StudentLoss(self.student, cfg, self.targets, kernel)
         if cfg.compile:
-            loss_module.compile(backend=kernels.COMPILE_BACKEND, dynamic=False)
+            compile_layers(self.student, kernels.COMPILE_BACKEND)
         return kernel, loss_module
 
     def _setup_masters(self) -> MasterWeights | None:

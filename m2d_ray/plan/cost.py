@@ -265,8 +265,13 @@ def stage2_flops(
         side = 0.0
     full = student_reports(cfg)
     reports = full if reports is None else reports
-    train = trained(cfg, reports) * student_tokens(cfg) * ((4.0 if x.gradient_checkpointing else 3.0) * student + side)
+    train = trained(cfg, reports) * student_tokens(cfg) * (RECOMPUTE[x.checkpointing] * student + side)
     return train + (1 + reports) * (x.eval_max_tokens or 0) * (student + side)
+
+
+#: the student's forward and backward in forwards, by distill.checkpointing: full runs every layer's forward again;
+#: selective recomputes elementwise ops only (no matmul twice: FLOPs as none's); auto is decided before any bill
+RECOMPUTE = {"none": 3.0, "selective": 3.0, "full": 4.0, "auto": 3.0}
 
 
 def trained(cfg: SweepConfig, reports: float) -> float:

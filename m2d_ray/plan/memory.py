@@ -14,9 +14,15 @@ training on a GPU and fp32 on CPU; T = tokens of a micro-batch):
                          distill/precision.py) the float32 sums 4P (each b-byte gradient added in and freed as
                          autograd makes it: the largest, the head's V h b, counted) and the masters and moments
                          (4 + 8) P, else AdamW's moments in the weights' dtype 2 b P
-    activations          a decoder layer keeps per token (norms 4h, q/k 3 x q + 4 x kv, attention output q,
-                         SwiGLU 4f) x b for backward: all layers, or with gradient checkpointing each
-                         layer's input h plus one layer recomputed
+    activations          a decoder layer keeps per token 6h + 6q + 5kv + 4f elements for backward (its norms'
+                         inputs and outputs, q/k/v, their norms and rotary embeddings, the attention output and
+                         its reshaped copy, SwiGLU's gate, up, activation and product), and below float32 also
+                         the float32 copies its RMSNorms take of their inputs (2h + q + kv more, in b-byte
+                         elements), x b (distill.checkpointing none; 1.07x what a layer of the paper student
+                         keeps in bf16, 1.08x in fp32, counted on `meta` by benchmarks/perf/paper_step.py);
+                         selective: its input h and the outputs of its matmuls and attention (q, k, v,
+                         attention, o_proj, gate, up, down: 3h + 2q + 2kv + 2f) plus one layer's recompute;
+                         full: each layer's input h plus one layer recomputed
     KL buffers           the chunked loss keeps grad_h (T h b) and grad_W (V h, fp32) and forms 5 fp32
                          [chunk x V] tensors per chunk where it forms the teacher's logits (online, and from
                          cached hidden states), 3 from top-K / sampled targets (distill/losses.py)
@@ -51,9 +57,27 @@ DS_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements)
 CPU_GRAM_SHARE = 4  # calibrate/stats.gram_chunk: the CPU working set is a quarter of the GPU one
 
 
-def layer_activation(s: Shape) -> int:
-    """Elements per token a decoder layer keeps for its backward (see the module docstring)."""
-    return 4 * s.hidden + 4 * s.q_width + 4 * s.kv_width + 4 * s.ffn
+def layer_activation(s: Shape, b: int = FP32) -> int:
+    """Elements per token a decoder layer keeps for its backward when it computes in b-byte weights (see the module
+    docstring): below float32 its RMSNorms' float32 copies of their inputs too."""
+    upcasts = 2 * s.hidden + s.q_width + s.kv_width if b < FP32 else 0
+    return 6 * s.hidden + 6 * s.q_width + 5 * s.kv_width + 4 * s.ffn + upcasts
+
+
+def selective_activation(s: Shape) -> int:
+    """Elements per token a decoder layer keeps under selective checkpointing (distill/checkpointing.py): its input and
+    the outputs of its matmuls and attention kernel."""
+    return 3 * s.hidden + 2 * s.q_width + 2 * s.kv_width + 2 * s.ffn
+
+
+def activations(s: Shape, tokens: int, b: int, checkpointing: str) -> int:
+    """Bytes the student's decoder layers keep for the backward under `checkpointing` (none, selective, full; see
+    distill/checkpointing.py), the recompute of one layer included where a layer recomputes."""
+    per_layer = tokens * layer_activation(s, b) * b
+    if checkpointing == "none":
+        return s.layers * per_layer
+    kept = selective_activation(s) if checkpointing == "selective" else s.hidden
+    return s.layers * tokens * kept * b + per_layer
 
 
 def forward_transient(s: Shape, tokens: int, b: int) -> int:
@@ -69,7 +93,7 @@ def training(
     world: int,
     deepspeed: bool,
     zero_stage: int,
-    checkpointing: bool,
+    checkpointing: str,
     chunk: int,
     teacher_logits: bool = True,
     masters: bool = False,
@@ -93,10 +117,7 @@ def training(
     else:
         out["grads"] = P * b
         out["optimizer"] = 2 * P * b
-    per_layer = tokens * layer_activation(student) * b
-    out["activations"] = (
-        (student.layers * tokens * student.hidden * b + per_layer) if checkpointing else student.layers * per_layer
-    )
+    out["activations"] = activations(student, tokens, b, checkpointing)
     c = min(chunk, tokens)
     out["kl"] = (
         tokens * student.hidden * b
@@ -142,7 +163,7 @@ def student_rank(
     world: int,
     deepspeed: bool,
     zero_stage: int,
-    checkpointing: bool,
+    checkpointing: str,
     chunk: int,
     targets: str = ONLINE,
     per_token: int = 0,

@@ -94,6 +94,11 @@ class RunPlan:
     max_storage: int | None = None  # plan.max_storage in bytes
     refusals: tuple[str, ...] = ()  # lines of the plan's own choices that cannot run (auto: no exact mode fits)
     notes: tuple[str, ...] = ()  # what the plan assumed, said below the table
+    decided: dict[str, str] = field(default_factory=dict)  # config key -> the value the plan decided for its auto
+
+    def overrides(self) -> list[str]:
+        """The plan's decisions as key=value overrides: what a run applies to its config (and so records in it)."""
+        return [f"{k}={v}" for k, v in self.decided.items()]
 
     def by_stage(self) -> dict[str, StagePlan]:
         """One entry per stage: the unit that fits worst (stage 3 plans each model)."""

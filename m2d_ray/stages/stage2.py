@@ -121,7 +121,7 @@ class Stage2(Stage):
                 x.workers,
                 x.uses_deepspeed,
                 x.zero_stage,
-                x.gradient_checkpointing,
+                x.checkpointing,
                 x.loss_chunk,
                 c.kind,
                 p.per_token(t.shape, t.key),
@@ -264,8 +264,8 @@ def _fix(cfg, parts: dict) -> str:
         )
     if big == "teacher shard":
         return f"more distill.workers (the teacher is sharded over them; now {x.workers}) or stage2.targets=hidden"
-    if big == "activations" and not x.gradient_checkpointing:
-        return "distill.gradient_checkpointing=true"
+    if big == "activations" and x.checkpointing != "full":
+        return "distill.checkpointing=full (or auto: the least recompute that fits)"
     if big in ("optimizer", "grads") and x.workers < 8:
         return f"more distill.workers (ZeRO-2 shards the optimizer over them; now {x.workers})"
     steps = "raise distill.grad_accum to keep the tokens per step"

@@ -522,7 +522,7 @@ CASES = {
     "run: unknown GPU type": (lambda w: _run("stage3.accelerator=H1OO"), "did you mean H100"),
     "plan: a config that does not fit": (
         lambda w: ["plan", str(TINY), "distill.batch_size=100000", "distill.seq_len=1024"],
-        "distill.gradient_checkpointing=true",
+        "distill.checkpointing=full",
     ),
     "plan: cluster config missing": (lambda w: ["plan", str(TINY), "--cluster", "missing.yaml"], "not found"),
     "plan: a RayCluster whose head has no CPUs": (

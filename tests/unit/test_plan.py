@@ -76,22 +76,27 @@ def test_online_stage2_at_8_gpus_is_the_issue_s_70_gib_before_activations(qwen30
         and problems[0].startswith("stage2: one rank needs 8")
         and "stage2.targets=hidden" in problems[0]
     )
-    cached = make_plan(
-        replace(cfg, stage2=replace(cfg.stage2, targets="sampled:64")), qwen30b, Devices(gpu_memory=80 * 10**9)
+    full = replace(
+        cfg, stage2=replace(cfg.stage2, targets="sampled:64"), distill=replace(cfg.distill, checkpointing="full")
     )
+    cached = make_plan(full, qwen30b, Devices(gpu_memory=80 * 10**9))
     assert not cached.problems() and 20 * GiB < cached.by_stage()["stage2"].per_device < 26 * GiB
     assert cached.by_stage()["targets"].fits and "teacher" not in cached.by_stage()["stage2"].parts
+    # under checkpointing auto the plan spends what is left on keeping activations: selective fits, none does not
+    auto = make_plan(replace(full, distill=cfg.distill), qwen30b, Devices(gpu_memory=80 * 10**9))
+    assert auto.decided == {"distill.checkpointing": "selective"} and not auto.problems()
+    assert 26 * GiB < auto.by_stage()["stage2"].per_device <= auto.by_stage()["stage2"].capacity
 
 
 def test_zero2_shards_the_optimizer_and_checkpointing_keeps_one_layer(qwen30b):
     s = models_of(qwen30b).student
-    one, eight = (memory.training(s, 16384, 2, w, True, 2, True, 1024) for w in (1, 8))
+    one, eight = (memory.training(s, 16384, 2, w, True, 2, "full", 1024) for w in (1, 8))
     assert one["optimizer"] == 8 * eight["optimizer"] == 12 * s.params
     assert one["grads"] - eight["grads"] == pytest.approx((2 + 4) * s.params * 7 / 8, rel=1e-6)
-    full = memory.training(s, 16384, 2, 8, True, 2, False, 1024)
-    assert full["activations"] == s.layers * 16384 * memory.layer_activation(s) * 2
-    assert eight["activations"] == s.layers * 16384 * s.hidden * 2 + 16384 * memory.layer_activation(s) * 2
-    plain = memory.training(s, 16384, 4, 1, False, 2, False, 1024)  # CPU: fp32, AdamW's two moments, no master copy
+    full = memory.training(s, 16384, 2, 8, True, 2, "none", 1024)
+    assert full["activations"] == s.layers * 16384 * memory.layer_activation(s, 2) * 2
+    assert eight["activations"] == s.layers * 16384 * s.hidden * 2 + 16384 * memory.layer_activation(s, 2) * 2
+    plain = memory.training(s, 16384, 4, 1, False, 2, "none", 1024)  # CPU: fp32, AdamW's two moments, no master copy
     assert plain["optimizer"] == 2 * 4 * s.params and plain["grads"] == 4 * s.params
 
 
@@ -99,7 +104,9 @@ def test_zero2_shards_the_optimizer_and_checkpointing_keeps_one_layer(qwen30b):
 def test_the_30b_config_distils_from_hidden_states_on_80gb_gpus(qwen30b, workers):
     """The paper configs cache the teacher's final hidden states: a rank holds the student, the teacher's head
     (151,936 x 2,048 in bf16) and the online KL's buffers, and fits an 80 GB GPU at 2 and 8 workers."""
-    cfg = load_config(ROOT / "experiments" / "qwen3_30b_a3b.yaml", [f"distill.workers={workers}"])
+    cfg = load_config(
+        ROOT / "experiments" / "qwen3_30b_a3b.yaml", [f"distill.workers={workers}", "distill.checkpointing=full"]
+    )
     assert cfg.stage2.targets == "auto"  # the plan's choice: hidden states here
     plan = make_plan(cfg, qwen30b, Devices(gpu_memory=80 * 10**9))
     assert plan.problems() == [] and plan.targets["teacher"].mode == "hidden"

@@ -72,8 +72,10 @@ def test_stage2_counts_the_student_step_and_the_teacher_side_by_mode():
     assert cost.stage2_flops(cfg, m, "online") == tokens * (3 * student + cost.forward_flops(m.teacher, seq))
     assert cost.stage2_flops(cfg, m, "hidden") == tokens * (3 * student + 2 * m.teacher.vocab * m.teacher.hidden)
     assert cost.stage2_flops(cfg, m, "topk:64") == tokens * 3 * student
-    ckpt = replace(cfg, distill=replace(x, gradient_checkpointing=True))
+    ckpt = replace(cfg, distill=replace(x, checkpointing="full"))
     assert cost.stage2_flops(ckpt, m, "topk:64") == tokens * 4 * student  # the recomputation is time
+    sac = replace(cfg, distill=replace(x, checkpointing="selective"))
+    assert cost.stage2_flops(sac, m, "topk:64") == tokens * 3 * student  # no matmul twice: elementwise work only
 
 
 def test_the_d2d_search_runs_before_the_students_in_stage_2_s_row():

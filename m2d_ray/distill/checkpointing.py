@@ -1,0 +1,115 @@
+"""The student's decoder layers, one by one: their activation checkpointing (`distill.checkpointing`: what each layer
+keeps for its backward and what it recomputes there) and their compilation (`distill.compile`).
+
+    none       every activation kept (the most memory, no recompute)
+    selective  per op, torchtitan's selective activation checkpointing (SAC): the outputs of the matmuls and of the
+               attention kernel are kept, the norms, rotary embeddings and SwiGLU's elementwise ops are recomputed
+               from them in the backward: about half of `none`'s memory (plan/memory.py) for a few percent of time
+               (elementwise work only; no matmul runs twice)
+    full       each layer keeps its input only and runs its whole forward again in the backward (a fourth forward)
+
+Applied through transformers' own checkpointing of each decoder layer (non-reentrant `torch.utils.checkpoint`), with
+SAC's policy as its `context_fn`, so the parameter names, save_pretrained and the checkpoints are the model's own, and
+a layer compiled on its own (distill.compile) traces its checkpoint as torch.compile's checkpoint operator.
+`auto` is decided by the plan before any work (pipeline.decide_checkpointing): the least recompute whose rank fits its
+device.
+
+`compile_layers` compiles each decoder layer on its own (torchtitan's per-block compile): one graph a layer, reused by
+all of them (the same code and shapes), the checkpoint inside it, and the output head and its exact KL left eager, so
+that the head's products keep their bfloat16 tensor-core path with float32 accumulation (numerics.py) instead of
+whatever a compiler makes of a float32 widening of a [V, d] head.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from m2d_ray.catalog.distill import CHECKPOINTING
+
+# Imported inside functions: transformers' modelling code (a worker that imports this module may build no model).
+
+#: the ops whose outputs SAC keeps: the matmuls (nn.Linear's at dispatch) and every attention kernel SDPA or
+#: flash-attn dispatches to on a GPU or a CPU; all others are recomputed
+_SAVED_NAMES = (
+    "aten.mm.default",
+    "aten.addmm.default",
+    "aten.bmm.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "flash_attn._flash_attn_forward.default",
+    "flash_attn._flash_attn_varlen_forward.default",
+)
+
+
+@functools.cache
+def saved_ops() -> frozenset:
+    """The op overloads of `_SAVED_NAMES` this torch (and flash-attn, where it is installed) has."""
+    found = set()
+    for name in _SAVED_NAMES:
+        namespace, op, overload = name.split(".")
+        try:
+            found.add(getattr(getattr(getattr(torch.ops, namespace), op), overload))
+        except (AttributeError, RuntimeError):
+            continue
+    return frozenset(found)
+
+
+def sac_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Keep the matmuls' and the attention's outputs; recompute everything else."""
+    return CheckpointPolicy.MUST_SAVE if op in saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _enable(model: nn.Module, kwargs: dict) -> None:
+    """transformers' checkpointing of every decoder layer with these `torch.utils.checkpoint` arguments
+    (`activation_checkpointing_enable` from transformers 5.24, `gradient_checkpointing_enable` before)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _none(model: nn.Module) -> None:
+    return None
+
+
+def _selective(model: nn.Module) -> None:
+    context = functools.partial(create_selective_checkpoint_contexts, sac_policy)
+    _enable(model, {"use_reentrant": False, "context_fn": context})
+
+
+def _full(model: nn.Module) -> None:
+    _enable(model, {"use_reentrant": False})
+
+
+for _name, _fn in (("none", _none), ("selective", _selective), ("full", _full)):
+    CHECKPOINTING.register(_name)(_fn)
+
+
+def apply(model: nn.Module, name: str) -> None:
+    """Checkpoint `model`'s decoder layers as `distill.checkpointing` names (a decided name: `auto` is the plan's)."""
+    if name not in CHECKPOINTING:
+        raise ValueError(f"distill.checkpointing={name!r} reached the trainer undecided (the plan decides auto)")
+    CHECKPOINTING[name](model)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers: the modules transformers checkpoints (every family's, by its base class)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer  # modelling code: where a model exists
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def compile_layers(model: nn.Module, backend: str) -> int:
+    """torch.compile each decoder layer in place (its own `compile`, so names and state dicts are unchanged); the
+    number compiled."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile(backend=backend, dynamic=False)
+    return len(layers)
