@@ -118,6 +118,29 @@ def test_gpu_branch_takes_bf16_operands_into_float32_without_a_float32_head(gpu_
     assert not widened, widened  # no float32 copy of the head
 
 
+def test_torch_before_2_10_accumulates_the_head_gradient_without_addmm_into_float32(gpu_branch, monkeypatch):
+    """Before torch 2.10 CUDA's addmm(self, a, b, out_dtype=float32) wants `self` in a and b's dtype (pytorch#154086,
+    lifted by #167931): with the version at 2.9 and an addmm that refuses as that kernel does, the chunked loss's
+    backward still runs (a float32 product, then an add into the float32 accumulator)."""
+    real = torch.addmm
+
+    def cuda_2_9_addmm(self, mat1, mat2, *args, out_dtype=None, **kwargs):
+        if out_dtype is not None and self.dtype != mat1.dtype:
+            raise RuntimeError(f"self and mat2 must have the same dtype, but got {self.dtype} and {mat2.dtype}")
+        return real(self, mat1, mat2, *args, **({"out_dtype": out_dtype} if out_dtype else {}), **kwargs)
+
+    monkeypatch.setattr(numerics, "TORCH_VERSION", (2, 9), raising=False)
+    monkeypatch.setattr(torch, "addmm", cuda_2_9_addmm)
+    h, w = _bf16(N, D, grad=True, device="meta"), _bf16(V, D, seed=1, grad=True, device="meta")
+    with _Ops() as rec:
+        chunked_kl(h, w, _bf16(N, D, seed=3, device="meta"), _bf16(V, D, seed=4, device="meta"), chunk=8).backward()
+    assert w.grad.shape == (V, D) and w.grad.dtype == torch.bfloat16
+    assert not [op for op in rec.ops if op[0].startswith("aten.addmm")]
+    monkeypatch.setattr(numerics, "TORCH_VERSION", (2, 10))  # from 2.10: one addmm into the accumulator
+    with pytest.raises(RuntimeError, match="same dtype"):
+        chunked_kl(h, w, _bf16(N, D, seed=3, device="meta"), _bf16(V, D, seed=4, device="meta"), chunk=8)
+
+
 def test_p7_reference_loop_backpropagates_on_the_gpu_branch(gpu_branch):
     """P7's plain loop (benchmarks/perf/distill_step.py, reference_path) forms its whole logits with
     numerics.logits and backpropagates through them: on the GPU branch that backward exists."""
