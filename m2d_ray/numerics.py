@@ -10,6 +10,12 @@ multiply in their own precision (float64 stays float64: the references the losse
 
 `tensor_cores` is the one seam of the CUDA-only branches: tests force it on `meta` tensors (autograd and the
 out_dtype ops' shape and dtype rules do not depend on the device), so those branches run on a CPU.
+
+The head stays eager under torch.compile: `logits` and the chunked losses (distill/losses.py) are
+`torch.compiler.disable`d, so a compiled caller's graph stops at the head (a graph break) and the head's products
+still take bfloat16 operands on the tensor cores. Traced, they would not: Dynamo's fake-tensor pass of torch 2.11
+breaks on addmm(..., out_dtype=, out=) (pytorch#163880; seen on an H200, 2026-11-28), and widening the operands
+instead made the compiled path four float32 GEMMs with [V, d] float32 copies of the head.
 """
 
 from __future__ import annotations
@@ -42,11 +48,10 @@ def mm32(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
     """a @ b accumulated in float32 (float64 when an operand is), returned, or added into `out` (of that dtype) and
     returned. Low-precision operands of one dtype go to the tensor cores as they are where `tensor_cores`; elsewhere
     they are widened first (the same products). Into `out` with one addmm from torch 2.10 (`ADDMM_WIDE_SELF`), else
-    a product then an add (one [m, n] float32 temporary). Under torch.compile they are widened: Dynamo's fake-tensor
-    pass of torch 2.11 breaks on addmm(..., out_dtype=, out=) (its decomposition takes out_dtype for beta; seen on an
-    H200, 2026-11-28), and the compiler fuses the widening into the product anyway."""
+    a product then an add (one [m, n] float32 temporary). Eager only: callers reach it through `logits` and the
+    chunked losses, which torch.compile does not trace (module docstring)."""
     wide = _wide(a, b)
-    if a.dtype == b.dtype and a.dtype in LOW and tensor_cores(a) and not torch.compiler.is_compiling():
+    if a.dtype == b.dtype and a.dtype in LOW and tensor_cores(a):
         if out is None:
             return torch.mm(a, b, out_dtype=wide)
         if TORCH_VERSION >= ADDMM_WIDE_SELF:
@@ -83,10 +88,12 @@ class _Logits(torch.autograd.Function):
         return (grad_h if ctx.needs_input_grad[0] else None), grad_w
 
 
+@torch.compiler.disable
 def logits(h: Tensor, w: Tensor) -> Tensor:
     """The logits h [n, d] @ w [V, d].T in float32 (float64 for float64 operands), never rounded to a lower precision
     on the way: the KL and its gradient are differences of nearly equal distributions, and a bfloat16 logit of 20 is
-    off by up to 0.06 (6% in its probability). Differentiable on every device (see the module docstring)."""
+    off by up to 0.06 (6% in its probability). Differentiable on every device, and never traced by torch.compile (see
+    the module docstring)."""
     if h.dtype == w.dtype and h.dtype in (torch.float32, torch.float64):
         return h @ w.T
     return _Logits.apply(h, w)

@@ -13,6 +13,8 @@ From cached teacher targets (targets.py; forward KL only, the teacher's full dis
     sampled_kl: Sparse Logit Sampling (Anshumann et al., ACL 2025): N draws from the teacher give an unbiased
                 estimate of the dense forward KL's gradient.
 Losses are means over the tokens given (the caller drops padding before calling).
+The three losses are never traced by torch.compile (`torch.compiler.disable`): a compiled student's graph stops at
+its final hidden states and the head runs eagerly on the tensor cores (m2d_ray/numerics.py).
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class _Chunked(torch.autograd.Function):
         return gh, gw, None, None, None
 
 
+@torch.compiler.disable  # the head stays eager with its bfloat16 products (numerics' docstring)
 def chunked_kl(
     h_s: Tensor, w_s: Tensor, h_t: Tensor, w_t: Tensor, kind: str = "fkl", temperature: float = 1.0, chunk: int = 1024
 ) -> Tensor:
@@ -139,6 +142,7 @@ def _sparse_chunk(ids: Tensor, logp: Tensor, tail: Tensor) -> Callable[[int, Ten
     return per_chunk
 
 
+@torch.compiler.disable
 def sparse_kl(
     h_s: Tensor, w_s: Tensor, ids: Tensor, logp: Tensor, tail: Tensor, temperature: float = 1.0, chunk: int = 1024
 ) -> Tensor:
@@ -163,6 +167,7 @@ def _sampled_chunk(ids: Tensor, counts: Tensor, logp: Tensor) -> Callable[[int, 
     return per_chunk
 
 
+@torch.compiler.disable
 def sampled_kl(
     h_s: Tensor, w_s: Tensor, ids: Tensor, counts: Tensor, logp: Tensor, temperature: float = 1.0, chunk: int = 1024
 ) -> Tensor:
