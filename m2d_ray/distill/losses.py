@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from m2d_ray.catalog.distill import LOSSES  # noqa: F401  (declared there; importers of losses.LOSSES keep working)
-from m2d_ray.numerics import head_grads, logits
+from m2d_ray.numerics import LOW, head_grads, logits
 
 
 def _fkl(ls: Tensor, lt: Tensor) -> tuple[Tensor, Tensor]:
@@ -91,9 +91,15 @@ class _Chunked(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
+        """The stored gradients times grad_out (float32; 1 / grad_accum under accumulation) in float32, rounded once
+        to the parameters' dtype. A bfloat16 head's float32 accumulator [V, d] is scaled in place, then rounded (no
+        second [V, d] float32 tensor), so a second backward through the same graph (retain_graph) is refused there by
+        autograd's in-place check; float32 and float64 ones (gradcheck's) are left as they are."""
         grad_h, grad_w = ctx.saved_tensors
-        gh = grad_h * grad_out.to(grad_h.dtype)
-        gw = (grad_w * grad_out).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
+        gh = grad_h.float().mul_(grad_out).to(grad_h.dtype) if grad_h.dtype in LOW else grad_h * grad_out
+        gw = None
+        if ctx.needs_input_grad[1]:
+            gw = grad_w.mul_(grad_out).to(ctx.w_dtype) if ctx.w_dtype in LOW else grad_w * grad_out
         return gh, gw, None, None, None
 
 
