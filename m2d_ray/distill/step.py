@@ -232,7 +232,7 @@ class DistillStep:
         """The KL kernel for this run (its loss, temperature and path) and the student's loss module, compiled
         when distill.compile says so (before the masters and the cast: it wraps the module, not its weights)."""
         cfg = self.cfg
-        where = Where.of(cfg.loss, cfg.temperature, cfg.uses_deepspeed, self.world)
+        where = Where.of(cfg.loss, cfg.temperature, cfg.uses_deepspeed, self.world, cfg.batch_size * cfg.seq_len)
         kernel = kl_kernel(cfg.kl_kernel, self.device, self.targets, where)
         loss_module = StudentLoss(self.student, cfg, self.targets, kernel)
         if cfg.compile:
