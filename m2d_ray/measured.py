@@ -23,7 +23,8 @@ class GpuMeasured:
     source: str  # the call, the card and the day
     device: str  # the card, as torch names it
     efficiency: dict  # targets mode (online, hidden, topk, sampled) -> the step's share of the data-sheet bf16 peak
-    kl_kernel: dict  # exact targets mode (online, hidden) -> {kernel: what auto uses, device, loss, temperature, path}
+    #: exact targets mode (online, hidden) -> {kernel: what auto uses, device, loss, temperature, path, tokens}
+    kl_kernel: dict
     start_s: dict  # a unit's start-up on a GPU: actor, trial, student, model (seconds)
     run: dict  # the whole tiny run: its overrides of experiments/tiny.yaml and its stages' walls (walls_s)
     parts_s: dict  # the acceptance call's parts, seconds each took (its priors)

@@ -10,6 +10,12 @@ multiply in their own precision (float64 stays float64: the references the losse
 
 `tensor_cores` is the one seam of the CUDA-only branches: tests force it on `meta` tensors (autograd and the
 out_dtype ops' shape and dtype rules do not depend on the device), so those branches run on a CPU.
+
+The head stays eager under torch.compile: `logits` and the chunked losses (distill/losses.py) are
+`torch.compiler.disable`d, so a compiled caller's graph stops at the head (a graph break) and the head's products
+still take bfloat16 operands on the tensor cores. Traced, they would not: Dynamo's fake-tensor pass of torch 2.11
+breaks on addmm(..., out_dtype=, out=) (pytorch#163880; seen on an H200, 2026-11-28), and widening the operands
+instead made the compiled path four float32 GEMMs with [V, d] float32 copies of the head.
 """
 
 from __future__ import annotations
@@ -17,8 +23,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+#: the installed torch's (major, minor)
+TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 #: torch.mm(..., out_dtype=) (CUDA, torch >= 2.8): a bfloat16 product accumulated and returned in float32
-MM_OUT_DTYPE = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
+MM_OUT_DTYPE = TORCH_VERSION >= (2, 8)
+#: the first torch whose CUDA addmm(self, a, b, out_dtype=) takes a `self` in out_dtype (float32) with bfloat16
+#: operands (pytorch#167931, merged 2025-11); before it the kernel wants `self` in the operands' dtype
+#: (pytorch#154086), so accumulating into a float32 `out` is a product then an add
+ADDMM_WIDE_SELF = (2, 10)
 LOW = (torch.bfloat16, torch.float16)
 
 
@@ -35,14 +47,16 @@ def _wide(a: Tensor, b: Tensor) -> torch.dtype:
 def mm32(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
     """a @ b accumulated in float32 (float64 when an operand is), returned, or added into `out` (of that dtype) and
     returned. Low-precision operands of one dtype go to the tensor cores as they are where `tensor_cores`; elsewhere
-    they are widened first (the same products). Under torch.compile they are widened too: Dynamo's fake-tensor
-    pass of torch 2.11 breaks on addmm(..., out_dtype=, out=) (its decomposition takes out_dtype for beta; seen on an
-    H200, 2026-11-28), and the compiler fuses the widening into the product anyway."""
+    they are widened first (the same products). Into `out` with one addmm from torch 2.10 (`ADDMM_WIDE_SELF`), else
+    a product then an add (one [m, n] float32 temporary). Eager only: callers reach it through `logits` and the
+    chunked losses, which torch.compile does not trace (module docstring)."""
     wide = _wide(a, b)
-    if a.dtype == b.dtype and a.dtype in LOW and tensor_cores(a) and not torch.compiler.is_compiling():
+    if a.dtype == b.dtype and a.dtype in LOW and tensor_cores(a):
         if out is None:
             return torch.mm(a, b, out_dtype=wide)
-        return torch.addmm(out, a, b, out_dtype=wide, out=out)
+        if TORCH_VERSION >= ADDMM_WIDE_SELF:
+            return torch.addmm(out, a, b, out_dtype=wide, out=out)
+        return out.add_(torch.mm(a, b, out_dtype=wide))
     a, b = a.to(wide), b.to(wide)
     return a @ b if out is None else out.addmm_(a, b)
 
@@ -74,10 +88,12 @@ class _Logits(torch.autograd.Function):
         return (grad_h if ctx.needs_input_grad[0] else None), grad_w
 
 
+@torch.compiler.disable
 def logits(h: Tensor, w: Tensor) -> Tensor:
     """The logits h [n, d] @ w [V, d].T in float32 (float64 for float64 operands), never rounded to a lower precision
     on the way: the KL and its gradient are differences of nearly equal distributions, and a bfloat16 logit of 20 is
-    off by up to 0.06 (6% in its probability). Differentiable on every device (see the module docstring)."""
+    off by up to 0.06 (6% in its probability). Differentiable on every device, and never traced by torch.compile (see
+    the module docstring)."""
     if h.dtype == w.dtype and h.dtype in (torch.float32, torch.float64):
         return h @ w.T
     return _Logits.apply(h, w)

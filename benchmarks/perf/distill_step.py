@@ -310,7 +310,7 @@ def run_mode(text: str, p: dict, teacher, student0, ids: list, cfg, names: list[
         "kernel_admission": admit,
         "head_kl_s": head_s,
         "head_kl_share": head_s * tps["platform"] / tokens if "platform" in tps else None,
-        "measured_at": {"loss": cfg.loss, "temperature": cfg.temperature, "path": "plain"},
+        "measured_at": {"loss": cfg.loss, "temperature": cfg.temperature, "path": "plain", "tokens": tokens},
         "loss_first": {n: ls[0] for n, ls in losses.items()},
         "loss_last": {n: ls[-1] for n, ls in losses.items()},
         "losses_agree": max(g for n, g in gaps.items() if n != "platform_fp32") <= tol,

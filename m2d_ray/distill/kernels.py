@@ -4,19 +4,25 @@ student's softmax over the whole vocabulary from their final hidden states and h
     chunked   losses.chunked_kl: float32 logits, log-softmax and gradients a chunk of tokens at a time (every
               device; the reference the others are held to)
     liger     Liger Kernel's fused linear JSD (`pip install liger-kernel`, CUDA and Triton only): at beta = 0 its
-              generalised JSD is the forward KL, at beta = 1 the reverse; it forms float32 logits like chunked but
-              rounds the logits' gradient to the compute dtype before the two gradient matmuls (bfloat16 tensor
-              cores, where chunked multiplies in float32)
+              generalised JSD is the forward KL, at beta = 1 the reverse. 0.8.5 forms float32 logits from bfloat16
+              products (torch.mm(out_dtype=float32), torch >= 2.8 on sm80+; before it bfloat16 logits upcast to
+              float32 for the softmax), rounds the logits' gradient to the compute dtype before the two gradient
+              matmuls (as chunked does), and sizes its own chunk by the tokens it is given: next_pow2(cdiv(BT,
+              cdiv(V, c * H))) tokens, c = 1 before Blackwell (8 on sm_100, 16 on sm_103): 64 tokens at Qwen3's head
+              and BT = 4096, 256 at the paper's 16,384-token micro-batch, so its speed at one micro-batch size says
+              little of another
     auto      on a GPU, the kernel the last GPU acceptance call measured fastest at the same loss for the targets
               mode (m2d_ray/measured_gpu.json, "kl_kernel"), where this run is what it was measured on: the same
-              device, loss, temperature and path (plain one rank, DDP, DeepSpeed); else chunked, said in one line
-              (a speed and an agreement measured at one of them say nothing of another); chunked on a CPU
+              device, loss, temperature, path (plain one rank, DDP, DeepSpeed) and tokens a micro-batch; else
+              chunked, said in one line (a speed and an agreement measured at one of them say nothing of another;
+              an entry that does not record one matches no run); chunked on a CPU
 
 Each is held to chunked: on the CPU where it runs there (tests/unit/test_kernels.py), and on a GPU by the acceptance
 call, which trains every kernel from the same student on the same batches and compares the loss trajectories.
 Only the exact modes (online, hidden) have kernels: cached top-K and sampled targets have their own losses.
 Compiling the student is not a kernel but a setting of its own, `distill.compile`, with any of them (the name
-`compiled` of earlier versions is read as chunked with distill.compile=true).
+`compiled` of earlier versions is read as chunked with distill.compile=true); the compiled graph stops at the head,
+which runs eagerly (m2d_ray/numerics.py).
 """
 
 from __future__ import annotations
@@ -84,10 +90,12 @@ class Where:
     loss: str = "fkl"
     temperature: float = 1.0
     path: str = "plain"  # plain (one rank), ddp (plain torch on several), deepspeed
+    tokens: int | None = None  # a micro-batch's (batch_size x seq_len); None (unknown) matches no measurement
 
     @classmethod
-    def of(cls, loss: str, temperature: float, deepspeed: bool, world: int) -> Where:
-        return cls(loss, float(temperature), "deepspeed" if deepspeed else "plain" if world == 1 else "ddp")
+    def of(cls, loss: str, temperature: float, deepspeed: bool, world: int, tokens: int | None = None) -> Where:
+        path = "deepspeed" if deepspeed else "plain" if world == 1 else "ddp"
+        return cls(loss, float(temperature), path, None if tokens is None else int(tokens))
 
 
 def device_name(device: str | torch.device) -> str:
@@ -129,7 +137,8 @@ for _k in (
 
 def kl_kernel(name: str, device: str | torch.device, targets=None, where: Where | None = None) -> KLKernel:
     """The kernel `distill.kl_kernel` names on `device` for the targets (None: online) and the run's loss,
-    temperature and path (`where`, default forward KL at t = 1 on one plain rank). auto: chunked on a CPU; on a GPU
+    temperature, path and tokens a micro-batch (`where`, default forward KL at t = 1 on one plain rank, tokens
+    unknown). auto: chunked on a CPU; on a GPU
     the measured choice for the mode where this run is what it was measured on, else chunked (one line, once); also
     chunked (said once) where the measured one cannot run here. A kernel asked for by name that cannot run here is
     one line."""
@@ -158,7 +167,7 @@ def kl_kernel(name: str, device: str | torch.device, targets=None, where: Where 
 
 
 def _said(values: dict, differ: dict, i: int) -> str:
-    return ", ".join(f"{k} {pair[i]}" for k, pair in differ.items())
+    return ", ".join(f"{k} {'unrecorded' if pair[i] is None else pair[i]}" for k, pair in differ.items())
 
 
 @functools.cache

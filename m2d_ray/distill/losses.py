@@ -13,6 +13,8 @@ From cached teacher targets (targets.py; forward KL only, the teacher's full dis
     sampled_kl: Sparse Logit Sampling (Anshumann et al., ACL 2025): N draws from the teacher give an unbiased
                 estimate of the dense forward KL's gradient.
 Losses are means over the tokens given (the caller drops padding before calling).
+The three losses are never traced by torch.compile (`torch.compiler.disable`): a compiled student's graph stops at
+its final hidden states and the head runs eagerly on the tensor cores (m2d_ray/numerics.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from m2d_ray.catalog.distill import LOSSES  # noqa: F401  (declared there; importers of losses.LOSSES keep working)
-from m2d_ray.numerics import head_grads, logits
+from m2d_ray.numerics import LOW, head_grads, logits
 
 
 def _fkl(ls: Tensor, lt: Tensor) -> tuple[Tensor, Tensor]:
@@ -89,12 +91,19 @@ class _Chunked(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
+        """The stored gradients times grad_out (float32; 1 / grad_accum under accumulation) in float32, rounded once
+        to the parameters' dtype. A bfloat16 head's float32 accumulator [V, d] is scaled in place, then rounded (no
+        second [V, d] float32 tensor), so a second backward through the same graph (retain_graph) is refused there by
+        autograd's in-place check; float32 and float64 ones (gradcheck's) are left as they are."""
         grad_h, grad_w = ctx.saved_tensors
-        gh = grad_h * grad_out.to(grad_h.dtype)
-        gw = (grad_w * grad_out).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
+        gh = grad_h.float().mul_(grad_out).to(grad_h.dtype) if grad_h.dtype in LOW else grad_h * grad_out
+        gw = None
+        if ctx.needs_input_grad[1]:
+            gw = grad_w.mul_(grad_out).to(ctx.w_dtype) if ctx.w_dtype in LOW else grad_w * grad_out
         return gh, gw, None, None, None
 
 
+@torch.compiler.disable  # the head stays eager with its bfloat16 products (numerics' docstring)
 def chunked_kl(
     h_s: Tensor, w_s: Tensor, h_t: Tensor, w_t: Tensor, kind: str = "fkl", temperature: float = 1.0, chunk: int = 1024
 ) -> Tensor:
@@ -139,6 +148,7 @@ def _sparse_chunk(ids: Tensor, logp: Tensor, tail: Tensor) -> Callable[[int, Ten
     return per_chunk
 
 
+@torch.compiler.disable
 def sparse_kl(
     h_s: Tensor, w_s: Tensor, ids: Tensor, logp: Tensor, tail: Tensor, temperature: float = 1.0, chunk: int = 1024
 ) -> Tensor:
@@ -163,6 +173,7 @@ def _sampled_chunk(ids: Tensor, counts: Tensor, logp: Tensor) -> Callable[[int, 
     return per_chunk
 
 
+@torch.compiler.disable
 def sampled_kl(
     h_s: Tensor, w_s: Tensor, ids: Tensor, counts: Tensor, logp: Tensor, temperature: float = 1.0, chunk: int = 1024
 ) -> Tensor:

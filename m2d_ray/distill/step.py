@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from packaging.version import Version
 from torch import Tensor, nn
 
 from m2d_ray.catalog.targets import HIDDEN, ONLINE, TOPK, mode_of
@@ -50,11 +51,34 @@ def lr_factor(step: int, cfg: DistillConfig) -> float:
     return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+#: the first DeepSpeed whose ZeRO-2 honours `grad_accum_dtype: fp32` (a float32 gradient partition: stage_1_and_2.py's
+#: `_use_compact_grad_partition_buffer`); through 0.19.7 ZeRO-2 sums micro-batches in its bfloat16
+#: `grads_in_partition` and the key does nothing there (pyproject.toml's floor)
+DEEPSPEED_FP32_SUMS = "0.19.8"
+
+
+def deepspeed_refusal(dtype: torch.dtype, zero_stage: int) -> str | None:
+    """Why the installed DeepSpeed cannot train ZeRO-`zero_stage` in `dtype` with float32 gradient sums, or None: a
+    dtype below float32 at ZeRO-2 needs DEEPSPEED_FP32_SUMS (an older one would silently sum in bfloat16)."""
+    if zero_stage < 2 or torch.finfo(dtype).bits >= 32:
+        return None
+    found = kernels.installed_version("deepspeed")
+    if found is None or Version(found) >= Version(DEEPSPEED_FP32_SUMS):
+        return None
+    return (
+        f"distill.deepspeed with ZeRO-{zero_stage} in {str(dtype).removeprefix('torch.')} needs deepspeed >= "
+        f"{DEEPSPEED_FP32_SUMS} to sum gradients in float32 (found {found}, which sums micro-batches in "
+        f"{str(dtype).removeprefix('torch.')}); pip install 'deepspeed>={DEEPSPEED_FP32_SUMS}', or set "
+        "distill.deepspeed=false"
+    )
+
+
 def ds_config(cfg: DistillConfig, dtype: torch.dtype) -> dict:
     """ZeRO in `dtype`: `bf16` mode keeps float32 master weights and optimizer states (the `bf16-mixed` policy), and
     sums gradients in float32: over micro-batches into its float32 gradient partition (`grad_accum_dtype`, which ZeRO-2
-    supports since DeepSpeed 0.17: no bfloat16 sum, the error DeepSpeed itself warns of), and over ranks in float32
-    buckets (`communication_data_type`: twice a bfloat16 reduce's bytes, once per micro-batch)."""
+    honours from DeepSpeed 0.19.8, DEEPSPEED_FP32_SUMS, checked by `deepspeed_refusal`: no bfloat16 sum, the error
+    DeepSpeed itself warns of), and over ranks in float32 buckets (`communication_data_type`: twice a bfloat16
+    reduce's bytes, once per micro-batch)."""
     fp32_sums = {"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"}
     return {
         "train_micro_batch_size_per_gpu": cfg.batch_size,
@@ -235,7 +259,7 @@ class DistillStep:
         (distill/checkpointing.py compile_layers; before the masters and the cast: it wraps the modules, not their
         weights)."""
         cfg = self.cfg
-        where = Where.of(cfg.loss, cfg.temperature, cfg.uses_deepspeed, self.world)
+        where = Where.of(cfg.loss, cfg.temperature, cfg.uses_deepspeed, self.world, cfg.batch_size * cfg.seq_len)
         kernel = kl_kernel(cfg.kl_kernel, self.device, self.targets, where)
         loss_module = StudentLoss(self.student, cfg, self.targets, kernel)
         if cfg.compile:
@@ -265,6 +289,9 @@ class DistillStep:
         wrappers: called last), DDP over the loss module on several plain ranks without masters (masters sum and
         reduce their gradients in float32 themselves), or none."""
         if self.cfg.uses_deepspeed:
+            why = deepspeed_refusal(self.precision.dtype, self.cfg.zero_stage)
+            if why:
+                raise M2DError(why)
             import deepspeed
 
             engine, self.opt, _, self.sched = deepspeed.initialize(

@@ -31,6 +31,7 @@ from m2d_ray.convert.initial import InitialStudent
 from m2d_ray.data.text import check_spec
 from m2d_ray.distill.data import check_source
 from m2d_ray.distill.precision import resolve
+from m2d_ray.distill.step import deepspeed_refusal
 from m2d_ray.errors import M2DError
 from m2d_ray.models import check_teacher_topk
 from m2d_ray.plan import memory
@@ -66,6 +67,11 @@ class Stage2(Stage):
         baselines.of(cfg)  # known names
         for b in BASELINES:
             BASELINES[b].check_config(cfg)
+        x = cfg.distill
+        if x.uses_deepspeed:  # before any work: the engine's start refuses it too
+            why = deepspeed_refusal(resolve(x.precision, gpu=x.gpus_per_worker > 0).dtype, x.zero_stage)
+            if why:
+                raise M2DError(why)
 
     def reads(self, cfg) -> dict[str, str]:
         own = {k: v for b in baselines.of(cfg) for k, v in b.reads(cfg).items()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from m2d_ray.distill.losses import LOSSES, chunked_kl, hidden_mse, naive_kl
 from m2d_ray.errors import M2DError
@@ -69,3 +70,57 @@ def test_hidden_mse_ignores_padding_and_embeddings():
 def test_unknown_loss_suggests():
     with pytest.raises(M2DError, match="did you mean 'fkl'"):
         LOSSES["fkll"]
+
+
+def _bf16_inputs(n=37, d=12, V=53):
+    return [t.detach().to(torch.bfloat16).requires_grad_(i < 2) for i, t in enumerate(_inputs(n, d, V, seed=5))]
+
+
+def test_a_scaled_loss_rounds_its_bf16_gradients_once():
+    """Under gradient accumulation the loss is divided by grad_accum (12 here) before backward: the body's gradient
+    is the stored one times 1/12 in float32, rounded once to bfloat16 (not times a bfloat16-rounded 1/12, 0.2% off),
+    and the head's is its float32 accumulator times 1/12, rounded once."""
+    h_s, w_s, h_t, w_t = _bf16_inputs()
+    chunked_kl(h_s, w_s, h_t, w_t, chunk=8).backward()
+    unscaled_h, h_s.grad, w_s.grad = h_s.grad.clone(), None, None
+    saved = []
+
+    def pack(t):
+        saved.append(t.clone())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = chunked_kl(h_s, w_s, h_t, w_t, chunk=8)
+    (loss / 12).backward()
+    scale = torch.tensor(1.0) / 12
+    (accum,) = [t for t in saved if t.dtype == torch.float32 and t.shape == w_s.shape]
+    assert torch.equal(h_s.grad, (unscaled_h.float() * scale).to(torch.bfloat16))
+    assert torch.equal(w_s.grad, (accum * scale).to(torch.bfloat16))
+
+
+class _NewFloat32(TorchDispatchMode):
+    """The ops that return a new float32 tensor of a shape (a result sharing no input's memory)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.new = tuple(shape), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        if isinstance(out, torch.Tensor) and out.dtype == torch.float32 and tuple(out.shape) == self.shape:
+            if out.untyped_storage().data_ptr() not in ins:
+                self.new.append(str(func))
+        return out
+
+
+def test_backward_makes_no_second_float32_head():
+    """A bfloat16 head's float32 gradient accumulator [V, d] is scaled in place: backward allocates no second one
+    (and a second backward through the graph, which would scale it twice, is refused)."""
+    h_s, w_s, h_t, w_t = _bf16_inputs()
+    loss = chunked_kl(h_s, w_s, h_t, w_t, chunk=8) / 12
+    with _NewFloat32(w_s.shape) as mode:
+        loss.backward(retain_graph=True)
+    assert w_s.grad.dtype == torch.bfloat16 and not mode.new, mode.new
+    with pytest.raises(RuntimeError, match="inplace"):
+        loss.backward()

@@ -118,6 +118,29 @@ def test_gpu_branch_takes_bf16_operands_into_float32_without_a_float32_head(gpu_
     assert not widened, widened  # no float32 copy of the head
 
 
+def test_torch_before_2_10_accumulates_the_head_gradient_without_addmm_into_float32(gpu_branch, monkeypatch):
+    """Before torch 2.10 CUDA's addmm(self, a, b, out_dtype=float32) wants `self` in a and b's dtype (pytorch#154086,
+    lifted by #167931): with the version at 2.9 and an addmm that refuses as that kernel does, the chunked loss's
+    backward still runs (a float32 product, then an add into the float32 accumulator)."""
+    real = torch.addmm
+
+    def cuda_2_9_addmm(self, mat1, mat2, *args, out_dtype=None, **kwargs):
+        if out_dtype is not None and self.dtype != mat1.dtype:
+            raise RuntimeError(f"self and mat2 must have the same dtype, but got {self.dtype} and {mat2.dtype}")
+        return real(self, mat1, mat2, *args, **({"out_dtype": out_dtype} if out_dtype else {}), **kwargs)
+
+    monkeypatch.setattr(numerics, "TORCH_VERSION", (2, 9), raising=False)
+    monkeypatch.setattr(torch, "addmm", cuda_2_9_addmm)
+    h, w = _bf16(N, D, grad=True, device="meta"), _bf16(V, D, seed=1, grad=True, device="meta")
+    with _Ops() as rec:
+        chunked_kl(h, w, _bf16(N, D, seed=3, device="meta"), _bf16(V, D, seed=4, device="meta"), chunk=8).backward()
+    assert w.grad.shape == (V, D) and w.grad.dtype == torch.bfloat16
+    assert not [op for op in rec.ops if op[0].startswith("aten.addmm")]
+    monkeypatch.setattr(numerics, "TORCH_VERSION", (2, 10))  # from 2.10: one addmm into the accumulator
+    with pytest.raises(RuntimeError, match="same dtype"):
+        chunked_kl(h, w, _bf16(N, D, seed=3, device="meta"), _bf16(V, D, seed=4, device="meta"), chunk=8)
+
+
 def test_p7_reference_loop_backpropagates_on_the_gpu_branch(gpu_branch):
     """P7's plain loop (benchmarks/perf/distill_step.py, reference_path) forms its whole logits with
     numerics.logits and backpropagates through them: on the GPU branch that backward exists."""
@@ -128,26 +151,31 @@ def test_p7_reference_loop_backpropagates_on_the_gpu_branch(gpu_branch):
     assert w.grad.shape == (V, D) and w.grad.dtype == torch.bfloat16
 
 
-def test_compiled_student_widens_instead_of_out_dtype_products(gpu_branch):
-    """Under torch.compile (distill.compile compiles the student's forward and its loss) the GPU branch widens
-    its operands: on an H200 (torch 2.11, 2026-11-28) Dynamo's fake-tensor pass broke on addmm(out_dtype=, out=),
-    failing the whole P7-head part. The graph handed to the compiler holds no out_dtype matmul, and the same loss
-    runs eagerly (outside compile) on the out_dtype ops."""
+def test_compiled_callers_graph_stops_at_the_head_which_runs_eagerly_on_bf16_products(gpu_branch):
+    """Under torch.compile (distill.compile compiles the student's forward and its loss) the chunked loss is a graph
+    break: no matmul of the head is in a graph handed to the compiler (traced, the head either broke Dynamo's
+    fake-tensor pass on addmm(out_dtype=, out=) or was widened to float32 GEMMs with float32 copies of the head), and
+    forward and backward run the out_dtype ops on bfloat16 operands, as eagerly."""
     targets = []
 
-    def backend(gm, example_inputs):
-        targets.extend(str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
+    def backend(gm, example_inputs):  # every graph, with the subgraphs of higher-order ops (autograd functions')
+        graphs = [m.graph for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
+        targets.extend(str(n.target) for g in graphs for n in g.nodes if n.op in ("call_function", "call_method"))
         return gm.forward
 
     def loss(h, w, ht, wt):
-        return numerics.mm32(h, w.T).sum() + numerics.mm32(ht.T, h, out=torch.zeros(D, D, device="meta")).sum()
+        return chunked_kl(h * 2, w, ht, wt, chunk=8) * 3
 
-    args = [_bf16(N, D, device="meta"), _bf16(V, D, seed=1, device="meta")]
-    args += [_bf16(N, D, seed=3, device="meta"), _bf16(V, D, seed=4, device="meta")]
+    h, w = _bf16(N, D, grad=True, device="meta"), _bf16(V, D, seed=1, grad=True, device="meta")
+    args = (h, w, _bf16(N, D, seed=3, device="meta"), _bf16(V, D, seed=4, device="meta"))
     torch._dynamo.reset()
-    torch.compile(loss, backend=backend, fullgraph=True)(*args)
-    assert any("matmul" in t for t in targets) and "addmm_" in targets, targets
-    assert not any("out_dtype" in t or "dtype_out" in t for t in targets), targets
+    compiled = torch.compile(loss, backend=backend)
+    compiled(*args)
+    assert "<built-in function mul>" in targets, targets  # the caller's own ops were compiled
+    assert not any("mm" in t or "matmul" in t or "linear" in t for t in targets), targets
     with _Ops() as rec:
-        loss(*args)
-    assert {op[0] for op in rec.ops if "mm" in op[0]} == {"aten.mm.dtype", "aten.addmm.dtype_out"}
+        compiled(*args).backward()
+    mms = [op for op in rec.ops if "mm" in op[0]]
+    assert {op[0] for op in mms} == {"aten.mm.dtype", "aten.addmm.dtype_out"}, mms
+    assert all(dt == torch.bfloat16 for op in mms for shape, dt in op[1][-2:]), mms
+    assert w.grad.dtype == torch.bfloat16 and w.grad.shape == (V, D)

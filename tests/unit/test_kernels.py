@@ -88,10 +88,12 @@ def test_the_liger_glue_is_chunkeds_loss_and_gradient(monkeypatch, kind):
 
 
 def _measured(monkeypatch, kernel: str, **at) -> None:
-    """measured_gpu.json's online kernel `kernel`, measured at `at` (default: forward KL, t = 1, one plain rank, on
-    the card the tests pretend to have); the card's name comes through the seam `kernels.device_name`."""
+    """measured_gpu.json's online kernel `kernel`, measured at `at` (default: forward KL, t = 1, one plain rank, 4096
+    tokens a micro-batch (P7-head's), on the card the tests pretend to have); the card's name comes through the seam
+    `kernels.device_name`."""
     m = measured.gpu()
-    entry = {"kernel": kernel, "device": "NVIDIA H200", "loss": "fkl", "temperature": 1.0, "path": "plain", **at}
+    entry = {"kernel": kernel, "device": "NVIDIA H200", "loss": "fkl", "temperature": 1.0, "path": "plain"}
+    entry = {k: v for k, v in {**entry, "tokens": 4096, **at}.items() if v is not None}  # None: not recorded
     monkeypatch.setattr(measured, "gpu", lambda: dataclasses.replace(m, kl_kernel={"online": entry}))
     monkeypatch.setattr(kernels, "device_name", lambda device: "NVIDIA H200")
     monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))  # liger runs "here"
@@ -101,32 +103,50 @@ def _measured(monkeypatch, kernel: str, **at) -> None:
 def test_auto_is_chunked_on_a_cpu_and_the_measured_choice_on_a_gpu(monkeypatch):
     assert kernels.kl_kernel("auto", "cpu").name == "chunked"
     _measured(monkeypatch, "liger")
-    assert kernels.kl_kernel("auto", "cuda").name == "liger"
-    assert kernels.kl_kernel("auto", "cuda", parse_targets("hidden")).name == "chunked"  # a mode not measured
+    at = kernels.Where(tokens=4096)
+    assert kernels.kl_kernel("auto", "cuda", where=at).name == "liger"
+    assert kernels.kl_kernel("auto", "cuda", parse_targets("hidden"), at).name == "chunked"  # a mode not measured
+    assert kernels.kl_kernel("auto", "cuda").name == "chunked"  # a caller that does not say its tokens
     _measured(monkeypatch, "compiled")  # an older file's choice: compiling is distill.compile's, not auto's
-    assert kernels.kl_kernel("auto", "cuda").name == "chunked"
+    assert kernels.kl_kernel("auto", "cuda", where=at).name == "chunked"
 
 
 @pytest.mark.parametrize(
     "where, device, said",
     [
-        (kernels.Where("rkl"), "NVIDIA H200", "loss fkl, this run is loss rkl"),
-        (kernels.Where(temperature=2.0), "NVIDIA H200", "temperature 1.0, this run is temperature 2.0"),
-        (kernels.Where.of("fkl", 1.0, True, 8), "NVIDIA H200", "path plain, this run is path deepspeed"),
-        (kernels.Where.of("fkl", 1.0, False, 2), "NVIDIA H200", "path plain, this run is path ddp"),
-        (kernels.Where(), "NVIDIA A100-SXM4-80GB", "device NVIDIA H200, this run is device NVIDIA A100-SXM4-80GB"),
+        (kernels.Where("rkl", tokens=4096), "NVIDIA H200", "loss fkl, this run is loss rkl"),
+        (kernels.Where(temperature=2.0, tokens=4096), "NVIDIA H200", "temperature 1.0, this run is temperature 2.0"),
+        (kernels.Where.of("fkl", 1.0, True, 8, 4096), "NVIDIA H200", "path plain, this run is path deepspeed"),
+        (kernels.Where.of("fkl", 1.0, False, 2, 4096), "NVIDIA H200", "path plain, this run is path ddp"),
+        (kernels.Where.of("fkl", 1.0, False, 1, 8 * 2048), "NVIDIA H200", "tokens 4096, this run is tokens 16384"),
+        (kernels.Where(tokens=4096), "NVIDIA A100-SXM4-80GB", "device NVIDIA H200, this run is device NVIDIA A100"),
     ],
 )
 def test_auto_uses_the_measured_kernel_only_where_it_was_measured(monkeypatch, capsys, where, device, said):
-    """A kernel's speed and its agreement with chunked were measured at one device, loss, temperature and path:
-    anywhere else auto is chunked, said in one line (the device's name through the seam: no CUDA here)."""
+    """A kernel's speed and its agreement with chunked were measured at one device, loss, temperature, path and
+    micro-batch size (Liger sizes its chunk by the tokens it is given: 64 at Qwen3's head and 4096 tokens, 256 at
+    the paper's 16,384): anywhere else auto is chunked, said in one line (the device's name through the seam: no
+    CUDA here)."""
     _measured(monkeypatch, "liger")
-    assert kernels.kl_kernel("auto", "cuda", where=kernels.Where()).name == "liger"
+    assert kernels.kl_kernel("auto", "cuda", where=kernels.Where(tokens=4096)).name == "liger"  # the same tokens
     monkeypatch.setattr(kernels, "device_name", lambda d: device)
     assert kernels.kl_kernel("auto", "cuda", where=where).name == "chunked"
     out = capsys.readouterr()
     lines = [ln for ln in (out.out + out.err).splitlines() if "distill.kl_kernel=auto" in ln]
     assert len(lines) == 1 and said in lines[0] and lines[0].endswith("using chunked"), lines
+
+
+def test_a_measurement_that_did_not_record_its_tokens_matches_no_run(monkeypatch, capsys):
+    """measured_gpu.json from before tokens were recorded: auto is chunked, said in one line naming tokens."""
+    _measured(monkeypatch, "liger", tokens=None)
+    assert kernels.kl_kernel("auto", "cuda", where=kernels.Where(tokens=4096)).name == "chunked"
+    out = capsys.readouterr()
+    lines = [ln for ln in (out.out + out.err).splitlines() if "distill.kl_kernel=auto" in ln]
+    assert len(lines) == 1 and "tokens unrecorded, this run is tokens 4096" in lines[0], lines
+
+
+def test_the_packaged_measurements_record_their_tokens():
+    assert all(e.get("tokens") == 4096 for e in measured.gpu().kl_kernel.values())  # P7-head's micro-batch
 
 
 def test_the_step_tells_auto_its_loss_temperature_and_path(monkeypatch, capsys):
@@ -140,7 +160,7 @@ def test_the_step_tells_auto_its_loss_temperature_and_path(monkeypatch, capsys):
     teacher, student = teacher_and_student(STEP_PRESETS["smoke"], torch.float32)
     cfg = DistillConfig(steps=1, warmup_steps=1, batch_size=1, seq_len=8, loss="rkl", temperature=2.0, deepspeed=False)
     DistillStep(student, teacher.model, cfg, "cpu")
-    assert seen == [kernels.Where("rkl", 2.0, "plain")]
+    assert seen == [kernels.Where("rkl", 2.0, "plain", 8)]  # batch_size x seq_len
 
 
 def test_a_liger_older_than_the_glue_needs_is_one_line(monkeypatch):
@@ -159,7 +179,7 @@ def test_a_measured_kernel_that_cannot_run_here_falls_back_to_chunked_with_one_l
     _measured(monkeypatch, "liger")
     missing = dataclasses.replace(kernels.KL_KERNELS["liger"], needs="no_such_module_m2d (pip install it)")
     monkeypatch.setitem(kernels.KL_KERNELS._items, "liger", missing)
-    assert kernels.kl_kernel("auto", "cuda").name == "chunked"
+    assert kernels.kl_kernel("auto", "cuda", where=kernels.Where(tokens=4096)).name == "chunked"
     out = capsys.readouterr()
     assert "liger (the measured choice) needs no_such_module_m2d" in out.out + out.err
 

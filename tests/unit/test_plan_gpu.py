@@ -68,7 +68,7 @@ def test_the_acceptance_call_writes_the_measured_file_in_the_form_the_code_reads
     measured is carried over; the next call's priors read each part's seconds by its variant."""
     m = measured.gpu()
     walls = {s: w * 1.5 for s, w in m.run["walls_s"].items()}
-    at = {"device": "NVIDIA H200", "loss": "fkl", "temperature": 1.0, "path": "plain"}  # what P7 measured at
+    at = {"device": "NVIDIA H200", "loss": "fkl", "temperature": 1.0, "path": "plain", "tokens": 4096}  # P7's
     results = {
         "env": "torch 2.11, NVIDIA H200 x 1",
         "parts": {

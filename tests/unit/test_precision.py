@@ -14,6 +14,7 @@ the loss is not rounding noise), 12 micro-batches a step on one rank and 2 a ste
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -131,6 +132,48 @@ def test_deepspeed_sums_and_reduces_in_float32_in_bf16_mode():
     assert mixed["data_types"] == {"grad_accum_dtype": "fp32"} and mixed["communication_data_type"] == "fp32"
     assert mixed["bf16"]["enabled"] and mixed["gradient_accumulation_steps"] == 12
     assert "data_types" not in ds_config(cfg, torch.float32)
+
+
+def test_deepspeeds_floor_is_the_first_whose_zero2_sums_micro_batches_in_float32():
+    """DeepSpeed 0.19.8 is the first whose ZeRO-2 keeps a float32 gradient partition for grad_accum_dtype fp32 (0.19.7
+    and before sum in the bfloat16 grads_in_partition): pyproject.toml's floor is the constant the step checks."""
+    import tomllib
+    from conftest import ROOT
+
+    from m2d_ray.distill.step import DEEPSPEED_FP32_SUMS
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert [d for d in deps if d.startswith("deepspeed")] == [f"deepspeed>={DEEPSPEED_FP32_SUMS}"]
+
+
+def test_an_older_deepspeed_is_refused_in_one_line_below_float32_at_the_engine_and_before_any_work(
+    tiny_teacher, monkeypatch
+):
+    """With DeepSpeed 0.19.6 installed a bf16 ZeRO-2 student would sum its micro-batches in bfloat16 whatever the
+    config says: refused in one line at the engine's start and by stage 2's config check; float32 training (no sum
+    to widen), ZeRO-1 and a new enough DeepSpeed are accepted."""
+    from conftest import ROOT
+
+    from m2d_ray import pipeline
+    from m2d_ray.catalog.methods import RANDOM_BASELINES
+    from m2d_ray.config import load_config
+    from m2d_ray.distill import kernels
+    from m2d_ray.distill.step import deepspeed_refusal
+
+    monkeypatch.setattr(kernels, "installed_version", lambda dist: "0.19.6" if dist == "deepspeed" else None)
+    said = "needs deepspeed >= 0.19.8 to sum gradients in float32 (found 0.19.6"
+    student = RANDOM_BASELINES["random-ffn"](tiny_teacher, seed=0)
+    cfg = DistillConfig(steps=1, warmup_steps=1, batch_size=1, seq_len=8, deepspeed=True)
+    with pytest.raises(M2DError, match=re.escape(said)) as got:
+        DistillStep(student, tiny_teacher.model, cfg, "cpu", 1, PRECISIONS["bf16-mixed"])
+    assert "\n" not in str(got.value) and "pip install 'deepspeed>=0.19.8'" in str(got.value)
+    tiny = ROOT / "experiments" / "tiny.yaml"
+    with pytest.raises(M2DError, match=re.escape(said)):
+        pipeline.check_config(load_config(tiny, ["distill.deepspeed=true", "distill.precision=bf16-mixed"]))
+    pipeline.check_config(load_config(tiny, ["distill.deepspeed=true", "distill.precision=fp32"]))
+    assert deepspeed_refusal(torch.float32, 2) is None and deepspeed_refusal(torch.bfloat16, 1) is None
+    monkeypatch.setattr(kernels, "installed_version", lambda dist: "0.19.8")
+    assert deepspeed_refusal(torch.bfloat16, 2) is None
 
 
 # ---- the policies and the master weights, unit by unit -----------------------------------------------------------
