@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# GPU acceptance call (issues 42, 47, 52): what stage 2 runs now, within a device budget. First P7 at the paper
-# student's head (vocabulary 151,936, hidden 2048, 4096-token sequences: the head and the KL's share of the step, each
-# kernel's speed, step peak and trajectory against bf16-mixed's own spread vs fp32; it sets auto's kernel), then P7
-# at the h100 preset (the stage-2 step against a
-# plain PyTorch loop at equal numerics, online / hidden / sampled:64 targets, with every exact-KL kernel: ratio, MFU,
-# the DeepSpeed path's ratio, each kernel's speed, peak and loss trajectory), a whole `m2d run` on the GPU, the Ray Data
-# token pass, then, as the budget allows, the memory plan against torch.cuda.max_memory_allocated and the calibration
-# rate at Qwen3-30B-A3B's layer shapes (P5). Parts are planned against --budget-s (default 540 s), shrunk or skipped
-# with a line saying so; one table at the end (WORK/table.md), every figure in WORK/results.json, logs in WORK/logs,
-# and WORK/measured_gpu.json: the figures the code reads (see benchmarks/gpu/acceptance.py).
+# GPU acceptance call (issues 42, 47, 52, 61): what stage 2 runs now, within a device budget. First the paper's student
+# (48 x 2048, vocabulary 151,936, 4 x 4096 tokens, from cached hidden states on one rank, checkpointed as `m2d plan`
+# decides for the card): the platform's step against a plain PyTorch loop and each lever (checkpointing, compiled
+# layers, attention), one path at a time: tokens/s, MFU against the data sheet and the measured matmul rate, each
+# path's peak beside the plan's; it fits plan.efficiency (hidden). Then P7 at the paper student's head at the same
+# micro-batch (each kernel's speed, step peak and trajectory against bf16-mixed's own spread vs fp32; it sets auto's
+# kernel), then the memory plan against torch.cuda.max_memory_allocated; then, as the budget allows, the calibration
+# rate at Qwen3-30B-A3B's layer shapes (P5), P7 at the h100 preset (online / hidden / sampled:64 and the DeepSpeed
+# path), a whole `m2d run` on the GPU and the Ray Data token pass. Parts are planned against --budget-s (default
+# 540 s), shrunk or skipped with a line saying so; one table at the end (WORK/table.md), every figure in
+# WORK/results.json, logs in WORK/logs, and WORK/measured_gpu.json: the figures the code reads (see
+# benchmarks/gpu/acceptance.py).
 #
-#   bash benchmarks/gpu_acceptance.sh [--budget-s 540] [--work /tmp/m2d-gpu-acceptance] [--parts P7-head,P7,run,tokens,memory,P5]
+#   bash benchmarks/gpu_acceptance.sh [--budget-s 540] [--work /tmp/m2d-gpu-acceptance] [--parts P7-paper,P7-head,memory,P5,P7,run,tokens]
 #   python -m benchmarks.gpu.acceptance --cpu-smoke      # the same plumbing on the CPU with tiny shapes (no GPU figures;
 #                                                          the head's GPU branch at its real shapes on meta tensors)
 #
@@ -21,7 +23,7 @@
 #   2. one call (the project and the bundle fit one; install < 1 min, then the budget):
 #        run(timeout_s=600, carry=[".gpu-bundle"], command=
 #            "bash .gpu-bundle/install.sh && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 &&
-#             (bash benchmarks/gpu_acceptance.sh --budget-s 480 --work /tmp/acc; echo rc=$?);
+#             (bash benchmarks/gpu_acceptance.sh --budget-s 520 --work /tmp/acc; echo rc=$?);
 #             cp /tmp/acc/table.md /tmp/acc/results.json /tmp/acc/measured_gpu.json $OUT/ 2>/dev/null;
 #             tar czf $OUT/logs.tgz -C /tmp/acc logs")
 #   3. Paste WORK/table.md into benchmarks/RESULTS.md ("GPU acceptance") with the card's name, and copy

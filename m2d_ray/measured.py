@@ -2,8 +2,9 @@
 
 The figures that a CPU cannot give and the plan and the trainer need: the stage-2 step's efficiency per targets mode
 (`plan.efficiency`), the fastest exact KL kernel per mode (`distill.kl_kernel: auto`), each unit's start-up on a GPU
-(`plan.gpu_*_s`), the whole tiny run's stage walls the bill is held to (tests/unit/test_plan_measured_gpu.py), and
-the acceptance call's own parts' seconds (its planner's priors). `benchmarks/gpu/acceptance.py` writes a file of this
+(`plan.gpu_*_s`), the whole tiny run's stage walls the bill is held to (tests/unit/test_plan_measured_gpu.py), the
+student's attention implementation measured fastest on the card (distill/gpu.py), and the acceptance call's own parts'
+seconds (its planner's priors). `benchmarks/gpu/acceptance.py` writes a file of this
 form (WORK/measured_gpu.json) from what it measured; copying it over this one is how a GPU session updates them, so
 that no figure is copied by hand.
 """
@@ -28,6 +29,7 @@ class GpuMeasured:
     start_s: dict  # a unit's start-up on a GPU: actor, trial, student, model (seconds)
     run: dict  # the whole tiny run: its overrides of experiments/tiny.yaml and its stages' walls (walls_s)
     parts_s: dict  # the acceptance call's parts, seconds each took (its priors)
+    attention: dict  # the student's attention measured fastest: {implementation, device, tokens_per_s} ({}: none)
 
     @classmethod
     def from_dict(cls, raw: dict) -> GpuMeasured:

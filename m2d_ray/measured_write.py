@@ -62,9 +62,15 @@ def efficiencies(measured: dict[str, float]) -> dict[str, float]:
 def measured_file(results: dict, device: str | None, when: str) -> dict:
     """measured_gpu.json as the call whose `results` (its results.json: env, parts' dicts) measured it."""
     old, parts = gpu(), results["parts"]
-    p7, run = parts.get("P7", {}), parts.get("run", {})
+    p7, paper, run = parts.get("P7", {}), parts.get("P7-paper", {}), parts.get("run", {})
     kernel = parts.get("P7-head", {}).get("kl_kernel") or p7.get("kl_kernel") or {}  # the real head's, first
-    eff = efficiencies({m: x["efficiency"] for m, x in ((p7.get("efficiency") or {}).get("modes") or {}).items()})
+    # plan.efficiency: the paper student's step where it ran (its mode), the h100 preset's for the other modes
+    eff = {
+        m: x["efficiency"]
+        for part in (p7, paper)
+        for m, x in ((part.get("efficiency") or {}).get("modes") or {}).items()
+    }
+    eff = efficiencies(eff)
     new = GpuMeasured(
         source=f"benchmarks/gpu/acceptance.py on {device}, {when} ({results['env']})",
         device=device or old.device,
@@ -76,6 +82,7 @@ def measured_file(results: dict, device: str | None, when: str) -> dict:
             **old.parts_s,
             **{n: {k: x[k] for k in ("variant", "seconds")} for n, x in parts.items() if "variant" in x},
         },
+        attention=parts.get("P7-paper", {}).get("attention") or old.attention,
     )
     if run.get("walls") and run.get("status") == "ok":
         walls = {k: round(v, 1) for k, v in run["walls"].items()}

@@ -39,18 +39,19 @@ _ROWS = {
 #: science/precision_trajectories.py) and their tests, by name: {field of SHAPE or RUN: value}
 STEP_PRESETS = {name: dict(zip(SHAPE + RUN, row)) for name, row in _ROWS.items()}
 
-# the paper student's head (Qwen3: vocabulary 151,936, hidden 2048) at 4096-token sequences, 2 decoder layers: the
-# head and the KL at the shapes that cost money, every path and kernel side by side in 80 GB (by arithmetic, not
-# measured: a 0.72B student, ~13 GB a bf16-mixed path (weights 2, float32 gradient sums 4, masters 4, moments 8
-# bytes a parameter), 11.5 GB the fp32 one, a 2.5 GB teacher, and the plain loop's whole [4096 x V] float32
-# logits ~12 GB at its step: ~78 GB with platform, loop, fp32, compiled and liger; a third layer would not fit)
+# the paper student's head (Qwen3: vocabulary 151,936, hidden 2048, 32 query heads) at the paper's micro-batch of 4 x
+# 4096 tokens, 2 decoder layers: the head and the KL at the shapes that cost money, every path and kernel side by side
+# (by arithmetic, not measured: a 0.72B student, ~13 GB a bf16-mixed path (weights 2, float32 gradient sums 4, masters
+# 4, moments 8 bytes a parameter), 11.5 GB the fp32 one, a 2.5 GB teacher, and the plain loop's whole [16,384 x V]
+# float32 logits, their log-softmax and gradient ~40 GB at its step: ~95 GB with platform, loop, fp32 and liger, an
+# H200's 141 GB; on an 80 GB card run it with --paths platform and fewer kernels)
 STEP_PRESETS["head"] = {
     **STEP_PRESETS["h100"],
     "heads": 32,  # the paper student's 32 query heads of 128 (4 key/value heads)
     "layers": 2,
     "vocab": 151936,
     "seq_len": 4096,
-    "batch": 1,
+    "batch": 4,  # the paper's micro-batch, 16,384 tokens: Liger sizes its chunks by it (distill/kernels.py)
     "warmup": 2,
     "steps": 6,
 }
@@ -65,10 +66,11 @@ STEP_PRESETS["head"] = {
 # parameters, ~60 GB of weights, float32 masters, sums and moments on one rank, activations as the plan's checkpointing
 # decides for the device (`checkpointing`: auto).
 STEP_PRESETS["paper"] = {
-    **dict(zip(SHAPE + RUN, (2048, 48, 32, 4, 128, 128, 768, 8, 151936, "cuda", 4096, 4, 1, 4))),
+    **dict(zip(SHAPE + RUN, (2048, 48, 32, 4, 128, 128, 768, 8, 151936, "cuda", 4096, 4, 2, 4))),
     "teacher_layers": 1,
     "targets": "hidden",
     "checkpointing": "auto",
+    "one_path_at_a_time": True,  # a path's optimizer state alone is ~60 GB: P7 runs its paths one after the other
 }
 
 

@@ -158,3 +158,23 @@ def forbid(monkeypatch, module, name: str, why: str) -> None:
     for mod in [m for n, m in sys.modules.items() if n == "m2d_ray" or n.startswith("m2d_ray.")]:
         if getattr(mod, name, None) is original:
             monkeypatch.setattr(mod, name, refused)
+
+
+@pytest.fixture
+def compiled_graphs(monkeypatch) -> list:
+    """distill.compile's backend swapped for AOT autograd's capture without inductor's code generation (minutes on two
+    cores), recording each graph it is handed: the list a test reads to see what was compiled."""
+    import torch
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from m2d_ray.distill import kernels
+
+    graphs: list = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(kernels, "COMPILE_BACKEND", recording)
+    return graphs

@@ -1,10 +1,16 @@
 """GPU acceptance call (driven by benchmarks/gpu_acceptance.sh): what stage 2 runs now, planned against a device budget.
 
-    part    what runs                                                    figures
-    P7-head perf.distill_step --preset head: the paper student's    the head + KL's share of the step, each
-            head (V 151,936, d 2048) at 4096 tokens, online + hidden,     kernel's tok/s and step peak, bf16-mixed's
-            platform + plain loop + fp32 + every kernel (first: it sets   spread vs fp32; the kernel auto uses (and
-            the kernel auto uses, at the shapes that cost money)          where it was measured)
+    part     what runs                                                   figures
+    P7-paper perf.distill_step --preset paper: the paper's student       tok/s and MFU (against the data sheet and
+             (48 x 2048, 32/4 heads, FFN 6144, V 151,936), 4 x 4096       the measured matmul rate) of the platform,
+             tokens, from cached hidden states on one rank, checkpointed  the plain loop and each lever; each path's
+             as `m2d plan` decides for this GPU; platform, plain loop and  peak beside the plan's; the attention the
+             each lever (checkpointing, compiled layers, attention), one   student dispatches to and the fastest
+             path at a time (first: the step the bill rests on)           implementation; plan.efficiency (hidden)
+    P7-head  perf.distill_step --preset head: the paper student's         the head + KL's share of the step, each
+             head (V 151,936, d 2048, 32 heads) at 4 x 4096 tokens,       kernel's tok/s and step peak, bf16-mixed's
+             online + hidden, platform + plain loop + fp32 + every kernel spread vs fp32; the kernel auto uses (and
+             (it sets the kernel auto uses, at the paper's micro-batch)   where it was measured)
     P7      perf.distill_step --preset h100, online, hidden,        per mode: platform, DeepSpeed and plain-loop
             sampled:64: DistillStep (plain torch, DeepSpeed ZeRO-2, and   tok/s at equal numerics (bf16-mixed), both
             each exact-KL kernel: chunked, liger) against a       ratios, MFU, each kernel's tok/s, step peak
@@ -18,10 +24,12 @@
     tokens  p9_corpus_tokens.py: the Ray Data token pass (4 actors)        tokens/s, ratio, identical shards
             against one loop, on a generated Parquet corpus
     memory  plan_measured.py --device cuda: the memory plan against       the largest deviation (bound 25%)
-            torch.cuda.max_memory_allocated (when the budget allows)
+            torch.cuda.max_memory_allocated (the time it takes: ~125 s)
     P5      calibration at Qwen3-30B-A3B's layer shapes (make_teacher.py;  stats TFLOP/s vs the bf16 matmul (target >=
             calibrate() whole and layer-streamed) against a bf16 8192^3    60%), streamed = whole
             matmul (when the budget allows)
+The required parts, in this order, fit one 540-s call: the paper student, the kernels at its micro-batch, the memory
+plan; P5, P7 at the h100 preset, the whole run and the token pass follow as the budget allows.
 
 Planning. Each part has variants, largest first, with an estimate of its seconds: what the last call measured of that
 variant (m2d_ray/measured_gpu.json, "parts_s"), else a guess (the table prints both beside the measured seconds).
@@ -119,8 +127,9 @@ def run_p7(ctx: Ctx, v: Variant) -> dict:
     a, name = v.args, v.args.get("name", "P7")
     log = name.lower().replace("-", "_")
     cmd = [PY, "-m", "benchmarks.perf.distill_step", "--preset", a["preset"], "--targets", a["targets"]]
-    keys = ("paths", "kernels", "steps", "warmup", "threads", "precision", "meta_rehearsal")
+    keys = ("paths", "kernels", "levers", "steps", "warmup", "threads", "precision", "meta_rehearsal")
     cmd += [x for k in keys if k in a for x in (f"--{k.replace('_', '-')}", a[k])]
+    cmd += ["--one-path-at-a-time"] if a.get("one_path_at_a_time") else []
     ctx.json_out(log).unlink(missing_ok=True)
     try:
         rc, _ = ctx.sh([*cmd, "--json-out", ctx.json_out(log)], log, check=False)
@@ -134,13 +143,14 @@ def run_p7(ctx: Ctx, v: Variant) -> dict:
     modes = final["targets"] if final else got.get("modes", {})
     device = final["device"] if final else gpu_name() if ctx.cuda else None
     rows = [(f"{name} {m}", p7_figures(r)) for m, r in modes.items()]
+    rows += [(f"{name} {m} levers", lever_figures(r)) for m, r in modes.items() if lever_figures(r)]
     rehearsal = got.get("meta_rehearsal")
     if rehearsal:
         rows.insert(0, (f"{name} meta", f"the head's GPU branch on meta tensors: {rehearsal}"))
-    eff = efficiency(modes, device, ctx) if modes and name == "P7" else None
+    eff = efficiency(modes, device, ctx) if modes and name in ("P7", "P7-paper") else None
     if eff:
         per = ", ".join(f"{m} {x['efficiency']:.3f}" for m, x in eff["modes"].items())
-        rows.append(("efficiency", f"{eff['key']}: {per} ({eff['peak']})"))
+        rows.append((f"{name} efficiency", f"{eff['key']}: {per} ({eff['peak']})"))
     return {
         "rows": rows or [(name, "no mode finished")],
         "failed": failed,
@@ -149,9 +159,33 @@ def run_p7(ctx: Ctx, v: Variant) -> dict:
         "kl_kernel": {
             m: {"kernel": r["kl_kernel"], "device": device, **r["measured_at"]}
             for m, r in modes.items()
-            if m in ("online", "hidden")
+            if m in ("online", "hidden") and name != "P7-paper"  # the paper part runs chunked (kernels: P7-head)
         },
+        "attention": next((r["attention"] for r in modes.values() if r.get("attention")), None),
     }
+
+
+def lever_figures(r: dict) -> str:
+    """Each lever's tok/s against the platform's, its MFU against the data sheet, its trajectory gap and its peak
+    beside the plan's bytes for it; the paths that failed or were left out, with why."""
+    base = r.get("platform_tokens_per_s")
+    sheet = r.get("lever_mfu_datasheet") or {}
+    plan = r.get("peak_vs_plan") or {}
+    out = [
+        f"{n.removeprefix('lever:')} {t:,.0f} tok/s ({t / base:.2f}x"
+        + (f", MFU {sheet[n]:.1%} of the data sheet" if n in sheet else "")
+        + f", gap {r['gap'][n]:.1e}"
+        + (f", peak {plan[n]:.2f}x the plan" if n in plan else "")
+        + ")"
+        for n, t in r.get("tokens_per_s", {}).items()
+        if n.startswith("lever:") and base
+    ]
+    if "platform" in plan:
+        out.insert(0, f"platform ({r.get('checkpointing')}) peak {plan['platform']:.2f}x the plan's path")
+    if r.get("attention"):
+        out.append(f"attention: {r['attention']['implementation']} fastest")
+    out += [f"{n} left out ({why})" for n, why in (r.get("levers_skipped") or {}).items()]
+    return "; ".join(out)
 
 
 def gpu_name() -> str:
@@ -186,7 +220,9 @@ def p7_figures(r: dict) -> str:
     return (
         f"tok/s platform {tps('platform_tokens_per_s')}, DeepSpeed {tps('platform_deepspeed_tokens_per_s')}, "
         f"plain loop {tps('reference_tokens_per_s')}: ratio {ratio(r.get('ratio'))}, DeepSpeed "
-        f"{ratio(r.get('deepspeed_ratio'))}; MFU {pct(r.get('mfu'))} (loop {pct(r.get('reference_mfu'))}); {share}"
+        f"{ratio(r.get('deepspeed_ratio'))}; MFU {pct(r.get('mfu'))} of the measured matmul rate, "
+        f"{pct(r.get('mfu_datasheet'))} of the data sheet (loop {pct(r.get('reference_mfu'))}, "
+        f"{pct(r.get('reference_mfu_datasheet'))}); {share}"
         f"kernels: {kernels or 'chunked only'} -> auto: {r.get('kl_kernel', 'chunked')}{spread}{agree}"
     )
 
@@ -475,6 +511,18 @@ RUN_SMOKE = {  # the CPU rehearsal's run: experiments/smoke.yaml and what it cha
 # no DeepSpeed path (its CPU op compiles for ~80 s the first time in a checkout; the path is the same code with a flag);
 # one thread (a core busy with another process stalls every 2-thread OpenMP region: RESULTS.md's header)
 P7_SMOKE = {"preset": "smoke", "targets": "online,hidden,sampled:8", "paths": "platform,reference", "threads": 1}
+# the paper part rehearsed: one path at a time, bf16-mixed, a checkpointing lever beside the platform and the loop
+P7_PAPER_SMOKE = {
+    "name": "P7-paper",
+    "preset": "smoke",
+    "targets": "hidden",
+    "paths": "platform,reference",
+    "levers": "ckpt:selective",
+    "one_path_at_a_time": True,
+    "threads": 1,
+    "precision": "bf16-mixed",
+    "steps": "3",
+}
 # the real-head part rehearsed: bf16-mixed (its fp32 spread path and the kernel admission), and the head's GPU branch
 # at the real head's shapes on meta tensors (numerics.tensor_cores forced: what a GPU's first step would fail at)
 P7_HEAD_SMOKE = {
@@ -508,8 +556,12 @@ def measured(part: str, label: str, guess: float, args: dict) -> Variant:
     return Variant(label, prior(part, label, guess), args)
 
 
-HEAD_FULL = "head preset (V 151,936, d 2048, 4096 tokens), online,hidden, 2 paths + fp32 + kernels, 2 + 6 steps"
-HEAD_SHORT = "head preset, online, 2 paths + fp32 + kernels, 1 + 3 steps"
+PAPER_FULL = "paper preset (48 x 2048, V 151,936, 4 x 4096 tokens), hidden, platform + plain loop + levers, 2 + 4 steps"
+PAPER_SHORT = "paper preset, hidden, platform + plain loop + compiled layers, 1 + 3 steps"
+HEAD_FULL = (
+    "head preset (V 151,936, d 2048, 32 heads, 4 x 4096 tokens), online,hidden, 2 paths + fp32 + kernels, 2 + 6 steps"
+)
+HEAD_SHORT = "head preset (4 x 4096 tokens), online, 2 paths + fp32 + kernels, 1 + 3 steps"
 
 
 def parts(cuda: bool, gpus: int) -> list[Part]:
@@ -517,6 +569,16 @@ def parts(cuda: bool, gpus: int) -> list[Part]:
     last call measured of a variant (`prior`), else a guess; or for the CPU smoke on 2 cores."""
     if not cuda:
         return [
+            Part(
+                "P7-paper",
+                True,
+                (
+                    Variant(
+                        "smoke preset, hidden, one path at a time, platform + plain loop + a lever", 20, P7_PAPER_SMOKE
+                    ),
+                ),
+                run_p7,
+            ),
             Part(
                 "P7-head",
                 True,
@@ -555,8 +617,18 @@ def parts(cuda: bool, gpus: int) -> list[Part]:
     run = gpu_overrides(gpus) + RUN_SHORT
     paths = "platform,platform_deepspeed,reference"
     head = "online,hidden"
-    head_paths = "platform,reference,platform_compiled"  # + platform_fp32 and every kernel, added by P7 itself
+    head_paths = "platform,reference"  # + platform_fp32 and every kernel, added by P7 itself
+    paper = {"name": "P7-paper", "preset": "paper", "targets": "hidden", "paths": "platform,reference"}
     return [
+        Part(
+            "P7-paper",
+            True,
+            (
+                measured("P7-paper", PAPER_FULL, 200, paper),
+                measured("P7-paper", PAPER_SHORT, 120, {**paper, "levers": "compile", "warmup": 1, "steps": 3}),
+            ),
+            run_p7,
+        ),
         Part(
             "P7-head",
             True,
@@ -584,8 +656,26 @@ def parts(cuda: bool, gpus: int) -> list[Part]:
             run_p7,
         ),
         Part(
-            "P7",
+            "memory",
             True,
+            (
+                Variant("all cases, mid sizes", 300, {"flags": []}),  # --small took 125 s, twice its guess
+                Variant("all cases, --small", 60, {"flags": ["--small"]}),
+            ),
+            run_memory,
+        ),
+        Part(
+            "P5",
+            False,
+            (
+                Variant("4 layers, 262,144 tokens", 150, {"layers": 4, "tokens": 262144, "seq_len": 2048}),
+                Variant("2 layers, 65,536 tokens", 70, {"layers": 2, "tokens": 65536, "seq_len": 2048}),
+            ),
+            run_p5,
+        ),
+        Part(
+            "P7",
+            False,
             (
                 measured(
                     "P7",
@@ -617,7 +707,7 @@ def parts(cuda: bool, gpus: int) -> list[Part]:
         ),
         Part(
             "run",
-            True,
+            False,
             tuple(
                 measured("run", f"tiny.yaml, {g}, hidden targets", est, {"overrides": run + grid})
                 for (g, grid), est in zip(RUN_GRIDS.items(), (320, 200))
@@ -626,30 +716,12 @@ def parts(cuda: bool, gpus: int) -> list[Part]:
         ),
         Part(
             "tokens",
-            True,
+            False,
             (
                 Variant("50 MB corpus, loop + ray4", 100, {"mb": 50, "shard_mb": 25, "modes": ["loop", "ray4"]}),
                 Variant("25 MB corpus, loop + ray4", 60, {"mb": 25, "shard_mb": 25, "modes": ["loop", "ray4"]}),
             ),
             run_tokens,
-        ),
-        Part(
-            "memory",
-            False,
-            (
-                Variant("all cases, mid sizes", 150, {"flags": []}),
-                Variant("all cases, --small", 60, {"flags": ["--small"]}),
-            ),
-            run_memory,
-        ),
-        Part(
-            "P5",
-            False,
-            (
-                Variant("4 layers, 262,144 tokens", 150, {"layers": 4, "tokens": 262144, "seq_len": 2048}),
-                Variant("2 layers, 65,536 tokens", 70, {"layers": 2, "tokens": 65536, "seq_len": 2048}),
-            ),
-            run_p5,
         ),
     ]
 

@@ -75,6 +75,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import cpu_model, machine_line, write_json
+from benchmarks.perf.paper_step import rehearsal_lines
 from m2d_ray.local_group import free_port
 from m2d_ray.random_models import STEP_PRESETS, teacher_and_student
 
@@ -195,8 +196,9 @@ def trajectory_gap(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b)) / max(statistics.fmean(abs(y) for y in b), 1e-12)
 
 
-def builders(teacher, cfg, device: str, precision, spec, head, kernels: list[str]) -> dict:
-    """Path name -> a function of a fresh student giving (step, take_loss)."""
+def builders(teacher, cfg, device: str, precision, spec, head, kernels: list[str], levers: list[str] = ()) -> dict:
+    """Path name -> a function of a fresh student giving (step, take_loss). Every path checkpoints the student as
+    cfg.checkpointing says; a lever path changes one thing of the platform's step (`lever_path`)."""
     from m2d_ray.config import DistillConfig
     from m2d_ray.distill.precision import PRECISIONS
 
@@ -222,11 +224,102 @@ def builders(teacher, cfg, device: str, precision, spec, head, kernels: list[str
         out[f"platform:{k}"] = lambda s, k=k: platform_path(
             s, teacher.model, with_(kl_kernel=k), device, precision, spec, head
         )
-    return out
+    for lever in levers:
+        out[f"lever:{lever}"] = lambda s, lever=lever: lever_path(
+            s, teacher.model, cfg, with_, lever, device, precision, spec, head
+        )
+    return {n: _checkpointed(make, cfg.checkpointing) for n, make in out.items()}
 
 
-def run_mode(text: str, p: dict, teacher, student0, ids: list, cfg, names: list[str], precision, kernels) -> dict:
-    """One targets mode: every path from the same initial student on the same batches, in turns; its figures."""
+def _checkpointed(make, policy: str):
+    """A path builder whose fresh student is first checkpointed as `policy` says (a lever may set its own after)."""
+    from m2d_ray.distill import checkpointing
+
+    def build(student):
+        checkpointing.apply(student, policy)
+        return make(student)
+
+    return build
+
+
+#: the levers of a fast step P7 measures one at a time against the platform's own step (`--levers`):
+#: ckpt:POLICY  activation checkpointing none / selective / full instead of the plan's
+#: compile      the decoder layers compiled one by one (distill.compile), the head eager
+#: attn:IMPL    the student's attention implementation (sdpa, flash_attention_2)
+LEVERS = ("ckpt:none", "ckpt:selective", "ckpt:full", "compile", "attn:sdpa", "attn:flash_attention_2")
+
+
+def lever_path(student, teacher, cfg, with_, lever: str, device: str, precision, spec, head):
+    """The platform's step (chunked KL) with one lever changed."""
+    from m2d_ray.distill import checkpointing
+
+    if lever not in LEVERS:
+        raise SystemExit(f"--levers: unknown lever {lever!r} (known: {', '.join(LEVERS)})")
+    what, _, value = lever.partition(":")
+    if what == "ckpt":
+        for layer in checkpointing.decoder_layers(student):
+            layer.gradient_checkpointing = False
+        checkpointing.apply(student, value)
+        return platform_path(
+            student, teacher, with_(kl_kernel="chunked", checkpointing=value), device, precision, spec, head
+        )
+    if what == "attn":
+        student.set_attn_implementation(value)
+        return platform_path(student, teacher, with_(kl_kernel="chunked"), device, precision, spec, head)
+    return platform_path(student, teacher, with_(kl_kernel="chunked", compile=True), device, precision, spec, head)
+
+
+def attention_choice(tps: dict, gaps: dict, tol: float, student0) -> dict | None:
+    """The student's attention implementation whose step was fastest among the platform's own and the `attn:` levers
+    that agree with it (what distill/gpu.py's attention_implementation reads back from measured_gpu.json on the same
+    card); None where no attention lever ran."""
+    ran = {n: n.removeprefix("lever:attn:") for n in tps if n.startswith("lever:attn:") and gaps[n] <= tol}
+    if not ran:
+        return None
+    ran["platform"] = student0.config._attn_implementation
+    best = max(ran, key=tps.get)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"implementation": ran[best], "device": device, "tokens_per_s": {ran[n]: tps[n] for n in ran}}
+
+
+def attention_ops(student0, p: dict) -> list[str]:
+    """The attention ops one forward of the student dispatches to on the preset's device (one sequence, no gradient):
+    on a GPU whether SDPA took its flash, cuDNN or efficient kernel for the student's grouped key/value heads, or its
+    math path (a [T x T] matrix a head, which no memory plan counts)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[str] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if ("attention" in name or "softmax" in name) and name not in seen:
+                seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    model = copy.deepcopy(student0).to(p["device"]) if p.get("one_path_at_a_time") else student0
+    ids = torch.zeros(1, p["seq_len"], dtype=torch.long, device=p["device"])
+    with torch.no_grad(), Record():
+        model.base_model(input_ids=ids, use_cache=False)
+    return seen
+
+
+def default_levers(device: str) -> str:
+    """Every lever that can run here: attention implementations only on a GPU, flash_attention_2 where flash-attn is
+    installed."""
+    import importlib.util
+
+    if device != "cuda":
+        return "ckpt:none,ckpt:selective,ckpt:full,compile"
+    flash = importlib.util.find_spec("flash_attn") is not None
+    return ",".join(lv for lv in LEVERS if lv != "attn:flash_attention_2" or flash)
+
+
+def run_mode(
+    text: str, p: dict, teacher, student0, ids: list, cfg, names: list[str], precision, kernels, levers=()
+) -> dict:
+    """One targets mode: every path from the same initial student on the same batches, in turns (or one path after
+    the other where the preset holds one at a time: the paper student's); its figures."""
     from m2d_ray.distill.targets import parse_targets
 
     device = p["device"]
@@ -237,53 +330,27 @@ def run_mode(text: str, p: dict, teacher, student0, ids: list, cfg, names: list[
         )
     head = teacher.model.get_output_embeddings().weight.detach()
     batches = mode_batches(ids, teacher.model, spec, pin=device == "cuda")
-    make = builders(teacher, cfg, device, precision, spec, head, kernels)
-    spread_path = precision.dtype != torch.float32  # the bf16 path's own spread against float32 admits kernels
-    names = [n for n in names if n in make] + [n for n in make if n.startswith("platform:")]
+    make = builders(teacher, cfg, device, precision, spec, head, kernels, levers)
+    low = precision.dtype != torch.float32
+    spread_path = low  # the bf16 path's own spread against float32 admits kernels
+    names = [n for n in names if n in make] + [n for n in make if n.startswith(("platform:", "lever:"))]
+    # bf16-mixed's spread (its step in float32) admits kernels; not at a preset that holds one path at a time (the
+    # paper student's float32 step needs ~2x its memory: its levers are held to the tolerance, and on the CPU to the
+    # spread by tests/unit/test_levers.py)
+    spread_path = spread_path and not p.get("one_path_at_a_time")
     names += ["platform_fp32"] if spread_path and "platform_fp32" not in names else []
-    failed: dict[str, str] = {}  # a kernel that cannot run here: recorded, and the others go on
-    paths = {}
-    for n in names:
-        with _kernel_failure(n, failed):
-            paths[n] = make[n](copy.deepcopy(student0).to(device).train())
+    run = one_at_a_time if p.get("one_path_at_a_time") else in_turns
+    times, losses, peaks, failed = run(names, make, student0, batches, p)
     names = [n for n in names if n not in failed]
-    times: dict[str, list[float]] = {n: [] for n in names}
-    losses: dict[str, list[float]] = {n: [] for n in names}
-    peaks: dict[str, int] = {n: 0 for n in names}
-    cuda = device == "cuda"
-    for i, batch in enumerate(batches):
-        for n in names[i % len(names) :] + names[: i % len(names)]:  # each path goes first in turn
-            if n in failed:
-                continue
-            step, take_loss = paths[n]
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                held = torch.cuda.memory_allocated()
-            t = time.perf_counter()
-            with _kernel_failure(n, failed):
-                step(batch)
-            if n in failed:
-                paths.pop(n)
-                continue
-            if cuda:
-                torch.cuda.synchronize()
-                peaks[n] = max(peaks[n], torch.cuda.max_memory_allocated() - held)
-            if i >= p["warmup"]:
-                times[n].append(time.perf_counter() - t)
-            losses[n].append(take_loss())
-    names = [n for n in names if n not in failed]
-    times, losses = {n: times[n] for n in names}, {n: losses[n] for n in names}
-    peaks = {n: peaks[n] for n in names}
-    del paths, batches
+    del batches
     gc.collect()
-    if cuda:
+    if device == "cuda":
         torch.cuda.empty_cache()
     tokens = p["batch"] * p["seq_len"]
     tps = {n: tokens / statistics.median(ts) for n, ts in times.items()}
     gaps = {n: trajectory_gap(losses[n], losses["platform"]) for n in names}
     spread = gaps.get("platform_fp32") if spread_path else None
-    tol = 2e-2 if spread_path else 1e-4  # what every path must agree within (else exit 1)
+    tol = 2e-2 if low else 1e-4  # what every path must agree within (else exit 1)
     admit = spread if spread_path else tol  # what a kernel must agree within to be chosen: bf16's own spread
     agreeing = [n for n in names if n == "platform" or (n.startswith("platform:") and gaps[n] <= admit)]
     best = max(agreeing, key=tps.get)
@@ -301,7 +368,7 @@ def run_mode(text: str, p: dict, teacher, student0, ids: list, cfg, names: list[
         "auto_tokens_per_s": tps[best],
         "flops_per_token": mode_flops(teacher, student0, spec, p["seq_len"]),
         "tokens_per_s": tps,
-        "peak_step_bytes": peaks if cuda else None,
+        "peak_step_bytes": peaks if device == "cuda" else None,
         "step_s": {n: [round(t, 4) for t in ts] for n, ts in times.items()},
         "losses": losses,
         "gap": gaps,
@@ -315,15 +382,99 @@ def run_mode(text: str, p: dict, teacher, student0, ids: list, cfg, names: list[
         "loss_last": {n: ls[-1] for n, ls in losses.items()},
         "losses_agree": max(g for n, g in gaps.items() if n != "platform_fp32") <= tol,
         "kernels_failed": failed,
+        "attention": attention_choice(tps, gaps, tol, student0),
     }
 
 
+def in_turns(names: list[str], make: dict, student0, batches: list, p: dict) -> tuple[dict, dict, dict, dict]:
+    """Every path built first, then one step each per batch, each going first in turn: (step seconds after the
+    warm-up, losses, each path's largest step peak above what it held, the paths that failed and why)."""
+    device, cuda = p["device"], p["device"] == "cuda"
+    failed: dict[str, str] = {}  # a kernel that cannot run here: recorded, and the others go on
+    paths = {}
+    for n in names:
+        with _kernel_failure(n, failed):
+            paths[n] = make[n](copy.deepcopy(student0).to(device).train())
+    names = [n for n in names if n not in failed]
+    times: dict[str, list[float]] = {n: [] for n in names}
+    losses: dict[str, list[float]] = {n: [] for n in names}
+    peaks: dict[str, int] = {n: 0 for n in names}
+    for i, batch in enumerate(batches):
+        for n in names[i % len(names) :] + names[: i % len(names)]:  # each path goes first in turn
+            if n in failed:
+                continue
+            step, take_loss = paths[n]
+            held = _window(cuda)
+            t = time.perf_counter()
+            with _kernel_failure(n, failed):
+                step(batch)
+            if n in failed:
+                paths.pop(n)
+                continue
+            if cuda:
+                torch.cuda.synchronize()
+                peaks[n] = max(peaks[n], torch.cuda.max_memory_allocated() - held)
+            if i >= p["warmup"]:
+                times[n].append(time.perf_counter() - t)
+            losses[n].append(take_loss())
+    kept = [n for n in names if n not in failed]
+    return {n: times[n] for n in kept}, {n: losses[n] for n in kept}, {n: peaks[n] for n in kept}, failed
+
+
+def one_at_a_time(names: list[str], make: dict, student0, batches: list, p: dict) -> tuple[dict, dict, dict, dict]:
+    """Each path alone on the device, one after the other (the paper student's optimizer state alone is ~60 GB):
+    built from the same initial student, every batch, then freed. A path's peak is the most the allocator held
+    from its build to its last step above what it held before it (its student, gradients, optimizer state,
+    activations and the KL's buffers: what the plan's rank counts besides the teacher's head and the cached
+    targets); a path that fails (out of memory, a kernel that cannot run) is recorded and the others go on."""
+    cuda = p["device"] == "cuda"
+    failed: dict[str, str] = {}
+    times: dict[str, list[float]] = {}
+    losses: dict[str, list[float]] = {}
+    peaks: dict[str, int] = {}
+    for n in names:
+        held = _window(cuda)
+        with _kernel_failure(n, failed, every=n != "platform"):
+            times[n], losses[n] = _alone(make[n], student0, batches, p)
+            peaks[n] = torch.cuda.max_memory_allocated() - held if cuda else 0
+        gc.collect()  # the path's student, optimizer and activations go with its frame
+        if cuda:
+            torch.cuda.empty_cache()
+    return times, losses, peaks, failed
+
+
+def _alone(make, student0, batches: list, p: dict) -> tuple[list[float], list[float]]:
+    """One path built from a copy of `student0` on the device and trained on every batch: its step seconds after the
+    warm-up and its losses (everything it held is freed with this frame)."""
+    step, take_loss = make(copy.deepcopy(student0).to(p["device"]).train())
+    ts, ls = [], []
+    for i, batch in enumerate(batches):
+        t = time.perf_counter()
+        step(batch)
+        if p["device"] == "cuda":
+            torch.cuda.synchronize()
+        if i >= p["warmup"]:
+            ts.append(time.perf_counter() - t)
+        ls.append(take_loss())
+    return ts, ls
+
+
+def _window(cuda: bool) -> int:
+    """Open a peak window on the device: what the allocator holds now (0 on a CPU)."""
+    if not cuda:
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
 @contextlib.contextmanager
-def _kernel_failure(name: str, failed: dict[str, str]):
-    """A kernel path (`platform:KERNEL`) or the compiled student (`platform_compiled`) that raises is recorded in
-    `failed` with its one line and left out; the part goes on with the other paths (what the GPU's libraries cannot
-    run must not hide every other figure). Any other path's failure is the part's."""
-    if not (name.startswith("platform:") or name == "platform_compiled"):
+def _kernel_failure(name: str, failed: dict[str, str], every: bool = False):
+    """A kernel path (`platform:KERNEL`), a lever (`lever:...`), the compiled student (`platform_compiled`), or with
+    `every` any path, that raises is recorded in `failed` with its one line and left out; the part goes on with the
+    other paths (what the GPU's libraries cannot run must not hide every other figure). Any other path's failure is
+    the part's."""
+    if not (every or name.startswith(("platform:", "lever:")) or name == "platform_compiled"):
         yield
         return
     try:
@@ -368,7 +519,17 @@ def head_kl_seconds(p: dict, cfg, precision, student0, teacher, kernel, device: 
 def meta_rehearsal(p: dict) -> dict:
     """The GPU branch of the head's numerics (numerics.tensor_cores forced) on `meta` tensors at the preset's head and
     tokens: the platform's chunked loss and the plain loop's logits, forward and backward, in bfloat16 (shapes and
-    dtypes only; nothing is computed or allocated). A CPU call proves here what a GPU would first fail at."""
+    dtypes only; nothing is computed or allocated). A CPU call proves here what a GPU would first fail at. For the
+    paper preset also its whole student under each checkpointing beside the plan (benchmarks/perf/paper_step.py)."""
+    head = _head_rehearsal(p)
+    if "teacher_layers" not in p:
+        return head
+    from benchmarks.perf import paper_step
+
+    return {**head, "student": paper_step.meta_rehearsal(p)}
+
+
+def _head_rehearsal(p: dict) -> dict:
     from m2d_ray import numerics
     from m2d_ray.distill.losses import chunked_kl
 
@@ -391,13 +552,69 @@ def meta_rehearsal(p: dict) -> dict:
     return {"tokens": tokens, "vocab": v, "hidden": d, "platform_grads": platform, "reference_grads": reference}
 
 
-def add_mfu(m: dict, rate: float) -> dict:
+def add_mfu(m: dict, rate: float, peak: float | None = None) -> dict:
     """The mode's MFU (what distill.kl_kernel=auto would run: the platform with the mode's kl_kernel) and the plain
-    loop's, against the matmul rate `rate`."""
-    m["mfu"] = m["auto_tokens_per_s"] * m["flops_per_token"] / rate
-    m["reference_mfu"] = (
-        m["reference_tokens_per_s"] * m["flops_per_token"] / rate if m["reference_tokens_per_s"] else None
-    )
+    loop's, against the matmul rate `rate` measured in this run, and against the device's data-sheet bf16 peak
+    (`peak`, default `datasheet_peak()`; None on a CPU): the measured rate is ~0.8 of the data sheet on an H100/H200,
+    so the two figures differ by that much and each is said with what it is against."""
+    peak = peak if peak is not None else datasheet_peak()
+    for key, tps in (("mfu", m["auto_tokens_per_s"]), ("reference_mfu", m["reference_tokens_per_s"])):
+        m[key] = tps * m["flops_per_token"] / rate if tps else None
+        m[f"{key}_datasheet"] = tps * m["flops_per_token"] / peak if tps and peak else None
+    m["lever_mfu_datasheet"] = {
+        n: t * m["flops_per_token"] / peak for n, t in m["tokens_per_s"].items() if peak and n.startswith("lever:")
+    }
+    m["matmul_rate_vs_datasheet"] = rate / peak if peak else None
+    return m
+
+
+def datasheet_peak() -> float | None:
+    """The data-sheet dense bf16 peak of this process's GPU (accelerators.GPU_PEAK_BF16, by the longest type name in
+    the device's name); None on a CPU or an unlisted card."""
+    from m2d_ray.accelerators import GPU_PEAK_BF16
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    key = next((k for k in sorted(GPU_PEAK_BF16, key=len, reverse=True) if k in name), None)
+    return GPU_PEAK_BF16[key] if key else None
+
+
+def checkpointing_of(p: dict, device: str) -> tuple[str, dict]:
+    """The preset's activation checkpointing and what the plan says of it: `auto` (the paper preset) is what
+    `m2d plan experiments/qwen3_30b_a3b.yaml` decides at one rank for this GPU's memory, with the plan's rank for
+    each policy; a preset without it trains with none (no plan to compare)."""
+    if p.get("checkpointing") != "auto":
+        return p.get("checkpointing", "none"), {}
+    from benchmarks.perf.paper_step import POLICIES, paper_plan
+
+    memory = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 141 * 10**9
+    decided = paper_plan(memory)
+    plans = {policy: paper_plan(memory, (f"distill.checkpointing={policy}",)) for policy in POLICIES}
+    for x in plans.values():  # what a P7 path holds itself of the rank the plan counts
+        x["path_bytes"] = sum(v for k, v in x["parts"].items() if k in PATH_PARTS)
+    return decided["checkpointing"], {"decided": decided, "policies": plans, "gpu_memory": memory}
+
+
+#: the parts of the plan's stage-2 rank that a P7 path holds itself (the teacher's head, the cached targets and the
+#: CUDA context are the benchmark's, held before any path)
+PATH_PARTS = ("student", "grads", "optimizer", "activations", "kl")
+
+
+def beside_plan(m: dict, plans: dict, policy: str) -> dict:
+    """Each path's step peak beside the plan's bytes for the same work (its checkpointing: a ckpt lever's own, else
+    the decided one), where the preset has a plan."""
+    if not plans:
+        return m
+    planned = {pol: x["path_bytes"] for pol, x in plans["policies"].items()}
+
+    def policy_of(name: str) -> str:
+        return name.removeprefix("lever:ckpt:") if name.startswith("lever:ckpt:") else policy
+
+    m["plan_path_bytes"] = {n: planned[policy_of(n)] for n in m["peak_step_bytes"] or {}}
+    m["peak_vs_plan"] = {n: b / planned[policy_of(n)] for n, b in (m["peak_step_bytes"] or {}).items()}
+    m["plan_rank_bytes"] = plans["decided"]["rank_bytes"]
+    m["checkpointing"] = policy
     return m
 
 
@@ -427,7 +644,12 @@ def default_kernels(device: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", choices=sorted(STEP_PRESETS), default="cpu")
-    ap.add_argument("--targets", default="online", help="comma-separated: online, hidden, sampled:N (default: online)")
+    ap.add_argument("--targets", help="comma-separated: online, hidden, sampled:N (default: the preset's, else online)")
+    ap.add_argument(
+        "--levers",
+        help=f"levers timed one at a time beside the platform's step, comma-separated ({', '.join(LEVERS)}; default: "
+        "on the paper preset every one that can run here, else none)",
+    )
     ap.add_argument("--steps", type=int, help="timed steps per path (default: the preset's)")
     ap.add_argument("--warmup", type=int, help="untimed steps per path first (default: the preset's)")
     ap.add_argument("--threads", type=int, help="torch threads on CPU (default: torch's)")
@@ -436,12 +658,24 @@ def main() -> None:
     ap.add_argument(
         "--meta-rehearsal",
         choices=sorted(STEP_PRESETS),
-        help="first run the head's GPU branch on meta tensors at this preset's head and tokens (a CPU rehearsal)",
+        help="first run the head's GPU branch on meta tensors at this preset's head and tokens, and for the paper "
+        "preset its whole student under each checkpointing beside the plan (a CPU rehearsal)",
     )
     ap.add_argument(
         "--kernels",
         default=None,
         help="exact-KL kernels timed beside chunked, comma-separated (default: on a GPU every one that imports here)",
+    )
+    ap.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="print the preset's checkpointing and what `m2d plan` says of each policy's rank (on a CPU: at an "
+        "H200's 141 GB) as one JSON line, and stop (no model is built)",
+    )
+    ap.add_argument(
+        "--one-path-at-a-time",
+        action="store_true",
+        help="build, train and free each path in turn (the paper preset's way) instead of taking turns step by step",
     )
     ap.add_argument(
         "--json-out",
@@ -450,11 +684,20 @@ def main() -> None:
     a = ap.parse_args()
     p = dict(STEP_PRESETS[a.preset])
     p["steps"], p["warmup"] = a.steps or p["steps"], a.warmup if a.warmup is not None else p["warmup"]
+    p["one_path_at_a_time"] = p.get("one_path_at_a_time") or a.one_path_at_a_time
     if a.threads:
         torch.set_num_threads(a.threads)
     device = p["device"]
+    if a.plan_only:
+        policy, plans = checkpointing_of(p, device)
+        print(json.dumps({"preset": a.preset, "checkpointing": policy, "plan": plans}))
+        write_json(a.json_out, {"checkpointing": policy, "plan": plans})
+        return
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--preset {a.preset} needs a CUDA device")
+    bad = [lv for lv in (a.levers or "").split(",") if lv and lv not in LEVERS]
+    if bad:
+        raise SystemExit(f"--levers: unknown {', '.join(bad)} (known: {', '.join(LEVERS)})")
     from m2d_ray.config import DistillConfig
     from m2d_ray.distill.flops import matmul_rate
     from m2d_ray.distill.precision import for_device
@@ -463,30 +706,47 @@ def main() -> None:
     if a.meta_rehearsal:
         record["meta_rehearsal"] = meta_rehearsal(STEP_PRESETS[a.meta_rehearsal])
         print(json.dumps({"meta_rehearsal": record["meta_rehearsal"]}), flush=True)
+        for line in rehearsal_lines(record["meta_rehearsal"].get("student") or {"policies": {}}):
+            print(line, file=sys.stderr)
         write_json(a.json_out, record)
     precision = for_device(a.precision, device)  # what stage 2 trains in
     kernels = [k for k in (default_kernels(device) if a.kernels is None else a.kernels).split(",") if k]
+    levers = a.levers if a.levers is not None else default_levers(device) if "teacher_layers" in p else ""
+    levers = [lv for lv in levers.split(",") if lv]
+    policy, plans = checkpointing_of(p, device)
+    record["plan"] = plans
     print(machine_line(), file=sys.stderr)
     t0 = time.perf_counter()
     teacher, student0 = teacher_and_student(p, precision.dtype)
+    if p.get("one_path_at_a_time"):  # the initial student waits on the host: each path copies it to the device
+        student0 = student0.to("cpu")
     rate = matmul_rate(device, precision.dtype)
     n_steps = p["warmup"] + p["steps"]
     cfg = DistillConfig(
-        steps=n_steps, warmup_steps=max(1, n_steps // 4), batch_size=p["batch"], seq_len=p["seq_len"], deepspeed=False
+        steps=n_steps,
+        warmup_steps=max(1, n_steps // 4),
+        batch_size=p["batch"],
+        seq_len=p["seq_len"],
+        deepspeed=False,
+        checkpointing=policy,
     )
+    record["attention_ops"] = attention_ops(student0, p)
+    print(f"attention dispatches to {', '.join(record['attention_ops'])}", file=sys.stderr)
     gen = torch.Generator().manual_seed(1)
     ids = [torch.randint(0, p["vocab"], (p["batch"], p["seq_len"]), generator=gen).to(device) for _ in range(n_steps)]
     names = [n for n in a.paths.split(",") if n]
     if "platform_deepspeed" in names:
         init_process_group(device)
     print(
-        f"built in {time.perf_counter() - t0:.1f} s; {precision.name}; {len(names)} paths + kernels {kernels or '-'} x "
-        f"{p['warmup']} warm-up + {p['steps']} timed steps",
+        f"built in {time.perf_counter() - t0:.1f} s; {precision.name}; checkpointing {policy}; {len(names)} paths + "
+        f"kernels {kernels or '-'} + levers {levers or '-'} x {p['warmup']} warm-up + {p['steps']} timed steps"
+        + (", one path at a time" if p.get("one_path_at_a_time") else ""),
         file=sys.stderr,
     )
     modes = {}
-    for text in [t.strip() for t in a.targets.split(",") if t.strip()]:
-        modes[text] = add_mfu(run_mode(text, p, teacher, student0, ids, cfg, names, precision, kernels), rate)
+    for text in [t.strip() for t in (a.targets or p.get("targets", "online")).split(",") if t.strip()]:
+        m = run_mode(text, p, teacher, student0, ids, cfg, names, precision, kernels, levers)
+        modes[text] = add_mfu(beside_plan(m, plans, policy), rate)
         print(
             json.dumps(modes[text]), flush=True
         )  # MFU against the rate before the steps (a caller killed later keeps it)
@@ -511,6 +771,8 @@ def main() -> None:
         if device == "cuda"
         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "targets": modes,
+        "attention_ops": record["attention_ops"],
+        "plan": plans,
     }
     print(machine_line(), file=sys.stderr)
     print(json.dumps(out))

@@ -1,5 +1,5 @@
-"""The paper's student at its real shapes: what `m2d plan experiments/qwen3_30b_a3b.yaml` says of one stage-2 rank of it,
-and a rehearsal of its whole step on `meta` tensors (shapes and dtypes only: nothing is computed or allocated), for
+"""The paper's student at its real shapes: what `m2d plan experiments/qwen3_30b_a3b.yaml` says of one stage-2 rank of
+it, and a rehearsal of its whole step on `meta` tensors (shapes and dtypes only: nothing is computed or allocated), for
 benchmarks/perf/distill_step.py (`--preset paper`, `--meta-rehearsal paper`).
 
 The plan: the paper config at one rank (distill.workers=1, plain torch: at one rank ZeRO shards nothing), hidden
@@ -54,9 +54,10 @@ def paper_plan(gpu_memory: int, overrides: tuple[str, ...] = ()) -> dict:
 
 
 class LiveBytes(TorchDispatchMode):
-    """The bytes of the storages created under it that are still alive, and their peak: each op's outputs on a storage
-    not seen before (a view or an in-place result shares its input's) are counted until that storage is freed (a
-    finalizer on it: torch keeps a storage's Python object while any tensor, autograd's saved ones included, uses it)."""
+    """The bytes of the storages created under it that are still alive, and their peak: each op's outputs on a
+    storage not seen before (a view or an in-place result shares its input's) are counted until that storage is freed
+    (a finalizer on it: torch keeps a storage's Python object while any tensor, autograd's saved ones included, uses
+    it); a storage made before the mode (a weight) is never counted."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -69,7 +70,7 @@ class LiveBytes(TorchDispatchMode):
         self._seen.discard(key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        for a in tree_flatten((args, kwargs))[0]:  # a storage made before the mode (a weight) is never counted
+        for a in tree_flatten((args, kwargs))[0]:
             if isinstance(a, torch.Tensor) and a.untyped_storage()._cdata not in self._seen:
                 self._outside.add(a.untyped_storage()._cdata)
         out = func(*args, **(kwargs or {}))

@@ -96,6 +96,10 @@ class RunPlan:
     notes: tuple[str, ...] = ()  # what the plan assumed, said below the table
     decided: dict[str, str] = field(default_factory=dict)  # config key -> the value the plan decided for its auto
 
+    def decision_lines(self) -> list[str]:
+        """The notes that say what the plan decided for an auto setting, and why."""
+        return [n for n in self.notes if n.partition("=")[0] in self.decided]
+
     def overrides(self) -> list[str]:
         """The plan's decisions as key=value overrides: what a run applies to its config (and so records in it)."""
         return [f"{k}={v}" for k, v in self.decided.items()]

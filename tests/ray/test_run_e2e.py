@@ -18,6 +18,7 @@ import pytest
 from conftest import ROOT, multinode_unavailable
 
 from m2d_ray.cli import main
+from m2d_ray.config import load_config
 
 TINY = ROOT / "experiments" / "smoke.yaml"
 SHORT = [  # overrides of experiments/smoke.yaml: more data, two scorings and two K, the baselines
@@ -119,6 +120,10 @@ def test_m2d_run_whole_pipeline_then_resume(ray_address, tmp_path, capfd):
         list(out["stages"]) == ["calibrate", "stage1", "stage2", "stage3", "analysis", "report"]
         and "mlflow ui --backend-store-uri sqlite:///" in out["mlflow_ui"]
     )
+
+    # distill.checkpointing=auto was decided by the plan before any work, said once, and the run's config records it
+    assert load_config(run_dir / "config.yaml").distill.checkpointing == "none"  # a CPU host: every rank fits
+    assert sum("distill.checkpointing=auto: none" in ln for ln in shown) == 1
 
     # every promoted pair and the baselines were distilled, and every student + both teachers evaluated
     promotions = json.loads((run_dir / "promotions.json").read_text())["pairs"]

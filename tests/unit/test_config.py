@@ -190,3 +190,20 @@ def test_every_unit_kind_has_a_start_on_cpus_and_a_measured_one_on_a_gpu():
     assert set(measured.gpu().start_s) == set(UNITS)
     assert [plan.start_s(u, gpu=False) for u in UNITS] == [plan.actor_s, plan.trial_s, plan.student_s, plan.model_s]
     assert all(plan.start_s(u, gpu=True) == measured.gpu().start_s[u] for u in UNITS)
+
+
+def test_distill_gradient_checkpointing_of_earlier_versions_reads_as_checkpointing(capsys):
+    """A saved run's distill.gradient_checkpointing keeps running: true is full, false none, said in one line; with
+    both keys, or a value that is no boolean, one line asks for distill.checkpointing."""
+    assert load_config(None, ["distill.gradient_checkpointing=true"]).distill.checkpointing == "full"
+    assert load_config(None, ["distill.gradient_checkpointing=false"]).distill.checkpointing == "none"
+    assert capsys.readouterr().err.count("is read as distill.checkpointing=") == 2
+    for bad in (
+        ["distill.gradient_checkpointing=true", "distill.checkpointing=none"],
+        ["distill.gradient_checkpointing=2"],
+    ):
+        with pytest.raises(M2DError, match="distill.checkpointing"):
+            load_config(None, bad)
+    with pytest.raises(M2DError, match="did you mean 'selective'"):
+        load_config(None, ["distill.checkpointing=selectiv"])
+    assert load_config(None).distill.checkpointing == "auto"

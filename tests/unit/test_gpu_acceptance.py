@@ -81,6 +81,7 @@ def test_cpu_smoke_runs_every_required_part_and_writes_the_table_and_results(tmp
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert {k: v["status"] for k, v in results["parts"].items()} == {
+        "P7-paper": "ok",
         "P7-head": "ok",
         "P7": "ok",
         "run": "ok",
@@ -92,18 +93,24 @@ def test_cpu_smoke_runs_every_required_part_and_writes_the_table_and_results(tmp
         ln.split("|")[1].strip() for ln in table.splitlines() if ln.startswith("| ") and not ln.startswith("| part")
     ]
     assert names == [
+        "P7-paper hidden",
+        "P7-paper hidden levers",
+        "P7-paper efficiency",
         "P7-head meta",
         "P7-head online",
         "P7 online",
         "P7 hidden",
         "P7 sampled:8",
-        "efficiency",
+        "P7 efficiency",
         "run",
         "tokens",
     ]
     head = results["parts"]["P7-head"]
-    # the head's GPU branch ran at the paper student's head and 4096 tokens (meta tensors, the seam forced)
-    assert "'vocab': 151936" in table and "'tokens': 4096" in table and "torch.bfloat16" in table
+    # the head's GPU branch ran at the paper student's head and micro-batch (meta tensors, the seam forced)
+    assert "'vocab': 151936" in table and "'tokens': 16384" in table and "torch.bfloat16" in table
+    paper = results["parts"]["P7-paper"]["p7"]["targets"]["hidden"]  # one path at a time, a lever beside the platform
+    assert set(paper["tokens_per_s"]) == {"platform", "reference", "lever:ckpt:selective"} and paper["losses_agree"]
+    assert "ckpt:selective" in table and results["parts"]["P7-paper"]["efficiency"]["modes"]["hidden"]["efficiency"] > 0
     online = head["p7"]["targets"]["online"]  # bf16-mixed: its spread against float32 measured, kernels held to it
     assert online["bf16_spread"] > 0 and online["kernel_admission"] == online["bf16_spread"]
     assert 0 < online["head_kl_share"] < 1 and online["losses_agree"]
@@ -143,21 +150,24 @@ def test_cpu_smoke_runs_every_required_part_and_writes_the_table_and_results(tmp
     assert [r["mode"] for r in tokens] == ["loop", "ray1"] and len({r["shards_sha"] for r in tokens}) == 1
 
 
-def test_on_a_gpu_the_real_head_runs_first_and_fits_the_budget():
-    """The call's first part is P7 at the paper student's head (vocabulary 151,936, hidden 2048, 4096 tokens): it sets
-    the kernel auto uses, and is planned in at the budget a lent GPU's session passes (480 s) with every required
-    part."""
-    proc = _acceptance("--plan-only", "1", "--budget-s", "480", timeout=120)
+def test_on_a_gpu_the_paper_student_runs_first_then_its_kernels_and_the_memory_plan_within_one_call():
+    """The call's parts in the issue's order: the paper's student (its step, the plain loop and each lever), then the
+    kernels at the paper's micro-batch (the head preset: vocabulary 151,936, hidden 2048, 32 heads, 4 x 4096 tokens),
+    then the memory plan (the time it took: --small's measured seconds); all three planned in at a 540-s call."""
+    proc = _acceptance("--plan-only", "1", "--budget-s", "540", timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    call = json.loads(proc.stdout.strip().splitlines()[-1])  # the parts planned at 480 s less the call's reserve
+    call = json.loads(proc.stdout.strip().splitlines()[-1])  # the parts planned at 540 s less the call's reserve
     todo = call["parts"]
-    assert todo[0]["name"] == "P7-head" and todo[0]["required"]
-    assert all(v["args"]["preset"] == "head" for v in todo[0]["variants"])
+    assert [(p["name"], p["required"]) for p in todo[:4]] == [
+        ("P7-paper", True),
+        ("P7-head", True),
+        ("memory", True),
+        ("P5", False),
+    ]
+    assert all(v["args"]["preset"] == "paper" and v["args"]["targets"] == "hidden" for v in todo[0]["variants"])
+    assert all(v["args"]["preset"] == "head" for v in todo[1]["variants"])
     from m2d_ray.random_models import STEP_PRESETS
 
-    assert (STEP_PRESETS["head"]["vocab"], STEP_PRESETS["head"]["hidden"], STEP_PRESETS["head"]["seq_len"]) == (
-        151936,
-        2048,
-        4096,
-    )
+    head = STEP_PRESETS["head"]
+    assert (head["vocab"], head["hidden"], head["heads"], head["batch"] * head["seq_len"]) == (151936, 2048, 32, 16384)
     assert {p["name"] for p in todo if p["required"]} <= set(call["choice"])

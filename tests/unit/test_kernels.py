@@ -40,13 +40,13 @@ def _gap(a, b) -> float:
     return max(abs(x - y) for x, y in zip(a, b)) / (sum(map(abs, b)) / len(b))
 
 
-def test_the_compiled_students_trajectory_is_chunkeds(monkeypatch):
-    """torch.compile's capture of the student's forward and loss (dynamo and AOT autograd, through the chunked KL's
-    autograd function) trains the same numbers; the default suite skips inductor's code generation (minutes on
-    two cores: the slow test below and the GPU acceptance call run it)."""
-    monkeypatch.setattr(kernels, "COMPILE_BACKEND", "aot_eager")
+def test_the_compiled_students_trajectory_is_chunkeds(compiled_graphs):
+    """torch.compile's capture of the student's decoder layers (dynamo and AOT autograd, a layer at a time; the head
+    and the chunked KL eager) trains the same numbers; the default suite skips inductor's code generation (minutes on
+    two cores: the slow test below and the GPU acceptance call run it). AOT autograd runs the same ops, so the
+    trajectory may agree to the bit: the recorded graphs show that the layers were compiled."""
     chunked = _trajectory("chunked")
-    assert 0 < _gap(_trajectory("chunked", compile=True), chunked) < 1e-4
+    assert _gap(_trajectory("chunked", compile=True), chunked) < 1e-4 and compiled_graphs
 
 
 @pytest.mark.slow

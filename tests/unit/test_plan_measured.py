@@ -13,9 +13,9 @@ import sys
 import pytest
 from conftest import ROOT
 
-# indices into benchmarks/perf/memory_plan.py's CASES: train online + checkpointing, topk:64, hidden; calibrate
-# E=32; eval
-CASES = (1, 2, 8, 4, 6)
+# indices into benchmarks/perf/memory_plan.py's CASES: train online + full checkpointing, topk:64, hidden, online +
+# selective checkpointing; calibrate E=32; eval
+CASES = (1, 2, 8, 9, 4, 6)
 
 
 @pytest.mark.parametrize("index", CASES, ids=lambda i: f"case{i}")
