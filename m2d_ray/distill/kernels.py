@@ -36,7 +36,7 @@ import torch
 from packaging.version import Version
 from torch import Tensor
 
-from m2d_ray import measured
+from m2d_ray import measured, numerics
 from m2d_ray.catalog.distill import AUTO, COMPILED, KL_KERNELS
 from m2d_ray.catalog.targets import mode_of
 from m2d_ray.console import say
@@ -57,6 +57,7 @@ class KLKernel:
     cuda_only: bool = False
     needs: str | None = None  # the module it imports, and what installs it
     min_version: tuple[str, str] | None = None  # (distribution, the oldest version the glue works with)
+    min_torch: tuple[tuple[int, int], str] | None = None  # (the oldest torch it runs on, why)
 
     def unavailable(self, device: str | torch.device) -> str | None:
         """Why this kernel cannot run on `device` here, or None."""
@@ -67,6 +68,9 @@ class KLKernel:
                 __import__(self.needs.split()[0])
             except ImportError:
                 return f"needs {self.needs}"
+        if self.min_torch is not None and numerics.TORCH_VERSION < self.min_torch[0]:
+            oldest = ".".join(map(str, self.min_torch[0]))
+            return f"needs torch >= {oldest} (found {torch.__version__}): {self.min_torch[1]}"
         if self.min_version is not None:
             dist, oldest = self.min_version
             found = installed_version(dist)
@@ -130,6 +134,9 @@ for _k in (
         cuda_only=True,
         needs="liger_kernel (pip install liger-kernel, the [gpu] extra)",
         min_version=("liger-kernel", "0.8.5"),  # liger_fused_linear_jsd's accum_dtype
+        # read in liger-kernel 0.8.5: from torch 2.8 it sums its float32 grad_weight with addmm(out_dtype=float32,
+        # out=) over bfloat16 operands, which CUDA refuses before torch 2.10 (pytorch#154086; numerics.py's gate)
+        min_torch=(numerics.ADDMM_WIDE_SELF, "liger's float32 gradient sum crashes on CUDA before it"),
     ),
 ):
     KL_KERNELS.register(_k.name)(_k)

@@ -175,6 +175,20 @@ def test_a_liger_older_than_the_glue_needs_is_one_line(monkeypatch):
     assert kernels.KL_KERNELS["liger"].unavailable("cuda") is None
 
 
+def test_liger_on_a_torch_whose_cuda_addmm_refuses_its_float32_sum_is_one_line(monkeypatch):
+    """Liger 0.8.5 sums its float32 grad_weight with addmm(out_dtype=, out=) from torch 2.8; CUDA takes that only from
+    torch 2.10 (the crash numerics.py gates): below it liger is refused, and auto falls back to chunked."""
+    from m2d_ray import numerics
+
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setattr(kernels, "installed_version", lambda dist: "0.8.5")
+    monkeypatch.setattr(numerics, "TORCH_VERSION", (2, 9))
+    why = kernels.KL_KERNELS["liger"].unavailable("cuda")
+    assert why.startswith("needs torch >= 2.10 (found ") and "crashes on CUDA" in why
+    with pytest.raises(M2DError, match=r"distill.kl_kernel=liger: needs torch >= 2\.10"):
+        kernels.kl_kernel("liger", "cuda")
+
+
 def test_a_measured_kernel_that_cannot_run_here_falls_back_to_chunked_with_one_line(monkeypatch, capsys):
     _measured(monkeypatch, "liger")
     missing = dataclasses.replace(kernels.KL_KERNELS["liger"], needs="no_such_module_m2d (pip install it)")
