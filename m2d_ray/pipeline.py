@@ -203,19 +203,37 @@ def plan(
 
 
 def decide_checkpointing(cfg: SweepConfig, teacher_config, devices, own, stages, choices) -> RunPlan:
-    """distill.checkpointing=auto: the least recompute (none, selective, full, in CHECKPOINTING's order) under which
-    every stage fits its device, else full (and the plan says what does not fit); said in one note, and recorded in
-    `RunPlan.decided` for the run to apply to its config (so its workers and a resume read a decided value)."""
-    tried = []
-    for name in CHECKPOINTING:
-        x = replace(cfg, distill=replace(cfg.distill, checkpointing=name))
-        out = plan(x, teacher_config, devices, own, stages, choices)
-        over = [r for r in out.stages if r.fits is False]
-        tried.append(f"{name}: {gib(over[0].per_device)} a {over[0].unit}" if over else f"{name}: fits")
-        if not over:
-            break
-    note = f"distill.checkpointing=auto: {name} ({'; '.join(tried)})"
-    return replace(out, notes=(*out.notes, note), decided={**out.decided, "distill.checkpointing": name})
+    """distill.checkpointing=auto: the least recompute (none, selective, full: CHECKPOINTING's order) under which every
+    stage fits its device; where something does not fit whatever the checkpointing (a stage-3 model, a rank too large
+    even at full), the least recompute that needs no more than full anywhere (the plan then refuses that alone, at
+    its smallest). Said in one note and recorded in `RunPlan.decided`, for the run to apply to its config (its
+    workers and a resume read a decided value)."""
+    plans: dict[str, RunPlan] = {}
+
+    def over(name: str) -> list:
+        if name not in plans:
+            plans[name] = plan(
+                replace(cfg, distill=replace(cfg.distill, checkpointing=name)),
+                teacher_config,
+                devices,
+                own,
+                stages,
+                choices,
+            )
+        return [r for r in plans[name].stages if r.fits is False]
+
+    chosen = next((n for n in CHECKPOINTING if not over(n)), None)
+    if chosen is None:  # the least recompute that needs no more than full anywhere it does not fit
+        least = {r.name: r.per_device for r in over("full")}
+        chosen = next(n for n in CHECKPOINTING if all(least.get(r.name, -1) >= r.per_device for r in over(n)))
+    tried = [
+        f"{n}: {gib(bad[0].per_device)} a {bad[0].unit}" if (bad := over(n)) else f"{n}: fits"
+        for n in CHECKPOINTING
+        if n in plans and list(CHECKPOINTING).index(n) <= list(CHECKPOINTING).index(chosen)
+    ]
+    out = plans[chosen]
+    note = f"distill.checkpointing=auto: {chosen} ({'; '.join(tried)})"
+    return replace(out, notes=(*out.notes, note), decided={**out.decided, "distill.checkpointing": chosen})
 
 
 def _plan_with(p: Planning, run: list[Stage], cpu: Host | None, refusals: tuple[str, ...] = ()) -> RunPlan:

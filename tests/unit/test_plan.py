@@ -4,6 +4,7 @@ dependence on workers / checkpointing / targets, and every experiments/*.yaml ag
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -329,3 +330,24 @@ def test_no_shipped_config_sets_ray_address():
     driver RAY_ADDRESS, and elsewhere m2d starts a local Ray."""
     for path in sorted((ROOT / "experiments").glob("*.yaml")):
         assert load_config(path).ray.address is None, path.name
+
+
+def test_checkpointing_auto_is_the_least_recompute_that_fits_and_never_enlarges_a_refusal(qwen30b):
+    """The paper student at one rank from cached states: none where it fits, then selective, then full; on a GPU too
+    small for any, full (the rank refused at its smallest), said in one note with what each policy tried needs."""
+    one_rank = ["distill.workers=1", "distill.deepspeed=false", "stage2.targets=hidden", "distill.accelerator=null"]
+    cfg = load_config(ROOT / "experiments" / "qwen3_30b_a3b.yaml", one_rank)
+
+    def at(gb: int):
+        return make_plan(cfg, qwen30b, Devices(gpu_memory=gb * 10**9))
+
+    assert [at(gb).decided["distill.checkpointing"] for gb in (200, 141, 80)] == ["none", "selective", "full"]
+    (line,) = at(141).decision_lines()
+    assert re.fullmatch(r"distill\.checkpointing=auto: selective \(none: [\d.]+ GiB a rank; selective: fits\)", line)
+    small = at(40)
+    assert small.decided == {"distill.checkpointing": "full"}
+    (line,) = [n for n in small.decision_lines()]
+    assert line.startswith("distill.checkpointing=auto: full (none: ") and "; full: " in line
+    rank = small.by_stage()["stage2"]
+    assert not rank.fits and rank.parts["activations"] == at(80).by_stage()["stage2"].parts["activations"]
+    assert any(p.startswith("stage2: one rank needs") for p in small.problems())
