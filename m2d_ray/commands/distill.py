@@ -55,12 +55,6 @@ def distill_one(
 
     full = load_config(config, overrides)
     cfg, shard = full.distill, full.stage2.shard_teacher  # (refused with cached targets or one worker)
-    if cfg.checkpointing == AUTO:  # no plan here to decide it (m2d run's does): the safe choice per device
-        cfg = dataclasses.replace(cfg, checkpointing="full" if cfg.gpus_per_worker > 0 else "none")
-        say(
-            f"distill.checkpointing=auto: {cfg.checkpointing} (m2d distill plans no memory: full on a GPU, none on a "
-            "CPU; name none or selective to keep more activations)"
-        )
     spec = None if full.stage2.targets == AUTO else full.target_spec()
     out = check_output(out, "distillation", overwrite=True).resolve()  # never a file or a foreign directory
     finished = (out / "result.json").exists()
@@ -88,6 +82,14 @@ def distill_one(
         scan(str(student_dir), "student")
     if store is not None:
         RunStorage(store).check()
+    if cfg.checkpointing == AUTO:  # no plan here to decide it (m2d run's does): the safe choice per device, said once
+        cfg = dataclasses.replace(
+            cfg, checkpointing="full" if cfg.gpus_per_worker > 0 else "none"
+        )  # every input checked
+        say(
+            f"distill.checkpointing=auto: {cfg.checkpointing} (m2d distill plans no memory: full on a GPU, none on a "
+            "CPU; name none or selective to keep more activations)"
+        )
 
     work = out.with_name(f".{out.name}.m2d-new") if finished else out  # --overwrite: built aside, swapped in at the end
     work.mkdir(parents=True, exist_ok=True)
