@@ -83,9 +83,7 @@ def distill_one(
     if store is not None:
         RunStorage(store).check()
     if cfg.checkpointing == AUTO:  # no plan here to decide it (m2d run's does): the safe choice per device, said once
-        cfg = dataclasses.replace(
-            cfg, checkpointing="full" if cfg.gpus_per_worker > 0 else "none"
-        )  # every input checked
+        cfg = dataclasses.replace(cfg, checkpointing="full" if cfg.gpus_per_worker > 0 else "none")
         say(
             f"distill.checkpointing=auto: {cfg.checkpointing} (m2d distill plans no memory: full on a GPU, none on a "
             "CPU; name none or selective to keep more activations)"
