@@ -25,6 +25,7 @@ from m2d_ray.config import RayConfig, load_config
 from m2d_ray.console import emit, say
 from m2d_ray.convert.initial import InitialStudent
 from m2d_ray.data.text import check_spec
+from m2d_ray.distill.checkpointing import without_plan
 from m2d_ray.distill.data import check_source
 from m2d_ray.distill.trainer import MetricsLog, fit, follow
 from m2d_ray.errors import M2DError, RunFailed
@@ -82,8 +83,8 @@ def distill_one(
         scan(str(student_dir), "student")
     if store is not None:
         RunStorage(store).check()
-    if cfg.checkpointing == AUTO:  # no plan here to decide it (m2d run's does): the safe choice per device, said once
-        cfg = dataclasses.replace(cfg, checkpointing="full" if cfg.gpus_per_worker > 0 else "none")
+    if cfg.checkpointing == AUTO:  # no plan here to decide it (m2d run's does): the trainer's rule, said once
+        cfg = dataclasses.replace(cfg, checkpointing=without_plan("cuda" if cfg.gpus_per_worker > 0 else "cpu"))
         say(
             f"distill.checkpointing=auto: {cfg.checkpointing} (m2d distill plans no memory: full on a GPU, none on a "
             "CPU; name none or selective to keep more activations)"

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from m2d_ray.catalog.distill import CHECKPOINTING
+from m2d_ray.catalog.distill import AUTO, CHECKPOINTING
 
 # Imported inside functions: transformers' modelling code (a worker that imports this module may build no model).
 
@@ -92,11 +92,19 @@ for _name, _fn in (("none", _none), ("selective", _selective), ("full", _full)):
     CHECKPOINTING.register(_name)(_fn)
 
 
-def apply(model: nn.Module, name: str) -> None:
-    """Checkpoint `model`'s decoder layers as `distill.checkpointing` names (a decided name: `auto` is the plan's)."""
-    if name not in CHECKPOINTING:
-        raise ValueError(f"distill.checkpointing={name!r} reached the trainer undecided (the plan decides auto)")
+def without_plan(device: str | torch.device) -> str:
+    """What `auto` means where no plan decided it (`m2d distill`, a DistillJob built by hand): full on a GPU (the
+    least memory), none on a CPU (host memory is the plan's least concern there)."""
+    return "full" if torch.device(device).type == "cuda" else "none"
+
+
+def apply(model: nn.Module, name: str, device: str | torch.device = "cpu") -> str:
+    """Checkpoint `model`'s decoder layers as `distill.checkpointing` names; `auto`, which `m2d run` and `m2d sweep`
+    decide in their plan before any work, reads as `without_plan(device)` here. The policy applied."""
+    if name == AUTO:
+        name = without_plan(device)
     CHECKPOINTING[name](model)
+    return name
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

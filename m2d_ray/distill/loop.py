@@ -197,7 +197,7 @@ def _load_models(job: DistillJob, io: WorkerIO, dtype: torch.dtype):
     if job.device == "cuda":
         kwargs["attn_implementation"] = attention_implementation()
     student = AutoModelForCausalLM.from_pretrained(storage.local_model(job.student), **kwargs).to(job.device)
-    checkpointing.apply(student, job.cfg.checkpointing)
+    checkpointing.apply(student, job.cfg.checkpointing, job.device)
     student.config.use_cache = False
     return teacher, head, student.train()
 
