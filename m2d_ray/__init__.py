@@ -10,7 +10,7 @@ cycles, except that arch/ registers its families by importing them (tests/unit/t
 this list against the code):
 
     1. errors, console, registry, artifacts, storage, checkpoint, assets, accelerators, peaks, sizes, numerics, measured
-    2. catalog, local_group, time_budget
+    2. catalog, shipped, local_group, time_budget
     3. config
     4. arch
     5. models, weights, data

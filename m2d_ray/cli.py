@@ -145,6 +145,7 @@ def _override(p: argparse.ArgumentParser, command: str, dest: str, also: str = "
 
 
 # ---- the flags that are not config keys ------------------------------------------------------------
+CONFIG_HELP = "a YAML file, or a shipped config's name such as tiny (m2d configs lists them)"
 DEVICE_HELP = "cpu or cuda (default: cuda when available)"
 SPECS = "a data spec: docs/how-to/own-corpus.md"
 
@@ -265,7 +266,7 @@ def parser() -> argparse.ArgumentParser:
     w = sub.add_parser(
         "sweep", help="stage 1 on Ray: the scoring x grouping x scaling x K grid by pre-distillation perplexity"
     )
-    w.add_argument("config", nargs="?", help="YAML config (experiments/*.yaml); not needed with --resume")
+    w.add_argument("config", nargs="?", help=CONFIG_HELP + "; not needed with --resume")
     w.add_argument("overrides", nargs="*", help="key=value overrides, e.g. grid.K=[2,4] grid.scoring=[sf,do-acp]")
     for dest in OVERRIDE_FLAGS["sweep"]:
         _override(w, "sweep", dest)
@@ -274,7 +275,7 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser(
         "run", help="the whole pipeline: calibrate, stage 1, stage 2 (distil), stage 3 (lm-eval), report"
     )
-    r.add_argument("config", nargs="?", help="YAML config (experiments/*.yaml); not needed with --resume")
+    r.add_argument("config", nargs="?", help=CONFIG_HELP + "; not needed with --resume")
     r.add_argument("overrides", nargs="*", help="key=value overrides, e.g. distill.steps=30 stage3.limit=50")
     _add_run_flags(r, "continue a killed or interrupted run, stage by stage")
     _override(r, "run", "storage")
@@ -296,14 +297,14 @@ def parser() -> argparse.ArgumentParser:
         help="memory per GPU, GPUs and storage of every stage of a run, from configs alone (no weights); exit 2 if it "
         "cannot fit",
     )
-    pl.add_argument("config", help="YAML config (experiments/*.yaml)")
+    pl.add_argument("config", help=CONFIG_HELP)
     pl.add_argument(
         "overrides", nargs="*", help="key=value overrides, e.g. stage2.targets=sampled:64 distill.workers=8"
     )
     pl.add_argument(
         "--model",
-        help="read the teacher's config.json from this directory instead of the config's model "
-        "(e.g. experiments/configs/Qwen--Qwen3-30B-A3B offline)",
+        help="read the teacher's config.json from this directory instead of the config's model (a hub name whose "
+        "config.json ships with m2d, e.g. Qwen/Qwen3-30B-A3B, is read offline)",
     )
     pl.add_argument(
         "--gpu-memory",
@@ -338,7 +339,7 @@ def parser() -> argparse.ArgumentParser:
     }
     for dest in OVERRIDE_FLAGS["distill"]:
         _override(d, "distill", dest, also=also.get(dest, ""))
-    d.add_argument("--config", help="YAML whose distill: section gives the defaults (experiments/*.yaml)")
+    d.add_argument("--config", help="YAML whose distill: section gives the defaults: " + CONFIG_HELP)
     d.add_argument(
         "overrides", nargs="*", help="more distill settings as key=value, e.g. lr=3e-3 seq_len=256 eval_every=20"
     )
@@ -401,6 +402,11 @@ def parser() -> argparse.ArgumentParser:
     an.add_argument("--device", help=DEVICE_HELP)
     an.add_argument("--out", required=True, help="directory for responses.jsonl, summary.json and the batches")
     an.add_argument("--overwrite", action="store_true", help="replace an analysis with other settings at --out")
+
+    sub.add_parser("configs", help="the example configs shipped with m2d (m2d run NAME, m2d plan NAME read them)")
+    cp = sub.add_parser("cp", help="copy a shipped config out to edit (never over an existing file)")
+    cp.add_argument("name", help="a shipped config (m2d configs lists them)")
+    cp.add_argument("dest", help="the file to write, or a directory for NAME.yaml")
 
     f = sub.add_parser(
         "fetch-data",

@@ -17,7 +17,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from m2d_ray import measured
+from m2d_ray import measured, shipped
 from m2d_ray.accelerators import check_accelerator
 from m2d_ray.artifacts import write_text_atomic
 from m2d_ray.catalog.distill import (
@@ -869,8 +869,9 @@ def k_values(K: str | tuple[int, ...], k: int, E: int) -> list[int]:
 
 # ---- loading ---------------------------------------------------------------------------------
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> SweepConfig:
-    """Read a YAML config (None = all defaults) and apply `a.b=value` overrides."""
-    raw: dict = _read_yaml(Path(path)) if path is not None else {}
+    """Read a YAML config (a file, else a shipped name such as `tiny`: shipped.find; None = all defaults) and apply
+    `a.b=value` overrides."""
+    raw: dict = _read_yaml(shipped.find(path)) if path is not None else {}
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -923,7 +924,7 @@ def _retired_checkpointing(distill: dict | None) -> None:
 
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if not path.exists():
-        raise M2DError(f"config {path} not found; see experiments/ for examples")
+        raise M2DError(f"config {path} not found (an include: is read beside the file that names it)")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:

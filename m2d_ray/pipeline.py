@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
+from m2d_ray import shipped
 from m2d_ray.artifacts import write_json_atomic
 from m2d_ray.catalog.distill import AUTO, CHECKPOINTING, LOSSES
 from m2d_ray.catalog.targets import HIDDEN, ONLINE
@@ -158,16 +159,23 @@ def plan_run(
 ) -> RunPlan:
     """The plan of `cfg` (m2d plan, and m2d run before any work): the teacher's config read from `model` (a directory
     with config.json), else the config's model; the baselines' own teachers when their configs can be read here (with
-    `model` given, only those in a local directory: the others' names may be the hub's). `choices`: each stage-2
-    teacher's targets already chosen (a resumed run's), else the config's or, under auto, the plan's choice."""
+    `model` given, only those in a local directory or shipped: the others' names may be the hub's). `choices`: each
+    stage-2 teacher's targets already chosen (a resumed run's), else the config's or, under auto, the plan's choice."""
 
     check_config(cfg)
     own = {
-        b.teacher_key: model_config(b.teacher(cfg))
+        b.teacher_key: _shape(b.teacher(cfg))
         for b in baselines.of(cfg)
-        if b.has_teacher and (model is None or Path(b.teacher(cfg)).expanduser().is_dir())
+        if b.has_teacher
+        and (model is None or Path(b.teacher(cfg)).expanduser().is_dir() or shipped.shape(b.teacher(cfg)))
     }
-    return plan(cfg, model_config(model or cfg.model or default_teacher()), devices, own, stages, choices)
+    return plan(cfg, _shape(model or cfg.model or default_teacher()), devices, own, stages, choices)
+
+
+def _shape(model: str):
+    """A model's config for the plan: a hub name whose config.json ships with m2d (shipped.shape) is read from that,
+    offline; anything else as the model loader reads it."""
+    return model_config(str(shipped.shape(model) or model))
 
 
 def plan(

@@ -237,7 +237,7 @@ def run_whole(ctx: Ctx, v: Variant) -> dict:
     shutil.rmtree(out_dir, ignore_errors=True)
     machine = {"cpus": os.cpu_count(), "gpus": torch.cuda.device_count() if ctx.cuda else 0}
     args = [f"ray.num_cpus={machine['cpus']}", *v.args["overrides"]]
-    config = REPO / "experiments" / v.args.get("config", "tiny.yaml")
+    config = REPO / "m2d_ray" / "experiments" / v.args.get("config", "tiny.yaml")
     _, out = ctx.sh(M2D + ["run", config, "--out", out_dir, *args], "run")
     res = json_lines(out)[-1]
     walls = res.get("stages", {})

@@ -1,6 +1,6 @@
 """The bill held to measurement (issue 33).
 
-    python -m benchmarks.perf.bill_vs_measured --run RUN_DIR    # a finished `m2d run experiments/tiny.yaml`: its
+    python -m benchmarks.perf.bill_vs_measured --run RUN_DIR    # a finished `m2d run tiny`: its
         estimate against
     its walls
     python -m benchmarks.perf.bill_vs_measured --paper          # the paper's grid priced on cluster.yaml, and its 73 s
@@ -8,7 +8,7 @@
     B200
 
 --run reads RUN_DIR/memory_plan.json (the estimate `m2d run` made before calibration, with the CPU thread rate it
-measured) and RUN_DIR/run.json (the walls) through the report's own rows. --paper plans experiments/qwen3_30b_a3b.yaml
+measured) and RUN_DIR/run.json (the walls) through the report's own rows. --paper plans qwen3_30b_a3b
 on cluster.yaml's node types (the published config.json, offline) and sets the step of the paper's distillation
 (384 x 4,096 tokens, the teacher online) on 2 x B200 beside the paper's own 73 s.
 """
@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.common import REPO, machine_line
+from m2d_ray.shipped import EXPERIMENTS
 
 
 def measured(run: Path, load: float | None) -> None:
@@ -72,8 +73,8 @@ def paper() -> None:
     from m2d_ray.plan.run_plan import Devices
     from m2d_ray.plan.shapes import models_of
 
-    qwen = model_config(str(REPO / "experiments" / "configs" / "Qwen--Qwen3-30B-A3B"))
-    cfg = load_config(REPO / "experiments" / "qwen3_30b_a3b.yaml")
+    qwen = model_config(str(EXPERIMENTS / "configs" / "Qwen--Qwen3-30B-A3B"))
+    cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml")
     head, idle = cluster_settings(REPO / "cluster.yaml")
     plan = make_plan(cfg, qwen, Devices(None, None, tuple(from_cluster_yaml(REPO / "cluster.yaml")), None, head, idle))
     print(plan.cost.table())

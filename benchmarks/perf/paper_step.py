@@ -27,8 +27,8 @@ from torch.utils._pytree import tree_flatten
 
 from benchmarks.common import REPO
 
-PAPER_CONFIG = REPO / "experiments" / "qwen3_30b_a3b.yaml"
-PAPER_MODEL = REPO / "experiments" / "configs" / "Qwen--Qwen3-30B-A3B"
+PAPER_CONFIG = REPO / "m2d_ray" / "experiments" / "qwen3_30b_a3b.yaml"
+PAPER_MODEL = REPO / "m2d_ray" / "experiments" / "configs" / "Qwen--Qwen3-30B-A3B"
 #: the paper config at one rank, trained from cached hidden states
 ONE_RANK = ("distill.workers=1", "distill.deepspeed=false", "distill.accelerator=null", "stage2.targets=hidden")
 POLICIES = ("none", "selective", "full")

@@ -116,12 +116,12 @@ def config_page() -> str:
     out = [
         "# Configuration",
         "",
-        "Every key of a run's YAML (`experiments/*.yaml`), at every depth, with its type, default and meaning, read",
-        "from the config dataclasses (each section names the one it comes from). A YAML file is a partial nested",
-        "mapping of them; `include: base.yaml` merges a base first; any key is set on the command line as",
-        "`section.key=value` (`stage3.analysis.per_subject=2`; lists as `'grid.scoring=[sf,do-acp]'`, quoted for",
-        "zsh). An unknown key, a wrong type or an unknown method name fails with one line that says what to write",
-        "instead.",
+        "Every key of a run's YAML (`m2d configs` lists the shipped ones), at every depth, with its type, default",
+        "and meaning, read from the config dataclasses (each section names the one it comes from). A YAML file is a",
+        "partial nested mapping of them; `include: base.yaml` merges a base first; any key is set on the command",
+        "line as `section.key=value` (`stage3.analysis.per_subject=2`; lists as `'grid.scoring=[sf,do-acp]'`,",
+        "quoted for zsh). An unknown key, a wrong type or an unknown method name fails with one line that says what",
+        "to write instead.",
         "",
     ]
     for section, cls in sections().items():

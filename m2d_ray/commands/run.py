@@ -45,7 +45,7 @@ def run(
         chosen = kept_choices(rd, cfg)
     else:
         if config is None:
-            raise M2DError("give a config (e.g. experiments/tiny.yaml) or --resume RUN_DIR")
+            raise M2DError("give a config (e.g. tiny, or a YAML file) or --resume RUN_DIR")
         cfg = load_config(config, overrides)
         rd = new_run(out, cfg)
         pipeline.check(cfg, stages, tracking_uri)

@@ -42,7 +42,7 @@ def sweep(
         ctx = RunContext(cfg, rd, tracking_uri, tuple(stages), chosen)
     else:
         if config is None:
-            raise M2DError("give a config (e.g. experiments/tiny.yaml) or --resume RUN_DIR")
+            raise M2DError("give a config (e.g. tiny, or a YAML file) or --resume RUN_DIR")
         cfg = load_config(config, overrides)
         if cfg.stage == 2:
             raise M2DError("stage=2 distils the promotions of a finished stage 1: add --resume RUN_DIR")

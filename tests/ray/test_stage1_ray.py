@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
 
 from m2d_ray.calibrate import calibrate
 from m2d_ray.config import load_config
 from m2d_ray.data.synthetic import corpus_text
 from m2d_ray.data.text import calibration_set
 from m2d_ray.pipeline import run_stages
+from m2d_ray.shipped import EXPERIMENTS
 
-TINY = ROOT / "experiments" / "tiny.yaml"
-#: a small, fast version of experiments/tiny.yaml: 2 x 2 x 2 x K in {2, 4, 8, 16} = 32 configs
+TINY = EXPERIMENTS / "tiny.yaml"
+#: a small, fast version of m2d_ray/experiments/tiny.yaml: 2 x 2 x 2 x K in {2, 4, 8, 16} = 32 configs
 SMALL = [
     "calib.max_tokens=4096",
     "calib.seq_len=128",

@@ -12,13 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
 from transformers import AutoModelForCausalLM
 
 from m2d_ray.config import load_config
 from m2d_ray.pipeline import run_stages
+from m2d_ray.shipped import EXPERIMENTS
 
-TINY = ROOT / "experiments" / "tiny.yaml"
+TINY = EXPERIMENTS / "tiny.yaml"
 SMALL_DISTILL = ["distill.seq_len=64", "distill.batch_size=4", "distill.eval_max_tokens=2048", "distill.warmup_steps=2"]
 
 

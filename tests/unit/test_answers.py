@@ -48,6 +48,7 @@ from m2d_ray.evaluate.taxonomy import letters
 from m2d_ray.models import default_teacher, load_model
 from m2d_ray.models import load_config as model_config
 from m2d_ray.plan.run_plan import Devices
+from m2d_ray.shipped import EXPERIMENTS
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -549,8 +550,8 @@ def wrong(r: dict) -> str:
 
 # ---- the plan -----------------------------------------------------------------------------------------------------
 def test_the_plan_prices_the_analysis_and_refuses_what_cannot_fit():
-    qwen = model_config(str(ROOT / "experiments" / "configs" / "Qwen--Qwen3-30B-A3B"))
-    cfg = load_config(ROOT / "experiments" / "qwen3_30b_a3b.yaml")
+    qwen = model_config(str(EXPERIMENTS / "configs" / "Qwen--Qwen3-30B-A3B"))
+    cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml")
     a = cfg.stage3.analysis
     assert a.enabled and (a.questions, a.per_subject, a.max_new_tokens, a.temperature) == ("mmlu", 10, 2048, 0.7)
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
 
 from m2d_ray.cli import main
 from m2d_ray.config import SweepConfig, k_values, load_config
 from m2d_ray.errors import M2DError
 from m2d_ray.pipeline import check_config
+from m2d_ray.shipped import EXPERIMENTS
 
-EXPERIMENTS = ROOT / "experiments"
 #: (top-k, experts) of the paper's teachers (method.md), checked offline against each YAML's K list
 TEACHERS = {
     None: (2, 16),  # the embedded tiny teacher
@@ -24,7 +23,7 @@ TEACHERS = {
 }
 
 
-#: runnable configs sized for tests (experiments/smoke.yaml: the tests' whole runs start there), not experiments
+#: runnable configs sized for tests (m2d_ray/experiments/smoke.yaml: the tests' whole runs start there), not experiments
 TEST_SIZED = {"smoke.yaml"}
 
 

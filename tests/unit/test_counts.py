@@ -4,17 +4,16 @@ in elementwise parameters, in which layers are MoE, whether the head is tied, an
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from families import FAMILIES
 
 from m2d_ray.arch import ADAPTERS
 from m2d_ray.arch.counts import counts
 from m2d_ray.models import load_config
+from m2d_ray.shipped import EXPERIMENTS
 from m2d_ray.weights import meta_counts
 
-CONFIGS = Path(__file__).resolve().parents[2] / "experiments" / "configs"
+CONFIGS = EXPERIMENTS / "configs"
 PUBLISHED = sorted(p.name for p in CONFIGS.iterdir() if (p / "config.json").exists())
 
 

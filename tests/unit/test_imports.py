@@ -271,7 +271,7 @@ def test_the_light_core_imports_no_heavy_library():
     """`m2d --help`, a config's checks and the registries' names and docs load none of the libraries that cost
     seconds: every CLI call, test subprocess and Ray worker that only reads a config pays nothing for them."""
     code = "\n".join(f"import {m}" for m in LIGHT) + (
-        f"\nfrom m2d_ray.config import load_config\ncfg = load_config({str(PKG.parent / 'experiments/tiny.yaml')!r})\n"
+        f"\nfrom m2d_ray.config import load_config\ncfg = load_config({str(PKG / 'experiments/tiny.yaml')!r})\n"
         "from m2d_ray.cli import parser\nparser().format_help()\n"
         "from m2d_ray.catalog.methods import SCORINGS\nfrom m2d_ray.catalog.distill import KL_KERNELS\n"
         "[SCORINGS.doc(n) for n in SCORINGS]; [KL_KERNELS.doc(n) for n in KL_KERNELS]"
@@ -286,8 +286,8 @@ def test_the_plan_of_the_paper_run_builds_no_model():
     root = PKG.parent
     code = (
         "from m2d_ray.config import load_config\nfrom m2d_ray.pipeline import plan_run\n"
-        f"plan_run(load_config({str(root / 'experiments/qwen3_30b_a3b.yaml')!r}), "
-        f"model={str(root / 'experiments/configs/Qwen--Qwen3-30B-A3B')!r})\n"
+        f"plan_run(load_config({str(root / 'm2d_ray/experiments/qwen3_30b_a3b.yaml')!r}), "
+        f"model={str(root / 'm2d_ray/experiments/configs/Qwen--Qwen3-30B-A3B')!r})\n"
         "import m2d_ray.commands.plan\n"
         "assert 'transformers.modeling_utils' not in sys.modules, 'modelling code loaded'"
     )

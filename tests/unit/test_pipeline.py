@@ -18,9 +18,10 @@ from m2d_ray.models import load_config as model_config
 from m2d_ray.plan.devices import NodeType
 from m2d_ray.plan.run_plan import Devices, plan_line, unit
 from m2d_ray.report.page import render
+from m2d_ray.shipped import EXPERIMENTS
 from m2d_ray.stages.contract import Section, Stage
 
-TINY = ROOT / "experiments" / "tiny.yaml"
+TINY = EXPERIMENTS / "tiny.yaml"
 
 
 class Probe(Stage):

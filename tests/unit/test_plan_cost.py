@@ -27,15 +27,16 @@ from m2d_ray.plan.prices import hourly
 from m2d_ray.plan.run_plan import Devices, plan_line
 from m2d_ray.plan.shapes import models_of
 from m2d_ray.prune.search import MIXES
+from m2d_ray.shipped import EXPERIMENTS
 
-QWEN30B = ROOT / "experiments" / "configs" / "Qwen--Qwen3-30B-A3B"
+QWEN30B = EXPERIMENTS / "configs" / "Qwen--Qwen3-30B-A3B"
 CLUSTER = ROOT / "cluster.yaml"
 
 
 @pytest.fixture(scope="module")
 def paper():
     """The paper's grid on cluster.yaml's node types (dollars from its price table and idle tail)."""
-    cfg = load_config(ROOT / "experiments" / "qwen3_30b_a3b.yaml")
+    cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml")
     head, idle = cluster_settings(CLUSTER)
     return cfg, make_plan(
         cfg, model_config(str(QWEN30B)), Devices(None, None, tuple(from_cluster_yaml(CLUSTER)), None, head, idle)
@@ -64,7 +65,7 @@ def test_flops_from_shapes_equal_the_counts_on_the_built_models():
 
 
 def test_stage2_counts_the_student_step_and_the_teacher_side_by_mode():
-    cfg = load_config(ROOT / "experiments" / "tiny.yaml", ["distill.eval_max_tokens=0"])
+    cfg = load_config(EXPERIMENTS / "tiny.yaml", ["distill.eval_max_tokens=0"])
     m = models_of(model_config(default_teacher()))
     x, seq = cfg.distill, cfg.distill.seq_len
     tokens = x.steps * x.batch_size * x.grad_accum * x.workers * seq
@@ -88,7 +89,7 @@ def test_the_d2d_search_runs_before_the_students_in_stage_2_s_row():
     dense = model_config(default_dense_teacher())
 
     def bill(*more):
-        cfg = load_config(ROOT / "experiments" / "tiny.yaml", [*over[:1], *more])
+        cfg = load_config(EXPERIMENTS / "tiny.yaml", [*over[:1], *more])
         return cfg, make_plan(
             cfg, model_config(default_teacher()), Devices(host_memory=8 << 30), {"teacher-d2d": dense}
         ).cost.by_name()
@@ -124,7 +125,7 @@ def test_with_cached_targets_the_d2d_teacher_has_its_pass_and_its_student_reads_
     dense = model_config(default_dense_teacher())
 
     def plan(*more):
-        cfg = load_config(ROOT / "experiments" / "tiny.yaml", ["plan.cpu_flops=1e9", "stage2.targets=hidden", *more])
+        cfg = load_config(EXPERIMENTS / "tiny.yaml", ["plan.cpu_flops=1e9", "stage2.targets=hidden", *more])
         return cfg, make_plan(
             cfg, model_config(default_teacher()), Devices(host_memory=8 << 30), {"teacher-d2d": dense}
         )
@@ -150,14 +151,14 @@ def test_with_cached_targets_the_d2d_teacher_has_its_pass_and_its_student_reads_
 
 
 def test_stage1_counts_the_distinct_students_and_the_probe_round():
-    cfg = load_config(ROOT / "experiments" / "tiny-grid.yaml")
+    cfg = load_config(EXPERIMENTS / "tiny-grid.yaml")
     t = models_of(model_config(default_teacher())).teacher
     configs, distinct = cost.distinct_students(cfg, t)
     assert (configs, distinct) == (280, 224)  # P2 measured 204: a few scorings coincide beyond K = k
     trials, chunks = cost.stage1_chunks(cfg, distinct)
     survivors = math.ceil(224 * 81 / 204)
     assert trials == 224 + survivors and chunks == 224 + survivors * 5
-    full = load_config(ROOT / "experiments" / "tiny-grid.yaml", ["search.dedupe=false", "search.early_stop=false"])
+    full = load_config(EXPERIMENTS / "tiny-grid.yaml", ["search.dedupe=false", "search.early_stop=false"])
     assert cost.distinct_students(full, t) == (280, 280) and cost.stage1_chunks(full, 280) == (280, 280 * 6)
 
 
@@ -165,7 +166,7 @@ def test_the_probe_round_is_a_tune_experiment_of_its_own():
     """Each Ray round (a Tune experiment, a Ray Data pass) pays plan.stage_s: stage 1 twice with its probe round."""
 
     def stage1(*more):
-        cfg = load_config(ROOT / "experiments" / "tiny.yaml", ["plan.cpu_flops=1e9", *more])
+        cfg = load_config(EXPERIMENTS / "tiny.yaml", ["plan.cpu_flops=1e9", *more])
         return (
             make_plan(cfg, model_config(default_teacher()), Devices(host_memory=8 << 30, cpu_load=0.0))
             .cost.by_name()["stage1"]
@@ -311,20 +312,20 @@ def test_a_run_over_plan_max_dollars_is_refused_before_calibration():
 
     over = ["distill.gpus_per_worker=1", "distill.accelerator=H100", "plan.max_dollars=0.01"]
     with pytest.raises(M2DError, match=r"would cost \$.* but plan.max_dollars is \$0.01; give a smaller") as e:
-        check_run(load_config(ROOT / "experiments" / "tiny.yaml", over), cluster=str(CLUSTER))
+        check_run(load_config(EXPERIMENTS / "tiny.yaml", over), cluster=str(CLUSTER))
     assert "\n" not in str(e.value)
     # unpriceable (a GPU stage, no node types): refused too, saying what to give
-    cfg = load_config(ROOT / "experiments" / "tiny.yaml", over)
+    cfg = load_config(EXPERIMENTS / "tiny.yaml", over)
     plan = make_plan(cfg, model_config(default_teacher()), Devices(80 << 30))
     assert plan.cost.by_name()["stage2"].dollars is None and "cannot be priced" in plan.problems()[-1]
-    ok = load_config(ROOT / "experiments" / "tiny.yaml", [*over[:2], "plan.max_dollars=1000"])
+    ok = load_config(EXPERIMENTS / "tiny.yaml", [*over[:2], "plan.max_dollars=1000"])
     assert not make_plan(
         ok, model_config(default_teacher()), Devices(None, None, tuple(from_cluster_yaml(CLUSTER)))
     ).problems()
 
 
 def test_a_cpu_run_is_timed_with_the_measured_thread_rate():
-    cfg = load_config(ROOT / "experiments" / "tiny.yaml", ["plan.cpu_flops=1e9"])
+    cfg = load_config(EXPERIMENTS / "tiny.yaml", ["plan.cpu_flops=1e9"])
     plan = make_plan(cfg, model_config(default_teacher()), Devices(host_memory=8 << 30))
     c = plan.cost.by_name()["calibrate"]
     threads = min(1, max(1.0, os.cpu_count() / 2))  # 2 actors of 1 thread, at most the cores between them
@@ -333,14 +334,14 @@ def test_a_cpu_run_is_timed_with_the_measured_thread_rate():
     )  # an actor's start-up (on its share of the cores), the stage's
     assert c.lanes == 2 and c.seconds == pytest.approx(c.flops / 2 / (threads * 1e9 * cfg.plan.cpu_efficiency) + start)
     # a CPU stage is timed at the CPU's efficiency; the GPU's does not touch it
-    gpu = load_config(ROOT / "experiments" / "tiny.yaml", ["plan.cpu_flops=1e9", "plan.efficiency=0.9"])
+    gpu = load_config(EXPERIMENTS / "tiny.yaml", ["plan.cpu_flops=1e9", "plan.efficiency=0.9"])
     assert (
         make_plan(gpu, model_config(default_teacher()), Devices(host_memory=8 << 30))
         .cost.by_name()["calibrate"]
         .seconds
         == c.seconds
     )
-    slow = load_config(ROOT / "experiments" / "tiny.yaml", ["plan.cpu_flops=1e9", "plan.cpu_efficiency=0.2"])
+    slow = load_config(EXPERIMENTS / "tiny.yaml", ["plan.cpu_flops=1e9", "plan.cpu_efficiency=0.2"])
     assert make_plan(slow, model_config(default_teacher()), Devices(host_memory=8 << 30)).cost.by_name()[
         "calibrate"
     ].seconds == pytest.approx(c.flops / 2 / (threads * 1e9 * 0.2) + start)
@@ -477,7 +478,7 @@ def test_the_report_sets_the_estimate_beside_the_measured_wall():
 def test_on_a_shared_machine_a_cpu_stage_gets_its_fair_share_of_the_cores():
     host = cost.Host(1e9, 2, 0.0)
     assert host.share(1, 2) == 1 and host.share(1, 4) == 0.5 and cost.Host(1e9, 2, 6.0).share(1, 2) == 0.25
-    cfg = load_config(ROOT / "experiments" / "tiny.yaml", ["plan.cpu_flops=1e9"])
+    cfg = load_config(EXPERIMENTS / "tiny.yaml", ["plan.cpu_flops=1e9"])
     idle, busy = (
         make_plan(cfg, model_config(default_teacher()), Devices(host_memory=8 << 30, cpu_load=load)).cost
         for load in (0.0, 6.0)

@@ -24,6 +24,7 @@ from m2d_ray.config import DistillConfig
 from m2d_ray.distill.precision import PRECISIONS, MasterWeights, resolve
 from m2d_ray.distill.step import DistillStep
 from m2d_ray.errors import M2DError
+from m2d_ray.shipped import EXPERIMENTS
 
 SIZES = (20, 2, 32)  # steps, global sequences, tokens each: short batches (bf16 matmuls are ~5x slower on this CPU)
 BAND = 0.01  # bf16-mixed against float32, at every step
@@ -152,7 +153,6 @@ def test_an_older_deepspeed_is_refused_in_one_line_below_float32_at_the_engine_a
     """With DeepSpeed 0.19.6 installed a bf16 ZeRO-2 student would sum its micro-batches in bfloat16 whatever the
     config says: refused in one line at the engine's start and by stage 2's config check; float32 training (no sum
     to widen), ZeRO-1 and a new enough DeepSpeed are accepted."""
-    from conftest import ROOT
 
     from m2d_ray import pipeline
     from m2d_ray.catalog.methods import RANDOM_BASELINES
@@ -167,7 +167,7 @@ def test_an_older_deepspeed_is_refused_in_one_line_below_float32_at_the_engine_a
     with pytest.raises(M2DError, match=re.escape(said)) as got:
         DistillStep(student, tiny_teacher.model, cfg, "cpu", 1, PRECISIONS["bf16-mixed"])
     assert "\n" not in str(got.value) and "pip install 'deepspeed>=0.19.8'" in str(got.value)
-    tiny = ROOT / "experiments" / "tiny.yaml"
+    tiny = EXPERIMENTS / "tiny.yaml"
     with pytest.raises(M2DError, match=re.escape(said)):
         pipeline.check_config(load_config(tiny, ["distill.deepspeed=true", "distill.precision=bf16-mixed"]))
     pipeline.check_config(load_config(tiny, ["distill.deepspeed=true", "distill.precision=fp32"]))
