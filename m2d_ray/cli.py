@@ -506,9 +506,11 @@ def _one_line(exc: BaseException) -> str:
 
 def _dispatch(args) -> None:
     """The command's module, imported only now: it loads torch and Ray. A config named on the command line is read and
-    checked first (the config imports neither), so that a missing file or an unknown key is answered at once."""
-    if getattr(args, "config", None):
-        load_config(args.config, getattr(args, "overrides", []))
+    checked first (the config imports neither), so that a missing file or an unknown key is answered at once; the
+    command receives it (`args.cfg`) and does not read it again."""
+    args.cfg = None
+    if getattr(args, "config", None) or args.command == "distill":  # m2d distill: its overrides alone are a config
+        args.cfg = load_config(args.config, getattr(args, "overrides", []))
     importlib.import_module(f"m2d_ray.commands.{args.command.replace('-', '_')}").main(args)
 
 

@@ -26,8 +26,7 @@ from m2d_ray.config import SweepConfig, load_config
 from m2d_ray.console import say
 from m2d_ray.data import source
 from m2d_ray.errors import M2DError
-from m2d_ray.models import check_teacher, default_teacher
-from m2d_ray.models import load_config as model_config
+from m2d_ray.models import check_teacher, default_teacher, model_config
 from m2d_ray.plan.cost import Host, RunCost, cpu_rate, duration
 from m2d_ray.plan.prices import hourly
 from m2d_ray.plan.run_plan import Costing, Devices, Planning, RunPlan

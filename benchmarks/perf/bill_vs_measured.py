@@ -66,7 +66,7 @@ def _ratio(r: dict) -> str:
 def paper() -> None:
     from m2d_ray.accelerators import GPU_PEAK_BF16
     from m2d_ray.config import load_config
-    from m2d_ray.models import load_config as model_config
+    from m2d_ray.models import model_config
     from m2d_ray.pipeline import plan as make_plan
     from m2d_ray.plan import cost
     from m2d_ray.plan.devices import cluster_settings, from_cluster_yaml

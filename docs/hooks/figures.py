@@ -177,7 +177,7 @@ def stored(name: str) -> float:
 
 
 def teacher_bytes() -> float:
-    from m2d_ray.models import load_config as model_config
+    from m2d_ray.models import model_config
     from m2d_ray.plan.shapes import models_of
 
     return models_of(model_config(str(ROOT / QWEN30B))).teacher.weights
@@ -185,14 +185,14 @@ def teacher_bytes() -> float:
 
 def teacher_head_bytes() -> int:
     """The 30B teacher's output head in bf16 (vocabulary x hidden size x 2 B): what a rank reads under `hidden`."""
-    from m2d_ray.models import load_config as model_config
+    from m2d_ray.models import model_config
 
     c = model_config(str(ROOT / QWEN30B))
     return c.vocab_size * c.hidden_size * 2
 
 
 def student_params() -> str:
-    from m2d_ray.models import load_config as model_config
+    from m2d_ray.models import model_config
     from m2d_ray.plan.shapes import models_of
 
     return f"{models_of(model_config(str(ROOT / QWEN30B))).student.params / 1e9:.2f}B"

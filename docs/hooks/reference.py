@@ -2,7 +2,7 @@
 
     reference/cli.md            every `m2d` command and flag, from the argparse parser (m2d_ray/cli.py)
     reference/config.md         every config key with its type, default and meaning, from the config dataclasses
-                                (m2d_ray/config.py: each field's `setting(default, doc)`)
+                                (m2d_ray/config/: each field's `setting(default, doc)`)
     reference/registries.md     every registry's names with their docstrings (scorings, groupings, scalings, baselines,
                                 losses, targets modes, the stages of a run)
     reference/run-directory.md  the run directory's files (m2d_ray/run_dir.py, the one owner of their names) and the

@@ -44,7 +44,7 @@ from m2d_ray.evaluate.judges import OpenAIJudge, TeacherJudge, describe, parse_j
 from m2d_ray.evaluate.questions import TEMPLATE_CHARS, answer_part, check_set, group_of, sample
 from m2d_ray.evaluate.runner import generation_placement, gpu_facts
 from m2d_ray.evaluate.taxonomy import JUDGED, classify, integer_base, key_letter, summary
-from m2d_ray.models import device_default, load_config, load_model
+from m2d_ray.models import device_default, load_model, model_config
 from m2d_ray.plan.suite import prompt_tokens
 
 FIELDS = ("id", "subject", "question", "choices", "answer", "response")
@@ -117,7 +117,7 @@ def check_judge(args) -> None:
                 "--judge teacher needs the judge's model; give --teacher MODEL (a causal LM that reads the questions' "
                 "language: the MoE teacher of your run), or use --judge none or openai:MODEL"
             )
-        load_config(args.teacher)
+        model_config(args.teacher)
         check_files(args.teacher, "judge teacher")
 
 
@@ -183,7 +183,7 @@ def generate(args) -> dict:
     """--model: every model answers the questions (resumable), then the answers are classified."""
     models = list(dict.fromkeys(args.model))
     for m in models:
-        load_config(m)
+        model_config(m)
         check_files(m)
     device = args.device or device_default()
     check_set(args.questions)

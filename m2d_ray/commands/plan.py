@@ -25,7 +25,7 @@ import torch
 
 from m2d_ray.artifacts import write_json_atomic
 from m2d_ray.catalog.distill import AUTO
-from m2d_ray.config import SweepConfig, load_config
+from m2d_ray.config import SweepConfig
 from m2d_ray.console import emit, note, say
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.runner import host_available
@@ -182,7 +182,7 @@ def log_plan(ctx) -> None:
 
 
 def main(args) -> None:
-    cfg = load_config(args.config, args.overrides)
+    cfg = args.cfg  # read and checked once, by the CLI
     gpu_memory = parse_size(args.gpu_memory) if args.gpu_memory else None
     nodes = tuple(from_cluster_yaml(args.cluster)) if args.cluster else None
     host = None

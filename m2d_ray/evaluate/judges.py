@@ -294,7 +294,7 @@ class OpenAIJudge:
     """An OpenAI-compatible chat-completions server as the judge."""
 
     model: str
-    url: str = AnalysisConfig.judge_url  # its settings' defaults and docs: stage3.analysis.judge_* (config.py)
+    url: str = AnalysisConfig.judge_url  # its settings' defaults and docs: stage3.analysis.judge_* (config/stages.py)
     key_env: str = AnalysisConfig.judge_key_env
     rate: float = AnalysisConfig.judge_rate
     retries: int = AnalysisConfig.judge_retries

@@ -25,7 +25,7 @@ from m2d_ray.evaluate.placement import (
     plan_eval,
     plan_generation,
 )
-from m2d_ray.models import _source, load_config, load_model
+from m2d_ray.models import _source, load_model, model_config
 
 # Imported inside functions: what may be missing (optional packages, Ray's internal API), where its absence is handled;
 # Ray (`m2d plan` and the checks read this module without importing it).
@@ -74,7 +74,7 @@ def plan(
 ) -> EvalPlacement:
     """The placement of `model` (a directory, storage URL or hub name) from its config."""
 
-    config = load_config(model)
+    config = model_config(model)
     return plan_eval(
         _size(config.to_json_string()),
         gpu_bytes,
@@ -190,7 +190,7 @@ def generation_placement(
 ) -> EvalPlacement:
     """placement.plan_generation of `model` from its config (no weights read); `m2d analyze` gives this machine's
     GPUs (gpu_facts), the analysis stage the cluster's."""
-    config = load_config(model)
+    config = model_config(model)
     return plan_generation(
         _size(config.to_json_string()),
         gpu_bytes,

@@ -24,7 +24,7 @@ from m2d_ray.calibrate.stats import LayerStats
 from m2d_ray.config import SweepConfig, parse_recipe
 from m2d_ray.console import say
 from m2d_ray.data.text import load_text, tokenize
-from m2d_ray.models import load_config as model_config
+from m2d_ray.models import model_config
 from m2d_ray.report.stage1 import heatmap, write_tables
 from m2d_ray.run_dir import RunDir
 from m2d_ray.stages.demand import tune_check

@@ -237,8 +237,7 @@ def test_named_recipes_skip_the_search_and_are_promoted_in_their_order(ray_addre
     with no trial; stage 2's students are the recipes (in their order) and the baselines; the plan has no stage-1
     work and counts the recipes' students."""
     from m2d_ray import pipeline
-    from m2d_ray.models import default_teacher
-    from m2d_ray.models import load_config as model_config
+    from m2d_ray.models import default_teacher, model_config
     from m2d_ray.plan.run_plan import Devices
     from m2d_ray.run_dir import RunDir
     from m2d_ray.stages.students import todo

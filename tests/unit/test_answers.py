@@ -45,8 +45,7 @@ from m2d_ray.evaluate.judges import (
 from m2d_ray.evaluate.paper_tasks import MMLU_SUBJECTS
 from m2d_ray.evaluate.questions import GROUPS, UNTIL, group_of, sample
 from m2d_ray.evaluate.taxonomy import letters
-from m2d_ray.models import default_teacher, load_model
-from m2d_ray.models import load_config as model_config
+from m2d_ray.models import default_teacher, load_model, model_config
 from m2d_ray.plan.run_plan import Devices
 from m2d_ray.shipped import EXPERIMENTS
 

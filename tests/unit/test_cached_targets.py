@@ -139,7 +139,7 @@ def test_cached_topk_over_the_whole_vocabulary_trains_as_the_online_teacher(stud
     from m2d_ray import models
 
     online = _online(student, tokens, tmp_path)
-    vocab = models.load_config(default_teacher()).vocab_size
+    vocab = models.model_config(default_teacher()).vocab_size
     spec = make_targets(tmp_path / "targets", tokens, f"topk:{vocab}")
     _no_teacher_weights(monkeypatch)
     cached = _train(student, tmp_path / "cached", tokens, str(tmp_path / "targets"), spec)

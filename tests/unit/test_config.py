@@ -81,11 +81,30 @@ def test_auto_K_and_overrides():
         ("distill.kl_kernel=liger", "distill.kl_kernel=liger runs on CUDA devices only"),
         ("distill.deepspeed=maybe", "distill.deepspeed='maybe': use true, false or auto"),
         ("distill.kl_kernel=fused", "unknown distill.kl_kernel 'fused'"),
+        ("distill.loss=fkll", "distill.loss: unknown loss 'fkll'; did you mean 'fkl'"),
+        ("distill.checkpointing=ful", "did you mean 'full'"),
+        ("distill.zero_stage=3", "distill.zero_stage=3: use 0, 1 or 2"),
+        ("stage=3", "stage=3: use 1 or 2"),
+        ("stage3.analysis.questions=mmul", "stage3.analysis.questions='mmul': did you mean mmlu"),
     ],
 )
 def test_bad_values_fail_with_one_line(override, message):
     with pytest.raises(M2DError, match=message.replace("[", r"\[").replace(".", r"\.")):
         _checked(EXPERIMENTS / "tiny.yaml", override)
+
+
+def test_each_closed_set_is_declared_once_and_checked_by_the_loader():
+    """A Literal-typed key is checked by the loader against its type's values, which come from the catalog's
+    registries: no section check names them again."""
+    import inspect
+
+    from m2d_ray.catalog.distill import CHECKPOINTING, KL_KERNELS, LOSSES, PRECISIONS
+    from m2d_ray.config import checks
+    from m2d_ray.config.fields import REGISTRIES
+
+    assert set(REGISTRIES.values()) == {PRECISIONS, KL_KERNELS, CHECKPOINTING, LOSSES}
+    source = inspect.getsource(checks)
+    assert not [name for name in ("PRECISIONS", "KL_KERNELS", "CHECKPOINTING", "LOSSES", "SETS") if name in source]
 
 
 def test_pure_bf16_is_refused_beside_deepspeed():

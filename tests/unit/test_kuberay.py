@@ -22,7 +22,7 @@ from remote import on_head
 
 from m2d_ray.config import load_config
 from m2d_ray.errors import M2DError
-from m2d_ray.models import load_config as model_config
+from m2d_ray.models import model_config
 from m2d_ray.pipeline import plan as make_plan
 from m2d_ray.plan.devices import cluster_settings, from_cluster_yaml
 from m2d_ray.plan.prices import hourly

@@ -13,8 +13,7 @@ from small_run import finished_run
 from m2d_ray import pipeline
 from m2d_ray.config import load_config
 from m2d_ray.errors import M2DError
-from m2d_ray.models import default_teacher
-from m2d_ray.models import load_config as model_config
+from m2d_ray.models import default_teacher, model_config
 from m2d_ray.plan.devices import NodeType
 from m2d_ray.plan.run_plan import Devices, plan_line, unit
 from m2d_ray.report.page import render

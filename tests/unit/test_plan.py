@@ -13,8 +13,7 @@ from conftest import ROOT
 
 from m2d_ray.config import load_config
 from m2d_ray.errors import M2DError
-from m2d_ray.models import default_teacher
-from m2d_ray.models import load_config as model_config
+from m2d_ray.models import default_teacher, model_config
 from m2d_ray.pipeline import plan as make_plan
 from m2d_ray.plan import memory
 from m2d_ray.plan.devices import NodeType, from_cluster_yaml

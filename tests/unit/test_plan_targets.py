@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT
 
 from m2d_ray.config import load_config
-from m2d_ray.models import load_config as model_config
+from m2d_ray.models import model_config
 from m2d_ray.pipeline import plan as make_plan
 from m2d_ray.plan.cost import stage2_flops, student_tokens
 from m2d_ray.plan.devices import cluster_settings, from_cluster_yaml

@@ -377,6 +377,6 @@ def test_a_hub_teachers_head_downloads_only_the_shard_that_holds_it(tmp_path, mo
 
     monkeypatch.setattr(w, "snapshot_download", snapshot)  # (the hub client as weights.py calls it)
     monkeypatch.setattr(w, "hf_hub_download", one_file)
-    monkeypatch.setattr(w, "load_config", lambda name: model.config)  # (the config from the hub: no network here)
+    monkeypatch.setattr(w, "model_config", lambda name: model.config)  # (the config from the hub: no network here)
     head = w.read_output_head("org/moe", torch.float32)
     assert torch.equal(head, model.lm_head.weight.detach()) and fetched == [index["lm_head.weight"]]
