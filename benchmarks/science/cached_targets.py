@@ -38,7 +38,7 @@ def main() -> None:
     from m2d_ray.distill.loop import DistillJob, WorkerIO, run_distill
     from m2d_ray.distill.targets import bytes_per_token, parse_targets, state_bytes
     from m2d_ray.distill.tokens import write_tokens
-    from m2d_ray.models import default_teacher, load_config, load_tokenizer
+    from m2d_ray.models import default_teacher, load_tokenizer, model_config
     from m2d_ray.stages.shards import targets_here
 
     if args.teacher == "wiki4":
@@ -101,7 +101,7 @@ def main() -> None:
                 "initial": reports[-1]["val_ppl_initial"],
                 "train_s": time.perf_counter() - t0,
                 "pass_s": pass_s,
-                "bytes": bytes_per_token(spec, state_bytes(load_config(teacher).hidden_size, False)) if spec else None,
+                "bytes": bytes_per_token(spec, state_bytes(model_config(teacher).hidden_size, False)) if spec else None,
                 "rss": reports[-1]["peak_rss_bytes"],
             }
         )

@@ -28,6 +28,7 @@ from m2d_ray.cli import main
 from m2d_ray.config import load_config
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate import paper_data
+from m2d_ray.evaluate.extraction import letters
 from m2d_ray.evaluate.generation import BatchStore, Sampling, answer_all, answer_batch, recorded
 from m2d_ray.evaluate.judges import (
     TEACHER_ASKS,
@@ -44,7 +45,6 @@ from m2d_ray.evaluate.judges import (
 )
 from m2d_ray.evaluate.paper_tasks import MMLU_SUBJECTS
 from m2d_ray.evaluate.questions import GROUPS, UNTIL, group_of, sample
-from m2d_ray.evaluate.taxonomy import letters
 from m2d_ray.models import default_teacher, load_model, model_config
 from m2d_ray.plan.run_plan import Devices
 from m2d_ray.shipped import EXPERIMENTS

@@ -15,9 +15,9 @@ GB80 = 80 * 10**9  # an H100's 80 GB (79.6 GiB as CUDA reports it, near enough)
 
 def qwen3_30b_a3b():
     """Qwen3-30B-A3B's published config (48 layers, d 2048, 128 experts x 768, top-8, vocab 151,936)."""
-    from m2d_ray.models import load_config
+    from m2d_ray.models import model_config
 
-    return load_config(str(EXPERIMENTS / "configs" / "Qwen--Qwen3-30B-A3B"))
+    return model_config(str(EXPERIMENTS / "configs" / "Qwen--Qwen3-30B-A3B"))
 
 
 def qwen3_student():
