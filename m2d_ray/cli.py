@@ -17,6 +17,7 @@ import typing
 from collections.abc import Callable
 
 from m2d_ray import console
+from m2d_ray.accelerators import GPUS_PER_NODE
 from m2d_ray.catalog.distill import AUTO
 from m2d_ray.catalog.evaluate import SETS
 from m2d_ray.catalog.methods import GROUPINGS, PAPER_BEST, RANDOM_BASELINES, SCALINGS, SCORINGS
@@ -314,7 +315,8 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument(
         "--gpus-per-node",
         type=_positive,
-        help="most GPUs of one node (stage 3 shards a model over them; default: the node types', else 8)",
+        help="most GPUs of one node (stage 3 shards a model over them; default: the node types', else "
+        f"{GPUS_PER_NODE})",
     )
     pl.add_argument(
         "--cluster",

@@ -27,7 +27,8 @@ from m2d_ray.console import say
 from m2d_ray.data import source
 from m2d_ray.errors import M2DError
 from m2d_ray.models import check_teacher, default_teacher, model_config
-from m2d_ray.plan.cost import Host, RunCost, cpu_rate, duration
+from m2d_ray.plan.bill import RunCost, duration
+from m2d_ray.plan.cost import Host, cpu_rate
 from m2d_ray.plan.prices import hourly
 from m2d_ray.plan.run_plan import Costing, Devices, Planning, RunPlan
 from m2d_ray.plan.shapes import models_of, shape_of

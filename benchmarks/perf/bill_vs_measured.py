@@ -68,7 +68,7 @@ def paper() -> None:
     from m2d_ray.config import load_config
     from m2d_ray.models import model_config
     from m2d_ray.pipeline import plan as make_plan
-    from m2d_ray.plan import cost
+    from m2d_ray.plan import flops
     from m2d_ray.plan.devices import cluster_settings, from_cluster_yaml
     from m2d_ray.plan.run_plan import Devices
     from m2d_ray.plan.shapes import models_of
@@ -94,7 +94,7 @@ def paper() -> None:
     ):
         one_step = dict(steps=1, batch_size=384, grad_accum=1, workers=1, seq_len=4096, eval_max_tokens=0)
         c = replace(cfg, distill=replace(cfg.distill, **one_step, checkpointing=ckpt))
-        f = cost.stage2_flops(c, m, targets)
+        f = flops.stage2_flops(c, m, targets)
         peak = 2 * GPU_PEAK_BF16["B200"]
         print(
             f"| {label} | {f / tokens:.3g} | {f:.3g} | {f / (peak * cfg.plan.efficiency):.1f} | {f / (73 * peak):.3f} |"

@@ -135,9 +135,9 @@ def config(path: str, *overrides: str):
 
 # ---- formats: the plan's own ------------------------------------------------------------------------
 def usd(v: float) -> str:
-    from m2d_ray.plan.cost import _usd
+    from m2d_ray.plan import bill
 
-    return _usd(v)
+    return bill.usd(v)
 
 
 def hours(seconds: float) -> str:

@@ -14,6 +14,7 @@ from dataclasses import replace
 import torch
 from transformers import AutoConfig
 
+from m2d_ray.accelerators import GPUS_PER_NODE
 from m2d_ray.catalog.evaluate import check_stage3, parse_batch, setting_bytes  # noqa: F401  (check_stage3 re-exported)
 from m2d_ray.evaluate.harness import PAPER_NAMES, evaluate
 from m2d_ray.evaluate.paper_data import pack
@@ -227,7 +228,7 @@ def check_teacher_fits(cfg, model: str) -> None:
         plan(
             model,
             setting_bytes(c.gpu_memory, "stage3.gpu_memory"),
-            c.gpus_per_node or 8,
+            c.gpus_per_node or GPUS_PER_NODE,
             parse_batch(c.batch_size),
             setting_bytes(c.batch_memory, "stage3.batch_memory") if c.batch_memory else None,
             seq_cap=c.max_length,

@@ -53,8 +53,10 @@ from m2d_ray.evaluate.questions import TEMPLATE_CHARS, Question, check_set, grou
 from m2d_ray.evaluate.runner import generation_placements, max_length
 from m2d_ray.evaluate.taxonomy import by_rules, classify, judge_extracted, summary
 from m2d_ray.peaks import peaks, reset_peaks
-from m2d_ray.plan.cost import StageCost, before, forward_flops
+from m2d_ray.plan.bill import StageCost
+from m2d_ray.plan.cost import before
 from m2d_ray.plan.devices import bundle
+from m2d_ray.plan.flops import forward_flops
 from m2d_ray.plan.run_plan import unit
 from m2d_ray.plan.suite import prompt_tokens
 from m2d_ray.report.answers import answer_parts

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the types of the hooks' arguments; importing them here would tie the contract to Ray
     from m2d_ray.config import SweepConfig
-    from m2d_ray.plan.cost import StageCost
+    from m2d_ray.plan.bill import StageCost
     from m2d_ray.plan.run_plan import Costing, Planning, StagePlan
     from m2d_ray.report.analysis import RunData
     from m2d_ray.run_dir import RunDir

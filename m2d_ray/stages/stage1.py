@@ -27,13 +27,8 @@ from m2d_ray.data.text import check_spec
 from m2d_ray.errors import M2DError, RunFailed
 from m2d_ray.models import check_teacher, model_config
 from m2d_ray.plan import memory
-from m2d_ray.plan.cost import (
-    distinct_students,
-    eval_tokens,
-    forward_flops,
-    stage1_chunks,
-)
 from m2d_ray.plan.devices import bundle
+from m2d_ray.plan.flops import distinct_students, eval_tokens, forward_flops, stage1_chunks
 from m2d_ray.plan.run_plan import unit
 from m2d_ray.report.page import Table, md_table_html, render
 from m2d_ray.report.run import (

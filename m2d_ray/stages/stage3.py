@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from m2d_ray import storage
+from m2d_ray.accelerators import GPUS_PER_NODE
 from m2d_ray.artifacts import write_json_atomic
 from m2d_ray.catalog.distill import AUTO
 from m2d_ray.catalog.units import MODEL
@@ -41,8 +42,10 @@ from m2d_ray.evaluate.runner import (  # GPUs and batch per model, from memory
     stage3_placements,
 )
 from m2d_ray.peaks import peaks, reset_peaks
-from m2d_ray.plan.cost import StageCost, forward_flops, side_by_side
+from m2d_ray.plan.bill import StageCost
+from m2d_ray.plan.cost import side_by_side
 from m2d_ray.plan.devices import bundle, holders, smallest_gpu
+from m2d_ray.plan.flops import forward_flops
 from m2d_ray.plan.run_plan import unit
 from m2d_ray.plan.suite import suite_tokens
 from m2d_ray.report.analysis import distill_rows
@@ -199,7 +202,7 @@ def gpu_room(p) -> tuple[float, int | None, int]:
         else None
     )
     mem = d.gpu_memory or (smallest_gpu(found) if found else None) or parse_size(c.gpu_memory)  # checked at load
-    per_node = d.gpus_per_node or c.gpus_per_node or max((int(n.gpus) for n in (found or [])), default=8)
+    per_node = d.gpus_per_node or c.gpus_per_node or max((int(n.gpus) for n in (found or [])), default=GPUS_PER_NODE)
     return gpus, mem, per_node
 
 

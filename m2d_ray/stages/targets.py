@@ -17,8 +17,9 @@ from m2d_ray.catalog.targets import HIDDEN, ONLINE
 from m2d_ray.catalog.units import ACTOR
 from m2d_ray.distill.targets import blocks_per_shard
 from m2d_ray.plan import memory
-from m2d_ray.plan.cost import before, forward_flops, head_flops, student_tokens
+from m2d_ray.plan.cost import before
 from m2d_ray.plan.devices import bundle
+from m2d_ray.plan.flops import forward_flops, head_flops, student_tokens
 from m2d_ray.plan.run_plan import teacher_pass
 from m2d_ray.plan.targets import MOE
 from m2d_ray.stages import baselines

@@ -13,8 +13,8 @@ from conftest import ROOT
 from m2d_ray.config import load_config
 from m2d_ray.models import model_config
 from m2d_ray.pipeline import plan as make_plan
-from m2d_ray.plan.cost import stage2_flops, student_tokens
 from m2d_ray.plan.devices import cluster_settings, from_cluster_yaml
+from m2d_ray.plan.flops import stage2_flops, student_tokens
 from m2d_ray.plan.run_plan import Devices, plan_line
 from m2d_ray.plan.shapes import models_of, shape_of
 from m2d_ray.plan.targets import TB_MONTH, gather_seconds

@@ -37,7 +37,7 @@ from m2d_ray.config import CalibConfig, EvalConfig, SweepConfig
 from m2d_ray.console import say
 from m2d_ray.errors import M2DError
 from m2d_ray.models import absolute, default_dense_teacher, load_model, model_config
-from m2d_ray.plan.cost import eval_tokens, forward_flops
+from m2d_ray.plan.flops import eval_tokens, forward_flops
 from m2d_ray.prune.data import data_specs, load_tokens
 from m2d_ray.prune.export import IMPORTANCE_FILE, candidates_table
 from m2d_ray.prune.importance import Importance
