@@ -1,8 +1,9 @@
 """m2d_ray: convert a trained Mixture-of-Experts language model into a dense one.
 
 Data flow: calibrate/ -> scoring/ -> grouping/ -> convert/ -> distill/ -> evaluate/ -> report/; above them the
-stages of a run on Ray (stages/: one module per stage says what it checks, needs, runs and reports; plan/ is the
-arithmetic they price themselves with), in order in pipeline.py; one module per command on top (commands/, cli.py).
+stages of a run on Ray (stages/: one module per stage says what it checks, needs, runs and reports; runtime/ is the
+Ray plumbing they share; plan/ is the arithmetic they price themselves with), in order in pipeline.py; one module
+per command on top (commands/, cli.py).
 ARCHITECTURE.md draws it.
 
 Layers, lowest first. A module imports only from its own layer or a lower one, and there are no import
@@ -25,10 +26,11 @@ this list against the code):
     14. run_dir
     15. track
     16. report
-    17. stages
-    18. pipeline, measured_write
-    19. commands
-    20. cli
+    17. runtime
+    18. stages
+    19. pipeline, measured_write
+    20. commands
+    21. cli
 """
 
 __version__ = "0.1.0"

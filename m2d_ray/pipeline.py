@@ -106,7 +106,7 @@ def check(cfg: SweepConfig, stages: Stages = STAGES, tracking_uri: str | None = 
     if tracking_uri or cfg.mlflow.tracking_uri:
         Tracker(tracking_uri or cfg.mlflow.tracking_uri, cfg.mlflow.experiment)
     if cfg.storage:
-        from m2d_ray.stages.run_storage import RunStorage
+        from m2d_ray.runtime.run_storage import RunStorage
 
         RunStorage(cfg.storage).check()
     scan(teacher, "teacher")
@@ -380,7 +380,7 @@ def run(ctx, stages: Stages | None = None) -> dict:
 def run_stages(cfg: SweepConfig, run_dir, *names: str, tracking_uri: str | None = None) -> dict:
     """The stages `names` on `run_dir` (a new run made there, else the run there continued), without the commands'
     checks: for tests, benchmarks and notebooks. Returns each stage's result."""
-    from m2d_ray.stages.context import RunContext
+    from m2d_ray.runtime.context import RunContext
 
     rd, stages = RunDir(run_dir), tuple(STAGES)
     ctx = (

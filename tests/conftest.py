@@ -138,7 +138,7 @@ def ray_address():
     import ray
 
     from m2d_ray.config import RayConfig
-    from m2d_ray.stages.ray_env import ensure_ray
+    from m2d_ray.runtime.ray_env import ensure_ray
 
     ensure_ray(RayConfig())
     yield ray.get_runtime_context().gcs_address

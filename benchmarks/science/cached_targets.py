@@ -7,7 +7,7 @@ teacher and from its cached top-K / sampled targets; final validation perplexity
     python -m benchmarks.science.cached_targets --teacher wiki4          (../shared/teachers/qwen3moe-wiki4, WikiText-2)
 
 The student is the DO-ACP K = k conversion of the teacher (the paper's best recipe). Tokens are written once
-(distill/tokens.py), the targets by the targets pass's actor (stages/shards.TargetsActor, here without
+(distill/tokens.py), the targets by the targets pass's actor (runtime/shards.TargetsActor, here without
 Ray), and every student runs the plain loop (distill/loop.run_distill) on one thread; prints a Markdown table.
 """
 
@@ -39,7 +39,7 @@ def main() -> None:
     from m2d_ray.distill.targets import bytes_per_token, parse_targets, state_bytes
     from m2d_ray.distill.tokens import write_tokens
     from m2d_ray.models import default_teacher, load_tokenizer, model_config
-    from m2d_ray.stages.shards import targets_here
+    from m2d_ray.runtime.shards import targets_here
 
     if args.teacher == "wiki4":
         teacher, train, valid, calib = str(TEACHER_DIR), str(WIKI_VALID), str(WIKI_TEST), str(WIKI_VALID)

@@ -6,7 +6,7 @@
     reference/registries.md     every registry's names with their docstrings (scorings, groupings, scalings, baselines,
                                 losses, targets modes, the stages of a run)
     reference/run-directory.md  the run directory's files (m2d_ray/run_dir.py, the one owner of their names) and the
-                                run's storage (m2d_ray/stages/run_storage.py)
+                                run's storage (m2d_ray/runtime/run_storage.py)
     reference/bad-input.md      the bad-input cases the CLI refuses and their exit codes (tests/cli/test_bad_inputs.py)
 
 MkDocs calls `on_files` and `on_page_markdown` (mkdocs.yml: `hooks:`; the latter points a page's screenshot, linked by
@@ -237,7 +237,7 @@ def run_dir_entries() -> list[tuple[str, str]]:
 
 def run_dir_page() -> str:
     from m2d_ray import run_dir
-    from m2d_ray.stages import run_storage
+    from m2d_ray.runtime import run_storage
 
     out = [
         "# The run directory and the run's storage",

@@ -36,9 +36,9 @@ from m2d_ray.models import (
     load_tokenizer,
     model_config,
 )
-from m2d_ray.stages.ray_env import ensure_ray
-from m2d_ray.stages.run_storage import RunStorage
-from m2d_ray.stages.shards import targets, tokens
+from m2d_ray.runtime.ray_env import ensure_ray
+from m2d_ray.runtime.run_storage import RunStorage
+from m2d_ray.runtime.shards import targets, tokens
 from m2d_ray.stages.student import job
 
 

@@ -91,7 +91,7 @@ def check_run(
     elif not (cfg.ray.address or os.environ.get("RAY_ADDRESS")) and not _ray_up():  # the local Ray this run will start
         nodes, where, local = [local_node(cfg.ray.num_cpus)], "this machine", True
     else:  # a Ray cluster (or one this process joined): its autoscaler's node types, else its live nodes
-        from m2d_ray.stages.ray_env import (  # lazy: Ray only where a cluster is asked
+        from m2d_ray.runtime.ray_env import (  # lazy: Ray only where a cluster is asked
             ensure_ray,
             node_types,
             on_cluster,

@@ -19,8 +19,8 @@ from m2d_ray.commands.runs import check_outcome, existing_run, keep_logs, new_ru
 from m2d_ray.config import SweepConfig, load_config
 from m2d_ray.console import emit, say
 from m2d_ray.errors import M2DError, StorageFull, causes, full_disk
+from m2d_ray.runtime.context import RunContext
 from m2d_ray.sizes import gib, parse_size
-from m2d_ray.stages.context import RunContext
 
 
 def run(

@@ -12,7 +12,7 @@ from m2d_ray.commands.runs import existing_run, keep_logs, new_run
 from m2d_ray.config import SweepConfig, load_config
 from m2d_ray.console import emit
 from m2d_ray.errors import M2DError
-from m2d_ray.stages.context import RunContext
+from m2d_ray.runtime.context import RunContext
 
 
 def sweep(

@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # the types of the hooks' arguments; importing them here woul
     from m2d_ray.plan.run_plan import Costing, Planning, StagePlan
     from m2d_ray.report.analysis import RunData
     from m2d_ray.run_dir import RunDir
-    from m2d_ray.stages.context import RunContext
+    from m2d_ray.runtime.context import RunContext
 
 
 @dataclass(frozen=True)

@@ -52,10 +52,10 @@ from m2d_ray.report.analysis import distill_rows
 from m2d_ray.report.page import render
 from m2d_ray.report.run import distill_table, figure, marginal_figure, matched_table
 from m2d_ray.run_dir import TEACHER_KEY, Ledger, RunDir
+from m2d_ray.runtime.record import Logged
 from m2d_ray.sizes import parse_size
 from m2d_ray.stages import baselines
 from m2d_ray.stages.contract import Section, Stage
-from m2d_ray.stages.record import Logged
 from m2d_ray.track import model_kind, run_tags
 
 # Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
@@ -300,7 +300,7 @@ def evaluate(ctx, stage: Stage3) -> dict[str, dict]:
     """Evaluate every exported student (+ the teachers) of the run; returns {key: result record}."""
     import ray
 
-    from m2d_ray.stages.ray_env import failure
+    from m2d_ray.runtime.ray_env import failure
 
     cfg, rd, c = ctx.cfg, ctx.rd, ctx.cfg.stage3
     suite = check_suite(rd, c)  # checks a text:PATH file on the driver

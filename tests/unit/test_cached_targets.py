@@ -58,8 +58,8 @@ def student(tmp_path_factory):
 
 
 def make_targets(out, tokens, text: str, cfg: DistillConfig = CFG, stream: bool | None = None):
-    """The targets pass of one actor (stages/shards.TargetsActor, here without Ray) over two block ranges."""
-    from m2d_ray.stages.shards import targets_here
+    """The targets pass of one actor (runtime/shards.TargetsActor, here without Ray) over two block ranges."""
+    from m2d_ray.runtime.shards import targets_here
 
     spec = parse_targets(text, cfg.temperature, cfg.seed)
     targets_here(

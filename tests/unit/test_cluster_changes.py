@@ -1,5 +1,5 @@
 """A run and a cluster that changes under it, without a cluster: the storage check each node makes for
-itself (RunStorage.ensure_visible), the autoscaler's reports a waiting stage reads (stages/demand.py), and
+itself (RunStorage.ensure_visible), the autoscaler's reports a waiting stage reads (runtime/demand.py), and
 failures told in the user's words (ray_env.failure). The same on Ray's fake autoscaler: tests/ray/."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 from m2d_ray.config import load_config
 from m2d_ray.errors import M2DError
 from m2d_ray.pipeline import STAGES
+from m2d_ray.runtime import demand, ray_env, run_storage
+from m2d_ray.runtime.run_storage import RunStorage
 from m2d_ray.shipped import EXPERIMENTS
-from m2d_ray.stages import demand, ray_env, run_storage
-from m2d_ray.stages.run_storage import RunStorage
 
 # what Ray 2.60's v1 autoscaler wrote on the fake cluster with a {CPU: 1, GPU: 1} task and a 2-bundle placement group
 # waiting (tests/ray's machinery, recorded by hand): its event and its status in the GCS

@@ -180,7 +180,7 @@ def test_the_run_uses_the_plan_s_choice_recorded_in_memory_plan_json(tmp_path):
     from m2d_ray.errors import M2DError
     from m2d_ray.models import default_teacher
     from m2d_ray.run_dir import RunDir
-    from m2d_ray.stages.context import RunContext
+    from m2d_ray.runtime.context import RunContext
 
     tiny = EXPERIMENTS / "tiny.yaml"
     cfg = load_config(tiny, ["stage2.targets=auto", "plan.cpu_flops=1e9"])

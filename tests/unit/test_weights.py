@@ -310,7 +310,7 @@ def test_initial_student_of_a_distillation_reads_the_teacher_lazily(
 def test_logits_recomputed_from_stored_states_are_the_teachers_own(family, stream):
     """The targets pass's final hidden states (after the final norm: the streamed pass applies it itself) times
     the head a student's rank reads alone give the teacher's own forward logits, in every family."""
-    from m2d_ray.stages.shards import _teacher_forward
+    from m2d_ray.runtime.shards import _teacher_forward
     from m2d_ray.weights import read_output_head
 
     _, eager, _, ids, _, hub = family

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # argument types only
     from m2d_ray.plan.bill import StageCost
     from m2d_ray.plan.run_plan import Costing
     from m2d_ray.report.analysis import RunData
-    from m2d_ray.stages.context import RunContext
+    from m2d_ray.runtime.context import RunContext
 
 
 class BaselineFailed(RuntimeError):

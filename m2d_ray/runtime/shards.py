@@ -43,7 +43,7 @@ from m2d_ray.distill.targets import (
 from m2d_ray.distill.tokens import TokenShards, manifest_sha256, rank_batches, tokenizer_fingerprint, write_tokens
 from m2d_ray.errors import M2DError, RunFailed
 from m2d_ray.models import load_distill_teacher, model_config
-from m2d_ray.stages.run_storage import RunStorage
+from m2d_ray.runtime.run_storage import RunStorage
 from m2d_ray.weights import open_teacher
 
 
