@@ -159,18 +159,5 @@ def distill_one(
 
 
 def main(args) -> None:
-    emit(
-        json.dumps(
-            distill_one(
-                args.teacher,
-                args.student,
-                args.out,
-                args.eval_data,
-                config=args.config,
-                overrides=args.overrides,
-                overwrite=args.overwrite,
-                store=args.storage,
-                loaded=args.cfg,
-            )
-        )
-    )
+    how = {"overwrite": args.overwrite, "store": args.storage, "loaded": args.cfg}  # the config: read once, by the CLI
+    emit(json.dumps(distill_one(args.teacher, args.student, args.out, args.eval_data, **how)))

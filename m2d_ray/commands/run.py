@@ -98,15 +98,9 @@ def full_line(exc: BaseException, run_dir: Path, cfg, peak: int) -> str:
 
 
 def main(args) -> None:
+    gpu_memory = parse_size(args.gpu_memory) if args.gpu_memory else None
     result = run(
-        args.config,
-        args.overrides,
-        out=args.out,
-        resume=args.resume,
-        tracking_uri=args.tracking_uri,
-        gpu_memory=parse_size(args.gpu_memory) if args.gpu_memory else None,
-        cluster=args.cluster,
-        loaded=args.cfg,
+        args.config, args.overrides, args.out, args.resume, args.tracking_uri, gpu_memory, args.cluster, args.cfg
     )
     say(f"report: {result['report']}")
     say(f"MLflow UI: {result['mlflow_ui']}  (then open {result['mlflow_url']})")

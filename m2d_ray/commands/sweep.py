@@ -111,15 +111,4 @@ def _stage2(rd, res) -> dict:
 
 
 def main(args) -> None:
-    emit(
-        json.dumps(
-            sweep(
-                args.config,
-                args.overrides,
-                out=args.out,
-                resume=args.resume,
-                tracking_uri=args.tracking_uri,
-                loaded=args.cfg,
-            )
-        )
-    )
+    emit(json.dumps(sweep(args.config, args.overrides, args.out, args.resume, args.tracking_uri, args.cfg)))

@@ -8,18 +8,8 @@ from typing import Literal
 
 from m2d_ray.catalog.distill import AUTO
 from m2d_ray.catalog.targets import parse_targets
+from m2d_ray.config import sections, stages
 from m2d_ray.config.fields import plain, setting
-from m2d_ray.config.sections import (
-    CalibConfig,
-    EvalConfig,
-    FaultConfig,
-    GridConfig,
-    PlanConfig,
-    RayConfig,
-    SearchConfig,
-    TrackConfig,
-)
-from m2d_ray.config.stages import DistillConfig, Stage2Config, Stage3Config
 
 
 @dataclass(frozen=True)
@@ -45,17 +35,17 @@ class SweepConfig:
         "mounts or s3:// / gs://; None = the run directory",
     )
     device: str | None = setting(None, "the device of a stage-1 trial; None = cuda when the trial has a GPU, else cpu")
-    calib: CalibConfig = field(default_factory=CalibConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    grid: GridConfig = field(default_factory=GridConfig)
-    search: SearchConfig = field(default_factory=SearchConfig)
-    ray: RayConfig = field(default_factory=RayConfig)
-    mlflow: TrackConfig = field(default_factory=TrackConfig)
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    stage2: Stage2Config = field(default_factory=Stage2Config)
-    stage3: Stage3Config = field(default_factory=Stage3Config)
-    faults: FaultConfig = field(default_factory=FaultConfig)
-    plan: PlanConfig = field(default_factory=PlanConfig)
+    calib: sections.CalibConfig = field(default_factory=sections.CalibConfig)
+    eval: sections.EvalConfig = field(default_factory=sections.EvalConfig)
+    grid: sections.GridConfig = field(default_factory=sections.GridConfig)
+    search: sections.SearchConfig = field(default_factory=sections.SearchConfig)
+    ray: sections.RayConfig = field(default_factory=sections.RayConfig)
+    mlflow: sections.TrackConfig = field(default_factory=sections.TrackConfig)
+    distill: stages.DistillConfig = field(default_factory=stages.DistillConfig)
+    stage2: stages.Stage2Config = field(default_factory=stages.Stage2Config)
+    stage3: stages.Stage3Config = field(default_factory=stages.Stage3Config)
+    faults: sections.FaultConfig = field(default_factory=sections.FaultConfig)
+    plan: sections.PlanConfig = field(default_factory=sections.PlanConfig)
 
     def to_dict(self) -> dict:
         return plain(dataclasses.asdict(self))

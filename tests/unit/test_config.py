@@ -208,3 +208,23 @@ def test_every_unit_kind_has_a_start_on_cpus_and_a_measured_one_on_a_gpu():
     assert set(measured.gpu().start_s) == set(UNITS)
     assert [plan.start_s(u, gpu=False) for u in UNITS] == [plan.actor_s, plan.trial_s, plan.student_s, plan.model_s]
     assert all(plan.start_s(u, gpu=True) == measured.gpu().start_s[u] for u in UNITS)
+
+
+def test_a_shipped_config_is_found_by_name_and_copied_out_with_its_base(tmp_path, monkeypatch, capsys):
+    """`m2d run tiny` from any directory: a file that exists wins, else a shipped name; `m2d cp` writes a copy that
+    reads as the original (its include beside it) and never overwrites a file."""
+    from m2d_ray.shipped import configs
+
+    monkeypatch.chdir(tmp_path)
+    assert load_config("tiny") == load_config("tiny.yaml") == load_config(EXPERIMENTS / "tiny.yaml")
+    assert "_paper" not in configs() and {"tiny", "smoke", "qwen3_30b_a3b"} <= set(configs())
+    with pytest.raises(M2DError, match="did you mean qwen3_30b_a3b"):
+        load_config("qwen3_30b_a3")
+    assert main(["cp", "qwen3_30b_a3b", "mine.yaml"]) == 0
+    assert (tmp_path / "_paper.yaml").read_text() == (EXPERIMENTS / "_paper.yaml").read_text()
+    assert load_config("mine.yaml") == load_config("qwen3_30b_a3b")
+    (tmp_path / "tiny.yaml").write_text("name: mine\n")
+    assert load_config("tiny.yaml").name == "mine"  # the file here, not the shipped one
+    capsys.readouterr()
+    assert main(["cp", "tiny", "."]) == 2 and "never overwrites" in capsys.readouterr().err
+    assert main(["configs"]) == 0 and "tiny  " in capsys.readouterr().out
