@@ -11,7 +11,7 @@ cycles, except that arch/ registers its families by importing them (tests/unit/t
 this list against the code):
 
     1. errors, console, registry, artifacts, storage, checkpoint, assets, accelerators, peaks, sizes, numerics, measured
-    2. catalog, shipped, local_group, time_budget
+    2. catalog, shipped
     3. config
     4. arch
     5. models, weights, data
@@ -21,14 +21,14 @@ this list against the code):
     9. convert
     10. evaluate
     11. prune
-    12. distill, random_models, trajectories
+    12. distill
     13. plan
     14. run_dir
     15. track
     16. report
     17. runtime
     18. stages
-    19. pipeline, measured_write
+    19. pipeline
     20. commands
     21. cli
 """

@@ -56,8 +56,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from m2d_ray.measured_write import accelerator_of, measured_file, prior
-from m2d_ray.time_budget import Part, Share, TimedOut, Variant, plan, run_logged
+from workshop.measured_write import accelerator_of, measured_file, prior
+from workshop.time_budget import Part, Share, TimedOut, Variant, plan, run_logged
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable

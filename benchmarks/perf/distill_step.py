@@ -75,8 +75,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import cpu_model, machine_line, write_json
-from m2d_ray.local_group import free_port
-from m2d_ray.random_models import STEP_PRESETS, teacher_and_student
+from workshop.local_group import free_port
+from workshop.random_models import STEP_PRESETS, teacher_and_student
 
 
 def init_process_group(device: str) -> None:

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from m2d_ray.local_group import join, spawn
+from workshop.local_group import join, spawn
 
 SEQ = 256
 

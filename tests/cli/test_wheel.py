@@ -83,6 +83,8 @@ def test_the_wheel_holds_no_workshop_and_requires_no_pytest(installed):
         (meta,) = (n for n in names if n.endswith(".dist-info/METADATA"))
         requires = [ln for ln in z.read(meta).decode().splitlines() if ln.startswith("Requires-Dist:")]
     assert not [n for n in names if n.startswith(WORKSHOP)]
+    scaffolding = ("random_models", "trajectories", "local_group", "time_budget", "measured_write", "asha_ray")
+    assert not [n for n in names if n.rsplit("/", 1)[-1].removesuffix(".py") in scaffolding]
     assert "m2d_ray/experiments/tiny.yaml" in names and "m2d_ray/experiments/_paper.yaml" in names
     assert "m2d_ray/experiments/configs/Qwen--Qwen3-30B-A3B/config.json" in names
     assert all('extra == "test"' in ln for ln in requires if ln.split()[1].startswith("pytest"))

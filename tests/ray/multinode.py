@@ -34,8 +34,8 @@ import sys
 import time
 from pathlib import Path
 
-from m2d_ray.local_group import free_port
 from m2d_ray.shipped import EXPERIMENTS
+from workshop.local_group import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = EXPERIMENTS / "smoke.yaml"

@@ -109,6 +109,31 @@ def test_no_import_reaches_a_higher_layer():
     assert not upward, upward
 
 
+#: the repository's top-level packages that the wheel does not ship: the package never imports them
+WORKSHOP = ("workshop", "benchmarks", "tests", "conftest")
+
+
+def test_the_package_never_imports_the_workshop():
+    """Test and benchmark scaffolding lives in workshop/ at the repository's root, outside the wheel: an import of it
+    (or of benchmarks/ or tests/) from m2d_ray, at the top of a module or inside a function, would fail where the
+    package is installed."""
+    found = sorted(
+        (name, imported)
+        for name, path in modules().items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        for imported in (
+            [node.module or ""]
+            if isinstance(node, ast.ImportFrom)
+            else [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else []
+        )
+        if imported.split(".")[0] in WORKSHOP
+    )
+    assert not found, found
+    assert (PKG.parent / "workshop" / "__init__.py").is_file() and not (PKG / "random_models.py").exists()
+
+
 def test_the_checks_find_what_they_look_for():
     """The checks are live: a cycle and an upward edge in a made-up graph are found."""
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]

@@ -259,11 +259,11 @@ def test_asha_s_stops_shorten_stage_2_and_leave_stage_3_only_the_finishers(paper
 
 def test_the_plan_s_asha_decides_as_ray_s_own_scheduler():
     """plan/cost.py's copy of ASHA's rule stops the same students at the same reports as Ray Tune's
-    ASHAScheduler on the same simulated students (plan/asha_ray.py), in each case benchmarks/perf/asha_bill.py
+    ASHAScheduler on the same simulated students (workshop/asha_ray.py), in each case benchmarks/perf/asha_bill.py
     measures."""
     import random
 
-    from m2d_ray.plan import asha_ray
+    from workshop import asha_ray
 
     for _, n, reports, grace, rf, lanes in asha_ray.CASES:
         rungs = asha.asha_rungs(reports, grace, rf)

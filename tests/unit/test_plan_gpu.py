@@ -10,11 +10,11 @@ import json
 import pytest
 
 from m2d_ray import measured
-from m2d_ray import measured_write as acc
 from m2d_ray.config import PlanConfig, load_config
 from m2d_ray.plan.cost import Place, stage_cost
 from m2d_ray.plan.fit import fit_starts
 from m2d_ray.shipped import EXPERIMENTS
+from workshop import measured_write as acc
 
 
 def test_the_tiny_runs_bill_on_its_gpu_is_within_2x_of_its_measured_walls():

@@ -1,4 +1,4 @@
-"""m2d_ray/measured_gpu.json as a GPU acceptance call measured it: the writer beside its reader (measured.py).
+"""m2d_ray/measured_gpu.json as a GPU acceptance call measured it: the writer of what m2d_ray/measured.py reads.
 
 The acceptance call (benchmarks/gpu/acceptance.py) hands its parts' result dicts here; what a part measured replaces
 the packaged figure, what no part measured is carried over, and the GPU start-ups are fit on the whole run's walls
