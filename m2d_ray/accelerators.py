@@ -9,6 +9,9 @@ import difflib
 from m2d_ray.errors import M2DError
 
 MiB = 1 << 20
+#: the most GPUs of one node where nothing says otherwise (stage3.gpus_per_node, a cluster's node types): a p5.48xlarge,
+#: a DGX
+GPUS_PER_NODE = 8
 #: total memory CUDA reports for each accelerator type (nvidia-smi's MiB)
 GPU_MEMORY = {
     "T4": 15_360 * MiB,

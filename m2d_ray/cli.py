@@ -17,6 +17,7 @@ import typing
 from collections.abc import Callable
 
 from m2d_ray import console
+from m2d_ray.accelerators import GPUS_PER_NODE
 from m2d_ray.catalog.distill import AUTO
 from m2d_ray.catalog.evaluate import SETS
 from m2d_ray.catalog.methods import GROUPINGS, PAPER_BEST, RANDOM_BASELINES, SCALINGS, SCORINGS
@@ -145,6 +146,7 @@ def _override(p: argparse.ArgumentParser, command: str, dest: str, also: str = "
 
 
 # ---- the flags that are not config keys ------------------------------------------------------------
+CONFIG_HELP = "a YAML file, or a shipped config's name such as tiny (m2d configs lists them)"
 DEVICE_HELP = "cpu or cuda (default: cuda when available)"
 SPECS = "a data spec: docs/how-to/own-corpus.md"
 
@@ -265,7 +267,7 @@ def parser() -> argparse.ArgumentParser:
     w = sub.add_parser(
         "sweep", help="stage 1 on Ray: the scoring x grouping x scaling x K grid by pre-distillation perplexity"
     )
-    w.add_argument("config", nargs="?", help="YAML config (experiments/*.yaml); not needed with --resume")
+    w.add_argument("config", nargs="?", help=CONFIG_HELP + "; not needed with --resume")
     w.add_argument("overrides", nargs="*", help="key=value overrides, e.g. grid.K=[2,4] grid.scoring=[sf,do-acp]")
     for dest in OVERRIDE_FLAGS["sweep"]:
         _override(w, "sweep", dest)
@@ -274,7 +276,7 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser(
         "run", help="the whole pipeline: calibrate, stage 1, stage 2 (distil), stage 3 (lm-eval), report"
     )
-    r.add_argument("config", nargs="?", help="YAML config (experiments/*.yaml); not needed with --resume")
+    r.add_argument("config", nargs="?", help=CONFIG_HELP + "; not needed with --resume")
     r.add_argument("overrides", nargs="*", help="key=value overrides, e.g. distill.steps=30 stage3.limit=50")
     _add_run_flags(r, "continue a killed or interrupted run, stage by stage")
     _override(r, "run", "storage")
@@ -296,14 +298,14 @@ def parser() -> argparse.ArgumentParser:
         help="memory per GPU, GPUs and storage of every stage of a run, from configs alone (no weights); exit 2 if it "
         "cannot fit",
     )
-    pl.add_argument("config", help="YAML config (experiments/*.yaml)")
+    pl.add_argument("config", help=CONFIG_HELP)
     pl.add_argument(
         "overrides", nargs="*", help="key=value overrides, e.g. stage2.targets=sampled:64 distill.workers=8"
     )
     pl.add_argument(
         "--model",
-        help="read the teacher's config.json from this directory instead of the config's model "
-        "(e.g. experiments/configs/Qwen--Qwen3-30B-A3B offline)",
+        help="read the teacher's config.json from this directory instead of the config's model (a hub name whose "
+        "config.json ships with m2d, e.g. Qwen/Qwen3-30B-A3B, is read offline)",
     )
     pl.add_argument(
         "--gpu-memory",
@@ -313,7 +315,8 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument(
         "--gpus-per-node",
         type=_positive,
-        help="most GPUs of one node (stage 3 shards a model over them; default: the node types', else 8)",
+        help="most GPUs of one node (stage 3 shards a model over them; default: the node types', else "
+        f"{GPUS_PER_NODE})",
     )
     pl.add_argument(
         "--cluster",
@@ -338,7 +341,7 @@ def parser() -> argparse.ArgumentParser:
     }
     for dest in OVERRIDE_FLAGS["distill"]:
         _override(d, "distill", dest, also=also.get(dest, ""))
-    d.add_argument("--config", help="YAML whose distill: section gives the defaults (experiments/*.yaml)")
+    d.add_argument("--config", help="YAML whose distill: section gives the defaults: " + CONFIG_HELP)
     d.add_argument(
         "overrides", nargs="*", help="more distill settings as key=value, e.g. lr=3e-3 seq_len=256 eval_every=20"
     )
@@ -401,6 +404,11 @@ def parser() -> argparse.ArgumentParser:
     an.add_argument("--device", help=DEVICE_HELP)
     an.add_argument("--out", required=True, help="directory for responses.jsonl, summary.json and the batches")
     an.add_argument("--overwrite", action="store_true", help="replace an analysis with other settings at --out")
+
+    sub.add_parser("configs", help="the example configs shipped with m2d (m2d run NAME, m2d plan NAME read them)")
+    cp = sub.add_parser("cp", help="copy a shipped config out to edit (never over an existing file)")
+    cp.add_argument("name", help="a shipped config (m2d configs lists them)")
+    cp.add_argument("dest", help="the file to write, or a directory for NAME.yaml")
 
     f = sub.add_parser(
         "fetch-data",
@@ -500,9 +508,11 @@ def _one_line(exc: BaseException) -> str:
 
 def _dispatch(args) -> None:
     """The command's module, imported only now: it loads torch and Ray. A config named on the command line is read and
-    checked first (the config imports neither), so that a missing file or an unknown key is answered at once."""
-    if getattr(args, "config", None):
-        load_config(args.config, getattr(args, "overrides", []))
+    checked first (the config imports neither), so that a missing file or an unknown key is answered at once; the
+    command receives it (`args.cfg`) and does not read it again."""
+    args.cfg = None
+    if getattr(args, "config", None) or args.command == "distill":  # m2d distill: its overrides alone are a config
+        args.cfg = load_config(args.config, getattr(args, "overrides", []))
     importlib.import_module(f"m2d_ray.commands.{args.command.replace('-', '_')}").main(args)
 
 

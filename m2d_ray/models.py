@@ -125,7 +125,7 @@ class Teacher:
         return out
 
 
-def load_config(name: str):
+def model_config(name: str):
     """The transformers config of a directory, hub name or storage URL (only its config.json is fetched)."""
     if storage.is_remote(name):
         try:
@@ -154,7 +154,7 @@ def check_teacher(name: str | None) -> MoEAdapter:
     """Everything about a teacher that can be checked without reading its weights: config, family, files."""
 
     name = name or default_teacher()
-    adapter = get_adapter(load_config(name))
+    adapter = get_adapter(model_config(name))
     check_files(name, "teacher")
     return adapter
 
@@ -170,7 +170,7 @@ def load_teacher(name: str | None = None, dtype: torch.dtype | None = None, devi
 def load_distill_teacher(name: str, dtype: torch.dtype | None = None, device: str = "cpu") -> Teacher:
     """A distillation teacher: an MoE one (with its adapter), or a dense one (the D2D baseline's, no adapter)."""
 
-    if load_config(name).model_type not in dense_types():
+    if model_config(name).model_type not in dense_types():
         return load_teacher(name, dtype=dtype, device=device)
     model, tokenizer = load_model(name, device=device, dtype=dtype, what="teacher")
     return Teacher(name=name, model=model, tokenizer=tokenizer, adapter=None)
@@ -216,7 +216,7 @@ def load_model(name: str, device: str = "cpu", dtype: torch.dtype | None = None,
     """
     from transformers import AutoModelForCausalLM
 
-    config = load_config(name)
+    config = model_config(name)
     src = _source(name)
     check_files(src, what)
     kwargs = {"dtype": dtype if dtype is not None else "auto"}
@@ -236,5 +236,5 @@ def load_model(name: str, device: str = "cpu", dtype: torch.dtype | None = None,
 def check_teacher_topk(model: str, k_prime: int | None) -> None:
     """From the config alone: expanded teacher routing needs k <= k' <= E."""
     if k_prime is not None:
-        config = load_config(model)
+        config = model_config(model)
         get_adapter(config).check_top_k(config, k_prime)

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
+from m2d_ray import shipped
 from m2d_ray.artifacts import write_json_atomic
 from m2d_ray.catalog.distill import AUTO, CHECKPOINTING, LOSSES
 from m2d_ray.catalog.targets import HIDDEN, ONLINE
@@ -25,9 +26,9 @@ from m2d_ray.config import SweepConfig, load_config
 from m2d_ray.console import say
 from m2d_ray.data import source
 from m2d_ray.errors import M2DError
-from m2d_ray.models import check_teacher, default_teacher
-from m2d_ray.models import load_config as model_config
-from m2d_ray.plan.cost import Host, RunCost, cpu_rate, duration
+from m2d_ray.models import check_teacher, default_teacher, model_config
+from m2d_ray.plan.bill import RunCost, duration
+from m2d_ray.plan.cost import Host, cpu_rate
 from m2d_ray.plan.prices import hourly
 from m2d_ray.plan.run_plan import Costing, Devices, Planning, RunPlan
 from m2d_ray.plan.shapes import models_of, shape_of
@@ -105,7 +106,7 @@ def check(cfg: SweepConfig, stages: Stages = STAGES, tracking_uri: str | None = 
     if tracking_uri or cfg.mlflow.tracking_uri:
         Tracker(tracking_uri or cfg.mlflow.tracking_uri, cfg.mlflow.experiment)
     if cfg.storage:
-        from m2d_ray.stages.run_storage import RunStorage
+        from m2d_ray.runtime.run_storage import RunStorage
 
         RunStorage(cfg.storage).check()
     scan(teacher, "teacher")
@@ -158,16 +159,23 @@ def plan_run(
 ) -> RunPlan:
     """The plan of `cfg` (m2d plan, and m2d run before any work): the teacher's config read from `model` (a directory
     with config.json), else the config's model; the baselines' own teachers when their configs can be read here (with
-    `model` given, only those in a local directory: the others' names may be the hub's). `choices`: each stage-2
-    teacher's targets already chosen (a resumed run's), else the config's or, under auto, the plan's choice."""
+    `model` given, only those in a local directory or shipped: the others' names may be the hub's). `choices`: each
+    stage-2 teacher's targets already chosen (a resumed run's), else the config's or, under auto, the plan's choice."""
 
     check_config(cfg)
     own = {
-        b.teacher_key: model_config(b.teacher(cfg))
+        b.teacher_key: _shape(b.teacher(cfg))
         for b in baselines.of(cfg)
-        if b.has_teacher and (model is None or Path(b.teacher(cfg)).expanduser().is_dir())
+        if b.has_teacher
+        and (model is None or Path(b.teacher(cfg)).expanduser().is_dir() or shipped.shape(b.teacher(cfg)))
     }
-    return plan(cfg, model_config(model or cfg.model or default_teacher()), devices, own, stages, choices)
+    return plan(cfg, _shape(model or cfg.model or default_teacher()), devices, own, stages, choices)
+
+
+def _shape(model: str):
+    """A model's config for the plan: a hub name whose config.json ships with m2d (shipped.shape) is read from that,
+    offline; anything else as the model loader reads it."""
+    return model_config(str(shipped.shape(model) or model))
 
 
 def plan(
@@ -390,7 +398,7 @@ def run(ctx, stages: Stages | None = None) -> dict:
 def run_stages(cfg: SweepConfig, run_dir, *names: str, tracking_uri: str | None = None) -> dict:
     """The stages `names` on `run_dir` (a new run made there, else the run there continued), without the commands'
     checks: for tests, benchmarks and notebooks. Returns each stage's result."""
-    from m2d_ray.stages.context import RunContext
+    from m2d_ray.runtime.context import RunContext
 
     rd, stages = RunDir(run_dir), tuple(STAGES)
     ctx = (

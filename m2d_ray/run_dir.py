@@ -12,7 +12,7 @@
                        results/<key>.json (a model's category counts)  responses/<key>.jsonl (its classified answers)
       report/  logs/  mlflow.db  mlartifacts/
 
-Only the driver touches it; what Ray workers read or write lives in the run's storage (stages.run_storage).
+Only the driver touches it; what Ray workers read or write lives in the run's storage (runtime.run_storage).
 A ledger, not Tune's experiment state, is the source of truth for resume: a record file exists only once
 its trial's result is complete, so after a SIGKILL every key with a file is done and every other is run again.
 """

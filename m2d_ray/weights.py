@@ -48,7 +48,7 @@ from m2d_ray.checkpoint import (
     read_stored_tensor,
 )
 from m2d_ray.errors import M2DError
-from m2d_ray.models import default_teacher, load_config, model_fingerprint
+from m2d_ray.models import default_teacher, model_config, model_fingerprint
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -331,19 +331,19 @@ def open_teacher(name: str | None = None, device: str = "cpu", dtype: torch.dtyp
     the checkpoint's); fails with one line when the model is not a supported MoE, or its files are missing,
     truncated or not safetensors."""
     name = name or default_teacher()
-    return _open(name, get_adapter(load_config(name)), device, dtype)
+    return _open(name, get_adapter(model_config(name)), device, dtype)
 
 
 def open_model(name: str, device: str = "cpu", dtype: torch.dtype | None = None) -> LazyTeacher:
     """`open_teacher` of any teacher a student distils from: a supported MoE, or a dense model (the d2d baseline's
     teacher), read with the dense layout (`arch.dense.dense_layout`: its layers, no experts)."""
-    config = load_config(name)
+    config = model_config(name)
     adapter = get_adapter(config) if config.model_type in supported_types() else dense_layout(config)
     return _open(name, adapter, device, dtype)
 
 
 def _open(name: str, adapter: MoEAdapter, device: str, dtype: torch.dtype | None) -> LazyTeacher:
-    config = load_config(name)
+    config = model_config(name)
     directory = checkpoint_dir(name)
     check_files(str(directory), "teacher")  # the same checks (and messages) as loading it whole
     ckpt = Checkpoint(directory)
@@ -363,7 +363,7 @@ def read_output_head(name: str, dtype: torch.dtype) -> Tensor:
     storage is read by ranged reads of that tensor only (no copy of the checkpoint on the node); MoE and
     dense teachers (the d2d baseline's) alike; checked for NaN/inf like every lazy read."""
 
-    config = load_config(name)
+    config = model_config(name)
     check_plain_head(config)
     adapter = get_adapter(config) if config.model_type in supported_types() else None
     wanted = head_names(skeleton(config, dtype))

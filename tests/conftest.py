@@ -71,7 +71,7 @@ def tiny_teacher_dir(tmp_path_factory) -> Path:
 
     from m2d_ray.arch.qwen3_moe import moe_config
     from m2d_ray.data.synthetic import build_tokenizer
-    from m2d_ray.random_models import tokenizer_fields
+    from workshop.random_models import tokenizer_fields
 
     tok = build_tokenizer()
     shape = dict(hidden=32, ffn=64, expert_width=16, layers=2, heads=2, kv_heads=1, head_dim=16, experts=8, top_k=2)
@@ -138,7 +138,7 @@ def ray_address():
     import ray
 
     from m2d_ray.config import RayConfig
-    from m2d_ray.stages.ray_env import ensure_ray
+    from m2d_ray.runtime.ray_env import ensure_ray
 
     ensure_ray(RayConfig())
     yield ray.get_runtime_context().gcs_address

@@ -19,8 +19,8 @@ def finished_run(dest: Path) -> tuple[Path, dict]:
     from m2d_ray.commands.report import report
     from m2d_ray.config import load_config
     from m2d_ray.run_dir import Ledger, RunDir
+    from m2d_ray.runtime.record import StageRecorder
     from m2d_ray.stages import analysis, stage1_tune, stage2_tune, stage3
-    from m2d_ray.stages.record import StageRecorder
     from m2d_ray.track import run_tracker
 
     rd = RunDir(shutil.copytree(STORED, dest))

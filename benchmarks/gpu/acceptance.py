@@ -64,8 +64,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from m2d_ray.measured_write import accelerator_of, measured_file, prior
-from m2d_ray.time_budget import Part, Share, TimedOut, Variant, plan, run_logged
+from workshop.measured_write import accelerator_of, measured_file, prior
+from workshop.time_budget import Part, Share, TimedOut, Variant, plan, run_logged
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -273,7 +273,7 @@ def run_whole(ctx: Ctx, v: Variant) -> dict:
     shutil.rmtree(out_dir, ignore_errors=True)
     machine = {"cpus": os.cpu_count(), "gpus": torch.cuda.device_count() if ctx.cuda else 0}
     args = [f"ray.num_cpus={machine['cpus']}", *v.args["overrides"]]
-    config = REPO / "experiments" / v.args.get("config", "tiny.yaml")
+    config = REPO / "m2d_ray" / "experiments" / v.args.get("config", "tiny.yaml")
     _, out = ctx.sh(M2D + ["run", config, "--out", out_dir, *args], "run")
     res = json_lines(out)[-1]
     walls = res.get("stages", {})

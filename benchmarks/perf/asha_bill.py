@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from m2d_ray.plan.asha_ray import CASES, plan_ends, simulate
+from workshop.asha_ray import CASES, plan_ends, simulate
 
 RHOS = (0.0, 0.5, 0.9, 1.0)
 

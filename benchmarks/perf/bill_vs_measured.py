@@ -1,6 +1,6 @@
 """The bill held to measurement (issue 33).
 
-    python -m benchmarks.perf.bill_vs_measured --run RUN_DIR    # a finished `m2d run experiments/tiny.yaml`: its
+    python -m benchmarks.perf.bill_vs_measured --run RUN_DIR    # a finished `m2d run tiny`: its
         estimate against
     its walls
     python -m benchmarks.perf.bill_vs_measured --paper          # the paper's grid priced on cluster.yaml, and its 73 s
@@ -8,7 +8,7 @@
     B200
 
 --run reads RUN_DIR/memory_plan.json (the estimate `m2d run` made before calibration, with the CPU thread rate it
-measured) and RUN_DIR/run.json (the walls) through the report's own rows. --paper plans experiments/qwen3_30b_a3b.yaml
+measured) and RUN_DIR/run.json (the walls) through the report's own rows. --paper plans qwen3_30b_a3b
 on cluster.yaml's node types (the published config.json, offline) and sets the step of the paper's distillation
 (384 x 4,096 tokens, the teacher online) on 2 x B200 beside the paper's own 73 s.
 """
@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.common import REPO, machine_line
+from m2d_ray.shipped import EXPERIMENTS
 
 
 def measured(run: Path, load: float | None) -> None:
@@ -65,15 +66,15 @@ def _ratio(r: dict) -> str:
 def paper() -> None:
     from m2d_ray.accelerators import GPU_PEAK_BF16
     from m2d_ray.config import load_config
-    from m2d_ray.models import load_config as model_config
+    from m2d_ray.models import model_config
     from m2d_ray.pipeline import plan as make_plan
-    from m2d_ray.plan import cost
+    from m2d_ray.plan import flops
     from m2d_ray.plan.devices import cluster_settings, from_cluster_yaml
     from m2d_ray.plan.run_plan import Devices
     from m2d_ray.plan.shapes import models_of
 
-    qwen = model_config(str(REPO / "experiments" / "configs" / "Qwen--Qwen3-30B-A3B"))
-    cfg = load_config(REPO / "experiments" / "qwen3_30b_a3b.yaml")
+    qwen = model_config(str(EXPERIMENTS / "configs" / "Qwen--Qwen3-30B-A3B"))
+    cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml")
     head, idle = cluster_settings(REPO / "cluster.yaml")
     plan = make_plan(cfg, qwen, Devices(None, None, tuple(from_cluster_yaml(REPO / "cluster.yaml")), None, head, idle))
     print(plan.cost.table())
@@ -93,7 +94,7 @@ def paper() -> None:
     ):
         one_step = dict(steps=1, batch_size=384, grad_accum=1, workers=1, seq_len=4096, eval_max_tokens=0)
         c = replace(cfg, distill=replace(cfg.distill, **one_step, checkpointing=ckpt))
-        f = cost.stage2_flops(c, m, targets)
+        f = flops.stage2_flops(c, m, targets)
         peak = 2 * GPU_PEAK_BF16["B200"]
         print(
             f"| {label} | {f / tokens:.3g} | {f:.3g} | {f / (peak * cfg.plan.efficiency):.1f} | {f / (73 * peak):.3f} |"

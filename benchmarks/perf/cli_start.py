@@ -15,13 +15,15 @@ import sys
 import time
 from pathlib import Path
 
+from m2d_ray.shipped import EXPERIMENTS
+
 REPO = Path(__file__).resolve().parents[2]
 M2D = [sys.executable, "-m", "m2d_ray.cli"]
 PAPER = [
     "plan",
-    str(REPO / "experiments" / "qwen3_30b_a3b.yaml"),
+    str(EXPERIMENTS / "qwen3_30b_a3b.yaml"),
     "--model",
-    str(REPO / "experiments" / "configs" / "Qwen--Qwen3-30B-A3B"),
+    str(EXPERIMENTS / "configs" / "Qwen--Qwen3-30B-A3B"),
     "--gpu-memory",
     "80GB",
 ]
@@ -38,7 +40,7 @@ def cases() -> dict[str, tuple[list[str], float | None, int]]:
     out.update({f"m2d {c} --help": ([*M2D, c, "--help"], 1.0, 0) for c in COMMANDS})
     out["m2d run: a missing config"] = ([*M2D, "run", "/nonexistent/run.yaml"], 1.0, 2)
     out["m2d run: an unknown key"] = (
-        [*M2D, "run", str(REPO / "experiments" / "tiny.yaml"), "grid.scorng=[sf]"],
+        [*M2D, "run", str(EXPERIMENTS / "tiny.yaml"), "grid.scorng=[sf]"],
         1.0,
         2,
     )

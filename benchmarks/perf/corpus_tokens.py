@@ -12,7 +12,7 @@ teacher's.
 The budget is 90% of the corpus's tokens (estimated from its first shard), so every mode reads nearly all of it.
 Each mode runs in a fresh process (a local Ray of max(4, N + 2) CPUs for rayN, started before the clock):
   loop  main 31f1149's `_tokenize_task` body: one process, one tokenizer call per document, a Python list buffer
-  rayN  `write_tokens(stream=token_blocks(...))` with N tokenizer actors (what stages/shards.tokens runs)
+  rayN  `write_tokens(stream=token_blocks(...))` with N tokenizer actors (what runtime/shards.tokens runs)
 Peak memory, sampled every 0.2 s: the driver's and the largest Ray worker's (read task / tokenizer actor) RSS, and
 their private part (RSS - shared: a Ray process's RSS also counts the object-store pages it has touched, which
 grow with the bytes that passed through it, not with what it holds); plus the driver's VmHWM. The last line is

@@ -76,8 +76,8 @@ import torch.nn.functional as F
 
 from benchmarks.common import cpu_model, machine_line, write_json
 from benchmarks.perf.paper_step import rehearsal_lines
-from m2d_ray.local_group import free_port
-from m2d_ray.random_models import STEP_PRESETS, teacher_and_student
+from workshop.local_group import free_port
+from workshop.random_models import STEP_PRESETS, teacher_and_student
 
 
 def init_process_group(device: str) -> None:

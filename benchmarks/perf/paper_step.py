@@ -27,8 +27,8 @@ from torch.utils._pytree import tree_flatten
 
 from benchmarks.common import REPO
 
-PAPER_CONFIG = REPO / "experiments" / "qwen3_30b_a3b.yaml"
-PAPER_MODEL = REPO / "experiments" / "configs" / "Qwen--Qwen3-30B-A3B"
+PAPER_CONFIG = REPO / "m2d_ray" / "experiments" / "qwen3_30b_a3b.yaml"
+PAPER_MODEL = REPO / "m2d_ray" / "experiments" / "configs" / "Qwen--Qwen3-30B-A3B"
 #: the paper config at one rank, trained from cached hidden states
 ONE_RANK = ("distill.workers=1", "distill.deepspeed=false", "distill.accelerator=null", "stage2.targets=hidden")
 POLICIES = ("none", "selective", "full")
@@ -121,7 +121,7 @@ def rehearse(p: dict, policy: str) -> dict:
     KL from cached hidden states, the backward; the live bytes after the forward and their peak."""
     from m2d_ray.distill import checkpointing
     from m2d_ray.distill.losses import chunked_kl
-    from m2d_ray.random_models import teacher_and_student
+    from workshop.random_models import teacher_and_student
 
     t0 = time.perf_counter()
     teacher, student = teacher_and_student(p, torch.bfloat16, device="meta")
@@ -152,7 +152,7 @@ def meta_rehearsal(p: dict) -> dict:
     of the paper config at one rank on an H200's 141 GB for the paper preset)."""
     from m2d_ray.plan import memory
     from m2d_ray.plan.shapes import models_of
-    from m2d_ray.random_models import preset_config
+    from workshop.random_models import preset_config
 
     student = models_of(preset_config(p)).student
     tokens = p["batch"] * p["seq_len"]
@@ -180,7 +180,7 @@ def rehearsal_lines(r: dict) -> list[str]:
 
 
 if __name__ == "__main__":  # the rehearsal alone: python -m benchmarks.perf.paper_step
-    from m2d_ray.random_models import STEP_PRESETS
+    from workshop.random_models import STEP_PRESETS
 
     print("\n".join(rehearsal_lines(meta_rehearsal(STEP_PRESETS["paper"]))))
     print(paper_plan(141 * 10**9))

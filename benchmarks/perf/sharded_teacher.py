@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from m2d_ray.local_group import join, spawn
+from workshop.local_group import join, spawn
 
 SEQ = 256
 
@@ -191,7 +191,7 @@ def _quality(work: Path, steps: int) -> list[dict]:
     from m2d_ray.distill.targets import parse_targets
     from m2d_ray.distill.tokens import write_tokens
     from m2d_ray.models import load_tokenizer
-    from m2d_ray.stages.shards import targets_here
+    from m2d_ray.runtime.shards import targets_here
 
     work = work / f"wiki4-{steps}"
     if not (work / "student" / "config.json").exists():

@@ -5,9 +5,9 @@ statistics (the second run reuses the first's artifact), so they differ only in 
 the number of Tune trials, of full perplexity evaluations, wall times, their ratios, and whether the
 promoted (K, scaling) of every (scoring, grouping) pair is the same.
 
-    python -m benchmarks.perf.stage1_pruned_grid [--config experiments/tiny-grid.yaml] [--out runs/p2] [key=value ...]
+    python -m benchmarks.perf.stage1_pruned_grid [--config tiny-grid] [--out runs/p2] [key=value ...]
 
-Default: experiments/tiny-grid.yaml (the embedded teacher, 7 x 5 x 2 x K in {2, 4, 8, 16} = 280 configs).
+Default: tiny-grid (the embedded teacher, 7 x 5 x 2 x K in {2, 4, 8, 16} = 280 configs).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from benchmarks.common import REPO, machine_line
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=str(REPO / "experiments" / "tiny-grid.yaml"))
+    p.add_argument("--config", default="tiny-grid")  # a shipped config, or a file
     p.add_argument("--out", default=str(REPO / "runs" / "p2"))
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)

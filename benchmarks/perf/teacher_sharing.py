@@ -43,7 +43,7 @@ def child(args) -> None:
     base = vm("VmRSS")  # after the imports
     t0 = time.perf_counter()
     if args.piece == "pass":
-        from m2d_ray.stages.shards import targets_here
+        from m2d_ray.runtime.shards import targets_here
 
         targets_here(
             str(work / "teacher"), str(work / "tokens"), str(work / "targets"), spec, batch_size=BATCH, stream=False

@@ -21,7 +21,7 @@ HEAVY = ("torch", "transformers.modeling_utils", "transformers", "ray", "mlflow"
 UNITS = {
     "calibration actor (Ray Data)": "m2d_ray.calibrate.ray_data",
     "token actor (Ray Data)": "m2d_ray.data.ray_tokens",
-    "targets actor (Ray Data)": "m2d_ray.stages.shards",
+    "targets actor (Ray Data)": "m2d_ray.runtime.shards",
     "stage-1 trial (Tune)": "m2d_ray.stages.stage1_tune",
     "stage-2 trial (Tune)": "m2d_ray.stages.stage2_tune",
     "Train worker": "m2d_ray.distill.trainer",

@@ -9,7 +9,7 @@ answer). Real generations (`source`: the model; benchmarks/tools/make_extraction
 written ones (`source: written`, `kind`: the shape they stand for). Each extractor reads the response as its own
 pipeline would, and its letter (or none) is compared with the label:
 
-    m2d                       questions.answer_part (where the answer ended), then taxonomy.extract; a hedge or a
+    m2d                       questions.answer_part (where the answer ended), then extraction.extract; a hedge or a
                               text is no letter, a letter outside the choices is that letter (`--before REV`: also
                               the two as they were at git revision REV of this repository)
     lm-eval multi_choice_regex, lm-eval regex (strict-match)
@@ -43,8 +43,8 @@ from pathlib import Path
 
 import yaml
 
+from m2d_ray.evaluate.extraction import extract
 from m2d_ray.evaluate.questions import answer_part
-from m2d_ray.evaluate.taxonomy import extract
 
 REPO = Path(__file__).resolve().parents[2]
 SET = REPO / "benchmarks" / "data" / "extraction_set.jsonl"
@@ -57,20 +57,26 @@ def m2d(text: str, choices: list[str], cut=answer_part, read=extract) -> str | N
 
 
 def m2d_at(rev: str):
-    """m2d's reader as it was at git revision `rev`: its taxonomy.py and questions.py loaded from `git show`."""
+    """m2d's reader as it was at git revision `rev`: its extraction.py (taxonomy.py before the two were apart) and
+    questions.py loaded from `git show`."""
     import subprocess
     import sys
     import types
 
+    def show(path: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, capture_output=True, text=True)
+
     mods = {}
-    for name in ("taxonomy", "questions"):
+    reader = "extraction" if show("m2d_ray/evaluate/extraction.py").returncode == 0 else "taxonomy"
+    for name in (reader, "questions"):
         path = f"m2d_ray/evaluate/{name}.py"
-        src = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, capture_output=True, text=True, check=True)
+        src = show(path)
+        src.check_returncode()
         mod = types.ModuleType(f"m2d_{name}_{rev}")
         sys.modules[mod.__name__] = mod  # dataclasses look their module up
         exec(compile(src.stdout, f"{rev}:{path}", "exec"), mod.__dict__)  # noqa: S102 - this repository's own code
         mods[name] = mod
-    return lambda text, choices: m2d(text, choices, mods["questions"].answer_part, mods["taxonomy"].extract)
+    return lambda text, choices: m2d(text, choices, mods["questions"].answer_part, mods[reader].extract)
 
 
 # ---- lm-eval: its filters as its MMLU CoT task YAMLs configure them -------------------------------------------------

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import machine_line
-from m2d_ray.random_models import STEP_PRESETS
-from m2d_ray.trajectories import gradient_error
+from workshop.random_models import STEP_PRESETS
+from workshop.trajectories import gradient_error
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ teacher and from its cached top-K / sampled targets; final validation perplexity
     python -m benchmarks.science.cached_targets --teacher wiki4          (../shared/teachers/qwen3moe-wiki4, WikiText-2)
 
 The student is the DO-ACP K = k conversion of the teacher (the paper's best recipe). Tokens are written once
-(distill/tokens.py), the targets by the targets pass's actor (stages/shards.TargetsActor, here without
+(distill/tokens.py), the targets by the targets pass's actor (runtime/shards.TargetsActor, here without
 Ray), and every student runs the plain loop (distill/loop.run_distill) on one thread; prints a Markdown table.
 """
 
@@ -38,8 +38,8 @@ def main() -> None:
     from m2d_ray.distill.loop import DistillJob, WorkerIO, run_distill
     from m2d_ray.distill.targets import bytes_per_token, parse_targets, state_bytes
     from m2d_ray.distill.tokens import write_tokens
-    from m2d_ray.models import default_teacher, load_config, load_tokenizer
-    from m2d_ray.stages.shards import targets_here
+    from m2d_ray.models import default_teacher, load_tokenizer, model_config
+    from m2d_ray.runtime.shards import targets_here
 
     if args.teacher == "wiki4":
         teacher, train, valid, calib = str(TEACHER_DIR), str(WIKI_VALID), str(WIKI_TEST), str(WIKI_VALID)
@@ -101,7 +101,7 @@ def main() -> None:
                 "initial": reports[-1]["val_ppl_initial"],
                 "train_s": time.perf_counter() - t0,
                 "pass_s": pass_s,
-                "bytes": bytes_per_token(spec, state_bytes(load_config(teacher).hidden_size, False)) if spec else None,
+                "bytes": bytes_per_token(spec, state_bytes(model_config(teacher).hidden_size, False)) if spec else None,
                 "rss": reports[-1]["peak_rss_bytes"],
             }
         )

@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 
 from benchmarks.common import machine_line
-from m2d_ray.random_models import STEP_PRESETS
-from m2d_ray.trajectories import ONE_RANK, TWO_RANKS, gap, run_group
+from workshop.random_models import STEP_PRESETS
+from workshop.trajectories import ONE_RANK, TWO_RANKS, gap, run_group
 
 
 def main() -> None:

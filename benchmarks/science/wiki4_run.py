@@ -1,4 +1,4 @@
-"""The science run: `m2d run experiments/wiki4.yaml` on ../shared/teachers/qwen3moe-wiki4, then the paper's tables.
+"""The science run: `m2d run wiki4` on ../shared/teachers/qwen3moe-wiki4, then the paper's tables.
 
     python -m benchmarks.science.wiki4_run [--run-dir runs/wiki4-run]
 
@@ -35,7 +35,7 @@ def main() -> None:
     cmd = (
         ["m2d", "run", "--resume", str(run_dir)]
         if (run_dir / "config.yaml").exists()
-        else ["m2d", "run", "experiments/wiki4.yaml", "--out", str(run_dir)]
+        else ["m2d", "run", "wiki4", "--out", str(run_dir)]
     )
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)

@@ -41,7 +41,7 @@ def make_teacher(
 
     from m2d_ray.arch.qwen3_moe import moe_config
     from m2d_ray.data.synthetic import build_tokenizer
-    from m2d_ray.random_models import tokenizer_fields
+    from workshop.random_models import tokenizer_fields
 
     out = Path(out)
     head_dim = head_dim or d // heads

@@ -20,52 +20,67 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"<!--fig ([\w.:-]+)-->(.*?)<!--/fig-->", flags=re.S)
 PAGES = ROOT / "docs"
-QWEN30B = "experiments/configs/Qwen--Qwen3-30B-A3B"
+QWEN30B = "m2d_ray/experiments/configs/Qwen--Qwen3-30B-A3B"  # its published config.json, shipped
 
 #: name -> (config, overrides, --cluster, --gpu-memory): the runs whose plans the pages quote
 PLANS = {
     # the laptop demo, its CPU thread's rate fixed (a plan measures it: 5e10-7e10 FLOP/s on this project's cores) so
     # that the page's table does not change with the machine that builds the site
-    "demo": ("experiments/tiny.yaml", ["plan.cpu_flops=5e10"], None, None),
-    "paper": ("experiments/qwen3_30b_a3b.yaml", [], "cluster.yaml", None),
-    "paper-spot": ("experiments/qwen3_30b_a3b.yaml", ["ray.spot_trials=true"], "cluster.yaml", None),
-    "paper-k8s": ("experiments/qwen3_30b_a3b.yaml", ["ray.trial_accelerator=H100"], "k8s/raycluster.yaml", None),
-    "paper-online": ("experiments/qwen3_30b_a3b.yaml", ["stage2.targets=online"], None, "80GB"),
-    "paper-hidden-2": ("experiments/qwen3_30b_a3b.yaml", ["stage2.targets=hidden", "distill.workers=2"], None, "80GB"),
+    "demo": ("tiny", ["plan.cpu_flops=5e10"], None, None),
+    "paper": ("qwen3_30b_a3b", [], "cluster.yaml", None),
+    "paper-spot": ("qwen3_30b_a3b", ["ray.spot_trials=true"], "cluster.yaml", None),
+    "paper-k8s": (
+        "qwen3_30b_a3b",
+        ["ray.trial_accelerator=H100"],
+        "k8s/raycluster.yaml",
+        None,
+    ),
+    "paper-online": ("qwen3_30b_a3b", ["stage2.targets=online"], None, "80GB"),
+    "paper-hidden-2": (
+        "qwen3_30b_a3b",
+        ["stage2.targets=hidden", "distill.workers=2"],
+        None,
+        "80GB",
+    ),
     "paper-sharded": (
-        "experiments/qwen3_30b_a3b.yaml",
+        "qwen3_30b_a3b",
         ["stage2.targets=online", "stage2.shard_teacher=true"],
         "cluster.yaml",
         None,
     ),
-    "paper-4b": ("experiments/qwen3_30b_a3b.yaml", ["distill.steps=2600"], "cluster.yaml", None),
+    "paper-4b": ("qwen3_30b_a3b", ["distill.steps=2600"], "cluster.yaml", None),
     "paper-4b-sharded": (
-        "experiments/qwen3_30b_a3b.yaml",
+        "qwen3_30b_a3b",
         ["distill.steps=2600", "stage2.targets=online", "stage2.shard_teacher=true"],
         "cluster.yaml",
         None,
     ),
     "extended": (
-        "experiments/qwen3_30b_a3b_extended.yaml",
-        ["stage2.d2d_teacher=experiments/configs/Qwen--Qwen3-32B"],
+        "qwen3_30b_a3b_extended",
+        ["stage2.d2d_teacher=Qwen/Qwen3-32B"],
         "cluster.yaml",
         None,
     ),
     "extended-10tb": (
-        "experiments/qwen3_30b_a3b_extended.yaml",
-        ["stage2.d2d_teacher=experiments/configs/Qwen--Qwen3-32B", "plan.max_storage=10TB"],
+        "qwen3_30b_a3b_extended",
+        ["stage2.d2d_teacher=Qwen/Qwen3-32B", "plan.max_storage=10TB"],
         "cluster.yaml",
         None,
     ),
     "extended-hidden": (
-        "experiments/qwen3_30b_a3b_extended.yaml",
-        ["stage2.d2d_teacher=experiments/configs/Qwen--Qwen3-32B", "stage2.targets=hidden"],
+        "qwen3_30b_a3b_extended",
+        ["stage2.d2d_teacher=Qwen/Qwen3-32B", "stage2.targets=hidden"],
         "cluster.yaml",
         None,
     ),
-    "paper-budget": ("experiments/qwen3_30b_a3b.yaml", ["plan.max_dollars=2000"], "cluster.yaml", None),
-    "paper-1rank-ds": ("experiments/qwen3_30b_a3b.yaml", ["distill.workers=1"], None, None),
-    "paper-1rank": ("experiments/qwen3_30b_a3b.yaml", ["distill.workers=1", "distill.deepspeed=false"], None, None),
+    "paper-budget": ("qwen3_30b_a3b", ["plan.max_dollars=2000"], "cluster.yaml", None),
+    "paper-1rank-ds": ("qwen3_30b_a3b", ["distill.workers=1"], None, None),
+    "paper-1rank": (
+        "qwen3_30b_a3b",
+        ["distill.workers=1", "distill.deepspeed=false"],
+        None,
+        None,
+    ),
 }
 
 
@@ -80,7 +95,7 @@ def plan(name: str):
     from m2d_ray.sizes import parse_size
 
     config, overrides, cluster, gpu_memory = PLANS[name]
-    cfg = load_config(ROOT / config, overrides)
+    cfg = load_config(config, overrides)  # a shipped config by name
     nodes = tuple(from_cluster_yaml(ROOT / cluster)) if cluster else None
     head, idle = cluster_settings(ROOT / cluster) if cluster else (None, 0.0)
     memory = parse_size(gpu_memory) if gpu_memory else None
@@ -93,7 +108,7 @@ DEMO_HOST = 2 << 30  # the demo tutorial's laptop: 2 GiB of memory free
 
 
 def demo_plan() -> str:
-    """`m2d plan experiments/tiny.yaml` as the demo prints it before any work (its table)."""
+    """`m2d plan tiny` as the demo prints it before any work (its table)."""
     lines = ["memory plan (this machine):", *("  " + t for t in plan("demo").table().splitlines())]
     return "\n".join(["```text", *(t.rstrip() for t in lines), "```"])
 
@@ -115,14 +130,14 @@ def measured_gpu():
 def config(path: str, *overrides: str):
     from m2d_ray.config import load_config
 
-    return load_config(ROOT / path, list(overrides))
+    return load_config(path, list(overrides))  # a shipped config by name
 
 
 # ---- formats: the plan's own ------------------------------------------------------------------------
 def usd(v: float) -> str:
-    from m2d_ray.plan.cost import _usd
+    from m2d_ray.plan import bill
 
-    return _usd(v)
+    return bill.usd(v)
 
 
 def hours(seconds: float) -> str:
@@ -162,7 +177,7 @@ def stored(name: str) -> float:
 
 
 def teacher_bytes() -> float:
-    from m2d_ray.models import load_config as model_config
+    from m2d_ray.models import model_config
     from m2d_ray.plan.shapes import models_of
 
     return models_of(model_config(str(ROOT / QWEN30B))).teacher.weights
@@ -170,14 +185,14 @@ def teacher_bytes() -> float:
 
 def teacher_head_bytes() -> int:
     """The 30B teacher's output head in bf16 (vocabulary x hidden size x 2 B): what a rank reads under `hidden`."""
-    from m2d_ray.models import load_config as model_config
+    from m2d_ray.models import model_config
 
     c = model_config(str(ROOT / QWEN30B))
     return c.vocab_size * c.hidden_size * 2
 
 
 def student_params() -> str:
-    from m2d_ray.models import load_config as model_config
+    from m2d_ray.models import model_config
     from m2d_ray.plan.shapes import models_of
 
     return f"{models_of(model_config(str(ROOT / QWEN30B))).student.params / 1e9:.2f}B"
@@ -248,8 +263,8 @@ FIGURES = {
     "paper.stage2.rank": lambda: gib(stage("paper", "stage2", "per_gpu_bytes")),
     "paper.targets.line": lambda: target_line("paper"),
     "paper.budget.refusal.block": lambda: f"```text\nm2d: error: {refusal('paper-budget')}\n```",
-    "paper.steps": lambda: f"{config('experiments/qwen3_30b_a3b.yaml').distill.steps:,}",
-    "paper.tokens": lambda: tokens_b("experiments/qwen3_30b_a3b.yaml"),
+    "paper.steps": lambda: f"{config('qwen3_30b_a3b').distill.steps:,}",
+    "paper.tokens": lambda: tokens_b("qwen3_30b_a3b"),
     "paper.spot.stage1": lambda: usd(stage("paper-spot", "stage1", "dollars")),
     "paper.stage1": lambda: usd(stage("paper", "stage1", "dollars")),
     "k8s.dollars": lambda: usd(line("paper-k8s")["dollars"]),
@@ -274,8 +289,8 @@ FIGURES = {
     "extended.dollars": lambda: usd(line("extended")["dollars"]),
     "extended.hours": lambda: hours(line("extended")["seconds"]),
     "extended.stored": lambda: whole_gib(stored("extended")),
-    "extended.steps": lambda: f"{config('experiments/qwen3_30b_a3b_extended.yaml').distill.steps:,}",
-    "extended.tokens": lambda: tokens_b("experiments/qwen3_30b_a3b_extended.yaml"),
+    "extended.steps": lambda: f"{config('qwen3_30b_a3b_extended').distill.steps:,}",
+    "extended.tokens": lambda: tokens_b("qwen3_30b_a3b_extended"),
     "extended.10tb.dollars": lambda: usd(line("extended-10tb")["dollars"]),
     "extended.10tb.hours": lambda: hours(line("extended-10tb")["seconds"]),
     "extended.hidden.dollars": lambda: usd(line("extended-hidden")["dollars"]),
@@ -294,14 +309,10 @@ FIGURES = {
     "price.g5": lambda: price("g5.2xlarge"),
     "price.p5": lambda: price("p5.48xlarge"),
     "price.m5": lambda: price("m5.2xlarge"),
-    "plan.efficiency": lambda: ", ".join(
-        f"{k} {v:g}" for k, v in config("experiments/tiny.yaml").plan.efficiency.items()
-    ),
-    "plan.gpu_start_s": lambda: ", ".join(
-        f"{k} {v:g} s" for k, v in config("experiments/tiny.yaml").plan.gpu_start_s.items()
-    ),
+    "plan.efficiency": lambda: ", ".join(f"{k} {v:g}" for k, v in config("tiny").plan.efficiency.items()),
+    "plan.gpu_start_s": lambda: ", ".join(f"{k} {v:g} s" for k, v in config("tiny").plan.gpu_start_s.items()),
     "measured.device": lambda: measured_gpu().device,
-    "plan.cpu_efficiency": lambda: f"{config('experiments/tiny.yaml').plan.cpu_efficiency:g}",
+    "plan.cpu_efficiency": lambda: f"{config('tiny').plan.cpu_efficiency:g}",
     "paper.asha": lambda: next(
         t.strip() for t in plan("paper").cost.table().splitlines() if t.strip().startswith("stage 2 under ASHA")
     ).split("): ", 1)[1],
@@ -312,11 +323,11 @@ FIGURES = {
     "tiny.moe.free": lambda: f"{tiny_info('moe')['domain_warmup']['free_steps_after']:,}",
     "tiny.dense.steps": lambda: f"{tiny_info('dense')['steps']:,}",
     "demo.plan": demo_plan,
-    "demo.cpu_flops": lambda: f"{config('experiments/tiny.yaml', *PLANS['demo'][1]).plan.cpu_flops / 1e9:g} GFLOP/s",
-    "plan.nvlink": lambda: f"{config('experiments/tiny.yaml').plan.nvlink_bandwidth / 1e9:g} GB/s",
-    "plan.network": lambda: f"{config('experiments/tiny.yaml').plan.network_bandwidth / 1e9:g} GB/s",
+    "demo.cpu_flops": lambda: f"{config('tiny', *PLANS['demo'][1]).plan.cpu_flops / 1e9:g} GFLOP/s",
+    "plan.nvlink": lambda: f"{config('tiny').plan.nvlink_bandwidth / 1e9:g} GB/s",
+    "plan.network": lambda: f"{config('tiny').plan.network_bandwidth / 1e9:g} GB/s",
     "teacher.head": lambda: gib(teacher_head_bytes()),
-    "wiki4.steps": lambda: f"{config('experiments/wiki4.yaml').distill.steps:,}",
+    "wiki4.steps": lambda: f"{config('wiki4').distill.steps:,}",
 }
 
 

@@ -2,11 +2,11 @@
 
     reference/cli.md            every `m2d` command and flag, from the argparse parser (m2d_ray/cli.py)
     reference/config.md         every config key with its type, default and meaning, from the config dataclasses
-                                (m2d_ray/config.py: each field's `setting(default, doc)`)
+                                (m2d_ray/config/: each field's `setting(default, doc)`)
     reference/registries.md     every registry's names with their docstrings (scorings, groupings, scalings, baselines,
                                 losses, targets modes, the stages of a run)
     reference/run-directory.md  the run directory's files (m2d_ray/run_dir.py, the one owner of their names) and the
-                                run's storage (m2d_ray/stages/run_storage.py)
+                                run's storage (m2d_ray/runtime/run_storage.py)
     reference/bad-input.md      the bad-input cases the CLI refuses and their exit codes (tests/cli/test_bad_inputs.py)
 
 MkDocs calls `on_files` and `on_page_markdown` (mkdocs.yml: `hooks:`; the latter points a page's screenshot, linked by
@@ -116,12 +116,12 @@ def config_page() -> str:
     out = [
         "# Configuration",
         "",
-        "Every key of a run's YAML (`experiments/*.yaml`), at every depth, with its type, default and meaning, read",
-        "from the config dataclasses (each section names the one it comes from). A YAML file is a partial nested",
-        "mapping of them; `include: base.yaml` merges a base first; any key is set on the command line as",
-        "`section.key=value` (`stage3.analysis.per_subject=2`; lists as `'grid.scoring=[sf,do-acp]'`, quoted for",
-        "zsh). An unknown key, a wrong type or an unknown method name fails with one line that says what to write",
-        "instead.",
+        "Every key of a run's YAML (`m2d configs` lists the shipped ones), at every depth, with its type, default",
+        "and meaning, read from the config dataclasses (each section names the one it comes from). A YAML file is a",
+        "partial nested mapping of them; `include: base.yaml` merges a base first; any key is set on the command",
+        "line as `section.key=value` (`stage3.analysis.per_subject=2`; lists as `'grid.scoring=[sf,do-acp]'`,",
+        "quoted for zsh). An unknown key, a wrong type or an unknown method name fails with one line that says what",
+        "to write instead.",
         "",
     ]
     for section, cls in sections().items():
@@ -237,7 +237,7 @@ def run_dir_entries() -> list[tuple[str, str]]:
 
 def run_dir_page() -> str:
     from m2d_ray import run_dir
-    from m2d_ray.stages import run_storage
+    from m2d_ray.runtime import run_storage
 
     out = [
         "# The run directory and the run's storage",

@@ -36,7 +36,7 @@ def moe_config(
     **extra,
 ) -> Qwen3MoeConfig:
     """A Qwen3-MoE config of the given shape, renormalised top-k and untied embeddings as Qwen3-30B-A3B: the one
-    place the random teachers of the tests and benchmarks are shaped (m2d_ray/random_models.py builds them). `ffn`,
+    place the random teachers of the tests and benchmarks are shaped (workshop/random_models.py builds them). `ffn`,
     the width of dense layers (`mlp_only_layers`), defaults to top_k x expert_width; `extra` (any config field) goes
     to the config as is."""
     shape = dict(

@@ -23,7 +23,7 @@ from m2d_ray.calibrate.stats import LayerStats
 from m2d_ray.calibrate.stream import collect_stats_streamed, should_stream
 from m2d_ray.data.ray_tokens import in_order
 from m2d_ray.data.text import TokenSet
-from m2d_ray.models import load_config, load_teacher, model_fingerprint
+from m2d_ray.models import load_teacher, model_config, model_fingerprint
 from m2d_ray.weights import open_teacher
 
 
@@ -78,7 +78,7 @@ def calibrate_ray(
     streams the teacher layer by layer when `stream` is set or it does not fit `max_memory`; `accelerator` pins the
     actors to nodes with that GPU type.
     """
-    config = load_config(model)
+    config = model_config(model)
     model_fp, data_fp = model_fingerprint(model, config), data_fingerprint(data_spec, tokens)
     if (found := load_matching(out, model_fp, data_fp)) is not None:
         return found, True

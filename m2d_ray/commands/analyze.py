@@ -11,7 +11,7 @@ count and share of each category and the accuracy per subject group (per model w
 
 A responses file's lines are read as generated answers are: each `response` cut where the model's answer ended
 (questions.answer_part: the next question or chat turn it wrote, an end-of-text token written out; the rest kept as
-`run_on`), each `answer` key a letter, an integer or a choice's exact text (taxonomy.key_letter; integers counted
+`run_on`), each `answer` key a letter, an integer or a choice's exact text (extraction.key_letter; integers counted
 from 0 as Hugging Face's MMLU stores them, from 1 with --key-base 1 or when the file's keys include a number of
 choices and never 0, said in one line), anything else one line naming the line, the field and what to write. A judge
 that leaves more than --max-unjudged of a model's open answers unjudged fails the command (exit 1) with nothing
@@ -39,12 +39,13 @@ from m2d_ray.checkpoint import check_files
 from m2d_ray.config import AnalysisConfig
 from m2d_ray.console import bar, emit, say
 from m2d_ray.errors import M2DError, RunFailed
+from m2d_ray.evaluate.extraction import integer_base, key_letter
 from m2d_ray.evaluate.generation import BatchStore, Sampling, answer_all, load, recorded
 from m2d_ray.evaluate.judges import OpenAIJudge, TeacherJudge, describe, parse_judge, shortfall
 from m2d_ray.evaluate.questions import TEMPLATE_CHARS, answer_part, check_set, group_of, sample
 from m2d_ray.evaluate.runner import generation_placement, gpu_facts
-from m2d_ray.evaluate.taxonomy import JUDGED, classify, integer_base, key_letter, summary
-from m2d_ray.models import device_default, load_config, load_model
+from m2d_ray.evaluate.taxonomy import JUDGED, classify, summary
+from m2d_ray.models import device_default, load_model, model_config
 from m2d_ray.plan.suite import prompt_tokens
 
 FIELDS = ("id", "subject", "question", "choices", "answer", "response")
@@ -117,7 +118,7 @@ def check_judge(args) -> None:
                 "--judge teacher needs the judge's model; give --teacher MODEL (a causal LM that reads the questions' "
                 "language: the MoE teacher of your run), or use --judge none or openai:MODEL"
             )
-        load_config(args.teacher)
+        model_config(args.teacher)
         check_files(args.teacher, "judge teacher")
 
 
@@ -183,7 +184,7 @@ def generate(args) -> dict:
     """--model: every model answers the questions (resumable), then the answers are classified."""
     models = list(dict.fromkeys(args.model))
     for m in models:
-        load_config(m)
+        model_config(m)
         check_files(m)
     device = args.device or device_default()
     check_set(args.questions)

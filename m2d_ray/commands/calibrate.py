@@ -18,9 +18,9 @@ from m2d_ray.models import (
     default_teacher,
     device_default,
     load_tokenizer,
+    model_config,
     model_fingerprint,
 )
-from m2d_ray.models import load_config as model_config
 from m2d_ray.sizes import parse_size
 from m2d_ray.weights import LazyTeacher, open_teacher
 

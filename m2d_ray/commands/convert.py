@@ -22,9 +22,9 @@ from m2d_ray.models import (
     default_teacher,
     device_default,
     load_model,
+    model_config,
     model_fingerprint,
 )
-from m2d_ray.models import load_config as model_config
 from m2d_ray.weights import open_teacher
 
 

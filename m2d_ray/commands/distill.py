@@ -21,7 +21,7 @@ from m2d_ray.catalog.methods import RANDOM_BASELINES
 from m2d_ray.catalog.targets import ONLINE
 from m2d_ray.checkpoint import check_files, scan
 from m2d_ray.commands.runs import keep_logs
-from m2d_ray.config import RayConfig, load_config
+from m2d_ray.config import RayConfig, SweepConfig, load_config
 from m2d_ray.console import emit, say
 from m2d_ray.convert.initial import InitialStudent
 from m2d_ray.data.text import check_spec
@@ -35,11 +35,11 @@ from m2d_ray.models import (
     check_teacher_topk,
     default_teacher,
     load_tokenizer,
+    model_config,
 )
-from m2d_ray.models import load_config as model_config
-from m2d_ray.stages.ray_env import ensure_ray
-from m2d_ray.stages.run_storage import RunStorage
-from m2d_ray.stages.shards import targets, tokens
+from m2d_ray.runtime.ray_env import ensure_ray
+from m2d_ray.runtime.run_storage import RunStorage
+from m2d_ray.runtime.shards import targets, tokens
 from m2d_ray.stages.student import job
 
 
@@ -52,9 +52,10 @@ def distill_one(
     overrides: list[str] = (),
     overwrite: bool = False,
     store: str | None = None,
+    loaded: SweepConfig | None = None,
 ) -> dict:
-
-    full = load_config(config, overrides)
+    """One student distilled (`loaded`: the config as the CLI read it from `config` and `overrides`)."""
+    full = loaded or load_config(config, overrides)
     cfg, shard = full.distill, full.stage2.shard_teacher  # (refused with cached targets or one worker)
     spec = None if full.stage2.targets == AUTO else full.target_spec()
     out = check_output(out, "distillation", overwrite=True).resolve()  # never a file or a foreign directory
@@ -159,17 +160,5 @@ def distill_one(
 
 
 def main(args) -> None:
-    emit(
-        json.dumps(
-            distill_one(
-                args.teacher,
-                args.student,
-                args.out,
-                args.eval_data,
-                config=args.config,
-                overrides=args.overrides,
-                overwrite=args.overwrite,
-                store=args.storage,
-            )
-        )
-    )
+    how = {"overwrite": args.overwrite, "store": args.storage, "loaded": args.cfg}  # the config: read once, by the CLI
+    emit(json.dumps(distill_one(args.teacher, args.student, args.out, args.eval_data, **how)))

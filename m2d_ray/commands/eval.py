@@ -10,7 +10,7 @@ from m2d_ray.console import emit, say
 from m2d_ray.evaluate.harness import check_tasks
 from m2d_ray.evaluate.paper_tasks import summary_line
 from m2d_ray.evaluate.runner import evaluate_model, local_placement
-from m2d_ray.models import device_default, load_config
+from m2d_ray.models import device_default, model_config
 
 
 def evaluate_one(
@@ -23,7 +23,7 @@ def evaluate_one(
 ) -> dict:
 
     suite, text = check_tasks(tasks, num_fewshot)  # bad task names fail before the model loads
-    load_config(model)
+    model_config(model)
     check_files(model)
     device = device or device_default()
     place = local_placement(

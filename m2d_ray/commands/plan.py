@@ -25,7 +25,7 @@ import torch
 
 from m2d_ray.artifacts import write_json_atomic
 from m2d_ray.catalog.distill import AUTO
-from m2d_ray.config import SweepConfig, load_config
+from m2d_ray.config import SweepConfig
 from m2d_ray.console import emit, note, say
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.runner import host_available
@@ -91,7 +91,7 @@ def check_run(
     elif not (cfg.ray.address or os.environ.get("RAY_ADDRESS")) and not _ray_up():  # the local Ray this run will start
         nodes, where, local = [local_node(cfg.ray.num_cpus)], "this machine", True
     else:  # a Ray cluster (or one this process joined): its autoscaler's node types, else its live nodes
-        from m2d_ray.stages.ray_env import (  # lazy: Ray only where a cluster is asked
+        from m2d_ray.runtime.ray_env import (  # lazy: Ray only where a cluster is asked
             ensure_ray,
             node_types,
             on_cluster,
@@ -184,7 +184,7 @@ def log_plan(ctx) -> None:
 
 
 def main(args) -> None:
-    cfg = load_config(args.config, args.overrides)
+    cfg = args.cfg  # read and checked once, by the CLI
     gpu_memory = parse_size(args.gpu_memory) if args.gpu_memory else None
     nodes = tuple(from_cluster_yaml(args.cluster)) if args.cluster else None
     host = None

@@ -25,9 +25,9 @@ from m2d_ray.evaluate.perplexity import EVAL_MAX_CHARS
 from m2d_ray.models import (
     default_dense_teacher,
     device_default,
-    load_config,
     load_model,
     load_tokenizer,
+    model_config,
 )
 from m2d_ray.prune import importance as imp_mod
 from m2d_ray.prune.data import data_specs, load_tokens
@@ -65,7 +65,7 @@ def prune_dense(
         )
     check_output(out, "pruned", overwrite)
     name = model or default_dense_teacher()
-    config = load_config(name)
+    config = model_config(name)
     adapter = get_dense_adapter(config)
     check_files(name, "teacher")
     if match is not None:

@@ -8,7 +8,7 @@ from m2d_ray import pipeline
 from m2d_ray.commands.runs import existing_run
 from m2d_ray.config import load_config
 from m2d_ray.console import emit, say
-from m2d_ray.stages.context import RunContext
+from m2d_ray.runtime.context import RunContext
 
 
 def report(run_dir: str, tracking_uri: str | None = None) -> dict:

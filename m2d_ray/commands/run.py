@@ -16,11 +16,11 @@ from pathlib import Path
 from m2d_ray import pipeline
 from m2d_ray.commands.plan import check_run, check_space, kept_choices, log_plan, record_plan
 from m2d_ray.commands.runs import check_outcome, existing_run, keep_logs, new_run
-from m2d_ray.config import load_config
+from m2d_ray.config import SweepConfig, load_config
 from m2d_ray.console import emit, say
 from m2d_ray.errors import M2DError, StorageFull, causes, full_disk
+from m2d_ray.runtime.context import RunContext
 from m2d_ray.sizes import gib, parse_size
-from m2d_ray.stages.context import RunContext
 
 
 def run(
@@ -31,7 +31,9 @@ def run(
     tracking_uri: str | None = None,
     gpu_memory: int | None = None,
     cluster: str | None = None,
+    loaded: SweepConfig | None = None,
 ) -> dict:
+    """The whole run of `config` (`loaded`: that config as the CLI read it with `overrides`), or a resumed one."""
     stages = pipeline.STAGES
     if resume:
         if config or out:
@@ -45,8 +47,8 @@ def run(
         chosen = kept_choices(rd, cfg)
     else:
         if config is None:
-            raise M2DError("give a config (e.g. experiments/tiny.yaml) or --resume RUN_DIR")
-        cfg = load_config(config, overrides)
+            raise M2DError("give a config (e.g. tiny, or a YAML file) or --resume RUN_DIR")
+        cfg = loaded or load_config(config, overrides)
         rd = new_run(out, cfg)
         pipeline.check(cfg, stages, tracking_uri)
         chosen = None
@@ -96,14 +98,9 @@ def full_line(exc: BaseException, run_dir: Path, cfg, peak: int) -> str:
 
 
 def main(args) -> None:
+    gpu_memory = parse_size(args.gpu_memory) if args.gpu_memory else None
     result = run(
-        args.config,
-        args.overrides,
-        out=args.out,
-        resume=args.resume,
-        tracking_uri=args.tracking_uri,
-        gpu_memory=parse_size(args.gpu_memory) if args.gpu_memory else None,
-        cluster=args.cluster,
+        args.config, args.overrides, args.out, args.resume, args.tracking_uri, gpu_memory, args.cluster, args.cfg
     )
     say(f"report: {result['report']}")
     say(f"MLflow UI: {result['mlflow_ui']}  (then open {result['mlflow_url']})")

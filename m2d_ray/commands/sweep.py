@@ -9,10 +9,10 @@ from m2d_ray import pipeline
 from m2d_ray.catalog.distill import AUTO
 from m2d_ray.commands.plan import check_run, kept_choices, record_plan
 from m2d_ray.commands.runs import existing_run, keep_logs, new_run
-from m2d_ray.config import load_config
+from m2d_ray.config import SweepConfig, load_config
 from m2d_ray.console import emit
 from m2d_ray.errors import M2DError
-from m2d_ray.stages.context import RunContext
+from m2d_ray.runtime.context import RunContext
 
 
 def sweep(
@@ -21,10 +21,12 @@ def sweep(
     out: str | None = None,
     resume: str | None = None,
     tracking_uri: str | None = None,
+    loaded: SweepConfig | None = None,
 ) -> dict:
+    """Stage 1 of `config` (`loaded`: that config as the CLI read it with `overrides`), or stage 2 of a resumed run."""
     if resume:
         rd = existing_run(resume)
-        cfg = load_config(config or rd.config, overrides)
+        cfg = loaded or load_config(rd.config, overrides)
         if cfg.stage == 1 and (config or overrides or out):
             raise M2DError(
                 "--resume RUN_DIR reuses the run's saved config; drop the config, overrides and --out/--model/--*-data "
@@ -42,8 +44,8 @@ def sweep(
         ctx = RunContext(cfg, rd, tracking_uri, tuple(stages), chosen)
     else:
         if config is None:
-            raise M2DError("give a config (e.g. experiments/tiny.yaml) or --resume RUN_DIR")
-        cfg = load_config(config, overrides)
+            raise M2DError("give a config (e.g. tiny, or a YAML file) or --resume RUN_DIR")
+        cfg = loaded or load_config(config, overrides)
         if cfg.stage == 2:
             raise M2DError("stage=2 distils the promotions of a finished stage 1: add --resume RUN_DIR")
         stages = _stages(1)
@@ -109,6 +111,4 @@ def _stage2(rd, res) -> dict:
 
 
 def main(args) -> None:
-    emit(
-        json.dumps(sweep(args.config, args.overrides, out=args.out, resume=args.resume, tracking_uri=args.tracking_uri))
-    )
+    emit(json.dumps(sweep(args.config, args.overrides, args.out, args.resume, args.tracking_uri, args.cfg)))

@@ -40,7 +40,7 @@ from m2d_ray.distill.step import DistillStep, all_reduce_max, all_reduce_sum
 from m2d_ray.distill.targets import TargetsManifest, TargetSpec, fingerprint, loss_metric, read_shard
 from m2d_ray.distill.tokens import TokenShards, manifest_sha256, rank_batches
 from m2d_ray.evaluate.perplexity import window_nll, windows
-from m2d_ray.models import Teacher, load_config, load_distill_teacher, load_tokenizer
+from m2d_ray.models import Teacher, load_distill_teacher, load_tokenizer, model_config
 from m2d_ray.peaks import peaks, reset_peaks
 from m2d_ray.weights import read_output_head
 
@@ -156,7 +156,7 @@ def _teacher_shape(name: str):
     """A teacher with no weights (cached targets): its tokenizer, and a meta-device model and adapter for
     counting FLOPs and active parameters."""
 
-    config = load_config(name)
+    config = model_config(name)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return Teacher(

@@ -40,7 +40,7 @@ from m2d_ray.models import _source, load_model, load_tokenizer
 class Sampling:
     """What a model's answers are drawn with (recorded with the results; a resumed run must keep it)."""
 
-    max_new_tokens: int = AnalysisConfig.max_new_tokens  # defaults and docs: stage3.analysis (config.py)
+    max_new_tokens: int = AnalysisConfig.max_new_tokens  # defaults and docs: stage3.analysis (config/stages.py)
     temperature: float = AnalysisConfig.temperature
     seed: int = AnalysisConfig.seed
     batch_size: int = AnalysisConfig.batch_size

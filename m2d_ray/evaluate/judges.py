@@ -20,7 +20,7 @@ on-topic (evaluate/taxonomy.py).
                     honoured, in seconds or as an HTTP date), all within `deadline` seconds per call (a model's
                     answers: stage3.analysis.judge_deadline); the key from the environment variable named
                     `key_env`. Where the rules read no single final answer it may be asked which letter the answer
-                    commits to (`extract`: taxonomy.py's rule 8). `check` asks the server for the model itself
+                    commits to (`extract`: extraction.py's rule 8). `check` asks the server for the model itself
                     before any work: its /models lists it, else a one-token request to it is answered
 
 A judge is called with the records to decide and returns one verdict per record; one that leaves more than a set
@@ -51,8 +51,9 @@ import torch
 from m2d_ray.catalog.evaluate import parse_judge  # noqa: F401  (re-exported)
 from m2d_ray.config import AnalysisConfig
 from m2d_ray.errors import M2DError
+from m2d_ray.evaluate.extraction import letters
 from m2d_ray.evaluate.generation import context_of
-from m2d_ray.evaluate.taxonomy import JUDGED, letters
+from m2d_ray.evaluate.taxonomy import JUDGED
 
 KINDS = ("teacher", "none", "openai:MODEL")
 PROMPT = (
@@ -71,7 +72,7 @@ TEACHER_ASKS = (
 )
 TEACHER_LABELS = (" 1", " 2")
 OPENAI_ASK = "Reply with one word: knowledge or reasoning."
-#: the openai judge's question where the rules read no single final answer (taxonomy.py's rule 8)
+#: the openai judge's question where the rules read no single final answer (extraction.py's rule 8)
 EXTRACT = (
     "A student answered a multiple choice question about {subject}.\n\nQuestion: {question}\n{choices}\n\n"
     "The student's answer:\n{response}\n\n"
@@ -294,7 +295,7 @@ class OpenAIJudge:
     """An OpenAI-compatible chat-completions server as the judge."""
 
     model: str
-    url: str = AnalysisConfig.judge_url  # its settings' defaults and docs: stage3.analysis.judge_* (config.py)
+    url: str = AnalysisConfig.judge_url  # its settings' defaults and docs: stage3.analysis.judge_* (config/stages.py)
     key_env: str = AnalysisConfig.judge_key_env
     rate: float = AnalysisConfig.judge_rate
     retries: int = AnalysisConfig.judge_retries
@@ -473,7 +474,7 @@ class OpenAIJudge:
             return list(pool.map(self._judge, prompts))
 
     def extract(self, records: list[dict]) -> list[str | None]:
-        """Rule 8 of taxonomy.py: the letter each answer commits to, read by the judge where the rules read none (a
+        """Rule 8 of extraction.py: the letter each answer commits to, read by the judge where the rules read none (a
         reply that is no letter of the choices: None)."""
         self._until = None if self.deadline is None else time.monotonic() + self.deadline
 

@@ -34,10 +34,10 @@ import pyarrow as pa
 from m2d_ray.catalog.evaluate import SETS  # noqa: E402,F401  (re-exported)
 from m2d_ray.data.synthetic import DOMAINS, corpus_documents
 from m2d_ray.errors import M2DError
+from m2d_ray.evaluate.extraction import letters
 from m2d_ray.evaluate.local_tasks import paragraphs, rows_from
 from m2d_ray.evaluate.paper_data import verify
 from m2d_ray.evaluate.paper_tasks import MMLU_SUBJECTS, TASKS
-from m2d_ray.evaluate.taxonomy import letters
 
 TEMPLATE = (
     "The following is a multiple choice question about {subject}. Think step by step, then finish with "

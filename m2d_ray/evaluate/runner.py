@@ -14,6 +14,7 @@ from dataclasses import replace
 import torch
 from transformers import AutoConfig
 
+from m2d_ray.accelerators import GPUS_PER_NODE
 from m2d_ray.catalog.evaluate import check_stage3, parse_batch, setting_bytes  # noqa: F401  (check_stage3 re-exported)
 from m2d_ray.evaluate.harness import PAPER_NAMES, evaluate
 from m2d_ray.evaluate.paper_data import pack
@@ -25,7 +26,7 @@ from m2d_ray.evaluate.placement import (
     plan_eval,
     plan_generation,
 )
-from m2d_ray.models import _source, load_config, load_model
+from m2d_ray.models import _source, load_model, model_config
 
 # Imported inside functions: what may be missing (optional packages, Ray's internal API), where its absence is handled;
 # Ray (`m2d plan` and the checks read this module without importing it).
@@ -74,7 +75,7 @@ def plan(
 ) -> EvalPlacement:
     """The placement of `model` (a directory, storage URL or hub name) from its config."""
 
-    config = load_config(model)
+    config = model_config(model)
     return plan_eval(
         _size(config.to_json_string()),
         gpu_bytes,
@@ -190,7 +191,7 @@ def generation_placement(
 ) -> EvalPlacement:
     """placement.plan_generation of `model` from its config (no weights read); `m2d analyze` gives this machine's
     GPUs (gpu_facts), the analysis stage the cluster's."""
-    config = load_config(model)
+    config = model_config(model)
     return plan_generation(
         _size(config.to_json_string()),
         gpu_bytes,
@@ -227,7 +228,7 @@ def check_teacher_fits(cfg, model: str) -> None:
         plan(
             model,
             setting_bytes(c.gpu_memory, "stage3.gpu_memory"),
-            c.gpus_per_node or 8,
+            c.gpus_per_node or GPUS_PER_NODE,
             parse_batch(c.batch_size),
             setting_bytes(c.batch_memory, "stage3.batch_memory") if c.batch_memory else None,
             seq_cap=c.max_length,

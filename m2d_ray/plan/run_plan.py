@@ -17,15 +17,9 @@ from functools import cached_property
 
 from m2d_ray.config import SweepConfig
 from m2d_ray.plan import memory
-from m2d_ray.plan.cost import (
-    Host,
-    Place,
-    RunCost,
-    StageCost,
-    asha_ends,
-    place,
-    stage_cost,
-)
+from m2d_ray.plan.asha import asha_ends
+from m2d_ray.plan.bill import RunCost, StageCost
+from m2d_ray.plan.cost import Host, Place, place, stage_cost
 from m2d_ray.plan.devices import NodeType, bundle, holders, pin_fix, smallest_gpu
 from m2d_ray.plan.shapes import Models, Shape
 from m2d_ray.plan.targets import TeacherTargets, configured, per_token, storage_kind

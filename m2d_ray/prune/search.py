@@ -29,7 +29,7 @@ from m2d_ray.convert.student import student_width
 from m2d_ray.data.text import TokenSet
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.perplexity import perplexity
-from m2d_ray.models import Teacher, check_teacher, load_config, load_model
+from m2d_ray.models import Teacher, check_teacher, load_model, model_config
 from m2d_ray.prune.importance import Importance, collect_importance
 from m2d_ray.prune.prune import PrunedSpec, prune
 
@@ -69,7 +69,7 @@ def moe_student_params(moe_teacher: str) -> int:
     budget of the dense-to-dense baseline), from the config alone: the teacher is built on the meta device."""
     from transformers import AutoModelForCausalLM
 
-    adapter, config = check_teacher(moe_teacher), load_config(moe_teacher)
+    adapter, config = check_teacher(moe_teacher), model_config(moe_teacher)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     teacher = Teacher(name=moe_teacher, model=model, tokenizer=None, adapter=adapter)

@@ -1,5 +1,5 @@
-"""The stages of a run, one module each (calibrate, stage1, targets, stage2, stage3, report; the contract in
-contract.py, their order in m2d_ray/pipeline.py), on one run context (context.py), and the Ray pieces they share:
-the run's storage (run_storage.py), its resource waiter (demand.py), its recorder (record.py), the baselines
-(baselines/) and what the students read (students.py, shards.py).
+"""The stages of a run, one module each (calibrate, stage1, targets, stage2, stage3, analysis, report; the contract in
+contract.py, their order in m2d_ray/pipeline.py), the baselines (baselines/) and what the students are (students.py,
+student.py). The Ray plumbing they share (the run's context, storage, shards, resource waiters, recorder) is
+m2d_ray/runtime/.
 """

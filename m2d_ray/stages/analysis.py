@@ -53,16 +53,18 @@ from m2d_ray.evaluate.questions import TEMPLATE_CHARS, Question, check_set, grou
 from m2d_ray.evaluate.runner import generation_placements, max_length
 from m2d_ray.evaluate.taxonomy import by_rules, classify, judge_extracted, summary
 from m2d_ray.peaks import peaks, reset_peaks
-from m2d_ray.plan.cost import StageCost, before, forward_flops
+from m2d_ray.plan.bill import StageCost
+from m2d_ray.plan.cost import before
 from m2d_ray.plan.devices import bundle
+from m2d_ray.plan.flops import forward_flops
 from m2d_ray.plan.run_plan import unit
 from m2d_ray.plan.suite import prompt_tokens
 from m2d_ray.report.answers import answer_parts
 from m2d_ray.report.page import render
 from m2d_ray.run_dir import TEACHER_KEY, Ledger, RunDir
+from m2d_ray.runtime.record import Logged
 from m2d_ray.stages import stage3
 from m2d_ray.stages.contract import Section, Stage
-from m2d_ray.stages.record import Logged
 from m2d_ray.track import model_kind, run_tags
 
 # Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
@@ -274,7 +276,7 @@ def _analysed(ctx, stage: Analysis, jobs: list, questions: list[Question], base:
     try:
         (said, why, odds), judge_error = _judge(ctx, stage, [r for _, r in open_]) if open_ else ([], "", []), None
     except Exception as exc:
-        from m2d_ray.stages.ray_env import failure
+        from m2d_ray.runtime.ray_env import failure
 
         said, why, odds, judge_error = [], "", [], "judge: " + failure(str(exc), "analysis", 0, 0)
     verdict = {(k, r["id"]): v for (k, r), v in zip(open_, said)}
@@ -324,7 +326,7 @@ def _generate(ctx, stage: Analysis, jobs: list, questions: list[Question]) -> di
     """One Ray task per model: {key: {"rows": answers, "gen_s", "placement", peaks} or {"error": line}}."""
     import ray
 
-    from m2d_ray.stages.ray_env import failure
+    from m2d_ray.runtime.ray_env import failure
 
     cfg, a = ctx.cfg, ctx.cfg.stage3.analysis
     gpus, opts = stage3._gpus(cfg), stage3.task_options(cfg)

@@ -18,8 +18,8 @@ from m2d_ray.console import say
 from m2d_ray.data.text import check_spec
 from m2d_ray.models import load_tokenizer
 from m2d_ray.plan import memory
-from m2d_ray.plan.cost import calibration_flops
 from m2d_ray.plan.devices import bundle
+from m2d_ray.plan.flops import calibration_flops
 from m2d_ray.plan.run_plan import teacher_pass
 from m2d_ray.stages.contract import Stage
 

@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the types of the hooks' arguments; importing them here would tie the contract to Ray
     from m2d_ray.config import SweepConfig
-    from m2d_ray.plan.cost import StageCost
+    from m2d_ray.plan.bill import StageCost
     from m2d_ray.plan.run_plan import Costing, Planning, StagePlan
     from m2d_ray.report.analysis import RunData
     from m2d_ray.run_dir import RunDir
-    from m2d_ray.stages.context import RunContext
+    from m2d_ray.runtime.context import RunContext
 
 
 @dataclass(frozen=True)

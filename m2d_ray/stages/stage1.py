@@ -25,15 +25,10 @@ from m2d_ray.catalog.units import TRIAL
 from m2d_ray.config import parse_recipe
 from m2d_ray.data.text import check_spec
 from m2d_ray.errors import M2DError, RunFailed
-from m2d_ray.models import check_teacher, load_config
+from m2d_ray.models import check_teacher, model_config
 from m2d_ray.plan import memory
-from m2d_ray.plan.cost import (
-    distinct_students,
-    eval_tokens,
-    forward_flops,
-    stage1_chunks,
-)
 from m2d_ray.plan.devices import bundle
+from m2d_ray.plan.flops import distinct_students, eval_tokens, forward_flops, stage1_chunks
 from m2d_ray.plan.run_plan import unit
 from m2d_ray.report.page import Table, md_table_html, render
 from m2d_ray.report.run import (
@@ -57,7 +52,7 @@ class Stage1(Stage):
 
     def check(self, cfg, teacher: str) -> None:
 
-        adapter, config = check_teacher(teacher), load_config(teacher)
+        adapter, config = check_teacher(teacher), model_config(teacher)
         k, E = adapter.top_k(config), adapter.num_experts(config)
         if cfg.stage2.recipes:  # named students: their K, not the grid's
             bad = [r for r in map(parse_recipe, cfg.stage2.recipes) if not k <= r.K <= E]

@@ -24,16 +24,16 @@ from m2d_ray.calibrate.stats import LayerStats
 from m2d_ray.config import SweepConfig, parse_recipe
 from m2d_ray.console import say
 from m2d_ray.data.text import load_text, tokenize
-from m2d_ray.models import load_config as model_config
+from m2d_ray.models import model_config
 from m2d_ray.report.stage1 import heatmap, write_tables
 from m2d_ray.run_dir import RunDir
-from m2d_ray.stages.demand import tune_check
+from m2d_ray.runtime.demand import tune_check
+from m2d_ray.runtime.ray_env import trial_error
+from m2d_ray.runtime.record import Logged, StageRecorder, fit_tuner
+from m2d_ray.runtime.run_storage import RunStorage
+from m2d_ray.runtime.scheduler import PairwiseStopper
 from m2d_ray.stages.grid import TrialSpec, Unique, dedupe, expand, plan_all, plan_of
 from m2d_ray.stages.promote import promote, unpromoted
-from m2d_ray.stages.ray_env import trial_error
-from m2d_ray.stages.record import Logged, StageRecorder, fit_tuner
-from m2d_ray.stages.run_storage import RunStorage
-from m2d_ray.stages.scheduler import PairwiseStopper
 from m2d_ray.stages.trial import InjectedFault, run_trial
 from m2d_ray.track import NOTE_TAG, run_description, run_tags
 from m2d_ray.weights import open_teacher

@@ -35,8 +35,9 @@ from m2d_ray.distill.step import deepspeed_refusal
 from m2d_ray.errors import M2DError
 from m2d_ray.models import check_teacher_topk
 from m2d_ray.plan import memory
-from m2d_ray.plan.cost import before, forward_flops, stage2_flops, student_tokens, trained
+from m2d_ray.plan.cost import before
 from m2d_ray.plan.devices import bundle
+from m2d_ray.plan.flops import forward_flops, stage2_flops, student_tokens, trained
 from m2d_ray.plan.run_plan import unit
 from m2d_ray.plan.targets import MOE, gather_seconds, read_bandwidth
 from m2d_ray.report.page import render

@@ -20,10 +20,10 @@ from m2d_ray.config import SweepConfig
 from m2d_ray.console import say
 from m2d_ray.distill.trainer import fit
 from m2d_ray.errors import StorageFull, full_disk
-from m2d_ray.stages.demand import tune_check
-from m2d_ray.stages.ray_env import on_driver_node, trial_error, trial_traceback
-from m2d_ray.stages.record import Logged, StageRecorder, fit_tuner
-from m2d_ray.stages.run_storage import RunStorage
+from m2d_ray.runtime.demand import tune_check
+from m2d_ray.runtime.ray_env import on_driver_node, trial_error, trial_traceback
+from m2d_ray.runtime.record import Logged, StageRecorder, fit_tuner
+from m2d_ray.runtime.run_storage import RunStorage
 from m2d_ray.stages.students import Student
 from m2d_ray.stages.trial import InjectedFault
 from m2d_ray.track import run_tags

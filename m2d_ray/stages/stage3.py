@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from m2d_ray import storage
+from m2d_ray.accelerators import GPUS_PER_NODE
 from m2d_ray.artifacts import write_json_atomic
 from m2d_ray.catalog.distill import AUTO
 from m2d_ray.catalog.units import MODEL
@@ -41,18 +42,20 @@ from m2d_ray.evaluate.runner import (  # GPUs and batch per model, from memory
     stage3_placements,
 )
 from m2d_ray.peaks import peaks, reset_peaks
-from m2d_ray.plan.cost import StageCost, forward_flops, side_by_side
+from m2d_ray.plan.bill import StageCost
+from m2d_ray.plan.cost import side_by_side
 from m2d_ray.plan.devices import bundle, holders, smallest_gpu
+from m2d_ray.plan.flops import forward_flops
 from m2d_ray.plan.run_plan import unit
 from m2d_ray.plan.suite import suite_tokens
 from m2d_ray.report.analysis import distill_rows
 from m2d_ray.report.page import render
 from m2d_ray.report.run import distill_table, figure, marginal_figure, matched_table
 from m2d_ray.run_dir import TEACHER_KEY, Ledger, RunDir
+from m2d_ray.runtime.record import Logged
 from m2d_ray.sizes import parse_size
 from m2d_ray.stages import baselines
 from m2d_ray.stages.contract import Section, Stage
-from m2d_ray.stages.record import Logged
 from m2d_ray.track import model_kind, run_tags
 
 # Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
@@ -199,7 +202,7 @@ def gpu_room(p) -> tuple[float, int | None, int]:
         else None
     )
     mem = d.gpu_memory or (smallest_gpu(found) if found else None) or parse_size(c.gpu_memory)  # checked at load
-    per_node = d.gpus_per_node or c.gpus_per_node or max((int(n.gpus) for n in (found or [])), default=8)
+    per_node = d.gpus_per_node or c.gpus_per_node or max((int(n.gpus) for n in (found or [])), default=GPUS_PER_NODE)
     return gpus, mem, per_node
 
 
@@ -297,7 +300,7 @@ def evaluate(ctx, stage: Stage3) -> dict[str, dict]:
     """Evaluate every exported student (+ the teachers) of the run; returns {key: result record}."""
     import ray
 
-    from m2d_ray.stages.ray_env import failure
+    from m2d_ray.runtime.ray_env import failure
 
     cfg, rd, c = ctx.cfg, ctx.rd, ctx.cfg.stage3
     suite = check_suite(rd, c)  # checks a text:PATH file on the driver

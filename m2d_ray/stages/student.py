@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from m2d_ray.config import DistillConfig
 from m2d_ray.distill.loop import DistillJob
-from m2d_ray.stages.run_storage import RunStorage
+from m2d_ray.runtime.run_storage import RunStorage
 
 
 def job(

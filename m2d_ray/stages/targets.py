@@ -1,6 +1,6 @@
 """The teacher once (stage2.targets hidden / topk / sampled, or auto where the plan has a teacher store its states):
 before any student starts, a Ray Data pass of each such teacher the students distil from (the MoE teacher, and a
-baseline's own) over the run's tokens, its outputs cached in the run's storage (stages/shards.py:
+baseline's own) over the run's tokens, its outputs cached in the run's storage (runtime/shards.py:
 STORAGE/tokens/<digest>, STORAGE/targets/<digest>); the students then load no teacher weights. Online, the stage is
 not part of the run; under auto with no teacher storing its states, it has nothing to do.
 
@@ -17,8 +17,9 @@ from m2d_ray.catalog.targets import HIDDEN, ONLINE
 from m2d_ray.catalog.units import ACTOR
 from m2d_ray.distill.targets import blocks_per_shard
 from m2d_ray.plan import memory
-from m2d_ray.plan.cost import before, forward_flops, head_flops, student_tokens
+from m2d_ray.plan.cost import before
 from m2d_ray.plan.devices import bundle
+from m2d_ray.plan.flops import forward_flops, head_flops, student_tokens
 from m2d_ray.plan.run_plan import teacher_pass
 from m2d_ray.plan.targets import MOE
 from m2d_ray.stages import baselines

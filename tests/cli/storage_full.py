@@ -24,10 +24,12 @@ import threading
 import time
 from pathlib import Path
 
+from m2d_ray.shipped import EXPERIMENTS
+
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ROOT / "experiments" / "smoke.yaml"
+TINY = EXPERIMENTS / "smoke.yaml"
 #: one recipe, a few steps: one student, stage 1 skipped by naming the recipe
-SMALL = [  # overrides of experiments/smoke.yaml: its one recipe named, so stage 1 is skipped
+SMALL = [  # overrides of m2d_ray/experiments/smoke.yaml: its one recipe named, so stage 1 is skipped
     "stage2.recipes=[sf/rr/K2/uniform]",
     "stage3.limit=4",
     "stage3.teacher=false",

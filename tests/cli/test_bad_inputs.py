@@ -22,8 +22,9 @@ from judge_server import JudgeServer
 
 from m2d_ray.cli import main
 from m2d_ray.models import default_teacher
+from m2d_ray.shipped import EXPERIMENTS
 
-TINY = ROOT / "experiments" / "tiny.yaml"
+TINY = EXPERIMENTS / "tiny.yaml"
 #: words that tell the user what to do next; every error line has one
 ACTIONS = (
     "give",
@@ -548,9 +549,9 @@ CASES = {
     "plan: every exact mode over plan.max_storage and memory": (
         lambda w: [
             "plan",
-            str(ROOT / "experiments" / "qwen3_30b_a3b.yaml"),
+            str(EXPERIMENTS / "qwen3_30b_a3b.yaml"),
             "--model",
-            str(ROOT / "experiments" / "configs" / "Qwen--Qwen3-30B-A3B"),
+            str(EXPERIMENTS / "configs" / "Qwen--Qwen3-30B-A3B"),
             "--cluster",
             str(ROOT / "cluster.yaml"),
             "plan.max_storage=1TB",

@@ -10,10 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, multinode_unavailable
+from conftest import multinode_unavailable
+
+from m2d_ray.shipped import EXPERIMENTS
 
 HERE = Path(__file__).resolve().parent
-TINY = ROOT / "experiments" / "tiny.yaml"
+TINY = EXPERIMENTS / "tiny.yaml"
 
 
 def _namespaces() -> None:

@@ -34,11 +34,12 @@ import sys
 import time
 from pathlib import Path
 
-from m2d_ray.local_group import free_port
+from m2d_ray.shipped import EXPERIMENTS
+from workshop.local_group import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ROOT / "experiments" / "smoke.yaml"
-SMALL = [  # overrides of experiments/smoke.yaml
+TINY = EXPERIMENTS / "smoke.yaml"
+SMALL = [  # overrides of m2d_ray/experiments/smoke.yaml
     "grid.scoring=[sf,do-acp]",
     "stage3.limit=8",
     "ray.data_actors=1",

@@ -1,4 +1,4 @@
-"""The distillation stream tokenised by Ray Data (data/ray_tokens.py via stages/shards.tokens): 1 and 2
+"""The distillation stream tokenised by Ray Data (data/ray_tokens.py via runtime/shards.tokens): 1 and 2
 actors (and the driver, for a small corpus) write identical token shards, equal to the single-process stream; a corpus
 on S3 (moto on
 127.0.0.1) is read where it is, never copied, and a resume against a changed S3 corpus is refused; a CRLF text corpus
@@ -57,8 +57,8 @@ def test_one_and_two_actors_write_identical_shards_and_s3_is_read_in_place(ray_a
     from m2d_ray.data.source import documents
     from m2d_ray.distill.data import packed_blocks
     from m2d_ray.models import default_teacher, load_tokenizer
-    from m2d_ray.stages.run_storage import RunStorage
-    from m2d_ray.stages.shards import tokens
+    from m2d_ray.runtime.run_storage import RunStorage
+    from m2d_ray.runtime.shards import tokens
 
     teacher = default_teacher()
     tok = load_tokenizer(teacher)
@@ -96,8 +96,8 @@ def test_one_and_two_actors_write_identical_shards_and_s3_is_read_in_place(ray_a
 
 def test_a_corpus_shorter_than_the_budget_is_refused(ray_address, tmp_path):
     from m2d_ray.models import default_teacher, load_tokenizer
-    from m2d_ray.stages.run_storage import RunStorage
-    from m2d_ray.stages.shards import tokens
+    from m2d_ray.runtime.run_storage import RunStorage
+    from m2d_ray.runtime.shards import tokens
 
     teacher = default_teacher()
     pdir, _, _ = write_corpus(tmp_path / "corpus")
@@ -115,8 +115,8 @@ def test_a_crlf_text_corpus_on_s3_tokenised_by_an_actor_gives_the_lf_shards(
 
     from m2d_ray.data.synthetic import corpus_text
     from m2d_ray.models import load_tokenizer
-    from m2d_ray.stages.run_storage import RunStorage
-    from m2d_ray.stages.shards import tokens
+    from m2d_ray.runtime.run_storage import RunStorage
+    from m2d_ray.runtime.shards import tokens
 
     teacher, text = str(byte_teacher_dir), corpus_text("train")[:8000]
     tok = load_tokenizer(teacher)

@@ -1,4 +1,4 @@
-"""`m2d run` end to end: the demo config (experiments/tiny.yaml) with shortened budgets, on the session's Ray.
+"""`m2d run` end to end: the demo config (m2d_ray/experiments/tiny.yaml) with shortened budgets, on the session's Ray.
 
 calibrate (Ray Data) -> stage 1 (Tune) -> promote -> stage 2 (Train) -> stage 3 (lm-eval as Ray tasks)
 -> report, under one MLflow parent run; then a resume that redoes nothing.
@@ -15,13 +15,14 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, multinode_unavailable
+from conftest import multinode_unavailable
 
 from m2d_ray.cli import main
 from m2d_ray.config import load_config
+from m2d_ray.shipped import EXPERIMENTS
 
-TINY = ROOT / "experiments" / "smoke.yaml"
-SHORT = [  # overrides of experiments/smoke.yaml: more data, two scorings and two K, the baselines
+TINY = EXPERIMENTS / "smoke.yaml"
+SHORT = [  # overrides of m2d_ray/experiments/smoke.yaml: more data, two scorings and two K, the baselines
     "calib.max_tokens=4096",
     "eval.max_chars=20000",
     "grid.scoring=[sf,do-acp]",

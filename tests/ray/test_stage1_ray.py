@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
 
 from m2d_ray.calibrate import calibrate
 from m2d_ray.config import load_config
 from m2d_ray.data.synthetic import corpus_text
 from m2d_ray.data.text import calibration_set
 from m2d_ray.pipeline import run_stages
+from m2d_ray.shipped import EXPERIMENTS
 
-TINY = ROOT / "experiments" / "tiny.yaml"
-#: a small, fast version of experiments/tiny.yaml: 2 x 2 x 2 x K in {2, 4, 8, 16} = 32 configs
+TINY = EXPERIMENTS / "tiny.yaml"
+#: a small, fast version of m2d_ray/experiments/tiny.yaml: 2 x 2 x 2 x K in {2, 4, 8, 16} = 32 configs
 SMALL = [
     "calib.max_tokens=4096",
     "calib.seq_len=128",
@@ -237,8 +237,7 @@ def test_named_recipes_skip_the_search_and_are_promoted_in_their_order(ray_addre
     with no trial; stage 2's students are the recipes (in their order) and the baselines; the plan has no stage-1
     work and counts the recipes' students."""
     from m2d_ray import pipeline
-    from m2d_ray.models import default_teacher
-    from m2d_ray.models import load_config as model_config
+    from m2d_ray.models import default_teacher, model_config
     from m2d_ray.plan.run_plan import Devices
     from m2d_ray.run_dir import RunDir
     from m2d_ray.stages.students import todo

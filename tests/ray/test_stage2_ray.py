@@ -12,13 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
 from transformers import AutoModelForCausalLM
 
 from m2d_ray.config import load_config
 from m2d_ray.pipeline import run_stages
+from m2d_ray.shipped import EXPERIMENTS
 
-TINY = ROOT / "experiments" / "tiny.yaml"
+TINY = EXPERIMENTS / "tiny.yaml"
 SMALL_DISTILL = ["distill.seq_len=64", "distill.batch_size=4", "distill.eval_max_tokens=2048", "distill.warmup_steps=2"]
 
 
@@ -276,8 +276,8 @@ def test_the_targets_pass_resumes_at_its_first_missing_shard(ray_address, tmp_pa
     from m2d_ray.catalog import targets as spec
     from m2d_ray.distill.targets import MANIFEST, TargetsManifest
     from m2d_ray.models import default_teacher, load_tokenizer
-    from m2d_ray.stages import shards
-    from m2d_ray.stages.run_storage import RunStorage
+    from m2d_ray.runtime import shards
+    from m2d_ray.runtime.run_storage import RunStorage
 
     store = RunStorage(str(tmp_path))
     store.mark()  # the driver's, before any worker: each node looks for it (ensure_visible)
@@ -323,7 +323,7 @@ def test_the_stop_board_lives_on_the_drivers_node(ray_address):
     # not on a worker node: the autoscaler removes those, a spot market reclaims them, and every student polls the board
     import ray
 
-    from m2d_ray.stages.ray_env import on_driver_node
+    from m2d_ray.runtime.ray_env import on_driver_node
     from m2d_ray.stages.stage2_tune import StopBoard
 
     strategy = on_driver_node()["scheduling_strategy"]

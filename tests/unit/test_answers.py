@@ -28,6 +28,7 @@ from m2d_ray.cli import main
 from m2d_ray.config import load_config
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate import paper_data
+from m2d_ray.evaluate.extraction import letters
 from m2d_ray.evaluate.generation import BatchStore, Sampling, answer_all, answer_batch, recorded
 from m2d_ray.evaluate.judges import (
     TEACHER_ASKS,
@@ -44,10 +45,9 @@ from m2d_ray.evaluate.judges import (
 )
 from m2d_ray.evaluate.paper_tasks import MMLU_SUBJECTS
 from m2d_ray.evaluate.questions import GROUPS, UNTIL, group_of, sample
-from m2d_ray.evaluate.taxonomy import letters
-from m2d_ray.models import default_teacher, load_model
-from m2d_ray.models import load_config as model_config
+from m2d_ray.models import default_teacher, load_model, model_config
 from m2d_ray.plan.run_plan import Devices
+from m2d_ray.shipped import EXPERIMENTS
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -549,8 +549,8 @@ def wrong(r: dict) -> str:
 
 # ---- the plan -----------------------------------------------------------------------------------------------------
 def test_the_plan_prices_the_analysis_and_refuses_what_cannot_fit():
-    qwen = model_config(str(ROOT / "experiments" / "configs" / "Qwen--Qwen3-30B-A3B"))
-    cfg = load_config(ROOT / "experiments" / "qwen3_30b_a3b.yaml")
+    qwen = model_config(str(EXPERIMENTS / "configs" / "Qwen--Qwen3-30B-A3B"))
+    cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml")
     a = cfg.stage3.analysis
     assert a.enabled and (a.questions, a.per_subject, a.max_new_tokens, a.temperature) == ("mmlu", 10, 2048, 0.7)
 

@@ -58,8 +58,8 @@ def student(tmp_path_factory):
 
 
 def make_targets(out, tokens, text: str, cfg: DistillConfig = CFG, stream: bool | None = None):
-    """The targets pass of one actor (stages/shards.TargetsActor, here without Ray) over two block ranges."""
-    from m2d_ray.stages.shards import targets_here
+    """The targets pass of one actor (runtime/shards.TargetsActor, here without Ray) over two block ranges."""
+    from m2d_ray.runtime.shards import targets_here
 
     spec = parse_targets(text, cfg.temperature, cfg.seed)
     targets_here(
@@ -139,7 +139,7 @@ def test_cached_topk_over_the_whole_vocabulary_trains_as_the_online_teacher(stud
     from m2d_ray import models
 
     online = _online(student, tokens, tmp_path)
-    vocab = models.load_config(default_teacher()).vocab_size
+    vocab = models.model_config(default_teacher()).vocab_size
     spec = make_targets(tmp_path / "targets", tokens, f"topk:{vocab}")
     _no_teacher_weights(monkeypatch)
     cached = _train(student, tmp_path / "cached", tokens, str(tmp_path / "targets"), spec)

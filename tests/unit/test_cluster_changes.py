@@ -1,5 +1,5 @@
 """A run and a cluster that changes under it, without a cluster: the storage check each node makes for
-itself (RunStorage.ensure_visible), the autoscaler's reports a waiting stage reads (stages/demand.py), and
+itself (RunStorage.ensure_visible), the autoscaler's reports a waiting stage reads (runtime/demand.py), and
 failures told in the user's words (ray_env.failure). The same on Ray's fake autoscaler: tests/ray/."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from conftest import ROOT
 
 from m2d_ray.config import load_config
 from m2d_ray.errors import M2DError
 from m2d_ray.pipeline import STAGES
-from m2d_ray.stages import demand, ray_env, run_storage
-from m2d_ray.stages.run_storage import RunStorage
+from m2d_ray.runtime import demand, ray_env, run_storage
+from m2d_ray.runtime.run_storage import RunStorage
+from m2d_ray.shipped import EXPERIMENTS
 
 # what Ray 2.60's v1 autoscaler wrote on the fake cluster with a {CPU: 1, GPU: 1} task and a 2-bundle placement group
 # waiting (tests/ray's machinery, recorded by hand): its event and its status in the GCS
@@ -103,9 +103,7 @@ def test_only_the_stage_s_own_demand_is_its_own():
 
 def test_an_infeasible_demand_fails_the_stage_with_one_line(monkeypatch):
     monkeypatch.setattr(demand, "read_status", lambda: V1_STATUS)
-    w = demand.Waiting.of(
-        STAGES["stage2"], load_config(ROOT / "experiments" / "tiny.yaml", ["distill.gpus_per_worker=1"])
-    )
+    w = demand.Waiting.of(STAGES["stage2"], load_config(EXPERIMENTS / "tiny.yaml", ["distill.gpus_per_worker=1"]))
     w._status = V1_STATUS
     w.event("Adding 1 node(s) of type cpu_8x.")
     w.check()  # nothing infeasible yet
@@ -116,7 +114,7 @@ def test_an_infeasible_demand_fails_the_stage_with_one_line(monkeypatch):
     assert isinstance(e.value, M2DError) and "\n" not in line  # exit 2: no later stage runs
     assert line.startswith("stage2: the autoscaler reports that no node type can hold {CPU: 1, GPU: 1}")
     assert "cpu_8x, gpu_a10g_1x, ray.head.default" in line and "distill.gpus_per_worker" in line
-    cpu = demand.Waiting.of(STAGES["stage1"], load_config(ROOT / "experiments" / "tiny.yaml"))
+    cpu = demand.Waiting.of(STAGES["stage1"], load_config(EXPERIMENTS / "tiny.yaml"))
     cpu.event(V1_EVENT)
     cpu.check()  # not the CPU stage's request
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
 
 from m2d_ray.cli import main
 from m2d_ray.config import SweepConfig, k_values, load_config
 from m2d_ray.errors import M2DError
 from m2d_ray.pipeline import check_config
+from m2d_ray.shipped import EXPERIMENTS
 
-EXPERIMENTS = ROOT / "experiments"
 #: (top-k, experts) of the paper's teachers (method.md), checked offline against each YAML's K list
 TEACHERS = {
     None: (2, 16),  # the embedded tiny teacher
@@ -24,7 +23,7 @@ TEACHERS = {
 }
 
 
-#: runnable configs sized for tests (experiments/smoke.yaml: the tests' whole runs start there), not experiments
+#: runnable configs sized for tests (m2d_ray/experiments/smoke.yaml: the tests' whole runs start there), not experiments
 TEST_SIZED = {"smoke.yaml"}
 
 
@@ -82,11 +81,30 @@ def test_auto_K_and_overrides():
         ("distill.kl_kernel=liger", "distill.kl_kernel=liger runs on CUDA devices only"),
         ("distill.deepspeed=maybe", "distill.deepspeed='maybe': use true, false or auto"),
         ("distill.kl_kernel=fused", "unknown distill.kl_kernel 'fused'"),
+        ("distill.loss=fkll", "distill.loss: unknown loss 'fkll'; did you mean 'fkl'"),
+        ("distill.checkpointing=ful", "did you mean 'full'"),
+        ("distill.zero_stage=3", "distill.zero_stage=3: use 0, 1 or 2"),
+        ("stage=3", "stage=3: use 1 or 2"),
+        ("stage3.analysis.questions=mmul", "stage3.analysis.questions='mmul': did you mean mmlu"),
     ],
 )
 def test_bad_values_fail_with_one_line(override, message):
     with pytest.raises(M2DError, match=message.replace("[", r"\[").replace(".", r"\.")):
         _checked(EXPERIMENTS / "tiny.yaml", override)
+
+
+def test_each_closed_set_is_declared_once_and_checked_by_the_loader():
+    """A Literal-typed key is checked by the loader against its type's values, which come from the catalog's
+    registries: no section check names them again."""
+    import inspect
+
+    from m2d_ray.catalog.distill import CHECKPOINTING, KL_KERNELS, LOSSES, PRECISIONS
+    from m2d_ray.config import checks
+    from m2d_ray.config.fields import REGISTRIES
+
+    assert set(REGISTRIES.values()) == {PRECISIONS, KL_KERNELS, CHECKPOINTING, LOSSES}
+    source = inspect.getsource(checks)
+    assert not [name for name in ("PRECISIONS", "KL_KERNELS", "CHECKPOINTING", "LOSSES", "SETS") if name in source]
 
 
 def test_pure_bf16_is_refused_beside_deepspeed():
@@ -207,3 +225,23 @@ def test_distill_gradient_checkpointing_of_earlier_versions_reads_as_checkpointi
     with pytest.raises(M2DError, match="did you mean 'selective'"):
         load_config(None, ["distill.checkpointing=selectiv"])
     assert load_config(None).distill.checkpointing == "auto"
+
+
+def test_a_shipped_config_is_found_by_name_and_copied_out_with_its_base(tmp_path, monkeypatch, capsys):
+    """`m2d run tiny` from any directory: a file that exists wins, else a shipped name; `m2d cp` writes a copy that
+    reads as the original (its include beside it) and never overwrites a file."""
+    from m2d_ray.shipped import configs
+
+    monkeypatch.chdir(tmp_path)
+    assert load_config("tiny") == load_config("tiny.yaml") == load_config(EXPERIMENTS / "tiny.yaml")
+    assert "_paper" not in configs() and {"tiny", "smoke", "qwen3_30b_a3b"} <= set(configs())
+    with pytest.raises(M2DError, match="did you mean qwen3_30b_a3b"):
+        load_config("qwen3_30b_a3")
+    assert main(["cp", "qwen3_30b_a3b", "mine.yaml"]) == 0
+    assert (tmp_path / "_paper.yaml").read_text() == (EXPERIMENTS / "_paper.yaml").read_text()
+    assert load_config("mine.yaml") == load_config("qwen3_30b_a3b")
+    (tmp_path / "tiny.yaml").write_text("name: mine\n")
+    assert load_config("tiny.yaml").name == "mine"  # the file here, not the shipped one
+    capsys.readouterr()
+    assert main(["cp", "tiny", "."]) == 2 and "never overwrites" in capsys.readouterr().err
+    assert main(["configs"]) == 0 and "tiny  " in capsys.readouterr().out

@@ -4,17 +4,16 @@ in elementwise parameters, in which layers are MoE, whether the head is tied, an
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from families import FAMILIES
 
 from m2d_ray.arch import ADAPTERS
 from m2d_ray.arch.counts import counts
-from m2d_ray.models import load_config
+from m2d_ray.models import model_config
+from m2d_ray.shipped import EXPERIMENTS
 from m2d_ray.weights import meta_counts
 
-CONFIGS = Path(__file__).resolve().parents[2] / "experiments" / "configs"
+CONFIGS = EXPERIMENTS / "configs"
 PUBLISHED = sorted(p.name for p in CONFIGS.iterdir() if (p / "config.json").exists())
 
 
@@ -34,7 +33,7 @@ def test_each_family_and_its_student_counted_as_the_model_itself(spec):
 
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_published_configs_counted_as_the_model_itself(name):
-    config = load_config(str(CONFIGS / name))
+    config = model_config(str(CONFIGS / name))
     assert _arith(config) == meta_counts(config)
 
 
@@ -42,8 +41,8 @@ def _configs():
     from m2d_ray.assets import TINY_DENSE_TEACHER_DIR, TINY_TEACHER_DIR
 
     out = [(s.id, s.make_config) for s in FAMILIES]
-    out += [(n, lambda n=n: load_config(str(CONFIGS / n))) for n in PUBLISHED]
-    return out + [(p.name, lambda p=p: load_config(str(p))) for p in (TINY_TEACHER_DIR, TINY_DENSE_TEACHER_DIR)]
+    out += [(n, lambda n=n: model_config(str(CONFIGS / n))) for n in PUBLISHED]
+    return out + [(p.name, lambda p=p: model_config(str(p))) for p in (TINY_TEACHER_DIR, TINY_DENSE_TEACHER_DIR)]
 
 
 @pytest.mark.parametrize("make", [m for _, m in _configs()], ids=[i for i, _ in _configs()])

@@ -103,7 +103,7 @@ def test_fingerprint_names_what_changed(tmp_path):
 
 
 def test_a_driver_side_corpus_goes_to_storage_once_by_content(tmp_path):
-    from m2d_ray.stages.run_storage import RunStorage
+    from m2d_ray.runtime.run_storage import RunStorage
 
     pdir, _, order = write_corpus(tmp_path, column="content")
     store = RunStorage(str(tmp_path / "storage"))

@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 from m2d_ray.config import DistillConfig
 from m2d_ray.distill.loop import DistillJob, WorkerIO, run_distill, stop_requested, validate
 from m2d_ray.distill.step import DistillStep
-from m2d_ray.local_group import join, spawn
 from m2d_ray.models import default_teacher, load_teacher
+from workshop.local_group import join, spawn
 
 CFG = replace(
     SYNTHETIC_DISTILL, steps=4, eval_every=2, warmup_steps=1, seq_len=64, eval_max_tokens=1024, eval_batch_size=2

@@ -4,20 +4,20 @@ fake device sizes (CPU only; no GPU, no weights read: sizes come from configs on
 from __future__ import annotations
 
 import pytest
-from conftest import ROOT
 
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.placement import GiB, ModelSize, hflm_kwargs, model_size, plan_eval
 from m2d_ray.evaluate.runner import check_stage3, parse_batch
+from m2d_ray.shipped import EXPERIMENTS
 
 GB80 = 80 * 10**9  # an H100's 80 GB (79.6 GiB as CUDA reports it, near enough)
 
 
 def qwen3_30b_a3b():
     """Qwen3-30B-A3B's published config (48 layers, d 2048, 128 experts x 768, top-8, vocab 151,936)."""
-    from m2d_ray.models import load_config
+    from m2d_ray.models import model_config
 
-    return load_config(str(ROOT / "experiments" / "configs" / "Qwen--Qwen3-30B-A3B"))
+    return model_config(str(EXPERIMENTS / "configs" / "Qwen--Qwen3-30B-A3B"))
 
 
 def qwen3_student():

@@ -1,5 +1,5 @@
 """The GPU acceptance call (benchmarks/gpu/acceptance.py) on the CPU: its budget plan and its timeout
-(m2d_ray/time_budget.py), and the whole call's plumbing with tiny shapes (`--cpu-smoke`) and its plan on a GPU
+(workshop/time_budget.py), and the whole call's plumbing with tiny shapes (`--cpu-smoke`) and its plan on a GPU
 (`--plan-only`), so that the script a GPU session runs has run here."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from m2d_ray import time_budget as acc
+from workshop import time_budget as acc
 
 
 def _acceptance(*args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -166,7 +166,7 @@ def test_on_a_gpu_the_paper_student_runs_first_then_its_kernels_and_the_memory_p
     ]
     assert all(v["args"]["preset"] == "paper" and v["args"]["targets"] == "hidden" for v in todo[0]["variants"])
     assert all(v["args"]["preset"] == "head" for v in todo[1]["variants"])
-    from m2d_ray.random_models import STEP_PRESETS
+    from workshop.random_models import STEP_PRESETS
 
     head = STEP_PRESETS["head"]
     assert (head["vocab"], head["hidden"], head["heads"], head["batch"] * head["seq_len"]) == (151936, 2048, 32, 16384)

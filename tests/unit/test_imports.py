@@ -109,6 +109,31 @@ def test_no_import_reaches_a_higher_layer():
     assert not upward, upward
 
 
+#: the repository's top-level packages that the wheel does not ship: the package never imports them
+WORKSHOP = ("workshop", "benchmarks", "tests", "conftest")
+
+
+def test_the_package_never_imports_the_workshop():
+    """Test and benchmark scaffolding lives in workshop/ at the repository's root, outside the wheel: an import of it
+    (or of benchmarks/ or tests/) from m2d_ray, at the top of a module or inside a function, would fail where the
+    package is installed."""
+    found = sorted(
+        (name, imported)
+        for name, path in modules().items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        for imported in (
+            [node.module or ""]
+            if isinstance(node, ast.ImportFrom)
+            else [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else []
+        )
+        if imported.split(".")[0] in WORKSHOP
+    )
+    assert not found, found
+    assert (PKG.parent / "workshop" / "__init__.py").is_file() and not (PKG / "random_models.py").exists()
+
+
 def test_the_checks_find_what_they_look_for():
     """The checks are live: a cycle and an upward edge in a made-up graph are found."""
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
@@ -271,7 +296,7 @@ def test_the_light_core_imports_no_heavy_library():
     """`m2d --help`, a config's checks and the registries' names and docs load none of the libraries that cost
     seconds: every CLI call, test subprocess and Ray worker that only reads a config pays nothing for them."""
     code = "\n".join(f"import {m}" for m in LIGHT) + (
-        f"\nfrom m2d_ray.config import load_config\ncfg = load_config({str(PKG.parent / 'experiments/tiny.yaml')!r})\n"
+        f"\nfrom m2d_ray.config import load_config\ncfg = load_config({str(PKG / 'experiments/tiny.yaml')!r})\n"
         "from m2d_ray.cli import parser\nparser().format_help()\n"
         "from m2d_ray.catalog.methods import SCORINGS\nfrom m2d_ray.catalog.distill import KL_KERNELS\n"
         "[SCORINGS.doc(n) for n in SCORINGS]; [KL_KERNELS.doc(n) for n in KL_KERNELS]"
@@ -286,8 +311,8 @@ def test_the_plan_of_the_paper_run_builds_no_model():
     root = PKG.parent
     code = (
         "from m2d_ray.config import load_config\nfrom m2d_ray.pipeline import plan_run\n"
-        f"plan_run(load_config({str(root / 'experiments/qwen3_30b_a3b.yaml')!r}), "
-        f"model={str(root / 'experiments/configs/Qwen--Qwen3-30B-A3B')!r})\n"
+        f"plan_run(load_config({str(root / 'm2d_ray/experiments/qwen3_30b_a3b.yaml')!r}), "
+        f"model={str(root / 'm2d_ray/experiments/configs/Qwen--Qwen3-30B-A3B')!r})\n"
         "import m2d_ray.commands.plan\n"
         "assert 'transformers.modeling_utils' not in sys.modules, 'modelling code loaded'"
     )

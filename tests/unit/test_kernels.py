@@ -18,7 +18,7 @@ from m2d_ray.distill.losses import chunked_kl, naive_kl
 from m2d_ray.distill.step import DistillStep
 from m2d_ray.distill.targets import parse_targets
 from m2d_ray.errors import M2DError
-from m2d_ray.random_models import STEP_PRESETS, teacher_and_student
+from workshop.random_models import STEP_PRESETS, teacher_and_student
 
 
 def _trajectory(kernel: str, steps: int = 6, compile: bool = False) -> list[float]:

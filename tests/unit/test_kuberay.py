@@ -22,11 +22,12 @@ from remote import on_head
 
 from m2d_ray.config import load_config
 from m2d_ray.errors import M2DError
-from m2d_ray.models import load_config as model_config
+from m2d_ray.models import model_config
 from m2d_ray.pipeline import plan as make_plan
 from m2d_ray.plan.devices import cluster_settings, from_cluster_yaml
 from m2d_ray.plan.prices import hourly
 from m2d_ray.plan.run_plan import Devices
+from m2d_ray.shipped import EXPERIMENTS, configs
 
 K8S = ROOT / "k8s"
 SCHEMAS = ROOT / "tests" / "data" / "kuberay"
@@ -177,13 +178,13 @@ def test_the_rayjob_s_run_plans_on_the_raycluster_s_worker_groups():
     and fits its GPU; its run directory is on the head's persistent volume, its storage a bucket."""
     argv = entrypoint_argv()
     assert argv[:2] == ["m2d", "run"]
-    config = PurePosixPath(argv[2])
+    config = argv[2]  # a config shipped in the package the image installs, by name
     overrides = [a for a in argv[3:] if "=" in a and not a.startswith("-")]
     options = dict(zip(argv[3::1], argv[4::1]))
     cluster_file = PurePosixPath(options["--cluster"])  # a KubeRay head has no bootstrap config to read groups from
     assert ROOT / cluster_file.relative_to(IMAGE_ROOT) == K8S / "raycluster.yaml"
-    assert config.is_relative_to(IMAGE_ROOT) and (ROOT / config.relative_to(IMAGE_ROOT)).is_file()
-    cfg = load_config(ROOT / config.relative_to(IMAGE_ROOT), overrides)
+    assert config in configs()
+    cfg = load_config(config, overrides)
     assert cfg.ray.address is None  # the job's RAY_ADDRESS
     head = of_kind("RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]
     claims = {v["name"] for v in head["volumes"] if "persistentVolumeClaim" in v}
@@ -192,13 +193,13 @@ def test_the_rayjob_s_run_plans_on_the_raycluster_s_worker_groups():
     assert options["--storage"].startswith(("s3://", "gs://"))
     nodes = tuple(from_cluster_yaml(K8S / "raycluster.yaml"))
     head_type, idle = cluster_settings(K8S / "raycluster.yaml")
-    teacher = model_config(str(ROOT / "experiments" / "configs" / "Qwen--Qwen3-30B-A3B"))
+    teacher = model_config(str(EXPERIMENTS / "configs" / "Qwen--Qwen3-30B-A3B"))
     plan = make_plan(cfg, teacher, Devices(nodes=nodes, head=head_type, idle_minutes=idle))
     assert plan.problems() == []
     assert all(s.holders and (s.fits is True or not s.share) for s in plan.stages)
     assert plan.cost.totals()["dollars"] > 0
     without_fix = [a for a in overrides if not a.startswith("ray.trial_accelerator=")]
-    refused = make_plan(load_config(ROOT / config.relative_to(IMAGE_ROOT), without_fix), teacher, Devices(nodes=nodes))
+    refused = make_plan(load_config(config, without_fix), teacher, Devices(nodes=nodes))
     assert "ray.trial_accelerator=A10G (no node type has an A10G" in refused.problems()[0]
 
 
@@ -325,13 +326,13 @@ def test_the_submitter_survives_lost_log_streams():
 
 
 def test_the_image_holds_what_the_rayjob_reads():
-    """The RayJob's config and --cluster are the image's copies: the .dockerignore keeps them, and keeps out what
-    would bloat the image (environments, runs, teachers)."""
+    """The RayJob's --cluster is the image's copy (its config ships in the package): the .dockerignore keeps it, and
+    keeps out what would bloat the image (environments, runs, teachers)."""
     ignored = [
         line for line in (K8S / "Dockerfile.dockerignore").read_text().splitlines() if line and not line[0] == "#"
     ]
     argv = entrypoint_argv()
-    for path in (argv[2], dict(zip(argv, argv[1:]))["--cluster"]):
+    for path in (dict(zip(argv, argv[1:]))["--cluster"],):
         top = PurePosixPath(path).relative_to(IMAGE_ROOT).parts[0]
         assert top not in ignored, path
     assert {".git", ".venv", "runs", "teachers"} <= set(ignored)

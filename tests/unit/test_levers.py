@@ -16,7 +16,7 @@ from m2d_ray.config import DistillConfig
 from m2d_ray.distill import checkpointing
 from m2d_ray.distill.precision import PRECISIONS
 from m2d_ray.distill.step import DistillStep
-from m2d_ray.random_models import STEP_PRESETS, teacher_and_student
+from workshop.random_models import STEP_PRESETS, teacher_and_student
 
 P = STEP_PRESETS["smoke"]
 STEPS = 6

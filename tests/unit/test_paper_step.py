@@ -1,6 +1,6 @@
-"""The paper's student as P7's step preset (benchmarks/perf/distill_step.py --preset paper): the student `m2d plan
-experiments/qwen3_30b_a3b.yaml` builds for stage 2, its micro-batch and targets; its CPU rehearsal at its real shapes
-on `meta` tensors (every checkpointing policy beside the plan's activations); and the one-path-at-a-time mode and the
+"""The paper's student as P7's step preset (benchmarks/perf/distill_step.py --preset paper): the student
+`m2d plan qwen3_30b_a3b` builds for stage 2, its micro-batch and targets; its CPU rehearsal at its real shapes on `meta`
+tensors (every checkpointing policy beside the plan's activations); and the one-path-at-a-time mode and the
 levers its GPU run takes, reached on the CPU at the smoke preset."""
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ from m2d_ray.models import load_config as model_config
 from m2d_ray.pipeline import STAGES, plan_run
 from m2d_ray.plan.run_plan import Devices
 from m2d_ray.plan.shapes import models_of
-from m2d_ray.random_models import STEP_PRESETS, preset_config
+from m2d_ray.shipped import EXPERIMENTS
+from workshop.random_models import STEP_PRESETS, preset_config
 
 PAPER = STEP_PRESETS["paper"]
-PAPER_CONFIG = ROOT / "experiments" / "qwen3_30b_a3b.yaml"
-PAPER_MODEL = ROOT / "experiments" / "configs" / "Qwen--Qwen3-30B-A3B"
+PAPER_CONFIG = EXPERIMENTS / "qwen3_30b_a3b.yaml"
+PAPER_MODEL = EXPERIMENTS / "configs" / "Qwen--Qwen3-30B-A3B"
 
 
 def test_the_preset_is_the_student_the_paper_plan_builds():

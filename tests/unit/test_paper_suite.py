@@ -14,11 +14,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
 
 from m2d_ray.artifacts import sha256_file
 from m2d_ray.evaluate import paper_data, paper_tasks
 from m2d_ray.evaluate.harness import PAPER_SUITE, base_name, check_tasks, parse_tasks
+from m2d_ray.shipped import EXPERIMENTS
 
 SHOTS = {base_name(t): s for t, s in PAPER_SUITE}
 SUBJECTS_BUILT = ("abstract_algebra", "anatomy", "high_school_us_history")  # the prompt test's MMLU subjects
@@ -397,7 +397,7 @@ def test_bad_input_fetch_wheel_missing(ws, capfd, monkeypatch):
 def test_bad_input_run_paper_without_data(ws, capfd, monkeypatch):
     root, _ = ws
     monkeypatch.setenv("M2D_DATA_DIR", str(root / "nothing"))
-    cfg = ROOT / "experiments" / "tiny.yaml"
+    cfg = EXPERIMENTS / "tiny.yaml"
     line = _cli(["run", str(cfg), "--out", str(root / "run"), "stage3.tasks=paper"], capfd, root)
     assert "m2d fetch-data" in line
 

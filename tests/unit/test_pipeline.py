@@ -13,14 +13,14 @@ from small_run import finished_run
 from m2d_ray import pipeline
 from m2d_ray.config import load_config
 from m2d_ray.errors import M2DError
-from m2d_ray.models import default_teacher
-from m2d_ray.models import load_config as model_config
+from m2d_ray.models import default_teacher, model_config
 from m2d_ray.plan.devices import NodeType
 from m2d_ray.plan.run_plan import Devices, plan_line, unit
 from m2d_ray.report.page import render
+from m2d_ray.shipped import EXPERIMENTS
 from m2d_ray.stages.contract import Section, Stage
 
-TINY = ROOT / "experiments" / "tiny.yaml"
+TINY = EXPERIMENTS / "tiny.yaml"
 
 
 class Probe(Stage):
@@ -118,7 +118,7 @@ def test_a_registered_stage_runs_in_order_is_timed_and_reports(probe, tmp_path):
     """On a finished run's directory (the stored small run, no Ray needed): the probe and the report run on one
     context; run.json times the probe, the report shows its section after the stages before it."""
     from m2d_ray.run_dir import RunDir
-    from m2d_ray.stages.context import RunContext
+    from m2d_ray.runtime.context import RunContext
 
     run_dir, _ = finished_run(tmp_path / "run")
     rd = RunDir(run_dir)
@@ -159,7 +159,7 @@ STAGES_DIR = ROOT / "m2d_ray" / "stages"
 
 
 def test_no_stage_builds_what_the_run_context_owns():
-    """The run's storage, MLflow's tracker and Ray are built once, by the run context (stages/context.py): no stage
+    """The run's storage, MLflow's tracker and Ray are built once, by the run context (runtime/context.py): no stage
     module makes its own (each used to open the run directory, the tracker, Ray and the storage by hand)."""
     owned = ("RunStorage(", "run_tracker(", "Tracker(", "ensure_ray(")
     makers = {"context.py", "run_storage.py", "ray_env.py"}  # the context, and what it calls
@@ -197,9 +197,9 @@ def test_a_student_s_settings_reach_distill_as_one_job(tmp_path):
 
     from m2d_ray.distill.loop import DistillJob
     from m2d_ray.plan.targets import TeacherTargets
+    from m2d_ray.runtime.run_storage import RunStorage
     from m2d_ray.stages import stage2
     from m2d_ray.stages.baselines import BASELINES
-    from m2d_ray.stages.run_storage import RunStorage
     from m2d_ray.stages.students import Reads, Student
 
     cfg = load_config(TINY, ["distill.teacher_topk=4", "ray.max_failures=2", "stage2.targets=auto"])

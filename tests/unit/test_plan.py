@@ -1,5 +1,5 @@
 """The memory plan (m2d_ray/plan/): shapes against real models, the paper's figures, the arithmetic's
-dependence on workers / checkpointing / targets, and every experiments/*.yaml against cluster.yaml."""
+dependence on workers / checkpointing / targets, and every m2d_ray/experiments/*.yaml against cluster.yaml."""
 
 from __future__ import annotations
 
@@ -14,16 +14,16 @@ from conftest import ROOT
 
 from m2d_ray.config import load_config
 from m2d_ray.errors import M2DError
-from m2d_ray.models import default_teacher
-from m2d_ray.models import load_config as model_config
+from m2d_ray.models import default_teacher, model_config
 from m2d_ray.pipeline import plan as make_plan
 from m2d_ray.plan import memory
 from m2d_ray.plan.devices import NodeType, from_cluster_yaml
 from m2d_ray.plan.run_plan import Devices, plan_line
 from m2d_ray.plan.shapes import models_of
+from m2d_ray.shipped import EXPERIMENTS
 
 GiB = 1 << 30
-CONFIGS = ROOT / "experiments" / "configs"
+CONFIGS = EXPERIMENTS / "configs"
 #: the hub models of the paper configs -> their published config.json here (no hub in tests)
 OFFLINE = {
     "Qwen/Qwen3-30B-A3B": "Qwen--Qwen3-30B-A3B",
@@ -67,7 +67,7 @@ def test_the_30b_teacher_and_its_student(qwen30b):
 def test_online_stage2_at_8_gpus_is_the_issue_s_70_gib_before_activations(qwen30b):
     """A rank holds the 56.9 GiB teacher and a 3.34B student's ZeRO-2 share: ~70 GiB before activations,
     so it does not fit an 80 GB GPU; cached targets bring it to ~23 GiB."""
-    cfg = load_config(ROOT / "experiments" / "qwen3_30b_a3b.yaml", ["stage2.targets=online"])
+    cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml", ["stage2.targets=online"])
     plan = make_plan(cfg, qwen30b, Devices(gpu_memory=80 * 10**9))
     s2 = plan.by_stage()["stage2"].parts
     assert 68 < (s2["teacher"] + s2["student"] + s2["grads"] + s2["optimizer"]) / GiB < 73
@@ -106,7 +106,8 @@ def test_the_30b_config_distils_from_hidden_states_on_80gb_gpus(qwen30b, workers
     """The paper configs cache the teacher's final hidden states: a rank holds the student, the teacher's head
     (151,936 x 2,048 in bf16) and the online KL's buffers, and fits an 80 GB GPU at 2 and 8 workers."""
     cfg = load_config(
-        ROOT / "experiments" / "qwen3_30b_a3b.yaml", [f"distill.workers={workers}", "distill.checkpointing=full"]
+        EXPERIMENTS / "qwen3_30b_a3b.yaml",
+        [f"distill.workers={workers}", "distill.checkpointing=full"],
     )
     assert cfg.stage2.targets == "auto"  # the plan's choice: hidden states here
     plan = make_plan(cfg, qwen30b, Devices(gpu_memory=80 * 10**9))
@@ -124,7 +125,7 @@ def test_the_30b_config_distils_from_hidden_states_on_80gb_gpus(qwen30b, workers
 
 
 def test_storage_counts_checkpoints_students_tokens_and_targets(qwen30b):
-    cfg = load_config(ROOT / "experiments" / "qwen3_30b_a3b.yaml")
+    cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml")
     plan = make_plan(cfg, qwen30b, Devices(gpu_memory=80 * 10**9))
     st, d, P = plan.storage, cfg.distill, models_of(qwen30b).student.params
     n = 7 * 5 + 2  # promoted pairs + baselines
@@ -170,7 +171,7 @@ def test_unknown_gpu_memory_is_fits_null_in_the_json_and_the_plan_file(qwen30b):
     """No GPU and no --gpu-memory: the table's "?" is null in the JSON line and memory_plan.json, not true."""
     from m2d_ray.plan.run_plan import as_record
 
-    cfg = load_config(ROOT / "experiments" / "qwen3_30b_a3b.yaml")
+    cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml")
     plan = make_plan(cfg, qwen30b, Devices())
     line, record = json.loads(plan_line(plan)), json.loads(json.dumps(as_record(plan)))
     assert line["stages"]["stage2"]["fits"] is None and record["stages"]["stage2"]["fits"] is None
@@ -184,7 +185,9 @@ def test_unknown_gpu_memory_is_fits_null_in_the_json_and_the_plan_file(qwen30b):
 
 
 @pytest.mark.parametrize(
-    "path", sorted(p for p in (ROOT / "experiments").glob("*.yaml") if not p.name.startswith("_")), ids=lambda p: p.name
+    "path",
+    sorted(p for p in (EXPERIMENTS).glob("*.yaml") if not p.name.startswith("_")),
+    ids=lambda p: p.name,
 )
 def test_every_experiment_fits_the_node_types_of_cluster_yaml(path):
     """Each config's every stage has a node type of cluster.yaml that holds its request, and fits its GPU."""
@@ -208,14 +211,14 @@ def test_every_experiment_fits_the_node_types_of_cluster_yaml(path):
 
 
 def test_a_request_no_node_type_holds_and_an_unknown_gpu_type_are_one_line():
-    cfg = load_config(ROOT / "experiments" / "tiny.yaml", ["distill.gpus_per_worker=1"])
+    cfg = load_config(EXPERIMENTS / "tiny.yaml", ["distill.gpus_per_worker=1"])
     cpu_only = (NodeType("head", {"CPU": 0}), NodeType("cpu_4x", {"CPU": 4}))
     problems = make_plan(cfg, model_config(default_teacher()), Devices(nodes=cpu_only)).problems()
     assert problems and problems[0].startswith(
         "stage2: no node type can ever hold one rank (CPU 1, GPU 1; node types: head"
     )
     assert "distill.gpus_per_worker" in problems[0]
-    pinned = load_config(ROOT / "experiments" / "tiny.yaml", ["distill.gpus_per_worker=1", "distill.accelerator=H100"])
+    pinned = load_config(EXPERIMENTS / "tiny.yaml", ["distill.gpus_per_worker=1", "distill.accelerator=H100"])
     a10g = (NodeType("g5", {"CPU": 8, "GPU": 1, "accelerator_type:A10G": 1}),)
     assert any(
         p.startswith("stage2: no node type")
@@ -227,18 +230,18 @@ def test_a_request_no_node_type_holds_and_an_unknown_gpu_type_are_one_line():
         if p.startswith("stage2")
     ]
     with pytest.raises(M2DError, match=r"distill.accelerator='H10' is not a GPU type .* did you mean H100\?"):
-        load_config(ROOT / "experiments" / "tiny.yaml", ["distill.accelerator=H10"])
+        load_config(EXPERIMENTS / "tiny.yaml", ["distill.accelerator=H10"])
 
 
 def test_the_smallest_gpu_that_may_receive_a_stage_is_the_one_planned_for(qwen30b):
     """Without a pin, a 1-GPU student may land on the A10G type: it must fit there; pinned, only on the H100s."""
     nodes = tuple(from_cluster_yaml(ROOT / "cluster.yaml"))
-    cfg = load_config(ROOT / "experiments" / "qwen3_30b_a3b.yaml", ["distill.accelerator=null"])
+    cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml", ["distill.accelerator=null"])
     loose = make_plan(cfg, qwen30b, Devices(nodes=nodes)).by_stage()["stage2"]
     assert set(loose.holders) == {"gpu_a10g_1x", "gpu_a10g_1x_spot", "gpu_h100_8x"} and loose.fits is False
-    pinned = make_plan(
-        load_config(ROOT / "experiments" / "qwen3_30b_a3b.yaml"), qwen30b, Devices(nodes=nodes)
-    ).by_stage()["stage2"]
+    pinned = make_plan(load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml"), qwen30b, Devices(nodes=nodes)).by_stage()[
+        "stage2"
+    ]
     assert pinned.holders == ("gpu_h100_8x",) and pinned.fits is True
 
 
@@ -298,7 +301,7 @@ def test_a_paper_config_on_a_cluster_of_one_gpu_kind_is_told_which_key_to_change
         NodeType("head", {"CPU": 8, "GPU": 0}),
         NodeType("h100", {"CPU": 192, "GPU": 8, "accelerator_type:H100": 1}),
     )
-    paper = ROOT / "experiments" / "qwen3_30b_a3b.yaml"
+    paper = EXPERIMENTS / "qwen3_30b_a3b.yaml"
     problems = make_plan(load_config(paper), qwen30b, Devices(nodes=h100s)).problems()
     assert len(problems) == 1 and problems[0].startswith("stage1: no node type can ever hold one trial"), problems
     assert "ray.trial_accelerator=A10G (no node type has an A10G: set ray.trial_accelerator=H100" in problems[0]
@@ -310,7 +313,7 @@ def test_spot_trials_ask_for_the_spot_node_type_and_are_priced_there(qwen30b):
     """ray.spot_trials: stage-1 trials ask for the `spot` resource, so only cluster.yaml's spot type holds them, at
     its spot price; a cluster without one is told so."""
     nodes = tuple(from_cluster_yaml(ROOT / "cluster.yaml"))
-    paper = ROOT / "experiments" / "qwen3_30b_a3b.yaml"
+    paper = EXPERIMENTS / "qwen3_30b_a3b.yaml"
     plans = {
         on: make_plan(load_config(paper, [f"ray.spot_trials={on}"]), qwen30b, Devices(nodes=nodes))
         for on in (False, True)
@@ -328,7 +331,7 @@ def test_spot_trials_ask_for_the_spot_node_type_and_are_priced_there(qwen30b):
 def test_no_shipped_config_sets_ray_address():
     """One rule (config.RayConfig.address): a config leaves ray.address unset; `ray job submit` and a RayJob give the
     driver RAY_ADDRESS, and elsewhere m2d starts a local Ray."""
-    for path in sorted((ROOT / "experiments").glob("*.yaml")):
+    for path in sorted((EXPERIMENTS).glob("*.yaml")):
         assert load_config(path).ray.address is None, path.name
 
 
@@ -336,7 +339,7 @@ def test_checkpointing_auto_is_the_least_recompute_that_fits_and_never_enlarges_
     """The paper student at one rank from cached states: none where it fits, then selective, then full; on a GPU too
     small for any, full (the rank refused at its smallest), said in one note with what each policy tried needs."""
     one_rank = ["distill.workers=1", "distill.deepspeed=false", "stage2.targets=hidden", "distill.accelerator=null"]
-    cfg = load_config(ROOT / "experiments" / "qwen3_30b_a3b.yaml", one_rank)
+    cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml", one_rank)
 
     def at(gb: int):
         return make_plan(cfg, qwen30b, Devices(gpu_memory=gb * 10**9))

@@ -18,24 +18,24 @@ from conftest import ROOT
 from m2d_ray.accelerators import GPU_PEAK_BF16
 from m2d_ray.config import load_config
 from m2d_ray.errors import M2DError
-from m2d_ray.models import default_teacher
-from m2d_ray.models import load_config as model_config
+from m2d_ray.models import default_teacher, model_config
 from m2d_ray.pipeline import plan as make_plan
-from m2d_ray.plan import cost
+from m2d_ray.plan import asha, cost, flops
 from m2d_ray.plan.devices import cluster_settings, from_cluster_yaml
 from m2d_ray.plan.prices import hourly
 from m2d_ray.plan.run_plan import Devices, plan_line
 from m2d_ray.plan.shapes import models_of
 from m2d_ray.prune.search import MIXES
+from m2d_ray.shipped import EXPERIMENTS
 
-QWEN30B = ROOT / "experiments" / "configs" / "Qwen--Qwen3-30B-A3B"
+QWEN30B = EXPERIMENTS / "configs" / "Qwen--Qwen3-30B-A3B"
 CLUSTER = ROOT / "cluster.yaml"
 
 
 @pytest.fixture(scope="module")
 def paper():
     """The paper's grid on cluster.yaml's node types (dollars from its price table and idle tail)."""
-    cfg = load_config(ROOT / "experiments" / "qwen3_30b_a3b.yaml")
+    cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml")
     head, idle = cluster_settings(CLUSTER)
     return cfg, make_plan(
         cfg, model_config(str(QWEN30B)), Devices(None, None, tuple(from_cluster_yaml(CLUSTER)), None, head, idle)
@@ -54,28 +54,30 @@ def test_flops_from_shapes_equal_the_counts_on_the_built_models():
     student = AutoModelForCausalLM.from_config(m.student_config)
     adapter = get_adapter(config)
     want = flops_per_token(teacher, adapter, student, 128)
-    assert cost.forward_flops(m.teacher, 128) + 3 * cost.forward_flops(m.student, 128) == pytest.approx(want, rel=1e-12)
+    assert flops.forward_flops(m.teacher, 128) + 3 * flops.forward_flops(m.student, 128) == pytest.approx(
+        want, rel=1e-12
+    )
     # calibration runs every expert: the whole matmul weight count, plus the E x E Gram of each MoE layer
-    every = cost.forward_flops(m.teacher, 128, all_experts=True)
-    assert every - cost.forward_flops(m.teacher, 128) == 2 * (
+    every = flops.forward_flops(m.teacher, 128, all_experts=True)
+    assert every - flops.forward_flops(m.teacher, 128) == 2 * (
         matmul_params(teacher) - (matmul_params(teacher) - m.teacher.inactive_expert_params)
     )
-    assert cost.calibration_flops(m.teacher, 128) - every == 2 * 4 * 16**2 * 64
+    assert flops.calibration_flops(m.teacher, 128) - every == 2 * 4 * 16**2 * 64
 
 
 def test_stage2_counts_the_student_step_and_the_teacher_side_by_mode():
-    cfg = load_config(ROOT / "experiments" / "tiny.yaml", ["distill.eval_max_tokens=0"])
+    cfg = load_config(EXPERIMENTS / "tiny.yaml", ["distill.eval_max_tokens=0"])
     m = models_of(model_config(default_teacher()))
     x, seq = cfg.distill, cfg.distill.seq_len
     tokens = x.steps * x.batch_size * x.grad_accum * x.workers * seq
-    student = cost.forward_flops(m.student, seq)
-    assert cost.stage2_flops(cfg, m, "online") == tokens * (3 * student + cost.forward_flops(m.teacher, seq))
-    assert cost.stage2_flops(cfg, m, "hidden") == tokens * (3 * student + 2 * m.teacher.vocab * m.teacher.hidden)
-    assert cost.stage2_flops(cfg, m, "topk:64") == tokens * 3 * student
+    student = flops.forward_flops(m.student, seq)
+    assert flops.stage2_flops(cfg, m, "online") == tokens * (3 * student + flops.forward_flops(m.teacher, seq))
+    assert flops.stage2_flops(cfg, m, "hidden") == tokens * (3 * student + 2 * m.teacher.vocab * m.teacher.hidden)
+    assert flops.stage2_flops(cfg, m, "topk:64") == tokens * 3 * student
     ckpt = replace(cfg, distill=replace(x, checkpointing="full"))
-    assert cost.stage2_flops(ckpt, m, "topk:64") == tokens * 4 * student  # the recomputation is time
+    assert flops.stage2_flops(ckpt, m, "topk:64") == tokens * 4 * student  # the recomputation is time
     sac = replace(cfg, distill=replace(x, checkpointing="selective"))
-    assert cost.stage2_flops(sac, m, "topk:64") == tokens * 3 * student  # no matmul twice: elementwise work only
+    assert flops.stage2_flops(sac, m, "topk:64") == tokens * 3 * student  # no matmul twice: elementwise work only
 
 
 def test_the_d2d_search_runs_before_the_students_in_stage_2_s_row():
@@ -88,7 +90,7 @@ def test_the_d2d_search_runs_before_the_students_in_stage_2_s_row():
     dense = model_config(default_dense_teacher())
 
     def bill(*more):
-        cfg = load_config(ROOT / "experiments" / "tiny.yaml", [*over[:1], *more])
+        cfg = load_config(EXPERIMENTS / "tiny.yaml", [*over[:1], *more])
         return cfg, make_plan(
             cfg, model_config(default_teacher()), Devices(host_memory=8 << 30), {"teacher-d2d": dense}
         ).cost.by_name()
@@ -96,15 +98,17 @@ def test_the_d2d_search_runs_before_the_students_in_stage_2_s_row():
     cfg, with_d2d = bill()  # tiny.yaml has d2d
     _, without = bill(over[1])
     m = models_of(model_config(default_teacher()))
-    search = cfg.calib.max_tokens * cost.forward_flops(shape_of(dense), cfg.calib.seq_len) + 6 * cost.eval_tokens(
+    search = cfg.calib.max_tokens * flops.forward_flops(shape_of(dense), cfg.calib.seq_len) + 6 * flops.eval_tokens(
         cfg
-    ) * cost.forward_flops(m.student, cfg.eval.seq_len)
-    one_student = cost.stage2_flops(cfg, m, "online", shape_of(dense))  # the d2d student, distilled from the dense twin
+    ) * flops.forward_flops(m.student, cfg.eval.seq_len)
+    one_student = flops.stage2_flops(
+        cfg, m, "online", shape_of(dense)
+    )  # the d2d student, distilled from the dense twin
     assert len(MIXES) == 6
     assert with_d2d["stage2"].flops == pytest.approx(without["stage2"].flops + one_student + search)
     # its time is on stage 2's wall: twice the calibration tokens, only the search's importance pass grows
     _, more = bill(f"calib.max_tokens={2 * cfg.calib.max_tokens}")
-    grown = cfg.calib.max_tokens * cost.forward_flops(shape_of(dense), cfg.calib.seq_len)
+    grown = cfg.calib.max_tokens * flops.forward_flops(shape_of(dense), cfg.calib.seq_len)
     lone = cost.Host(1e9, os.cpu_count() or 1).share(1, 1)  # the search runs alone, on one thread
     assert more["stage2"].flops == pytest.approx(with_d2d["stage2"].flops + grown)
     assert more["stage2"].seconds == pytest.approx(
@@ -124,7 +128,7 @@ def test_with_cached_targets_the_d2d_teacher_has_its_pass_and_its_student_reads_
     dense = model_config(default_dense_teacher())
 
     def plan(*more):
-        cfg = load_config(ROOT / "experiments" / "tiny.yaml", ["plan.cpu_flops=1e9", "stage2.targets=hidden", *more])
+        cfg = load_config(EXPERIMENTS / "tiny.yaml", ["plan.cpu_flops=1e9", "stage2.targets=hidden", *more])
         return cfg, make_plan(
             cfg, model_config(default_teacher()), Devices(host_memory=8 << 30), {"teacher-d2d": dense}
         )
@@ -132,8 +136,8 @@ def test_with_cached_targets_the_d2d_teacher_has_its_pass_and_its_student_reads_
     cfg, both = plan()
     _, alone = plan("stage2.baselines=[random-ffn,random-init]")
     m, d = models_of(model_config(default_teacher())), shape_of(dense)
-    tokens = cost.student_tokens(cfg)
-    one_pass = tokens * (cost.forward_flops(d, cfg.distill.seq_len) - cost.head_flops(d))
+    tokens = flops.student_tokens(cfg)
+    one_pass = tokens * (flops.forward_flops(d, cfg.distill.seq_len) - flops.head_flops(d))
     t2, t1 = both.cost.by_name()["targets"], alone.cost.by_name()["targets"]
     assert (
         t2.flops == pytest.approx(t1.flops + one_pass) and t1.units == t2.units == 1
@@ -143,29 +147,29 @@ def test_with_cached_targets_the_d2d_teacher_has_its_pass_and_its_student_reads_
     assert t2.seconds == pytest.approx(2 * t1.seconds - cfg.plan.stage_s + (one_pass - t1.flops) / rate)
     assert both.storage["targets"] == alone.storage["targets"] + tokens * state_bytes(d.hidden, False)
     s2_student = both.cost.by_name()["stage2"].flops - alone.cost.by_name()["stage2"].flops
-    search = cfg.calib.max_tokens * cost.forward_flops(d, cfg.calib.seq_len) + 6 * cost.eval_tokens(
+    search = cfg.calib.max_tokens * flops.forward_flops(d, cfg.calib.seq_len) + 6 * flops.eval_tokens(
         cfg
-    ) * cost.forward_flops(m.student, cfg.eval.seq_len)
-    assert s2_student == pytest.approx(cost.stage2_flops(cfg, m, "hidden", d) + search)
+    ) * flops.forward_flops(m.student, cfg.eval.seq_len)
+    assert s2_student == pytest.approx(flops.stage2_flops(cfg, m, "hidden", d) + search)
 
 
 def test_stage1_counts_the_distinct_students_and_the_probe_round():
-    cfg = load_config(ROOT / "experiments" / "tiny-grid.yaml")
+    cfg = load_config(EXPERIMENTS / "tiny-grid.yaml")
     t = models_of(model_config(default_teacher())).teacher
-    configs, distinct = cost.distinct_students(cfg, t)
+    configs, distinct = flops.distinct_students(cfg, t)
     assert (configs, distinct) == (280, 224)  # P2 measured 204: a few scorings coincide beyond K = k
-    trials, chunks = cost.stage1_chunks(cfg, distinct)
+    trials, chunks = flops.stage1_chunks(cfg, distinct)
     survivors = math.ceil(224 * 81 / 204)
     assert trials == 224 + survivors and chunks == 224 + survivors * 5
-    full = load_config(ROOT / "experiments" / "tiny-grid.yaml", ["search.dedupe=false", "search.early_stop=false"])
-    assert cost.distinct_students(full, t) == (280, 280) and cost.stage1_chunks(full, 280) == (280, 280 * 6)
+    full = load_config(EXPERIMENTS / "tiny-grid.yaml", ["search.dedupe=false", "search.early_stop=false"])
+    assert flops.distinct_students(full, t) == (280, 280) and flops.stage1_chunks(full, 280) == (280, 280 * 6)
 
 
 def test_the_probe_round_is_a_tune_experiment_of_its_own():
     """Each Ray round (a Tune experiment, a Ray Data pass) pays plan.stage_s: stage 1 twice with its probe round."""
 
     def stage1(*more):
-        cfg = load_config(ROOT / "experiments" / "tiny.yaml", ["plan.cpu_flops=1e9", *more])
+        cfg = load_config(EXPERIMENTS / "tiny.yaml", ["plan.cpu_flops=1e9", *more])
         return (
             make_plan(cfg, model_config(default_teacher()), Devices(host_memory=8 << 30, cpu_load=0.0))
             .cost.by_name()["stage1"]
@@ -190,7 +194,7 @@ def test_the_paper_s_students_train_two_at_a_time_on_two_h100_nodes(paper):
     s2 = bound.by_name()["stage2"]
     assert (s2.units, s2.lanes, s2.node) == (37, 2, "gpu_h100_8x")  # max_workers: 2 of the 8 x H100 type
     m = models_of(model_config(str(QWEN30B)))
-    per = cost.stage2_flops(cfg, m, "hidden") / (
+    per = flops.stage2_flops(cfg, m, "hidden") / (
         8 * GPU_PEAK_BF16["H100"] * cfg.plan.gpu_efficiency("hidden")
     ) + cfg.plan.start_s("student", gpu=True)
     assert s2.seconds == pytest.approx(19 * per + cfg.plan.stage_s)  # 37 students in 19 rounds of 2
@@ -211,19 +215,21 @@ def test_asha_s_stops_shorten_stage_2_and_leave_stage_3_only_the_finishers(paper
     cfg, plan = paper
     m = models_of(model_config(str(QWEN30B)))
     ends = plan.cost.asha
-    assert cost.asha_rungs(8, 2, 3) == [2, 6] and [r for r, _ in ends] == [2, 6, 8] and sum(k for _, k in ends) == 37
-    assert ends == tuple(cost.asha_ends(cfg, 37, 2))
+    assert asha.asha_rungs(8, 2, 3) == [2, 6] and [r for r, _ in ends] == [2, 6, 8] and sum(k for _, k in ends) == 37
+    assert ends == tuple(asha.asha_ends(cfg, 37, 2))
     x = cfg.distill
-    val = x.eval_max_tokens * (cost.forward_flops(m.student, x.seq_len) + cost.head_flops(m.teacher))  # one validation
+    val = x.eval_max_tokens * (
+        flops.forward_flops(m.student, x.seq_len) + flops.head_flops(m.teacher)
+    )  # one validation
     train = (
-        cost.stage2_flops(cfg, m, "hidden") - 9 * val
+        flops.stage2_flops(cfg, m, "hidden") - 9 * val
     )  # the whole budget: its steps, the first validation and 8 more
     stopped = (
         train * (2 * x.eval_every + x.stop_poll) / x.steps + 3 * val
     )  # to step 50, then 10 more to its poll; 3 validations
-    assert cost.stage2_flops(cfg, m, "hidden", reports=2) == pytest.approx(stopped)
+    assert flops.stage2_flops(cfg, m, "hidden", reports=2) == pytest.approx(stopped)
     s2 = plan.cost.by_name()["stage2"]
-    assert s2.flops == pytest.approx(sum(k * cost.stage2_flops(cfg, m, "hidden", reports=r) for r, k in ends))
+    assert s2.flops == pytest.approx(sum(k * flops.stage2_flops(cfg, m, "hidden", reports=r) for r, k in ends))
     assert s2.units == 37 and s2.flops < 0.6 * plan.cost.bound.by_name()["stage2"].flops
     finished, evaluated = ends[-1][1], plan.cost.by_name()["stage3"].units
     assert (
@@ -253,21 +259,21 @@ def test_asha_s_stops_shorten_stage_2_and_leave_stage_3_only_the_finishers(paper
 
 def test_the_plan_s_asha_decides_as_ray_s_own_scheduler():
     """plan/cost.py's copy of ASHA's rule stops the same students at the same reports as Ray Tune's
-    ASHAScheduler on the same simulated students (plan/asha_ray.py), in each case benchmarks/perf/asha_bill.py
+    ASHAScheduler on the same simulated students (workshop/asha_ray.py), in each case benchmarks/perf/asha_bill.py
     measures."""
     import random
 
-    from m2d_ray.plan import asha_ray
+    from workshop import asha_ray
 
     for _, n, reports, grace, rf, lanes in asha_ray.CASES:
-        rungs = cost.asha_rungs(reports, grace, rf)
+        rungs = asha.asha_rungs(reports, grace, rf)
         assert rungs and rungs[-1] < reports
         for seed in range(8):
             rng = random.Random(seed)
             quality = [
                 rng.gauss(0, 1) for _ in range(n)
             ]  # simulate's students: at rho = 1 each keeps its quality as its loss
-            ours = cost._asha_run(quality, reports, rungs, rf, lanes)
+            ours = asha._asha_run(quality, reports, rungs, rf, lanes)
             assert ours == asha_ray.simulate(n, reports, grace, rf, lanes, 1.0, seed) and sum(ours.values()) == n
     # students whose order changes between reports are stopped no later: the plan's expectation is the dearest case
     n, reports, grace, rf, lanes = asha_ray.CASES[2][1:]
@@ -311,20 +317,20 @@ def test_a_run_over_plan_max_dollars_is_refused_before_calibration():
 
     over = ["distill.gpus_per_worker=1", "distill.accelerator=H100", "plan.max_dollars=0.01"]
     with pytest.raises(M2DError, match=r"would cost \$.* but plan.max_dollars is \$0.01; give a smaller") as e:
-        check_run(load_config(ROOT / "experiments" / "tiny.yaml", over), cluster=str(CLUSTER))
+        check_run(load_config(EXPERIMENTS / "tiny.yaml", over), cluster=str(CLUSTER))
     assert "\n" not in str(e.value)
     # unpriceable (a GPU stage, no node types): refused too, saying what to give
-    cfg = load_config(ROOT / "experiments" / "tiny.yaml", over)
+    cfg = load_config(EXPERIMENTS / "tiny.yaml", over)
     plan = make_plan(cfg, model_config(default_teacher()), Devices(80 << 30))
     assert plan.cost.by_name()["stage2"].dollars is None and "cannot be priced" in plan.problems()[-1]
-    ok = load_config(ROOT / "experiments" / "tiny.yaml", [*over[:2], "plan.max_dollars=1000"])
+    ok = load_config(EXPERIMENTS / "tiny.yaml", [*over[:2], "plan.max_dollars=1000"])
     assert not make_plan(
         ok, model_config(default_teacher()), Devices(None, None, tuple(from_cluster_yaml(CLUSTER)))
     ).problems()
 
 
 def test_a_cpu_run_is_timed_with_the_measured_thread_rate():
-    cfg = load_config(ROOT / "experiments" / "tiny.yaml", ["plan.cpu_flops=1e9"])
+    cfg = load_config(EXPERIMENTS / "tiny.yaml", ["plan.cpu_flops=1e9"])
     plan = make_plan(cfg, model_config(default_teacher()), Devices(host_memory=8 << 30))
     c = plan.cost.by_name()["calibrate"]
     threads = min(1, max(1.0, os.cpu_count() / 2))  # 2 actors of 1 thread, at most the cores between them
@@ -333,14 +339,14 @@ def test_a_cpu_run_is_timed_with_the_measured_thread_rate():
     )  # an actor's start-up (on its share of the cores), the stage's
     assert c.lanes == 2 and c.seconds == pytest.approx(c.flops / 2 / (threads * 1e9 * cfg.plan.cpu_efficiency) + start)
     # a CPU stage is timed at the CPU's efficiency; the GPU's does not touch it
-    gpu = load_config(ROOT / "experiments" / "tiny.yaml", ["plan.cpu_flops=1e9", "plan.efficiency=0.9"])
+    gpu = load_config(EXPERIMENTS / "tiny.yaml", ["plan.cpu_flops=1e9", "plan.efficiency=0.9"])
     assert (
         make_plan(gpu, model_config(default_teacher()), Devices(host_memory=8 << 30))
         .cost.by_name()["calibrate"]
         .seconds
         == c.seconds
     )
-    slow = load_config(ROOT / "experiments" / "tiny.yaml", ["plan.cpu_flops=1e9", "plan.cpu_efficiency=0.2"])
+    slow = load_config(EXPERIMENTS / "tiny.yaml", ["plan.cpu_flops=1e9", "plan.cpu_efficiency=0.2"])
     assert make_plan(slow, model_config(default_teacher()), Devices(host_memory=8 << 30)).cost.by_name()[
         "calibrate"
     ].seconds == pytest.approx(c.flops / 2 / (threads * 1e9 * 0.2) + start)
@@ -477,7 +483,7 @@ def test_the_report_sets_the_estimate_beside_the_measured_wall():
 def test_on_a_shared_machine_a_cpu_stage_gets_its_fair_share_of_the_cores():
     host = cost.Host(1e9, 2, 0.0)
     assert host.share(1, 2) == 1 and host.share(1, 4) == 0.5 and cost.Host(1e9, 2, 6.0).share(1, 2) == 0.25
-    cfg = load_config(ROOT / "experiments" / "tiny.yaml", ["plan.cpu_flops=1e9"])
+    cfg = load_config(EXPERIMENTS / "tiny.yaml", ["plan.cpu_flops=1e9"])
     idle, busy = (
         make_plan(cfg, model_config(default_teacher()), Devices(host_memory=8 << 30, cpu_load=load)).cost
         for load in (0.0, 6.0)

@@ -8,13 +8,13 @@ import dataclasses
 import json
 
 import pytest
-from conftest import ROOT
 
 from m2d_ray import measured
-from m2d_ray import measured_write as acc
 from m2d_ray.config import PlanConfig, load_config
 from m2d_ray.plan.cost import Place, stage_cost
 from m2d_ray.plan.fit import fit_starts
+from m2d_ray.shipped import EXPERIMENTS
+from workshop import measured_write as acc
 
 
 def test_the_tiny_runs_bill_on_its_gpu_is_within_2x_of_its_measured_walls():
@@ -52,7 +52,7 @@ def test_fit_starts_recovers_the_start_ups_of_a_linear_bill():
 
 
 def test_a_stage2_student_computes_at_its_targets_modes_efficiency():
-    cfg = load_config(ROOT / "experiments" / "tiny.yaml", ["plan.efficiency={online: 0.2, hidden: 0.4}"])
+    cfg = load_config(EXPERIMENTS / "tiny.yaml", ["plan.efficiency={online: 0.2, hidden: 0.4}"])
     where = Place(gpus=1.0, threads=1, lanes=1, accelerator="H200", node=None)
     flops = 989e12 * 100  # 100 s at the full peak
 

@@ -11,15 +11,16 @@ import pytest
 from conftest import ROOT
 
 from m2d_ray.config import load_config
-from m2d_ray.models import load_config as model_config
+from m2d_ray.models import model_config
 from m2d_ray.pipeline import plan as make_plan
-from m2d_ray.plan.cost import stage2_flops, student_tokens
 from m2d_ray.plan.devices import cluster_settings, from_cluster_yaml
+from m2d_ray.plan.flops import stage2_flops, student_tokens
 from m2d_ray.plan.run_plan import Devices, plan_line
 from m2d_ray.plan.shapes import models_of, shape_of
 from m2d_ray.plan.targets import TB_MONTH, gather_seconds
+from m2d_ray.shipped import EXPERIMENTS
 
-CONFIGS = ROOT / "experiments" / "configs"
+CONFIGS = EXPERIMENTS / "configs"
 GiB = 1 << 30
 GPU80 = Devices(gpu_memory=80 * 10**9)
 
@@ -38,7 +39,7 @@ def cluster():
 def _cfg(name: str = "qwen3_30b_a3b.yaml", *more: str):
     """An experiment's config at full checkpointing: the targets' arithmetic compared at one setting of it (under
     checkpointing auto each candidate would keep what its own memory leaves; tests/unit/test_plan.py holds that)."""
-    return load_config(ROOT / "experiments" / name, ["distill.checkpointing=full", *more])
+    return load_config(EXPERIMENTS / name, ["distill.checkpointing=full", *more])
 
 
 def _one_student(*more: str):
@@ -179,9 +180,9 @@ def test_the_run_uses_the_plan_s_choice_recorded_in_memory_plan_json(tmp_path):
     from m2d_ray.errors import M2DError
     from m2d_ray.models import default_teacher
     from m2d_ray.run_dir import RunDir
-    from m2d_ray.stages.context import RunContext
+    from m2d_ray.runtime.context import RunContext
 
-    tiny = ROOT / "experiments" / "tiny.yaml"
+    tiny = EXPERIMENTS / "tiny.yaml"
     cfg = load_config(tiny, ["stage2.targets=auto", "plan.cpu_flops=1e9"])
     plan = make_plan(cfg, model_config(default_teacher()), Devices(host_memory=8 << 30))
     assert {k: t.label for k, t in plan.targets.items()} == {"teacher": "hidden", "teacher-d2d": "online"}

@@ -19,11 +19,12 @@ import re
 import pytest
 import torch
 
-from m2d_ray import trajectories as pt
 from m2d_ray.config import DistillConfig
 from m2d_ray.distill.precision import PRECISIONS, MasterWeights, resolve
 from m2d_ray.distill.step import DistillStep
 from m2d_ray.errors import M2DError
+from m2d_ray.shipped import EXPERIMENTS
+from workshop import trajectories as pt
 
 SIZES = (20, 2, 32)  # steps, global sequences, tokens each: short batches (bf16 matmuls are ~5x slower on this CPU)
 BAND = 0.01  # bf16-mixed against float32, at every step
@@ -77,7 +78,7 @@ SMOKE = dict(steps=20, batch=2, seq=32, preset="smoke", sharpen=8.0)  # smoke sh
 
 def test_micro_batches_and_ranks_sum_their_gradients_in_float32(two_ranks_accum):
     """The gradient the optimizer reads (bf16-mixed, plain path) against the exact sum of the micro-batches' own
-    bfloat16 gradients (m2d_ray/trajectories.py, printed by benchmarks/science/bf16_grad_sums.py): a bfloat16 sum was
+    bfloat16 gradients (workshop/trajectories.py, printed by benchmarks/science/bf16_grad_sums.py): a bfloat16 sum was
     off by 3.5e-3 at 12 micro-batches on one rank and by 1.5e-3 over 2 ranks (DDP's bfloat16 all-reduce); a float32
     sum is off by ~1e-9."""
     assert pt.summed_gradient_error("smoke", 12, 0, 1, 32, False) < 1e-6
@@ -152,7 +153,6 @@ def test_an_older_deepspeed_is_refused_in_one_line_below_float32_at_the_engine_a
     """With DeepSpeed 0.19.6 installed a bf16 ZeRO-2 student would sum its micro-batches in bfloat16 whatever the
     config says: refused in one line at the engine's start and by stage 2's config check; float32 training (no sum
     to widen), ZeRO-1 and a new enough DeepSpeed are accepted."""
-    from conftest import ROOT
 
     from m2d_ray import pipeline
     from m2d_ray.catalog.methods import RANDOM_BASELINES
@@ -167,7 +167,7 @@ def test_an_older_deepspeed_is_refused_in_one_line_below_float32_at_the_engine_a
     with pytest.raises(M2DError, match=re.escape(said)) as got:
         DistillStep(student, tiny_teacher.model, cfg, "cpu", 1, PRECISIONS["bf16-mixed"])
     assert "\n" not in str(got.value) and "pip install 'deepspeed>=0.19.8'" in str(got.value)
-    tiny = ROOT / "experiments" / "tiny.yaml"
+    tiny = EXPERIMENTS / "tiny.yaml"
     with pytest.raises(M2DError, match=re.escape(said)):
         pipeline.check_config(load_config(tiny, ["distill.deepspeed=true", "distill.precision=bf16-mixed"]))
     pipeline.check_config(load_config(tiny, ["distill.deepspeed=true", "distill.precision=fp32"]))

@@ -226,7 +226,7 @@ def twin(tmp_path_factory):
     same attention, embeddings and tokenizer), both random; returns (moe dir, dense dir, dense model)."""
     from m2d_ray.arch.qwen3_moe import moe_config
     from m2d_ray.data.synthetic import build_tokenizer
-    from m2d_ray.random_models import tokenizer_fields
+    from workshop.random_models import tokenizer_fields
 
     tok = build_tokenizer()
     root = tmp_path_factory.mktemp("twin")

@@ -22,8 +22,8 @@ from m2d_ray.config import DistillConfig
 from m2d_ray.distill import sharded_teacher
 from m2d_ray.distill.loop import DistillJob, WorkerIO, run_distill
 from m2d_ray.distill.step import DistillStep
-from m2d_ray.local_group import join, spawn
 from m2d_ray.models import default_dense_teacher, default_teacher, load_distill_teacher
+from workshop.local_group import join, spawn
 
 #: per teacher, the loss settings its case runs (together: every loss, a temperature, expanded routing k')
 SETTINGS = {

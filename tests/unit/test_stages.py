@@ -15,9 +15,9 @@ from m2d_ray.data.synthetic import corpus_text
 from m2d_ray.data.text import calibration_set, tokenize
 from m2d_ray.evaluate.perplexity import perplexity
 from m2d_ray.report.stage1 import heatmap, write_tables
+from m2d_ray.runtime.scheduler import hopeless
 from m2d_ray.stages.grid import dedupe, expand, plan_all, plan_of
 from m2d_ray.stages.promote import promote, unpromoted
-from m2d_ray.stages.scheduler import hopeless
 from m2d_ray.stages.trial import chunk_ends, run_trial
 
 GRID = GridConfig(
@@ -195,7 +195,7 @@ def test_a_local_ray_is_checked_against_its_live_node_though_its_monitor_reports
     against the live node (a GPU request is refused before calibration), not waved through as 'node types unknown'."""
     import time
 
-    from m2d_ray.stages.ray_env import _autoscaler_running, node_types
+    from m2d_ray.runtime.ray_env import _autoscaler_running, node_types
 
     deadline = time.time() + 60
     while not _autoscaler_running() and time.time() < deadline:

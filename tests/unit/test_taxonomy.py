@@ -16,22 +16,17 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
+from m2d_ray.evaluate.extraction import HEDGED, NO_ANSWER, OUTSIDE, extract, integer_base, key_letter
 from m2d_ray.evaluate.questions import answer_part, group_of
 from m2d_ray.evaluate.taxonomy import (
     CATEGORIES,
     DRIFT,
-    HEDGED,
-    NO_ANSWER,
-    OUTSIDE,
     Thresholds,
     by_rules,
     classify,
     digit_ratio,
-    extract,
     filler_ratio,
     incoherent,
-    integer_base,
-    key_letter,
     keywords,
     overlap,
     repetitive,

@@ -310,7 +310,7 @@ def test_initial_student_of_a_distillation_reads_the_teacher_lazily(
 def test_logits_recomputed_from_stored_states_are_the_teachers_own(family, stream):
     """The targets pass's final hidden states (after the final norm: the streamed pass applies it itself) times
     the head a student's rank reads alone give the teacher's own forward logits, in every family."""
-    from m2d_ray.stages.shards import _teacher_forward
+    from m2d_ray.runtime.shards import _teacher_forward
     from m2d_ray.weights import read_output_head
 
     _, eager, _, ids, _, hub = family
@@ -377,6 +377,6 @@ def test_a_hub_teachers_head_downloads_only_the_shard_that_holds_it(tmp_path, mo
 
     monkeypatch.setattr(w, "snapshot_download", snapshot)  # (the hub client as weights.py calls it)
     monkeypatch.setattr(w, "hf_hub_download", one_file)
-    monkeypatch.setattr(w, "load_config", lambda name: model.config)  # (the config from the hub: no network here)
+    monkeypatch.setattr(w, "model_config", lambda name: model.config)  # (the config from the hub: no network here)
     head = w.read_output_head("org/moe", torch.float32)
     assert torch.equal(head, model.lm_head.weight.detach()) and fetched == [index["lm_head.weight"]]

@@ -26,10 +26,10 @@ from m2d_ray.stages.contract import Checked, Section
 
 if TYPE_CHECKING:  # argument types only
     from m2d_ray.config import DistillConfig, SweepConfig
-    from m2d_ray.plan.cost import StageCost
+    from m2d_ray.plan.bill import StageCost
     from m2d_ray.plan.run_plan import Costing
     from m2d_ray.report.analysis import RunData
-    from m2d_ray.stages.context import RunContext
+    from m2d_ray.runtime.context import RunContext
 
 
 class BaselineFailed(RuntimeError):

@@ -36,8 +36,8 @@ from m2d_ray.checkpoint import check_files
 from m2d_ray.config import CalibConfig, EvalConfig, SweepConfig
 from m2d_ray.console import say
 from m2d_ray.errors import M2DError
-from m2d_ray.models import absolute, default_dense_teacher, load_config, load_model
-from m2d_ray.plan.cost import eval_tokens, forward_flops
+from m2d_ray.models import absolute, default_dense_teacher, load_model, model_config
+from m2d_ray.plan.flops import eval_tokens, forward_flops
 from m2d_ray.prune.data import data_specs, load_tokens
 from m2d_ray.prune.export import IMPORTANCE_FILE, candidates_table
 from m2d_ray.prune.importance import Importance
@@ -89,7 +89,7 @@ class D2D(Baseline):
         """From its config and files alone: a dense model the pruning supports."""
 
         name = self.teacher(cfg)
-        get_dense_adapter(load_config(name))
+        get_dense_adapter(model_config(name))
         check_files(name, "teacher")
 
     def reads(self, cfg: SweepConfig) -> dict[str, str]:

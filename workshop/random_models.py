@@ -57,7 +57,7 @@ STEP_PRESETS["head"] = {
 }
 
 
-# the paper's student (Qwen3-30B-A3B's K = k student: what `m2d plan experiments/qwen3_30b_a3b.yaml` builds for stage 2,
+# the paper's student (Qwen3-30B-A3B's K = k student: what `m2d plan qwen3_30b_a3b` builds for stage 2,
 # tests/unit/test_paper_step.py holds it equal): 48 layers of hidden 2048, 32 query and 4 key/value heads of 128, an
 # FFN of 8 x 768 = 6144, an untied 151,936-word head, 4 x 4096 tokens a micro-batch, trained from the teacher's cached
 # final hidden states (stage2.targets=hidden, what the plan chooses for the paper run) on one rank. Its teacher is only

@@ -42,8 +42,8 @@ from m2d_ray.distill.targets import (
 )
 from m2d_ray.distill.tokens import TokenShards, manifest_sha256, rank_batches, tokenizer_fingerprint, write_tokens
 from m2d_ray.errors import M2DError, RunFailed
-from m2d_ray.models import load_config, load_distill_teacher
-from m2d_ray.stages.run_storage import RunStorage
+from m2d_ray.models import load_distill_teacher, model_config
+from m2d_ray.runtime.run_storage import RunStorage
 from m2d_ray.weights import open_teacher
 
 
@@ -197,7 +197,7 @@ def _teacher_forward(
     the head is read only when the targets need logits (a streamed teacher's is not read for hidden states). A whole
     teacher computes in distill.precision's dtype (`precision`), as the students' online teacher does."""
 
-    if load_config(name).model_type not in dense_types():
+    if model_config(name).model_type not in dense_types():
         lazy = open_teacher(name, device=device)
         if teacher_topk is not None:
             lazy.adapter.set_top_k(lazy.skeleton, teacher_topk)
@@ -241,7 +241,7 @@ def targets(store: RunStorage, teacher: str, tokens_url: str, spec, cfg: Distill
         TargetsManifest.load(storage.fetch_dir(url), where=url).check_matches(fp, spec)
         return url
     gpus = ray_cfg.data_gpus_per_actor
-    per_token = bytes_per_token(spec, state_bytes(load_config(teacher).hidden_size, gpus > 0))
+    per_token = bytes_per_token(spec, state_bytes(model_config(teacher).hidden_size, gpus > 0))
     per = blocks_per_shard(tok_manifest["seq_len"], per_token)
     done = [
         json.loads(storage.read_bytes(storage.join(url, n)))

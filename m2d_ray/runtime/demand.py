@@ -33,7 +33,7 @@ from ray._private.worker import filter_autoscaler_events
 
 from m2d_ray.console import note, say
 from m2d_ray.errors import M2DError
-from m2d_ray.stages.ray_env import on_cluster
+from m2d_ray.runtime.ray_env import on_cluster
 
 # Imported inside functions: what may be missing (optional packages, Ray's internal API), where its absence is handled.
 

@@ -1,4 +1,4 @@
-"""m2d_ray/measured_gpu.json as a GPU acceptance call measured it: the writer beside its reader (measured.py).
+"""m2d_ray/measured_gpu.json as a GPU acceptance call measured it: the writer of what m2d_ray/measured.py reads.
 
 The acceptance call (benchmarks/gpu/acceptance.py) hands its parts' result dicts here; what a part measured replaces
 the packaged figure, what no part measured is carried over, and the GPU start-ups are fit on the whole run's walls
@@ -9,8 +9,8 @@ efficiency) is taken when it names a known mode; anything else is refused, so th
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
+from m2d_ray import shipped
 from m2d_ray.accelerators import GPU_PEAK_BF16
 from m2d_ray.catalog.targets import MODES
 from m2d_ray.config import load_config
@@ -22,8 +22,8 @@ from m2d_ray.plan.run_plan import Devices
 
 #: the efficiency keys the plan reads: stage 2's targets modes by kind, and the forward passes of the other stages
 EFFICIENCY_KEYS = ("online", *MODES, "forward")
-#: the demo config the acceptance call runs whole (in the checkout the call runs from)
-DEMO = Path(__file__).resolve().parents[1] / "experiments" / "tiny.yaml"
+#: the demo config the acceptance call runs whole (the shipped one)
+DEMO = shipped.named("tiny")
 
 
 def accelerator_of(device: str | None) -> str | None:

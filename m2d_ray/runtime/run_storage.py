@@ -43,7 +43,7 @@ from m2d_ray.console import say
 from m2d_ray.data import source
 from m2d_ray.errors import M2DError
 from m2d_ray.models import is_embedded
-from m2d_ray.stages.ray_env import on_cluster
+from m2d_ray.runtime.ray_env import on_cluster
 
 # Imported inside functions: what may be missing (optional packages, Ray's internal API), where its absence is handled.
 

@@ -20,8 +20,8 @@ from m2d_ray.config import DistillConfig
 from m2d_ray.distill.precision import PRECISIONS
 from m2d_ray.distill.sharded_teacher import shard_loaded
 from m2d_ray.distill.step import DistillStep, StudentLoss, cast_parameters, param_groups, teacher_outputs
-from m2d_ray.local_group import gloo_rank, spawn
-from m2d_ray.random_models import STEP_PRESETS, teacher_and_student
+from workshop.local_group import gloo_rank, spawn
+from workshop.random_models import STEP_PRESETS, teacher_and_student
 
 ONE_RANK = [(p, x) for p in ("plain", "deepspeed") for x in ("fp32", "bf16-mixed")] + [("plain", "bf16-pure")]
 TWO_RANKS = [(p, x) for p in ("ddp", "deepspeed", "sharded") for x in ("fp32", "bf16-mixed")]

@@ -68,7 +68,7 @@ def fit_tuner(tuner, resume: str) -> None:
     """`tuner.fit()`; Tune itself breaking (not a trial) fails the command, finished results stay saved."""
     try:
         tuner.fit()
-    except M2DError:  # the stage cannot be served (stages/demand.py): its own one line
+    except M2DError:  # the stage cannot be served (runtime/demand.py): its own one line
         raise
     except Exception as exc:
         traceback.print_exc()

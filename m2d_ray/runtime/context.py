@@ -17,10 +17,10 @@ from m2d_ray.errors import M2DError
 from m2d_ray.models import absolute, default_teacher, load_tokenizer
 from m2d_ray.plan.targets import TeacherTargets, configured, recorded
 from m2d_ray.run_dir import Ledger, RunDir
-from m2d_ray.stages.demand import Waiting
-from m2d_ray.stages.ray_env import ensure_ray
-from m2d_ray.stages.record import StageRecorder
-from m2d_ray.stages.run_storage import RunStorage
+from m2d_ray.runtime.demand import Waiting
+from m2d_ray.runtime.ray_env import ensure_ray
+from m2d_ray.runtime.record import StageRecorder
+from m2d_ray.runtime.run_storage import RunStorage
 from m2d_ray.track import run_tracker
 
 

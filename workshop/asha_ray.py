@@ -17,7 +17,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 from m2d_ray.config import load_config
-from m2d_ray.plan.cost import asha_ends
+from m2d_ray.plan.asha import asha_ends
 
 # Imported inside functions: Ray, which the plan (read by every process first) does not load.
 
