@@ -7,6 +7,7 @@ pass a trajectory test."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -120,3 +121,40 @@ def test_adamw_steps_the_float32_masters_fused_and_one_foreach_pass_writes_them_
     monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src: copies.append(len(dst)) or real(dst, src))
     trainer.step([torch.randint(0, P["vocab"], (P["batch"], P["seq_len"]))])
     assert copies == [len(stepped)]
+
+
+def test_the_attention_implementation_trains_the_same_numbers(base, spread, monkeypatch):
+    """The attention lever on the CPU: transformers' eager attention against SDPA (the default) on the same student;
+    a GPU adds FlashAttention-2 where flash-attn is installed (the acceptance call's paper part)."""
+    real = teacher_and_student
+
+    def eager(p, dtype, device=None):
+        teacher, student = real(p, dtype, device)
+        student.set_attn_implementation("eager")
+        return teacher, student
+
+    monkeypatch.setattr(sys.modules[__name__], "teacher_and_student", eager)
+    assert _gap(_trajectory(), base) <= spread
+
+
+def test_the_student_s_attention_is_the_one_measured_fastest_on_the_same_card(monkeypatch):
+    """distill/gpu.py: the measured implementation on the card it was measured on, where it can run; else
+    FlashAttention-2 when flash-attn is installed, else SDPA."""
+    import importlib.util
+
+    from m2d_ray import measured
+    from m2d_ray.distill import gpu
+
+    def with_entry(entry: dict, card: str, flash: bool) -> str:
+        monkeypatch.setattr(measured, "gpu", lambda: dataclasses.replace(real(), attention=entry))
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: card)
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if flash else None)
+        return gpu.attention_implementation()
+
+    real = measured.gpu
+    sdpa = {"implementation": "sdpa", "device": "NVIDIA H200"}
+    assert with_entry(sdpa, "NVIDIA H200", flash=True) == "sdpa"  # measured faster there, though flash-attn is here
+    assert with_entry(sdpa, "NVIDIA H100 80GB HBM3", flash=True) == "flash_attention_2"  # another card
+    fa2 = {"implementation": "flash_attention_2", "device": "NVIDIA H200"}
+    assert with_entry(fa2, "NVIDIA H200", flash=False) == "sdpa"  # cannot run here
+    assert with_entry({}, "NVIDIA H200", flash=False) == "sdpa"
