@@ -12,7 +12,7 @@ import sys
 from conftest import ROOT
 
 from m2d_ray.config import load_config
-from m2d_ray.models import load_config as model_config
+from m2d_ray.models import model_config
 from m2d_ray.pipeline import STAGES, plan_run
 from m2d_ray.plan.run_plan import Devices
 from m2d_ray.plan.shapes import models_of
