@@ -47,6 +47,13 @@ def multinode_unavailable() -> str | None:
     )
 
 
+def script_env() -> dict[str, str]:
+    """The environment of a test script run as `python tests/ray/SCRIPT.py` (its own directory first on sys.path):
+    the repository's root on PYTHONPATH too, so that it imports the workshop package as the tests do."""
+    paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
 def shared_path(*parts: str) -> Path:
     """A path under ../shared, or skip the test when it is absent (CI without shared data)."""
     p = SHARED.joinpath(*parts)

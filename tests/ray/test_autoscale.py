@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 from autoscale import FAKE_GPU, FAKE_HEAD, IDLE_MINUTES, autoscaler_config, node_types
-from conftest import ROOT, multinode_unavailable
+from conftest import ROOT, multinode_unavailable, script_env
 
 HERE = Path(__file__).resolve().parent
 WORKER_TYPES = set(node_types()[1])
@@ -90,6 +90,7 @@ def _autoscaled(tmp_path_factory, runs: list[str]) -> tuple[Path, dict]:
         proc = subprocess.run(
             ["unshare", "-pfn", "--kill-child", "--mount-proc", sys.executable, str(HERE / "autoscale.py"), str(work)]
             + runs,
+            env=script_env(),
             stderr=err,
             timeout=2700,
         )

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import multinode_unavailable
+from conftest import multinode_unavailable, script_env
 from test_run_e2e import check_analysis, check_d2d
 
 HERE = Path(__file__).resolve().parent
@@ -30,6 +30,7 @@ def cluster_runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("multinode")
     proc = subprocess.run(
         ["unshare", "-pf", "--kill-child", "--mount-proc", sys.executable, str(HERE / "multinode.py"), str(work)],
+        env=script_env(),
         capture_output=True,
         text=True,
         timeout=2400,
