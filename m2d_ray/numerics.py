@@ -14,7 +14,7 @@ out_dtype ops' shape and dtype rules do not depend on the device), so those bran
 The head stays eager under torch.compile: `logits` and the chunked losses (distill/losses.py) are
 `torch.compiler.disable`d, so a compiled caller's graph stops at the head (a graph break) and the head's products
 still take bfloat16 operands on the tensor cores. Traced, they would not: Dynamo's fake-tensor pass of torch 2.11
-breaks on addmm(..., out_dtype=, out=) (pytorch#163880; seen on an H200, 2026-11-28), and widening the operands
+breaks on addmm(..., out_dtype=, out=) (seen on an H200, 2026-11-28), and widening the operands
 instead made the compiled path four float32 GEMMs with [V, d] float32 copies of the head.
 """
 

@@ -596,6 +596,25 @@ def checkpointing_of(p: dict, device: str) -> tuple[str, dict]:
     return decided["checkpointing"], {"decided": decided, "policies": plans, "gpu_memory": memory}
 
 
+def planned_levers(levers: list[str], policy: str, plans: dict) -> tuple[list[str], dict[str, str]]:
+    """The levers worth a device's time, and why the others are left out: a checkpointing lever that is the
+    platform's own policy (the platform path runs it), or whose rank the plan says does not fit the device (it would
+    only fail for want of memory)."""
+    keep, skipped = [], {}
+    for lever in levers:
+        value = lever.removeprefix("ckpt:")
+        plan = (plans.get("policies") or {}).get(value) if lever.startswith("ckpt:") else None
+        if lever.startswith("ckpt:") and value == policy:
+            skipped[lever] = "the platform's own checkpointing"
+        elif plan and plan["rank_bytes"] > plan["capacity_bytes"]:
+            skipped[lever] = (
+                f"the plan's rank needs {plan['rank_bytes'] / 2**30:.1f} GiB of {plan['capacity_bytes'] / 2**30:.1f}"
+            )
+        else:
+            keep.append(lever)
+    return keep, skipped
+
+
 #: the parts of the plan's stage-2 rank that a P7 path holds itself (the teacher's head, the cached targets and the
 #: CUDA context are the benchmark's, held before any path)
 PATH_PARTS = ("student", "grads", "optimizer", "activations", "kl")
@@ -690,8 +709,11 @@ def main() -> None:
     device = p["device"]
     if a.plan_only:
         policy, plans = checkpointing_of(p, device)
-        print(json.dumps({"preset": a.preset, "checkpointing": policy, "plan": plans}))
-        write_json(a.json_out, {"checkpointing": policy, "plan": plans})
+        asked = a.levers if a.levers is not None else default_levers(device)
+        levers, skipped = planned_levers([lv for lv in asked.split(",") if lv], policy, plans)
+        out = {"preset": a.preset, "checkpointing": policy, "plan": plans, "levers": levers, "levers_skipped": skipped}
+        print(json.dumps(out))
+        write_json(a.json_out, out)
         return
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--preset {a.preset} needs a CUDA device")
@@ -714,6 +736,7 @@ def main() -> None:
     levers = a.levers if a.levers is not None else default_levers(device) if "teacher_layers" in p else ""
     levers = [lv for lv in levers.split(",") if lv]
     policy, plans = checkpointing_of(p, device)
+    levers, skipped = planned_levers(levers, policy, plans)
     record["plan"] = plans
     print(machine_line(), file=sys.stderr)
     t0 = time.perf_counter()
@@ -746,7 +769,7 @@ def main() -> None:
     modes = {}
     for text in [t.strip() for t in (a.targets or p.get("targets", "online")).split(",") if t.strip()]:
         m = run_mode(text, p, teacher, student0, ids, cfg, names, precision, kernels, levers)
-        modes[text] = add_mfu(beside_plan(m, plans, policy), rate)
+        modes[text] = add_mfu(beside_plan({**m, "levers_skipped": skipped}, plans, policy), rate)
         print(
             json.dumps(modes[text]), flush=True
         )  # MFU against the rate before the steps (a caller killed later keeps it)

@@ -46,6 +46,9 @@ def test_the_plan_decides_the_paper_student_s_checkpointing_for_the_device(tmp_p
     assert plans["gpu_memory"] == 141 * 10**9  # no GPU here: an H200's memory
     ranks = {p: x["rank_bytes"] for p, x in plans["policies"].items()}
     assert ranks["none"] > plans["decided"]["capacity_bytes"] >= ranks["selective"] > ranks["full"]
+    # the GPU run's levers: none is left out (the plan says it does not fit), selective is the platform's own
+    assert set(r["levers_skipped"]) == {"ckpt:none", "ckpt:selective"} and "GiB" in r["levers_skipped"]["ckpt:none"]
+    assert {"ckpt:full", "compile", "attn:sdpa"} <= set(r["levers"])
     for x in plans["policies"].values():
         parts = x["parts"]
         assert x["path_bytes"] == sum(parts[k] for k in ("student", "grads", "optimizer", "activations", "kl"))
