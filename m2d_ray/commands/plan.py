@@ -118,8 +118,6 @@ def check_run(
     refuse(problems)
     if cfg.stage2.targets == AUTO:
         say(f"stage2.targets=auto{' (as the run was planned)' if choices else ''}: " + "; ".join(plan.targets_lines()))
-    for line in plan.decision_lines():
-        say(line)
     return plan
 
 

@@ -232,3 +232,17 @@ def test_the_cli_writes_at_most_three_literal_defaults():
         if k.arg == "default" and isinstance(k.value, (ast.Constant, ast.List, ast.Tuple, ast.Dict))
     ]
     assert len(literals) <= 3, literals
+
+
+def test_the_plan_says_its_checkpointing_decision_once(capsys):
+    """distill.checkpointing=auto: the plan's decision, with what each policy tried needs, is one console line, in
+    `m2d plan` and in the check `m2d run` makes before any work."""
+    from m2d_ray.commands.plan import check_run
+    from m2d_ray.config import load_config
+
+    assert main(["plan", "tiny"]) == 0
+    out = capsys.readouterr()
+    assert (out.out + out.err).count("distill.checkpointing=auto: none (none: fits)") == 1, out
+    assert check_run(load_config("tiny")).decided == {"distill.checkpointing": "none"}
+    out = capsys.readouterr()
+    assert (out.out + out.err).count("distill.checkpointing=auto: none (none: fits)") == 1, out
