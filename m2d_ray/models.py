@@ -18,7 +18,7 @@ from torch import Tensor
 from transformers import AutoConfig, AutoTokenizer
 
 from m2d_ray import storage
-from m2d_ray.arch import get_adapter, supported_types
+from m2d_ray.arch import family_of, get_adapter
 from m2d_ray.arch.base import (
     DenseFFN,
     ExpertWeights,
@@ -111,7 +111,7 @@ class Teacher:
         return self.adapter.shared(self.adapter.moe_blocks(self.model)[layer])
 
     def dense_ffn(self, layer: int) -> DenseFFN:
-        return dense_from_mlp(self.adapter.layers(self.model)[layer].mlp)
+        return self.adapter.dense_ffn(self.adapter.ffn(self.adapter.layers(self.model)[layer]))
 
     def state(self, names: Sequence[str]) -> dict[str, Tensor]:
         """Copies of the named tensors, tied names sharing one copy: a student built from them owns its weights, so
@@ -145,6 +145,9 @@ def model_config(name: str):
     try:
         return AutoConfig.from_pretrained(str(path) if path.exists() else name)
     except Exception as exc:
+        newer = _newer_family(path)
+        if newer:
+            raise M2DError(newer) from None
         raise M2DError(
             f"cannot read a model config from {name!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
         ) from None
@@ -198,6 +201,17 @@ def _source(name: str) -> str:
     return str(Path(name).expanduser()) if Path(name).expanduser().exists() else name
 
 
+def _newer_family(path: Path) -> str | None:
+    """The one line for a local model whose family a later transformers release has (arch/refused.SINCE)."""
+    from m2d_ray.arch.refused import missing_release
+
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+    return missing_release(model_type) if model_type else None
+
+
 def load_tokenizer(name: str):
     """A model's tokenizer; from a storage URL only the files beside the weights are fetched."""
     src = str(storage.fetch_dir(name, without=WEIGHT_SUFFIXES)) if storage.is_remote(name) else _source(name)
@@ -220,7 +234,7 @@ def load_model(name: str, device: str = "cpu", dtype: torch.dtype | None = None,
     src = _source(name)
     check_files(src, what)
     kwargs = {"dtype": dtype if dtype is not None else "auto"}
-    if device == "cpu" and config.model_type in supported_types():
+    if device == "cpu" and family_of(config) is not None:
         kwargs["experts_implementation"] = "eager"  # grouped_mm rejects odd tiny shapes on CPU
     try:
         model = AutoModelForCausalLM.from_pretrained(src, **kwargs)

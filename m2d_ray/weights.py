@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from transformers import AutoTokenizer
 
 from m2d_ray import checkpoint, storage
-from m2d_ray.arch import ADAPTERS, get_adapter, supported_types
+from m2d_ray.arch import ADAPTERS, family_of, get_adapter
 from m2d_ray.arch.base import (
     DenseFFN,
     ExpertWeights,
@@ -107,13 +107,17 @@ def meta_counts(config) -> Counts:
     """A model's parameter counts read off its meta-device model (through its arch adapter for an MoE): what
     arch/counts.py computes by arithmetic, for a model type it does not know, and the reference it is held to."""
     model = meta_model(config)
-    adapter = ADAPTERS[config.model_type] if config.model_type in ADAPTERS else None
+    family = family_of(config)
+    adapter = ADAPTERS[family] if family is not None else None
     layers = adapter.layers(model) if adapter is not None else model.base_model.layers
     blocks = adapter.moe_blocks(model) if adapter is not None else {}
     block = next(iter(blocks.values()), None)
     shared = adapter.shared(block) if block is not None else None
+    ffns = {i: adapter.ffn(x) if adapter is not None else getattr(x, "mlp", None) for i, x in enumerate(layers)}
     dense = [
-        dense_from_mlp(x.mlp).width for i, x in enumerate(layers) if i not in blocks and hasattr(x.mlp, "gate_proj")
+        (adapter.dense_ffn(f) if adapter is not None else dense_from_mlp(f)).width
+        for i, f in ffns.items()
+        if i not in blocks and f is not None and (adapter is not None or hasattr(f, "gate_proj"))
     ]
     return Counts(
         sum(p.numel() for p in model.parameters()),
@@ -137,7 +141,7 @@ def skeleton(config, dtype: torch.dtype, device: str = "cpu") -> PreTrainedModel
     """The model on the meta device (no weights), with its non-persistent buffers (rotary frequencies)
     computed as `from_pretrained` computes them."""
     kwargs = {"dtype": dtype}
-    if device == "cpu" and config.model_type in supported_types():
+    if device == "cpu" and family_of(config) is not None:
         kwargs["experts_implementation"] = "eager"  # grouped_mm rejects odd tiny shapes on CPU
     from transformers import AutoModelForCausalLM
 
@@ -229,7 +233,8 @@ class LazyTeacher:
 
     def dense_ffn(self, layer: int) -> DenseFFN:
         """A dense (non-MoE) layer's FFN."""
-        return dense_from_mlp(self.module(self._names[self.adapter.layers(self.skeleton)[layer].mlp]))
+        ffn = self.adapter.ffn(self.adapter.layers(self.skeleton)[layer])
+        return self.adapter.dense_ffn(self.module(self._names[ffn]))
 
     def state(self, names: Sequence[str]) -> dict[str, Tensor]:
         """Tensors by in-memory name, in the model dtype (tied names share one tensor)."""
@@ -275,6 +280,14 @@ class LazyTeacher:
         for other in self._ties.get(name, ()):
             if any(k in ckpt for k in self.adapter.checkpoint_names(other)):
                 return self.tensor(other, rows)
+        stored = self._mapped().get(name)
+        if stored is not None and stored.key is not None:
+            return check_finite(stored.key, ckpt.read(stored.key, rows)).to(target.dtype)
+        if stored is not None and name in self._expert_tensors:
+            return self._assemble(list(stored.templates), target, rows)
+        if stored is not None:  # one tensor fused from several (no expert axis)
+            parts = [check_finite(k, ckpt.read(k)) for k in stored.templates]
+            return torch.cat(parts, dim=stored.dim).to(target.dtype)
         quantized = any(f"{k}_blocks" in ckpt for k in self.adapter.checkpoint_names(name))
         hint = (
             "it is stored quantized: dequantize the checkpoint first"
@@ -282,6 +295,15 @@ class LazyTeacher:
             else "is it a checkpoint of this model?"
         )
         raise M2DError(f"checkpoint {ckpt.dir} has no tensor {name} ({hint})")
+
+    def _mapped(self) -> dict:
+        """In-memory name -> checkpoint keys by transformers' conversion mapping (arch/checkpoint_names.py), for the
+        names the adapter's own rules do not find; computed once, on the first such name."""
+        if not hasattr(self, "_map"):
+            from m2d_ray.arch.checkpoint_names import checkpoint_map
+
+            self._map = checkpoint_map(self.skeleton, self.checkpoint.names())
+        return self._map
 
     def _per_expert(self, name: str) -> list[str]:
         """Templates ('{e}' = expert) of the per-expert checkpoint keys that make up a fused expert tensor."""
@@ -338,7 +360,7 @@ def open_model(name: str, device: str = "cpu", dtype: torch.dtype | None = None)
     """`open_teacher` of any teacher a student distils from: a supported MoE, or a dense model (the d2d baseline's
     teacher), read with the dense layout (`arch.dense.dense_layout`: its layers, no experts)."""
     config = model_config(name)
-    adapter = get_adapter(config) if config.model_type in supported_types() else dense_layout(config)
+    adapter = get_adapter(config) if family_of(config) is not None else dense_layout(config)
     return _open(name, adapter, device, dtype)
 
 
@@ -365,7 +387,7 @@ def read_output_head(name: str, dtype: torch.dtype) -> Tensor:
 
     config = model_config(name)
     check_plain_head(config)
-    adapter = get_adapter(config) if config.model_type in supported_types() else None
+    adapter = get_adapter(config) if family_of(config) is not None else None
     wanted = head_names(skeleton(config, dtype))
     keys = [k for n in wanted for k in (adapter.checkpoint_names(n) if adapter else (n,))]
     if storage.is_remote(name):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import (
+    CONFIG_MAPPING,
     AutoModelForCausalLM,
     DeepseekV2Config,
     DeepseekV3Config,
@@ -230,5 +231,108 @@ def tiny_model(spec: ArchSpec, seed: int = 0) -> PreTrainedModel:
     """The family's tiny model in float32 eval mode, eager experts, seeded weights."""
     cfg = spec.make_config()
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, experts_implementation="eager")
+    reinit_(model, seed)
+    return model.eval()
+
+
+# ---- every family read from its layer's structure (m2d_ray/arch/families.py) ------------------------------------
+
+EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+TOPK = ("num_experts_per_tok", "moe_topk", "moe_k", "top_k_experts", "num_experts_per_token", "moe_top_k")
+SHARED = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
+FIXED = dict(
+    hidden_size=64, vocab_size=128, max_position_embeddings=128, head_dim=16, swa_head_dim=16,
+    qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=16, o_lora_rank=16,
+    index_head_dim=16, index_n_heads=2, index_topk=4, index_num_heads=2, indexer_head_dim=16,
+    linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_head_dim=16, linear_num_heads=4, mamba_d_head=16, mamba_head_dim=16, mamba_n_heads=4, mamba_num_heads=4,
+    mamba_d_state=16, ssm_state_size=16, n_groups=1, mamba_n_groups=1, mamba_expand=2, mamba_dt_rank=8,
+    vocab_size_per_layer_input=128, hidden_size_per_layer_input=16, sliding_window=8, global_attn_every_n_layers=2,
+    global_attention_every_n_layers=2, hc_count=2, moe_latent_size=None, index_topk_blocks=2, attention_chunk_size=8,
+    conv_L_cache=3, shared_expert_intermediate_size=16, num_nextn_predict_layers=0, heads_per_ngram=2,
+)
+LAYER_LISTS = ("layer_types", "mlp_layer_types", "layers_block_type", "no_rope_layers", "layer_rope_theta",
+               "expert_swiglu_limit_list", "share_expert_swiglu_limit_list", "num_attention_heads_per_layer",
+               "kv_source_layers", "swiglu_limits", "swiglu_limits_shared", "indexer_types")
+
+def tiny_config(model_type: str, layers: list[int] | None = None, **extra):
+    """A tiny config of any family from its own config class: hidden 64, vocab 128, 8 experts top-2 of width 16, MLA
+    and linear-attention sizes shrunk, and the layers chosen so that every kind of each per-layer list of the
+    family's default config (attention kinds, dense or sparse FFNs ...) is present once."""
+    cls = CONFIG_MAPPING[model_type]
+    d = cls().to_dict()
+    out = {}
+    for k, v in d.items():
+        if k in FIXED and (v is not None or k in ("moe_latent_size", "head_dim")):
+            out[k] = FIXED[k]
+        elif k in EXPERTS and isinstance(v, int) and v > 1:
+            out[k] = 8
+        elif k in TOPK and isinstance(v, int) and v >= 1:
+            out[k] = 2
+        elif k in SHARED and isinstance(v, int) and v > 0:
+            out[k] = 1
+        elif isinstance(v, int) and not isinstance(v, bool) and "intermediate_size" in k and v > 0:
+            out[k] = 48 if k in ("intermediate_size", "first_dense_intermediate_size", "dense_intermediate_size", "intermediate_size_mlp", "mlp_only_intermediate_size", "prefix_dense_intermediate_size") else 16
+        elif k in ("num_attention_heads", "swa_num_attention_heads", "n_heads"):
+            out[k] = 4
+        elif k in ("num_key_value_heads", "swa_num_key_value_heads"):
+            heads = d.get(k.replace("key_value", "attention"))
+            out[k] = 4 if v == heads else (1 if v == 1 else 2)
+        elif k == "q_lora_rank" and v:
+            out[k] = 32
+        elif k == "n_group" and v and v > 1:
+            out[k] = 4
+        elif k in ("topk_group",) and v and v > 1:
+            out[k] = 2
+        elif k == "num_expert_group" and v and v > 1:
+            out[k] = 4
+        elif k == "per_layer_config":
+            out[k] = None
+    n = d.get("num_hidden_layers") or d.get("num_layers")
+    lists = {k: v for k, v in d.items() if k in LAYER_LISTS and isinstance(v, list) and len(v) == n}
+    if layers is None:
+        idx = set()
+        for v in lists.values():
+            seen = {}
+            for i, x in enumerate(v):
+                seen.setdefault(repr(x), i)
+            idx |= set(seen.values())
+        layers = sorted(idx) if idx else [0, 1]
+        if len(layers) < 2:
+            layers = [0, 1]
+    for k, v in lists.items():
+        out[k] = [v[i] for i in layers]
+    out["num_hidden_layers" if "num_hidden_layers" in d else "num_layers"] = len(layers)
+    if "kv_source_layers" in out:
+        out["kv_source_layers"] = list(range(len(layers)))
+    for k in ("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index", "num_dense_blocks"):
+        if d.get(k):
+            out[k] = 1
+    if d.get("mlp_only_layers"):
+        out["mlp_only_layers"] = [0]
+    if "moe_layer_end_index" in d and d["moe_layer_end_index"] is not None:
+        out["moe_layer_end_index"] = len(layers) - 1
+    if "moe_layers" in d and isinstance(d["moe_layers"], list):
+        out["moe_layers"] = list(range(len(layers)))
+    for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(d.get(k), int) and d[k] >= 128:
+            out[k] = 0
+    out.update(tie_word_embeddings=False)
+    out.update(extra)
+    return cls(**{k: v for k, v in {**d, **out}.items() if k not in ("model_type", "transformers_version", "architectures")} )
+
+
+#: per family, what the generic shrinking above cannot guess (sizes its class checks against each other)
+TINY_EXTRA: dict[str, dict] = {
+    "hunyuan_v1_moe": {"num_experts": 8, "moe_topk": 2},
+    "jamba": {"num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+              "expert_layer_offset": 1, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_dt_rank": 8},
+}
+
+
+def tiny_structured(model_type: str, seed: int = 0, dtype=torch.float64) -> PreTrainedModel:
+    """The family's tiny teacher with seeded weights, eager experts, in `dtype`, eval mode."""
+    cfg = tiny_config(model_type, **TINY_EXTRA.get(model_type, {}))
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, experts_implementation="eager")
     reinit_(model, seed)
     return model.eval()

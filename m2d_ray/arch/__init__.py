@@ -1,8 +1,15 @@
-"""Architecture adapters, registered by `config.model_type`: the only place with model-specific names."""
+"""Architecture adapters, registered by `config.model_type`: the only place with model-specific names.
+
+A config is matched by its model type, else by the class transformers builds for it (`architectures`, or the auto
+mapping of its config class): `sarvam_mla` is built as `DeepseekV3ForCausalLM` and converted as deepseek_v3. A family
+the method cannot express is refused in one line that says why (`refused.py`); no "did you mean" points a known MoE
+at an unrelated family.
+"""
 
 from __future__ import annotations
 
 from m2d_ray.arch.base import MoEAdapter
+from m2d_ray.errors import M2DError
 from m2d_ray.registry import Registry
 
 ADAPTERS: Registry[MoEAdapter] = Registry(
@@ -21,18 +28,57 @@ def supported_types() -> list[str]:
     return sorted(ADAPTERS)
 
 
+def family_of(config) -> str | None:
+    """The supported model type that converts `config`: its own, else the one whose class transformers builds
+    for it (a config-only family such as sarvam_mla or param2moe); None when neither is supported."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in ADAPTERS:
+        return model_type
+    for cls in _classes(config):
+        owner = getattr(getattr(cls, "config_class", None), "model_type", None)
+        if owner in ADAPTERS:
+            return owner
+    return None
+
+
+def _classes(config) -> list:
+    """The causal-LM classes transformers would build for `config` (named ones first)."""
+    import transformers
+
+    named = [getattr(transformers, a, None) for a in getattr(config, "architectures", None) or []]
+    try:
+        from transformers import AutoModelForCausalLM
+
+        auto = [AutoModelForCausalLM._model_mapping[type(config)]]
+    except Exception:  # noqa: BLE001 - no causal-LM class for it: nothing more to find
+        auto = []
+    return [c for c in named + auto if c is not None]
+
+
 def get_adapter(config) -> MoEAdapter:
-    """The adapter for a transformers config; a one-line error lists the supported types."""
-    return ADAPTERS[getattr(config, "model_type", None)]
+    """The adapter for a transformers config; a family the method cannot express, one the installed transformers
+    lacks, or an unknown type each get one line."""
+    from m2d_ray.arch.refused import refuse
+
+    model_type = getattr(config, "model_type", None)
+    refuse(model_type)
+    family = family_of(config)
+    return ADAPTERS[family if family is not None else model_type]
 
 
 # Importing the family modules registers them.
 from m2d_ray.arch import (  # noqa: E402,F401
     deepseek_v2,
     deepseek_v3,
+    families,
     gpt_oss,
     mixtral,
     olmoe,
     qwen2_moe,
     qwen3_moe,  # noqa: E402,F401
 )
+
+for _family in families.FAMILIES:
+    ADAPTERS.register(_family.model_type)(families.StructuredAdapter(_family))
+
+__all__ = ["ADAPTERS", "M2DError", "MoEAdapter", "family_of", "get_adapter", "register", "supported_types"]

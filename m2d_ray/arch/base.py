@@ -226,10 +226,22 @@ class MoEAdapter:
     model_types: ClassVar[tuple[str, ...]] = ()
     #: transformers model_type of the dense student (may equal the teacher's)
     student_model_type: ClassVar[str] = ""
+    #: the dtype a student's FFN is checked in against the method's float64 reference, and the relative error it
+    #: must stay under: float64 round-off, unless the family's own code computes its experts in float32
+    exact_dtype: ClassVar[torch.dtype] = torch.float64
+    exact_tol: ClassVar[float] = 1e-10
 
     # ---- teacher structure -------------------------------------------------------------
     def layers(self, model: nn.Module) -> nn.ModuleList:
         return model.model.layers
+
+    def ffn(self, layer: nn.Module) -> nn.Module:
+        """A decoder layer's feed-forward module: its MoE block, or its dense MLP."""
+        return layer.mlp
+
+    def dense_ffn(self, mlp: nn.Module) -> DenseFFN:
+        """A dense (non-MoE) FFN module's projections."""
+        return dense_from_mlp(mlp)
 
     def final_norm(self, model: nn.Module) -> nn.Module:
         """The norm after the last decoder layer (what the output projection reads)."""
@@ -237,7 +249,7 @@ class MoEAdapter:
 
     def moe_blocks(self, model: nn.Module) -> dict[int, nn.Module]:
         """Layer index -> MoE block (the module whose input is the post-attention hidden state)."""
-        return {i: layer.mlp for i, layer in enumerate(self.layers(model)) if self.is_moe(layer.mlp)}
+        return {i: self.ffn(layer) for i, layer in enumerate(self.layers(model)) if self.is_moe(self.ffn(layer))}
 
     def is_moe(self, mlp: nn.Module) -> bool:
         return hasattr(mlp, "experts")
@@ -324,8 +336,13 @@ class MoEAdapter:
         """Config of the dense student whose every FFN has width `width`."""
         raise NotImplementedError
 
-    def student_ffn_state(self, prefix: str, ffn: DenseFFN) -> dict[str, Tensor]:
-        """State-dict entries of one student FFN at `prefix` (e.g. 'model.layers.3.mlp.')."""
+    def student_width_multiple(self, config) -> int:
+        """The student's FFN width is padded to a multiple of this (a student whose FFN is split over experts)."""
+        return 1
+
+    def student_ffn_state(self, student: nn.Module, layer: int, ffn: DenseFFN) -> dict[str, Tensor]:
+        """State-dict entries of the FFN of `student`'s layer `layer` holding `ffn` (`student` may be on meta)."""
+        prefix = self.ffn_prefix(layer)
         out = {
             prefix + "gate_proj.weight": ffn.gate,
             prefix + "up_proj.weight": ffn.up,

@@ -75,7 +75,8 @@ class GptOssAdapter(MoEAdapter):
             architectures=["GptOssForCausalLM"],
         )
 
-    def student_ffn_state(self, prefix: str, ffn: DenseFFN) -> dict[str, Tensor]:
+    def student_ffn_state(self, student: nn.Module, layer: int, ffn: DenseFFN) -> dict[str, Tensor]:
+        prefix = self.ffn_prefix(layer)
         W, d = ffn.gate.shape
 
         def zeros(*shape):

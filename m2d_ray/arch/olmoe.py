@@ -40,7 +40,8 @@ class OlmoeAdapter(MoEAdapter):
             architectures=["OlmoeForCausalLM"],
         )
 
-    def student_ffn_state(self, prefix: str, ffn: DenseFFN) -> dict[str, Tensor]:
+    def student_ffn_state(self, student: nn.Module, layer: int, ffn: DenseFFN) -> dict[str, Tensor]:
+        prefix = self.ffn_prefix(layer)
         return {
             prefix + "experts.gate_up_proj": torch.cat([ffn.gate, ffn.up], dim=0).unsqueeze(0).contiguous(),
             prefix + "experts.down_proj": ffn.down.unsqueeze(0).contiguous(),

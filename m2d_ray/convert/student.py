@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from m2d_ray.arch.base import DenseFFN, MoEAdapter, dense_from_mlp
+from m2d_ray.arch.base import DenseFFN, MoEAdapter
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -16,19 +16,11 @@ if TYPE_CHECKING:
 # without building a model).
 
 
-def teacher_ffn_keys(model: nn.Module, adapter: MoEAdapter) -> set[str]:
-    """State-dict keys of every teacher FFN (MoE or dense): these are replaced in the student."""
-    keys = set()
-    for i, layer in enumerate(adapter.layers(model)):
-        prefix = adapter.ffn_prefix(i)
-        keys.update(prefix + k for k in layer.mlp.state_dict())
-    return keys
-
-
 def student_width(teacher: nn.Module, adapter: MoEAdapter, moe_width: int) -> int:
     """One intermediate size for the whole student: the widest of the MoE-derived and dense layers
     (`teacher` may be a meta-device skeleton: only shapes are read)."""
-    dense = [dense_from_mlp(layer.mlp).width for layer in adapter.layers(teacher) if not adapter.is_moe(layer.mlp)]
+    ffns = [adapter.ffn(layer) for layer in adapter.layers(teacher)]
+    dense = [adapter.dense_ffn(f).width for f in ffns if not adapter.is_moe(f)]
     return max([moe_width, *dense])
 
 
@@ -44,25 +36,26 @@ def build_student(teacher, ffns: dict[int, DenseFFN]) -> PreTrainedModel:
     adapter, skeleton = teacher.adapter, teacher.skeleton
     layers = adapter.layers(skeleton)
     all_ffns = {i: ffns[i] if i in ffns else teacher.dense_ffn(i) for i in range(len(layers))}
-    width = max(f.width for f in all_ffns.values())
+    multiple = adapter.student_width_multiple(teacher.config)
+    width = -(-max(f.width for f in all_ffns.values()) // multiple) * multiple
     dtype = teacher.dtype
-
-    ffn_keys = teacher_ffn_keys(skeleton, adapter)
-    state = teacher.state([k for k in skeleton.state_dict() if k not in ffn_keys])
-    for i, ffn in all_ffns.items():
-        padded = ffn.pad_to(width)
-        state.update({k: v.to(dtype) for k, v in adapter.student_ffn_state(adapter.ffn_prefix(i), padded).items()})
 
     config = adapter.student_config(teacher.config, width)
     config.dtype = dtype
     with torch.device("meta"):
         student = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    missing = set(student.state_dict()) - set(state)
+    state = {}
+    for i, ffn in all_ffns.items():
+        padded = ffn.pad_to(width)
+        state.update({k: v.to(dtype) for k, v in adapter.student_ffn_state(student, i, padded).items()})
+    # everything else is the teacher's, by the same name and shape (attention, embeddings, norms, the head)
+    wanted = {k: t for k, t in student.state_dict().items() if k not in state}
+    teacher_shapes = {k: t.shape for k, t in skeleton.state_dict().items()}
+    odd = [k for k, t in wanted.items() if teacher_shapes.get(k) != t.shape]
     unexpected = set(state) - set(student.state_dict())
-    if unexpected or missing:
-        raise RuntimeError(
-            f"student state mismatch: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
-        )
+    if unexpected or odd:
+        raise RuntimeError(f"student state mismatch: not the teacher's {odd[:5]}, unexpected {sorted(unexpected)[:5]}")
+    state.update(teacher.state(list(wanted)))
     student.load_state_dict(state, strict=True, assign=True)
     materialise_buffers(student, skeleton)
     student.eval()

@@ -26,7 +26,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM
 
 from m2d_ray import storage
-from m2d_ray.arch import ADAPTERS
+from m2d_ray.arch import family_of, get_adapter
 from m2d_ray.config import DistillConfig
 from m2d_ray.convert.export import export_student
 from m2d_ray.data.text import load_text, tokenize
@@ -163,7 +163,7 @@ def _teacher_shape(name: str):
         name=name,
         model=model,
         tokenizer=load_tokenizer(name),
-        adapter=ADAPTERS[config.model_type] if config.model_type in ADAPTERS else None,
+        adapter=get_adapter(config) if family_of(config) is not None else None,
     )
 
 

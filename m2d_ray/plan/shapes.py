@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from m2d_ray.arch import ADAPTERS
+from m2d_ray.arch import get_adapter
 from m2d_ray.weights import param_counts
 
 GiB = 1 << 30
@@ -63,7 +63,7 @@ def shape_of(config) -> Shape:
     (arch/counts.py), else on the meta device (weights.param_counts); an MoE's E and k through its arch adapter."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     c = param_counts(config)
-    adapter = ADAPTERS[config.model_type] if c.moe_layers else None
+    adapter = get_adapter(config) if c.moe_layers else None
     E, k = (adapter.num_experts(config), adapter.top_k(config)) if adapter else (0, 0)
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -101,7 +101,7 @@ class Models:
 def models_of(config) -> Models:
     """Teacher and student shapes from the teacher's config (the student's config as convert/ makes it: one width,
     convert/student.student_width's widest of k x d_expert + shared and the dense layers')."""
-    adapter, c = ADAPTERS[config.model_type], param_counts(config)
+    adapter, c = get_adapter(config), param_counts(config)
     width = max(c.dense_width, adapter.top_k(config) * c.expert_width + c.shared_width)
     student = adapter.student_config(config, width)
     student.dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)

@@ -1,0 +1,74 @@
+"""Where each in-memory tensor of a model lives in its checkpoint, read from transformers' own conversion mapping
+(`conversion_mapping.get_model_conversion_mapping`): the renamings it applies on load and the converters that fuse
+per-expert tensors (`MergeModulelist` over experts, then `Concatenate` of gate and up). The lazy teacher reads a
+tensor by these names without loading the model, exactly as `from_pretrained` would assemble it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from torch import nn
+
+from m2d_ray.errors import M2DError
+
+_EXPERT = re.compile(r"(?<=\.)(\d+)(?=\.)")
+
+
+@dataclass(frozen=True)
+class Stored:
+    """An in-memory tensor's checkpoint keys: one key as is, or per-expert key templates ('{e}' = expert) stacked
+    over experts and concatenated along dim 1 in this order."""
+
+    key: str | None = None
+    templates: tuple[str, ...] = ()
+    dim: int = 1  # of the concatenation
+
+
+def _template(key: str, expert: str) -> str:
+    """The key with its expert index (the last `.N.` equal to `expert`) as '{e}'."""
+    spans = [m.span() for m in _EXPERT.finditer(key) if m.group(1) == expert]
+    a, b = spans[-1]
+    return key[:a] + "{e}" + key[b:]
+
+
+def checkpoint_map(model: nn.Module, keys: Iterable[str]) -> dict[str, Stored]:
+    """In-memory name -> its checkpoint keys, for every checkpoint key transformers' mapping renames or fuses."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        Concatenate,
+        MergeModulelist,
+        WeightConverter,
+        WeightRenaming,
+        dot_natural_key,
+        rename_source_key,
+    )
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta = model.state_dict(keep_vars=True)
+    groups: dict[str, list[tuple[str | None, str]]] = {}
+    for key in sorted(keys, key=dot_natural_key):
+        new, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+        if new in meta and new != key or pattern is not None:
+            groups.setdefault(new, []).append((pattern, key))
+    out: dict[str, Stored] = {}
+    for new, items in groups.items():
+        if len(items) == 1 and items[0][0] is None:
+            out[new] = Stored(key=items[0][1])
+            continue
+        conv = next(c for c in converters if items[0][0] in c.source_patterns)
+        ops = {type(op) for op in conv.operations}
+        if not ops <= {MergeModulelist, Concatenate}:
+            raise M2DError(f"{new}: its checkpoint layout ({', '.join(sorted(o.__name__ for o in ops))}) is not read")
+        templates = []
+        for pattern in conv.source_patterns:
+            first = next((k for p, k in items if p == pattern), None)
+            if first is not None:
+                templates.append(_template(first, "0") if MergeModulelist in ops else first)
+        dims = [op.dim for op in conv.operations if isinstance(op, Concatenate)]
+        out[new] = Stored(templates=tuple(dict.fromkeys(templates)), dim=dims[0] if dims else 1)
+    return out

@@ -1,0 +1,359 @@
+"""The MoE families read from their layer's structure (`structure.py`), each declared by what the code cannot read.
+
+`StructuredAdapter` reads the experts, their activation, the routing the block applies, the shared expert and the
+dense MLPs from the modules themselves. A `Family` says only:
+
+* `scores`: how the router's logits become the distribution over all E experts that the method's statistics use
+  (a softmax, or sigmoid scores normalised to sum 1); the *applied* weights are always the block's own;
+* `renormalized`: whether the applied top-k weights sum to one (a bool, or the config key that says it);
+* `student`: "dense" (the family's own config knob makes every layer a plain MLP of the class: `mlp_layer_types`,
+  `first_k_dense_replace`, `mlp_only_layers`, `num_dense_layers`, `moe_layer_start_index`, whichever the config
+  has) or "one-expert" (the same class with one expert, chosen every time by a zeroed router: the routing weight
+  a zeroed router gives is read by running the student's block, and divided out of the down projection). Experts
+  with an activation of their own (clamps, soft-caps) always get the one-expert student, which keeps it; a router
+  that limits groups gets two experts holding the halves of the FFN (its group top-2 needs two);
+* `note`: what the student cannot reproduce, said where a family's dense FFN is an approximation.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from m2d_ray.arch.base import DenseFFN, MoEAdapter, Routing, SharedExpert
+from m2d_ray.arch.structure import (
+    FFN_NAMES,
+    ROUTER_NAMES,
+    SHARED_GATE_NAMES,
+    SHARED_NAMES,
+    capture_routing,
+    child,
+    custom_gate,
+    dense_ffn,
+    dense_names,
+    dense_state,
+    expert_weights,
+    experts_state,
+    is_experts,
+)
+from m2d_ray.errors import M2DError
+
+#: config keys, in the order to read them: the number of routed experts, the experts a token uses, a routed
+#: expert's width, the dense layers' widths, the routed scaling factor, the group count of a group-limited router
+EXPERTS_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "moe_k", "num_experts_per_token", "top_k_experts")
+EXPERT_WIDTH_KEYS = ("moe_intermediate_size",)
+DENSE_WIDTH_KEYS = (
+    "intermediate_size",
+    "prefix_dense_intermediate_size",
+    "first_dense_intermediate_size",
+    "dense_intermediate_size",
+    "mlp_only_intermediate_size",
+    "intermediate_size_mlp",
+)
+SCALE_KEYS = ("routed_scaling_factor", "route_scale", "router_scaling_factor", "moe_routed_scaling_factor")
+GROUP_KEYS = ("n_group", "num_expert_group")
+TOP_GROUP_KEYS = ("topk_group",)
+
+
+def _first(config, keys: tuple[str, ...], default=None):
+    return next((getattr(config, k) for k in keys if getattr(config, k, None) is not None), default)
+
+
+def _dense_knob(config, knob: tuple[tuple[str, object], ...] = ()) -> dict:
+    """The config fields that make every layer of the family's class a dense MLP: the family's own where it
+    declares one, else the first the config has."""
+    if knob:
+        return dict(knob)
+    n = int(config.num_hidden_layers)
+    if getattr(config, "mlp_layer_types", None) is not None:
+        return {"mlp_layer_types": ["dense"] * n}
+    if hasattr(config, "first_k_dense_replace"):
+        return {"first_k_dense_replace": n}
+    if hasattr(config, "mlp_only_layers"):
+        return {"mlp_only_layers": list(range(n))}
+    if hasattr(config, "num_dense_layers"):
+        return {"num_dense_layers": n}
+    if hasattr(config, "moe_layer_start_index"):
+        return {"moe_layer_start_index": n}
+    raise M2DError(f"{config.model_type} has no config field that makes its layers dense")
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    scores: str = "softmax"  # or "sigmoid"
+    renormalized: bool | str = "norm_topk_prob"
+    student: str = "dense"  # or "one-expert"
+    note: str = ""
+    #: the config fields that make every layer dense, where none of the usual ones does it
+    knob: tuple[tuple[str, object], ...] = ()
+    #: the family's own code computes its experts in float32 (their output is exact to float32 round-off)
+    float32: bool = False
+
+
+class StructuredAdapter(MoEAdapter):
+    """One family read from its layer's structure; see the module docstring."""
+
+    family: Family
+    _applied_cache: ClassVar[dict] = {}
+
+    def __init__(self, family: Family) -> None:
+        self.family = family
+        self.model_types = (family.model_type,)
+        self.student_model_type = family.model_type
+        if family.float32:
+            self.exact_dtype, self.exact_tol = torch.float32, 1e-5
+
+    # ---- config -------------------------------------------------------------------------------------------
+    def num_experts(self, config) -> int:
+        return int(_first(config, EXPERTS_KEYS))
+
+    def top_k(self, config) -> int:
+        return int(_first(config, TOP_K_KEYS))
+
+    def renormalizes(self, config) -> bool:
+        r = self.family.renormalized
+        return bool(getattr(config, r, True)) if isinstance(r, str) else r
+
+    def routed_scale(self, config) -> float:
+        return float(_first(config, SCALE_KEYS, 1.0))
+
+    # ---- teacher structure ----------------------------------------------------------------------------------
+    def ffn(self, layer: nn.Module) -> nn.Module | None:
+        return child(layer, FFN_NAMES)
+
+    def moe_blocks(self, model: nn.Module) -> dict[int, nn.Module]:
+        return {i: f for i, layer in enumerate(self.layers(model)) if self.is_moe(f := self.ffn(layer))}
+
+    def is_moe(self, mlp: nn.Module | None) -> bool:
+        return mlp is not None and is_experts(getattr(mlp, "experts", None) or nn.Module())
+
+    def router(self, block: nn.Module) -> nn.Module:
+        return child(block, ROUTER_NAMES)
+
+    def route(self, block: nn.Module, h: Tensor) -> Routing:
+        cap = capture_routing(block, h)
+        logits = cap.logits.reshape(h.shape[0], -1).float()
+        if self.family.scores == "sigmoid":
+            s = torch.sigmoid(logits)
+            probs = s / s.sum(dim=-1, keepdim=True)
+        else:
+            probs = torch.softmax(logits, dim=-1)
+        return Routing(probs=probs, index=cap.index.long(), weight=cap.weight * _block_scale(block))
+
+    def set_top_k(self, model: nn.Module, k: int) -> None:
+        self.check_top_k(model.config, k)
+        for block in self.moe_blocks(model).values():
+            for m in (block, self.router(block)):
+                if hasattr(m, "top_k"):
+                    m.top_k = k
+
+    def experts(self, block: nn.Module):
+        return expert_weights(block.experts)
+
+    def activation(self, block: nn.Module):
+        return self.experts(block).act
+
+    def router_weight(self, block: nn.Module) -> Tensor:
+        E = block.experts.num_experts if hasattr(block.experts, "num_experts") else None
+        rows = [p for p in self.router(block).parameters() if p.ndim == 2 and (E is None or p.shape[0] == E)]
+        return rows[0].detach()
+
+    def shared(self, block: nn.Module) -> SharedExpert | None:
+        mlp = child(block, SHARED_NAMES)
+        if mlp is None or dense_names(mlp) is None:
+            return None
+        f = dense_ffn(mlp)
+        from m2d_ray.arch.base import ExpertWeights
+
+        weights = ExpertWeights(
+            gate=f.gate.unsqueeze(0), up=f.up.unsqueeze(0), down=f.down.unsqueeze(0), act=self._shared_act(block, f)
+        )
+        gate = child(block, SHARED_GATE_NAMES)
+        return SharedExpert(weights=weights, gate=None if gate is None else gate.weight.detach())
+
+    def _shared_act(self, block: nn.Module, f: DenseFFN):
+        """The shared expert computes with the routed experts' own activation where they have one (the families
+        that clamp both), else its MLP's."""
+        return expert_weights(block.experts).act if custom_gate(block.experts) else f.act
+
+    def dense_ffn(self, mlp: nn.Module) -> DenseFFN:
+        return dense_ffn(mlp)
+
+    def block_output(self, block: nn.Module, h: Tensor) -> Tensor:
+        """The block's output before any norm of its own (axk1 normalises the sum of routed and shared experts:
+        the method's FFN is what goes into that norm, which the student keeps)."""
+        with _norms_bypassed(block):
+            out = block(h)
+        return out[0] if isinstance(out, tuple) else out
+
+    # ---- student ------------------------------------------------------------------------------------------
+    def student_kind(self, config) -> str:
+        return self.family.student
+
+    def student_experts(self, config) -> int:
+        """Experts of a one-expert student: two where a group-limited router takes the top two of a group."""
+        return 2 if _first(config, GROUP_KEYS) is not None else 1
+
+    def student_config(self, config, width: int):
+        d = config.to_dict()
+        for key in ("transformers_version", "model_type"):
+            d.pop(key, None)
+        for key in DENSE_WIDTH_KEYS:
+            if d.get(key) is not None or (key == "intermediate_size" and key in d):
+                d[key] = width
+        if self.student_kind(config) == "dense":
+            d.update(_dense_knob(config, self.family.knob))
+        else:
+            n = self.student_experts(config)
+            if width % n:
+                raise M2DError(f"a {n}-expert student needs a width divisible by {n}, not {width}")
+            d.update({k: n for k in EXPERTS_KEYS + TOP_K_KEYS if d.get(k) is not None})
+            d.update({k: 1 for k in GROUP_KEYS + TOP_GROUP_KEYS if d.get(k) is not None})
+            for key in EXPERT_WIDTH_KEYS:
+                if d.get(key) is not None:
+                    d[key] = width // n
+        return type(config)(**d)
+
+    def student_width_multiple(self, config) -> int:
+        return self.student_experts(config) if self.student_kind(config) != "dense" else 1
+
+    def student_ffn_state(self, student: nn.Module, layer: int, ffn: DenseFFN) -> dict[str, Tensor]:
+        module = self.ffn(self.layers(student)[layer])
+        prefix = _name_of(student, module) + "."
+        if not self.is_moe(module):
+            if dense_names(module) is None:
+                raise M2DError(f"the student's layer {layer} FFN ({type(module).__name__}) is not a dense MLP")
+            return dense_state(module, prefix, ffn)
+        return self._one_expert_state(module, prefix, ffn)
+
+    def _one_expert_state(self, block: nn.Module, prefix: str, ffn: DenseFFN) -> dict[str, Tensor]:
+        """A one-expert block computing `ffn`: its n experts hold the FFN's hidden units in n equal parts, each
+        down projection divided by the weight its zeroed router gives it; the router and the shared expert zero."""
+        n = block.experts.gate_up_proj.shape[0] if block.experts.has_gate else block.experts.up_proj.shape[0]
+        applied = self._applied_weights(block)
+        parts = []
+        for e, w in enumerate(ffn.gate.chunk(n)):
+            rows = slice(e * w.shape[0], (e + 1) * w.shape[0])
+            parts.append(
+                DenseFFN(
+                    gate=ffn.gate[rows],
+                    up=ffn.up[rows],
+                    down=ffn.down[:, rows] / applied[e],
+                    act=ffn.act,
+                    gate_bias=None if ffn.gate_bias is None else ffn.gate_bias[rows],
+                    up_bias=None if ffn.up_bias is None else ffn.up_bias[rows],
+                    down_bias=None if ffn.down_bias is None or e else ffn.down_bias / applied[e],
+                )
+            )
+        out = experts_state(block.experts, prefix + "experts.", parts)
+        for name, t in _tensors(block):
+            if not name.startswith("experts.") and not _is_norm(block, name):
+                out[prefix + name] = torch.zeros(t.shape, dtype=t.dtype)
+        return out
+
+    def _applied_weights(self, block: nn.Module) -> list[float]:
+        """The weight each expert of a one-expert student's block gets from its zeroed router (times the block's
+        own scale), read by running a float64 copy of the block on the CPU up to its experts call."""
+        key = (type(block).__name__, block.experts.config.to_json_string())
+        if key not in self._applied_cache:
+            real = copy.deepcopy(block).to_empty(device="cpu").to(torch.float64)
+            with torch.no_grad():
+                for _, t in _tensors(real):
+                    t.zero_()
+            d = block.experts.config.hidden_size
+            cap = capture_routing(real, torch.randn(3, d, dtype=torch.float64))
+            n = cap.index.shape[1]
+            w = torch.zeros(n, dtype=torch.float64).scatter_(0, cap.index[0].long(), cap.weight[0].double())
+            if not torch.allclose(cap.weight, cap.weight[:1].expand_as(cap.weight)) or (w == 0).any():
+                raise M2DError(f"{type(block).__name__}: a zeroed router does not give every expert a fixed weight")
+            self._applied_cache[key] = (w * _block_scale(block)).tolist()
+        return self._applied_cache[key]
+
+    def student_ffn(self, mlp: nn.Module) -> Callable[[Tensor], Tensor]:
+        return lambda x: self.block_output(mlp, x.unsqueeze(0)).squeeze(0)
+
+
+def _block_scale(block: nn.Module) -> float:
+    """A factor the block applies to the experts' sum after the experts (beam, laguna, minimax-m3), not in the
+    router: the routing weight the token really gets includes it."""
+    return float(getattr(block, "routed_scaling_factor", 1.0))
+
+
+@contextmanager
+def _norms_bypassed(block: nn.Module):
+    """Every norm module directly inside `block` returns its input while the context is open."""
+    norms = [m for n, m in block.named_children() if "norm" in type(m).__name__.lower()]
+    handles = [m.register_forward_hook(lambda mod, args, out: args[0]) for m in norms]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
+    return [(n, t) for n, t in module.state_dict(keep_vars=True).items()]
+
+
+def _is_norm(block: nn.Module, name: str) -> bool:
+    owner = name.rpartition(".")[0]
+    return bool(owner) and "norm" in type(block.get_submodule(owner)).__name__.lower()
+
+
+def _name_of(model: nn.Module, module: nn.Module) -> str:
+    return next(n for n, m in model.named_modules() if m is module)
+
+
+#: the families read from their structure: what each declares beyond it (families.md in the design notes)
+FAMILIES: tuple[Family, ...] = (
+    Family("afmoe", scores="sigmoid", renormalized=True),
+    Family("aria_text", renormalized=True, student="one-expert"),
+    Family("axk1", scores="sigmoid", student="one-expert"),
+    Family("axk2", scores="sigmoid", student="one-expert"),
+    Family("bailing_hybrid", scores="sigmoid", student="one-expert"),
+    Family("beam", scores="sigmoid", student="one-expert", float32=True),
+    Family("cohere2_moe"),
+    Family("deepseek_v32", scores="sigmoid"),
+    Family("dots1", scores="sigmoid"),
+    Family("dots3_note_text", scores="sigmoid"),
+    Family("ernie4_5_moe", renormalized=True),
+    Family("exaone_moe", scores="sigmoid"),
+    Family("flex_olmo", student="one-expert"),
+    Family("flint", scores="sigmoid"),
+    Family("glm4_moe", scores="sigmoid"),
+    Family("glm4_moe_lite", scores="sigmoid"),
+    Family("glm_moe_dsa", scores="sigmoid"),
+    Family("granitemoe", renormalized=True, student="one-expert"),
+    Family("granitemoe_swa", renormalized=True, student="one-expert"),
+    Family("granitemoeshared", renormalized=True, student="one-expert"),
+    Family("hunyuan_v1_moe", renormalized=True, student="one-expert"),
+    Family("hy_v3", scores="sigmoid", renormalized=True),
+    Family("hy_v4", scores="sigmoid", student="one-expert"),
+    Family("inkling2_text", scores="sigmoid", renormalized=True, student="one-expert", float32=True),
+    Family("inkling2_loop_text", scores="sigmoid", renormalized=True, student="one-expert", float32=True),
+    Family("jamba", renormalized=False, knob=(("num_experts", 1),)),
+    Family("granitemoehybrid", renormalized=True, knob=(("num_local_experts", 0),)),
+    Family("lfm2_moe", scores="sigmoid"),
+    Family("kimi_linear", scores="sigmoid", renormalized="moe_renormalize"),
+    Family("kolibri1", scores="sigmoid", student="one-expert"),
+    Family("laguna", scores="sigmoid", renormalized=True),
+    Family("lara_mini", student="one-expert"),
+    Family("mellum"),
+    Family("mimo_v2_flash", scores="sigmoid"),
+    Family("minicpm5_moe", scores="sigmoid"),
+    Family("minimax", renormalized=True, student="one-expert"),
+    Family("minimax_m2", scores="sigmoid", renormalized=True, student="one-expert"),
+    Family("minimax_m3_vl_text", scores="sigmoid", renormalized=True, student="one-expert"),
+    Family("qwen3_5_moe_text", renormalized=True, student="one-expert"),
+    Family("qwen3_next"),
+    Family("solar_open", scores="sigmoid", student="one-expert"),
+    Family("kolibri1_1", scores="sigmoid", student="one-expert"),
+)

@@ -1,0 +1,113 @@
+"""Every MoE family read from its layer's structure (m2d_ray/arch/families.py), one tiny teacher each, built from the
+family's own config class (tests/families.py: tiny_config):
+
+(a) the routing the adapter reads (the block's own router, up to its experts call), the experts in their canonical
+    layout with the module's own activation, and the shared expert reproduce the block's output;
+(b) the whole conversion (calibration statistics, a plan at K = k, the student built, exported and checked against
+    the method's float64 reference by export_student) gives a student that loads with AutoModelForCausalLM as the
+    teacher's class;
+(c) the lazy teacher reads every tensor of a saved checkpoint as from_pretrained loads it (the checkpoint names
+    from transformers' conversion mapping);
+(d) the families the method cannot express are refused in one line naming why; a config-only family is found by
+    the class transformers builds for it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from families import tiny_config, tiny_structured
+from transformers import AutoModelForCausalLM, CONFIG_MAPPING
+
+from m2d_ray.arch import family_of, get_adapter
+from m2d_ray.arch.base import expert_outputs, rel_error
+from m2d_ray.arch.families import FAMILIES
+from m2d_ray.arch.refused import CANNOT
+from m2d_ray.calibrate.collect import collect_stats
+from m2d_ray.checkpoint import Checkpoint
+from m2d_ray.convert.build import build_from_plan
+from m2d_ray.convert.export import export_student
+from m2d_ray.convert.plan import make_plan
+from m2d_ray.errors import M2DError
+from m2d_ray.models import Teacher
+from m2d_ray.weights import LazyTeacher, skeleton
+
+TYPES = [f.model_type for f in FAMILIES if f.model_type in CONFIG_MAPPING]
+#: config-only families transformers builds with another family's class
+BY_CLASS = {"sarvam_mla": "deepseek_v3", "sarvam_moe": "glm4_moe", "param2moe": "glm4_moe"}
+
+
+@pytest.fixture(scope="module", params=TYPES + sorted(BY_CLASS))
+def teacher(request):
+    torch.manual_seed(0)
+    config = tiny_config(request.param)
+    adapter = get_adapter(config)
+    model = tiny_structured(request.param, dtype=adapter.exact_dtype)
+    return request.param, Teacher(name=request.param, model=model, tokenizer=None, adapter=adapter)
+
+
+@torch.no_grad()
+def test_block_parity(teacher):
+    """sum over the chosen experts of weight x f_e(h), plus the shared expert, is the block's own output."""
+    _, t = teacher
+    adapter, model = t.adapter, t.model
+    blocks = adapter.moe_blocks(model)
+    assert blocks and all(adapter.experts(b).num_experts == adapter.num_experts(model.config) for b in blocks.values())
+    d = model.config.hidden_size
+    for i, block in blocks.items():
+        h = torch.randn(2, 7, d, generator=torch.Generator().manual_seed(i), dtype=adapter.exact_dtype)
+        flat = h.reshape(-1, d)
+        r = adapter.route(block, flat)
+        assert r.index.shape[1] == adapter.top_k(model.config)
+        torch.testing.assert_close(r.probs.sum(-1), torch.ones(flat.shape[0]), rtol=0, atol=1e-5)
+        out = expert_outputs(adapter.experts(block), flat)
+        y = (r.weight[..., None].to(out.dtype) * out[r.index, torch.arange(flat.shape[0])[:, None]]).sum(1)
+        shared = adapter.shared(block)
+        if shared is not None:
+            y = y + shared.scale(flat)[:, None] * expert_outputs(shared.weights, flat)[0]
+        err = rel_error(y, adapter.block_output(block, h).reshape(-1, d))
+        assert err < adapter.exact_tol, f"layer {i}: {err:.2e}"
+
+
+def test_conversion_is_exact_and_loads_as_the_teachers_class(teacher, tmp_path):
+    """The method end to end at K = k: export_student checks every FFN against the float64 reference."""
+    name, t = teacher
+    ids = torch.randint(0, t.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    stats = collect_stats(t.model, t.adapter, ids, torch.ones_like(ids), progress=False)
+    plan = make_plan(t, stats, "do-acp", "oc", "uniform", t.adapter.top_k(t.config))
+    record = export_student(build_from_plan(t, plan), None, tmp_path / "s", teacher=t, plan=plan)
+    assert record["max_rel_error"] < t.adapter.exact_tol
+    student = AutoModelForCausalLM.from_pretrained(tmp_path / "s", experts_implementation="eager")
+    assert type(student).__name__ == type(t.model).__name__
+    with torch.no_grad():
+        assert torch.isfinite(student(ids).logits).all()
+
+
+def test_lazy_reads_equal_the_loaded_model(teacher, tmp_path):
+    _, t = teacher
+    t.model.save_pretrained(tmp_path)
+    lazy = LazyTeacher(
+        name=str(tmp_path),
+        config=t.config,
+        tokenizer=None,
+        adapter=t.adapter,
+        skeleton=skeleton(t.config, t.dtype),
+        checkpoint=Checkpoint(tmp_path),
+    )
+    state = t.model.state_dict()
+    for n, v in state.items():
+        assert torch.equal(lazy.tensor(n), v), n
+
+
+@pytest.mark.parametrize("model_type", sorted(t for t in CANNOT if t in CONFIG_MAPPING))
+def test_families_the_method_cannot_express_are_refused_by_name(model_type):
+    with pytest.raises(M2DError) as err:
+        get_adapter(CONFIG_MAPPING[model_type]())
+    message = str(err.value)
+    assert model_type in message and "cannot be converted" in message and "did you mean" not in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("model_type", sorted(BY_CLASS))
+def test_a_config_only_family_is_found_by_its_class(model_type):
+    assert family_of(CONFIG_MAPPING[model_type]()) == BY_CLASS[model_type]
