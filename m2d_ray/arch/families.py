@@ -312,18 +312,17 @@ def _name_of(model: nn.Module, module: nn.Module) -> str:
     return next(n for n, m in model.named_modules() if m is module)
 
 
-#: the families read from their structure: what each declares beyond it (families.md in the design notes)
+#: the families read from their structure: what each declares beyond it (families.md in the design notes). Not yet
+#: here, their tiny teachers not yet built and checked: axk1, dots1, dots3_note_text, granitemoehybrid, lfm2_moe,
+#: kolibri1_1, inkling2_text, inkling2_loop_text (get_adapter says they are not supported)
 FAMILIES: tuple[Family, ...] = (
     Family("afmoe", scores="sigmoid", renormalized=True),
     Family("aria_text", renormalized=True, student="one-expert"),
-    Family("axk1", scores="sigmoid", student="one-expert"),
     Family("axk2", scores="sigmoid", student="one-expert"),
     Family("bailing_hybrid", scores="sigmoid", student="one-expert"),
     Family("beam", scores="sigmoid", student="one-expert", float32=True),
     Family("cohere2_moe"),
     Family("deepseek_v32", scores="sigmoid"),
-    Family("dots1", scores="sigmoid"),
-    Family("dots3_note_text", scores="sigmoid"),
     Family("ernie4_5_moe", renormalized=True),
     Family("exaone_moe", scores="sigmoid"),
     Family("flex_olmo", student="one-expert"),
@@ -335,13 +334,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("granitemoe_swa", renormalized=True, student="one-expert"),
     Family("granitemoeshared", renormalized=True, student="one-expert"),
     Family("hunyuan_v1_moe", renormalized=True, student="one-expert"),
-    Family("hy_v3", scores="sigmoid", renormalized=True),
+    Family("hy_v3", scores="sigmoid", renormalized=True, float32=True),
     Family("hy_v4", scores="sigmoid", student="one-expert"),
-    Family("inkling2_text", scores="sigmoid", renormalized=True, student="one-expert", float32=True),
-    Family("inkling2_loop_text", scores="sigmoid", renormalized=True, student="one-expert", float32=True),
     Family("jamba", renormalized=False, knob=(("num_experts", 1),)),
-    Family("granitemoehybrid", renormalized=True, knob=(("num_local_experts", 0),)),
-    Family("lfm2_moe", scores="sigmoid"),
     Family("kimi_linear", scores="sigmoid", renormalized="moe_renormalize"),
     Family("kolibri1", scores="sigmoid", student="one-expert"),
     Family("laguna", scores="sigmoid", renormalized=True),
@@ -355,5 +350,4 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3_5_moe_text", renormalized=True, student="one-expert"),
     Family("qwen3_next"),
     Family("solar_open", scores="sigmoid", student="one-expert"),
-    Family("kolibri1_1", scores="sigmoid", student="one-expert"),
 )

@@ -35,6 +35,9 @@ from m2d_ray.weights import LazyTeacher, skeleton
 TYPES = [f.model_type for f in FAMILIES if f.model_type in CONFIG_MAPPING]
 #: config-only families transformers builds with another family's class
 BY_CLASS = {"sarvam_mla": "deepseek_v3", "sarvam_moe": "glm4_moe", "param2moe": "glm4_moe"}
+#: families whose checkpoint splits one stored tensor into several in memory (attention or linear-attention
+#: projections): converted from a loaded teacher; the lazy reader refuses them in one line
+SPLIT_ON_LOAD = {"sarvam_moe", "param2moe", "lara_mini"}
 
 
 @pytest.fixture(scope="module", params=TYPES + sorted(BY_CLASS))
@@ -84,7 +87,7 @@ def test_conversion_is_exact_and_loads_as_the_teachers_class(teacher, tmp_path):
 
 
 def test_lazy_reads_equal_the_loaded_model(teacher, tmp_path):
-    _, t = teacher
+    name, t = teacher
     t.model.save_pretrained(tmp_path)
     lazy = LazyTeacher(
         name=str(tmp_path),
@@ -95,6 +98,11 @@ def test_lazy_reads_equal_the_loaded_model(teacher, tmp_path):
         checkpoint=Checkpoint(tmp_path),
     )
     state = t.model.state_dict()
+    if name in SPLIT_ON_LOAD:  # one checkpoint tensor split into several on load: refused in one line
+        with pytest.raises(M2DError, match="checkpoint layout \\(Split\\) is not read"):
+            for n in state:
+                lazy.tensor(n)
+        return
     for n, v in state.items():
         assert torch.equal(lazy.tensor(n), v), n
 
