@@ -115,6 +115,111 @@ def layer_problems(text: str) -> list[str]:
     return problems
 
 
+def wheel_problems(text: str) -> list[str]:
+    """How the deps stage gets flash-attn's wheel: a bind mount of the build stage's folder for the install's RUN alone
+    (no layer keeps the wheel, nothing to delete), not a COPY, whose missing destination BuildKit makes as root (mode
+    0755: the image's uid 1000 cannot remove it, and the layer keeps the wheel anyway)."""
+    lines = dockerfile_runs(text)
+    out = [f"copied into a layer: {line}" for line in lines if re.match(r"COPY\b.*--from=flash-attn\b", line)]
+    (built,) = re.findall(r"pip wheel .*-w (\S+) flash-attn", text)
+    (install,) = [line for line in lines if "pip install" in line and "flash_attn-" in line]
+    mount = re.match(r"RUN --mount=type=bind,from=flash-attn,source=(\S+?),target=(\S+) ", install)
+    if not mount or mount.group(1) != built or f"{mount.group(2)}/flash_attn-" not in install:
+        out.append(f"the install does not bind-mount the build's {built}: {install}")
+    if re.search(r"\brm\b", install):
+        out.append(f"removes what a COPY made: {install}")
+    return out
+
+
+def test_the_image_takes_flash_attn_s_wheel_through_a_bind_mount():
+    assert wheel_problems(DOCKERFILE.read_text()) == []
+    old = (  # the deps stage as it was: the rm is denied to uid 1000 (and the wheel stays in the COPY's layer)
+        "RUN pip wheel --no-deps -c constraints.txt -w /tmp/wheels flash-attn\nFROM base AS deps\n"
+        "COPY --from=flash-attn /tmp/wheels /tmp/wheels\n"
+        "RUN pip install --no-cache-dir -c constraints.txt /tmp/wheels/flash_attn-*.whl && rm -rf /tmp/wheels\n"
+    )
+    assert len(wheel_problems(old)) == 3
+
+
+def test_the_build_tools_are_pinned_and_uv_is_its_release_s():
+    """pip freeze leaves pip, setuptools and wheel out, so `-c constraints.txt` pinned none of them; flash-attn's
+    setup.py builds with them (no build isolation). uv came from an unversioned `curl | sh`: now its installer is the
+    release constraints.txt names, and a node with another uv gets that one."""
+    pins = constraints()
+    assert {"pip", "setuptools", "wheel", "uv"} <= set(pins)
+    text = CLUSTER_YAML.read_text()
+    assert unversioned_uv(text) == [] and unversioned_uv("curl -LsSf https://astral.sh/uv/install.sh | sh") != []
+    (base,) = [line for line in dockerfile_runs(DOCKERFILE.read_text()) if "torch==" in line]
+    assert re.search(r"pip install [^&]*-c constraints.txt pip setuptools wheel\b", base), base
+    (tools,) = [c for c in cluster_commands(text) if "setuptools" in c]
+    assert re.search(r"-c \S*constraints.txt\S* pip setuptools wheel\b", tools), tools
+
+
+def unversioned_uv(text: str) -> list[str]:
+    """uv installers fetched without constraints.txt's version (`$uv`, read from it)."""
+    urls = re.findall(r"https://astral\.sh/uv/\S*install\.sh", text)
+    if "uv=$(sed -n 's/^uv==//p' ~/m2d_ray/constraints.txt)" not in text:
+        return urls
+    return [u for u in urls if "/uv/$uv/install.sh" not in u]
+
+
+#: curl fetching uv's installer for the URL's release (`curl -LsSf URL -o FILE`): it puts that uv in ~/.local/bin
+CURL_UV = r"""echo "curl $*" >> "$HOME/log"
+v=${2#https://astral.sh/uv/}; v=${v%/install.sh}
+cat > "$4" <<EOF
+mkdir -p "\$HOME/.local/bin"
+printf '#!/bin/sh\necho "uv %s (0123abc 2026-01-01)"\n' "$v" > "\$HOME/.local/bin/uv"
+chmod +x "\$HOME/.local/bin/uv"
+EOF"""
+
+
+def test_a_node_installs_constraints_uv_once(node):
+    (install,) = [c for c in yaml.safe_load(CLUSTER_YAML.read_text())["setup_commands"] if "astral.sh/uv" in c]
+    uv = node / ".local" / "bin" / "uv"
+    rc, log = run_on(node, install, {"curl": CURL_UV})
+    assert rc == 0 and f"https://astral.sh/uv/{constraints()['uv']}/install.sh" in log, log
+    assert constraints()["uv"] in uv.read_text()
+    (node / "log").unlink()
+    rc, log = run_on(node, install, {"curl": CURL_UV})
+    assert rc == 0 and "curl" not in log  # the pinned uv is there
+    uv.write_text("#!/bin/sh\necho uv 0.1.0\n")
+    rc, log = run_on(node, install, {"curl": CURL_UV})
+    assert rc == 0 and log.count("curl") == 1 and constraints()["uv"] in uv.read_text()  # another uv: replaced
+
+
+# --- failed setups: the driver first, and what ends the nodes --------------------------------------------------------
+
+
+def test_a_gpu_node_s_driver_is_checked_before_any_install(node):
+    """A GPU node's setup_commands start with the driver check, guarded by `nvidia-smi -L` (the CPU head, the same
+    DLAMI, lists no GPU), so a p5.48xlarge with an old driver stops in seconds, not after the installs."""
+    setup = yaml.safe_load(CLUSTER_YAML.read_text())["setup_commands"]
+    first = setup[0]
+    assert "nvidia-smi -L" in first and not install_calls(first)
+    smi = 'case "$1" in -L) test -n "$GPU" && echo "GPU 0: NVIDIA H100" ;; *) echo "$DRIVER" ;; esac'
+    for gpu, driver, ok in (("", "", True), ("1", "580.65.06", True), ("1", "550.54.15", False)):
+        rc, _ = run_on(node, first, {"nvidia-smi": smi}, GPU=gpu, DRIVER=driver)
+        assert (rc == 0) is ok, (gpu, driver)
+
+
+def failure_messages(text: str) -> list[str]:
+    """Every `echo "m2d: ..." >&2` of cluster.yaml's setup commands."""
+    commands = cluster_commands(text)
+    return [m for c in commands for m in re.findall(r'echo "(m2d: [^"]*)" >&2', c)]
+
+
+def test_every_failed_setup_says_how_to_end_the_nodes():
+    """A node whose setup failed keeps running (and billing, ~$55 an hour for a p5.48xlarge): each message says
+    `ray down cluster.yaml` last."""
+    messages = failure_messages(CLUSTER_YAML.read_text())
+    assert len(messages) >= 5, messages  # driver (version, none), bucket, CUDA toolkit, the build's memory
+    assert [m for m in messages if not m.endswith("ray down cluster.yaml")] == []
+    old = "setup_commands: ['test -d x || { echo \"m2d: pick a DLAMI (cluster.yaml, AMI)\" >&2; exit 1; }']"
+    assert failure_messages(old + "\nhead_setup_commands: []\nworker_setup_commands: []") == [
+        "m2d: pick a DLAMI (cluster.yaml, AMI)"
+    ]
+
+
 # --- the build's parallelism ------------------------------------------------------------------------------------------
 
 
@@ -200,9 +305,16 @@ esac""",
     return home
 
 
-def run_on(home: Path, command: str) -> tuple[int, str]:
-    """The command as Ray's updater runs it (in a subshell, after the login shell's own lines)."""
-    env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "M2D_MEMINFO": str(home.parent / "meminfo"), "M2D_NPROC": "8"}
+def run_on(home: Path, command: str, stubs: dict[str, str] | None = None, **extra: str) -> tuple[int, str]:
+    """The command as Ray's updater runs it (in a subshell, after the login shell's own lines), with `stubs` (name:
+    shell body) first on PATH and `extra` in the environment."""
+    bin_ = home.parent / "stubs"
+    bin_.mkdir(exist_ok=True)
+    for name, body in (stubs or {}).items():
+        (bin_ / name).write_text(f"#!/bin/sh\n{body}\n")
+        os.chmod(bin_ / name, 0o755)
+    env = {"HOME": str(home), "PATH": f"{bin_}:/usr/bin:/bin", "TMPDIR": str(home.parent), "M2D_NPROC": "8"}
+    env |= {"M2D_MEMINFO": str(home.parent / "meminfo"), **extra}
     out = subprocess.run(["bash", "--norc", "-c", f"true && ({command})"], env=env, capture_output=True, text=True)
     log = home / "log"
     return out.returncode, log.read_text() if log.exists() else ""
