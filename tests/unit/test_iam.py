@@ -5,9 +5,11 @@ the calls a worker or a stolen credential could abuse are not (launching or endi
 role, another bucket). The evaluator below decides a request as IAM does for one identity-based policy set: every
 resource the call touches must be allowed (RunInstances asks for the instance, the image, the subnet, the security
 group, the network interface, the volume, the key pair, a spot request: a policy narrowed on the instance alone is
-refused), an explicit Deny wins, and no statement means no; it covers what these policies use (`*`/`?` wildcards in
-actions and resources; StringEquals, StringLike, StringNotEquals, their ForAllValues/ForAnyValue forms). No AWS here:
-the policies are not tried against IAM itself."""
+refused), an explicit Deny wins, and no statement means no; a request's tags (`aws:RequestTag/...`, `aws:TagKeys`) are
+seen by the resources the request tags alone (Ray's TagSpecifications name the instance), the network resources carry
+their VPC (`ec2:Vpc`). It covers what these policies use (`*`/`?` wildcards in actions and resources; StringEquals,
+StringLike, StringNotEquals, their ForAllValues/ForAnyValue forms; ArnEquals and ArnLike, component by component). No
+AWS here: the policies are not tried against IAM itself."""
 
 from __future__ import annotations
 
@@ -24,10 +26,12 @@ IAM = ROOT / "aws" / "iam"
 ACCOUNT, BUCKET, CLUSTER = "123456789012", "my-bucket", "m2d-ray"
 WORKER_ROLE = f"arn:aws:iam::{ACCOUNT}:role/m2d-ray-worker"
 INSTANCE = f"arn:aws:ec2:us-west-2:{ACCOUNT}:instance/i-0123456789abcdef0"
+VPC, SG = "vpc-0123456789abcdef0", "sg-0123456789abcdef0"  # what aws/setup.sh writes in place of MY-VPC and MY-SG
 
 
 def policy(name: str) -> dict:
     text = (IAM / f"{name}.json").read_text().replace("MY-BUCKET", BUCKET).replace("MY-ACCOUNT", ACCOUNT)
+    text = text.replace("MY-VPC", VPC).replace("MY-SG", SG)
     return json.loads(text)
 
 
@@ -70,6 +74,8 @@ def _holds(op: str, key: str, values, keys: dict) -> bool:
         "StringEquals",
         "StringLike",
         "StringNotEquals",
+        "ArnEquals",
+        "ArnLike",
     )
     patterns = _list(values)
 
@@ -78,6 +84,8 @@ def _holds(op: str, key: str, values, keys: dict) -> bool:
             return value in patterns
         if base == "StringLike":
             return any(fnmatch.fnmatchcase(value, p) for p in patterns)
+        if base in ("ArnEquals", "ArnLike"):
+            return any(_arn_matches(value, p) for p in patterns)
         return value not in patterns
 
     if key not in keys:
@@ -88,32 +96,46 @@ def _holds(op: str, key: str, values, keys: dict) -> bool:
     return any(one(v) for v in got) if qualifier == "ForAnyValue" or len(got) == 1 else False
 
 
+def _arn_matches(value: str, pattern: str) -> bool:
+    """ArnEquals / ArnLike (the same in IAM): each of the six colon-separated parts matched on its own, wildcards
+    included, so a `*` never spans a colon."""
+    parts, wanted = value.split(":", 5), pattern.split(":", 5)
+    return len(parts) == len(wanted) == 6 and all(fnmatch.fnmatchcase(v, w) for v, w in zip(parts, wanted))
+
+
 def _list(v) -> list:
     return v if isinstance(v, list) else [v]
 
 
 def run_instances(
-    instance_type: str, spot: bool = False, tags: dict | None = None, image_owner: str = "amazon"
-) -> tuple[list[tuple[str, dict]], dict]:
+    instance_type: str,
+    spot: bool = False,
+    tags: dict | None = None,
+    image_owner: str = "amazon",
+    vpc: str = VPC,
+    sg: str = SG,
+) -> list[tuple[str, dict]]:
     """What Ray's node provider asks EC2 for when it launches a worker (create_instances with cluster.yaml's
-    node_config: InstanceType, ImageId, SecurityGroupIds, its SubnetId, BlockDeviceMappings, the key pair Ray made,
-    InstanceMarketOptions on a spot type, TagSpecifications for the instance with ray-cluster-name), as the resources
-    IAM checks and the request's tags."""
+    node_config: InstanceType, ImageId, SecurityGroupIds, a SubnetId of that group's VPC, BlockDeviceMappings, the key
+    pair Ray made, InstanceMarketOptions on a spot type, TagSpecifications for the instance alone with
+    ray-cluster-name), as the resources IAM checks with their condition keys: the request's tags on the instance, the
+    VPC on the subnet, the security group and the new network interface."""
     tags = {"ray-cluster-name": CLUSTER, "ray-node-type": "worker"} if tags is None else tags
     region = f"arn:aws:ec2:us-west-2:{ACCOUNT}"
+    request = {f"aws:RequestTag/{k}": v for k, v in tags.items()} | {"aws:TagKeys": list(tags)}
+    in_vpc = {"ec2:Vpc": f"{region}:vpc/{vpc}"}
     resources = [
-        (f"{region}:instance/*", {"ec2:InstanceType": instance_type}),
+        (f"{region}:instance/*", {"ec2:InstanceType": instance_type, **request}),
         ("arn:aws:ec2:us-west-2::image/ami-0123456789abcdef0", {"ec2:Owner": image_owner}),
-        (f"{region}:subnet/subnet-0123456789abcdef0", {}),
-        (f"{region}:security-group/sg-0123456789abcdef0", {}),
-        (f"{region}:network-interface/*", {}),
+        (f"{region}:subnet/subnet-0123456789abcdef0", in_vpc),
+        (f"{region}:security-group/{sg}", in_vpc),
+        (f"{region}:network-interface/*", in_vpc),
         (f"{region}:volume/*", {}),
         (f"{region}:key-pair/ray-autoscaler_us-west-2", {}),
     ]
     if spot:
         resources.append((f"{region}:spot-instances-request/*", {}))
-    request = {f"aws:RequestTag/{k}": v for k, v in tags.items()} | {"aws:TagKeys": list(tags)}
-    return resources, request
+    return resources
 
 
 def worker_types() -> dict[str, tuple[str, bool]]:
@@ -128,10 +150,11 @@ def worker_types() -> dict[str, tuple[str, bool]]:
 
 def launch_problems(policies: list[dict]) -> list[str]:
     """What is wrong with a head's launch rights: a worker type of cluster.yaml it cannot launch, or a launch outside
-    the cluster it can (another instance type, no cluster tag or another cluster's, an image not Amazon's)."""
+    the cluster it can (another instance type, no cluster tag or another cluster's, an image not Amazon's, another VPC
+    of the account, another security group)."""
     out = []
     for name, (itype, spot) in worker_types().items():
-        if not decide(policies, "ec2:RunInstances", *run_instances(itype, spot)):
+        if not decide(policies, "ec2:RunInstances", run_instances(itype, spot)):
             out.append(f"cannot launch {name} ({itype})")
     (itype, _), *_ = worker_types().values()
     wrong = {
@@ -139,8 +162,10 @@ def launch_problems(policies: list[dict]) -> list[str]:
         "untagged": run_instances(itype, tags={}),
         "another cluster's tag": run_instances(itype, tags={"ray-cluster-name": "someone-else"}),
         "an image not Amazon's": run_instances(itype, image_owner="111122223333"),
+        "into another VPC": run_instances(itype, vpc="vpc-0another0000000000"),
+        "with another security group": run_instances(itype, sg="sg-0another00000000000"),
     }
-    out += [f"may launch {what}" for what, call in wrong.items() if decide(policies, "ec2:RunInstances", *call)]
+    out += [f"may launch {what}" for what, call in wrong.items() if decide(policies, "ec2:RunInstances", call)]
     return out
 
 
@@ -227,6 +252,8 @@ def test_a_launch_is_decided_on_every_resource_it_touches():
         "may launch untagged",
         "may launch another cluster's tag",
         "may launch an image not Amazon's",
+        "may launch into another VPC",
+        "may launch with another security group",
     ]
     instance_only = {
         "Statement": [
@@ -235,9 +262,9 @@ def test_a_launch_is_decided_on_every_resource_it_touches():
             if s["Resource"] == "arn:aws:ec2:*:123456789012:instance/*" and s["Action"] == ["ec2:RunInstances"]
         ]
     }
-    resources, request = run_instances("g5.2xlarge")
-    assert decide([instance_only], "ec2:RunInstances", resources[:1], request)  # the instance alone: allowed
-    assert not decide([instance_only], "ec2:RunInstances", resources, request)  # the whole call: refused
+    resources = run_instances("g5.2xlarge")
+    assert decide([instance_only], "ec2:RunInstances", resources[:1])  # the instance alone: allowed
+    assert not decide([instance_only], "ec2:RunInstances", resources)  # the whole call: refused
     assert launch_problems([instance_only]) == [
         f"cannot launch {name} ({t})" for name, (t, _) in worker_types().items()
     ]
@@ -251,8 +278,34 @@ def test_a_launch_is_decided_on_every_resource_it_touches():
             }
         ]
     }
-    assert not decide([*HEAD, deny_p5], "ec2:RunInstances", *run_instances("p5.48xlarge"))
-    assert decide([*HEAD, deny_p5], "ec2:RunInstances", *run_instances("g5.2xlarge"))
+    assert not decide([*HEAD, deny_p5], "ec2:RunInstances", run_instances("p5.48xlarge"))
+    assert decide([*HEAD, deny_p5], "ec2:RunInstances", run_instances("g5.2xlarge"))
+
+
+def test_the_head_launches_into_the_cluster_s_vpc_with_its_security_group_only():
+    """Code on the head (Ray tasks may land there) could start a GPU node with the worker role and its own user-data
+    in any network of the account while RunInstances allowed `subnet/*`, `security-group/*` and `network-interface/*`
+    unconditioned (the policy as it was): now the subnet and the new interface must be in the cluster's VPC
+    (`ec2:Vpc`, ArnEquals) and the group is the cluster's own, the ids aws/setup.sh writes in."""
+    assert launch_problems(HEAD) == []
+    statements = [s for s in policy("head-launch")["Statement"] if s["Action"] == ["ec2:RunInstances"]]
+    for kind in ("subnet", "security-group", "network-interface"):
+        (s,) = [s for s in statements if any(f":{kind}/" in r for r in _list(s["Resource"]))]
+        assert s["Condition"]["ArnEquals"]["ec2:Vpc"] == f"arn:aws:ec2:*:{ACCOUNT}:vpc/{VPC}", kind
+    network = {"subnet", "security-group", "network-interface"}
+    kept = [
+        s
+        for s in policy("head-launch")["Statement"]
+        if not {r.split(":")[-1].split("/")[0] for r in _list(s["Resource"])} & network
+    ]
+    region = f"arn:aws:ec2:*:{ACCOUNT}"
+    old = {
+        "Statement": [
+            *kept,
+            {"Effect": "Allow", "Action": ["ec2:RunInstances"], "Resource": [f"{region}:{k}/*" for k in network]},
+        ]
+    }
+    assert launch_problems([old]) == ["may launch into another VPC", "may launch with another security group"]
 
 
 def test_the_head_ends_and_passes_nothing_else():
@@ -327,6 +380,24 @@ def test_the_evaluator_can_fail():
     assert allowed([wide, denied], "ec2:TerminateInstances", INSTANCE)
     with pytest.raises(AssertionError):
         allowed([{"Statement": [{**wide["Statement"][0], "Effect": "Maybe"}]}], "s3:GetObject")
+    vpc = f"arn:aws:ec2:us-west-2:{ACCOUNT}:vpc/{VPC}"
+    assert _arn_matches(vpc, f"arn:aws:ec2:*:{ACCOUNT}:vpc/{VPC}") and not _arn_matches(vpc, "arn:aws:ec2:*:vpc/*")
+    assert not _arn_matches(vpc, f"arn:aws:ec2:*:{ACCOUNT}:vpc/vpc-0another") and not _arn_matches(
+        "vpc-1", "*:*:*:*:*:*"
+    )
+    # a request's tags are the instance's: a statement that asks them of the subnet is refused, as IAM refuses it
+    on_subnet = {
+        "Statement": [
+            {
+                "Effect": "Allow",
+                "Action": "ec2:RunInstances",
+                "Resource": "*",
+                "Condition": {"StringEquals": {"aws:RequestTag/ray-cluster-name": CLUSTER}},
+            }
+        ]
+    }
+    assert not decide([on_subnet], "ec2:RunInstances", run_instances("g5.2xlarge"))
+    assert decide([on_subnet], "ec2:RunInstances", run_instances("g5.2xlarge")[:1])
 
 
 def test_the_roles_trust_ec2_and_every_page_uses_these_files():

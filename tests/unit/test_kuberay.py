@@ -428,7 +428,7 @@ def test_the_workers_run_apart_from_the_head():
     accounts = {d["metadata"]["name"]: d for d in manifests() if d["kind"] == "ServiceAccount"}
     head = pod_templates()["head"]["spec"]
     workers = [t["spec"] for name, t in pod_templates().items() if name != "head"]
-    assert head["serviceAccountName"] == "m2d-head" and head.get("automountServiceAccountToken", True)
+    assert head["serviceAccountName"] == "m2d-head" and head["automountServiceAccountToken"] is False  # next test
     for spec in workers:
         assert spec["serviceAccountName"] == "m2d-worker" and spec["automountServiceAccountToken"] is False
     assert (
@@ -446,3 +446,70 @@ def test_the_workers_run_apart_from_the_head():
     for name, arn in roles.items():  # the how-to makes each role for its account, in the namespace
         assert f"--name {name}" in how_to and f"--role-name {arn.rsplit('/', 1)[1]}" in how_to, name
     assert how_to.count("--namespace m2d --name m2d-") == 2
+
+
+def token_holders(cluster: dict) -> list[str]:
+    """The head pod's containers that hold the head account's API token: all of them under automount (Kubernetes'
+    default), else those that mount a projected service-account token (KubeRay's sidecar by autoscalerOptions)."""
+    from ray.autoscaler._private.kuberay.node_provider import IN_CLUSTER_CA_CERT_PATH, IN_CLUSTER_TOKEN_PATH
+
+    spec = cluster["spec"]["headGroupSpec"]["template"]["spec"]
+    containers = [*spec["containers"], {"name": "autoscaler", **cluster["spec"]["autoscalerOptions"]}]
+    if spec.get("automountServiceAccountToken", True):
+        return [c["name"] for c in containers]
+    projected = {v["name"]: v["projected"]["sources"] for v in spec.get("volumes", []) if "projected" in v}
+    paths = {
+        name: {s["serviceAccountToken"]["path"] for s in sources if "serviceAccountToken" in s}
+        | {i["path"] for s in sources if "configMap" in s for i in s["configMap"]["items"]}
+        for name, sources in projected.items()
+    }
+    out = []
+    for c in containers:
+        for m in c.get("volumeMounts", []):
+            if "token" in paths.get(m["name"], set()):
+                # Ray's KubeRay node provider reads the token and the CA where automount puts them
+                files = {f"{m['mountPath']}/{p}" for p in paths[m["name"]]}
+                assert files >= {IN_CLUSTER_TOKEN_PATH, IN_CLUSTER_CA_CERT_PATH}, files
+                out.append(c["name"])
+    return out
+
+
+def test_the_head_s_api_token_is_in_the_autoscaler_sidecar_alone():
+    """The head's account has KubeRay's autoscaler Role (patch pods and the RayCluster); Ray places the driver and CPU
+    tasks in `ray-head`, so the token is not automounted there but projected into the sidecar alone, where Ray's
+    autoscaler reads it. The manifest as it was (automount on) gave it to every head container."""
+    cluster = of_kind("RayCluster")
+    assert token_holders(cluster) == ["autoscaler"]
+    old = copy.deepcopy(cluster)
+    del old["spec"]["headGroupSpec"]["template"]["spec"]["automountServiceAccountToken"]
+    assert token_holders(old) == ["ray-head", "autoscaler"]
+    text = (K8S / "raycluster.yaml").read_text()
+    assert "nothing of the cluster's API" in text and "sidecar alone" in text
+    security = " ".join((ROOT / "docs" / "explanation" / "security.md").read_text().split())
+    assert "projected into KubeRay's autoscaler sidecar alone" in security
+
+
+def test_mlflow_s_login_is_in_the_head_s_environment_not_a_job_s(tmp_path, monkeypatch):
+    """A password in `ray job submit --runtime-env-json` is stored with the job and shown by the dashboard: the docs
+    give MLflow's login to the head instead, as a file MLflow's client reads (AWS: the page's own example, read here by
+    MLflow) or the Secret m2d-mlflow in the head container's environment (KubeRay), never to the GPU pods."""
+    from mlflow.utils import credentials
+
+    security = (ROOT / "docs" / "explanation" / "security.md").read_text()
+    flat = " ".join(security.split())
+    assert "MLFLOW_TRACKING_PASSWORD" in flat and not re.search(r"--runtime-env-json[^.]*MLFLOW_TRACKING", flat)
+    assert not re.search(r"MLFLOW_TRACKING_PASSWORD[^.]*--runtime-env-json", flat)
+    (ini,) = re.findall(r"```ini\n(.*?)```", security, flags=re.S)
+    (tmp_path / ".mlflow").mkdir()
+    (tmp_path / ".mlflow" / "credentials").write_text(ini)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for key in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.delenv(key, raising=False)
+    creds = credentials.read_mlflow_creds()
+    assert creds.username and creds.password and "~/.mlflow/credentials" in flat
+    head = pod_templates()["head"]["spec"]["containers"][0]
+    assert {"secretRef": {"name": "m2d-mlflow", "optional": True}} in head["envFrom"]
+    assert "kubectl create secret generic m2d-mlflow" in flat
+    for name, template in pod_templates().items():
+        if name != "head":
+            assert all("envFrom" not in c for c in template["spec"]["containers"]), name
