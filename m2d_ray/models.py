@@ -24,7 +24,6 @@ from m2d_ray.arch.base import (
     ExpertWeights,
     MoEAdapter,
     SharedExpert,
-    dense_from_mlp,
 )
 from m2d_ray.arch.dense import dense_types
 from m2d_ray.assets import TINY_DENSE_TEACHER_DIR, TINY_TEACHER_DIR

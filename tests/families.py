@@ -241,19 +241,66 @@ EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_expe
 TOPK = ("num_experts_per_tok", "moe_topk", "moe_k", "top_k_experts", "num_experts_per_token", "moe_top_k")
 SHARED = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
 FIXED = dict(
-    hidden_size=64, vocab_size=128, max_position_embeddings=128, head_dim=16, swa_head_dim=16,
-    qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=16, o_lora_rank=16,
-    index_head_dim=16, index_n_heads=2, index_topk=4, index_num_heads=2, indexer_head_dim=16,
-    linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-    linear_head_dim=16, linear_num_heads=4, mamba_d_head=16, mamba_head_dim=16, mamba_n_heads=4, mamba_num_heads=4,
-    mamba_d_state=16, ssm_state_size=16, n_groups=1, mamba_n_groups=1, mamba_expand=2, mamba_dt_rank=8,
-    vocab_size_per_layer_input=128, hidden_size_per_layer_input=16, sliding_window=8, global_attn_every_n_layers=2,
-    global_attention_every_n_layers=2, hc_count=2, moe_latent_size=None, index_topk_blocks=2, attention_chunk_size=8,
-    conv_L_cache=3, shared_expert_intermediate_size=16, num_nextn_predict_layers=0, heads_per_ngram=2,
+    hidden_size=64,
+    vocab_size=128,
+    max_position_embeddings=128,
+    head_dim=16,
+    swa_head_dim=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    kv_lora_rank=16,
+    o_lora_rank=16,
+    index_head_dim=16,
+    index_n_heads=2,
+    index_topk=4,
+    index_num_heads=2,
+    indexer_head_dim=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_head_dim=16,
+    linear_num_heads=4,
+    mamba_d_head=16,
+    mamba_head_dim=16,
+    mamba_n_heads=4,
+    mamba_num_heads=4,
+    mamba_d_state=16,
+    ssm_state_size=16,
+    n_groups=1,
+    mamba_n_groups=1,
+    mamba_expand=2,
+    mamba_dt_rank=8,
+    vocab_size_per_layer_input=128,
+    hidden_size_per_layer_input=16,
+    sliding_window=8,
+    global_attn_every_n_layers=2,
+    global_attention_every_n_layers=2,
+    hc_count=2,
+    moe_latent_size=None,
+    index_topk_blocks=2,
+    attention_chunk_size=8,
+    conv_L_cache=3,
+    shared_expert_intermediate_size=16,
+    num_nextn_predict_layers=0,
+    heads_per_ngram=2,
 )
-LAYER_LISTS = ("layer_types", "mlp_layer_types", "layers_block_type", "no_rope_layers", "layer_rope_theta",
-               "expert_swiglu_limit_list", "share_expert_swiglu_limit_list", "num_attention_heads_per_layer",
-               "kv_source_layers", "swiglu_limits", "swiglu_limits_shared", "indexer_types")
+LAYER_LISTS = (
+    "layer_types",
+    "mlp_layer_types",
+    "layers_block_type",
+    "no_rope_layers",
+    "layer_rope_theta",
+    "expert_swiglu_limit_list",
+    "share_expert_swiglu_limit_list",
+    "num_attention_heads_per_layer",
+    "kv_source_layers",
+    "swiglu_limits",
+    "swiglu_limits_shared",
+    "indexer_types",
+)
+
 
 def tiny_config(model_type: str, layers: list[int] | None = None, **extra):
     """A tiny config of any family from its own config class: hidden 64, vocab 128, 8 experts top-2 of width 16, MLA
@@ -272,7 +319,19 @@ def tiny_config(model_type: str, layers: list[int] | None = None, **extra):
         elif k in SHARED and isinstance(v, int) and v > 0:
             out[k] = 1
         elif isinstance(v, int) and not isinstance(v, bool) and "intermediate_size" in k and v > 0:
-            out[k] = 48 if k in ("intermediate_size", "first_dense_intermediate_size", "dense_intermediate_size", "intermediate_size_mlp", "mlp_only_intermediate_size", "prefix_dense_intermediate_size") else 16
+            out[k] = (
+                48
+                if k
+                in (
+                    "intermediate_size",
+                    "first_dense_intermediate_size",
+                    "dense_intermediate_size",
+                    "intermediate_size_mlp",
+                    "mlp_only_intermediate_size",
+                    "prefix_dense_intermediate_size",
+                )
+                else 16
+            )
         elif k in ("num_attention_heads", "swa_num_attention_heads", "n_heads"):
             out[k] = 4
         elif k in ("num_key_value_heads", "swa_num_key_value_heads"):
@@ -319,14 +378,24 @@ def tiny_config(model_type: str, layers: list[int] | None = None, **extra):
             out[k] = 0
     out.update(tie_word_embeddings=False)
     out.update(extra)
-    return cls(**{k: v for k, v in {**d, **out}.items() if k not in ("model_type", "transformers_version", "architectures")} )
+    return cls(
+        **{k: v for k, v in {**d, **out}.items() if k not in ("model_type", "transformers_version", "architectures")}
+    )
 
 
 #: per family, what the generic shrinking above cannot guess (sizes its class checks against each other)
 TINY_EXTRA: dict[str, dict] = {
     "hunyuan_v1_moe": {"num_experts": 8, "moe_topk": 2},
-    "jamba": {"num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
-              "expert_layer_offset": 1, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_dt_rank": 8},
+    "jamba": {
+        "num_hidden_layers": 4,
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+        "mamba_d_state": 8,
+        "mamba_d_conv": 4,
+        "mamba_dt_rank": 8,
+    },
 }
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 from families import tiny_config, tiny_structured
-from transformers import AutoModelForCausalLM, CONFIG_MAPPING
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 from m2d_ray.arch import family_of, get_adapter
 from m2d_ray.arch.base import expert_outputs, rel_error
