@@ -7,6 +7,8 @@
                                 losses, targets modes, the stages of a run)
     reference/run-directory.md  the run directory's files (m2d_ray/run_dir.py, the one owner of their names) and the
                                 run's storage (m2d_ray/runtime/run_storage.py)
+    reference/families.md       every MoE family: converted (its student, its router's scores, exact or float32) or
+                                refused with its reason (m2d_ray/arch/)
     reference/bad-input.md      the bad-input cases the CLI refuses and their exit codes (tests/cli/test_bad_inputs.py)
 
 MkDocs calls `on_files` and `on_page_markdown` (mkdocs.yml: `hooks:`; the latter points a page's screenshot, linked by
@@ -304,7 +306,45 @@ def bad_input_page() -> str:
 
 
 # ---- the hook ---------------------------------------------------------------------------------------
+def families_rows() -> list[tuple[str, str, str, str]]:
+    """(model type, adapter, student, exactness) of every family m2d converts, then every refused one with its reason."""
+    from m2d_ray.arch import ADAPTERS
+    from m2d_ray.arch.families import StructuredAdapter
+    from m2d_ray.arch.refused import CANNOT
+
+    rows = []
+    for name in sorted(ADAPTERS):
+        a = ADAPTERS[name]
+        if isinstance(a, StructuredAdapter):
+            f = a.family
+            kind = "same class, every layer dense" if f.student == "dense" else "same class, one expert"
+            how = f"read from its structure; router scores: {f.scores}"
+            exact = "float32 round-off (its experts compute in float32)" if f.float32 else "float64 round-off"
+        else:
+            kind, how, exact = f"{a.student_model_type} (own module)", "arch/" + name + ".py", "float64 round-off"
+        rows.append((name, how, kind, exact))
+    rows += [(name, "refused", "—", why) for name, why in sorted(CANNOT.items())]
+    return rows
+
+
+def families_page() -> str:
+    lines = [
+        "# MoE families",
+        "",
+        "Generated from `m2d_ray/arch/`. A family converted *read from its structure* has its experts' layout and",
+        "activation, its routing, its shared expert and its dense MLPs read from transformers' modules; a config-only",
+        "family (sarvam_mla, sarvam_moe, param2moe) is converted by the class transformers builds for it. *Exact*: the",
+        "student's FFN equals the merged and concatenated experts to this round-off, checked on every export.",
+        "",
+        "| model type | adapter | student | exact to / why refused |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| `{n}` | {h} | {k} | {_cell(e)} |" for n, h, k, e in families_rows()]
+    return "\n".join(lines) + "\n"
+
+
 PAGES = {
+    "reference/families.md": families_page,
     "reference/cli.md": cli_page,
     "reference/config.md": config_page,
     "reference/registries.md": registries_page,
