@@ -26,6 +26,7 @@ from m2d_ray.arch.base import (
     SharedExpert,
 )
 from m2d_ray.arch.dense import dense_types
+from m2d_ray.arch.refused import missing_release
 from m2d_ray.assets import TINY_DENSE_TEACHER_DIR, TINY_TEACHER_DIR
 from m2d_ray.checkpoint import WEIGHT_SUFFIXES, check_files, check_model_finite
 from m2d_ray.errors import M2DError
@@ -202,8 +203,6 @@ def _source(name: str) -> str:
 
 def _newer_family(path: Path) -> str | None:
     """The one line for a local model whose family a later transformers release has (arch/refused.SINCE)."""
-    from m2d_ray.arch.refused import missing_release
-
     try:
         model_type = json.loads((path / "config.json").read_text()).get("model_type")
     except (OSError, ValueError):

@@ -37,6 +37,7 @@ from m2d_ray.arch.base import (
     SharedExpert,
     dense_from_mlp,
 )
+from m2d_ray.arch.checkpoint_names import checkpoint_map
 from m2d_ray.arch.counts import Counts, counts
 from m2d_ray.arch.dense import dense_layout
 from m2d_ray.arch.head import check_plain_head, head_names
@@ -300,8 +301,6 @@ class LazyTeacher:
         """In-memory name -> checkpoint keys by transformers' conversion mapping (arch/checkpoint_names.py), for the
         names the adapter's own rules do not find; computed once, on the first such name."""
         if not hasattr(self, "_map"):
-            from m2d_ray.arch.checkpoint_names import checkpoint_map
-
             self._map = checkpoint_map(self.skeleton, self.checkpoint.names())
         return self._map
 

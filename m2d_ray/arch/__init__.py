@@ -8,9 +8,15 @@ at an unrelated family.
 
 from __future__ import annotations
 
+import transformers
+
 from m2d_ray.arch.base import MoEAdapter
+from m2d_ray.arch.refused import refuse
 from m2d_ray.errors import M2DError
 from m2d_ray.registry import Registry
+
+# Imported inside functions: transformers' auto model mapping (its modelling registry; a plan that finds its family by
+# model type never needs it).
 
 ADAPTERS: Registry[MoEAdapter] = Registry(
     "Mixture-of-Experts model", "model_type {name!r} is not a supported {kind}{hint}; supported: {names}"
@@ -43,8 +49,6 @@ def family_of(config) -> str | None:
 
 def _classes(config) -> list:
     """The causal-LM classes transformers would build for `config` (named ones first)."""
-    import transformers
-
     named = [getattr(transformers, a, None) for a in getattr(config, "architectures", None) or []]
     try:
         from transformers import AutoModelForCausalLM
@@ -58,8 +62,6 @@ def _classes(config) -> list:
 def get_adapter(config) -> MoEAdapter:
     """The adapter for a transformers config; a family the method cannot express, one the installed transformers
     lacks, or an unknown type each get one line."""
-    from m2d_ray.arch.refused import refuse
-
     model_type = getattr(config, "model_type", None)
     refuse(model_type)
     family = family_of(config)

@@ -11,6 +11,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from torch import nn
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import (
+    Concatenate,
+    MergeModulelist,
+    WeightConverter,
+    WeightRenaming,
+    dot_natural_key,
+    rename_source_key,
+)
 
 from m2d_ray.errors import M2DError
 
@@ -36,16 +45,6 @@ def _template(key: str, expert: str) -> str:
 
 def checkpoint_map(model: nn.Module, keys: Iterable[str]) -> dict[str, Stored]:
     """In-memory name -> its checkpoint keys, for every checkpoint key transformers' mapping renames or fuses."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import (
-        Concatenate,
-        MergeModulelist,
-        WeightConverter,
-        WeightRenaming,
-        dot_natural_key,
-        rename_source_key,
-    )
-
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]

@@ -26,7 +26,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from m2d_ray.arch.base import DenseFFN, MoEAdapter, Routing, SharedExpert
+from m2d_ray.arch.base import DenseFFN, ExpertWeights, MoEAdapter, Routing, SharedExpert
 from m2d_ray.arch.structure import (
     FFN_NAMES,
     ROUTER_NAMES,
@@ -171,8 +171,6 @@ class StructuredAdapter(MoEAdapter):
         if mlp is None or dense_names(mlp) is None:
             return None
         f = dense_ffn(mlp)
-        from m2d_ray.arch.base import ExpertWeights
-
         weights = ExpertWeights(
             gate=f.gate.unsqueeze(0), up=f.up.unsqueeze(0), down=f.down.unsqueeze(0), act=self._shared_act(block, f)
         )

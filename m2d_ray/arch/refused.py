@@ -3,6 +3,8 @@ before any work (no "did you mean" towards an unrelated family, nothing written)
 
 from __future__ import annotations
 
+import transformers
+
 from m2d_ray.errors import M2DError
 
 #: model type -> why the method (score, group, merge, concatenate into one dense FFN) cannot express it
@@ -39,15 +41,16 @@ SINCE: dict[str, str] = {"ergo": "5.25", "kolibri1_1": "5.25", "minicpm5_moe": "
 def refuse(model_type: str | None) -> None:
     """Raise M2DError for a family the method cannot express."""
     if model_type in CANNOT:
-        raise M2DError(f"model_type {model_type!r} cannot be converted by the method: {CANNOT[model_type]}")
+        raise M2DError(
+            f"model_type {model_type!r} cannot be converted by the method: {CANNOT[model_type]}; use a family "
+            "the reference page 'MoE families' lists as converted"
+        )
 
 
 def missing_release(model_type: str) -> str | None:
     """One line for a model type the installed transformers does not know but a later release does."""
     if model_type not in SINCE:
         return None
-    import transformers
-
     return (
         f"model_type {model_type!r} needs transformers>={SINCE[model_type]} (installed: {transformers.__version__}): "
         f"pip install 'transformers>={SINCE[model_type]}'"

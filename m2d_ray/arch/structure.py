@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from transformers.integrations.moe import _default_apply_gate
 
 from m2d_ray.arch.base import DenseFFN, ExpertWeights
 
@@ -78,8 +79,6 @@ class OwnGate:
 
 
 def activation(experts: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
-    from transformers.integrations.moe import _default_apply_gate
-
     if not experts.has_gate:
         return Ungated(experts.act_fn)
     if type(experts)._apply_gate is _default_apply_gate and experts.is_concatenated:

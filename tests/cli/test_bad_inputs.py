@@ -89,7 +89,7 @@ def _dense_twin(moe_dir: Path, out: Path) -> None:
 @pytest.fixture(scope="module")
 def w(tmp_path_factory, tiny_teacher_dir):
     """One workspace: good and damaged teachers, students, statistics, texts, configs and a run."""
-    from transformers import GraniteMoeConfig, LlamaConfig
+    from transformers import LlamaConfig, PhimoeConfig
 
     from m2d_ray.artifacts import write_marker
     from m2d_ray.calibrate.artifact import MANIFEST_FILE, STATS_FILE
@@ -114,7 +114,7 @@ def w(tmp_path_factory, tiny_teacher_dir):
             "nan_student",
             "trunc_student",
             "llama",
-            "granite",
+            "phimoe",
             "run",
             "work",
             "tmp",
@@ -137,9 +137,9 @@ def w(tmp_path_factory, tiny_teacher_dir):
     LlamaConfig(
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=32
     ).save_pretrained(p["llama"])
-    GraniteMoeConfig(
+    PhimoeConfig(
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=32
-    ).save_pretrained(p["granite"])
+    ).save_pretrained(p["phimoe"])
 
     run_calibrate(str(p["teacher"]), "synthetic:valid", p["stats"], max_tokens=2048, seq_len=64)
     for name in ("corrupt_stats", "nan_stats", "other_stats"):
@@ -334,7 +334,10 @@ CASES = {
     "model missing": (lambda w: _conv(w, "--model", "/nonexistent/model"), "not found"),
     "model is a file": (lambda w: _conv(w, "--model", "notes.txt"), "is a file"),
     "non-MoE model": (lambda w: _conv(w, "--model", str(w["llama"])), "'llama' is not a supported"),
-    "unsupported MoE family": (lambda w: _conv(w, "--model", str(w["granite"])), "'granitemoe' is not a supported"),
+    "MoE family the method cannot express": (
+        lambda w: _conv(w, "--model", str(w["phimoe"])),
+        "'phimoe' cannot be converted by the method: its sparsemixer",
+    ),
     "NaN in a teacher expert": (
         lambda w: ["convert", "--model", str(w["nan_teacher"]), "--calib-data", "synthetic:valid", "--out", "s"],
         "expert 0) has 1 NaN",
