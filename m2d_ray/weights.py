@@ -282,6 +282,9 @@ class LazyTeacher:
             if any(k in ckpt for k in self.adapter.checkpoint_names(other)):
                 return self.tensor(other, rows)
         stored = self._mapped().get(name)
+        if stored is not None and stored.part is not None:  # one of the tensors a stored one is split into
+            whole = check_finite(stored.key, ckpt.read(stored.key))
+            return whole.narrow(stored.dim, *stored.part).contiguous().to(target.dtype)
         if stored is not None and stored.key is not None:
             return check_finite(stored.key, ckpt.read(stored.key, rows)).to(target.dtype)
         if stored is not None and name in self._expert_tensors:

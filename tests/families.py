@@ -362,6 +362,12 @@ def tiny_config(model_type: str, layers: list[int] | None = None, **extra):
     for k, v in lists.items():
         out[k] = [v[i] for i in layers]
     out["num_hidden_layers" if "num_hidden_layers" in d else "num_layers"] = len(layers)
+    if "qk_rope_head_dim" in d and d.get("head_dim") == d["qk_rope_head_dim"]:  # MLA's rope dim as head_dim
+        out["head_dim"] = FIXED["qk_rope_head_dim"]
+    if d.get("qk_head_dim") is not None and "qk_nope_head_dim" in d:
+        out["qk_head_dim"] = FIXED["qk_nope_head_dim"] + FIXED["qk_rope_head_dim"]
+    if d.get("index_layers") is not None and "layer_types" in out:
+        out["index_layers"] = [i for i, t in enumerate(out["layer_types"]) if t == "indexed_attention"]
     if "kv_source_layers" in out:
         out["kv_source_layers"] = list(range(len(layers)))
     for k in ("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index", "num_dense_blocks"):
@@ -385,6 +391,24 @@ def tiny_config(model_type: str, layers: list[int] | None = None, **extra):
 
 #: per family, what the generic shrinking above cannot guess (sizes its class checks against each other)
 TINY_EXTRA: dict[str, dict] = {
+    "dots1": {"n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2},
+    "dots3_note_text": {
+        "head_dim": 24,
+        "per_layer_config": {
+            "02": {"num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 16}
+        },
+    },
+    "inkling2_text": {"unpadded_vocab_size": 128},
+    "inkling2_loop_text": {"unpadded_vocab_size": 128},
+    "granitemoehybrid": {"mamba_n_heads": 8, "layer_types": ["mamba", "attention"]},
+    "lfm2_moe": {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"], "num_dense_layers": 1},
+    "qwen4_exp_text": {
+        "indexer_budget": 8,
+        "indexer_compress_ratio": 2,
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+    },
     "hunyuan_v1_moe": {"num_experts": 8, "moe_topk": 2},
     "jamba": {
         "num_hidden_layers": 4,

@@ -15,6 +15,7 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
     Concatenate,
     MergeModulelist,
+    Split,
     WeightConverter,
     WeightRenaming,
     dot_natural_key,
@@ -33,7 +34,8 @@ class Stored:
 
     key: str | None = None
     templates: tuple[str, ...] = ()
-    dim: int = 1  # of the concatenation
+    dim: int = 1  # of the concatenation, or of the split
+    part: tuple[int, int] | None = None  # (start, length) along `dim` of `key`: one of the tensors it is split into
 
 
 def _template(key: str, expert: str) -> str:
@@ -61,6 +63,9 @@ def checkpoint_map(model: nn.Module, keys: Iterable[str]) -> dict[str, Stored]:
             continue
         conv = next(c for c in converters if items[0][0] in c.source_patterns)
         ops = {type(op) for op in conv.operations}
+        if ops == {Split} and len(items) == 1:
+            out.update(_split(new, items[0][1], conv, meta))
+            continue
         if not ops <= {MergeModulelist, Concatenate}:
             raise M2DError(f"{new}: its checkpoint layout ({', '.join(sorted(o.__name__ for o in ops))}) is not read")
         templates = []
@@ -70,4 +75,16 @@ def checkpoint_map(model: nn.Module, keys: Iterable[str]) -> dict[str, Stored]:
                 templates.append(_template(first, "0") if MergeModulelist in ops else first)
         dims = [op.dim for op in conv.operations if isinstance(op, Concatenate)]
         out[new] = Stored(templates=tuple(dict.fromkeys(templates)), dim=dims[0] if dims else 1)
+    return out
+
+
+def _split(new: str, key: str, conv, meta: dict) -> dict[str, Stored]:
+    """The in-memory tensors one checkpoint tensor is split into along the op's dim, each sized as its parameter."""
+    dim = conv.operations[0].dim
+    out, start = {}, 0
+    for target in conv.target_patterns:
+        name = new.replace(conv.target_patterns[0], target)
+        length = meta[name].shape[dim]
+        out[name] = Stored(key=key, dim=dim, part=(start, length))
+        start += length
     return out

@@ -259,15 +259,16 @@ class StructuredAdapter(MoEAdapter):
 
     def _applied_weights(self, block: nn.Module) -> list[float]:
         """The weight each expert of a one-expert student's block gets from its zeroed router (times the block's
-        own scale), read by running a float64 copy of the block on the CPU up to its experts call."""
+        own scale), read by running a copy of the block on the CPU, in the dtype the family computes in, up to its
+        experts call."""
         key = (type(block).__name__, block.experts.config.to_json_string())
         if key not in self._applied_cache:
-            real = copy.deepcopy(block).to_empty(device="cpu").to(torch.float64)
+            real = copy.deepcopy(block).to_empty(device="cpu").to(self.exact_dtype)
             with torch.no_grad():
                 for _, t in _tensors(real):
                     t.zero_()
             d = block.experts.config.hidden_size
-            cap = capture_routing(real, torch.randn(3, d, dtype=torch.float64))
+            cap = capture_routing(real, torch.randn(3, d, dtype=self.exact_dtype))
             n = cap.index.shape[1]
             w = torch.zeros(n, dtype=torch.float64).scatter_(0, cap.index[0].long(), cap.weight[0].double())
             if not torch.allclose(cap.weight, cap.weight[:1].expand_as(cap.weight)) or (w == 0).any():
@@ -310,17 +311,18 @@ def _name_of(model: nn.Module, module: nn.Module) -> str:
     return next(n for n, m in model.named_modules() if m is module)
 
 
-#: the families read from their structure: what each declares beyond it (families.md in the design notes). Not yet
-#: here, their tiny teachers not yet built and checked: axk1, dots1, dots3_note_text, granitemoehybrid, lfm2_moe,
-#: kolibri1_1, inkling2_text, inkling2_loop_text (get_adapter says they are not supported)
+#: the families read from their structure: what each declares beyond it (families.md in the design notes)
 FAMILIES: tuple[Family, ...] = (
     Family("afmoe", scores="sigmoid", renormalized=True),
     Family("aria_text", renormalized=True, student="one-expert"),
+    Family("axk1", scores="sigmoid", student="one-expert"),  # its block norms routed + shared: the student keeps it
     Family("axk2", scores="sigmoid", student="one-expert"),
     Family("bailing_hybrid", scores="sigmoid", student="one-expert"),
     Family("beam", scores="sigmoid", student="one-expert", float32=True),
     Family("cohere2_moe"),
     Family("deepseek_v32", scores="sigmoid"),
+    Family("dots1", scores="sigmoid"),
+    Family("dots3_note_text", scores="sigmoid"),
     Family("ernie4_5_moe", renormalized=True),
     Family("exaone_moe", scores="sigmoid"),
     Family("flex_olmo", student="one-expert"),
@@ -337,6 +339,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("jamba", renormalized=False, knob=(("num_experts", 1),)),
     Family("kimi_linear", scores="sigmoid", renormalized="moe_renormalize"),
     Family("kolibri1", scores="sigmoid", student="one-expert"),
+    Family("kolibri1_1", scores="sigmoid"),
+    Family("inkling2_text", scores="sigmoid", renormalized=True, student="one-expert", float32=True),
+    Family("inkling2_loop_text", scores="sigmoid", renormalized=True, student="one-expert", float32=True),
     Family("laguna", scores="sigmoid", renormalized=True),
     Family("lara_mini", student="one-expert"),
     Family("mellum"),
@@ -347,5 +352,6 @@ FAMILIES: tuple[Family, ...] = (
     Family("minimax_m3_vl_text", scores="sigmoid", renormalized=True, student="one-expert"),
     Family("qwen3_5_moe_text", renormalized=True, student="one-expert"),
     Family("qwen3_next"),
+    Family("qwen4_exp_text", renormalized=True, student="one-expert"),
     Family("solar_open", scores="sigmoid", student="one-expert"),
 )
