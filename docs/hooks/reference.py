@@ -307,7 +307,7 @@ def bad_input_page() -> str:
 
 # ---- the hook ---------------------------------------------------------------------------------------
 def families_rows() -> list[tuple[str, str, str, str]]:
-    """(model type, adapter, student, exactness) of every family m2d converts, then every refused one with its reason."""
+    """(model type, adapter, student, exactness) of each family m2d converts, then each refused one with its reason."""
     from m2d_ray.arch import ADAPTERS
     from m2d_ray.arch.families import StructuredAdapter
     from m2d_ray.arch.refused import CANNOT

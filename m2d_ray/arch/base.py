@@ -359,12 +359,17 @@ class MoEAdapter:
 
 
 def copy_config(target_cls, config, **overrides):
-    """Build `target_cls` from the fields of `config` it knows, then apply overrides."""
+    """Build `target_cls` from the fields of `config` it knows, then apply overrides. A field the teacher's config
+    leaves out but its modelling code derives is derived the same way, not left to the target's default: a config
+    without `head_dim` means hidden_size // num_attention_heads to every transformers attention (Qwen3's default
+    of 128 would build another attention)."""
     known = set(target_cls().to_dict())
     src = config.to_dict()
     kwargs = {
         k: v for k, v in src.items() if k in known and k not in ("model_type", "architectures", "transformers_version")
     }
+    if "head_dim" in known and kwargs.get("head_dim") is None and getattr(config, "num_attention_heads", None):
+        kwargs["head_dim"] = config.hidden_size // config.num_attention_heads
     kwargs.update(overrides)
     return target_cls(**kwargs)
 

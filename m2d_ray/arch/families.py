@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from m2d_ray.arch.base import DenseFFN, ExpertWeights, MoEAdapter, Routing, SharedExpert
 from m2d_ray.arch.structure import (
     FFN_NAMES,
+    MIXER_NAMES,
     ROUTER_NAMES,
     SHARED_GATE_NAMES,
     SHARED_NAMES,
@@ -74,6 +75,8 @@ def _dense_knob(config, knob: tuple[tuple[str, object], ...] = ()) -> dict:
     n = int(config.num_hidden_layers)
     if getattr(config, "mlp_layer_types", None) is not None:
         return {"mlp_layer_types": ["dense"] * n}
+    if getattr(config, "layers_block_type", None) is not None:  # one mixer a layer: its MoE ones become MLPs
+        return {"layers_block_type": ["mlp" if t == "moe" else t for t in config.layers_block_type]}
     if hasattr(config, "first_k_dense_replace"):
         return {"first_k_dense_replace": n}
     if hasattr(config, "mlp_only_layers"):
@@ -127,7 +130,12 @@ class StructuredAdapter(MoEAdapter):
 
     # ---- teacher structure ----------------------------------------------------------------------------------
     def ffn(self, layer: nn.Module) -> nn.Module | None:
-        return child(layer, FFN_NAMES)
+        """The layer's MoE block or dense MLP; None for a layer without one (a Mamba or attention mixer)."""
+        found = child(layer, FFN_NAMES)
+        if found is not None:
+            return found
+        mixer = child(layer, MIXER_NAMES)
+        return mixer if mixer is not None and (self.is_moe(mixer) or dense_names(mixer) is not None) else None
 
     def moe_blocks(self, model: nn.Module) -> dict[int, nn.Module]:
         return {i: f for i, layer in enumerate(self.layers(model)) if self.is_moe(f := self.ffn(layer))}
@@ -156,7 +164,14 @@ class StructuredAdapter(MoEAdapter):
                     m.top_k = k
 
     def experts(self, block: nn.Module):
-        return expert_weights(block.experts)
+        w = expert_weights(block.experts)
+        d = block.experts.config.hidden_size
+        if w.gate.shape[2] != d:
+            raise M2DError(
+                f"{type(block).__name__}'s experts work in a latent space of {w.gate.shape[2]}, not the hidden size "
+                f"{d} (moe_latent_size): the method would need the latent projections folded into each expert"
+            )
+        return w
 
     def activation(self, block: nn.Module):
         return self.experts(block).act
@@ -351,6 +366,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("minimax_m2", scores="sigmoid", renormalized=True, student="one-expert"),
     Family("minimax_m3_vl_text", scores="sigmoid", renormalized=True, student="one-expert"),
     Family("qwen3_5_moe_text", renormalized=True, student="one-expert"),
+    Family("nemotron_h", scores="sigmoid"),  # relu^2 experts without a gate: the student's MLPs have none either
     Family("qwen3_next"),
     Family("qwen4_exp_text", renormalized=True, student="one-expert"),
     Family("solar_open", scores="sigmoid", student="one-expert"),

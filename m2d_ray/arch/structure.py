@@ -27,8 +27,10 @@ from transformers.integrations.moe import _default_apply_gate
 
 from m2d_ray.arch.base import DenseFFN, ExpertWeights
 
-#: where a decoder layer keeps its feed-forward module, in the order to look (transformers' own names)
+#: where a decoder layer keeps its feed-forward module, in the order to look (transformers' own names); a `mixer`
+#: (Nemotron-H: one mixer a layer, Mamba, attention, MLP or MoE) is the layer's FFN only when it is an MLP or MoE
 FFN_NAMES = ("mlp", "block_sparse_moe", "feed_forward")
+MIXER_NAMES = ("mixer",)
 #: a block's router and its shared expert(s), and the shared expert's sigmoid gate
 ROUTER_NAMES = ("gate", "router")
 SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")

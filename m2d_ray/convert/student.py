@@ -20,7 +20,7 @@ def student_width(teacher: nn.Module, adapter: MoEAdapter, moe_width: int) -> in
     """One intermediate size for the whole student: the widest of the MoE-derived and dense layers
     (`teacher` may be a meta-device skeleton: only shapes are read)."""
     ffns = [adapter.ffn(layer) for layer in adapter.layers(teacher)]
-    dense = [adapter.dense_ffn(f).width for f in ffns if not adapter.is_moe(f)]
+    dense = [adapter.dense_ffn(f).width for f in ffns if f is not None and not adapter.is_moe(f)]
     return max([moe_width, *dense])
 
 
@@ -35,7 +35,8 @@ def build_student(teacher, ffns: dict[int, DenseFFN]) -> PreTrainedModel:
 
     adapter, skeleton = teacher.adapter, teacher.skeleton
     layers = adapter.layers(skeleton)
-    all_ffns = {i: ffns[i] if i in ffns else teacher.dense_ffn(i) for i in range(len(layers))}
+    with_ffn = [i for i, layer in enumerate(layers) if adapter.ffn(layer) is not None]  # not a Mamba mixer's
+    all_ffns = {i: ffns[i] if i in ffns else teacher.dense_ffn(i) for i in with_ffn}
     multiple = adapter.student_width_multiple(teacher.config)
     width = -(-max(f.width for f in all_ffns.values()) // multiple) * multiple
     dtype = teacher.dtype

@@ -118,3 +118,22 @@ def test_families_the_method_cannot_express_are_refused_by_name(model_type):
 @pytest.mark.parametrize("model_type", sorted(BY_CLASS))
 def test_a_config_only_family_is_found_by_its_class(model_type):
     assert family_of(CONFIG_MAPPING[model_type]()) == BY_CLASS[model_type]
+
+
+def test_a_config_without_a_field_its_class_derives_converts(tmp_path):
+    """A qwen3_moe config.json without head_dim (the modelling code derives hidden // heads) gives a student of the
+    same attention, not one with Qwen3's default head_dim of 128 (a state-dict mismatch, exit 1, before)."""
+    from transformers import Qwen3MoeConfig
+
+    full = tiny_config("qwen3_moe", hidden_size=64, num_attention_heads=4, head_dim=16).to_dict()
+    full.pop("head_dim")
+    config = Qwen3MoeConfig(**{k: v for k, v in full.items() if k not in ("model_type", "transformers_version")})
+    assert not hasattr(config, "head_dim") or config.head_dim in (None, 16)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64, experts_implementation="eager").eval()
+    t = Teacher(name="no-head-dim", model=model, tokenizer=None, adapter=get_adapter(config))
+    ids = torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    plan = make_plan(
+        t, collect_stats(model, t.adapter, ids, torch.ones_like(ids), progress=False), "sf", "rr", "uniform", 2
+    )
+    record = export_student(build_from_plan(t, plan), None, tmp_path / "s", teacher=t, plan=plan)
+    assert record["max_rel_error"] < 1e-10
