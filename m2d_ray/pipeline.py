@@ -163,11 +163,11 @@ def plan_run(
     stage-2 teacher's targets already chosen (a resumed run's), else the config's or, under auto, the plan's choice."""
 
     check_config(cfg)
+    teachers = {b.teacher_key: b.teacher(cfg) for b in baselines.of(cfg) if b.has_teacher}  # each asked once
     own = {
-        b.teacher_key: _shape(b.teacher(cfg))
-        for b in baselines.of(cfg)
-        if b.has_teacher
-        and (model is None or Path(b.teacher(cfg)).expanduser().is_dir() or shipped.shape(b.teacher(cfg)))
+        key: _shape(name)
+        for key, name in teachers.items()
+        if model is None or Path(name).expanduser().is_dir() or shipped.shape(name)
     }
     return plan(cfg, _shape(model or cfg.model or default_teacher()), devices, own, stages, choices)
 

@@ -29,16 +29,14 @@ from torch import Tensor, nn
 from transformers import AutoTokenizer
 
 from m2d_ray import checkpoint, storage
-from m2d_ray.arch import ADAPTERS, family_of, get_adapter
+from m2d_ray.arch import family_of, get_adapter
 from m2d_ray.arch.base import (
     DenseFFN,
     ExpertWeights,
     MoEAdapter,
     SharedExpert,
-    dense_from_mlp,
 )
 from m2d_ray.arch.checkpoint_names import checkpoint_map
-from m2d_ray.arch.counts import Counts, counts
 from m2d_ray.arch.dense import dense_layout
 from m2d_ray.arch.head import check_plain_head, head_names
 from m2d_ray.checkpoint import (
@@ -88,54 +86,6 @@ def checkpoint_dir(name: str) -> Path:
         raise M2DError(
             f"cannot fetch the weights of {name!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
         ) from None
-
-
-#: meta-device models by config, shared by the plan's readers (a plan asks for the same few configs many times)
-_META: dict[str, PreTrainedModel] = {}
-
-
-def meta_model(config) -> PreTrainedModel:
-    """The model of `config` on the meta device in bfloat16 (no weights), built once per distinct config: the plan
-    counts parameters and reads shapes on it many times over (every stage's needs, storage and cost). Read only: it
-    is shared."""
-    key = f"{type(config).__name__}:{config.to_json_string(use_diff=False)}"
-    if key not in _META:
-        _META[key] = skeleton(config, torch.bfloat16, device="meta")
-    return _META[key]
-
-
-def meta_counts(config) -> Counts:
-    """A model's parameter counts read off its meta-device model (through its arch adapter for an MoE): what
-    arch/counts.py computes by arithmetic, for a model type it does not know, and the reference it is held to."""
-    model = meta_model(config)
-    family = family_of(config)
-    adapter = ADAPTERS[family] if family is not None else None
-    layers = adapter.layers(model) if adapter is not None else model.base_model.layers
-    blocks = adapter.moe_blocks(model) if adapter is not None else {}
-    block = next(iter(blocks.values()), None)
-    shared = adapter.shared(block) if block is not None else None
-    ffns = {i: adapter.ffn(x) if adapter is not None else getattr(x, "mlp", None) for i, x in enumerate(layers)}
-    dense = [
-        (adapter.dense_ffn(f) if adapter is not None else dense_from_mlp(f)).width
-        for i, f in ffns.items()
-        if i not in blocks and f is not None and (adapter is not None or hasattr(f, "gate_proj"))
-    ]
-    return Counts(
-        sum(p.numel() for p in model.parameters()),
-        tuple(sum(p.numel() for p in layer.parameters()) for layer in layers),
-        sum(p.numel() for p in model.parameters() if p.ndim < 2),
-        tuple(blocks),
-        model.get_input_embeddings().weight is model.get_output_embeddings().weight,
-        adapter.experts(block).width if block is not None else 0,
-        shared.weights.width if shared else 0,
-        max(dense, default=0),
-    )
-
-
-def param_counts(config) -> Counts:
-    """A model's parameter counts: by arithmetic where arch/counts.py knows its family (no modelling code loaded),
-    else on the meta device."""
-    return counts(config) or meta_counts(config)
 
 
 def skeleton(config, dtype: torch.dtype, device: str = "cpu") -> PreTrainedModel:

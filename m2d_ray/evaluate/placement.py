@@ -25,9 +25,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from m2d_ray.arch.meta import param_counts
 from m2d_ray.catalog.distill import AUTO
 from m2d_ray.errors import M2DError
-from m2d_ray.weights import param_counts
 
 GiB = 1 << 30
 RESERVE = 1 * GiB  # CUDA context, allocator slack
@@ -95,7 +95,7 @@ def _gib(n: int) -> str:
 
 
 def model_size(config, dtype_bytes: int | None = None) -> ModelSize:
-    """Parameters counted from the config (weights.param_counts: no weights read), and the shapes the batch estimate
+    """Parameters counted from the config (arch/meta.param_counts: no weights read), and the shapes the batch estimate
     needs."""
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

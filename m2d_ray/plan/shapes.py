@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from m2d_ray.arch import get_adapter
-from m2d_ray.weights import param_counts
+from m2d_ray.arch.base import MoEAdapter
+from m2d_ray.arch.counts import Counts
+from m2d_ray.arch.meta import param_counts
 
 GiB = 1 << 30
 
@@ -58,12 +60,13 @@ def _dtype_bytes(config) -> int:
     return 4 if str(dt).endswith("float32") else 2
 
 
-def shape_of(config) -> Shape:
+def shape_of(config, c: Counts | None = None, adapter: MoEAdapter | None = None) -> Shape:
     """A model's Shape from its transformers config: its parameters counted by arithmetic where its family is known
-    (arch/counts.py), else on the meta device (weights.param_counts); an MoE's E and k through its arch adapter."""
+    (arch/counts.py), else on the meta device (arch/meta.py); an MoE's E and k through its arch adapter.
+    `c` and `adapter`: the counts and the adapter a caller already has (each read once a plan)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    c = param_counts(config)
-    adapter = get_adapter(config) if c.moe_layers else None
+    c = c or param_counts(config)
+    adapter = (adapter or get_adapter(config)) if c.moe_layers else None
     E, k = (adapter.num_experts(config), adapter.top_k(config)) if adapter else (0, 0)
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -101,8 +104,10 @@ class Models:
 def models_of(config) -> Models:
     """Teacher and student shapes from the teacher's config (the student's config as convert/ makes it: one width,
     convert/student.student_width's widest of k x d_expert + shared and the dense layers')."""
-    adapter, c = get_adapter(config), param_counts(config)
-    width = max(c.dense_width, adapter.top_k(config) * c.expert_width + c.shared_width)
+    c = param_counts(config)
+    adapter = get_adapter(config)
+    multiple = adapter.student_width_multiple(config)
+    width = -(-max(c.dense_width, adapter.top_k(config) * c.expert_width + c.shared_width) // multiple) * multiple
     student = adapter.student_config(config, width)
     student.dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    return Models(shape_of(config), shape_of(student), config, student)
+    return Models(shape_of(config, c, adapter), shape_of(student), config, student)

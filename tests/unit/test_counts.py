@@ -9,9 +9,9 @@ from families import FAMILIES
 
 from m2d_ray.arch import ADAPTERS
 from m2d_ray.arch.counts import counts
+from m2d_ray.arch.meta import meta_counts
 from m2d_ray.models import model_config
 from m2d_ray.shipped import EXPERIMENTS
-from m2d_ray.weights import meta_counts
 
 CONFIGS = EXPERIMENTS / "configs"
 PUBLISHED = sorted(p.name for p in CONFIGS.iterdir() if (p / "config.json").exists())
