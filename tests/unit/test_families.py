@@ -22,6 +22,7 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 from m2d_ray.arch import family_of, get_adapter
 from m2d_ray.arch.base import expert_outputs, rel_error
 from m2d_ray.arch.families import FAMILIES
+from m2d_ray.arch.meta import param_counts
 from m2d_ray.arch.refused import CANNOT
 from m2d_ray.calibrate.collect import collect_stats
 from m2d_ray.checkpoint import Checkpoint
@@ -30,6 +31,7 @@ from m2d_ray.convert.export import export_student
 from m2d_ray.convert.plan import make_plan
 from m2d_ray.errors import M2DError
 from m2d_ray.models import Teacher
+from m2d_ray.plan.shapes import models_of
 from m2d_ray.weights import LazyTeacher, skeleton
 
 TYPES = [f.model_type for f in FAMILIES if f.model_type in CONFIG_MAPPING]
@@ -137,3 +139,13 @@ def test_a_config_without_a_field_its_class_derives_converts(tmp_path):
     )
     record = export_student(build_from_plan(t, plan), None, tmp_path / "s", teacher=t, plan=plan)
     assert record["max_rel_error"] < 1e-10
+
+
+def test_the_plan_counts_the_family_and_its_student(teacher):
+    """m2d plan --model DIR: the teacher counted as built (on the meta device where arch/counts.py has no arithmetic)
+    and the student the conversion builds planned no larger than its teacher."""
+    _, t = teacher
+    assert param_counts(t.config).params == sum(p.numel() for p in t.model.parameters())
+    models = models_of(t.config)
+    assert 0 < models.student.params < models.teacher.params
+    assert models.teacher.moe_layers == len(t.adapter.moe_blocks(t.model))
