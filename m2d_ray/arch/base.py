@@ -336,6 +336,11 @@ class MoEAdapter:
         """Config of the dense student whose every FFN has width `width`."""
         raise NotImplementedError
 
+    def unstreamable(self, config) -> str | None:
+        """Why the teacher's layers cannot run one at a time with the hidden states carried between them (a layer
+        that reads another layer's state), None where they can (calibrate/stream.py)."""
+        return None
+
     def student_width_multiple(self, config) -> int:
         """The student's FFN width is padded to a multiple of this (a student whose FFN is split over experts)."""
         return 1

@@ -97,6 +97,8 @@ class Family:
     note: str = ""
     #: the config fields that make every layer dense, where none of the usual ones does it
     knob: tuple[tuple[str, object], ...] = ()
+    #: why a layer-streamed pass cannot carry the model's state from layer to layer ("" where it can)
+    unstreamed: str = ""
     #: the family's own code computes its experts in float32 (their output is exact to float32 round-off)
     float32: bool = False
 
@@ -127,6 +129,9 @@ class StructuredAdapter(MoEAdapter):
 
     def routed_scale(self, config) -> float:
         return float(_first(config, SCALE_KEYS, 1.0))
+
+    def unstreamable(self, config) -> str | None:
+        return self.family.unstreamed or None
 
     # ---- teacher structure ----------------------------------------------------------------------------------
     def ffn(self, layer: nn.Module) -> nn.Module | None:
@@ -326,6 +331,8 @@ def _name_of(model: nn.Module, module: nn.Module) -> str:
     return next(n for n, m in model.named_modules() if m is module)
 
 
+HYPER_CONNECTIONS = "its layers carry hyper-connection streams (copies of the hidden state), not one hidden state"
+
 #: the families read from their structure: what each declares beyond it (families.md in the design notes)
 FAMILIES: tuple[Family, ...] = (
     Family("afmoe", scores="sigmoid", renormalized=True),
@@ -344,17 +351,26 @@ FAMILIES: tuple[Family, ...] = (
     Family("flint", scores="sigmoid"),
     Family("glm4_moe", scores="sigmoid"),
     Family("glm4_moe_lite", scores="sigmoid"),
-    Family("glm_moe_dsa", scores="sigmoid"),
+    Family("glm_moe_dsa", scores="sigmoid", unstreamed="its shared indexers reuse the previous layer's top-k choice"),
     Family("granitemoe", renormalized=True, student="one-expert"),
     Family("granitemoe_swa", renormalized=True, student="one-expert"),
     Family("granitemoeshared", renormalized=True, student="one-expert"),
     Family("hunyuan_v1_moe", renormalized=True, student="one-expert"),
     Family("hy_v3", scores="sigmoid", renormalized=True, float32=True),
-    Family("hy_v4", scores="sigmoid", student="one-expert"),
+    Family(
+        "hy_v4",
+        scores="sigmoid",
+        student="one-expert",
+        unstreamed=HYPER_CONNECTIONS,
+    ),
     Family("jamba", renormalized=False, knob=(("num_experts", 1),)),
     Family("kimi_linear", scores="sigmoid", renormalized="moe_renormalize"),
     Family("kolibri1", scores="sigmoid", student="one-expert"),
-    Family("kolibri1_1", scores="sigmoid"),
+    Family(
+        "kolibri1_1",
+        scores="sigmoid",
+        unstreamed="its layers read other layers' keys and values (cross-layer KV sharing)",
+    ),
     Family("inkling2_text", scores="sigmoid", renormalized=True, student="one-expert", float32=True),
     Family("inkling2_loop_text", scores="sigmoid", renormalized=True, student="one-expert", float32=True),
     Family("laguna", scores="sigmoid", renormalized=True),
@@ -366,8 +382,15 @@ FAMILIES: tuple[Family, ...] = (
     Family("minimax_m2", scores="sigmoid", renormalized=True, student="one-expert"),
     Family("minimax_m3_vl_text", scores="sigmoid", renormalized=True, student="one-expert"),
     Family("qwen3_5_moe_text", renormalized=True, student="one-expert"),
-    Family("nemotron_h", scores="sigmoid"),  # relu^2 experts without a gate: the student's MLPs have none either
+    Family(
+        "nemotron_h", scores="sigmoid", unstreamed="its model's forward reads each layer's block type"
+    ),  # relu^2 experts without a gate: the student's MLPs have none either
     Family("qwen3_next"),
-    Family("qwen4_exp_text", renormalized=True, student="one-expert"),
+    Family(
+        "qwen4_exp_text",
+        renormalized=True,
+        student="one-expert",
+        unstreamed=HYPER_CONNECTIONS,
+    ),
     Family("solar_open", scores="sigmoid", student="one-expert"),
 )

@@ -24,6 +24,7 @@ from m2d_ray import console
 from m2d_ray.calibrate.collect import observe, token_batches
 from m2d_ray.calibrate.stats import LayerStats
 from m2d_ray.checkpoint import read_at
+from m2d_ray.errors import M2DError
 from m2d_ray.peaks import proc_kib
 from m2d_ray.sizes import parse_size
 
@@ -168,6 +169,12 @@ def stream_layers(
     """Decoder layers 0..`upto` of every batch, one layer on `device` at a time; returns the host store of
     the hidden states after layer `upto` (the caller closes it). `hook(i, layer, masks)` may observe layer i
     (returns handles to remove, and sees the current batch's mask in `masks["mask"]`)."""
+    why = teacher.adapter.unstreamable(teacher.config)
+    if why:
+        raise M2DError(
+            f"{teacher.config.model_type} cannot be run a decoder layer at a time: {why}; use calibrate.stream=false "
+            "(the whole teacher on one device)"
+        )
     skel, layers = teacher.skeleton, teacher.adapter.layers(teacher.skeleton)
     shapes = [(b.shape[0], b.shape[1], teacher.config.hidden_size) for b, _ in batches]
     spill = spill_above if spill_above is not None else free_memory("cpu") // 2

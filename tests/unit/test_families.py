@@ -25,6 +25,7 @@ from m2d_ray.arch.families import FAMILIES
 from m2d_ray.arch.meta import param_counts
 from m2d_ray.arch.refused import CANNOT
 from m2d_ray.calibrate.collect import collect_stats
+from m2d_ray.calibrate.stream import collect_stats_streamed
 from m2d_ray.checkpoint import Checkpoint
 from m2d_ray.convert.build import build_from_plan
 from m2d_ray.convert.export import export_student
@@ -149,3 +150,35 @@ def test_the_plan_counts_the_family_and_its_student(teacher):
     models = models_of(t.config)
     assert 0 < models.student.params < models.teacher.params
     assert models.teacher.moe_layers == len(t.adapter.moe_blocks(t.model))
+
+
+#: the streamed pass in the default run for one family of each kind (Mamba layers, linear attention, MLA, a one-expert
+#: student, a refused one); every family with M2D_SLOW=1
+STREAMED_DEFAULT = {"jamba", "qwen3_next", "glm4_moe_lite", "minimax", "nemotron_h"}
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    [pytest.param(t, marks=() if t in STREAMED_DEFAULT else pytest.mark.slow) for t in sorted(set(TYPES) - OWN_OPS)],
+)
+def test_layer_streamed_calibration_equals_the_whole_pass(model_type, tmp_path):
+    """calibrate.stream: one decoder layer at a time from the checkpoint gives the whole pass's statistics, or, for a
+    family whose layers read another layer's state, one line before any work."""
+    model = tiny_structured(model_type, dtype=torch.float32)
+    adapter = get_adapter(model.config)
+    model.save_pretrained(tmp_path)
+    lazy = LazyTeacher(
+        str(tmp_path), model.config, None, adapter, skeleton(model.config, torch.float32), Checkpoint(tmp_path)
+    )
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    if adapter.unstreamable(model.config):
+        with pytest.raises(M2DError, match="cannot be run a decoder layer at a time"):
+            collect_stats_streamed(lazy, ids, mask, progress=False)
+        return
+    whole = collect_stats(model, adapter, ids, mask, progress=False)
+    streamed = collect_stats_streamed(lazy, ids, mask, progress=False)
+    for i, st in whole.items():
+        torch.testing.assert_close(streamed[i].count, st.count, rtol=0, atol=0)
+        torch.testing.assert_close(streamed[i].gram, st.gram, rtol=1e-6, atol=1e-9)
