@@ -235,6 +235,11 @@ class LazyTeacher:
         if stored is not None and stored.part is not None:  # one of the tensors a stored one is split into
             whole = check_finite(stored.key, ckpt.read(stored.key))
             return whole.narrow(stored.dim, *stored.part).contiguous().to(target.dtype)
+        if stored is not None and stored.interleaved:  # (g0, u0, g1, u1 ...) along dim -> [gate; up]
+            t = check_finite(stored.key, ckpt.read(stored.key, rows))
+            shape = list(t.shape)
+            shape[stored.dim : stored.dim + 1] = [shape[stored.dim] // 2, 2]
+            return t.reshape(shape).transpose(stored.dim, stored.dim + 1).reshape(t.shape).to(target.dtype)
         if stored is not None and stored.key is not None:
             return check_finite(stored.key, ckpt.read(stored.key, rows)).to(target.dtype)
         if stored is not None and name in self._expert_tensors:

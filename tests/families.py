@@ -423,9 +423,9 @@ TINY_EXTRA: dict[str, dict] = {
 }
 
 
-def tiny_structured(model_type: str, seed: int = 0, dtype=torch.float64) -> PreTrainedModel:
-    """The family's tiny teacher with seeded weights, eager experts, in `dtype`, eval mode."""
-    cfg = tiny_config(model_type, **TINY_EXTRA.get(model_type, {}))
+def tiny_structured(model_type: str, seed: int = 0, dtype=torch.float64, **extra) -> PreTrainedModel:
+    """The family's tiny teacher with seeded weights, eager experts, in `dtype`, eval mode (`extra`: config fields)."""
+    cfg = tiny_config(model_type, **{**TINY_EXTRA.get(model_type, {}), **extra})
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, experts_implementation="eager")
     reinit_(model, seed)
     return model.eval()

@@ -14,6 +14,7 @@ from torch import nn
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
     Concatenate,
+    Interleave,
     MergeModulelist,
     Split,
     WeightConverter,
@@ -36,6 +37,7 @@ class Stored:
     templates: tuple[str, ...] = ()
     dim: int = 1  # of the concatenation, or of the split
     part: tuple[int, int] | None = None  # (start, length) along `dim` of `key`: one of the tensors it is split into
+    interleaved: bool = False  # `key` holds (gate, up) interleaved along `dim`: de-interleaved on read
 
 
 def _template(key: str, expert: str) -> str:
@@ -65,6 +67,12 @@ def checkpoint_map(model: nn.Module, keys: Iterable[str]) -> dict[str, Stored]:
         ops = {type(op) for op in conv.operations}
         if ops == {Split} and len(items) == 1:
             out.update(_split(new, items[0][1], conv, meta))
+            continue
+        if ops == {Interleave} and len(items) == 1:
+            out[new] = Stored(key=items[0][1], dim=conv.operations[0].dim, interleaved=True)
+            continue
+        if {type(op).__name__ for op in conv.operations} == {"Inkling2UnpadVocab"} and len(items) == 1:
+            out[new] = Stored(key=items[0][1], dim=0, part=(0, meta[new].shape[0]))  # the padded rows dropped
             continue
         if not ops <= {MergeModulelist, Concatenate}:
             raise M2DError(f"{new}: its checkpoint layout ({', '.join(sorted(o.__name__ for o in ops))}) is not read")

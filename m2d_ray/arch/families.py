@@ -235,6 +235,8 @@ class StructuredAdapter(MoEAdapter):
                 raise M2DError(f"a {n}-expert student needs a width divisible by {n}, not {width}")
             d.update({k: n for k in EXPERTS_KEYS + TOP_K_KEYS if d.get(k) is not None})
             d.update({k: 1 for k in GROUP_KEYS + TOP_GROUP_KEYS if d.get(k) is not None})
+            # no routed scale: the weight a zeroed router gives is then 1 or 1/2, and dividing by it is exact
+            d.update({k: 1.0 for k in SCALE_KEYS if d.get(k) is not None})
             for key in EXPERT_WIDTH_KEYS:
                 if d.get(key) is not None:
                     d[key] = width // n
