@@ -18,7 +18,7 @@ from torch import Tensor
 from transformers import AutoConfig, AutoTokenizer
 
 from m2d_ray import storage
-from m2d_ray.arch import family_of, get_adapter
+from m2d_ray.arch import auto_class, family_of, get_adapter
 from m2d_ray.arch.base import (
     DenseFFN,
     ExpertWeights,
@@ -226,8 +226,6 @@ def load_model(name: str, device: str = "cpu", dtype: torch.dtype | None = None,
 
     Damaged checkpoints (a truncated file, NaN/inf weights) fail with one line naming the file or tensor.
     """
-    from transformers import AutoModelForCausalLM
-
     config = model_config(name)
     src = _source(name)
     check_files(src, what)
@@ -235,7 +233,7 @@ def load_model(name: str, device: str = "cpu", dtype: torch.dtype | None = None,
     if device == "cpu" and family_of(config) is not None:
         kwargs["experts_implementation"] = "eager"  # grouped_mm rejects odd tiny shapes on CPU
     try:
-        model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
+        model = auto_class(config).from_pretrained(src, **kwargs)
     except Exception as exc:  # unreadable weights: name the model, not transformers' internals
         raise M2DError(
             f"cannot load the weights of {what} {name!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); "

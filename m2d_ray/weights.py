@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from transformers import AutoTokenizer
 
 from m2d_ray import checkpoint, storage
-from m2d_ray.arch import family_of, get_adapter
+from m2d_ray.arch import auto_class, family_of, get_adapter
 from m2d_ray.arch.base import (
     DenseFFN,
     ExpertWeights,
@@ -94,10 +94,8 @@ def skeleton(config, dtype: torch.dtype, device: str = "cpu") -> PreTrainedModel
     kwargs = {"dtype": dtype}
     if device == "cpu" and family_of(config) is not None:
         kwargs["experts_implementation"] = "eager"  # grouped_mm rejects odd tiny shapes on CPU
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), **kwargs)
+        model = auto_class(config).from_config(copy.deepcopy(config), **kwargs)
     for module in model.modules():
         lost = [
             n
@@ -232,6 +230,8 @@ class LazyTeacher:
             if any(k in ckpt for k in self.adapter.checkpoint_names(other)):
                 return self.tensor(other, rows)
         stored = self._mapped().get(name)
+        if stored is not None and stored.unread:
+            raise M2DError(stored.unread)
         if stored is not None and stored.part is not None:  # one of the tensors a stored one is split into
             whole = check_finite(stored.key, ckpt.read(stored.key))
             return whole.narrow(stored.dim, *stored.part).contiguous().to(target.dtype)

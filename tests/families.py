@@ -429,3 +429,32 @@ def tiny_structured(model_type: str, seed: int = 0, dtype=torch.float64, **extra
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, experts_implementation="eager")
     reinit_(model, seed)
     return model.eval()
+
+
+#: vision-language checkpoints of an MoE family: composite model type -> its language model's (tiny_config's)
+MULTIMODAL = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl_moe": "qwen3_vl_moe_text", "kimi_k25": "deepseek_v3"}
+_VISION = dict(
+    depth=1,
+    hidden_size=32,
+    num_heads=2,
+    intermediate_size=32,
+    out_hidden_size=64,
+    embed_dim=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+)
+
+
+def tiny_multimodal(model_type: str, seed: int = 0, dtype=torch.float64) -> PreTrainedModel:
+    """A vision-language model of the family: the tiny language model and a one-layer vision tower."""
+    from transformers import AutoModelForImageTextToText
+
+    config = CONFIG_MAPPING[model_type]()
+    config.text_config = tiny_config(MULTIMODAL[model_type])
+    vision = getattr(config, "vision_config", None)
+    for k, v in _VISION.items():
+        if vision is not None and hasattr(vision, k):
+            setattr(vision, k, v)
+    model = AutoModelForImageTextToText.from_config(config, dtype=dtype, experts_implementation="eager")
+    reinit_(model, seed)
+    return model.eval()

@@ -335,6 +335,8 @@ def families_page() -> str:
         "activation, its routing, its shared expert and its dense MLPs read from transformers' modules; a config-only",
         "family (sarvam_mla, sarvam_moe, param2moe) is converted by the class transformers builds for it. *Exact*: the",
         "student's FFN equals the merged and concatenated experts to this round-off, checked on every export.",
+        "A vision-language checkpoint of a family here (Qwen3.5-MoE, Qwen3-VL-MoE, Kimi-K2.5 ...) has its language",
+        "model converted and its vision tower copied unchanged: the student is the teacher's own class.",
         "",
         "| model type | adapter | student | exact to / why refused |",
         "|---|---|---|---|",

@@ -9,14 +9,13 @@ at an unrelated family.
 from __future__ import annotations
 
 import transformers
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from m2d_ray.arch.base import MoEAdapter
+from m2d_ray.arch.multimodal import Multimodal, is_composite
 from m2d_ray.arch.refused import refuse
 from m2d_ray.errors import M2DError
 from m2d_ray.registry import Registry
-
-# Imported inside functions: transformers' auto model mapping (its modelling registry; a plan that finds its family by
-# model type never needs it).
 
 ADAPTERS: Registry[MoEAdapter] = Registry(
     "Mixture-of-Experts model", "model_type {name!r} is not a supported {kind}{hint}; supported: {names}"
@@ -36,7 +35,11 @@ def supported_types() -> list[str]:
 
 def family_of(config) -> str | None:
     """The supported model type that converts `config`: its own, else the one whose class transformers builds
-    for it (a config-only family such as sarvam_mla or param2moe); None when neither is supported."""
+    for it (a config-only family such as sarvam_mla or param2moe), else its language model's (a vision-language
+    checkpoint); None when none is supported."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is not config:
+        return family_of(text)
     model_type = getattr(config, "model_type", None)
     if model_type in ADAPTERS:
         return model_type
@@ -51,8 +54,6 @@ def _classes(config) -> list:
     """The causal-LM classes transformers would build for `config` (named ones first)."""
     named = [getattr(transformers, a, None) for a in getattr(config, "architectures", None) or []]
     try:
-        from transformers import AutoModelForCausalLM
-
         auto = [AutoModelForCausalLM._model_mapping[type(config)]]
     except Exception:  # noqa: BLE001 - no causal-LM class for it: nothing more to find
         auto = []
@@ -62,10 +63,22 @@ def _classes(config) -> list:
 def get_adapter(config) -> MoEAdapter:
     """The adapter for a transformers config; a family the method cannot express, one the installed transformers
     lacks, or an unknown type each get one line."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is not config:  # a vision-language checkpoint: its language model converted, the rest copied
+        refuse(getattr(config, "model_type", None))
+        return Multimodal(get_adapter(text))
     model_type = getattr(config, "model_type", None)
     refuse(model_type)
     family = family_of(config)
     return ADAPTERS[family if family is not None else model_type]
+
+
+def auto_class(config):
+    """The transformers auto class whose `from_config` / `from_pretrained` builds the model as its checkpoint's own
+    class: the image-text-to-text one for a vision-language config, the causal LM one otherwise."""
+    if is_composite(config) and type(config) in AutoModelForImageTextToText._model_mapping:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
 
 
 # Importing the family modules registers them.
@@ -83,4 +96,13 @@ from m2d_ray.arch import (  # noqa: E402,F401
 for _family in families.FAMILIES:
     ADAPTERS.register(_family.model_type)(families.StructuredAdapter(_family))
 
-__all__ = ["ADAPTERS", "M2DError", "MoEAdapter", "family_of", "get_adapter", "register", "supported_types"]
+__all__ = [
+    "ADAPTERS",
+    "M2DError",
+    "MoEAdapter",
+    "auto_class",
+    "family_of",
+    "get_adapter",
+    "register",
+    "supported_types",
+]

@@ -23,8 +23,6 @@ from transformers.core_model_loading import (
     rename_source_key,
 )
 
-from m2d_ray.errors import M2DError
-
 _EXPERT = re.compile(r"(?<=\.)(\d+)(?=\.)")
 
 
@@ -38,6 +36,7 @@ class Stored:
     dim: int = 1  # of the concatenation, or of the split
     part: tuple[int, int] | None = None  # (start, length) along `dim` of `key`: one of the tensors it is split into
     interleaved: bool = False  # `key` holds (gate, up) interleaved along `dim`: de-interleaved on read
+    unread: str = ""  # why the tensor cannot be read lazily (said when it is asked for)
 
 
 def _template(key: str, expert: str) -> str:
@@ -75,7 +74,9 @@ def checkpoint_map(model: nn.Module, keys: Iterable[str]) -> dict[str, Stored]:
             out[new] = Stored(key=items[0][1], dim=0, part=(0, meta[new].shape[0]))  # the padded rows dropped
             continue
         if not ops <= {MergeModulelist, Concatenate}:
-            raise M2DError(f"{new}: its checkpoint layout ({', '.join(sorted(o.__name__ for o in ops))}) is not read")
+            names = ", ".join(sorted(o.__name__ for o in ops))
+            out[new] = Stored(unread=f"{new}: its checkpoint layout ({names}) is not read; load the teacher whole")
+            continue
         templates = []
         for pattern in conv.source_patterns:
             first = next((k for p, k in items if p == pattern), None)

@@ -214,6 +214,8 @@ FAMILIES: dict[str, Family] = {
 def counts(config) -> Counts | None:
     """The config's parameter counts by arithmetic, or None for a model type this module does not know."""
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if c is not config:  # a vision-language model: its towers are counted on the meta device, with the rest
+        return None
     family = FAMILIES.get(getattr(c, "model_type", None))
     if family is None:
         return None

@@ -388,6 +388,7 @@ FAMILIES: tuple[Family, ...] = (
         "nemotron_h", scores="sigmoid", unstreamed="its model's forward reads each layer's block type"
     ),  # relu^2 experts without a gate: the student's MLPs have none either
     Family("qwen3_next"),
+    Family("qwen3_vl_moe_text", renormalized=True),
     Family(
         "qwen4_exp_text",
         renormalized=True,

@@ -7,9 +7,8 @@ import copy
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
 
-from m2d_ray.arch import ADAPTERS, family_of
+from m2d_ray.arch import auto_class, family_of, get_adapter
 from m2d_ray.arch.base import dense_from_mlp
 from m2d_ray.arch.counts import Counts, counts
 
@@ -23,15 +22,14 @@ def meta_model(config) -> nn.Module:
     key = f"{type(config).__name__}:{config.to_json_string(use_diff=False)}"
     if key not in _META:
         with torch.device("meta"):
-            _META[key] = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.bfloat16)
+            _META[key] = auto_class(config).from_config(copy.deepcopy(config), dtype=torch.bfloat16)
     return _META[key]
 
 
 def meta_counts(config) -> Counts:
     model = meta_model(config)
-    family = family_of(config)
-    adapter = ADAPTERS[family] if family is not None else None
-    layers = adapter.layers(model) if adapter is not None else model.base_model.layers
+    adapter = get_adapter(config) if family_of(config) is not None else None
+    layers = adapter.layers(model) if adapter is not None else model.get_decoder().layers
     blocks = adapter.moe_blocks(model) if adapter is not None else {}
     block = next(iter(blocks.values()), None)
     shared = adapter.shared(block) if block is not None else None

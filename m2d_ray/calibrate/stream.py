@@ -57,7 +57,7 @@ def should_stream(teacher, device: str, stream: bool | None = None, max_memory: 
         return stream
     budget = parse_size(max_memory) if max_memory is not None else free_memory(device)
     weights = teacher.nbytes()
-    return weights + weights // max(teacher.config.num_hidden_layers, 1) + RESERVE_BYTES > budget
+    return weights + weights // max(teacher.config.get_text_config().num_hidden_layers, 1) + RESERVE_BYTES > budget
 
 
 class HiddenStates:
@@ -176,7 +176,7 @@ def stream_layers(
             "(the whole teacher on one device)"
         )
     skel, layers = teacher.skeleton, teacher.adapter.layers(teacher.skeleton)
-    shapes = [(b.shape[0], b.shape[1], teacher.config.hidden_size) for b, _ in batches]
+    shapes = [(b.shape[0], b.shape[1], teacher.config.get_text_config().hidden_size) for b, _ in batches]
     spill = spill_above if spill_above is not None else free_memory("cpu") // 2
     store = HiddenStates(shapes, teacher.dtype, spill, spill_dir)
     try:
@@ -260,7 +260,7 @@ def final_hidden_streamed(teacher, ids: Tensor, batch_size: int, device: str, pr
     one decoder layer on `device` at a time: the targets pass of a teacher larger than its device."""
     mask = torch.ones_like(ids)
     batches = list(token_batches(ids, mask, batch_size))
-    last = teacher.config.num_hidden_layers - 1
+    last = teacher.config.get_text_config().num_hidden_layers - 1
     bar = console.bar((last + 2) * len(batches), "teacher (streamed)", "batch") if progress else tqdm(disable=True)
     norm = teacher.module(teacher.name_of(teacher.adapter.final_norm(teacher.skeleton))).to(device)
     try:

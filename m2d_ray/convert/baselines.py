@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from m2d_ray.arch import auto_class
 from m2d_ray.arch.base import DenseFFN
 from m2d_ray.catalog.methods import RANDOM_BASELINES
 from m2d_ray.convert.student import build_student, student_width
@@ -27,7 +28,7 @@ def dense_width(teacher) -> int:
 
 
 def _random_ffn(teacher, width: int, gen: torch.Generator) -> DenseFFN:
-    d = teacher.config.hidden_size
+    d = teacher.config.get_text_config().hidden_size
     std = float(getattr(teacher.config, "initializer_range", 0.02))
     layout = teacher.adapter.experts(next(iter(teacher.adapter.moe_blocks(teacher.skeleton).values())))
 
@@ -60,9 +61,7 @@ def random_ffn_student(teacher, seed: int = 0) -> PreTrainedModel:
 @RANDOM_BASELINES.register("random-init")
 def random_init_student(teacher, seed: int = 0) -> PreTrainedModel:
     """The student architecture with every weight freshly initialised (transformers' own init)."""
-    from transformers import AutoModelForCausalLM
-
     width = student_width(teacher.skeleton, teacher.adapter, dense_width(teacher))
     config = teacher.adapter.student_config(teacher.config, width)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=teacher.dtype).eval()
+    return auto_class(config).from_config(config, dtype=teacher.dtype).eval()

@@ -1,6 +1,6 @@
 """Export a dense student natively (`save_pretrained`) and prove it before declaring success.
 
-The saved directory is reloaded with `AutoModelForCausalLM.from_pretrained` (no custom code) and,
+The saved directory is reloaded with its auto class's `from_pretrained` (no custom code) and,
 for every MoE layer, the reloaded dense FFN is compared in float64 on random inputs with
 sum_g alpha_g f_g(h) (+ the shared experts), computed group by group from the teacher's weights (a
 lazy teacher reads each layer's grouped experts when that layer is checked).
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from m2d_ray.arch import auto_class
 from m2d_ray.arch.base import ExpertWeights, expert_outputs, rel_error
 from m2d_ray.artifacts import atomic_dir
 from m2d_ray.convert.build import merged_groups
@@ -68,7 +69,7 @@ def verify_student(
     """Relative error per MoE layer between the student's FFN and the reference (float64)."""
     gen = torch.Generator().manual_seed(seed)
     dtype = next(student.parameters()).dtype
-    d = student.config.hidden_size
+    d = student.config.get_text_config().hidden_size
     errors = {}
     layers = teacher.adapter.layers(student)
     for i in plan.layers:
@@ -100,17 +101,15 @@ def export_student(
     before the reload: a caller that passes it without keeping a reference
     (`export_student(build_from_plan(...), ...)`) holds one student at a time, not two.
     """
-    from transformers import AutoModelForCausalLM
-
     record: dict = {}
-    dtype, cls = next(student.parameters()).dtype, type(student).__name__
+    dtype, cls, auto = next(student.parameters()).dtype, type(student).__name__, auto_class(student.config)
     with atomic_dir(out, "student", overwrite) as tmp:
         student.save_pretrained(tmp)
         del student
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if plan is not None and teacher is not None:
-            reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype)
+            reloaded = auto.from_pretrained(tmp, dtype=dtype)
             if type(reloaded).__name__ != cls:
                 raise RuntimeError(f"reloaded as {type(reloaded).__name__}, expected {cls}")
             errors = verify_student(reloaded, teacher, plan)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from m2d_ray.arch import auto_class
 from m2d_ray.arch.base import DenseFFN, MoEAdapter
 
 if TYPE_CHECKING:
@@ -31,8 +32,6 @@ def build_student(teacher, ffns: dict[int, DenseFFN]) -> PreTrainedModel:
     layers' FFNs are read from it. Layers without an entry in `ffns` are the teacher's dense layers;
     every FFN is zero-padded to the widest one so the student has a single intermediate size.
     """
-    from transformers import AutoModelForCausalLM
-
     adapter, skeleton = teacher.adapter, teacher.skeleton
     layers = adapter.layers(skeleton)
     with_ffn = [i for i, layer in enumerate(layers) if adapter.ffn(layer) is not None]  # not a Mamba mixer's
@@ -44,7 +43,7 @@ def build_student(teacher, ffns: dict[int, DenseFFN]) -> PreTrainedModel:
     config = adapter.student_config(teacher.config, width)
     config.dtype = dtype
     with torch.device("meta"):
-        student = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        student = auto_class(config).from_config(config, dtype=dtype)
     state = {}
     for i, ffn in all_ffns.items():
         padded = ffn.pad_to(width)

@@ -23,10 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from transformers import AutoModelForCausalLM
 
 from m2d_ray import storage
-from m2d_ray.arch import family_of, get_adapter
+from m2d_ray.arch import auto_class, family_of, get_adapter
 from m2d_ray.config import DistillConfig
 from m2d_ray.convert.export import export_student
 from m2d_ray.data.text import load_text, tokenize
@@ -158,7 +157,7 @@ def _teacher_shape(name: str):
 
     config = model_config(name)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_class(config).from_config(config)
     return Teacher(
         name=name,
         model=model,
@@ -196,7 +195,8 @@ def _load_models(job: DistillJob, io: WorkerIO, dtype: torch.dtype):
     kwargs = {"dtype": dtype}
     if job.device == "cuda":
         kwargs["attn_implementation"] = attention_implementation()
-    student = AutoModelForCausalLM.from_pretrained(storage.local_model(job.student), **kwargs).to(job.device)
+    path = storage.local_model(job.student)
+    student = auto_class(model_config(path)).from_pretrained(path, **kwargs).to(job.device)
     checkpointing.apply(student, job.cfg.checkpointing, job.device)
     student.config.use_cache = False
     return teacher, head, student.train()

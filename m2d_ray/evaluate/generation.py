@@ -28,12 +28,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from m2d_ray import storage
+from m2d_ray.arch import auto_class
 from m2d_ray.config import AnalysisConfig
 from m2d_ray.evaluate.questions import TEMPLATE, UNTIL, Question, answer_part
-from m2d_ray.models import _source, load_model, load_tokenizer
+from m2d_ray.models import _source, load_model, load_tokenizer, model_config
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,7 @@ def load(model: str, device: str, placement=None):
     if placement is None or not placement.shard:
         return load_model(model, device=device)
     n = max(1, int(placement.gpus))
-    lm = AutoModelForCausalLM.from_pretrained(
+    lm = auto_class(model_config(model)).from_pretrained(
         _source(model),
         device_map="auto",
         max_memory=dict.fromkeys(range(n), placement.max_memory_per_gpu),

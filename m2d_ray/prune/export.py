@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from m2d_ray.arch.dense import DenseSizes, get_dense_adapter
 from m2d_ray.artifacts import atomic_dir
@@ -22,9 +23,6 @@ from m2d_ray.prune.importance import Importance
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-# Imported inside functions: transformers' model classes (seconds of modelling code; `m2d plan` reads this module
-# without building a model).
 
 INFO_FILE = "m2d_prune.json"
 IMPORTANCE_FILE = "importance.safetensors"
@@ -61,8 +59,6 @@ def candidates_table(rows: list[dict]) -> tuple[str, str]:
 
 def check_reloaded(path: Path, model: PreTrainedModel, sizes: DenseSizes) -> None:
     """The saved model reloads natively as the same class, at `sizes`, with every tensor bit for bit."""
-    from transformers import AutoModelForCausalLM
-
     reloaded = AutoModelForCausalLM.from_pretrained(path, dtype=next(model.parameters()).dtype)
     if type(reloaded) is not type(model):
         raise RuntimeError(f"reloaded as {type(reloaded).__name__}, expected {type(model).__name__}")

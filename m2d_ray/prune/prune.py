@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+from transformers import AutoModelForCausalLM
 
 from m2d_ray.arch.dense import (
     FFN,
@@ -34,9 +35,6 @@ from m2d_ray.prune.importance import Importance
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-# Imported inside functions: transformers' model classes (seconds of modelling code; `m2d plan` reads this module
-# without building a model).
 
 
 def check_sizes(config, sizes: DenseSizes) -> None:
@@ -107,8 +105,6 @@ def pruned_state(teacher: PreTrainedModel, adapter: DenseAdapter, keep: Keep) ->
 
 def prune(teacher: PreTrainedModel, sizes: DenseSizes, importance: Importance) -> PreTrainedModel:
     """The teacher pruned to `sizes` by `importance`: an instance of the teacher's own class, in eval mode."""
-    from transformers import AutoModelForCausalLM
-
     adapter = get_dense_adapter(teacher.config)
     check_sizes(teacher.config, sizes)
     keep = keep_sets(teacher.config, adapter, sizes, importance)

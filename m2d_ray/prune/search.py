@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+from transformers import AutoModelForCausalLM
 
 from m2d_ray import console
 from m2d_ray.arch.dense import DenseAdapter, DenseSizes, get_dense_adapter
@@ -36,9 +37,6 @@ from m2d_ray.prune.prune import PrunedSpec, prune
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-# Imported inside functions: transformers' model classes (seconds of modelling code; `m2d plan` reads this module
-# without building a model).
-
 MIN_CANDIDATES = 4
 #: (kind, hidden factor, heads factor, layers factor); the FFN width is solved for the budget
 MIXES = (
@@ -53,8 +51,6 @@ MIXES = (
 
 def count_params(config) -> int:
     """Parameters of a model of `config` (built on the meta device: nothing is allocated)."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return sum(p.numel() for p in model.parameters())
@@ -67,8 +63,6 @@ def sizes_params(config, adapter: DenseAdapter, sizes: DenseSizes) -> int:
 def moe_student_params(moe_teacher: str) -> int:
     """Parameters of the dense student that `m2d convert` builds from an MoE teacher at K = k (the matched
     budget of the dense-to-dense baseline), from the config alone: the teacher is built on the meta device."""
-    from transformers import AutoModelForCausalLM
-
     adapter, config = check_teacher(moe_teacher), model_config(moe_teacher)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
