@@ -9,13 +9,14 @@ keeps for its backward and what it recomputes there) and their compilation (`dis
     full       each layer keeps its input only and runs its whole forward again in the backward (a fourth forward)
 
 Applied through transformers' own checkpointing of each decoder layer (non-reentrant `torch.utils.checkpoint`), with
-SAC's policy as its `context_fn`, so the parameter names, save_pretrained and the checkpoints are the model's own, and
-a layer compiled on its own (distill.compile) traces its checkpoint as torch.compile's checkpoint operator.
+SAC's policy as its `context_fn`, so the parameter names, save_pretrained and the checkpoints are the model's own. A
+layer compiled on its own (distill.compile, `compile_layers`) moves that same checkpoint call inside its compiled
+function, as torchtitan does: Dynamo traces the checkpoint as its operator and applies SAC's policy at trace time.
 `auto` is decided by the plan before any work (pipeline.decide_checkpointing): the least recompute whose rank fits its
 device.
 
-`compile_layers` compiles each decoder layer on its own (torchtitan's per-block compile): one graph a layer, reused by
-all of them (the same code and shapes), the checkpoint inside it, and the output head and its exact KL left eager, so
+`compile_layers` compiles each decoder layer on its own (torchtitan's per-block compile): one graph a layer, the
+checkpoint inside it, and the output head and its exact KL left eager, so
 that the head's products keep their bfloat16 tensor-core path with float32 accumulation (numerics.py) instead of
 whatever a compiler makes of a float32 widening of a [V, d] head.
 """
@@ -114,10 +115,57 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def compile_layers(model: nn.Module, backend: str) -> int:
-    """torch.compile each decoder layer in place (its own `compile`, so names and state dicts are unchanged); the
-    number compiled."""
+#: the Dynamo setting under which a checkpointed layer's forward side effects are not replayed by its recompute
+#: (torch >= 2.10): transformers' forward sets a context variable (its kernel hub's active functions, its output
+#: capture) that Dynamo otherwise refuses inside the checkpoint ("HOP: Unsafe side effect": a graph break, and the
+#: layer runs eagerly). torchtitan sets it for the same reason; the set and reset pair in one forward: nothing is lost.
+SIDE_EFFECTS = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+
+
+def compose_problem() -> str | None:
+    """Why this torch cannot compile a checkpointed layer whole (one line), or None."""
+    import torch._dynamo  # a compiler is about to run: its config
+
+    if not hasattr(torch._dynamo.config, SIDE_EFFECTS):
+        return (
+            f"torch {torch.__version__} lacks torch._dynamo.config.{SIDE_EFFECTS}: transformers' forward side effect "
+            "breaks the compiled graph at the checkpoint, so a checkpointed layer runs eagerly"
+        )
+    return None
+
+
+def compile_layers(model: nn.Module, backend) -> int:
+    """torch.compile each decoder layer in place as torchtitan does: the checkpoint inside, the compile outside (the
+    checkpointed block is compiled, so Dynamo traces the checkpoint as its operator and applies SAC's policy at trace
+    time: `selective` stays selective, and the backward's recompute is compiled too). transformers' own checkpoint
+    of the layer (inside its forward from 5.24, around it in `__call__` before) is turned off and the same
+    `torch.utils.checkpoint` call, with the same arguments, is made inside the compiled function instead: on either
+    version the checkpoint sits inside one graph. Names and state dicts are unchanged (the module's own
+    `_compiled_call_impl`, as `nn.Module.compile`). The number compiled."""
+    import torch._dynamo  # a compiler runs here
+
+    if hasattr(torch._dynamo.config, SIDE_EFFECTS):
+        setattr(torch._dynamo.config, SIDE_EFFECTS, True)  # read when a layer is traced, at its first call
     layers = decoder_layers(model)
     for layer in layers:
-        layer.compile(backend=backend, dynamic=False)
+        ckpt = layer._gradient_checkpointing_func if layer.gradient_checkpointing else None
+        layer.gradient_checkpointing = False
+        layer._compiled_call_impl = torch.compile(_checkpointed(layer, ckpt), backend=backend, dynamic=False)
     return len(layers)
+
+
+def _checkpointed(layer: nn.Module, ckpt):
+    """The layer's call, inside `ckpt` (transformers' partial of torch.utils.checkpoint) when it trains with
+    gradients, as transformers checkpoints it (keyword arguments bound, tensors positional)."""
+    call = layer._call_impl
+    if ckpt is None:
+        return call
+
+    def run(*args, **kwargs):
+        if layer.training and torch.is_grad_enabled():
+            if kwargs.get("use_cache"):
+                kwargs["use_cache"] = False
+            return ckpt(functools.partial(call, **kwargs), *args)
+        return call(*args, **kwargs)
+
+    return run
