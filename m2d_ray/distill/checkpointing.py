@@ -24,21 +24,22 @@ whatever a compiler makes of a float32 widening of a [V, d] head.
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from m2d_ray.catalog.distill import AUTO, CHECKPOINTING
+from m2d_ray.catalog.distill import AUTO, CHECKPOINTING, ambiguous_down
 
 # Imported inside functions: transformers' modelling code (a worker that imports this module may build no model).
 
-#: the ops whose outputs SAC keeps: the matmuls (nn.Linear's at dispatch) and every attention kernel SDPA or
-#: flash-attn dispatches to on a GPU or a CPU; all others are recomputed
+#: the ops whose outputs SAC keeps: the matmuls (nn.Linear's at dispatch; not bmm: no Linear's backward needs a
+#: product's output) and every attention kernel SDPA or flash-attn dispatches to on a GPU or a CPU; all others are
+#: recomputed, and so is the FFN's down projection (`sac_policy`)
 _SAVED_NAMES = (
     "aten.mm.default",
     "aten.addmm.default",
-    "aten.bmm.default",
     "aten._scaled_dot_product_flash_attention.default",
     "aten._scaled_dot_product_efficient_attention.default",
     "aten._scaled_dot_product_cudnn_attention.default",
@@ -48,9 +49,14 @@ _SAVED_NAMES = (
 )
 
 
-@functools.cache
 def saved_ops() -> frozenset:
-    """The op overloads of `_SAVED_NAMES` this torch (and flash-attn, where it is installed) has."""
+    """The op overloads of `_SAVED_NAMES` this torch, and flash-attn where it is imported, has: looked up again once
+    flash-attn is imported (its ops exist only then), so a first call before its import does not leave it out."""
+    return _saved_ops("flash_attn" in sys.modules)
+
+
+@functools.cache
+def _saved_ops(flash_imported: bool) -> frozenset:
     found = set()
     for name in _SAVED_NAMES:
         namespace, op, overload = name.split(".")
@@ -61,9 +67,29 @@ def saved_ops() -> frozenset:
     return frozenset(found)
 
 
-def sac_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Keep the matmuls' and the attention's outputs; recompute everything else."""
-    return CheckpointPolicy.MUST_SAVE if op in saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+#: the matmul ops whose weight `sac_policy` reads to tell the down projection (the weight is the last argument)
+_MATMULS = ("aten.mm.default", "aten.addmm.default")
+
+
+def sac_policy(ctx, op, *args, down: tuple[int, int] | None = None, **kwargs) -> CheckpointPolicy:
+    """Keep the matmuls' and the attention's outputs, but the FFN's down projection (its transposed weight [ffn,
+    hidden] is `down`): only the residual add reads it, whose backward needs no input. Recompute everything else."""
+    if op not in saved_ops():
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if down is not None and str(op) in _MATMULS and tuple(args[-1].shape) == down:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE
+
+
+def down_projection(model: nn.Module) -> tuple[int, int] | None:
+    """The shape of the down projection's transposed weight as a matmul sees it, [ffn, hidden]; None where another
+    projection of the layer has the same shape (ffn = q width: the attention's output, ffn = hidden: the gate and up
+    projections; they cannot be told apart by shape, and the down projection is kept too: `ambiguous_down`)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    ffn, hidden = getattr(config, "intermediate_size", None), config.hidden_size
+    heads = config.num_attention_heads
+    q = heads * (getattr(config, "head_dim", None) or hidden // heads)
+    return None if not ffn or ambiguous_down(hidden, q, ffn) else (ffn, hidden)
 
 
 def _enable(model: nn.Module, kwargs: dict) -> None:
@@ -81,7 +107,8 @@ def _none(model: nn.Module) -> None:
 
 
 def _selective(model: nn.Module) -> None:
-    context = functools.partial(create_selective_checkpoint_contexts, sac_policy)
+    policy = functools.partial(sac_policy, down=down_projection(model))
+    context = functools.partial(create_selective_checkpoint_contexts, policy)
     _enable(model, {"use_reentrant": False, "context_fn": context})
 
 
