@@ -221,6 +221,8 @@ def lever_figures(r: dict) -> str:
         out.insert(0, f"platform ({r.get('checkpointing')}) peak {plan['platform']:.2f}x the plan's path")
     if r.get("attention"):
         out.append(f"attention: {r['attention']['implementation']} fastest")
+    if r.get("compile_note"):  # the compiled row is an eager one: said, so the table marks it
+        out.append(f"COMPILE DID NOT COMPOSE WITH CHECKPOINTING: {r['compile_note']}")
     out += [f"{n} left out ({why})" for n, why in (r.get("levers_skipped") or {}).items()]
     out += [
         f"{n.removeprefix('lever:')} left out, never attempted ({why})"

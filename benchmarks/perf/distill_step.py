@@ -399,6 +399,7 @@ def run_mode(
         "losses_agree": max((g for n, g in gaps.items() if n != "platform_fp32"), default=0.0) <= tol,
         "kernels_failed": failed,
         "attention": attention_choice(tps, gaps, tol, student0),
+        "compile_note": compile_note(names, cfg.checkpointing),
     }
 
 
@@ -463,6 +464,15 @@ def one_at_a_time(
         if progress:
             progress(path_figures(times, losses, peaks, failed, p))
     return times, losses, peaks, failed
+
+
+def compile_note(names: list[str], policy: str) -> str | None:
+    """Why a compiled path's checkpointed layers ran eagerly (distill.checkpointing.compose_problem), where one ran
+    under a checkpointing; None where compile and checkpoint composed."""
+    from m2d_ray.distill.checkpointing import compose_problem
+
+    compiled = [n for n in names if n in ("platform_compiled", "lever:compile")]
+    return compose_problem() if compiled and policy != "none" else None
 
 
 def path_figures(times: dict, losses: dict, peaks: dict, failed: dict, p: dict) -> dict:

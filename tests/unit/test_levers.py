@@ -222,3 +222,20 @@ def test_a_compiled_checkpointed_layer_is_one_graph_with_the_checkpoint_inside(p
         saved[pol] = len(list(forwards[0].graph.nodes)[-1].args[0])  # the forward's outputs: what backward keeps
     if policy == "selective":
         assert saved["none"] > saved["selective"] > saved["full"], saved
+
+
+def test_a_torch_that_cannot_compose_compile_and_checkpoint_says_so_and_the_table_marks_it(monkeypatch):
+    """Without Dynamo's setting for a checkpointed forward's side effects (torch < 2.10) a checkpointed layer would
+    break its graph and run eagerly: the lever says so in one line, and the GPU call's table marks the row."""
+    from benchmarks.gpu.acceptance import lever_figures
+    from benchmarks.perf.distill_step import compile_note
+
+    assert checkpointing.compose_problem() is None and compile_note(["lever:compile"], "selective") is None
+    monkeypatch.setattr(checkpointing, "SIDE_EFFECTS", "a_setting_this_torch_lacks")
+    line = checkpointing.compose_problem()
+    assert "lacks torch._dynamo.config.a_setting_this_torch_lacks" in line and "\n" not in line
+    assert compile_note(["lever:compile"], "none") is None  # nothing checkpointed: nothing to compose
+    note = compile_note(["platform", "lever:compile"], "full")
+    assert note == line
+    row = lever_figures({"platform_tokens_per_s": 1.0, "tokens_per_s": {}, "compile_note": note})
+    assert row == f"COMPILE DID NOT COMPOSE WITH CHECKPOINTING: {line}"
