@@ -151,7 +151,6 @@ SIDE_EFFECTS = "skip_fwd_side_effects_in_bwd_under_checkpoint"
 
 def compose_problem() -> str | None:
     """Why this torch cannot compile a checkpointed layer whole (one line), or None."""
-    import torch._dynamo  # a compiler is about to run: its config
 
     if not hasattr(torch._dynamo.config, SIDE_EFFECTS):
         return (
@@ -169,7 +168,6 @@ def compile_layers(model: nn.Module, backend) -> int:
     `torch.utils.checkpoint` call, with the same arguments, is made inside the compiled function instead: on either
     version the checkpoint sits inside one graph. Names and state dicts are unchanged (the module's own
     `_compiled_call_impl`, as `nn.Module.compile`). The number compiled."""
-    import torch._dynamo  # a compiler runs here
 
     if hasattr(torch._dynamo.config, SIDE_EFFECTS):
         setattr(torch._dynamo.config, SIDE_EFFECTS, True)  # read when a layer is traced, at its first call
