@@ -631,8 +631,13 @@ def checkpointing_of(p: dict, device: str, memory: int | None = None) -> tuple[s
         memory = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 141 * 10**9
     decided = paper_plan(memory)
     plans = {policy: paper_plan(memory, (f"distill.checkpointing={policy}",)) for policy in POLICIES}
-    for x in plans.values():  # what a P7 path holds itself of the rank the plan counts
+    for policy, x in plans.items():  # what a P7 path holds itself of the rank the plan counts
         x["path_bytes"] = sum(v for k, v in x["parts"].items() if k in PATH_PARTS)
+        if x["rank_bytes"] > x["capacity_bytes"]:  # its rank at the smaller micro-batches, the paper's sequence
+            x["rank_by_micro_batch"] = {
+                mb: paper_plan(memory, (f"distill.checkpointing={policy}", f"distill.batch_size={mb}"))["rank_bytes"]
+                for mb in range(p["batch"] - 1, 0, -1)
+            }
     return decided["checkpointing"], {"decided": decided, "policies": plans, "gpu_memory": memory}
 
 
@@ -647,8 +652,16 @@ def planned_levers(levers: list[str], policy: str, plans: dict) -> tuple[list[st
         if lever.startswith("ckpt:") and value == policy:
             skipped[lever] = "the platform's own checkpointing"
         elif plan and plan["rank_bytes"] > plan["capacity_bytes"]:
+            smaller = plan.get("rank_by_micro_batch") or {}
+            fits = [mb for mb, b in smaller.items() if b <= plan["capacity_bytes"]]
             skipped[lever] = (
                 f"the plan's rank needs {plan['rank_bytes'] / 2**30:.1f} GiB of {plan['capacity_bytes'] / 2**30:.1f}"
+                + (
+                    f"; at micro-batch {', '.join(f'{mb}: {b / 2**30:.1f}' for mb, b in smaller.items())}: "
+                    + (f"{max(fits)} would fit (the paths share the preset's)" if fits else "none fits")
+                    if smaller
+                    else ""
+                )
             )
         else:
             keep.append(lever)

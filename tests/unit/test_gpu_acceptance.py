@@ -198,6 +198,8 @@ def test_on_a_gpu_the_paper_student_runs_first_then_its_kernels_and_the_memory_p
         assert "reference" in paper["left_out"] and "GiB" in paper["left_out"]["reference"]  # never attempted
     h100, h200 = call["cards"]["H100 80 GB"]["parts"]["P7-paper"], call["cards"]["H200 141 GB"]["parts"]["P7-paper"]
     assert (h100["checkpointing"], h200["checkpointing"]) == ("full", "selective")
+    # SAC at the paper's shape on an H100: left out with its rank at every smaller micro-batch (none fits 80 GB)
+    assert "micro-batch 3:" in h100["left_out"]["ckpt:selective"] and "none fits" in h100["left_out"]["ckpt:selective"]
 
 
 def test_a_killed_smoke_keeps_the_figures_of_the_paths_it_finished(tmp_path):
