@@ -11,14 +11,18 @@ multiply in their own precision (float64 stays float64: the references the losse
 `tensor_cores` is the one seam of the CUDA-only branches: tests force it on `meta` tensors (autograd and the
 out_dtype ops' shape and dtype rules do not depend on the device), so those branches run on a CPU.
 
-The head stays eager under torch.compile: `logits` and the chunked losses (distill/losses.py) are
-`torch.compiler.disable`d, so a compiled caller's graph stops at the head (a graph break) and the head's products
-still take bfloat16 operands on the tensor cores. Traced, they would not: Dynamo's fake-tensor pass of torch 2.11
+The head stays eager under torch.compile: `logits` and the chunked losses (distill/losses.py) are `eager`, so a
+compiled caller's graph stops at the head (a graph break) and the head's products still take bfloat16 operands on the
+tensor cores. `eager` applies `torch.compiler.disable` when a compiler traces the call, not at import: the decorator
+imports torch._dynamo (1.35 s, as long as torch itself), which a process that compiles nothing (`m2d plan`, a Ray
+worker that imports the loss) never needs. Traced, they would not: Dynamo's fake-tensor pass of torch 2.11
 breaks on addmm(..., out_dtype=, out=) (seen on an H200, 2026-11-28), and widening the operands
 instead made the compiled path four float32 GEMMs with [V, d] float32 copies of the head.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -32,6 +36,19 @@ MM_OUT_DTYPE = TORCH_VERSION >= (2, 8)
 #: (pytorch#154086), so accumulating into a float32 `out` is a product then an add
 ADDMM_WIDE_SELF = (2, 10)
 LOW = (torch.bfloat16, torch.float16)
+
+
+def eager(fn):
+    """`fn`, never traced by torch.compile: called from a compiled caller, it is `torch.compiler.disable`d then (a
+    graph break; it runs eagerly), so importing it imports no torch._dynamo; called eagerly, it is `fn` itself."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():  # only ever true under Dynamo, which is imported by then
+            return torch.compiler.disable(fn)(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call
 
 
 def tensor_cores(t: Tensor) -> bool:
@@ -88,7 +105,7 @@ class _Logits(torch.autograd.Function):
         return (grad_h if ctx.needs_input_grad[0] else None), grad_w
 
 
-@torch.compiler.disable
+@eager
 def logits(h: Tensor, w: Tensor) -> Tensor:
     """The logits h [n, d] @ w [V, d].T in float32 (float64 for float64 operands), never rounded to a lower precision
     on the way: the KL and its gradient are differences of nearly equal distributions, and a bfloat16 logit of 20 is

@@ -80,7 +80,8 @@ def measured_file(results: dict, device: str | None, when: str) -> dict:
         run=dict(old.run),
         parts_s={
             **old.parts_s,
-            **{n: {k: x[k] for k in ("variant", "seconds")} for n, x in parts.items() if "variant" in x},
+            # a part's planned time from its last successful run only: a failure's seconds say nothing of its length
+            **{n: {k: x[k] for k in ("variant", "seconds")} for n, x in parts.items() if x.get("status") == "ok"},
         },
         attention=parts.get("P7-paper", {}).get("attention") or old.attention,
     )

@@ -71,6 +71,7 @@ STEP_PRESETS["paper"] = {
     "targets": "hidden",
     "checkpointing": "auto",
     "one_path_at_a_time": True,  # a path's optimizer state alone is ~60 GB: P7 runs its paths one after the other
+    "no_fp32_spread": True,  # its float32 step would need ~2x the memory: no spread path beside bf16-mixed
 }
 
 

@@ -89,19 +89,40 @@ class Share:
         return self.seconds - (time.monotonic() - self.started)
 
 
-def run_logged(cmd: list, log: Path, share: Share, cwd: Path | None = None, check: bool = True) -> tuple[int, str]:
+#: the command `run_logged` is running (empty between commands): what a call killed from outside ends first
+RUNNING: list[subprocess.Popen] = []
+
+
+def run_logged(
+    cmd: list,
+    log: Path,
+    share: Share,
+    cwd: Path | None = None,
+    check: bool = True,
+    poll: Callable[[], None] | None = None,
+    every_s: float = 2.0,
+) -> tuple[int, str]:
     """Run `cmd` in its own process group within its `share` of the budget: (exit status, stdout); stderr to LOG.log,
     stdout to LOG.out. Past the share the whole group is killed (TimedOut); a nonzero exit raises RuntimeError
-    naming the log, unless not `check`."""
+    naming the log, unless not `check`. `poll()` is called every `every_s` seconds while it runs (a caller rewriting
+    what it has so far)."""
     cmd = [str(c) for c in cmd]
     print("$ " + " ".join(cmd), flush=True)
     with open(f"{log}.log", "w") as err, open(f"{log}.out", "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=cwd, start_new_session=True)
+        RUNNING.append(proc)
         try:
-            rc = proc.wait(timeout=max(1.0, share.left()))
-        except subprocess.TimeoutExpired:
-            kill_group(proc)
-            raise TimedOut(f"killed after {share.seconds:.0f} s (the part's share of the budget)") from None
+            while True:
+                try:
+                    rc = proc.wait(timeout=max(0.1, min(every_s if poll else 1e9, share.left())))
+                    break
+                except subprocess.TimeoutExpired:
+                    if poll is None or share.left() <= 0.1:
+                        kill_group(proc)
+                        raise TimedOut(f"killed after {share.seconds:.0f} s (the part's share of the budget)") from None
+                    poll()
+        finally:
+            RUNNING.remove(proc)
     stdout = Path(f"{log}.out").read_text()
     if rc and check:
         raise RuntimeError(f"`{' '.join(cmd[:4])} ...` exited {rc}; see {log}.log")

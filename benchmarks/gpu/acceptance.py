@@ -42,6 +42,16 @@ call goes on.
 Each part's benchmark writes its figures to WORK/logs/PART.json (--json-out, rewritten as it goes: a part killed
 for its time keeps what it finished), not to be read back from its output.
 
+Paths. A P7 part's paths run one at a time where the card cannot hold them together (the paper student's, the head's:
+its plain loop's logits alone are ~56 GiB); a path whose planned peak (`m2d plan`'s rank for it) is over the card is
+left out and said with that peak, never attempted; a path that fails (the plain loop included) is said in one line
+and the part keeps the others' figures. `--plan-only` prints every path per card (H100 80 GB, H200 141 GB) with its
+planned peak and seconds.
+
+Nothing is lost to a kill: WORK/table.md and WORK/results.json are rewritten after every part and, while a P7 part
+runs, after every path it finishes; the call's own alarm at --budget-s + 20 s (under the device's limit) or a SIGTERM
+ends the running part's process group and writes what finished (exit 3).
+
 Output: one table at the end (also WORK/table.md), every figure in WORK/results.json, logs in WORK/logs, and on a GPU
 WORK/measured_gpu.json: m2d_ray/measured_gpu.json as this call measured it (plan.efficiency per targets mode, the
 fastest exact kernel per mode for distill.kl_kernel=auto, the run's walls and the start-ups fit on them, each part's
@@ -57,20 +67,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from workshop.measured_write import accelerator_of, measured_file, prior
-from workshop.time_budget import Part, Share, TimedOut, Variant, plan, run_logged
+from workshop.time_budget import RUNNING, Part, Share, TimedOut, Variant, kill_group, plan, run_logged
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 M2D = [PY, "-m", "m2d_ray.cli"]
 RESERVE_S = 15.0  # the table, results and efficiency files after the last part
+CALL_GRACE_S = 20.0  # past --budget-s by this much the call kills its part and stops (SIGALRM): under the device limit
 FULL = dict(
     d=2048, I=768, E=128, k=8, heads=32, kv_heads=4, head_dim=128, dtype="bfloat16"
 )  # Qwen3-30B-A3B's layer shapes
@@ -87,6 +100,8 @@ class Ctx:
     deadline: float
     timeout_s: float = 0.0  # the running part's, from `started`
     started: float = 0.0
+    progress: object = None  # (log) -> None: rewrites results.json and table.md with what the running part has so far
+    log: str = ""  # the running command's log name
 
     @property
     def logs(self) -> Path:
@@ -104,7 +119,9 @@ class Ctx:
 
     def sh(self, cmd: list, log: str, check: bool = True) -> tuple[int, str]:
         """`cmd` within the running part's timeout, logged under logs/ (`time_budget.run_logged`)."""
-        return run_logged(cmd, self.logs / log, Share(self.timeout_s, self.started), REPO, check)
+        self.log = log
+        poll = (lambda: self.progress(log)) if self.progress else None
+        return run_logged(cmd, self.logs / log, Share(self.timeout_s, self.started), REPO, check, poll)
 
 
 def json_lines(text: str) -> list[dict]:
@@ -128,8 +145,9 @@ def run_p7(ctx: Ctx, v: Variant) -> dict:
     log = name.lower().replace("-", "_")
     cmd = [PY, "-m", "benchmarks.perf.distill_step", "--preset", a["preset"], "--targets", a["targets"]]
     keys = ("paths", "kernels", "levers", "steps", "warmup", "threads", "precision", "meta_rehearsal")
-    cmd += [x for k in keys if k in a for x in (f"--{k.replace('_', '-')}", a[k])]
+    cmd += [f"--{k.replace('_', '-')}={a[k]}" for k in keys if k in a]  # `=`: an empty value (kernels "") stays one
     cmd += ["--one-path-at-a-time"] if a.get("one_path_at_a_time") else []
+    cmd += ["--no-fp32-spread"] if a.get("no_fp32_spread") else []
     ctx.json_out(log).unlink(missing_ok=True)
     try:
         rc, _ = ctx.sh([*cmd, "--json-out", ctx.json_out(log)], log, check=False)
@@ -142,8 +160,7 @@ def run_p7(ctx: Ctx, v: Variant) -> dict:
     final = got.get("final")
     modes = final["targets"] if final else got.get("modes", {})
     device = final["device"] if final else gpu_name() if ctx.cuda else None
-    rows = [(f"{name} {m}", p7_figures(r)) for m, r in modes.items()]
-    rows += [(f"{name} {m} levers", lever_figures(r)) for m, r in modes.items() if lever_figures(r)]
+    rows = p7_rows(name, got)
     rehearsal = got.get("meta_rehearsal")
     if rehearsal:
         rows.insert(0, (f"{name} meta", f"the head's GPU branch on meta tensors: {rehearsal}"))
@@ -159,10 +176,30 @@ def run_p7(ctx: Ctx, v: Variant) -> dict:
         "kl_kernel": {
             m: {"kernel": r["kl_kernel"], "device": device, **r["measured_at"]}
             for m, r in modes.items()
-            if m in ("online", "hidden") and name != "P7-paper"  # the paper part runs chunked (kernels: P7-head)
+            if m in ("online", "hidden")
+            and name != "P7-paper"
+            and r.get("kl_kernel")  # the paper part runs chunked (kernels: P7-head)
         },
         "attention": next((r["attention"] for r in modes.values() if r.get("attention")), None),
     }
+
+
+def p7_rows(name: str, got: dict) -> list[tuple[str, str]]:
+    """The table's rows of a P7 child's figures (its --json-out): per finished mode its figures and its levers'; the
+    paths the plan left out (never attempted); the paths of a mode still running (or killed) that finished."""
+    final = got.get("final")
+    modes = final["targets"] if final else got.get("modes", {})
+    rows = [(f"{name} {m}", p7_figures(r)) for m, r in modes.items()]
+    rows += [(f"{name} {m} levers", lever_figures(r)) for m, r in modes.items() if lever_figures(r)]
+    running = got.get("running")
+    if running and running.get("mode") not in modes:
+        done = ", ".join(f"{n} {t:,.0f} tok/s" for n, t in running.get("tokens_per_s", {}).items())
+        failed = "".join(f"; {n} FAILED ({why})" for n, why in (running.get("paths_failed") or {}).items())
+        rows.append((f"{name} {running['mode']} (unfinished)", f"paths finished: {done or 'none'}{failed}"))
+    left = got.get("paths_left_out") or {}
+    if left and not modes:
+        rows.append((f"{name} left out", "; ".join(f"{n}: {why}" for n, why in left.items())))
+    return rows
 
 
 def lever_figures(r: dict) -> str:
@@ -174,7 +211,7 @@ def lever_figures(r: dict) -> str:
     out = [
         f"{n.removeprefix('lever:')} {t:,.0f} tok/s ({t / base:.2f}x"
         + (f", MFU {sheet[n]:.1%} of the data sheet" if n in sheet else "")
-        + f", gap {r['gap'][n]:.1e}"
+        + f", gap {r['gap'].get(n, math.nan):.1e}"
         + (f", peak {plan[n]:.2f}x the plan" if n in plan else "")
         + ")"
         for n, t in r.get("tokens_per_s", {}).items()
@@ -184,7 +221,14 @@ def lever_figures(r: dict) -> str:
         out.insert(0, f"platform ({r.get('checkpointing')}) peak {plan['platform']:.2f}x the plan's path")
     if r.get("attention"):
         out.append(f"attention: {r['attention']['implementation']} fastest")
+    if r.get("compile_note"):  # the compiled row is an eager one: said, so the table marks it
+        out.append(f"COMPILE DID NOT COMPOSE WITH CHECKPOINTING: {r['compile_note']}")
     out += [f"{n} left out ({why})" for n, why in (r.get("levers_skipped") or {}).items()]
+    out += [
+        f"{n.removeprefix('lever:')} left out, never attempted ({why})"
+        for n, why in (r.get("paths_left_out") or {}).items()
+        if n.startswith("lever:")
+    ]
     return "; ".join(out)
 
 
@@ -205,7 +249,7 @@ def p7_figures(r: dict) -> str:
         return f"{x:.2f}x" if x else "-"
 
     kernels = "; ".join(
-        f"{n.partition(':')[2] or 'compiled student'} {t:,.0f} tok/s (gap {r['gap'][n]:.1e}"
+        f"{n.partition(':')[2] or 'compiled student'} {t:,.0f} tok/s (gap {r['gap'].get(n, math.nan):.1e}"
         + (f", step peak {r['peak_step_bytes'][n] / 2**30:.1f} GiB" if r.get("peak_step_bytes") else "")
         + ")"
         for n, t in r.get("tokens_per_s", {}).items()
@@ -213,6 +257,9 @@ def p7_figures(r: dict) -> str:
     )
     agree = "" if r.get("losses_agree", True) else "; LOSS TRAJECTORIES DIFFER"
     agree += "".join(f"; {n} FAILED ({why})" for n, why in (r.get("kernels_failed") or {}).items())
+    agree += "".join(
+        f"; {n} left out ({why})" for n, why in (r.get("paths_left_out") or {}).items() if "lever" not in n
+    )
     share = ""
     if r.get("head_kl_s"):
         share = f"head + KL {r['head_kl_s'] * 1e3:.1f} ms = {r['head_kl_share']:.0%} of the step; "
@@ -223,7 +270,7 @@ def p7_figures(r: dict) -> str:
         f"{ratio(r.get('deepspeed_ratio'))}; MFU {pct(r.get('mfu'))} of the measured matmul rate, "
         f"{pct(r.get('mfu_datasheet'))} of the data sheet (loop {pct(r.get('reference_mfu'))}, "
         f"{pct(r.get('reference_mfu_datasheet'))}); {share}"
-        f"kernels: {kernels or 'chunked only'} -> auto: {r.get('kl_kernel', 'chunked')}{spread}{agree}"
+        f"kernels: {kernels or 'chunked only'} -> auto: {r.get('kl_kernel') or '-'}{spread}{agree}"
     )
 
 
@@ -519,6 +566,8 @@ P7_PAPER_SMOKE = {
     "paths": "platform,reference",
     "levers": "ckpt:selective",
     "one_path_at_a_time": True,
+    "no_fp32_spread": True,
+    "kernels": "",
     "threads": 1,
     "precision": "bf16-mixed",
     "steps": "3",
@@ -530,6 +579,7 @@ P7_HEAD_SMOKE = {
     "preset": "smoke",
     "targets": "online",
     "paths": "platform,reference",
+    "one_path_at_a_time": True,
     "threads": 1,
     "precision": "bf16-mixed",
     "meta_rehearsal": "head",
@@ -556,6 +606,11 @@ def measured(part: str, label: str, guess: float, args: dict) -> Variant:
     return Variant(label, prior(part, label, guess), args)
 
 
+#: the paper part's levers: each checkpointing (the platform's own and those the plan says do not fit are left out by
+#: P7 itself) and the compiled layers
+PAPER_LEVERS = "ckpt:none,ckpt:selective,ckpt:full,compile"
+#: the head part's paths one after the other: the plain loop's [tokens x vocabulary] logits alone peak at ~56 GiB
+ONE_AT_A_TIME = {"one_path_at_a_time": True}
 PAPER_FULL = "paper preset (48 x 2048, V 151,936, 4 x 4096 tokens), hidden, platform + plain loop + levers, 2 + 4 steps"
 PAPER_SHORT = "paper preset, hidden, platform + plain loop + compiled layers, 1 + 3 steps"
 HEAD_FULL = (
@@ -618,7 +673,16 @@ def parts(cuda: bool, gpus: int) -> list[Part]:
     paths = "platform,platform_deepspeed,reference"
     head = "online,hidden"
     head_paths = "platform,reference"  # + platform_fp32 and every kernel, added by P7 itself
-    paper = {"name": "P7-paper", "preset": "paper", "targets": "hidden", "paths": "platform,reference"}
+    # the paper part runs the platform's own kernel (chunked: `kernels` empty; P7-head chooses among kernels) and
+    # the levers that change something the platform does not already run (its attention is SDPA's: no attn lever)
+    paper = {
+        "name": "P7-paper",
+        "preset": "paper",
+        "targets": "hidden",
+        "paths": "platform,reference",
+        "kernels": "",
+        "levers": PAPER_LEVERS,
+    }
     return [
         Part(
             "P7-paper",
@@ -637,7 +701,7 @@ def parts(cuda: bool, gpus: int) -> list[Part]:
                     "P7-head",
                     HEAD_FULL,
                     150,
-                    {"name": "P7-head", "preset": "head", "targets": head, "paths": head_paths},
+                    {"name": "P7-head", "preset": "head", "targets": head, "paths": head_paths, **ONE_AT_A_TIME},
                 ),
                 measured(
                     "P7-head",
@@ -650,6 +714,7 @@ def parts(cuda: bool, gpus: int) -> list[Part]:
                         "paths": head_paths,
                         "warmup": 1,
                         "steps": 3,
+                        **ONE_AT_A_TIME,
                     },
                 ),
             ),
@@ -659,8 +724,8 @@ def parts(cuda: bool, gpus: int) -> list[Part]:
             "memory",
             True,
             (
-                Variant("all cases, mid sizes", 300, {"flags": []}),  # --small took 125 s, twice its guess
-                Variant("all cases, --small", 60, {"flags": ["--small"]}),
+                measured("memory", "all cases, mid sizes", 300, {"flags": []}),
+                measured("memory", "all cases, --small", 125, {"flags": ["--small"]}),  # what it took (guessed 60)
             ),
             run_memory,
         ),
@@ -756,11 +821,7 @@ def main(argv=None) -> int:
         child_calibrate(a)
         return 0
     if a.plan_only is not None:
-        todo = parts(cuda=True, gpus=a.plan_only)
-        choice, lines = plan(todo, a.budget_s - RESERVE_S)
-        print(
-            json.dumps({"parts": [asdict(x) | {"run": x.run.__name__} for x in todo], "choice": choice, "lines": lines})
-        )
+        print(json.dumps(plan_only(a.plan_only, a.budget_s)))
         return 0
     t0 = time.monotonic()
     import torch
@@ -781,16 +842,63 @@ def main(argv=None) -> int:
                 f"{', '.join(x.name for x in todo)}"
             )
         todo = [x for x in todo if x.name in names]
-    elif a.cpu_smoke:  # the optional parts have tests of their own (test_plan_measured.py, test_calibrate.py)
-        print("cpu smoke: the required parts; name memory and P5 in --parts to run them too", flush=True)
-        todo = [x for x in todo if x.required]
     ctx = Ctx(Path(a.work), cuda, a.cpu_smoke, t0 + a.budget_s)
     ctx.logs.mkdir(parents=True, exist_ok=True)
-    (ctx.work / "measured_gpu.json").unlink(missing_ok=True)
+    for name in ("measured_gpu.json", "results.json", "table.md"):
+        (ctx.work / name).unlink(missing_ok=True)
     env = f"torch {torch.__version__}, " + (
         gpu_name() + f" x {torch.cuda.device_count()}" if cuda else "CPU smoke (tiny shapes)"
     )
     rows, results, bad = [], {"env": env, "budget_s": a.budget_s, "parts": {}}, False
+    running: dict = {}  # the part running now: name, variant, and the rows of what it has so far
+
+    def write_out(note: str = "") -> list[str]:
+        """table.md and results.json as they stand (after every part, while one runs, and when the call is killed)."""
+        total = time.monotonic() - t0
+        now = list(rows)
+        if running:
+            now += [(n, running["variant"], "", "", "running", fig) for n, fig in running.get("rows", [])]
+        table = [
+            f"# GPU acceptance ({env}); {total:.0f} s of a {a.budget_s:.0f}-s budget{note}; logs in {ctx.logs}",
+            "",
+            "| part | variant | planned s | s | status | figures |",
+            "|---|---|---:|---:|---|---|",
+        ]
+        table += [f"| {' | '.join(map(str, r))} |" for r in now]
+        out = {**results, "seconds": total}
+        if running:
+            out["running"] = {k: v for k, v in running.items() if k not in ("rows", "p7")}
+        (ctx.work / "table.md.tmp").write_text("\n".join(table) + "\n")
+        (ctx.work / "results.json.tmp").write_text(json.dumps(out, indent=1, default=str))
+        (ctx.work / "table.md.tmp").replace(ctx.work / "table.md")
+        (ctx.work / "results.json.tmp").replace(ctx.work / "results.json")
+        return table
+
+    def progress(log: str) -> None:  # a P7 child's figures so far, path by path
+        got = ctx.figures(log) if ctx.json_out(log).exists() else {}
+        if got and running.get("p7"):
+            running["rows"], running["figures"] = p7_rows(running["name"], got), got
+            write_out()
+
+    def killed(signum, frame) -> None:  # the call's own deadline (SIGALRM) or a kill from outside (SIGTERM)
+        for proc in list(RUNNING):
+            kill_group(proc)
+        if running and ctx.log:
+            progress(ctx.log)  # what the child wrote last
+        if running:
+            results["parts"][running["name"]] = {
+                "variant": running["variant"],
+                "status": f"KILLED ({signal.Signals(signum).name})",
+                "partial": running.get("figures"),
+            }
+        write_out(f"; KILLED by {signal.Signals(signum).name}")
+        print(f"gpu_acceptance: killed by {signal.Signals(signum).name}; figures so far in {ctx.work}", flush=True)
+        os._exit(3)
+
+    signal.signal(signal.SIGTERM, killed)
+    signal.signal(signal.SIGALRM, killed)
+    signal.alarm(int(a.budget_s + CALL_GRACE_S))  # the call's own timeout, under the device's limit
+    ctx.progress = progress
     while todo:
         left = ctx.deadline - time.monotonic() - RESERVE_S
         choice, lines = plan(todo, left)
@@ -799,10 +907,14 @@ def main(argv=None) -> int:
         if part.name not in choice:
             rows.append((part.name, "-", "-", "-", "skipped", lines[0].split(": ", 1)[1]))
             results["parts"][part.name] = {"status": "skipped", "why": lines[0]}
+            write_out()
             continue
         v = part.variants[choice[part.name]]
         later = sum(x.variants[-1].est_s for x in todo if x.required and x.name in choice)
         ctx.timeout_s, ctx.started = max(1.0, left - later), time.monotonic()
+        running.clear()
+        running.update(name=part.name, variant=v.label, p7=part.run is run_p7)
+        ctx.log = ""
         print(f"== {part.name}: {v.label} (estimate ~{v.est_s:.0f} s, timeout {ctx.timeout_s:.0f} s) ==", flush=True)
         try:
             res = part.run(ctx, v)
@@ -811,6 +923,9 @@ def main(argv=None) -> int:
             res, status = {"rows": [(part.name, "-")]}, f"TIMED OUT: {exc}"
         except Exception as exc:  # a part's failure is recorded; the call goes on with the next
             res, status = {"rows": [(part.name, "-")]}, f"FAILED: {type(exc).__name__}: {str(exc).strip()[:300]}"
+        if res["rows"] == [(part.name, "-")] and running.get("rows"):
+            res["rows"] = running["rows"]  # a part killed for its time keeps the paths it finished
+        running.clear()
         secs = time.monotonic() - ctx.started
         bad |= status != "ok"
         results["parts"][part.name] = {
@@ -825,16 +940,9 @@ def main(argv=None) -> int:
                 (name, v.label, f"{v.est_s:.0f}", f"{secs:.0f}", status, fig) if i == 0 else (name, "", "", "", "", fig)
             )
         print(f"[{part.name}] {status} in {secs:.0f} s", flush=True)
-    total = time.monotonic() - t0
-    table = [
-        f"# GPU acceptance ({env}); {total:.0f} s of a {a.budget_s:.0f}-s budget; logs in {ctx.logs}",
-        "",
-        "| part | variant | planned s | s | status | figures |",
-        "|---|---|---:|---:|---|---|",
-    ]
-    table += [f"| {' | '.join(map(str, r))} |" for r in rows]
-    (ctx.work / "table.md").write_text("\n".join(table) + "\n")
-    (ctx.work / "results.json").write_text(json.dumps({**results, "seconds": total}, indent=1, default=str))
+        write_out()
+    signal.alarm(0)
+    table = write_out()
     if cuda:  # the figures the code reads, in its own form: copy over m2d_ray/measured_gpu.json
         when = time.strftime("%Y-%m-%d")
         file = measured_file(results, gpu_name(), when)
@@ -842,6 +950,86 @@ def main(argv=None) -> int:
         print(f"measured: {ctx.work / 'measured_gpu.json'} (copy it over m2d_ray/measured_gpu.json)", flush=True)
     print("\n" + "\n".join(table), flush=True)
     return 1 if bad else 0
+
+
+#: the cards the call is planned for (`--plan-only`): name -> memory in bytes
+CARDS = {"H100 80 GB": 80 * 10**9, "H200 141 GB": 141 * 10**9}
+
+
+def plan_only(gpus: int, budget_s: float) -> dict:
+    """The GPU call's plan without running anything, for each card: the parts and the variants the budget keeps, and
+    for every P7 part each path it would run with its planned peak (the paper student's from `m2d plan`; the head's
+    plain loop from its logits) and time (the variant's estimate shared among its paths), and each path left out
+    (never attempted) with its planned peak; whether the whole call fits the budget and no path exceeds its card."""
+    todo = parts(cuda=True, gpus=gpus)
+    choice, lines = plan(todo, budget_s - RESERVE_S)
+    cards = {}
+    for card, memory in CARDS.items():
+        per = {}
+        for part in todo:
+            if part.name not in choice or part.run is not run_p7:
+                continue
+            v = part.variants[choice[part.name]]
+            per[part.name] = {"variant": v.label, **p7_path_plan(v.args, memory, v.est_s)}
+        planned = sum(x.variants[choice[x.name]].est_s for x in todo if x.name in choice)
+        over = [f"{p} {n}" for p, x in per.items() for n, b in x["paths"].items() if b["peak_bytes"] > memory]
+        cards[card] = {
+            "memory_bytes": memory,
+            "parts": per,
+            "planned_s": planned,
+            "fits_budget": planned <= budget_s - RESERVE_S,
+            "paths_over_card": over,
+        }
+        print(f"== {card}: {planned:.0f} s planned of {budget_s - RESERVE_S:.0f} s ==", file=sys.stderr)
+        for p, x in per.items():
+            for n, b in x["paths"].items():
+                print(f"  {p} {n}: peak {b['peak_bytes'] / 2**30:.1f} GiB, ~{b['seconds']:.0f} s", file=sys.stderr)
+            for n, why in x["left_out"].items():
+                print(f"  {p} {n}: left out ({why})", file=sys.stderr)
+    return {
+        "parts": [asdict(x) | {"run": x.run.__name__} for x in todo],
+        "choice": choice,
+        "lines": lines,
+        "cards": cards,
+    }
+
+
+def p7_path_plan(args: dict, memory: int, est_s: float) -> dict:
+    """A P7 variant's paths on a card of `memory` bytes: the paths it would run (planned peak, seconds: the variant's
+    estimate shared among them) and those left out with why. The paper preset's from `m2d plan` (distill_step's own
+    planning); the head preset's plain loop from its whole logits (REFERENCE_LOGITS float32 [tokens x vocabulary]
+    buffers), its other paths from the chunked KL's buffers and the 2-layer student's training state."""
+    from benchmarks.perf.distill_step import (
+        REFERENCE_LOGITS,
+        checkpointing_of,
+        fitting_paths,
+        path_peaks,
+        planned_levers,
+    )
+    from workshop.random_models import STEP_PRESETS
+
+    p = STEP_PRESETS[args["preset"]]
+    names = [n for n in args.get("paths", "").split(",") if n]
+    policy, plans = checkpointing_of(p, "cuda", memory)
+    levers, skipped = planned_levers([lv for lv in args.get("levers", "").split(",") if lv], policy, plans)
+    every = names + [f"lever:{lv}" for lv in levers]
+    kernels = [k for k in args.get("kernels", "").split(",") if k] if "kernels" in args else ["liger"]
+    if plans:
+        peaks = path_peaks(every, plans, p, policy)
+        kept, left = fitting_paths(every, peaks, plans)
+    else:  # no plan of the head preset: its [tokens x vocabulary] buffers, which dominate it
+        every += ["platform_fp32"] + [f"platform:{k}" for k in kernels]
+        nv = p["batch"] * p["seq_len"] * p["vocab"] * 4
+        student = 16 * (2 * p["vocab"] * p["hidden"] + 12 * p["layers"] * p["hidden"] ** 2)  # weights + Adam
+        peaks = {
+            n: int((REFERENCE_LOGITS * nv if n == "reference" else 2 * 1024 * p["vocab"] * 4) + student) for n in every
+        }
+        kept, left = [n for n in every if peaks[n] <= memory], {}
+        left = {n: f"planned peak {peaks[n] / 2**30:.1f} GiB over the card" for n in every if n not in kept}
+    modes = len([t for t in args.get("targets", "").split(",") if t])
+    share = est_s / max(1, len(kept) * max(1, modes))
+    paths = {n: {"peak_bytes": peaks[n], "seconds": share} for n in kept}
+    return {"checkpointing": policy, "paths": paths, "left_out": {**skipped, **left}}
 
 
 if __name__ == "__main__":

@@ -273,8 +273,8 @@ def attention_choice(tps: dict, gaps: dict, tol: float, student0) -> dict | None
     """The student's attention implementation whose step was fastest among the platform's own and the `attn:` levers
     that agree with it (what distill/gpu.py's attention_implementation reads back from measured_gpu.json on the same
     card); None where no attention lever ran."""
-    ran = {n: n.removeprefix("lever:attn:") for n in tps if n.startswith("lever:attn:") and gaps[n] <= tol}
-    if not ran:
+    ran = {n: n.removeprefix("lever:attn:") for n in tps if n.startswith("lever:attn:") and gaps.get(n, 1.0) <= tol}
+    if not ran or "platform" not in tps:
         return None
     ran["platform"] = student0.config._attn_implementation
     best = max(ran, key=tps.get)
@@ -316,10 +316,21 @@ def default_levers(device: str) -> str:
 
 
 def run_mode(
-    text: str, p: dict, teacher, student0, ids: list, cfg, names: list[str], precision, kernels, levers=()
+    text: str,
+    p: dict,
+    teacher,
+    student0,
+    ids: list,
+    cfg,
+    names: list[str],
+    precision,
+    kernels,
+    levers=(),
+    progress=None,
 ) -> dict:
     """One targets mode: every path from the same initial student on the same batches, in turns (or one path after
-    the other where the preset holds one at a time: the paper student's); its figures."""
+    the other where the preset holds one at a time: the paper student's); its figures. `progress(figures)` is told
+    each path's figures as it finishes (one path at a time: a caller killed later keeps them)."""
     from m2d_ray.distill.targets import parse_targets
 
     device = p["device"]
@@ -334,13 +345,13 @@ def run_mode(
     low = precision.dtype != torch.float32
     spread_path = low  # the bf16 path's own spread against float32 admits kernels
     names = [n for n in names if n in make] + [n for n in make if n.startswith(("platform:", "lever:"))]
-    # bf16-mixed's spread (its step in float32) admits kernels; not at a preset that holds one path at a time (the
-    # paper student's float32 step needs ~2x its memory: its levers are held to the tolerance, and on the CPU to the
+    # bf16-mixed's spread (its step in float32) admits kernels; not at the paper preset (`no_fp32_spread`: the paper
+    # student's float32 step needs ~2x its memory: its levers are held to the tolerance, and on the CPU to the
     # spread by tests/unit/test_levers.py)
-    spread_path = spread_path and not p.get("one_path_at_a_time")
+    spread_path = spread_path and not p.get("no_fp32_spread")
     names += ["platform_fp32"] if spread_path and "platform_fp32" not in names else []
     run = one_at_a_time if p.get("one_path_at_a_time") else in_turns
-    times, losses, peaks, failed = run(names, make, student0, batches, p)
+    times, losses, peaks, failed = run(names, make, student0, batches, p, progress or (lambda figures: None))
     names = [n for n in names if n not in failed]
     del batches
     gc.collect()
@@ -348,24 +359,29 @@ def run_mode(
         torch.cuda.empty_cache()
     tokens = p["batch"] * p["seq_len"]
     tps = {n: tokens / statistics.median(ts) for n, ts in times.items()}
-    gaps = {n: trajectory_gap(losses[n], losses["platform"]) for n in names}
+    base = "platform" if "platform" in losses else None  # a failed platform leaves the others' speed, no gap
+    gaps = {n: trajectory_gap(losses[n], losses[base]) for n in names} if base else {}
     spread = gaps.get("platform_fp32") if spread_path else None
     tol = 2e-2 if low else 1e-4  # what every path must agree within (else exit 1)
-    admit = spread if spread_path else tol  # what a kernel must agree within to be chosen: bf16's own spread
-    agreeing = [n for n in names if n == "platform" or (n.startswith("platform:") and gaps[n] <= admit)]
-    best = max(agreeing, key=tps.get)
-    head_s = head_kl_seconds(p, cfg, precision, student0, teacher, make_kernel(cfg.kl_kernel), device)
+    admit = spread if spread_path and spread is not None else tol  # a kernel's admission: bf16's own spread
+    agreeing = [n for n in gaps if n == "platform" or (n.startswith("platform:") and gaps[n] <= admit)]
+    best = max(agreeing, key=tps.get) if agreeing else None
+    try:
+        head_s = head_kl_seconds(p, cfg, precision, student0, teacher, make_kernel(cfg.kl_kernel), device)
+    except Exception as e:  # noqa: BLE001 - the head's own timing is one more figure, not the part's
+        failed["head_kl"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:240]}"
+        head_s = None
     return {
         "mode": text,
         "platform_tokens_per_s": tps.get("platform"),
         "platform_deepspeed_tokens_per_s": tps.get("platform_deepspeed"),
         "reference_tokens_per_s": tps.get("reference"),
-        "ratio": tps["platform"] / tps["reference"] if "reference" in tps else None,
+        "ratio": tps["platform"] / tps["reference"] if {"platform", "reference"} <= set(tps) else None,
         "deepspeed_ratio": tps["platform_deepspeed"] / tps["reference"]
         if {"reference", "platform_deepspeed"} <= set(tps)
         else None,
-        "kl_kernel": best.partition(":")[2] or "chunked",
-        "auto_tokens_per_s": tps[best],
+        "kl_kernel": (best.partition(":")[2] or "chunked") if best else None,
+        "auto_tokens_per_s": tps[best] if best else None,
         "flops_per_token": mode_flops(teacher, student0, spec, p["seq_len"]),
         "tokens_per_s": tps,
         "peak_step_bytes": peaks if device == "cuda" else None,
@@ -376,17 +392,20 @@ def run_mode(
         "bf16_spread": spread,
         "kernel_admission": admit,
         "head_kl_s": head_s,
-        "head_kl_share": head_s * tps["platform"] / tokens if "platform" in tps else None,
+        "head_kl_share": head_s * tps["platform"] / tokens if "platform" in tps and head_s else None,
         "measured_at": {"loss": cfg.loss, "temperature": cfg.temperature, "path": "plain", "tokens": tokens},
         "loss_first": {n: ls[0] for n, ls in losses.items()},
         "loss_last": {n: ls[-1] for n, ls in losses.items()},
-        "losses_agree": max(g for n, g in gaps.items() if n != "platform_fp32") <= tol,
+        "losses_agree": max((g for n, g in gaps.items() if n != "platform_fp32"), default=0.0) <= tol,
         "kernels_failed": failed,
         "attention": attention_choice(tps, gaps, tol, student0),
+        "compile_note": compile_note(names, cfg.checkpointing),
     }
 
 
-def in_turns(names: list[str], make: dict, student0, batches: list, p: dict) -> tuple[dict, dict, dict, dict]:
+def in_turns(
+    names: list[str], make: dict, student0, batches: list, p: dict, progress=None
+) -> tuple[dict, dict, dict, dict]:
     """Every path built first, then one step each per batch, each going first in turn: (step seconds after the
     warm-up, losses, each path's largest step peak above what it held, the paths that failed and why)."""
     device, cuda = p["device"], p["device"] == "cuda"
@@ -421,7 +440,9 @@ def in_turns(names: list[str], make: dict, student0, batches: list, p: dict) -> 
     return {n: times[n] for n in kept}, {n: losses[n] for n in kept}, {n: peaks[n] for n in kept}, failed
 
 
-def one_at_a_time(names: list[str], make: dict, student0, batches: list, p: dict) -> tuple[dict, dict, dict, dict]:
+def one_at_a_time(
+    names: list[str], make: dict, student0, batches: list, p: dict, progress=None
+) -> tuple[dict, dict, dict, dict]:
     """Each path alone on the device, one after the other (the paper student's optimizer state alone is ~60 GB):
     built from the same initial student, every batch, then freed. A path's peak is the most the allocator held
     from its build to its last step above what it held before it (its student, gradients, optimizer state,
@@ -434,13 +455,35 @@ def one_at_a_time(names: list[str], make: dict, student0, batches: list, p: dict
     peaks: dict[str, int] = {}
     for n in names:
         held = _window(cuda)
-        with _kernel_failure(n, failed, every=n != "platform"):
+        with _kernel_failure(n, failed):
             times[n], losses[n] = _alone(make[n], student0, batches, p)
             peaks[n] = torch.cuda.max_memory_allocated() - held if cuda else 0
         gc.collect()  # the path's student, optimizer and activations go with its frame
         if cuda:
             torch.cuda.empty_cache()
+        if progress:
+            progress(path_figures(times, losses, peaks, failed, p))
     return times, losses, peaks, failed
+
+
+def compile_note(names: list[str], policy: str) -> str | None:
+    """Why a compiled path's checkpointed layers ran eagerly (distill.checkpointing.compose_problem), where one ran
+    under a checkpointing; None where compile and checkpoint composed."""
+    from m2d_ray.distill.checkpointing import compose_problem
+
+    compiled = [n for n in names if n in ("platform_compiled", "lever:compile")]
+    return compose_problem() if compiled and policy != "none" else None
+
+
+def path_figures(times: dict, losses: dict, peaks: dict, failed: dict, p: dict) -> dict:
+    """The paths finished so far: tokens/s, losses, step peak; and those that failed, with why."""
+    tokens = p["batch"] * p["seq_len"]
+    return {
+        "tokens_per_s": {n: tokens / statistics.median(ts) for n, ts in times.items() if ts},
+        "losses": dict(losses),
+        "peak_step_bytes": dict(peaks) if p["device"] == "cuda" else None,
+        "paths_failed": dict(failed),
+    }
 
 
 def _alone(make, student0, batches: list, p: dict) -> tuple[list[float], list[float]]:
@@ -469,17 +512,13 @@ def _window(cuda: bool) -> int:
 
 
 @contextlib.contextmanager
-def _kernel_failure(name: str, failed: dict[str, str], every: bool = False):
-    """A kernel path (`platform:KERNEL`), a lever (`lever:...`), the compiled student (`platform_compiled`), or with
-    `every` any path, that raises is recorded in `failed` with its one line and left out; the part goes on with the
-    other paths (what the GPU's libraries cannot run must not hide every other figure). Any other path's failure is
-    the part's."""
-    if not (every or name.startswith(("platform:", "lever:")) or name == "platform_compiled"):
-        yield
-        return
+def _kernel_failure(name: str, failed: dict[str, str]):
+    """Any path that raises (a kernel, a lever, the compiled student, the plain loop, the platform itself) is recorded
+    in `failed` with its one line and left out; the part goes on with the other paths and keeps their figures (what
+    the GPU's libraries or memory cannot run must not hide every other figure)."""
     try:
         yield
-    except Exception as e:  # noqa: BLE001 - recorded, said, and the kernel is left out
+    except Exception as e:  # noqa: BLE001 - recorded, said, and the path is left out
         failed[name] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:240]}"
         print(f"[{name}] FAILED, left out: {failed[name]}", flush=True)
         gc.collect()
@@ -580,19 +619,25 @@ def datasheet_peak() -> float | None:
     return GPU_PEAK_BF16[key] if key else None
 
 
-def checkpointing_of(p: dict, device: str) -> tuple[str, dict]:
+def checkpointing_of(p: dict, device: str, memory: int | None = None) -> tuple[str, dict]:
     """The preset's activation checkpointing and what the plan says of it: `auto` (the paper preset) is what
-    `m2d plan experiments/qwen3_30b_a3b.yaml` decides at one rank for this GPU's memory, with the plan's rank for
-    each policy; a preset without it trains with none (no plan to compare)."""
+    `m2d plan experiments/qwen3_30b_a3b.yaml` decides at one rank for this GPU's memory (or `memory` bytes), with the
+    plan's rank for each policy; a preset without it trains with none (no plan to compare)."""
     if p.get("checkpointing") != "auto":
         return p.get("checkpointing", "none"), {}
     from benchmarks.perf.paper_step import POLICIES, paper_plan
 
-    memory = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 141 * 10**9
+    if memory is None:
+        memory = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 141 * 10**9
     decided = paper_plan(memory)
     plans = {policy: paper_plan(memory, (f"distill.checkpointing={policy}",)) for policy in POLICIES}
-    for x in plans.values():  # what a P7 path holds itself of the rank the plan counts
+    for policy, x in plans.items():  # what a P7 path holds itself of the rank the plan counts
         x["path_bytes"] = sum(v for k, v in x["parts"].items() if k in PATH_PARTS)
+        if x["rank_bytes"] > x["capacity_bytes"]:  # its rank at the smaller micro-batches, the paper's sequence
+            x["rank_by_micro_batch"] = {
+                mb: paper_plan(memory, (f"distill.checkpointing={policy}", f"distill.batch_size={mb}"))["rank_bytes"]
+                for mb in range(p["batch"] - 1, 0, -1)
+            }
     return decided["checkpointing"], {"decided": decided, "policies": plans, "gpu_memory": memory}
 
 
@@ -607,12 +652,57 @@ def planned_levers(levers: list[str], policy: str, plans: dict) -> tuple[list[st
         if lever.startswith("ckpt:") and value == policy:
             skipped[lever] = "the platform's own checkpointing"
         elif plan and plan["rank_bytes"] > plan["capacity_bytes"]:
+            smaller = plan.get("rank_by_micro_batch") or {}
+            fits = [mb for mb, b in smaller.items() if b <= plan["capacity_bytes"]]
             skipped[lever] = (
                 f"the plan's rank needs {plan['rank_bytes'] / 2**30:.1f} GiB of {plan['capacity_bytes'] / 2**30:.1f}"
+                + (
+                    f"; at micro-batch {', '.join(f'{mb}: {b / 2**30:.1f}' for mb, b in smaller.items())}: "
+                    + (f"{max(fits)} would fit (the paths share the preset's)" if fits else "none fits")
+                    if smaller
+                    else ""
+                )
             )
         else:
             keep.append(lever)
     return keep, skipped
+
+
+#: float32 [tokens x vocabulary] buffers the plain loop holds at its peak (the student's logits and their
+#: log-softmax, the teacher's logits and theirs, kl_div's output, the logits' gradient): 6 x 16,384 x 151,936 x 4 B =
+#: 56 GiB, what an H100 saw the loop's logits peak at at the paper's micro-batch (issue 68). Its plan is the platform's
+#: path less the chunked KL's buffers plus these.
+REFERENCE_LOGITS = 6
+
+
+def path_peaks(names: list[str], plans: dict, p: dict, policy: str) -> dict[str, int]:
+    """Each path's planned peak on the device, where the preset has a plan: the plan's rank for the path's
+    checkpointing (a ckpt lever's own, else the decided one), the plain loop's with its whole logits instead of the
+    chunked KL; what the benchmark holds besides the path (the teacher's head, the cached targets, the CUDA context)
+    included. {} without a plan."""
+    if not plans:
+        return {}
+    pol = plans["policies"]
+    out = {}
+    for n in names:
+        x = pol[n.removeprefix("lever:ckpt:") if n.startswith("lever:ckpt:") else policy]
+        b = x["rank_bytes"]
+        if n == "reference":
+            b += REFERENCE_LOGITS * p["batch"] * p["seq_len"] * p["vocab"] * 4 - x["parts"]["kl"]
+        out[n] = int(b)
+    return out
+
+
+def fitting_paths(names: list[str], peaks: dict, plans: dict) -> tuple[list[str], dict[str, str]]:
+    """The paths whose planned peak fits the device's capacity (the plan's), and one line for each left out: never
+    attempted, a path that cannot fit is a lost minute, not a figure."""
+    if not plans:
+        return list(names), {}
+    cap = plans["decided"]["capacity_bytes"]
+    over = {
+        n: f"planned peak {peaks[n] / 2**30:.1f} GiB over the card's {cap / 2**30:.1f}" for n in names if peaks[n] > cap
+    }
+    return [n for n in names if n not in over], over
 
 
 #: the parts of the plan's stage-2 rank that a P7 path holds itself (the teacher's head, the cached targets and the
@@ -692,6 +782,16 @@ def main() -> None:
         "H200's 141 GB) as one JSON line, and stop (no model is built)",
     )
     ap.add_argument(
+        "--gpu-memory",
+        type=float,
+        help="with --plan-only: plan for a card of this many GB (default: this GPU's, on a CPU an H200's 141)",
+    )
+    ap.add_argument(
+        "--no-fp32-spread",
+        action="store_true",
+        help="no float32 path beside bf16-mixed (the paper preset's way: it would need ~2x the memory)",
+    )
+    ap.add_argument(
         "--one-path-at-a-time",
         action="store_true",
         help="build, train and free each path in turn (the paper preset's way) instead of taking turns step by step",
@@ -704,14 +804,29 @@ def main() -> None:
     p = dict(STEP_PRESETS[a.preset])
     p["steps"], p["warmup"] = a.steps or p["steps"], a.warmup if a.warmup is not None else p["warmup"]
     p["one_path_at_a_time"] = p.get("one_path_at_a_time") or a.one_path_at_a_time
+    p["no_fp32_spread"] = p.get("no_fp32_spread") or a.no_fp32_spread
     if a.threads:
         torch.set_num_threads(a.threads)
     device = p["device"]
+    names = [n for n in a.paths.split(",") if n]
     if a.plan_only:
-        policy, plans = checkpointing_of(p, device)
+        memory = int(a.gpu_memory * 10**9) if a.gpu_memory else None
+        policy, plans = checkpointing_of(p, device, memory)
         asked = a.levers if a.levers is not None else default_levers(device)
         levers, skipped = planned_levers([lv for lv in asked.split(",") if lv], policy, plans)
-        out = {"preset": a.preset, "checkpointing": policy, "plan": plans, "levers": levers, "levers_skipped": skipped}
+        every = names + [f"lever:{lv}" for lv in levers]
+        peaks = path_peaks(every, plans, p, policy)
+        kept, left_out = fitting_paths(every, peaks, plans)
+        out = {
+            "preset": a.preset,
+            "checkpointing": policy,
+            "plan": plans,
+            "levers": levers,
+            "levers_skipped": skipped,
+            "paths": kept,
+            "paths_left_out": left_out,
+            "planned_peak_bytes": peaks,
+        }
         print(json.dumps(out))
         write_json(a.json_out, out)
         return
@@ -737,7 +852,13 @@ def main() -> None:
     levers = [lv for lv in levers.split(",") if lv]
     policy, plans = checkpointing_of(p, device)
     levers, skipped = planned_levers(levers, policy, plans)
+    peaks = path_peaks(names + [f"lever:{lv}" for lv in levers], plans, p, policy)
+    kept, left_out = fitting_paths(names + [f"lever:{lv}" for lv in levers], peaks, plans)
+    names, levers = [n for n in names if n in kept], [lv for lv in levers if f"lever:{lv}" in kept]
+    for n, why in left_out.items():
+        print(f"[{n}] left out, never attempted: {why}", file=sys.stderr, flush=True)
     record["plan"] = plans
+    record["paths_left_out"], record["planned_peak_bytes"] = left_out, peaks
     print(machine_line(), file=sys.stderr)
     t0 = time.perf_counter()
     teacher, student0 = teacher_and_student(p, precision.dtype)
@@ -757,7 +878,6 @@ def main() -> None:
     print(f"attention dispatches to {', '.join(record['attention_ops'])}", file=sys.stderr)
     gen = torch.Generator().manual_seed(1)
     ids = [torch.randint(0, p["vocab"], (p["batch"], p["seq_len"]), generator=gen).to(device) for _ in range(n_steps)]
-    names = [n for n in a.paths.split(",") if n]
     if "platform_deepspeed" in names:
         init_process_group(device)
     print(
@@ -768,8 +888,13 @@ def main() -> None:
     )
     modes = {}
     for text in [t.strip() for t in (a.targets or p.get("targets", "online")).split(",") if t.strip()]:
-        m = run_mode(text, p, teacher, student0, ids, cfg, names, precision, kernels, levers)
-        modes[text] = add_mfu(beside_plan({**m, "levers_skipped": skipped}, plans, policy), rate)
+
+        def progress(figures: dict, text=text) -> None:  # each finished path's figures, before the mode's end
+            write_json(a.json_out, record | {"modes": modes, "running": {"mode": text, **figures}})
+
+        m = run_mode(text, p, teacher, student0, ids, cfg, names, precision, kernels, levers, progress)
+        m = {**m, "levers_skipped": skipped, "paths_left_out": left_out, "planned_peak_bytes": peaks}
+        modes[text] = add_mfu(beside_plan(m, plans, policy), rate)
         print(
             json.dumps(modes[text]), flush=True
         )  # MFU against the rate before the steps (a caller killed later keeps it)

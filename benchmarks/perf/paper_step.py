@@ -88,13 +88,11 @@ class LiveBytes(TorchDispatchMode):
 
 
 def _flash_standin(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Causal attention by aten's flash kernel, as SDPA runs it on a GPU (output and log-sum-exp kept for the
-    backward; grouped key/value heads not repeated): on `meta` its shapes and what autograd keeps are the GPU's."""
-    b, h, t, d = query.shape
-    kv = key.shape[1]
-    q = query.reshape(b, kv, (h // kv) * t, d)  # the query heads of a group side by side: the same bytes kept
-    out = torch.ops.aten._scaled_dot_product_flash_attention(q, key, value, 0.0, False, False, scale=scaling)[0]
-    return out.reshape(b, h, t, d).transpose(1, 2).contiguous(), None
+    """Causal attention by aten's flash kernel, as SDPA runs it on a GPU: the layer's own query, key and value as its
+    attention hands them over (grouped key/value heads not repeated, no copy of the query: what the real layer keeps
+    is what the stand-in keeps), its output and log-sum-exp kept for the backward."""
+    out = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, True, False, scale=scaling)[0]
+    return out.transpose(1, 2).contiguous(), None
 
 
 @contextlib.contextmanager

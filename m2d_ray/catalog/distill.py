@@ -51,10 +51,20 @@ CHECKPOINTING = Registry.in_module(
     "m2d_ray.distill.checkpointing",
     {
         "none": "Every decoder layer keeps its activations for the backward (no recompute).",
-        "selective": "Per op (torchtitan's SAC): matmul and attention outputs kept, norms, rotary and SwiGLU's "
-        "elementwise ops recomputed.",
+        "selective": "Per op (torchtitan's SAC): matmul and attention outputs kept (the FFN's down projection's "
+        "not: nothing's backward reads it), norms, rotary and SwiGLU's elementwise ops recomputed.",
         "full": "Each decoder layer keeps its input only and recomputes its whole forward in the backward.",
     },
 )
+
+
+def ambiguous_down(hidden: int, q_width: int, ffn: int) -> bool:
+    """Whether selective checkpointing cannot tell the FFN's down projection from another projection of the layer by
+    its weight's shape (ffn = q width: the attention's output projection; ffn = hidden: the gate and up projections),
+    so it keeps the down projection's output too: what distill/checkpointing.py's policy does and plan/memory.py
+    counts."""
+    return ffn in (hidden, q_width)
+
+
 #: distill.gradient_checkpointing (a boolean) of earlier versions: true reads as full, false as none, with one line
 RETIRED_CHECKPOINTING = {True: "full", False: "none"}

@@ -13,7 +13,7 @@ From cached teacher targets (targets.py; forward KL only, the teacher's full dis
     sampled_kl: Sparse Logit Sampling (Anshumann et al., ACL 2025): N draws from the teacher give an unbiased
                 estimate of the dense forward KL's gradient.
 Losses are means over the tokens given (the caller drops padding before calling).
-The three losses are never traced by torch.compile (`torch.compiler.disable`): a compiled student's graph stops at
+The three losses are never traced by torch.compile (`numerics.eager`): a compiled student's graph stops at
 its final hidden states and the head runs eagerly on the tensor cores (m2d_ray/numerics.py).
 """
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from m2d_ray.catalog.distill import LOSSES  # noqa: F401  (declared there; importers of losses.LOSSES keep working)
-from m2d_ray.numerics import LOW, head_grads, logits
+from m2d_ray.numerics import LOW, eager, head_grads, logits
 
 
 def _fkl(ls: Tensor, lt: Tensor) -> tuple[Tensor, Tensor]:
@@ -103,7 +103,7 @@ class _Chunked(torch.autograd.Function):
         return gh, gw, None, None, None
 
 
-@torch.compiler.disable  # the head stays eager with its bfloat16 products (numerics' docstring)
+@eager  # the head stays eager with its bfloat16 products (numerics' docstring)
 def chunked_kl(
     h_s: Tensor, w_s: Tensor, h_t: Tensor, w_t: Tensor, kind: str = "fkl", temperature: float = 1.0, chunk: int = 1024
 ) -> Tensor:
@@ -148,7 +148,7 @@ def _sparse_chunk(ids: Tensor, logp: Tensor, tail: Tensor) -> Callable[[int, Ten
     return per_chunk
 
 
-@torch.compiler.disable
+@eager
 def sparse_kl(
     h_s: Tensor, w_s: Tensor, ids: Tensor, logp: Tensor, tail: Tensor, temperature: float = 1.0, chunk: int = 1024
 ) -> Tensor:
@@ -173,7 +173,7 @@ def _sampled_chunk(ids: Tensor, counts: Tensor, logp: Tensor) -> Callable[[int, 
     return per_chunk
 
 
-@torch.compiler.disable
+@eager
 def sampled_kl(
     h_s: Tensor, w_s: Tensor, ids: Tensor, counts: Tensor, logp: Tensor, temperature: float = 1.0, chunk: int = 1024
 ) -> Tensor:

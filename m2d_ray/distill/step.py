@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -31,7 +32,7 @@ from torch import Tensor, nn
 from m2d_ray.catalog.targets import HIDDEN, ONLINE, TOPK, mode_of
 from m2d_ray.config import DistillConfig
 from m2d_ray.distill import kernels
-from m2d_ray.distill.checkpointing import compile_layers
+from m2d_ray.distill.checkpointing import compile_layers, compose_problem
 from m2d_ray.distill.kernels import KLKernel, Where, kl_kernel
 from m2d_ray.distill.losses import LOSSES, hidden_mse, sampled_kl, sparse_kl
 from m2d_ray.distill.precision import PRECISIONS, MasterWeights, Precision
@@ -263,6 +264,13 @@ class DistillStep:
         kernel = kl_kernel(cfg.kl_kernel, self.device, self.targets, where)
         loss_module = StudentLoss(self.student, cfg, self.targets, kernel)
         if cfg.compile:
+            problem = (
+                compose_problem()
+                if any(getattr(m, "gradient_checkpointing", False) for m in self.student.modules())
+                else None
+            )
+            if problem:  # the lever says so, in one line: its layers run eagerly under their checkpoint
+                print(f"distill.compile: {problem}", file=sys.stderr, flush=True)
             compile_layers(self.student, kernels.COMPILE_BACKEND)
         return kernel, loss_module
 

@@ -14,15 +14,16 @@ training on a GPU and fp32 on CPU; T = tokens of a micro-batch):
                          distill/precision.py) the float32 sums 4P (each b-byte gradient added in and freed as
                          autograd makes it: the largest, the head's V h b, counted) and the masters and moments
                          (4 + 8) P, else AdamW's moments in the weights' dtype 2 b P
-    activations          a decoder layer keeps per token 6h + 6q + 5kv + 4f elements for backward (its norms'
-                         inputs and outputs, q/k/v, their norms and rotary embeddings, the attention output and
-                         its reshaped copy, SwiGLU's gate, up, activation and product), and below float32 also
-                         the float32 copies its RMSNorms take of their inputs (2h + q + kv more, in b-byte
-                         elements), x b (distill.checkpointing none; 1.07x what a layer of the paper student
-                         keeps in bf16, 1.08x in fp32, counted on `meta` by benchmarks/perf/paper_step.py);
-                         selective: its input h and the outputs of its matmuls and attention (q, k, v,
-                         attention, o_proj, gate, up, down: 3h + 2q + 2kv + 2f) plus one layer's recompute;
-                         full: each layer's input h plus one layer recomputed
+    activations          what a Qwen3 decoder layer's saved tensors hold per token (counted by a saved-tensors
+                         hook on the real layer, tests/unit/test_activation_count.py): none: 6h + 4q + 4kv + 4f
+                         b-byte elements (the norms' inputs, normalised values and outputs, q/k/v, their norms
+                         and rotary embeddings, the attention's output, SwiGLU's gate, up, activation and
+                         product), below float32 also the float32 copies the RMSNorms take (2h + q + kv more),
+                         and float32 scalars: the norms' reciprocal RMS (2 + H + H_kv) and the attention's
+                         log-sum-exp (H); selective (distill/checkpointing.py's SAC): its input h and the outputs
+                         of its matmuls and attention but the down projection's (q, k, v, attention, o_proj,
+                         gate, up: 2h + 2q + 2kv + 2f, + the log-sum-exp) plus one layer's recompute; full: each
+                         layer's input h plus one layer recomputed
     KL buffers           the chunked loss keeps grad_h (T h b) and grad_W (V h, fp32) and forms 5 fp32
                          [chunk x V] tensors per chunk where it forms the teacher's logits (online, and from
                          cached hidden states), 3 from top-K / sampled targets (distill/losses.py)
@@ -43,6 +44,7 @@ benchmarks/perf/memory_plan.py hold each estimate to within 25% of a measured pe
 
 from __future__ import annotations
 
+from m2d_ray.catalog.distill import ambiguous_down
 from m2d_ray.catalog.targets import HIDDEN, ONLINE
 from m2d_ray.plan.shapes import Shape
 
@@ -58,26 +60,29 @@ CPU_GRAM_SHARE = 4  # calibrate/stats.gram_chunk: the CPU working set is a quart
 
 
 def layer_activation(s: Shape, b: int = FP32) -> int:
-    """Elements per token a decoder layer keeps for its backward when it computes in b-byte weights (see the module
-    docstring): below float32 its RMSNorms' float32 copies of their inputs too."""
+    """Bytes per token a decoder layer keeps for its backward when it computes in b-byte weights, without
+    checkpointing (see the module docstring)."""
     upcasts = 2 * s.hidden + s.q_width + s.kv_width if b < FP32 else 0
-    return 6 * s.hidden + 6 * s.q_width + 5 * s.kv_width + 4 * s.ffn + upcasts
+    elements = 6 * s.hidden + 4 * s.q_width + 4 * s.kv_width + 4 * s.ffn + upcasts
+    return b * elements + FP32 * (2 + 2 * s.heads + s.kv_heads)
 
 
-def selective_activation(s: Shape) -> int:
-    """Elements per token a decoder layer keeps under selective checkpointing (distill/checkpointing.py): its input and
-    the outputs of its matmuls and attention kernel."""
-    return 3 * s.hidden + 2 * s.q_width + 2 * s.kv_width + 2 * s.ffn
+def selective_activation(s: Shape, b: int = FP32) -> int:
+    """Bytes per token a decoder layer keeps under selective checkpointing (distill/checkpointing.py): its input and
+    the outputs of its matmuls (the down projection's only where its shape is another projection's) and of its
+    attention kernel (the output and its float32 log-sum-exp)."""
+    down = s.hidden if ambiguous_down(s.hidden, s.q_width, s.ffn) else 0
+    return b * (2 * s.hidden + 2 * s.q_width + 2 * s.kv_width + 2 * s.ffn + down) + FP32 * s.heads
 
 
 def activations(s: Shape, tokens: int, b: int, checkpointing: str) -> int:
     """Bytes the student's decoder layers keep for the backward under `checkpointing` (none, selective, full; see
     distill/checkpointing.py), the recompute of one layer included where a layer recomputes."""
-    per_layer = tokens * layer_activation(s, b) * b
+    per_layer = tokens * layer_activation(s, b)
     if checkpointing == "none":
         return s.layers * per_layer
-    kept = selective_activation(s) if checkpointing == "selective" else s.hidden
-    return s.layers * tokens * kept * b + per_layer
+    kept = selective_activation(s, b) if checkpointing == "selective" else b * s.hidden
+    return s.layers * tokens * kept + per_layer
 
 
 def forward_transient(s: Shape, tokens: int, b: int) -> int:

@@ -33,6 +33,8 @@ class Shape:
     moe_layers: int = 0  # layers whose FFN is the E experts
     tied: bool = False  # the output head is the input embedding
     vector_params: int = 0  # norm gains and biases: elementwise, no products
+    heads: int = 0  # attention heads (query; key/value): the float32 scalars a layer keeps per head (plan/memory.py)
+    kv_heads: int = 0
 
     @property
     def matmul_params(self) -> int:
@@ -87,6 +89,8 @@ def shape_of(config, c: Counts | None = None, adapter: MoEAdapter | None = None)
         len(c.moe_layers),
         c.tied,
         c.vector_params,
+        heads=heads,
+        kv_heads=kv,
     )
 
 

@@ -70,14 +70,17 @@ def test_a_command_past_the_parts_timeout_is_killed_with_its_process_group(tmp_p
         acc.run_logged(["bash", "-c", "exit 3"], tmp_path / "fails", acc.Share(60.0))
 
 
-def test_cpu_smoke_runs_every_required_part_and_writes_the_table_and_results(tmp_path):
+SMOKE_PARTS = "P7-paper,P7-head,P7,run,tokens"  # the default suite's; memory and P5 join them in the slow test
+
+
+def test_cpu_smoke_runs_its_parts_and_writes_the_table_and_results(tmp_path):
     """`python -m benchmarks.gpu.acceptance --cpu-smoke`: the real-head part first (P7 at the smoke preset in
     bf16-mixed, with the head's GPU branch at the real head's shapes on meta tensors), P7 for online, hidden and
     sampled targets, a whole `m2d run`
     (hidden targets, one student) and the Ray Data token pass, on the CPU with tiny shapes; one table at the end, the
     efficiency per mode in the results (on the CPU: `plan.cpu_efficiency`'s figure, tiny shapes: plumbing only), and
     no measured_gpu.json (a CPU measures no GPU figure; tests/unit/test_plan_gpu.py checks the file's making)."""
-    proc = _acceptance("--cpu-smoke", "--work", str(tmp_path), timeout=900)
+    proc = _acceptance("--cpu-smoke", "--parts", SMOKE_PARTS, "--work", str(tmp_path), timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert {k: v["status"] for k, v in results["parts"].items()} == {
@@ -150,6 +153,18 @@ def test_cpu_smoke_runs_every_required_part_and_writes_the_table_and_results(tmp
     assert [r["mode"] for r in tokens] == ["loop", "ray1"] and len({r["shards_sha"] for r in tokens}) == 1
 
 
+@pytest.mark.slow
+def test_cpu_smoke_runs_every_part_by_default(tmp_path):
+    """Without --parts the smoke runs every part of the GPU call, the optional ones (memory, P5) too (~4.5 minutes
+    on two busy cores)."""
+    proc = _acceptance("--cpu-smoke", "--work", str(tmp_path), timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert {k: v["status"] for k, v in results["parts"].items()} == dict.fromkeys(
+        ["P7-paper", "P7-head", "P7", "run", "tokens", "memory", "P5"], "ok"
+    )
+
+
 def test_on_a_gpu_the_paper_student_runs_first_then_its_kernels_and_the_memory_plan_within_one_call():
     """The call's parts in the issue's order: the paper's student (its step, the plain loop and each lever), then the
     kernels at the paper's micro-batch (the head preset: vocabulary 151,936, hidden 2048, 32 heads, 4 x 4096 tokens),
@@ -171,3 +186,84 @@ def test_on_a_gpu_the_paper_student_runs_first_then_its_kernels_and_the_memory_p
     head = STEP_PRESETS["head"]
     assert (head["vocab"], head["hidden"], head["heads"], head["batch"] * head["seq_len"]) == (151936, 2048, 32, 16384)
     assert {p["name"] for p in todo if p["required"]} <= set(call["choice"])
+    # the paper part runs the platform's own kernel (chunked) and no attention lever (the platform's attention is SDPA)
+    assert all(v["args"]["kernels"] == "" and "attn" not in v["args"].get("levers", "") for v in todo[0]["variants"])
+    assert all(v["args"]["one_path_at_a_time"] for v in todo[1]["variants"])  # the head's plain loop alone: ~66 GiB
+    for card, x in call["cards"].items():  # every path within its card, the whole call within the budget
+        assert x["fits_budget"] and x["planned_s"] <= 540 and x["paths_over_card"] == [], card
+        paper = x["parts"]["P7-paper"]
+        assert "platform" in paper["paths"] and all(
+            b["peak_bytes"] <= x["memory_bytes"] for b in paper["paths"].values()
+        )
+        assert "reference" in paper["left_out"] and "GiB" in paper["left_out"]["reference"]  # never attempted
+    h100, h200 = call["cards"]["H100 80 GB"]["parts"]["P7-paper"], call["cards"]["H200 141 GB"]["parts"]["P7-paper"]
+    assert (h100["checkpointing"], h200["checkpointing"]) == ("full", "selective")
+    # SAC at the paper's shape on an H100: left out with its rank at every smaller micro-batch (none fits 80 GB)
+    assert "micro-batch 3:" in h100["left_out"]["ckpt:selective"] and "none fits" in h100["left_out"]["ckpt:selective"]
+
+
+def test_a_killed_smoke_keeps_the_figures_of_the_paths_it_finished(tmp_path):
+    """Killed mid-part (SIGTERM, as a device's limit or the call's own alarm would), the call ends its running
+    benchmark and leaves results.json and table.md with every path that finished: the paper part runs one path at a
+    time and its child writes its figures after each, which the call reads as it goes."""
+    cmd = [sys.executable, "-m", "benchmarks.gpu.acceptance", "--cpu-smoke", "--parts", "P7-paper", "--work"]
+    proc = subprocess.Popen(
+        [*cmd, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    child = tmp_path / "logs" / "p7_paper.json"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if child.exists() and json.loads(child.read_text()).get("running", {}).get("tokens_per_s"):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the part ended before a path finished: nothing to kill"
+    proc.terminate()
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 3, out[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    part = results["parts"]["P7-paper"]
+    assert part["status"] == "KILLED (SIGTERM)"
+    assert "platform" in part["partial"]["running"]["tokens_per_s"]
+    table = (tmp_path / "table.md").read_text()
+    row = next(ln for ln in table.splitlines() if ln.startswith("| P7-paper hidden (unfinished) |"))
+    assert "KILLED by SIGTERM" in table and "| running | paths finished: platform " in row
+
+
+@pytest.mark.parametrize("runner", ["one_at_a_time", "in_turns"])
+def test_a_failing_path_the_plain_loop_included_is_said_and_the_others_kept(runner):
+    """Any path that raises, the reference (plain loop) as much as a kernel, is recorded with its one line and left
+    out; the others' figures are kept (on an H100 the loop's out-of-memory ended the whole part before)."""
+    import torch
+
+    from benchmarks.perf import distill_step
+
+    def good(student):
+        losses = []
+        return (lambda batch: losses.append(float(batch.sum()))), (lambda: losses.pop())
+
+    def oom(student):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.27 GiB")
+
+    p = {"device": "cpu", "warmup": 0, "batch": 1, "seq_len": 4}
+    make = {"platform": good, "reference": oom, "lever:compile": good}
+    times, losses, _, failed = getattr(distill_step, runner)(
+        list(make), make, torch.nn.Linear(1, 1), [torch.ones(2)] * 2, p
+    )
+    assert set(failed) == {"reference"} and failed["reference"].startswith("OutOfMemoryError: CUDA out of memory")
+    assert set(times) == set(losses) == {"platform", "lever:compile"} and losses["platform"] == [2.0, 2.0]
+
+
+def test_a_path_the_plan_says_cannot_fit_is_left_out_with_its_planned_peak():
+    """The plain loop at the paper's micro-batch holds its whole float32 logits: its planned peak is over both
+    cards, so it is never attempted; the platform's own step fits."""
+    from benchmarks.perf.distill_step import checkpointing_of, fitting_paths, path_peaks
+    from workshop.random_models import STEP_PRESETS
+
+    p = STEP_PRESETS["paper"]
+    for memory in (80 * 10**9, 141 * 10**9):
+        policy, plans = checkpointing_of(p, "cuda", memory)
+        names = ["platform", "reference", "lever:ckpt:none"]
+        peaks = path_peaks(names, plans, p, policy)
+        kept, left = fitting_paths(names, peaks, plans)
+        assert kept == ["platform"] and set(left) == {"reference", "lever:ckpt:none"}
+        assert peaks["reference"] > peaks["platform"] and "GiB" in left["reference"]

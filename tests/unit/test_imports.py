@@ -4,6 +4,7 @@ order written in the package docstring (m2d_ray/__init__.py); arch/'s registrati
 from __future__ import annotations
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -319,6 +320,23 @@ def test_the_plan_of_the_paper_run_builds_no_model():
     _loaded_by(code)  # raises (check=True) when the assertion fails
     with pytest.raises(subprocess.CalledProcessError):
         _loaded_by(code.replace("import m2d_ray.commands.plan", "from transformers import PreTrainedModel"))
+
+
+def test_planning_the_paper_run_and_importing_the_loss_import_no_dynamo(tmp_path):
+    """`m2d plan qwen3_30b_a3b` (the CLI, in a fresh interpreter) and importing the losses load no torch._dynamo
+    (1.35 s, as long as torch): the head's exclusion from torch.compile is applied when a compiler traces it
+    (numerics.eager), not at import. Every Ray worker that imports the loss and every plan paid for it."""
+    code = (
+        "from m2d_ray.cli import main\nassert main(['plan', 'qwen3_30b_a3b']) in (0, None)\n"
+        "import m2d_ray.distill.losses, m2d_ray.distill.kernels, m2d_ray.evaluate.perplexity\n"
+        "print('dynamo' if 'torch._dynamo' in sys.modules else 'none')"
+    )
+    probe = f"import sys\n{code}"
+    env = {**os.environ, "PYTHONPATH": str(PKG.parent)}
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True, cwd=tmp_path, env=env
+    )
+    assert out.stdout.split()[-1] == "none", "torch._dynamo imported by the plan or the loss"
 
 
 def lazy_registries() -> dict[str, object]:

@@ -158,3 +158,84 @@ def test_the_student_s_attention_is_the_one_measured_fastest_on_the_same_card(mo
     fa2 = {"implementation": "flash_attention_2", "device": "NVIDIA H200"}
     assert with_entry(fa2, "NVIDIA H200", flash=False) == "sdpa"  # cannot run here
     assert with_entry({}, "NVIDIA H200", flash=False) == "sdpa"
+
+
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_a_compiled_checkpointed_layer_is_one_graph_with_the_checkpoint_inside(policy):
+    """Compile and checkpoint compose as torchtitan's do (distill.checkpointing.compile_layers): the checkpoint inside,
+    the compile outside. On a 2-layer Qwen3 (AOT autograd's capture, aot_eager: inductor's code generation takes
+    minutes on two cores) Dynamo breaks no graph in a decoder layer (transformers 5.25's forward side effect broke it
+    at the checkpoint: the layer ran eagerly), the checkpoint is traced as its operator, SAC's policy is applied at
+    trace time (the forward graph saves fewer tensors under selective than none, more than under full), and the
+    loss and gradients are eager's within 1e-4 / 1e-3 in float32."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.utils import counters
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.set_num_threads(1)
+    saved = {}
+    for pol in ("none", "selective", "full") if policy == "selective" else (policy,):
+        cfg = Qwen3Config(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+        )
+        torch.manual_seed(0)
+        eager = Qwen3ForCausalLM(cfg).float().train()
+        checkpointing.apply(eager, pol)
+        compiled = Qwen3ForCausalLM(cfg).float().train()
+        compiled.load_state_dict(eager.state_dict())
+        checkpointing.apply(compiled, pol)
+        graphs, forwards = [], []
+
+        def fw(gm, example_inputs):
+            forwards.append(gm)
+            return make_boxed_func(gm.forward)
+
+        aot = aot_autograd(fw_compiler=fw, bw_compiler=lambda gm, ex: make_boxed_func(gm.forward))
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return aot(gm, example_inputs)
+
+        torch._dynamo.reset()
+        counters.clear()
+        assert checkpointing.compile_layers(compiled, backend) == 2
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+        losses = []
+        for model in (eager, compiled):
+            out = model(input_ids=ids, labels=ids, use_cache=False)
+            out.loss.backward()
+            losses.append(out.loss.detach())
+        assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+        assert graphs and all(len(forwards) >= 1 for _ in graphs)
+        hops = {str(n.target) for g in graphs for n in g.graph.nodes if "checkpoint" in str(n.target)}
+        assert hops == (set() if pol == "none" else {"tag_activation_checkpoint"}), hops
+        assert (losses[0] - losses[1]).abs() <= 1e-4 * losses[0].abs()
+        for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+            assert (a.grad - b.grad).abs().max() <= 1e-3 * a.grad.abs().max() + 1e-12, name
+        saved[pol] = len(list(forwards[0].graph.nodes)[-1].args[0])  # the forward's outputs: what backward keeps
+    if policy == "selective":
+        assert saved["none"] > saved["selective"] > saved["full"], saved
+
+
+def test_a_torch_that_cannot_compose_compile_and_checkpoint_says_so_and_the_table_marks_it(monkeypatch):
+    """Without Dynamo's setting for a checkpointed forward's side effects (torch < 2.10) a checkpointed layer would
+    break its graph and run eagerly: the lever says so in one line, and the GPU call's table marks the row."""
+    from benchmarks.gpu.acceptance import lever_figures
+    from benchmarks.perf.distill_step import compile_note
+
+    assert checkpointing.compose_problem() is None and compile_note(["lever:compile"], "selective") is None
+    monkeypatch.setattr(checkpointing, "SIDE_EFFECTS", "a_setting_this_torch_lacks")
+    line = checkpointing.compose_problem()
+    assert "lacks torch._dynamo.config.a_setting_this_torch_lacks" in line and "\n" not in line
+    assert compile_note(["lever:compile"], "none") is None  # nothing checkpointed: nothing to compose
+    note = compile_note(["platform", "lever:compile"], "full")
+    assert note == line
+    row = lever_figures({"platform_tokens_per_s": 1.0, "tokens_per_s": {}, "compile_note": note})
+    assert row == f"COMPILE DID NOT COMPOSE WITH CHECKPOINTING: {line}"

@@ -95,8 +95,8 @@ def test_zero2_shards_the_optimizer_and_checkpointing_keeps_one_layer(qwen30b):
     assert one["optimizer"] == 8 * eight["optimizer"] == 12 * s.params
     assert one["grads"] - eight["grads"] == pytest.approx((2 + 4) * s.params * 7 / 8, rel=1e-6)
     full = memory.training(s, 16384, 2, 8, True, 2, "none", 1024)
-    assert full["activations"] == s.layers * 16384 * memory.layer_activation(s, 2) * 2
-    assert eight["activations"] == s.layers * 16384 * s.hidden * 2 + 16384 * memory.layer_activation(s, 2) * 2
+    assert full["activations"] == s.layers * 16384 * memory.layer_activation(s, 2)  # bytes a token
+    assert eight["activations"] == s.layers * 16384 * s.hidden * 2 + 16384 * memory.layer_activation(s, 2)
     plain = memory.training(s, 16384, 4, 1, False, 2, "none", 1024)  # CPU: fp32, AdamW's two moments, no master copy
     assert plain["optimizer"] == 2 * 4 * s.params and plain["grads"] == 4 * s.params
 

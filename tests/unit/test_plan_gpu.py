@@ -94,6 +94,8 @@ def test_the_acceptance_call_writes_the_measured_file_in_the_form_the_code_reads
                 "machine": {"cpus": m.run["cpus"], "gpus": m.run["gpus"]},
             },
             "tokens": {"status": "skipped", "why": "..."},
+            "memory": {"variant": "v0", "seconds": 3.0, "status": "FAILED: plan_measured failed"},
+            "P5": {"variant": "v0", "seconds": 400.0, "status": "TIMED OUT: killed after 400 s"},
         },
     }
     out = acc.measured_file(results, "NVIDIA H200", "2026-12-01")
@@ -105,6 +107,8 @@ def test_the_acceptance_call_writes_the_measured_file_in_the_form_the_code_reads
     assert new.parts_s["P7"] == {"variant": "v0", "seconds": 201.0}
     assert new.parts_s.get("tokens") == m.parts_s.get("tokens")  # what no part measured is carried over
     assert new.parts_s["P7-head"] == {"variant": "v0", "seconds": 120.0}
+    # a part's planned time comes from its last successful run only: a failure's or a timeout's seconds are not kept
+    assert new.parts_s.get("memory") == m.parts_s.get("memory") and new.parts_s.get("P5") == m.parts_s.get("P5")
     with pytest.raises(ValueError, match="missing"):
         measured.GpuMeasured.from_dict({k: v for k, v in out.items() if k != "run"})
 
