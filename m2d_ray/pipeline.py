@@ -202,7 +202,7 @@ def plan(
     if not chosen:
         chosen, refusals = choose_targets(p, run, cpu)
     unread = [k for k in keys if k != MOE and k not in p.teachers]
-    notes = tuple(
+    notes = p.models.notes + tuple(
         f"{k}: planned at the MoE teacher's shape (its config was not read here: a hub name beside --model; name that "
         "teacher by a directory with its config.json to plan its own)"
         for k in unread

@@ -235,6 +235,8 @@ class LazyTeacher:
         if stored is not None and stored.part is not None:  # one of the tensors a stored one is split into
             whole = check_finite(stored.key, ckpt.read(stored.key))
             return whole.narrow(stored.dim, *stored.part).contiguous().to(target.dtype)
+        if stored is not None and stored.swap is not None:  # stored transposed
+            return check_finite(stored.key, ckpt.read(stored.key)).transpose(*stored.swap).contiguous().to(target.dtype)
         if stored is not None and stored.interleaved:  # (g0, u0, g1, u1 ...) along dim -> [gate; up]
             t = check_finite(stored.key, ckpt.read(stored.key, rows))
             shape = list(t.shape)

@@ -230,6 +230,9 @@ class MoEAdapter:
     #: must stay under: float64 round-off, unless the family's own code computes its experts in float32
     exact_dtype: ClassVar[torch.dtype] = torch.float64
     exact_tol: ClassVar[float] = 1e-10
+    #: what the dense student cannot reproduce of the teacher's MoE block, where the family's layer makes the
+    #: method's FFN an approximation of it ("" where the method's FFN is the block's own function)
+    approximation: ClassVar[str] = ""
 
     # ---- teacher structure -------------------------------------------------------------
     def layers(self, model: nn.Module) -> nn.ModuleList:

@@ -17,6 +17,7 @@ from transformers.core_model_loading import (
     Interleave,
     MergeModulelist,
     Split,
+    Transpose,
     WeightConverter,
     WeightRenaming,
     dot_natural_key,
@@ -36,6 +37,7 @@ class Stored:
     dim: int = 1  # of the concatenation, or of the split
     part: tuple[int, int] | None = None  # (start, length) along `dim` of `key`: one of the tensors it is split into
     interleaved: bool = False  # `key` holds (gate, up) interleaved along `dim`: de-interleaved on read
+    swap: tuple[int, int] | None = None  # `key` stored with these two dims swapped (transposed back on read)
     unread: str = ""  # why the tensor cannot be read lazily (said when it is asked for)
 
 
@@ -66,6 +68,10 @@ def checkpoint_map(model: nn.Module, keys: Iterable[str]) -> dict[str, Stored]:
         ops = {type(op) for op in conv.operations}
         if ops == {Split} and len(items) == 1:
             out.update(_split(new, items[0][1], conv, meta))
+            continue
+        if ops == {Transpose} and len(items) == 1:
+            op = conv.operations[0]
+            out[new] = Stored(key=items[0][1], swap=(op.dim0, op.dim1))
             continue
         if ops == {Interleave} and len(items) == 1:
             out[new] = Stored(key=items[0][1], dim=conv.operations[0].dim, interleaved=True)

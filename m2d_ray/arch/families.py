@@ -115,6 +115,7 @@ class StructuredAdapter(MoEAdapter):
         self.student_model_type = family.model_type
         if family.float32:
             self.exact_dtype, self.exact_tol = torch.float32, 1e-5
+        self.approximation = family.note
 
     # ---- config -------------------------------------------------------------------------------------------
     def num_experts(self, config) -> int:
@@ -349,6 +350,13 @@ FAMILIES: tuple[Family, ...] = (
     Family("dots3_note_text", scores="sigmoid"),
     Family("ernie4_5_moe", renormalized=True),
     Family("exaone_moe", scores="sigmoid"),
+    Family(
+        "ergo",
+        scores="sigmoid",
+        renormalized=True,
+        note="each expert's output RMSNorm and the shared expert's are dropped: the student's FFN is the experts' "
+        "MLPs merged without them",
+    ),
     Family("flex_olmo", student="one-expert"),
     Family("flint", scores="sigmoid"),
     Family("glm4_moe", scores="sigmoid"),

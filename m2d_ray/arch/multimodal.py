@@ -34,6 +34,7 @@ class Multimodal:
         self.model_types = inner.model_types
         self.student_model_type = inner.student_model_type
         self.exact_dtype, self.exact_tol = inner.exact_dtype, inner.exact_tol
+        self.approximation = inner.approximation
 
     def __getattr__(self, name: str):  # every question the wrapper does not answer itself: the language model's
         return getattr(self.inner, name)

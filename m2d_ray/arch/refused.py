@@ -28,8 +28,6 @@ CANNOT: dict[str, str] = {
     "has no single FFN to replace",
     "deepseek_v4": "its first layers route by token id (a hash table) and its attention compresses the cache: "
     "calibration sees hidden states only",
-    "ergo": "each expert's output goes through its own RMSNorm before the routing weight (post-expert norms): a "
-    "concatenated FFN has one output",
 }
 
 #: families of a newer transformers than the installed one: model type -> the first release that has it

@@ -68,6 +68,8 @@ def convert_one(
     check_output(out, "student", overwrite)
     name = model or default_teacher()
     adapter, config = check_teacher(name), model_config(name)
+    if adapter.approximation:  # the family's block is not the method's FFN: said once, before any work
+        say(f"{config.model_type}: the student approximates its MoE blocks: {adapter.approximation}")
     k, E = adapter.top_k(config), adapter.num_experts(config)
     K = k if K is None else K
     check_K(K, k, E)

@@ -103,6 +103,7 @@ class Models:
     student: Shape
     teacher_config: object
     student_config: object
+    notes: tuple[str, ...] = ()  # what the plan says of the family (a student that approximates its MoE blocks)
 
 
 def models_of(config) -> Models:
@@ -114,4 +115,6 @@ def models_of(config) -> Models:
     width = -(-max(c.dense_width, adapter.top_k(config) * c.expert_width + c.shared_width) // multiple) * multiple
     student = adapter.student_config(config, width)
     student.dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    return Models(shape_of(config, c, adapter), shape_of(student), config, student)
+    why = adapter.approximation
+    notes = (f"{config.model_type}: the student approximates its MoE blocks: {why}",) if why else ()
+    return Models(shape_of(config, c, adapter), shape_of(student), config, student, notes)
