@@ -11,18 +11,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from torch import nn
-from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import (
-    Concatenate,
-    Interleave,
-    MergeModulelist,
-    Split,
-    Transpose,
-    WeightConverter,
-    WeightRenaming,
-    dot_natural_key,
-    rename_source_key,
-)
+
+# Imported inside functions: transformers' conversion mapping and loading ops (they load its integrations and
+# torch._dynamo, seconds that `m2d plan` does not need).
 
 _EXPERT = re.compile(r"(?<=\.)(\d+)(?=\.)")
 
@@ -50,6 +41,19 @@ def _template(key: str, expert: str) -> str:
 
 def checkpoint_map(model: nn.Module, keys: Iterable[str]) -> dict[str, Stored]:
     """In-memory name -> its checkpoint keys, for every checkpoint key transformers' mapping renames or fuses."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        Concatenate,
+        Interleave,
+        MergeModulelist,
+        Split,
+        Transpose,
+        WeightConverter,
+        WeightRenaming,
+        dot_natural_key,
+        rename_source_key,
+    )
+
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]

@@ -23,9 +23,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers.integrations.moe import _default_apply_gate
 
 from m2d_ray.arch.base import DenseFFN, ExpertWeights
+
+# Imported inside functions: transformers' experts integration (it loads the kernels hub and torch._dynamo, seconds
+# that `m2d plan` and every process that only reads a config do not need).
 
 #: where a decoder layer keeps its feed-forward module, in the order to look (transformers' own names); a `mixer`
 #: (Nemotron-H: one mixer a layer, Mamba, attention, MLP or MoE) is the layer's FFN only when it is an MLP or MoE
@@ -81,6 +83,8 @@ class OwnGate:
 
 
 def activation(experts: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
+    from transformers.integrations.moe import _default_apply_gate
+
     if not experts.has_gate:
         return Ungated(experts.act_fn)
     if type(experts)._apply_gate is _default_apply_gate and experts.is_concatenated:

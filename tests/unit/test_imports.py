@@ -147,6 +147,8 @@ def test_the_checks_find_what_they_look_for():
 LAZY = {"ray", "lm_eval", "mlflow", "deepspeed", "matplotlib", "datasets"}
 #: transformers' model classes (its modelling code: seconds of imports); its configs and tokenizers are not
 MODELS = "transformers models"
+#: transformers' experts integration and weight-conversion machinery: they load the kernels hub and torch._dynamo
+INTEGRATIONS = "transformers integrations"
 REASON = "# Imported inside functions:"
 
 
@@ -158,6 +160,8 @@ def _unit(name: str) -> str | None:
         return root
     if root == "transformers" and ("Model" in name.rpartition(".")[2] or ".modeling" in name):
         return MODELS
+    if root == "transformers" and any(p in name for p in (".integrations", ".core_model_loading", ".conversion")):
+        return INTEGRATIONS
     return None
 
 
