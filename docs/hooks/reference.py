@@ -320,6 +320,7 @@ def families_rows() -> list[tuple[str, str, str, str]]:
             kind = "same class, every layer dense" if f.student == "dense" else "same class, one expert"
             how = f"read from its structure; router scores: {f.scores}"
             exact = "float32 round-off (its experts compute in float32)" if f.float32 else "float64 round-off"
+            exact = f"the method's FFN, which approximates the block: {a.approximation}" if a.approximation else exact
         else:
             kind, how, exact = f"{a.student_model_type} (own module)", "arch/" + name + ".py", "float64 round-off"
         rows.append((name, how, kind, exact))

@@ -87,6 +87,7 @@ from m2d_ray.arch import (  # noqa: E402,F401
     deepseek_v3,
     families,
     gpt_oss,
+    llama4,
     mixtral,
     olmoe,
     qwen2_moe,
@@ -95,6 +96,7 @@ from m2d_ray.arch import (  # noqa: E402,F401
 
 for _family in families.FAMILIES:
     ADAPTERS.register(_family.model_type)(families.StructuredAdapter(_family))
+ADAPTERS.register(llama4.FAMILY.model_type)(llama4.Llama4Adapter())
 
 __all__ = [
     "ADAPTERS",

@@ -33,9 +33,9 @@ from m2d_ray.arch.structure import (
     ROUTER_NAMES,
     SHARED_GATE_NAMES,
     SHARED_NAMES,
+    OwnGate,
     capture_routing,
     child,
-    custom_gate,
     dense_ffn,
     dense_names,
     dense_state,
@@ -70,8 +70,8 @@ def _first(config, keys: tuple[str, ...], default=None):
 def _dense_knob(config, knob: tuple[tuple[str, object], ...] = ()) -> dict:
     """The config fields that make every layer of the family's class a dense MLP: the family's own where it
     declares one, else the first the config has."""
-    if knob:
-        return dict(knob)
+    if knob:  # declared as tuples (the family is frozen); configs want lists
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in knob}
     n = int(config.num_hidden_layers)
     if getattr(config, "mlp_layer_types", None) is not None:
         return {"mlp_layer_types": ["dense"] * n}
@@ -201,7 +201,8 @@ class StructuredAdapter(MoEAdapter):
     def _shared_act(self, block: nn.Module, f: DenseFFN):
         """The shared expert computes with the routed experts' own activation where they have one (the families
         that clamp both), else its MLP's."""
-        return expert_weights(block.experts).act if custom_gate(block.experts) else f.act
+        act = self.experts(block).act
+        return act if isinstance(act, OwnGate) else f.act
 
     def dense_ffn(self, mlp: nn.Module) -> DenseFFN:
         return dense_ffn(mlp)

@@ -24,6 +24,7 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForImage
 from m2d_ray.arch import family_of, get_adapter
 from m2d_ray.arch.base import expert_outputs, rel_error
 from m2d_ray.arch.families import FAMILIES
+from m2d_ray.arch.llama4 import FAMILY as LLAMA4
 from m2d_ray.arch.meta import param_counts
 from m2d_ray.arch.refused import CANNOT
 from m2d_ray.calibrate.collect import collect_stats
@@ -40,7 +41,7 @@ from m2d_ray.weights import LazyTeacher, skeleton
 #: the text families with a causal-LM class of their own (qwen3_vl_moe_text is built inside its vision-language model)
 TYPES = [
     f.model_type
-    for f in FAMILIES
+    for f in (*FAMILIES, LLAMA4)
     if f.model_type in CONFIG_MAPPING and type(CONFIG_MAPPING[f.model_type]()) in AutoModelForCausalLM._model_mapping
 ]
 #: config-only families transformers builds with another family's class
@@ -270,14 +271,16 @@ def test_a_vision_language_checkpoint_keeps_its_class_and_its_vision_tower(model
     assert param_counts(model.config).params == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.parametrize("model_type,differs", [("ergo", "RMSNorm"), ("llama4_text", "input")])
 @torch.no_grad()
-def test_an_approximated_family_says_what_differs_and_the_difference_is_measured():
-    """ergo normalises each expert's output (and the shared expert's) before the routing weight: the method's FFN
-    drops those norms. The plan says so in one line, and the block's output differs from the method's sum of
-    weighted expert FFNs by a measured, finite amount (printed: pytest -s)."""
-    model = tiny_structured("ergo")
+def test_an_approximated_family_says_what_differs_and_the_difference_is_measured(model_type, differs):
+    """ergo normalises each expert's output (and the shared expert's) before the routing weight; Llama-4 scales each
+    expert's input by its score: the method's FFN is an approximation of their blocks. The plan says so in one line,
+    and the block's output differs from the method's sum of weighted expert FFNs by a measured, finite amount
+    (printed: pytest -s)."""
+    model = tiny_structured(model_type)
     adapter = get_adapter(model.config)
-    assert "RMSNorm" in adapter.approximation
+    assert differs in adapter.approximation
     assert any("approximates its MoE blocks" in n for n in models_of(model.config).notes)
     d = model.config.hidden_size
     for i, block in adapter.moe_blocks(model).items():
@@ -288,5 +291,5 @@ def test_an_approximated_family_says_what_differs_and_the_difference_is_measured
         y = (r.weight[..., None].to(out.dtype) * out[r.index, torch.arange(flat.shape[0])[:, None]]).sum(1)
         y = y + expert_outputs(adapter.shared(block).weights, flat)[0]
         err = rel_error(y, adapter.block_output(block, h).reshape(-1, d))
-        print(f"ergo layer {i}: the method's FFN differs from the block by {err:.3f} (relative)")
+        print(f"{model_type} layer {i}: the method's FFN differs from the block by {err:.3f} (relative)")
         assert 1e-6 < err < float("inf")
