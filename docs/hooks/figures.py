@@ -296,7 +296,6 @@ FIGURES = {
     "extended.hidden.dollars": lambda: usd(line("extended-hidden")["dollars"]),
     "extended.hidden.hours": lambda: hours(line("extended-hidden")["seconds"]),
     "extended.hidden.stored": lambda: whole_gib(stored("extended-hidden")),
-    "extended.hidden.d2d": lambda: whole_gib(stored("extended-hidden") - stored("extended")),
     "extended.targets": lambda: "\n".join(
         ["```text", *(f"  stage-2 targets of {t}" for t in plan("extended").targets_lines()), "```"]
     ),
