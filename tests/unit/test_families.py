@@ -293,3 +293,16 @@ def test_an_approximated_family_says_what_differs_and_the_difference_is_measured
         err = rel_error(y, adapter.block_output(block, h).reshape(-1, d))
         print(f"{model_type} layer {i}: the method's FFN differs from the block by {err:.3f} (relative)")
         assert 1e-6 < err < float("inf")
+
+
+def test_a_family_of_a_later_transformers_is_named_with_the_release_that_has_it(tmp_path, monkeypatch):
+    """A checkpoint whose model type the installed transformers does not know, but a later release does: one line
+    naming that release, not transformers' own error."""
+    from m2d_ray.arch import refused
+    from m2d_ray.models import model_config
+
+    monkeypatch.setitem(refused.SINCE, "future_moe", "9.1")
+    (tmp_path / "config.json").write_text('{"model_type": "future_moe", "hidden_size": 64}')
+    with pytest.raises(M2DError, match=r"'future_moe' needs transformers>=9\.1 \(installed: 5\.") as err:
+        model_config(str(tmp_path))
+    assert "\n" not in str(err.value)
