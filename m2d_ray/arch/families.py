@@ -42,6 +42,7 @@ from m2d_ray.arch.structure import (
     expert_weights,
     experts_state,
     is_experts,
+    name_of,
 )
 from m2d_ray.errors import M2DError
 
@@ -249,7 +250,7 @@ class StructuredAdapter(MoEAdapter):
 
     def student_ffn_state(self, student: nn.Module, layer: int, ffn: DenseFFN) -> dict[str, Tensor]:
         module = self.ffn(self.layers(student)[layer])
-        prefix = _name_of(student, module) + "."
+        prefix = name_of(student, module) + "."
         if not self.is_moe(module):
             if dense_names(module) is None:
                 raise M2DError(f"the student's layer {layer} FFN ({type(module).__name__}) is not a dense MLP")
@@ -284,13 +285,17 @@ class StructuredAdapter(MoEAdapter):
     def _applied_weights(self, block: nn.Module) -> list[float]:
         """The weight each expert of a one-expert student's block gets from its zeroed router (times the block's
         own scale), read by running a copy of the block on the CPU, in the dtype the family computes in, up to its
-        experts call."""
+        experts call: its experts stay on the meta device (they never run), so the copy costs a router's bytes."""
         key = (type(block).__name__, block.experts.config.to_json_string())
         if key not in self._applied_cache:
-            real = copy.deepcopy(block).to_empty(device="cpu").to(self.exact_dtype)
+            real = copy.deepcopy(block)
+            experts, real.experts = real.experts, nn.Identity()
+            real = real.to_empty(device="cpu").to(self.exact_dtype)
+            real.experts = experts
             with torch.no_grad():
                 for _, t in _tensors(real):
-                    t.zero_()
+                    if not t.is_meta:
+                        t.zero_()
             d = block.experts.config.hidden_size
             cap = capture_routing(real, torch.randn(3, d, dtype=self.exact_dtype))
             n = cap.index.shape[1]
@@ -329,10 +334,6 @@ def _tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
 def _is_norm(block: nn.Module, name: str) -> bool:
     owner = name.rpartition(".")[0]
     return bool(owner) and "norm" in type(block.get_submodule(owner)).__name__.lower()
-
-
-def _name_of(model: nn.Module, module: nn.Module) -> str:
-    return next(n for n, m in model.named_modules() if m is module)
 
 
 HYPER_CONNECTIONS = "its layers carry hyper-connection streams (copies of the hidden state), not one hidden state"

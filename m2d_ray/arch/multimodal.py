@@ -14,6 +14,7 @@ import copy
 from torch import nn
 
 from m2d_ray.arch.base import MoEAdapter
+from m2d_ray.arch.structure import name_of
 
 
 def text_config(config):
@@ -87,7 +88,7 @@ class Multimodal:
     def student_ffn_state(self, student: nn.Module, layer: int, ffn):
         """The language model's adapter's entries, named as in the whole model (an adapter that writes a causal
         LM's names, `model.layers.N.mlp.`, gets its prefix replaced by the FFN's real one)."""
-        prefix = _name_of(student, self.inner.ffn(self.layers(student)[layer])) + "."
+        prefix = name_of(student, self.inner.ffn(self.layers(student)[layer])) + "."
         state = self.inner.student_ffn_state(_Decoder(student), layer, ffn)
         if all(k.startswith(prefix) for k in state):
             return state
@@ -109,7 +110,3 @@ class _Decoder(nn.Module):
     @property
     def model(self):
         return self._student.get_decoder()
-
-
-def _name_of(model: nn.Module, module: nn.Module) -> str:
-    return next(n for n, m in model.named_modules() if m is module)

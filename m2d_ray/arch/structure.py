@@ -275,3 +275,8 @@ def capture_routing(block: nn.Module, h: Tensor) -> Captured:
     if "index" not in got:
         raise RuntimeError(f"{type(block).__name__} never called its experts")
     return Captured(got.get("logits"), got["index"].reshape(h.shape[0], -1), got["weight"].reshape(h.shape[0], -1))
+
+
+def name_of(model: nn.Module, module: nn.Module) -> str:
+    """A submodule's qualified name in `model`."""
+    return next(n for n, m in model.named_modules() if m is module)
