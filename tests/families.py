@@ -384,13 +384,13 @@ def tiny_config(model_type: str, layers: list[int] | None = None, **extra):
             out[k] = 0
     out.update(tie_word_embeddings=False)
     out.update(extra)
-    return cls(
-        **{k: v for k, v in {**d, **out}.items() if k not in ("model_type", "transformers_version", "architectures")}
-    )
+    kept = {k: v for k, v in d.items() if k not in ("model_type", "transformers_version", "architectures")}
+    return cls(**{**kept, **out})
 
 
 #: per family, what the generic shrinking above cannot guess (sizes its class checks against each other)
 TINY_EXTRA: dict[str, dict] = {
+    "mistral4": {"architectures": ["Mistral4ForCausalLM"]},  # shipped, not in the causal-LM auto mapping
     "dots1": {"n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2},
     "dots3_note_text": {
         "head_dim": 24,
@@ -425,8 +425,10 @@ TINY_EXTRA: dict[str, dict] = {
 
 def tiny_structured(model_type: str, seed: int = 0, dtype=torch.float64, **extra) -> PreTrainedModel:
     """The family's tiny teacher with seeded weights, eager experts, in `dtype`, eval mode (`extra`: config fields)."""
+    from m2d_ray.arch import auto_class
+
     cfg = tiny_config(model_type, **{**TINY_EXTRA.get(model_type, {}), **extra})
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, experts_implementation="eager")
+    model = auto_class(cfg).from_config(cfg, dtype=dtype, experts_implementation="eager")
     reinit_(model, seed)
     return model.eval()
 

@@ -78,7 +78,22 @@ def auto_class(config):
     class: the image-text-to-text one for a vision-language config, the causal LM one otherwise."""
     if is_composite(config) and type(config) in AutoModelForImageTextToText._model_mapping:
         return AutoModelForImageTextToText
+    if type(config) not in AutoModelForCausalLM._model_mapping and (named := _classes(config)):
+        return _Named(named[0])  # a class transformers ships but does not map (mistral4): the one the config names
     return AutoModelForCausalLM
+
+
+class _Named:
+    """A model class used as an auto class: `from_config` and `from_pretrained` of that class itself."""
+
+    def __init__(self, cls) -> None:
+        self.cls = cls
+
+    def from_config(self, config, **kwargs):
+        return self.cls._from_config(config, **kwargs)
+
+    def from_pretrained(self, *args, **kwargs):
+        return self.cls.from_pretrained(*args, **kwargs)
 
 
 # Importing the family modules registers them.

@@ -389,6 +389,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("lara_mini", student="one-expert"),
     Family("mellum"),
     Family("mimo_v2_flash", scores="sigmoid"),
+    Family("mistral4"),
     Family("minicpm5_moe", scores="sigmoid"),
     Family("minimax", renormalized=True, student="one-expert"),
     Family("minimax_m2", scores="sigmoid", renormalized=True, student="one-expert"),
