@@ -376,6 +376,8 @@ FAMILIES: tuple[Family, ...] = (
         unstreamed=HYPER_CONNECTIONS,
     ),
     Family("jamba", renormalized=False, knob=(("num_experts", 1),)),
+    Family("granitemoehybrid", renormalized=True, student="one-expert"),  # its shared MLP on the layer stays
+    Family("lfm2_moe", scores="sigmoid"),
     Family("kimi_linear", scores="sigmoid", renormalized="moe_renormalize"),
     Family("kolibri1", scores="sigmoid", student="one-expert"),
     Family(
