@@ -406,6 +406,10 @@ def parser() -> argparse.ArgumentParser:
     an.add_argument("--overwrite", action="store_true", help="replace an analysis with other settings at --out")
 
     sub.add_parser("configs", help="the example configs shipped with m2d (m2d run NAME, m2d plan NAME read them)")
+    sub.add_parser(
+        "families",
+        help="the MoE families m2d converts (their student, exact or what differs) and those it refuses, with why",
+    )
     cp = sub.add_parser("cp", help="copy a shipped config out to edit (never over an existing file)")
     cp.add_argument("name", help="a shipped config (m2d configs lists them)")
     cp.add_argument("dest", help="the file to write, or a directory for NAME.yaml")

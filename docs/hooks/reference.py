@@ -306,28 +306,6 @@ def bad_input_page() -> str:
 
 
 # ---- the hook ---------------------------------------------------------------------------------------
-def families_rows() -> list[tuple[str, str, str, str]]:
-    """(model type, adapter, student, exactness) of each family m2d converts, then each refused one with its reason."""
-    from m2d_ray.arch import ADAPTERS
-    from m2d_ray.arch.families import StructuredAdapter
-    from m2d_ray.arch.refused import CANNOT
-
-    rows = []
-    for name in sorted(ADAPTERS):
-        a = ADAPTERS[name]
-        if isinstance(a, StructuredAdapter):
-            f = a.family
-            kind = "same class, every layer dense" if f.student == "dense" else "same class, one expert"
-            how = f"read from its structure; router scores: {f.scores}"
-            exact = "float32 round-off (its experts compute in float32)" if f.float32 else "float64 round-off"
-            exact = f"the method's FFN, which approximates the block: {a.approximation}" if a.approximation else exact
-        else:
-            kind, how, exact = f"{a.student_model_type} (own module)", "arch/" + name + ".py", "float64 round-off"
-        rows.append((name, how, kind, exact))
-    rows += [(name, "refused", "—", why) for name, why in sorted(CANNOT.items())]
-    return rows
-
-
 def families_page() -> str:
     lines = [
         "# MoE families",
@@ -342,7 +320,9 @@ def families_page() -> str:
         "| model type | adapter | student | exact to / why refused |",
         "|---|---|---|---|",
     ]
-    lines += [f"| `{n}` | {h} | {k} | {_cell(e)} |" for n, h, k, e in families_rows()]
+    from m2d_ray.arch import family_rows
+
+    lines += [f"| `{n}` | {h} | {k} | {_cell(e)} |" for n, h, k, e in family_rows()]
     return "\n".join(lines) + "\n"
 
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from m2d_ray.arch.base import MoEAdapter
 from m2d_ray.arch.multimodal import Multimodal, is_composite
-from m2d_ray.arch.refused import refuse
+from m2d_ray.arch.refused import CANNOT, refuse
 from m2d_ray.errors import M2DError
 from m2d_ray.registry import Registry
 
@@ -70,7 +70,30 @@ def get_adapter(config) -> MoEAdapter:
     model_type = getattr(config, "model_type", None)
     refuse(model_type)
     family = family_of(config)
-    return ADAPTERS[family if family is not None else model_type]
+    if family is None:  # no "did you mean": a near name is another family, not this one
+        raise M2DError(
+            f"model_type {model_type!r} is not a Mixture-of-Experts family m2d converts; `m2d families` lists the "
+            f"{len(supported_types())} it does and why others are refused"
+        )
+    return ADAPTERS[family]
+
+
+def family_rows() -> list[tuple[str, str, str, str]]:
+    """(model type, adapter, student, exact to / what differs) of each family m2d converts, then (model type,
+    "refused", "-", why) of each it refuses: `m2d families` and the reference page."""
+    rows = []
+    for name in sorted(ADAPTERS):
+        a = ADAPTERS[name]
+        if isinstance(a, families.StructuredAdapter):
+            f = a.family
+            kind = "same class, every layer dense" if f.student == "dense" else "same class, one expert"
+            how = f"read from its structure; router scores: {f.scores}"
+            exact = "float32 round-off (its experts compute in float32)" if f.float32 else "float64 round-off"
+        else:
+            kind, how, exact = f"{a.student_model_type} (own module)", f"arch/{name}.py", "float64 round-off"
+        exact = f"the method's FFN, which approximates the block: {a.approximation}" if a.approximation else exact
+        rows.append((name, how, kind, exact))
+    return rows + [(name, "refused", "-", why) for name, why in sorted(CANNOT.items())]
 
 
 def auto_class(config):
@@ -114,6 +137,7 @@ for _family in families.FAMILIES:
 ADAPTERS.register(llama4.FAMILY.model_type)(llama4.Llama4Adapter())
 
 __all__ = [
+    "family_rows",
     "ADAPTERS",
     "M2DError",
     "MoEAdapter",

@@ -561,7 +561,7 @@ CASES = {
             "distill.workers=1",
             "distill.deepspeed=false",  # at one rank ZeRO shards nothing (and its float32 bucket would not fit)
         ],
-        "no exact mode fits teacher (hidden stores 2004.3 GiB, over plan.max_storage 931.3 GiB; online needs 124.6 GiB "
+        "no exact mode fits teacher (hidden stores 2004.3 GiB, over plan.max_storage 931.3 GiB; online needs 124.4 GiB "
         "a rank, over the 75.7 GiB a device gives it)",
     ),
     "plan: a misspelt recipe": (

@@ -148,7 +148,15 @@ def test_empty_or_short_calibration_text(capsys, tiny_teacher_dir, tmp_path, tex
 
 def test_non_moe_model_lists_supported_types(capsys, llama_dir, tmp_path):
     code, _, err = run(capsys, "convert", "--model", str(llama_dir), "--out", str(tmp_path / "o"))
-    assert code == 2 and "'llama' is not a supported" in err and "qwen3_moe" in err and "gpt_oss" in err
+    assert code == 2 and "'llama' is not a Mixture-of-Experts family m2d converts" in err and "m2d families" in err
+    assert "did you mean" not in err  # llama4_text is a near name, not this model's family
+
+
+def test_m2d_families_lists_every_family_converted_and_refused(capsys):
+    code, out, _ = run(capsys, "families")
+    names = {line.split()[0] for line in out.splitlines()}
+    assert code in (0, None) and {"qwen3_moe", "glm4_moe", "minimax_m2", "nemotron_h", "phimoe", "zaya"} <= names
+    assert any(line.startswith("phimoe") and "sparsemixer" in line for line in out.splitlines())
 
 
 def test_console_script_exit_code(tmp_path):
