@@ -333,7 +333,7 @@ CASES = {
     # models
     "model missing": (lambda w: _conv(w, "--model", "/nonexistent/model"), "not found"),
     "model is a file": (lambda w: _conv(w, "--model", "notes.txt"), "is a file"),
-    "non-MoE model": (lambda w: _conv(w, "--model", str(w["llama"])), "'llama' is not a supported"),
+    "non-MoE model": (lambda w: _conv(w, "--model", str(w["llama"])), "'llama' is not a Mixture-of-Experts family"),
     "MoE family the method cannot express": (
         lambda w: _conv(w, "--model", str(w["phimoe"])),
         "'phimoe' cannot be converted by the method: its sparsemixer",
@@ -695,7 +695,7 @@ CASES = {
     "prune-dense budget too small": (lambda w: _prune(w, "--target-params", "100"), "candidate shape"),
     "prune-dense match is no MoE": (
         lambda w: _prune(w, "--match", str(w["dense"])),
-        "'qwen3' is not a supported Mixture-of-Experts",
+        "'qwen3' is not a Mixture-of-Experts family",
     ),
     "prune-dense out holds a student": (
         lambda w: [*_prune(w)[:-1], str(w["student"]), "--ffn", "32"],
