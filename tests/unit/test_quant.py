@@ -6,7 +6,9 @@
     copy does (`m2d convert`'s `convert_one`): the same selection, groups and scales, the same student in float32,
     whole or streamed, and the student's config says nothing of the teacher's quantisation;
 (c) what cannot be read is refused in one line: another method, naming it; a missing or non-finite scale, naming
-    the tensor.
+    the tensor;
+(d) the plan counts a quantised teacher's checkpoint at its published bytes (DeepSeek-V3's 671 GB, gpt-oss-20b's
+    13.8 GB) and its memory at the dequantised teacher a stage holds.
 """
 
 from __future__ import annotations
@@ -17,17 +19,24 @@ import pytest
 import quantize
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import DeepseekV3Config
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize, _dequantize_fp8_weight
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from m2d_ray.checkpoint import Checkpoint, scan
 from m2d_ray.commands.convert import convert_one
+from m2d_ray.config import load_config
 from m2d_ray.errors import M2DError
-from m2d_ray.models import load_model
+from m2d_ray.models import load_model, model_config
+from m2d_ray.pipeline import plan as make_plan
+from m2d_ray.plan.run_plan import plan_line
+from m2d_ray.plan.shapes import shape_of
 from m2d_ray.quant import Scheme, scheme_of
 from m2d_ray.quant.fp8 import dequantize_blocks
 from m2d_ray.quant.mxfp4 import dequantize
 from m2d_ray.quant.reader import Reader
+from m2d_ray.shipped import EXPERIMENTS
+from m2d_ray.sizes import gib
 from m2d_ray.weights import open_teacher, read_output_head
 
 G = torch.Generator().manual_seed(0)
@@ -170,3 +179,47 @@ def test_a_missing_or_non_finite_scale_is_refused_naming_the_tensor(written, dam
         with pytest.raises(M2DError, match=scale if damage == "nan" else "missing") as err:  # lazily, and whole
             read()
         assert weight in str(err.value) and "\n" not in str(err.value)
+
+
+# ---- counted as published (m2d plan) ---------------------------------------------------------------------------
+
+
+def test_the_plan_counts_a_quantised_teacher_at_its_stored_bytes(written):
+    """What is downloaded and stored is the published checkpoint; what a stage holds is the dequantised teacher."""
+    _, quantised, dequantised = written
+    shape = shape_of(model_config(str(quantised)))
+    assert shape.checkpoint_bytes == pytest.approx(quantize.stored_bytes(quantised), rel=0.02)
+    assert shape.weights == pytest.approx(quantize.stored_bytes(dequantised), rel=1e-3)  # held dequantised (buffers)
+
+
+#: DeepSeek-V3's published config.json (its shape)
+DEEPSEEK_V3 = json.loads(
+    '{"vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, '
+    '"num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, '
+    '"n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, '
+    '"qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, '
+    '"num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": true}'
+)
+
+
+def test_a_671b_fp8_teacher_plans_at_its_published_671_gb():
+    config = DeepseekV3Config(**DEEPSEEK_V3, tie_word_embeddings=False, dtype="bfloat16")
+    config.quantization_config = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    }
+    plan = make_plan(load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml"), config)
+    stored = json.loads(plan_line(plan))["teacher_checkpoint_bytes"]
+    assert plan.models["teacher_params"] == pytest.approx(671e9, rel=0.001)
+    assert stored == pytest.approx(671e9, rel=0.01)  # not the 1.34 TB of its bf16 copy
+    assert plan.by_stage()["calibrate"].parts["teacher"] == 2 * plan.models["teacher_params"]  # held in bf16
+    assert f"teacher: {gib(stored)} as published in fine-grained FP8 (e4m3, 128x128 blocks)," in plan.table()
+
+
+def test_the_shipped_gpt_oss_20b_is_planned_as_published():
+    """Its config.json as the hub has it, MXFP4 experts: 13.8 GB as published (the hub's size), 39 GiB held."""
+    shape = shape_of(model_config(str(EXPERIMENTS / "configs" / "openai--gpt-oss-20b")))
+    assert shape.quantisation.startswith("MXFP4") and shape.checkpoint_bytes == pytest.approx(13.8e9, rel=0.01)
+    assert shape.weights == 2 * shape.params
