@@ -7,7 +7,7 @@
     whole or streamed, and the student's config says nothing of the teacher's quantisation;
 (c) what cannot be read is refused in one line: another method, naming it; a missing or non-finite scale, naming
     the tensor;
-(d) the plan counts a quantised teacher's checkpoint at its published bytes (DeepSeek-V3's 671 GB, gpt-oss-20b's
+(d) the plan counts a quantised teacher's checkpoint at its published bytes (DeepSeek-R1's 671 GB, gpt-oss-20b's
     13.8 GB) and its memory at the dequantised teacher a stage holds.
 """
 
@@ -19,7 +19,6 @@ import pytest
 import quantize
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import DeepseekV3Config
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize, _dequantize_fp8_weight
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -192,24 +191,9 @@ def test_the_plan_counts_a_quantised_teacher_at_its_stored_bytes(written):
     assert shape.weights == pytest.approx(quantize.stored_bytes(dequantised), rel=1e-3)  # held dequantised (buffers)
 
 
-#: DeepSeek-V3's published config.json (its shape)
-DEEPSEEK_V3 = json.loads(
-    '{"vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, '
-    '"num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, '
-    '"n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, '
-    '"qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, '
-    '"num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": true}'
-)
-
-
 def test_a_671b_fp8_teacher_plans_at_its_published_671_gb():
-    config = DeepseekV3Config(**DEEPSEEK_V3, tie_word_embeddings=False, dtype="bfloat16")
-    config.quantization_config = {
-        "activation_scheme": "dynamic",
-        "fmt": "e4m3",
-        "quant_method": "fp8",
-        "weight_block_size": [128, 128],
-    }
+    """DeepSeek-R1 (DeepSeek-V3's architecture), its config.json as published, shipped: fine-grained FP8."""
+    config = model_config(str(EXPERIMENTS / "configs" / "deepseek-ai--DeepSeek-R1"))
     plan = make_plan(load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml"), config)
     stored = json.loads(plan_line(plan))["teacher_checkpoint_bytes"]
     assert plan.models["teacher_params"] == pytest.approx(671e9, rel=0.001)
