@@ -206,7 +206,8 @@ def plan(
         f"{k}: planned at the MoE teacher's shape (its config was not read here: a hub name beside --model; name that "
         "teacher by a directory with its config.json to plan its own)"
         for k in unread
-    ) + _published(p.models.teacher)
+    )
+    notes += _published(p.models.teacher)
     return replace(_plan_with(replace(p, targets=chosen), run, cpu, refusals), notes=notes)
 
 

@@ -74,8 +74,6 @@ def check_finite(name: str, t: Tensor, experts: Sequence[int] | None = None) -> 
     return t
 
 
-
-
 def skeleton(config, dtype: torch.dtype, device: str = "cpu") -> PreTrainedModel:
     """The model on the meta device (no weights), with its non-persistent buffers (rotary frequencies)
     computed as `from_pretrained` computes them."""
