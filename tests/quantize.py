@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 
 import torch
-from families import FAMILIES, tiny_model
+from families import FAMILIES, tiny_model, tiny_structured
 from safetensors.torch import load_file, save_file
 
 from m2d_ray.data.synthetic import build_tokenizer
@@ -99,9 +99,12 @@ def dequantise_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 
 def teacher(family: str, seed: int = 0):
-    """The family's tiny teacher (tests/families.py) with the synthetic corpus' vocabulary (convert calibrates on
-    it) and, for gpt-oss, experts 32 wide (MXFP4 packs 32 values a scale)."""
-    spec = next(f for f in FAMILIES if f.id == family)
+    """The family's tiny teacher (tests/families.py; a family read from its structure: tiny_structured) with the
+    synthetic corpus' vocabulary (convert calibrates on it) and, for gpt-oss, experts 32 wide (MXFP4 packs 32 values a
+    scale)."""
+    spec = next((f for f in FAMILIES if f.id == family), None)
+    if spec is None:  # a family read from its structure (m2d_ray/arch/families.py)
+        return tiny_structured(family, seed, torch.float32, vocab_size=len(build_tokenizer()))
 
     def config():
         c = spec.make_config()
@@ -118,7 +121,7 @@ def _quantised_matrix(key: str, t: torch.Tensor) -> bool:
     return (
         key.startswith("model.layers.")
         and t.dim() >= 2
-        and not key.endswith((".mlp.gate.weight", ".router.weight", "_bias"))
+        and not key.endswith((".gate.weight", ".router.weight", "_bias"))
     )
 
 

@@ -18,18 +18,21 @@ import json
 import pytest
 import quantize
 import torch
+from families import tiny_config
 from safetensors.torch import load_file, save_file
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize, _dequantize_fp8_weight
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+from m2d_ray.arch import get_adapter
 from m2d_ray.checkpoint import Checkpoint, scan
 from m2d_ray.commands.convert import convert_one
 from m2d_ray.config import load_config
+from m2d_ray.convert.student import student_config
 from m2d_ray.errors import M2DError
 from m2d_ray.models import load_model, model_config
 from m2d_ray.pipeline import plan as make_plan
 from m2d_ray.plan.run_plan import plan_line
-from m2d_ray.plan.shapes import shape_of
+from m2d_ray.plan.shapes import models_of, shape_of
 from m2d_ray.quant import Scheme, scheme_of
 from m2d_ray.quant.fp8 import dequantize_blocks
 from m2d_ray.quant.mxfp4 import dequantize
@@ -39,6 +42,7 @@ from m2d_ray.sizes import gib
 from m2d_ray.weights import open_teacher, read_output_head
 
 G = torch.Generator().manual_seed(0)
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 HEAD = "lm_head.weight"
 
 
@@ -95,6 +99,7 @@ CASES = [
     pytest.param(("qwen3_moe", "fp8"), id="qwen3_moe-fp8"),
     pytest.param(("gpt_oss", "mxfp4"), id="gpt_oss-mxfp4"),
     pytest.param(("deepseek_v3", "ct-block"), id="deepseek_v3-ct-block"),
+    pytest.param(("minimax_m2", "fp8"), id="minimax_m2-fp8"),  # read from its structure, its student's config copied
     pytest.param(("deepseek_v3", "fp8-e5m2"), id="deepseek_v3-fp8-e5m2", marks=pytest.mark.slow),
     pytest.param(("qwen3_moe", "ct-channel"), id="qwen3_moe-ct-channel", marks=pytest.mark.slow),
     pytest.param(("qwen3_moe", "ct-tensor"), id="qwen3_moe-ct-tensor", marks=pytest.mark.slow),
@@ -207,3 +212,14 @@ def test_the_shipped_gpt_oss_20b_is_planned_as_published():
     shape = shape_of(model_config(str(EXPERIMENTS / "configs" / "openai--gpt-oss-20b")))
     assert shape.quantisation.startswith("MXFP4") and shape.checkpoint_bytes == pytest.approx(13.8e9, rel=0.01)
     assert shape.weights == 2 * shape.params
+
+
+def test_a_students_config_is_unquantised_whatever_the_teacher_was_published_in():
+    """A family read from its structure builds its student's config from the teacher's (quantization_config too):
+    convert/ and the plan drop it (the student is written in the compute dtype)."""
+    config = tiny_config("minimax_m2")
+    config.quantization_config = FP8_CONFIG
+    adapter = get_adapter(config)
+    assert getattr(adapter.student_config(config, 64), "quantization_config", None) == FP8_CONFIG
+    assert not hasattr(student_config(adapter, config, 64), "quantization_config")
+    assert not hasattr(models_of(config).student_config, "quantization_config")
