@@ -25,6 +25,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from m2d_ray.arch import get_adapter
 from m2d_ray.checkpoint import Checkpoint, scan
+from m2d_ray.cli import main
 from m2d_ray.commands.convert import convert_one
 from m2d_ray.config import load_config
 from m2d_ray.convert.student import student_config
@@ -223,3 +224,13 @@ def test_a_students_config_is_unquantised_whatever_the_teacher_was_published_in(
     assert getattr(adapter.student_config(config, 64), "quantization_config", None) == FP8_CONFIG
     assert not hasattr(student_config(adapter, config, 64), "quantization_config")
     assert not hasattr(models_of(config).student_config, "quantization_config")
+
+
+def test_m2d_plan_on_a_quantised_teacher_counts_its_stored_size(tmp_path, capsys):
+    quantised, _ = quantize.write(quantize.teacher("gpt_oss"), tmp_path, "mxfp4")
+    assert main(["plan", "tiny", "--model", str(quantised)]) == 0
+    out = capsys.readouterr()
+    text = out.out + out.err
+    stored = json.loads(next(t for t in reversed(text.splitlines()) if t.startswith("{")))["teacher_checkpoint_bytes"]
+    assert stored == pytest.approx(quantize.stored_bytes(quantised), rel=0.02)
+    assert f"teacher: {gib(stored)} as published in " in text
