@@ -18,17 +18,8 @@ from m2d_ray.errors import M2DError
 from m2d_ray.quant import COMPRESSED, FP8, MXFP4, Scheme, compressed, fp8, mxfp4
 
 _FIX = "re-download or re-export the model"
-#: what a quantised checkpoint stores beside its weights: their scales (read with them), activation scales (unused)
-_COMPANIONS = (
-    "_scale_inv",
-    "weight_scale",
-    mxfp4.SCALES,
-    "input_scale",
-    "activation_scale",
-    "output_scale",
-    ".k_scale",
-    ".v_scale",
-)
+#: activation scales a quantised checkpoint stores beside its weights (unused: activations are computed unquantised)
+_ACTIVATION_SCALES = ("input_scale", "activation_scale", "output_scale", ".k_scale", ".v_scale")
 
 
 class Reader:
@@ -50,22 +41,23 @@ class Reader:
         stored = self.ckpt.names()
         if self.scheme is None:
             return sorted(stored)
-        out = set()
-        for key in stored:
-            base = key.removesuffix(mxfp4.BLOCKS)
-            if self.scheme.method == MXFP4 and base != key:  # its scales are read with it (or refused missing)
-                out.add(base)
-            elif not key.endswith(_COMPANIONS):
-                out.add(key)
-        return sorted(out)
+        if self.scheme.method == MXFP4:  # x for x_blocks and x_scales (read with it, or refused missing)
+            blocks = {k.removesuffix(mxfp4.BLOCKS) for k in stored if k.endswith(mxfp4.BLOCKS)}
+            companions = {b + suffix for b in blocks for suffix in (mxfp4.BLOCKS, mxfp4.SCALES)}
+            return sorted((stored - companions) | blocks)
+        scales = {self._scale_key(k) for k in stored if self.quantised(k)}
+        return sorted(k for k in stored - scales if not k.endswith(_ACTIVATION_SCALES))
 
     def quantised(self, key: str) -> bool:
         """Whether `key` is stored quantised: MXFP4 blocks, or an 8-bit weight (its scale beside it, or missing)."""
         if self.scheme is None:
             return False
-        if self._mxfp4(key):
-            return key + mxfp4.BLOCKS in self.ckpt
+        if self.scheme.method == MXFP4:
+            return self._mxfp4(key) and key + mxfp4.BLOCKS in self.ckpt
         return key in self.ckpt and self.ckpt.shard(key).dtype(key).itemsize == 1
+
+    def _scale_key(self, key: str) -> str:
+        return fp8.scale_key(key) if self.scheme.method == FP8 else compressed.scale_key(key)
 
     def read(self, key: str, rows: Sequence[int] | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
         """Tensor `key` (only `rows` of its first dimension): as stored, or dequantised into `dtype`."""
@@ -77,7 +69,7 @@ class Reader:
             if (scales == 255).any():  # e8m0's NaN
                 raise M2DError(f"checkpoint {self.ckpt.dir}: scales {key}{mxfp4.SCALES} hold NaN (255); {_FIX}")
             return self._checked(key, lambda: mxfp4.dequantize(blocks, scales, dtype))
-        name = fp8.scale_key(key) if self.scheme.method == FP8 else compressed.scale_key(key)
+        name = self._scale_key(key)
         scale = self._companion(key, name, rows if self._per_row(key, name) else None)
         weight = self.ckpt.read(key, rows)
         return self._checked(key, lambda: fp8.dequantize_blocks(weight, scale, self.scheme.block, dtype))
