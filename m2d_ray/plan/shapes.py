@@ -10,6 +10,7 @@ from m2d_ray.arch.base import MoEAdapter
 from m2d_ray.arch.counts import Counts
 from m2d_ray.arch.meta import param_counts
 from m2d_ray.convert.student import student_config
+from m2d_ray.models import mtp_left_out
 from m2d_ray.quant import MXFP4, scheme_of, stored_bytes
 
 GiB = 1 << 30
@@ -136,4 +137,5 @@ def models_of(config) -> Models:
     student.dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     why = adapter.approximation
     notes = (f"{config.model_type}: the student approximates its MoE blocks: {why}",) if why else ()
+    notes += (mtp,) if (mtp := mtp_left_out(config)) else ()
     return Models(shape_of(config, c, adapter), shape_of(student), config, student, notes)
