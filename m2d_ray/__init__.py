@@ -13,7 +13,7 @@ this list against the code):
     1. errors, console, registry, artifacts, storage, checkpoint, assets, accelerators, peaks, sizes, numerics, measured
     2. catalog, shipped
     3. config
-    4. arch
+    4. arch, quant
     5. models, weights, data
     6. calibrate
     7. scoring

@@ -47,6 +47,7 @@ _DTYPES = {
     "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    **({"F8_E8M0": torch.float8_e8m0fnu} if hasattr(torch, "float8_e8m0fnu") else {}),  # ue8m0 FP8 scales
 }
 _FIX = "re-download or re-export the model"
 
@@ -150,6 +151,7 @@ def nonfinite(t: torch.Tensor) -> tuple[int, int]:
         return 0, 0
     nan = inf = 0
     for part in t.detach().reshape(-1).split(_CHUNK):
+        part = part.float() if part.element_size() == 1 else part  # float8 has no isinf of its own
         nan += int(part.isnan().sum())
         inf += int(part.isinf().sum())
     return nan, inf

@@ -6,6 +6,7 @@ need. Building students only needs some tensors: `m2d_ray.weights.open_teacher` 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from huggingface_hub import snapshot_download
 from torch import Tensor
 from transformers import AutoConfig, AutoTokenizer
 
@@ -28,8 +30,10 @@ from m2d_ray.arch.base import (
 from m2d_ray.arch.dense import dense_types
 from m2d_ray.arch.refused import missing_release
 from m2d_ray.assets import TINY_DENSE_TEACHER_DIR, TINY_TEACHER_DIR
-from m2d_ray.checkpoint import WEIGHT_SUFFIXES, check_files, check_model_finite
+from m2d_ray.checkpoint import WEIGHT_SUFFIXES, Checkpoint, check_files, check_model_finite
 from m2d_ray.errors import M2DError
+from m2d_ray.quant import scheme_of
+from m2d_ray.quant.reader import Dequantised, Reader
 from m2d_ray.storage import local_model
 
 if TYPE_CHECKING:
@@ -157,7 +161,9 @@ def check_teacher(name: str | None) -> MoEAdapter:
     """Everything about a teacher that can be checked without reading its weights: config, family, files."""
 
     name = name or default_teacher()
-    adapter = get_adapter(model_config(name))
+    config = model_config(name)
+    adapter = get_adapter(config)
+    scheme_of(config)  # a quantisation m2d cannot read: one line, before any work
     check_files(name, "teacher")
     return adapter
 
@@ -179,6 +185,24 @@ def load_distill_teacher(name: str, dtype: torch.dtype | None = None, device: st
     return Teacher(name=name, model=model, tokenizer=tokenizer, adapter=None)
 
 
+#: config keys that count a checkpoint's multi-token-prediction layers (DeepSeek-V3, GLM-4.5; Qwen3-Next, Qwen3.5-MoE)
+MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
+
+
+def mtp_left_out(config) -> str | None:
+    """The one line on a teacher's multi-token-prediction layers, which transformers does not load and m2d does not
+    convert (the student has none: it decodes without them); None when the config counts none."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    found = next(((k, n) for k in MTP_KEYS if isinstance(n := getattr(text, k, None), int) and n > 0), None)
+    if found is None:
+        return None
+    key, n = found
+    return (
+        f"{config.model_type}: the checkpoint's multi-token-prediction layer{'s' * (n > 1)} ({key}={n}) left out: "
+        "transformers does not load it and the student has none (it decodes without speculation)"
+    )
+
+
 def model_fingerprint(name: str, config) -> dict:
     """Identity of a teacher for artifact reuse: name, config digest and the weight files' sizes."""
     cfg = json.dumps(config.to_dict(), sort_keys=True, default=str)
@@ -192,6 +216,26 @@ def model_fingerprint(name: str, config) -> dict:
         "config_sha256": hashlib.sha256(cfg.encode()).hexdigest(),
         "weight_files": files,
     }
+
+
+def checkpoint_dir(name: str) -> Path:
+    """The local directory of a model: itself, a storage URL's copy in this node's cache (`storage.fetch_dir`),
+    or the hub snapshot (downloaded once into the hub cache)."""
+
+    if storage.is_remote(name):
+        return storage.fetch_dir(name)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+
+    try:
+        return Path(
+            snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"])
+        )
+    except Exception as exc:
+        raise M2DError(
+            f"cannot fetch the weights of {name!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+        ) from None
 
 
 def _source(name: str) -> str:
@@ -232,8 +276,15 @@ def load_model(name: str, device: str = "cpu", dtype: torch.dtype | None = None,
     kwargs = {"dtype": dtype if dtype is not None else "auto"}
     if device == "cpu" and family_of(config) is not None:
         kwargs["experts_implementation"] = "eager"  # grouped_mm rejects odd tiny shapes on CPU
+    scheme = scheme_of(config, what)
     try:
-        model = auto_class(config).from_pretrained(src, **kwargs)
+        model = (
+            auto_class(config).from_pretrained(src, **kwargs)
+            if scheme is None
+            else _load_quantised(src, config, scheme, kwargs)
+        )
+    except M2DError:
+        raise
     except Exception as exc:  # unreadable weights: name the model, not transformers' internals
         raise M2DError(
             f"cannot load the weights of {what} {name!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); "
@@ -241,6 +292,17 @@ def load_model(name: str, device: str = "cpu", dtype: torch.dtype | None = None,
         ) from None
     check_model_finite(model, what)
     return model.to(device).eval(), load_tokenizer(src)
+
+
+def _load_quantised(src: str, config, scheme, kwargs: dict):
+    """A checkpoint published quantised, loaded as from_pretrained loads an unquantised one (its names converted the
+    same way), from its tensors dequantised on read (`quant.reader`): the values the lazy teacher reads."""
+    reader = Reader(Checkpoint(checkpoint_dir(src)), scheme)
+    plain = copy.deepcopy(config)
+    del plain.quantization_config
+    state = {k: Dequantised(reader, k) for k in reader.names()}
+    model_class = auto_class(plain)._model_mapping[type(plain)]  # the auto class wants a name or a directory
+    return model_class.from_pretrained(None, config=plain, state_dict=state, **kwargs)
 
 
 def check_teacher_topk(model: str, k_prime: int | None) -> None:

@@ -31,7 +31,7 @@ from m2d_ray.plan.bill import RunCost, duration
 from m2d_ray.plan.cost import Host, cpu_rate
 from m2d_ray.plan.prices import hourly
 from m2d_ray.plan.run_plan import Costing, Devices, Planning, RunPlan
-from m2d_ray.plan.shapes import models_of, shape_of
+from m2d_ray.plan.shapes import Shape, models_of, shape_of
 from m2d_ray.plan.targets import MOE, TeacherTargets, configured, storage_dollars
 from m2d_ray.run_dir import RunDir
 from m2d_ray.sizes import gib, parse_size
@@ -207,7 +207,19 @@ def plan(
         "teacher by a directory with its config.json to plan its own)"
         for k in unread
     )
+    notes += _published(p.models.teacher)
     return replace(_plan_with(replace(p, targets=chosen), run, cpu, refusals), notes=notes)
+
+
+def _published(teacher: Shape) -> tuple[str, ...]:
+    """The line on a teacher published quantised: what is downloaded and copied to each node, what is held."""
+    if not teacher.quantisation:
+        return ()
+    return (
+        f"teacher: {gib(teacher.checkpoint_bytes)} as published in {teacher.quantisation}, downloaded and copied to "
+        f"each node that reads it; held dequantised on read in {8 * teacher.dtype_bytes}-bit floats "
+        f"({gib(teacher.weights)}: what the memory above counts)",
+    )
 
 
 def decide_checkpointing(cfg: SweepConfig, teacher_config, devices, own, stages, choices) -> RunPlan:
@@ -256,7 +268,11 @@ def _plan_with(p: Planning, run: list[Stage], cpu: Host | None, refusals: tuple[
         tuple(rows),
         stays,
         p.devices.gpu_memory,
-        {"teacher_params": p.models.teacher.params, "student_params": p.models.student.params},
+        {
+            "teacher_params": p.models.teacher.params,
+            "student_params": p.models.student.params,
+            "teacher_checkpoint_bytes": p.models.teacher.checkpoint_bytes,
+        },
         peak,
         _bill(p, run, {r.name: r for r in rows}, cpu, sum(stays.values()) + sum(peak.values())),
         cfg.plan.max_dollars,

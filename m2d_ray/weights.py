@@ -12,6 +12,10 @@ Checkpoint names are the adapter's business (`checkpoint_names`, `per_expert_key
 in-memory expert tensor is read from the fused checkpoint tensor (rows = the wanted experts) or
 assembled from per-expert keys exactly as transformers fuses them on load (stack over experts,
 concatenate along dim 1), so the values are bitwise those of `from_pretrained`.
+
+A teacher published quantised (FP8, MXFP4, compressed-tensors: `m2d_ray.quant`) is read the same way, each tensor
+dequantised on read into the model dtype (`quant.reader.Reader`); `models.load_model` loads it whole from the same
+reads.
 """
 
 from __future__ import annotations
@@ -47,7 +51,9 @@ from m2d_ray.checkpoint import (
     read_stored_tensor,
 )
 from m2d_ray.errors import M2DError
-from m2d_ray.models import default_teacher, model_config, model_fingerprint
+from m2d_ray.models import checkpoint_dir, default_teacher, model_config, model_fingerprint
+from m2d_ray.quant import Scheme, scheme_of
+from m2d_ray.quant.reader import Reader
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -66,26 +72,6 @@ def check_finite(name: str, t: Tensor, experts: Sequence[int] | None = None) -> 
         [(name, t)], "teacher weight", "the checkpoint is damaged: re-download or re-export the model", experts
     )
     return t
-
-
-def checkpoint_dir(name: str) -> Path:
-    """The local directory of a model: itself, a storage URL's copy in this node's cache (`storage.fetch_dir`),
-    or the hub snapshot (downloaded once into the hub cache)."""
-
-    if storage.is_remote(name):
-        return storage.fetch_dir(name)
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return path
-
-    try:
-        return Path(
-            snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"])
-        )
-    except Exception as exc:
-        raise M2DError(
-            f"cannot fetch the weights of {name!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
-        ) from None
 
 
 def skeleton(config, dtype: torch.dtype, device: str = "cpu") -> PreTrainedModel:
@@ -117,7 +103,7 @@ def _checkpoint_dtype(config, ckpt: Checkpoint) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     floats = (ckpt.shard(n).dtype(n) for n in sorted(ckpt.names()))
-    return next((d for d in floats if d.is_floating_point), torch.get_default_dtype())
+    return next((d for d in floats if d.is_floating_point and d.itemsize > 1), torch.get_default_dtype())
 
 
 @dataclass
@@ -134,8 +120,10 @@ class LazyTeacher:
     _expert_tensors: set[str] = field(init=False, repr=False)
     _ties: dict[str, list[str]] = field(init=False, repr=False)
     _targets: dict[str, Tensor] = field(init=False, repr=False)
+    _reader: Reader = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._reader = Reader(self.checkpoint, scheme_of(self.config))
         self._targets = self.skeleton.state_dict(keep_vars=True)
         self._names = {m: n for n, m in self.skeleton.named_modules(remove_duplicate=False)}
         self._expert_tensors = {
@@ -152,6 +140,11 @@ class LazyTeacher:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.skeleton.parameters()).dtype
+
+    @property
+    def quantization(self) -> Scheme | None:
+        """How the checkpoint stores its weights quantised (None: as they are)."""
+        return self._reader.scheme
 
     def nbytes(self) -> int:
         """Bytes of the whole teacher in its model dtype (from the checkpoint headers; nothing is read)."""
@@ -220,39 +213,40 @@ class LazyTeacher:
         """The in-memory tensor `name` (a key of the skeleton's state dict) in its model dtype; for a fused
         expert tensor `rows` picks experts. Every value read is checked for NaN/inf."""
         target = self._targets[name]
-        ckpt = self.checkpoint
+        ckpt, reader = self.checkpoint, self._reader
         for key in self.adapter.checkpoint_names(name):
-            if key in ckpt:
-                return check_finite(key, ckpt.read(key, rows), rows).to(target.dtype)
+            if key in reader:
+                return check_finite(key, reader.read(key, rows, target.dtype), rows).to(target.dtype)
         if name in self._expert_tensors and (parts := self._per_expert(name)):
             return self._assemble(parts, target, rows)
         for other in self._ties.get(name, ()):
-            if any(k in ckpt for k in self.adapter.checkpoint_names(other)):
+            if any(k in reader for k in self.adapter.checkpoint_names(other)):
                 return self.tensor(other, rows)
         stored = self._mapped().get(name)
         if stored is not None and stored.unread:
             raise M2DError(stored.unread)
         if stored is not None and stored.part is not None:  # one of the tensors a stored one is split into
-            whole = check_finite(stored.key, ckpt.read(stored.key))
+            whole = check_finite(stored.key, reader.read(stored.key, None, target.dtype))
             return whole.narrow(stored.dim, *stored.part).contiguous().to(target.dtype)
         if stored is not None and stored.swap is not None:  # stored transposed
-            return check_finite(stored.key, ckpt.read(stored.key)).transpose(*stored.swap).contiguous().to(target.dtype)
+            t = check_finite(stored.key, reader.read(stored.key, None, target.dtype))
+            return t.transpose(*stored.swap).contiguous().to(target.dtype)
         if stored is not None and stored.interleaved:  # (g0, u0, g1, u1 ...) along dim -> [gate; up]
-            t = check_finite(stored.key, ckpt.read(stored.key, rows))
+            t = check_finite(stored.key, reader.read(stored.key, rows, target.dtype))
             shape = list(t.shape)
             shape[stored.dim : stored.dim + 1] = [shape[stored.dim] // 2, 2]
             return t.reshape(shape).transpose(stored.dim, stored.dim + 1).reshape(t.shape).to(target.dtype)
         if stored is not None and stored.key is not None:
-            return check_finite(stored.key, ckpt.read(stored.key, rows)).to(target.dtype)
+            return check_finite(stored.key, reader.read(stored.key, rows, target.dtype)).to(target.dtype)
         if stored is not None and name in self._expert_tensors:
             return self._assemble(list(stored.templates), target, rows)
         if stored is not None:  # one tensor fused from several (no expert axis)
-            parts = [check_finite(k, ckpt.read(k)) for k in stored.templates]
+            parts = [check_finite(k, reader.read(k, None, target.dtype)) for k in stored.templates]
             return torch.cat(parts, dim=stored.dim).to(target.dtype)
         quantized = any(f"{k}_blocks" in ckpt for k in self.adapter.checkpoint_names(name))
         hint = (
-            "it is stored quantized: dequantize the checkpoint first"
-            if quantized
+            "it is stored quantized but config.json has no quantization_config: give the model's published config"
+            if quantized and self.quantization is None
             else "is it a checkpoint of this model?"
         )
         raise M2DError(f"checkpoint {ckpt.dir} has no tensor {name} ({hint})")
@@ -270,7 +264,7 @@ class LazyTeacher:
         parts = []
         for tmpl in self.adapter.per_expert_keys.get(param, ()):
             names = self.adapter.checkpoint_names(f"{module}.{tmpl}")
-            found = next((n for n in names if n.format(e=0) in self.checkpoint), None)
+            found = next((n for n in names if n.format(e=0) in self._reader), None)
             if found is None:
                 return []
             parts.append(found)
@@ -284,13 +278,18 @@ class LazyTeacher:
             at = 0
             for tmpl in parts:
                 key = tmpl.format(e=e)
-                shard = self.checkpoint.shard(key)
-                rows_e = shard.shape(key)[0]
-                dst = out[j, at : at + rows_e]
-                if shard.dtype(key) == out.dtype and dst.shape == shard.shape(key):  # straight into place, no temporary
-                    check_finite(key, shard.read(key, out=dst))
+                if self._reader.quantised(key):  # dequantised on read
+                    value = check_finite(key, self._reader.read(key, None, out.dtype))
+                    rows_e = value.shape[0]
+                    out[j, at : at + rows_e].copy_(value)
                 else:
-                    dst.copy_(check_finite(key, shard.read(key)))
+                    shard = self.checkpoint.shard(key)
+                    rows_e = shard.shape(key)[0]
+                    dst = out[j, at : at + rows_e]
+                    if shard.dtype(key) == out.dtype and dst.shape == shard.shape(key):  # in place, no temporary
+                        check_finite(key, shard.read(key, out=dst))
+                    else:
+                        dst.copy_(check_finite(key, shard.read(key)))
                 at += rows_e
             if at != out.shape[1]:
                 raise M2DError(
@@ -356,11 +355,16 @@ def read_output_head(name: str, dtype: torch.dtype) -> Tensor:
     else:
         directory = checkpoint_dir(name)
         check_files(str(directory), "teacher")
-        ckpt = Checkpoint(directory)
-        found = next(((k, ckpt.read(k)) for k in keys if k in ckpt), None)
+        reader = Reader(Checkpoint(directory), scheme_of(config))
+        found = next(((k, reader.read(k, None, dtype)) for k in keys if k in reader), None)
     if found is None:
         raise M2DError(
             f"the checkpoint of {name} has no output head ({' or '.join(wanted)}); is it a causal language model?"
+        )
+    if found[1].element_size() == 1:  # a ranged read has no scales beside it
+        raise M2DError(
+            f"the output head {found[0]} of {name} is stored quantised; give the teacher by a local directory "
+            "(its head is then dequantised on read)"
         )
     return check_finite(*found).to(dtype)
 

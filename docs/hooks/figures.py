@@ -245,6 +245,23 @@ def s3_month(name: str) -> str:
     return usd(line(name)["storage_bytes"] / 1e12 * TB_MONTH["object"])
 
 
+def published(name: str):
+    """The Shape of a shipped published config (`m2d_ray/experiments/configs/NAME`): its checkpoint as published."""
+    from m2d_ray.models import model_config
+    from m2d_ray.plan.shapes import shape_of
+
+    return shape_of(model_config(str(ROOT / "m2d_ray/experiments/configs" / name)))
+
+
+def published_line(name: str) -> str:
+    """The plan's line on a teacher published quantised (pipeline._published), as `m2d plan` prints it."""
+    from m2d_ray.pipeline import _published
+
+    return "\n".join(["```text", *("  " + t for t in _published(published(name))), "```"])
+
+
+GPT_OSS, R1 = "openai--gpt-oss-20b", "deepseek-ai--DeepSeek-R1"
+
 FIGURES = {
     # the paper's run on cluster.yaml: the bill, expected under ASHA and its bound
     "paper.dollars": lambda: usd(line("paper")["dollars"]),
@@ -327,6 +344,14 @@ FIGURES = {
     "plan.network": lambda: f"{config('tiny').plan.network_bandwidth / 1e9:g} GB/s",
     "teacher.head": lambda: gib(teacher_head_bytes()),
     "wiki4.steps": lambda: f"{config('wiki4').distill.steps:,}",
+    # teachers as published (how-to/published-checkpoints.md)
+    "gpt_oss.published": lambda: gib(published(GPT_OSS).checkpoint_bytes),
+    "gpt_oss.published.gb": lambda: f"{published(GPT_OSS).checkpoint_bytes / 1e9:.1f} GB",
+    "gpt_oss.line": lambda: published_line(GPT_OSS),
+    "r1.published": lambda: gib(published(R1).checkpoint_bytes),
+    "r1.published.gb": lambda: f"{published(R1).checkpoint_bytes / 1e9:.0f} GB",
+    "r1.bf16.tb": lambda: f"{published(R1).weights / 1e12:.2f} TB",
+    "r1.held": lambda: tib(published(R1).weights),
 }
 
 

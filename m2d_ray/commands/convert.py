@@ -24,6 +24,7 @@ from m2d_ray.models import (
     load_model,
     model_config,
     model_fingerprint,
+    mtp_left_out,
 )
 from m2d_ray.weights import open_teacher
 
@@ -70,6 +71,8 @@ def convert_one(
     adapter, config = check_teacher(name), model_config(name)
     if adapter.approximation:  # the family's block is not the method's FFN: said once, before any work
         say(f"{config.model_type}: the student approximates its MoE blocks: {adapter.approximation}")
+    if mtp := mtp_left_out(config):
+        say(mtp)
     k, E = adapter.top_k(config), adapter.num_experts(config)
     K = k if K is None else K
     check_K(K, k, E)

@@ -7,7 +7,8 @@ time, GPU-hours, dollars), from configs alone; and the same check that `m2d run`
                                    "stages": {stage: {"per_gpu_bytes", "gpus", "fits", "flops", "seconds",
                                    "gpu_hours", "dollars"}}, "storage_bytes", "storage_peak_bytes" (what stays; the most
                                    while
-                                   students train), "seconds", "gpu_hours", "dollars" (the run's; with ASHA on,
+                                   students train), "teacher_checkpoint_bytes" (the teacher as published: quantised,
+                                   its stored bytes), "seconds", "gpu_hours", "dollars" (the run's; with ASHA on,
                                    expected),
                                    "bound": {"seconds", "gpu_hours", "dollars"} (ASHA on: no student stopped early)}
     exit 2 + one line              when a stage does not fit its device, no node type can hold its request, or the run

@@ -415,6 +415,7 @@ def plan_line(plan: RunPlan) -> str:
             "stages": {k: {kk: v[kk] for kk in keys if kk in v} for k, v in j["stages"].items()},
             "storage_bytes": j["storage_bytes"],
             "storage_peak_bytes": j["storage_peak_bytes"],
+            "teacher_checkpoint_bytes": j["models"].get("teacher_checkpoint_bytes"),
             "targets": {k: {kk: v[kk] for kk in ("targets", "shard_teacher")} for k, v in j["targets"].items()},
             **total,
         }

@@ -9,6 +9,9 @@ from m2d_ray.arch import get_adapter
 from m2d_ray.arch.base import MoEAdapter
 from m2d_ray.arch.counts import Counts
 from m2d_ray.arch.meta import param_counts
+from m2d_ray.convert.student import student_config
+from m2d_ray.models import mtp_left_out
+from m2d_ray.quant import MXFP4, scheme_of, stored_bytes
 
 GiB = 1 << 30
 
@@ -35,6 +38,8 @@ class Shape:
     vector_params: int = 0  # norm gains and biases: elementwise, no products
     heads: int = 0  # attention heads (query; key/value): the float32 scalars a layer keeps per head (plan/memory.py)
     kv_heads: int = 0
+    stored_bytes: int = 0  # the checkpoint as published (quantised: m2d_ray.quant); 0 = `weights`
+    quantisation: str = ""  # how it is published quantised, in words ("" = as it is held)
 
     @property
     def matmul_params(self) -> int:
@@ -50,6 +55,12 @@ class Shape:
     @property
     def weights(self) -> int:
         return self.params * self.dtype_bytes
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """What is downloaded, stored and copied to every node that reads the model: its published bytes (a
+        quantised teacher is held dequantised, in `dtype_bytes`, and counted so in memory)."""
+        return self.stored_bytes or self.weights
 
     @property
     def outer_params(self) -> int:
@@ -73,6 +84,13 @@ def shape_of(config, c: Counts | None = None, adapter: MoEAdapter | None = None)
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv = getattr(text, "num_key_value_heads", None) or heads
+    scheme = scheme_of(config)
+    if scheme is None:
+        quantised = 0
+    elif scheme.method == MXFP4:  # the experts alone (gpt-oss's gate_up_proj and down_proj)
+        quantised = len(c.moe_layers) * E * 3 * text.hidden_size * c.expert_width
+    else:  # the layers' matrices but the routers (published FP8 and compressed-tensors checkpoints keep them)
+        quantised = max(0, sum(c.layers) - c.vector_params - len(c.moe_layers) * E * text.hidden_size)
     return Shape(
         c.params,
         max(c.layers),
@@ -91,6 +109,8 @@ def shape_of(config, c: Counts | None = None, adapter: MoEAdapter | None = None)
         c.vector_params,
         heads=heads,
         kv_heads=kv,
+        stored_bytes=stored_bytes(scheme, _dtype_bytes(config), c.params, quantised) if scheme else 0,
+        quantisation=scheme.label if scheme else "",
     )
 
 
@@ -113,8 +133,9 @@ def models_of(config) -> Models:
     adapter = get_adapter(config)
     multiple = adapter.student_width_multiple(config)
     width = -(-max(c.dense_width, adapter.top_k(config) * c.expert_width + c.shared_width) // multiple) * multiple
-    student = adapter.student_config(config, width)
+    student = student_config(adapter, config, width)
     student.dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     why = adapter.approximation
     notes = (f"{config.model_type}: the student approximates its MoE blocks: {why}",) if why else ()
+    notes += (mtp,) if (mtp := mtp_left_out(config)) else ()
     return Models(shape_of(config, c, adapter), shape_of(student), config, student, notes)

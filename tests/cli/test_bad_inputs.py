@@ -66,6 +66,29 @@ def _distill(w, *more: str) -> list[str]:
     return ["distill", "--student", str(w["student"]), "--eval-data", "synthetic:valid", *more, "--out", "d"]
 
 
+def _quantised_twin(moe_dir: Path, out: Path, method: str, damage: str | None = None) -> None:
+    """The tiny teacher published quantised: its experts in fine-grained FP8 (tests/quantize.py), one expert's scale
+    `damage`d (missing or NaN); or just a config naming `method` (the weights are not read before the refusal)."""
+    import quantize
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(moe_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "weight_block_size": [16, 16], "bits": 4}
+    (out / "config.json").write_text(json.dumps(config))
+    if method != "fp8":
+        return
+    state = load_file(str(out / "model.safetensors"))
+    for key in [k for k in state if ".experts." in k]:
+        state[key], state[key + "_scale_inv"] = quantize.quantise_blocks(state[key], 16, 16, torch.float8_e4m3fn)
+    scale = "model.layers.0.mlp.experts.3.up_proj.weight_scale_inv"
+    if damage == "missing":
+        del state[scale]
+    else:
+        state[scale][0, 0] = float("nan")
+    save_file(state, str(out / "model.safetensors"))
+
+
 def _dense_twin(moe_dir: Path, out: Path) -> None:
     """A dense Qwen3 with the MoE teacher's attention and vocabulary and FFN width E x expert width."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen3Config
@@ -120,6 +143,9 @@ def w(tmp_path_factory, tiny_teacher_dir):
             "tmp",
             "dense",
             "nan_dense",
+            "gptq_teacher",
+            "noscale_teacher",
+            "nanscale_teacher",
         )
     }
     for name in ("teacher", "nan_teacher", "trunc_teacher", "garbage_teacher", "unsharded_teacher"):
@@ -132,6 +158,9 @@ def w(tmp_path_factory, tiny_teacher_dir):
         json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})
     )
     _dense_twin(tiny_teacher_dir, p["dense"])
+    _quantised_twin(tiny_teacher_dir, p["gptq_teacher"], "gptq")
+    _quantised_twin(tiny_teacher_dir, p["noscale_teacher"], "fp8", "missing")
+    _quantised_twin(tiny_teacher_dir, p["nanscale_teacher"], "fp8", "nan")
     shutil.copytree(p["dense"], p["nan_dense"])
     _poison(p["nan_dense"] / "model.safetensors", "mlp")
     LlamaConfig(
@@ -354,6 +383,28 @@ CASES = {
             "s",
         ],
         "expert 0) has 1 NaN",
+    ),
+    "teacher published in a quantisation m2d cannot read": (
+        lambda w: ["convert", "--model", str(w["gptq_teacher"]), "--calib-data", "synthetic:valid", "--out", "s"],
+        "quantised with 'gptq', which m2d cannot read",
+    ),
+    "quantised teacher without a scale": (
+        lambda w: ["convert", "--model", str(w["noscale_teacher"]), "--calib-data", "synthetic:valid", "--out", "s"],
+        "mlp.experts.3.up_proj.weight is stored quantised (fp8) but its "
+        "model.layers.0.mlp.experts.3.up_proj.weight_scale_inv is missing",
+    ),
+    "quantised teacher with a NaN scale, streamed calibration": (
+        lambda w: [
+            "convert",
+            "--model",
+            str(w["nanscale_teacher"]),
+            "--calib-data",
+            "synthetic:valid",
+            "--stream",
+            "--out",
+            "s",
+        ],
+        "scale model.layers.0.mlp.experts.3.up_proj.weight_scale_inv (layer 0, expert 3) has 1 NaN",
     ),
     "memory budget not a size": (
         lambda w: [

@@ -148,6 +148,7 @@ def test_storage_counts_checkpoints_students_tokens_and_targets(qwen30b):
         "stages",
         "storage_bytes",
         "storage_peak_bytes",
+        "teacher_checkpoint_bytes",
         "targets",
         "seconds",
         "gpu_hours",
@@ -157,6 +158,7 @@ def test_storage_counts_checkpoints_students_tokens_and_targets(qwen30b):
     assert j["targets"] == {"teacher": {"targets": "hidden", "shard_teacher": False}}
     assert j["storage_bytes"] == sum(st.values())
     assert j["storage_peak_bytes"] == sum(st.values()) + plan.storage_peak["checkpoints"]
+    assert j["teacher_checkpoint_bytes"] == 2 * plan.models["teacher_params"]  # bf16 as published
     assert set(j["stages"]) == {"calibrate", "stage1", "targets", "stage2", "stage3", "analysis"}
     assert all(
         set(v) == {"per_gpu_bytes", "gpus", "fits", "flops", "seconds", "gpu_hours", "dollars"}
