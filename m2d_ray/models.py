@@ -186,23 +186,6 @@ def load_distill_teacher(name: str, dtype: torch.dtype | None = None, device: st
 
 
 #: config keys that count a checkpoint's multi-token-prediction layers (DeepSeek-V3, GLM-4.5; Qwen3-Next, Qwen3.5-MoE)
-MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
-
-
-def mtp_left_out(config) -> str | None:
-    """The one line on a teacher's multi-token-prediction layers, which transformers does not load and m2d does not
-    convert (the student has none: it decodes without them); None when the config counts none."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    found = next(((k, n) for k in MTP_KEYS if isinstance(n := getattr(text, k, None), int) and n > 0), None)
-    if found is None:
-        return None
-    key, n = found
-    return (
-        f"{config.model_type}: the checkpoint's multi-token-prediction layer{'s' * (n > 1)} ({key}={n}) left out: "
-        "transformers does not load it and the student has none (it decodes without speculation)"
-    )
-
-
 def model_fingerprint(name: str, config) -> dict:
     """Identity of a teacher for artifact reuse: name, config digest and the weight files' sizes."""
     cfg = json.dumps(config.to_dict(), sort_keys=True, default=str)

@@ -96,6 +96,23 @@ def family_rows() -> list[tuple[str, str, str, str]]:
     return rows + [(name, "refused", "-", why) for name, why in sorted(CANNOT.items())]
 
 
+MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
+
+
+def mtp_left_out(config) -> str | None:
+    """The one line on a teacher's multi-token-prediction layers, which transformers does not load and m2d does not
+    convert (the student has none: it decodes without them); None when the config counts none."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    found = next(((k, n) for k in MTP_KEYS if isinstance(n := getattr(text, k, None), int) and n > 0), None)
+    if found is None:
+        return None
+    key, n = found
+    return (
+        f"{config.model_type}: the checkpoint's multi-token-prediction layer{'s' * (n > 1)} ({key}={n}) left out: "
+        "transformers does not load it and the student has none (it decodes without speculation)"
+    )
+
+
 def auto_class(config):
     """The transformers auto class whose `from_config` / `from_pretrained` builds the model as its checkpoint's own
     class: the image-text-to-text one for a vision-language config, the causal LM one otherwise."""
@@ -138,6 +155,7 @@ ADAPTERS.register(llama4.FAMILY.model_type)(llama4.Llama4Adapter())
 
 __all__ = [
     "family_rows",
+    "mtp_left_out",
     "ADAPTERS",
     "M2DError",
     "MoEAdapter",

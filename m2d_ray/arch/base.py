@@ -344,6 +344,11 @@ class MoEAdapter:
         that reads another layer's state), None where they can (calibrate/stream.py)."""
         return None
 
+    def dense_config(self, config, width: int):
+        """`student_config`, unquantised whatever the teacher was published in (the student is written in the
+        teacher's compute dtype: `m2d_ray.quant`): what conversion and the plan build."""
+        return unquantised(self.student_config(config, width))
+
     def student_width_multiple(self, config) -> int:
         """The student's FFN width is padded to a multiple of this (a student whose FFN is split over experts)."""
         return 1
@@ -364,6 +369,13 @@ class MoEAdapter:
 
     def ffn_prefix(self, layer: int) -> str:
         return f"model.layers.{layer}.mlp."
+
+
+def unquantised(config):
+    """`config` without the teacher's `quantization_config` (a student is never stored quantised)."""
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return config
 
 
 def copy_config(target_cls, config, **overrides):

@@ -13,7 +13,7 @@ import copy
 
 from torch import nn
 
-from m2d_ray.arch.base import MoEAdapter
+from m2d_ray.arch.base import MoEAdapter, unquantised
 from m2d_ray.arch.structure import name_of
 
 
@@ -68,6 +68,9 @@ class Multimodal:
 
     def student_width_multiple(self, config) -> int:
         return self.inner.student_width_multiple(text_config(config))
+
+    def dense_config(self, config, width: int):
+        return unquantised(self.student_config(config, width))
 
     def student_config(self, config, width: int):
         """The teacher's composite config, its text config the language model's dense student."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from m2d_ray.arch import mtp_left_out
 from m2d_ray.artifacts import check_output
 from m2d_ray.calibrate.artifact import load_stats
 from m2d_ray.catalog.methods import RANDOM_BASELINES
@@ -24,7 +25,6 @@ from m2d_ray.models import (
     load_model,
     model_config,
     model_fingerprint,
-    mtp_left_out,
 )
 from m2d_ray.weights import open_teacher
 

@@ -89,9 +89,8 @@ def check_run(
     head, idle = cluster_settings(cluster) if cluster else (None, 0.0)
     if cluster:
         nodes, where, local = from_cluster_yaml(cluster), f"the node types of {cluster}", False
-    elif not (cfg.ray.address or os.environ.get("RAY_ADDRESS")) and not _ray_up():  # the local Ray this run will start
-        nodes, where, local = [local_node(cfg.ray.num_cpus)], "this machine", True
-    else:  # a Ray cluster (or one this process joined): its autoscaler's node types, else its live nodes
+    elif cfg.ray.address or os.environ.get("RAY_ADDRESS") or _ray_up():
+        # a Ray cluster (or one this process joined): its autoscaler's node types, else its live nodes
         from m2d_ray.runtime.ray_env import (  # lazy: Ray only where a cluster is asked
             ensure_ray,
             node_types,
@@ -100,6 +99,8 @@ def check_run(
 
         ensure_ray(cfg.ray)
         (nodes, where), local = node_types(), not on_cluster()
+    else:  # the local Ray this run will start
+        nodes, where, local = [local_node(cfg.ray.num_cpus)], "this machine", True
     devices = Devices(
         gpu_memory or (local_gpu_memory() if local else None),
         None,

@@ -10,7 +10,7 @@ import torch
 from m2d_ray.arch import auto_class
 from m2d_ray.arch.base import DenseFFN
 from m2d_ray.catalog.methods import RANDOM_BASELINES
-from m2d_ray.convert.student import build_student, student_config, student_width
+from m2d_ray.convert.student import build_student, student_width
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -62,6 +62,6 @@ def random_ffn_student(teacher, seed: int = 0) -> PreTrainedModel:
 def random_init_student(teacher, seed: int = 0) -> PreTrainedModel:
     """The student architecture with every weight freshly initialised (transformers' own init)."""
     width = student_width(teacher.skeleton, teacher.adapter, dense_width(teacher))
-    config = student_config(teacher.adapter, teacher.config, width)
+    config = teacher.adapter.dense_config(teacher.config, width)
     torch.manual_seed(seed)
     return auto_class(config).from_config(config, dtype=teacher.dtype).eval()

@@ -25,15 +25,6 @@ def student_width(teacher: nn.Module, adapter: MoEAdapter, moe_width: int) -> in
     return max([moe_width, *dense])
 
 
-def student_config(adapter, config, width: int):
-    """The adapter's config of the dense student of width `width`, unquantised whatever the teacher was published
-    in (the student is written in the teacher's compute dtype: `m2d_ray.quant`)."""
-    out = adapter.student_config(config, width)
-    if hasattr(out, "quantization_config"):
-        del out.quantization_config
-    return out
-
-
 def build_student(teacher, ffns: dict[int, DenseFFN]) -> PreTrainedModel:
     """Dense student: the teacher's attention/embeddings/norms/head plus the given FFNs.
 
@@ -49,7 +40,7 @@ def build_student(teacher, ffns: dict[int, DenseFFN]) -> PreTrainedModel:
     width = -(-max(f.width for f in all_ffns.values()) // multiple) * multiple
     dtype = teacher.dtype
 
-    config = student_config(adapter, teacher.config, width)
+    config = adapter.dense_config(teacher.config, width)
     config.dtype = dtype
     with torch.device("meta"):
         student = auto_class(config).from_config(config, dtype=dtype)

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from m2d_ray.arch import get_adapter
+from m2d_ray.arch import get_adapter, mtp_left_out
 from m2d_ray.arch.base import MoEAdapter
 from m2d_ray.arch.counts import Counts
 from m2d_ray.arch.meta import param_counts
-from m2d_ray.convert.student import student_config
-from m2d_ray.models import mtp_left_out
 from m2d_ray.quant import MXFP4, scheme_of, stored_bytes
 
 GiB = 1 << 30
@@ -78,13 +76,13 @@ def shape_of(config, c: Counts | None = None, adapter: MoEAdapter | None = None)
     (arch/counts.py), else on the meta device (arch/meta.py); an MoE's E and k through its arch adapter.
     `c` and `adapter`: the counts and the adapter a caller already has (each read once a plan)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scheme = scheme_of(config)
     c = c or param_counts(config)
     adapter = (adapter or get_adapter(config)) if c.moe_layers else None
     E, k = (adapter.num_experts(config), adapter.top_k(config)) if adapter else (0, 0)
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv = getattr(text, "num_key_value_heads", None) or heads
-    scheme = scheme_of(config)
     if scheme is None:
         quantised = 0
     elif scheme.method == MXFP4:  # the experts alone (gpt-oss's gate_up_proj and down_proj)
@@ -133,7 +131,7 @@ def models_of(config) -> Models:
     adapter = get_adapter(config)
     multiple = adapter.student_width_multiple(config)
     width = -(-max(c.dense_width, adapter.top_k(config) * c.expert_width + c.shared_width) // multiple) * multiple
-    student = student_config(adapter, config, width)
+    student = adapter.dense_config(config, width)
     student.dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     why = adapter.approximation
     notes = (f"{config.model_type}: the student approximates its MoE blocks: {why}",) if why else ()

@@ -28,7 +28,6 @@ from m2d_ray.checkpoint import Checkpoint, scan
 from m2d_ray.cli import main
 from m2d_ray.commands.convert import convert_one
 from m2d_ray.config import load_config
-from m2d_ray.convert.student import student_config
 from m2d_ray.errors import M2DError
 from m2d_ray.models import load_model, model_config
 from m2d_ray.pipeline import plan as make_plan
@@ -223,7 +222,7 @@ def test_a_students_config_is_unquantised_whatever_the_teacher_was_published_in(
     config.quantization_config = FP8_CONFIG
     adapter = get_adapter(config)
     assert getattr(adapter.student_config(config, 64), "quantization_config", None) == FP8_CONFIG
-    assert not hasattr(student_config(adapter, config, 64), "quantization_config")
+    assert not hasattr(adapter.dense_config(config, 64), "quantization_config")
     assert not hasattr(models_of(config).student_config, "quantization_config")
 
 
