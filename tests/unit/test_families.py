@@ -303,3 +303,23 @@ def test_a_family_of_a_later_transformers_is_named_with_the_release_that_has_it(
     with pytest.raises(M2DError, match=r"'future_moe' needs transformers>=9\.1 \(installed: 5\.") as err:
         model_config(str(tmp_path))
     assert "\n" not in str(err.value)
+
+
+@torch.no_grad()
+def test_the_head_is_a_plain_projection_or_refused_by_name(teacher):
+    """Cached `hidden` targets recompute the logits as the final state times the head: a family whose logits are
+    scaled or soft-capped (beam, cohere2-moe, inkling2) is refused by name (arch/head.py), every other one's logits
+    are exactly that product."""
+    from m2d_ray.arch.head import check_plain_head
+
+    _, t = teacher
+    try:
+        check_plain_head(t.config)
+    except M2DError as refusal:
+        assert "use stage2.targets=online" in str(refusal)
+        return
+    ids = torch.randint(0, t.config.get_text_config().vocab_size, (1, 6), generator=torch.Generator().manual_seed(3))
+    out = t.model(ids, output_hidden_states=True)
+    head = t.model.get_output_embeddings().weight
+    product = out.hidden_states[-1].double() @ head.double().T
+    torch.testing.assert_close(product, out.logits.double(), rtol=1e-5, atol=1e-6)
