@@ -189,6 +189,8 @@ def plan(
     """Every stage's rows added up, from configs alone: the MoE teacher's, and the baselines' own teachers' (`own`, by
     stage 3's key) where known (else planned at the MoE teacher's shape). Under stage2.targets=auto each stage-2
     teacher's targets are chosen first (`choose_targets`)."""
+    if cfg.distill.zero_stage == AUTO:
+        return decide_zero(cfg, teacher_config, devices, own, stages, choices)
     if cfg.distill.checkpointing == AUTO:
         return decide_checkpointing(cfg, teacher_config, devices, own, stages, choices)
     own = own or {}
@@ -212,36 +214,54 @@ def plan(
 
 def decide_checkpointing(cfg: SweepConfig, teacher_config, devices, own, stages, choices) -> RunPlan:
     """distill.checkpointing=auto: the least recompute (none, selective, full: CHECKPOINTING's order) under which every
-    stage fits its device; where something does not fit whatever the checkpointing (a stage-3 model, a rank too large
-    even at full), the least recompute that needs no more than full anywhere (the plan then refuses that alone, at
-    its smallest). Said in one note and recorded in `RunPlan.decided`, for the run to apply to its config (its
-    workers and a resume read a decided value)."""
-    plans: dict[str, RunPlan] = {}
+    stage fits its device (`decide`)."""
+    return decide(
+        cfg, "checkpointing", tuple(CHECKPOINTING), lambda c: plan(c, teacher_config, devices, own, stages, choices)
+    )
 
-    def over(name: str) -> list:
-        if name not in plans:
-            plans[name] = plan(
-                replace(cfg, distill=replace(cfg.distill, checkpointing=name)),
-                teacher_config,
-                devices,
-                own,
-                stages,
-                choices,
-            )
-        return [r for r in plans[name].stages if r.fits is False]
 
-    chosen = next((n for n in CHECKPOINTING if not over(n)), None)
-    if chosen is None:  # the least recompute that needs no more than full anywhere it does not fit
-        least = {r.name: r.per_device for r in over("full")}
-        chosen = next(n for n in CHECKPOINTING if all(least.get(r.name, -1) >= r.per_device for r in over(n)))
-    tried = [
-        f"{n}: {gib(bad[0].per_device)} a {bad[0].unit}" if (bad := over(n)) else f"{n}: fits"
-        for n in CHECKPOINTING
-        if n in plans and list(CHECKPOINTING).index(n) <= list(CHECKPOINTING).index(chosen)
-    ]
+def decide_zero(cfg: SweepConfig, teacher_config, devices, own, stages, choices) -> RunPlan:
+    """distill.zero_stage=auto: the least sharding whose rank fits (`decide`): ZeRO-2 (the paper's), else ZeRO-3 (the
+    weights partitioned too); without DeepSpeed (one worker) ZeRO-2 is recorded and nothing said."""
+    candidates = ZERO_STAGES if cfg.distill.uses_deepspeed else ZERO_STAGES[:1]
+    return decide(cfg, "zero_stage", candidates, lambda c: plan(c, teacher_config, devices, own, stages, choices))
+
+
+#: distill.zero_stage=auto's candidates, the least sharding first
+ZERO_STAGES = (2, 3)
+
+
+def decide(cfg: SweepConfig, key: str, candidates: tuple, build) -> RunPlan:
+    """distill.`key`=auto: the first of `candidates` (the least recompute or sharding first) under which every stage
+    fits its device, each planned by `build`; where something does not fit whatever the value (a stage-3 model, a rank
+    too large even at the last), the first that needs no more than the last anywhere it does not fit (the plan then
+    refuses that alone, at its smallest). Said in one note (when there was a choice) and recorded in
+    `RunPlan.decided`, for the run to apply to its config (its workers and a resume read a decided value)."""
+    plans: dict = {}
+
+    def over(value) -> list:
+        if value not in plans:
+            plans[value] = build(replace(cfg, distill=replace(cfg.distill, **{key: value})))
+        return [r for r in plans[value].stages if r.fits is False]
+
+    chosen = next((v for v in candidates if not over(v)), None)
+    if chosen is None:  # the first that needs no more than the last anywhere it does not fit
+        least = {r.name: r.per_device for r in over(candidates[-1])}
+        chosen = next(v for v in candidates if all(least.get(r.name, -1) >= r.per_device for r in over(v)))
+    tried = [f"{v}: {_worst(over(v))}" for v in candidates[: candidates.index(chosen) + 1]]
     out = plans[chosen]
-    note = f"distill.checkpointing=auto: {chosen} ({'; '.join(tried)})"
-    return replace(out, notes=(*out.notes, note), decided={**out.decided, "distill.checkpointing": chosen})
+    notes = (*out.notes, f"distill.{key}=auto: {chosen} ({'; '.join(tried)})") if len(candidates) > 1 else out.notes
+    return replace(out, notes=notes, decided={**out.decided, f"distill.{key}": str(chosen)})
+
+
+def _worst(bad: list) -> str:
+    """What a candidate of an auto setting leaves unfit, the stage-2 rank first (what the settings change)."""
+    if not bad:
+        return "fits"
+    row = next((r for r in bad if r.name.startswith("stage2")), None)
+    if row is None:
+        return f"the rank fits, not the rest ({gib(bad[0].per_device)} a {bad[0].unit.split(' (')[0]})"
+    return f"{gib(row.per_device)} a {row.unit.split(' (')[0]}"
 
 
 def _plan_with(p: Planning, run: list[Stage], cpu: Host | None, refusals: tuple[str, ...] = ()) -> RunPlan:

@@ -30,6 +30,8 @@ OFFLINE = {
     "Qwen/Qwen3-32B": "Qwen--Qwen3-32B",
     "deepseek-ai/DeepSeek-V2-Lite": "deepseek-ai--DeepSeek-V2-Lite",
     "openai/gpt-oss-20b": "openai--gpt-oss-20b",
+    "Qwen/Qwen3-235B-A22B": "Qwen--Qwen3-235B-A22B",
+    "deepseek-ai/DeepSeek-V3": "deepseek-ai--DeepSeek-V3",
 }
 
 
@@ -67,7 +69,7 @@ def test_the_30b_teacher_and_its_student(qwen30b):
 def test_online_stage2_at_8_gpus_is_the_issue_s_70_gib_before_activations(qwen30b):
     """A rank holds the 56.9 GiB teacher and a 3.34B student's ZeRO-2 share: ~70 GiB before activations,
     so it does not fit an 80 GB GPU; cached targets bring it to ~23 GiB."""
-    cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml", ["stage2.targets=online"])
+    cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml", ["stage2.targets=online", "distill.zero_stage=2"])
     plan = make_plan(cfg, qwen30b, Devices(gpu_memory=80 * 10**9))
     s2 = plan.by_stage()["stage2"].parts
     assert 68 < (s2["teacher"] + s2["student"] + s2["grads"] + s2["optimizer"]) / GiB < 73
@@ -85,8 +87,31 @@ def test_online_stage2_at_8_gpus_is_the_issue_s_70_gib_before_activations(qwen30
     assert cached.by_stage()["targets"].fits and "teacher" not in cached.by_stage()["stage2"].parts
     # under checkpointing auto the plan spends what is left on keeping activations: selective fits, none does not
     auto = make_plan(replace(full, distill=cfg.distill), qwen30b, Devices(gpu_memory=80 * 10**9))
-    assert auto.decided == {"distill.checkpointing": "selective"} and not auto.problems()
+    assert auto.decided == {"distill.checkpointing": "selective"} and not auto.problems()  # ZeRO-2 as asked
     assert 26 * GiB < auto.by_stage()["stage2"].per_device <= auto.by_stage()["stage2"].capacity
+
+
+def test_zero3_shards_the_weights_and_auto_takes_it_only_where_zero2_does_not_fit(qwen30b):
+    """ZeRO-3's rank holds 1/W of the weights, one float32 gradient partition and ZeRO-2's optimizer share, plus the
+    layers in flight and the head; auto keeps the paper's ZeRO-2 for the 30B study and shards the 22B student of
+    Qwen3-235B-A22B, said in one line."""
+    s = models_of(qwen30b).student
+    two, three = (memory.training(s, 16384, 2, 8, True, z, "full", 1024) for z in (2, 3))
+    assert three["student"] == s.params * 2 // 8 and three["optimizer"] == two["optimizer"]
+    assert two["grads"] - three["grads"] == s.params * 2 // 8
+    assert three["gathered"] == (max(2 * s.layer_params, s.vocab * s.hidden) + s.vocab * s.hidden) * 2
+    paper = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml")
+    assert paper.distill.zero_stage == "auto"
+    small = make_plan(paper, qwen30b, Devices(gpu_memory=80 * 10**9))
+    assert small.decided["distill.zero_stage"] == "2" and not small.problems()
+    h100 = Devices(gpu_memory=80 * GiB)
+    big = make_plan(paper, model_config(str(CONFIGS / "Qwen--Qwen3-235B-A22B")), h100)
+    (line,) = [n for n in big.decision_lines() if n.startswith("distill.zero_stage")]
+    assert re.fullmatch(r"distill\.zero_stage=auto: 3 \(2: 1\d\d\.\d GiB a rank; 3: .*\)", line), line
+    assert big.decided["distill.zero_stage"] == "3" and big.by_stage()["stage2"].fits
+    pinned = replace(paper, distill=replace(paper.distill, zero_stage=2))
+    refused = make_plan(pinned, model_config(str(CONFIGS / "Qwen--Qwen3-235B-A22B")), h100)
+    assert refused.by_stage()["stage2"].fits is False  # as asked, ZeRO-2 cannot hold the 22B student a rank
 
 
 def test_zero2_shards_the_optimizer_and_checkpointing_keeps_one_layer(qwen30b):
@@ -107,7 +132,7 @@ def test_the_30b_config_distils_from_hidden_states_on_80gb_gpus(qwen30b, workers
     (151,936 x 2,048 in bf16) and the online KL's buffers, and fits an 80 GB GPU at 2 and 8 workers."""
     cfg = load_config(
         EXPERIMENTS / "qwen3_30b_a3b.yaml",
-        [f"distill.workers={workers}", "distill.checkpointing=full"],
+        [f"distill.workers={workers}", "distill.checkpointing=full", "distill.zero_stage=2"],
     )
     assert cfg.stage2.targets == "auto"  # the plan's choice: hidden states here
     plan = make_plan(cfg, qwen30b, Devices(gpu_memory=80 * 10**9))
@@ -348,7 +373,7 @@ def test_checkpointing_auto_is_the_least_recompute_that_fits_and_never_enlarges_
     (line,) = at(141).decision_lines()
     assert re.fullmatch(r"distill\.checkpointing=auto: selective \(none: [\d.]+ GiB a rank; selective: fits\)", line)
     small = at(40)
-    assert small.decided == {"distill.checkpointing": "full"}
+    assert small.decided == {"distill.checkpointing": "full", "distill.zero_stage": "2"}  # one rank: no DeepSpeed
     (line,) = [n for n in small.decision_lines()]
     assert line.startswith("distill.checkpointing=auto: full (none: ") and "; full: " in line
     rank = small.by_stage()["stage2"]
