@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from m2d_ray import shipped
+from m2d_ray.accelerators import GPU_MEMORY
 from m2d_ray.artifacts import write_json_atomic
 from m2d_ray.catalog.distill import AUTO, CHECKPOINTING, LOSSES
 from m2d_ray.catalog.targets import HIDDEN, ONLINE
@@ -189,6 +190,8 @@ def plan(
     """Every stage's rows added up, from configs alone: the MoE teacher's, and the baselines' own teachers' (`own`, by
     stage 3's key) where known (else planned at the MoE teacher's shape). Under stage2.targets=auto each stage-2
     teacher's targets are chosen first (`choose_targets`)."""
+    if cfg.ray.gpus_per_trial == AUTO:
+        return decide_trial_gpus(cfg, teacher_config, devices, own, stages, choices)
     if cfg.distill.zero_stage == AUTO:
         return decide_zero(cfg, teacher_config, devices, own, stages, choices)
     if cfg.distill.checkpointing == AUTO:
@@ -225,6 +228,50 @@ def decide_zero(cfg: SweepConfig, teacher_config, devices, own, stages, choices)
     weights partitioned too); without DeepSpeed (one worker) ZeRO-2 is recorded and nothing said."""
     candidates = ZERO_STAGES if cfg.distill.uses_deepspeed else ZERO_STAGES[:1]
     return decide(cfg, "zero_stage", candidates, lambda c: plan(c, teacher_config, devices, own, stages, choices))
+
+
+#: ray.gpus_per_trial=auto's shares of one GPU, the smallest first (a trial runs on one device)
+TRIAL_SHARES = (0.125, 0.25, 0.5, 1.0)
+
+
+def decide_trial_gpus(cfg: SweepConfig, teacher_config, devices, own, stages, choices) -> RunPlan:
+    """ray.gpus_per_trial=auto: the smallest share of a GPU whose stage-1 trial fits, on the pinned GPU type first
+    (ray.trial_accelerator), then on each other GPU type of the cluster's node types, the smallest GPU first; where
+    none holds it, a whole GPU of the largest (the plan refuses it there, at its smallest). The trials alone are
+    planned per candidate; the run is planned once at the choice. Said in one line and recorded in `RunPlan.decided`
+    (both keys: a trial moved to another GPU type is pinned to it)."""
+    r = cfg.ray
+    if "stage1" not in stages.names():  # a plan of other stages: nothing to decide (the trials' share read as one GPU)
+        return plan(
+            replace(cfg, ray=replace(r, gpus_per_trial=r.trial_gpus)), teacher_config, devices, own, stages, choices
+        )
+    kinds = sorted({n.accelerator for n in devices.nodes or () if n.gpus > 0 and n.gpu_memory}, key=GPU_MEMORY.get)
+    types = [r.trial_accelerator, *(k for k in kinds if k != r.trial_accelerator)] if kinds else [r.trial_accelerator]
+    candidates = [(share, kind) for kind in types for share in TRIAL_SHARES]
+
+    def at(c: tuple) -> SweepConfig:
+        return replace(cfg, ray=replace(r, gpus_per_trial=c[0], trial_accelerator=c[1]))
+
+    def trial(c: tuple):
+        return plan(at(c), teacher_config, devices, own, stages.only("stage1"), choices).stages
+
+    rows = {}
+    chosen = next((c for c in candidates if all(x.fits is not False for x in rows.setdefault(c, trial(c)))), None)
+    if chosen is None:
+        chosen = candidates[-1]
+    out = plan(at(chosen), teacher_config, devices, own, stages, choices)
+    row = next((x for x in rows.get(chosen) or trial(chosen) if x.name == "stage1"), None)
+    if row is None:  # no stage 1 in this run (named recipes, a plan of other stages): nothing decided
+        return out
+    i = candidates.index(chosen)
+    before = f"; {_share(candidates[i - 1])} gives {gib(rows[candidates[i - 1]][0].capacity or 0)}" if i else ""
+    note = f"ray.gpus_per_trial=auto: {_share(chosen)} (a trial needs {gib(row.per_device)}{before})"
+    decided = {"ray.gpus_per_trial": str(chosen[0]), "ray.trial_accelerator": chosen[1] or "null"}
+    return replace(out, notes=(*out.notes, note), decided={**out.decided, **decided})
+
+
+def _share(c: tuple) -> str:
+    return f"{c[0]:g} of {'an ' + c[1] if c[1] else 'a GPU'}"
 
 
 #: distill.zero_stage=auto's candidates, the least sharding first
