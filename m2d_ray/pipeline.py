@@ -212,6 +212,11 @@ def plan(
         "teacher by a directory with its config.json to plan its own)"
         for k in unread
     )
+    if cfg.stage3.teacher and cfg.stage3.teacher_scores:  # said, never silently left out
+        notes += (
+            f"stage3:teacher: its scores read from {cfg.stage3.teacher_scores} (stage3.teacher_scores): the teacher is "
+            "neither evaluated nor analysed here",
+        )
     return replace(_plan_with(replace(p, targets=chosen), run, cpu, refusals), notes=notes)
 
 

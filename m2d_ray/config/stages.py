@@ -254,6 +254,12 @@ class Stage3Config:
         "sequences per forward, lowered to what fits beside the weights; or auto: the largest that fits",
     )
     teacher: bool = setting(True, "evaluate the teacher too (the table's reference row)")
+    teacher_scores: str | None = setting(
+        None,
+        'a JSON file of the teacher\'s scores from elsewhere, {task: score} or a stage-3 record ({"tasks": {task: '
+        '{"score": ...}}}): the teacher\'s row reads them and the teacher is neither evaluated nor analysed (one no '
+        "node holds, e.g. DeepSeek-V3 in bf16); None = evaluated here",
+    )
     cpus_per_task: float = setting(1.0, "CPUs of a model's task")
     gpus_per_task: float | None = setting(
         None,

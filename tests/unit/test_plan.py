@@ -396,3 +396,48 @@ def test_the_235b_study_plans_fitting_on_cluster_yaml_with_its_decisions_said(ca
     assert main([*args, "Qwen/Qwen3-30B-A3B"]) == 0
     out = capsys.readouterr().out
     assert "ray.gpus_per_trial=auto: 0.5 of an A10G" in out and "distill.zero_stage=auto: 2 (2: fits)" in out
+
+
+def _deepseek_v3_stage3(tmp_path, *overrides):
+    from m2d_ray.pipeline import STAGES
+
+    cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml", list(overrides))
+    nodes = Devices(nodes=tuple(from_cluster_yaml(ROOT / "cluster.yaml")))
+    teacher = model_config(str(CONFIGS / "deepseek-ai--DeepSeek-V3"))
+    return make_plan(cfg, teacher, nodes, stages=STAGES.only("stage3", "analysis"))
+
+
+def test_a_teacher_no_node_holds_is_refused_naming_its_scores_file_or_read_from_it(tmp_path):
+    """DeepSeek-V3 in bf16 (164 GiB a GPU over 8) fits no 8-GPU node of cluster.yaml: stage 3 and the analysis refuse
+    it in one line each naming what would do instead; with stage3.teacher_scores (and another judge) it is read, said
+    in a note, never silently left out; a file without scores is refused in one line."""
+    from m2d_ray.stages.stage3 import teacher_scores
+
+    refused = _deepseek_v3_stage3(tmp_path)
+    lines = {line.split(":")[0] + ":" + line.split(":")[1]: line for line in refused.problems()}
+    assert "stage3.teacher_scores=FILE" in lines["stage3:teacher"], lines
+    assert "stage3.analysis.judge=none or openai:MODEL" in lines["analysis:teacher"], lines
+    scores = tmp_path / "scores.json"
+    scores.write_text(json.dumps({"tasks": {"mmlu": {"score": 0.88}, "arc_challenge": {"score": 0.66}}}))
+    read = _deepseek_v3_stage3(tmp_path, f"stage3.teacher_scores={scores}", "stage3.analysis.judge=none")
+    assert read.problems() == [] and "stage3:teacher" not in [r.name for r in read.stages]
+    assert any(n.startswith(f"stage3:teacher: its scores read from {scores}") for n in read.notes)
+    assert teacher_scores(str(scores))["mean"] == pytest.approx(0.77)
+    scores.write_text('{"mmlu": "high"}')
+    with pytest.raises(M2DError, match="holds no scores"):
+        teacher_scores(str(scores))
+
+
+@pytest.mark.slow
+def test_the_deepseek_v3_study_plans_fitting_with_h200_nodes_and_the_teacher_s_scores(tmp_path, capsys):
+    """DeepSeek-V3's 37B students: stage-1 trials on a whole H200, ZeRO-3 ranks on the 8 x H200 node, the teacher's
+    scores from a file: every stage fits and the bill is printed."""
+    from m2d_ray.cli import main
+
+    scores = tmp_path / "scores.json"
+    scores.write_text('{"mmlu": 0.88}')
+    args = ["plan", "qwen3_30b_a3b", "--cluster", str(ROOT / "cluster.yaml"), "--model", "deepseek-ai/DeepSeek-V3"]
+    extra = ["distill.accelerator=H200", f"stage3.teacher_scores={scores}", "stage3.analysis.judge=none"]
+    assert main([*args, *extra]) == 0
+    out = capsys.readouterr().out
+    assert "ray.gpus_per_trial=auto: 1 of an H200" in out and "distill.zero_stage=auto: 3" in out and " NO " not in out
