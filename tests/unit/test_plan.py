@@ -441,3 +441,17 @@ def test_the_deepseek_v3_study_plans_fitting_with_h200_nodes_and_the_teacher_s_s
     assert main([*args, *extra]) == 0
     out = capsys.readouterr().out
     assert "ray.gpus_per_trial=auto: 1 of an H200" in out and "distill.zero_stage=auto: 3" in out and " NO " not in out
+
+
+def test_the_zero3_rank_of_the_22b_student_is_within_15_percent_of_a_meta_count():
+    """benchmarks/perf/zero3_rank.py: the 22B student's partitions over 8 ranks, DeepSpeed's reduce bucket, the
+    layers and head gathered whole, and a micro-batch's activations and KL counted on `meta` under full checkpointing
+    (each gradient freed as ZeRO-3 frees it): the plan's rank within 15% of that count, part by part for the arithmetic
+    ones."""
+    from benchmarks.perf.zero3_rank import count
+
+    r = count(8, "full")
+    assert r["student_params"] == pytest.approx(22.14e9, rel=0.01)
+    for part in ("student", "grads", "optimizer"):
+        assert r["planned_gib"][part] == pytest.approx(r["counted_gib"][part], rel=0.01), part
+    assert 0.85 <= r["ratio"] <= 1.15, r
