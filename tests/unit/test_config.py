@@ -45,7 +45,7 @@ def test_paper_grid_is_350_configs():
         len(cfg.grid.scoring) * len(cfg.grid.grouping) * len(cfg.grid.scaling) * len(k_values(cfg.grid.K, 8, 128))
         == 350
     )
-    assert cfg.calib.seq_len == 2048 and cfg.ray.gpus_per_trial == 0.5  # from the included base
+    assert cfg.calib.seq_len == 2048 and cfg.ray.gpus_per_trial == "auto"  # from the included base
 
 
 def test_auto_K_and_overrides():
