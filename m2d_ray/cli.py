@@ -324,6 +324,9 @@ def parser() -> argparse.ArgumentParser:
         help="check every stage's Ray request against this cluster config's node types (a Ray cluster launcher YAML "
         "such as cluster.yaml, or a KubeRay RayCluster such as k8s/raycluster.yaml)",
     )
+    pl.add_argument(
+        "--json", action="store_true", help="print the plan's figures as one JSON line too, after the table and bill"
+    )
 
     rp = sub.add_parser("report", help="RUN_DIR/report/index.html + tables (CSV/Markdown) + figures (PNG) of a run")
     rp.add_argument("run_dir", help="a run directory (m2d run / m2d sweep --out)")

@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from m2d_ray import shipped
+from m2d_ray.accelerators import GPU_MEMORY
 from m2d_ray.artifacts import write_json_atomic
 from m2d_ray.catalog.distill import AUTO, CHECKPOINTING, LOSSES
 from m2d_ray.catalog.targets import HIDDEN, ONLINE
@@ -189,6 +190,10 @@ def plan(
     """Every stage's rows added up, from configs alone: the MoE teacher's, and the baselines' own teachers' (`own`, by
     stage 3's key) where known (else planned at the MoE teacher's shape). Under stage2.targets=auto each stage-2
     teacher's targets are chosen first (`choose_targets`)."""
+    if cfg.ray.gpus_per_trial == AUTO:
+        return decide_trial_gpus(cfg, teacher_config, devices, own, stages, choices)
+    if cfg.distill.zero_stage == AUTO:
+        return decide_zero(cfg, teacher_config, devices, own, stages, choices)
     if cfg.distill.checkpointing == AUTO:
         return decide_checkpointing(cfg, teacher_config, devices, own, stages, choices)
     own = own or {}
@@ -208,6 +213,11 @@ def plan(
         for k in unread
     )
     notes += _published(p.models.teacher)
+    if cfg.stage3.teacher and cfg.stage3.teacher_scores:  # said, never silently left out
+        notes += (
+            f"stage3:teacher: its scores read from {cfg.stage3.teacher_scores} (stage3.teacher_scores): the teacher is "
+            "neither evaluated nor analysed here",
+        )
     return replace(_plan_with(replace(p, targets=chosen), run, cpu, refusals), notes=notes)
 
 
@@ -224,36 +234,98 @@ def _published(teacher: Shape) -> tuple[str, ...]:
 
 def decide_checkpointing(cfg: SweepConfig, teacher_config, devices, own, stages, choices) -> RunPlan:
     """distill.checkpointing=auto: the least recompute (none, selective, full: CHECKPOINTING's order) under which every
-    stage fits its device; where something does not fit whatever the checkpointing (a stage-3 model, a rank too large
-    even at full), the least recompute that needs no more than full anywhere (the plan then refuses that alone, at
-    its smallest). Said in one note and recorded in `RunPlan.decided`, for the run to apply to its config (its
-    workers and a resume read a decided value)."""
-    plans: dict[str, RunPlan] = {}
+    stage fits its device (`decide`)."""
+    return decide(
+        cfg, "checkpointing", tuple(CHECKPOINTING), lambda c: plan(c, teacher_config, devices, own, stages, choices)
+    )
 
-    def over(name: str) -> list:
-        if name not in plans:
-            plans[name] = plan(
-                replace(cfg, distill=replace(cfg.distill, checkpointing=name)),
-                teacher_config,
-                devices,
-                own,
-                stages,
-                choices,
-            )
-        return [r for r in plans[name].stages if r.fits is False]
 
-    chosen = next((n for n in CHECKPOINTING if not over(n)), None)
-    if chosen is None:  # the least recompute that needs no more than full anywhere it does not fit
-        least = {r.name: r.per_device for r in over("full")}
-        chosen = next(n for n in CHECKPOINTING if all(least.get(r.name, -1) >= r.per_device for r in over(n)))
-    tried = [
-        f"{n}: {gib(bad[0].per_device)} a {bad[0].unit}" if (bad := over(n)) else f"{n}: fits"
-        for n in CHECKPOINTING
-        if n in plans and list(CHECKPOINTING).index(n) <= list(CHECKPOINTING).index(chosen)
-    ]
+def decide_zero(cfg: SweepConfig, teacher_config, devices, own, stages, choices) -> RunPlan:
+    """distill.zero_stage=auto: the least sharding whose rank fits (`decide`): ZeRO-2 (the paper's), else ZeRO-3 (the
+    weights partitioned too); without DeepSpeed (one worker) ZeRO-2 is recorded and nothing said."""
+    candidates = ZERO_STAGES if cfg.distill.uses_deepspeed else ZERO_STAGES[:1]
+    return decide(cfg, "zero_stage", candidates, lambda c: plan(c, teacher_config, devices, own, stages, choices))
+
+
+#: ray.gpus_per_trial=auto's shares of one GPU, the smallest first (a trial runs on one device)
+TRIAL_SHARES = (0.125, 0.25, 0.5, 1.0)
+
+
+def decide_trial_gpus(cfg: SweepConfig, teacher_config, devices, own, stages, choices) -> RunPlan:
+    """ray.gpus_per_trial=auto: the smallest share of a GPU whose stage-1 trial fits, on the pinned GPU type first
+    (ray.trial_accelerator), then on each other GPU type of the cluster's node types, the smallest GPU first; where
+    none holds it, a whole GPU of the largest (the plan refuses it there, at its smallest). The trials alone are
+    planned per candidate; the run is planned once at the choice. Said in one line and recorded in `RunPlan.decided`
+    (both keys: a trial moved to another GPU type is pinned to it)."""
+    r = cfg.ray
+    if "stage1" not in stages.names():  # a plan of other stages: nothing to decide (the trials' share read as one GPU)
+        return plan(
+            replace(cfg, ray=replace(r, gpus_per_trial=r.trial_gpus)), teacher_config, devices, own, stages, choices
+        )
+    kinds = sorted({n.accelerator for n in devices.nodes or () if n.gpus > 0 and n.gpu_memory}, key=GPU_MEMORY.get)
+    types = [r.trial_accelerator, *(k for k in kinds if k != r.trial_accelerator)] if kinds else [r.trial_accelerator]
+    candidates = [(share, kind) for kind in types for share in TRIAL_SHARES]
+
+    def at(c: tuple) -> SweepConfig:
+        return replace(cfg, ray=replace(r, gpus_per_trial=c[0], trial_accelerator=c[1]))
+
+    def trial(c: tuple):
+        return plan(at(c), teacher_config, devices, own, stages.only("stage1"), choices).stages
+
+    rows = {}
+    chosen = next((c for c in candidates if all(x.fits is not False for x in rows.setdefault(c, trial(c)))), None)
+    if chosen is None:
+        chosen = candidates[-1]
+    out = plan(at(chosen), teacher_config, devices, own, stages, choices)
+    row = next((x for x in rows.get(chosen) or trial(chosen) if x.name == "stage1"), None)
+    if row is None:  # no stage 1 in this run (named recipes, a plan of other stages): nothing decided
+        return out
+    i = candidates.index(chosen)
+    before = f"; {_share(candidates[i - 1])} gives {gib(rows[candidates[i - 1]][0].capacity or 0)}" if i else ""
+    note = f"ray.gpus_per_trial=auto: {_share(chosen)} (a trial needs {gib(row.per_device)}{before})"
+    decided = {"ray.gpus_per_trial": str(chosen[0]), "ray.trial_accelerator": chosen[1] or "null"}
+    return replace(out, notes=(*out.notes, note), decided={**out.decided, **decided})
+
+
+def _share(c: tuple) -> str:
+    return f"{c[0]:g} of {'an ' + c[1] if c[1] else 'a GPU'}"
+
+
+#: distill.zero_stage=auto's candidates, the least sharding first
+ZERO_STAGES = (2, 3)
+
+
+def decide(cfg: SweepConfig, key: str, candidates: tuple, build) -> RunPlan:
+    """distill.`key`=auto: the first of `candidates` (the least recompute or sharding first) under which every stage
+    fits its device, each planned by `build`; where something does not fit whatever the value (a stage-3 model, a rank
+    too large even at the last), the first that needs no more than the last anywhere it does not fit (the plan then
+    refuses that alone, at its smallest). Said in one note (when there was a choice) and recorded in
+    `RunPlan.decided`, for the run to apply to its config (its workers and a resume read a decided value)."""
+    plans: dict = {}
+
+    def over(value) -> list:
+        if value not in plans:
+            plans[value] = build(replace(cfg, distill=replace(cfg.distill, **{key: value})))
+        return [r for r in plans[value].stages if r.fits is False]
+
+    chosen = next((v for v in candidates if not over(v)), None)
+    if chosen is None:  # the first that needs no more than the last anywhere it does not fit
+        least = {r.name: r.per_device for r in over(candidates[-1])}
+        chosen = next(v for v in candidates if all(least.get(r.name, -1) >= r.per_device for r in over(v)))
+    tried = [f"{v}: {_worst(over(v))}" for v in candidates[: candidates.index(chosen) + 1]]
     out = plans[chosen]
-    note = f"distill.checkpointing=auto: {chosen} ({'; '.join(tried)})"
-    return replace(out, notes=(*out.notes, note), decided={**out.decided, "distill.checkpointing": chosen})
+    notes = (*out.notes, f"distill.{key}=auto: {chosen} ({'; '.join(tried)})") if len(candidates) > 1 else out.notes
+    return replace(out, notes=notes, decided={**out.decided, f"distill.{key}": str(chosen)})
+
+
+def _worst(bad: list) -> str:
+    """What a candidate of an auto setting leaves unfit, the stage-2 rank first (what the settings change)."""
+    if not bad:
+        return "fits"
+    row = next((r for r in bad if r.name.startswith("stage2")), None)
+    if row is None:
+        return f"the rank fits, not the rest ({gib(bad[0].per_device)} a {bad[0].unit.split(' (')[0]})"
+    return f"{gib(row.per_device)} a {row.unit.split(' (')[0]}"
 
 
 def _plan_with(p: Planning, run: list[Stage], cpu: Host | None, refusals: tuple[str, ...] = ()) -> RunPlan:

@@ -114,9 +114,10 @@ def gpu_like_meta():
         numerics.tensor_cores, masking.find_packed_sequence_indices = seam, probe
 
 
-def rehearse(p: dict, policy: str) -> dict:
+def rehearse(p: dict, policy: str, drop_grads: bool = False) -> dict:
     """One micro-batch of preset `p`'s student on `meta` under checkpointing `policy`: the body's forward, the chunked
-    KL from cached hidden states, the backward; the live bytes after the forward and their peak."""
+    KL from cached hidden states, the backward; the live bytes after the forward and their peak. `drop_grads`: each
+    parameter's gradient freed as soon as it is formed, as ZeRO-3 reduce-scatters it into its partition."""
     from m2d_ray.distill import checkpointing
     from m2d_ray.distill.losses import chunked_kl
     from workshop.random_models import teacher_and_student
@@ -126,6 +127,9 @@ def rehearse(p: dict, policy: str) -> dict:
     student.set_attn_implementation("m2d_meta_attention")
     checkpointing.apply(student, policy)
     student.train()
+    if drop_grads:
+        for w in student.parameters():
+            w.register_post_accumulate_grad_hook(lambda w: setattr(w, "grad", None))
     tokens = p["batch"] * p["seq_len"]
     ids = torch.zeros(p["batch"], p["seq_len"], dtype=torch.long, device="meta")
     h_t = torch.empty(tokens, p["hidden"], dtype=torch.bfloat16, device="meta")
@@ -136,7 +140,7 @@ def rehearse(p: dict, policy: str) -> dict:
         loss = chunked_kl(h.reshape(tokens, -1), student.get_output_embeddings().weight, h_t, w_t)
         loss.backward()
     w = student.get_output_embeddings().weight
-    assert w.grad is not None and w.grad.dtype == torch.bfloat16 and w.grad.shape == w.shape
+    assert drop_grads or (w.grad is not None and w.grad.dtype == torch.bfloat16 and w.grad.shape == w.shape)
     return {
         "policy": policy,
         "after_forward_bytes": after_forward,

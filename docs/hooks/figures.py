@@ -35,7 +35,7 @@ PLANS = {
         "k8s/raycluster.yaml",
         None,
     ),
-    "paper-online": ("qwen3_30b_a3b", ["stage2.targets=online"], None, "80GB"),
+    "paper-online": ("qwen3_30b_a3b", ["stage2.targets=online", "distill.zero_stage=2"], None, "80GB"),
     "paper-hidden-2": (
         "qwen3_30b_a3b",
         ["stage2.targets=hidden", "distill.workers=2"],

@@ -208,6 +208,7 @@ def main(args) -> None:
         )
         or "this machine"
     )
-    show(plan, where, emit)  # the table and the JSON line are the command's result: stdout
-    emit(plan_line(plan))
+    show(plan, where, emit)  # the table and the bill are the command's result: stdout
+    if args.json:  # the same figures on one line, for a program (as `kubectl -o json`)
+        emit(plan_line(plan))
     refuse(plan.problems())

@@ -35,7 +35,8 @@ def sweep(
         stages = _stages(cfg.stage)
         pipeline.check_resume(rd, cfg, stages, tracking_uri)
         chosen = {}
-        if cfg.stage == 2 and AUTO in (cfg.stage2.targets, cfg.distill.checkpointing):  # the plan decides, once
+        if cfg.stage == 2 and AUTO in (cfg.stage2.targets, cfg.distill.checkpointing, cfg.distill.zero_stage):
+            # the plan decides, once
             plan = check_run(cfg, choices=kept_choices(rd, cfg))
             record_plan(rd, plan)
             chosen = plan.targets

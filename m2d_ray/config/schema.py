@@ -53,7 +53,7 @@ class SweepConfig:
     def uses_gpus(self) -> bool:
         """Whether the run asks for GPUs: decided from the config, not from the GPUs up right now (a cluster
         scaling from zero GPU nodes has none until someone asks)."""
-        return self.distill.gpus_per_worker > 0 or self.ray.gpus_per_trial > 0 or self.ray.data_gpus_per_actor > 0
+        return self.distill.gpus_per_worker > 0 or self.ray.trial_gpus > 0 or self.ray.data_gpus_per_actor > 0
 
     def students_at_once(self) -> int | None:
         """Stage 2's students at a time: as set, else all of them on GPUs (Ray queues their worker groups and an

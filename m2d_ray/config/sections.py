@@ -117,7 +117,12 @@ class RayConfig:
         "pin the calibration and targets passes to a GPU type (Ray's accelerator_type, e.g. H100)",
     )
     cpus_per_trial: float = setting(1.0, "CPUs of a stage-1 trial")
-    gpus_per_trial: float = setting(0.0, "GPUs of a stage-1 trial (fractional: trials share one device)")
+    gpus_per_trial: float | Auto = setting(
+        0.0,
+        "GPUs of a stage-1 trial (fractional: trials share one device); auto = the smallest share of a GPU (1/8, "
+        "1/4, 1/2, 1) whose trial fits, on the pinned GPU type, else on the cluster's type that holds it (the plan "
+        "decides it, with ray.trial_accelerator, and the run's config records both); one whole GPU where no plan did",
+    )
     trial_accelerator: str | None = setting(
         None,
         "pin stage-1 trials to a GPU type (e.g. A10G); None = any GPU (`m2d plan` names the types a cluster has)",
@@ -136,6 +141,11 @@ class RayConfig:
         0,
         "retries of a trial, task or student whose node is lost (set > 0 on spot nodes, which can be reclaimed)",
     )
+
+    @property
+    def trial_gpus(self) -> float:
+        """A stage-1 trial's GPUs: as set or decided by the plan; `auto` where no plan decided it: one GPU."""
+        return 1.0 if self.gpus_per_trial == AUTO else float(self.gpus_per_trial)
 
 
 @dataclass(frozen=True)

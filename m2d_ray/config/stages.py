@@ -10,6 +10,7 @@ from m2d_ray.catalog.distill import AUTO, COMPILED
 from m2d_ray.catalog.targets import ONLINE
 from m2d_ray.config.fields import Auto, CheckpointingName, KernelName, LossName, PrecisionName, QuestionSet, setting
 
+ZERO_WITHOUT_PLAN = 2  # distill.zero_stage=auto where no plan decided it (the paper's ZeRO-2)
 STOP_POLL_STEPS = 10  # a stop request (ASHA's) is looked at every this many steps (or every eval_every, if fewer)
 
 
@@ -78,9 +79,11 @@ class DistillConfig:
         "torch.compile the student's forward and loss (inductor fuses its norms, SwiGLU and rotary embeddings; the "
         "first step pays the compilation), with any kl_kernel",
     )
-    zero_stage: Literal[0, 1, 2] = setting(
-        2,
-        "DeepSpeed's ZeRO stage: 2 shards the optimizer state and gradients over the workers (0, 1 or 2)",
+    zero_stage: Literal[0, 1, 2, 3] | Auto = setting(
+        AUTO,
+        "DeepSpeed's ZeRO stage: 2 shards the optimizer state and gradients over the workers, 3 the weights too (each "
+        "layer gathered as it runs; the exported student and its parameter names are the same); auto = 2 where a "
+        "ZeRO-2 rank fits its device, else 3 (the plan decides it and the run's config records it); 0, 1, 2, 3 or auto",
     )
     workers: int = setting(1, "Ray Train workers per student")
     gpus_per_worker: float = setting(0.0, "GPUs per worker (0: CPU)")
@@ -118,6 +121,12 @@ class DistillConfig:
     def uses_deepspeed(self) -> bool:
         """DeepSpeed ZeRO: asked for, or under auto where a student has more than one worker."""
         return self.workers > 1 if self.deepspeed == AUTO else bool(self.deepspeed)
+
+    @property
+    def zero(self) -> int:
+        """The ZeRO stage a step trains with: the plan's decision, else (no plan decided `auto`: `m2d distill`, a job
+        built by hand) ZeRO-2, the paper's."""
+        return ZERO_WITHOUT_PLAN if self.zero_stage == AUTO else int(self.zero_stage)
 
     @property
     def stop_poll(self) -> int:
@@ -245,6 +254,12 @@ class Stage3Config:
         "sequences per forward, lowered to what fits beside the weights; or auto: the largest that fits",
     )
     teacher: bool = setting(True, "evaluate the teacher too (the table's reference row)")
+    teacher_scores: str | None = setting(
+        None,
+        'a JSON file of the teacher\'s scores from elsewhere, {task: score} or a stage-3 record ({"tasks": {task: '
+        '{"score": ...}}}): the teacher\'s row reads them and the teacher is neither evaluated nor analysed (one no '
+        "node holds, e.g. DeepSeek-V3 in bf16); None = evaluated here",
+    )
     cpus_per_task: float = setting(1.0, "CPUs of a model's task")
     gpus_per_task: float | None = setting(
         None,

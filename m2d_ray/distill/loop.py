@@ -235,11 +235,16 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
         student, None if job.targets else teacher.model, cfg, job.device, io.world, precision, job.target_spec, head
     )
     step, extra = _restore(io.restore, trainer)
+
+    def check(*args) -> dict:  # validation reads the student's head as a tensor: gathered whole under ZeRO-3
+        with trainer.whole_head():
+            return validate(*args)
+
     per_step = cfg.batch_size * cfg.grad_accum * io.world
     batches, (win, wmask) = data(job, io, tokenizer, start_block=step * per_step)
     initial = extra.get("val_ppl_initial")
     if initial is None:
-        initial = validate(student, win, wmask, io, cfg, job.device)["val_ppl"]
+        initial = check(student, win, wmask, io, cfg, job.device)["val_ppl"]
     curve = list(extra.get("curve") or [[0, initial]])  # (step, val ppl) since step 0, carried across resumes
     poll = cfg.stop_poll
     last, resumed_from, since = {}, step, step
@@ -247,7 +252,7 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
         last = {
             "step": step,
             "tokens": step * per_step * cfg.seq_len,
-            **validate(student, win, wmask, io, cfg, job.device),
+            **check(student, win, wmask, io, cfg, job.device),
             "val_ppl_initial": initial,
             "lr": trainer.lr,
             "resumed_from": step,
@@ -256,7 +261,7 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
             **sizes,
             **peak_memory(job.device, io.world),
         }
-        _finish(student, tokenizer, job, io, last)
+        _finish(trainer, tokenizer, job, io, last)
         io.report(last, None)
         return last
     t0 = time.perf_counter()
@@ -273,7 +278,7 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
             "step": step,
             "tokens": step * per_step * cfg.seq_len,
             loss_metric(job.target_spec): trainer.take_loss(),
-            **validate(student, win, wmask, io, cfg, job.device),
+            **check(student, win, wmask, io, cfg, job.device),
             "val_ppl_initial": initial,
         }
         eval_s = _elapsed(t0, job.device)
@@ -295,7 +300,7 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
         )
         t0 = time.perf_counter()
         if last["final"]:
-            _finish(student, tokenizer, job, io, last)
+            _finish(trainer, tokenizer, job, io, last)
         with tempfile.TemporaryDirectory(prefix="m2d-ckpt-") as tmp:
             _save(Path(tmp), trainer, step, {"val_ppl_initial": initial, "curve": curve}, io.rank)
             last["ckpt_s"] = time.perf_counter() - t0  # the checkpoint (and the exported student at the end)
@@ -304,10 +309,12 @@ def run_distill(job: DistillJob, io: WorkerIO) -> dict:
     return last
 
 
-def _finish(student, tokenizer, job: DistillJob, io: WorkerIO, last: dict) -> None:
-    """After the last step: rank 0 exports the student; no rank reports completion before it is stored."""
+def _finish(trainer: DistillStep, tokenizer, job: DistillJob, io: WorkerIO, last: dict) -> None:
+    """After the last step: rank 0 exports the student (under ZeRO-3 the consolidated one, gathered with every rank);
+    no rank reports completion before it is stored."""
+    whole = trainer.consolidated(io.rank) if job.out else None
     if job.out and io.rank == 0:
-        _export(student, tokenizer, job)
+        _export(trainer.student if whole is None else _rebuilt(job, whole), tokenizer, job)
         last["student_path"] = str(job.out)
     if io.world > 1 and dist.is_initialized():
         dist.barrier()
@@ -344,6 +351,21 @@ def _export(student, tokenizer, job: DistillJob) -> None:
 
     module = getattr(student, "module", student)
     storage.save_dir(job.out, lambda path: export_student(module, tokenizer, path, overwrite=True))
+
+
+def _rebuilt(job: DistillJob, state: dict[str, Tensor]):
+    """The student whole on the host from ZeRO-3's consolidated parameters: the initial student's module (its
+    config, dtype and buffers) with every parameter replaced by its trained value, by name (a tied one once)."""
+    path = storage.local_model(job.student)
+    dtype = next(iter(state.values())).dtype
+    model = auto_class(model_config(path)).from_pretrained(path, dtype=dtype)
+    named = dict(model.named_parameters())
+    if set(named) != set(state):
+        raise RuntimeError(f"the consolidated student's parameters differ from its module's: {set(named) ^ set(state)}")
+    with torch.no_grad():
+        for name, value in state.items():
+            named[name].copy_(value)
+    return model
 
 
 def _save(path: Path, trainer: DistillStep, step: int, extra: dict, rank: int) -> None:

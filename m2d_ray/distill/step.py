@@ -2,7 +2,8 @@
 
 `DistillStep` owns the student's optimizer, learning-rate schedule, precision and data-parallel wrapper:
 * DeepSpeed (`distill.deepspeed`): a ZeRO engine (bucketed reduce-scatter of the gradients; in `bf16` mode its
-  float32 partition is the master copy the optimizer steps);
+  float32 partition is the master copy the optimizer steps); at ZeRO-3 the weights are partitioned too and the
+  engine wraps the loss module (`sharded_weights`);
 * plain torch on several ranks: DistributedDataParallel (bucketed all-reduce overlapped with the backward;
   the micro-batches before the last one of an accumulation run under `no_sync`); with master weights (bf16-mixed)
   `MasterWeights` instead, which sums every micro-batch's gradient into float32 and all-reduces that sum once per
@@ -85,7 +86,7 @@ def ds_config(cfg: DistillConfig, dtype: torch.dtype) -> dict:
         "train_micro_batch_size_per_gpu": cfg.batch_size,
         "gradient_accumulation_steps": cfg.grad_accum,
         "gradient_clipping": cfg.grad_clip,
-        "zero_optimization": {"stage": cfg.zero_stage, "overlap_comm": False, "contiguous_gradients": True},
+        "zero_optimization": {"stage": cfg.zero, "overlap_comm": False, "contiguous_gradients": True},
         "bf16": {"enabled": dtype == torch.bfloat16},
         "fp16": {"enabled": False},
         "steps_per_print": 10**9,
@@ -297,13 +298,13 @@ class DistillStep:
         wrappers: called last), DDP over the loss module on several plain ranks without masters (masters sum and
         reduce their gradients in float32 themselves), or none."""
         if self.cfg.uses_deepspeed:
-            why = deepspeed_refusal(self.precision.dtype, self.cfg.zero_stage)
+            why = deepspeed_refusal(self.precision.dtype, self.cfg.zero)
             if why:
                 raise M2DError(why)
             import deepspeed
 
             engine, self.opt, _, self.sched = deepspeed.initialize(
-                model=self.student,
+                model=self.loss_module if self.sharded_weights else self.student,
                 optimizer=self.opt,
                 lr_scheduler=self.sched,
                 config=ds_config(self.cfg, self.precision.dtype),
@@ -330,7 +331,7 @@ class DistillStep:
 
     def step(self, micro_batches: Sequence[Tensor | dict[str, Tensor]]) -> None:
         """Micro-batches of ids (online: the teacher runs here), or dicts of input `tokens` and their cached targets."""
-        forward = self.ddp or self.loss_module
+        forward = self.ddp or (self.engine if self.sharded_weights else self.loss_module)
         last = len(micro_batches) - 1
         for i, mb in enumerate(micro_batches):
             ids, teacher = self._inputs(mb)
@@ -352,6 +353,38 @@ class DistillStep:
             self.opt.zero_grad(set_to_none=True)
             if self.masters is not None:
                 self.masters.write_back()
+
+    @property
+    def sharded_weights(self) -> bool:
+        """ZeRO-3: the student's weights partitioned over the ranks. The engine wraps the loss module and the step's
+        forward runs through it: each layer is gathered as it runs, and the student's head, which the chunked KL reads
+        as a tensor outside any layer's forward, is found by DeepSpeed's external-parameter detection and gathered for
+        the loss and its backward. The student's own module and parameter names are unchanged (`consolidated`)."""
+        return self.cfg.uses_deepspeed and self.cfg.zero == 3
+
+    def whole_head(self) -> contextlib.AbstractContextManager:
+        """The student's output head gathered whole while inside (every rank enters it: a collective); the head as it
+        is off ZeRO-3. What validation needs: it reads the head as a tensor, outside the engine's forward."""
+        if not self.sharded_weights:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters([self.student.get_output_embeddings().weight])
+
+    def consolidated(self, rank: int) -> dict[str, Tensor] | None:
+        """ZeRO-3: the student's parameters gathered one at a time (every rank takes part) and copied to the host on
+        rank 0, by their own names (tied ones once): the consolidated student rank 0 exports; None elsewhere or off
+        ZeRO-3 (the student's module holds them whole)."""
+        if not self.sharded_weights:
+            return None
+        import deepspeed
+
+        out = {}
+        for name, p in self.student.named_parameters():
+            with deepspeed.zero.GatheredParameters([p]):
+                if rank == 0:
+                    out[name] = p.detach().to("cpu", copy=True)
+        return out if rank == 0 else None
 
     def take_loss(self) -> float:
         """Mean training loss over the micro-batches since the last call (and over ranks); resets it."""

@@ -9,6 +9,10 @@ training on a GPU and fp32 on CPU; T = tokens of a micro-batch):
                          fp32 when b < 4) + one reduce bucket, and its float32 copy when b < 4 (the reduce runs
                          in float32: communication_data_type); optimizer: fp32 master copy (when b < 4) + Adam
                          moments = (4 + 8) P / W
+    ZeRO-3 (DeepSpeed)   the weights b x P / W, gradients in one float32 partition 4P / W (stage3.py's
+                         grad_partitions_flat_buffer, gradient_accumulation_dtype) + the reduce bucket as ZeRO-2's,
+                         the optimizer as ZeRO-2's, plus what is gathered whole: the running and the prefetched layer
+                         (or the embedding) and the head the KL reads
     ZeRO-0 (DeepSpeed)   gradients b P (+ 4P fp32 accumulators when b < 4); optimizer as ZeRO-2 at W = 1
     plain torch          gradients b P (DDP's buckets are views of them); with float32 masters (bf16-mixed,
                          distill/precision.py) the float32 sums 4P (each b-byte gradient added in and freed as
@@ -109,9 +113,12 @@ def training(
     P = student.params
     out = {"student": P * b}
     low = b < FP32 and (masters or deepspeed)  # float32 masters and moments behind lower-precision weights
+    if deepspeed and zero_stage >= 3:
+        out = {"student": P * b // world, "gathered": zero3_gathered(student, b)}
     if deepspeed and zero_stage >= 1:
         bucket = min(P, DS_BUCKET) * (b + (FP32 if b < FP32 else 0))  # reduced in float32 behind b < 4
-        out["grads"] = P * b // (world if zero_stage >= 2 else 1) + FP32 * P // world + bucket
+        sharded = 0 if zero_stage >= 3 else P * b // (world if zero_stage >= 2 else 1)  # ZeRO-3: float32 alone
+        out["grads"] = sharded + FP32 * P // world + bucket
         out["optimizer"] = (8 + (FP32 if b < FP32 else 0)) * P // world
     elif low and deepspeed:  # DeepSpeed's ZeRO-0 bf16 optimizer (fp32 gradient accumulators)
         out["grads"] = P * b + FP32 * P
@@ -130,6 +137,14 @@ def training(
         + KL_TENSORS[teacher_logits] * c * student.vocab * FP32
     )
     return out
+
+
+def zero3_gathered(student: Shape, b: int) -> int:
+    """What a ZeRO-3 rank holds whole besides its partitions: the layer running and the next one prefetched, and the
+    student's head, which the chunked KL reads outside any layer (DeepSpeed gathers it as an external parameter and
+    keeps it for the loss's backward), beside the embedding when the backward reaches it."""
+    head = student.vocab * student.hidden
+    return (max(2 * student.layer_params, head) + (0 if student.tied else head)) * b
 
 
 def online_teacher(teacher: Shape, tokens: int, b: int) -> dict[str, int]:

@@ -122,7 +122,8 @@ class Analysis(Stage):
                     shard,
                     bundle(c.cpus_per_task, shard if gpus >= 1 else gpus, c.accelerator),
                     p.devices,
-                    "a smaller stage3.analysis.batch_size or max_new_tokens, or nodes with more or larger GPUs",
+                    "a smaller stage3.analysis.batch_size or max_new_tokens, or nodes with more or larger GPUs"
+                    + (", or another judge: stage3.analysis.judge=none or openai:MODEL" if key == TEACHER_KEY else ""),
                     self.keys,
                     pinned_memory=mem if gpus > 0 else None,
                 )

@@ -67,7 +67,7 @@ class Stage1(Stage):
 
     def request(self, cfg) -> dict:
         r = cfg.ray
-        return {**bundle(r.cpus_per_trial, r.gpus_per_trial, r.trial_accelerator), **spot(r.spot_trials)}
+        return {**bundle(r.cpus_per_trial, r.trial_gpus, r.trial_accelerator), **spot(r.spot_trials)}
 
     def reads(self, cfg) -> dict[str, str]:
         return {} if cfg.stage2.recipes else {"eval.data": cfg.eval.data}
@@ -82,7 +82,7 @@ class Stage1(Stage):
                 self.name,
                 "trial",
                 memory.trial(s, e.batch_size, e.seq_len, s.dtype_bytes),
-                r.gpus_per_trial,
+                r.trial_gpus,
                 r.max_concurrent_trials,
                 self.request(p.cfg),
                 p.devices,
@@ -101,7 +101,7 @@ class Stage1(Stage):
         per_trial = (
             chunks / trials * eval_tokens(cfg) / cfg.eval.chunks * forward_flops(c.p.models.student, cfg.eval.seq_len)
         )
-        where = c.place(self.name, r.gpus_per_trial, r.threads_per_worker, r.max_concurrent_trials, r.trial_accelerator)
+        where = c.place(self.name, r.trial_gpus, r.threads_per_worker, r.max_concurrent_trials, r.trial_accelerator)
         return [
             c.stage(self.name, [per_trial] * trials, where, TRIAL, rounds=2 if trials > distinct else 1)
         ]  # the probe round is a Tune experiment of its own

@@ -70,7 +70,7 @@ def stage1_trainable(config: dict, *, model: str, plans: dict, eval_ids, cfg: Sw
     key = config["key"]
     if key in cfg.faults.raise_in:
         raise InjectedFault(f"injected failure in {key} (faults.raise_in)")
-    device = cfg.device or ("cuda" if cfg.ray.gpus_per_trial > 0 else "cpu")
+    device = cfg.device or ("cuda" if cfg.ray.trial_gpus > 0 else "cpu")
     teacher = _teacher(model, "cpu")  # the student is built on CPU and moved: a GPU slice holds only the student
     for metrics in run_trial(
         teacher, plan_of(plans, key), eval_ids, cfg.eval, poison=key in cfg.faults.nan_in, device=device
@@ -402,8 +402,8 @@ def _tune(
     recorder.trials += 0 if max_chunks else len(units)
     resources = {
         "cpu": cfg.ray.cpus_per_trial,
-        "gpu": cfg.ray.gpus_per_trial,
-        **(pin(cfg.ray.trial_accelerator) if cfg.ray.gpus_per_trial > 0 else {}),
+        "gpu": cfg.ray.trial_gpus,
+        **(pin(cfg.ray.trial_accelerator) if cfg.ray.trial_gpus > 0 else {}),
         **spot(cfg.ray.spot_trials),
     }
     trainable = tune.with_resources(

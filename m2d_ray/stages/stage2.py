@@ -70,7 +70,7 @@ class Stage2(Stage):
             BASELINES[b].check_config(cfg)
         x = cfg.distill
         if x.uses_deepspeed:  # before any work: the engine's start refuses it too
-            why = deepspeed_refusal(resolve(x.precision, gpu=x.gpus_per_worker > 0).dtype, x.zero_stage)
+            why = deepspeed_refusal(resolve(x.precision, gpu=x.gpus_per_worker > 0).dtype, x.zero)
             if why:
                 raise M2DError(why)
 
@@ -127,7 +127,7 @@ class Stage2(Stage):
                 policy.weight_bytes,
                 x.workers,
                 x.uses_deepspeed,
-                x.zero_stage,
+                x.zero,
                 x.checkpointing,
                 x.loss_chunk,
                 c.kind,

@@ -75,7 +75,10 @@ class Stage3(Stage):
     def check(self, cfg, teacher: str) -> None:
 
         check_tasks(cfg.stage3.tasks, cfg.stage3.num_fewshot)
-        check_teacher_fits(cfg, teacher)  # with stage3.gpu_memory set: a teacher no node can hold fails now
+        if cfg.stage3.teacher_scores:  # read now: a file that holds no scores fails before any work
+            teacher_scores(cfg.stage3.teacher_scores)
+        else:
+            check_teacher_fits(cfg, teacher)  # with stage3.gpu_memory set: a teacher no node can hold fails now
 
     def check_resume(self, rd, cfg) -> None:
         check_suite(rd, cfg.stage3)
@@ -141,7 +144,7 @@ class Stage3(Stage):
                         1,
                         per_node,
                         bundle(c.cpus_per_task, per_node, c.accelerator),
-                        fix="nodes with more or larger GPUs, or a shorter stage3.max_length",
+                        fix=_larger(key),
                         pinned_memory=mem,
                     )
                 )
@@ -157,7 +160,7 @@ class Stage3(Stage):
                     g if g < 1 else 1,
                     int(max(1, g)),
                     bundle(c.cpus_per_task, g, c.accelerator),
-                    fix="nodes with more or larger GPUs, or a shorter stage3.max_length",
+                    fix=_larger(key),
                     pinned_memory=mem,
                 )
             )
@@ -189,7 +192,35 @@ def models_to_evaluate(p) -> dict:
     """Stage 3's models by key, with their configs: a student (every student has its shape), the teacher and the
     baselines' own teachers."""
     c, m = p.cfg.stage3, p.models
-    return {"student": m.student_config, **({TEACHER_KEY: m.teacher_config} if c.teacher else {}), **p.teacher_configs}
+    evaluated = c.teacher and not c.teacher_scores
+    return {"student": m.student_config, **({TEACHER_KEY: m.teacher_config} if evaluated else {}), **p.teacher_configs}
+
+
+def _larger(key: str) -> str:
+    """What lets a model no node holds be evaluated; the teacher's scores may come from elsewhere instead."""
+    own = ", or its scores from elsewhere: stage3.teacher_scores=FILE" if key == TEACHER_KEY else ""
+    return f"nodes with more or larger GPUs, or a shorter stage3.max_length{own}"
+
+
+def teacher_scores(path: str) -> dict:
+    """stage3.teacher_scores read as a stage-3 result ({"tasks": {task: {"score"}}, "mean"}), or one line saying
+    what is wrong with the file."""
+    try:
+        raw = json.loads(Path(path).expanduser().read_text())
+    except (OSError, ValueError) as e:
+        raise M2DError(
+            f"stage3.teacher_scores={path}: {type(e).__name__}: {e}; give a JSON file of the scores"
+        ) from None
+    tasks = raw.get("tasks", raw) if isinstance(raw, dict) else None
+    scores = {
+        t: v.get("score") if isinstance(v, dict) else v for t, v in (tasks.items() if isinstance(tasks, dict) else ())
+    }
+    if not scores or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in scores.values()):
+        raise M2DError(
+            f"stage3.teacher_scores={path} holds no scores; give {{task: score}} or a stage-3 record "
+            '({"tasks": {task: {"score": ...}}})'
+        )
+    return {"tasks": {t: {"score": float(v)} for t, v in scores.items()}, "mean": sum(scores.values()) / len(scores)}
 
 
 def gpu_room(p) -> tuple[float, int | None, int]:
@@ -212,7 +243,7 @@ def price_models(c, name: str, flops_of, unit: str = MODEL, rounds: int = 1) -> 
     each with the start of a `unit` (default a model: plan.model_s) in `rounds` Ray rounds; models of different GPU
     counts run at once: one row, the longest wall."""
     p, s3 = c.p, c.p.cfg.stage3
-    teacher = [(TEACHER_KEY, p.models.teacher)] if s3.teacher else []
+    teacher = [(TEACHER_KEY, p.models.teacher)] if s3.teacher and not s3.teacher_scores else []
     models = [("student", p.models.student)] * p.ends[-1][1] + teacher + list(p.teachers.items())
     by_gpus: dict[float, list[float]] = {}
     for key, shape in models:
@@ -267,7 +298,8 @@ def jobs(rd: RunDir, cfg: SweepConfig, teacher: str) -> list[EvalJob]:
         if r.get("student_path") and not r.get("duplicate_of") and storage.exists(r["student_path"])
     ]
     own = [EvalJob(b.teacher_key, b.teacher_key, b.teacher(cfg)) for b in baselines.of(cfg) if b.has_teacher]
-    return out + ([EvalJob(TEACHER_KEY, TEACHER_KEY, teacher), *own] if cfg.stage3.teacher else [])
+    mine = [EvalJob(TEACHER_KEY, TEACHER_KEY, teacher)] if cfg.stage3.teacher and not cfg.stage3.teacher_scores else []
+    return out + ([*mine, *own] if cfg.stage3.teacher else [])
 
 
 def task_options(cfg: SweepConfig) -> dict:
@@ -309,6 +341,11 @@ def evaluate(ctx, stage: Stage3) -> dict[str, dict]:
     todo = jobs(rd, cfg, rd.read_promotions()["teacher"])
     out = ctx.recorder(Ledger(rd.stage3_results), mlflow_fields, prefix="stage3/")
     done = {r["key"]: r for r in out.ledger.records()}
+    if c.teacher and c.teacher_scores and TEACHER_KEY not in done:  # read, not evaluated: said in the plan
+        teacher = rd.read_promotions()["teacher"]
+        done[TEACHER_KEY] = {**asdict(EvalJob(TEACHER_KEY, TEACHER_KEY, teacher)), "status": "ok"}
+        done[TEACHER_KEY].update(teacher_scores(c.teacher_scores), source=c.teacher_scores)
+        out.write(done[TEACHER_KEY])
     pending = [j for j in todo if done.get(j.key, {}).get("status") != "ok"]  # a failed model is tried again
     retried = sum(j.key in done for j in pending)
     say(

@@ -806,7 +806,7 @@ def test_bad_input(case, w, judge_404, capfd, monkeypatch):
     line = lines[0]
     assert line.startswith("m2d: error: ") and fragment in line, line
     assert any(a in line.lower() for a in ACTIONS), f"the line does not say what to do: {line}"
-    assert out == "" or args[0] == "plan", out  # m2d plan's table and JSON line are its output, fitting or not
+    assert out == "" or args[0] == "plan", out  # m2d plan's table and bill are its output, fitting or not
     assert _snapshot(w["root"]) == before, f"{case} changed the file system"
     assert not any(w["tmp"].iterdir()), list(w["tmp"].iterdir())
 

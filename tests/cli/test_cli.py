@@ -251,6 +251,6 @@ def test_the_plan_says_its_checkpointing_decision_once(capsys):
     assert main(["plan", "tiny"]) == 0
     out = capsys.readouterr()
     assert (out.out + out.err).count("distill.checkpointing=auto: none (none: fits)") == 1, out
-    assert check_run(load_config("tiny")).decided == {"distill.checkpointing": "none"}
+    assert check_run(load_config("tiny")).decided == {"distill.checkpointing": "none", "distill.zero_stage": "2"}
     out = capsys.readouterr()
     assert (out.out + out.err).count("distill.checkpointing=auto: none (none: fits)") == 1, out

@@ -62,9 +62,11 @@ def test_the_wheel_plans_the_demo_by_name_from_an_empty_directory(installed, tmp
 
     planned = m2d(bin_, tmp_path, "plan", "tiny")
     assert planned.returncode == 0, planned.stderr
-    assert '"stages": {"calibrate"' in planned.stdout and "memory plan" in planned.stdout
+    assert '"stages"' not in planned.stdout and "memory plan" in planned.stdout and "the bill" in planned.stdout
+    planned = m2d(bin_, tmp_path, "plan", "tiny", "--json")
+    assert '"stages": {"calibrate"' in planned.stdout.splitlines()[-1] and "memory plan" in planned.stdout
 
-    paper = m2d(bin_, tmp_path, "plan", "qwen3_30b_a3b", "--model", "Qwen/Qwen3-30B-A3B")  # the shipped shape, offline
+    paper = m2d(bin_, tmp_path, "plan", "qwen3_30b_a3b", "--model", "Qwen/Qwen3-30B-A3B", "--json")  # offline
     assert '"stages"' in paper.stdout, paper.stderr
 
     copied = m2d(bin_, tmp_path, "cp", "tiny", "mine.yaml")

@@ -45,7 +45,7 @@ def test_paper_grid_is_350_configs():
         len(cfg.grid.scoring) * len(cfg.grid.grouping) * len(cfg.grid.scaling) * len(k_values(cfg.grid.K, 8, 128))
         == 350
     )
-    assert cfg.calib.seq_len == 2048 and cfg.ray.gpus_per_trial == 0.5  # from the included base
+    assert cfg.calib.seq_len == 2048 and cfg.ray.gpus_per_trial == "auto"  # from the included base
 
 
 def test_auto_K_and_overrides():
@@ -83,7 +83,7 @@ def test_auto_K_and_overrides():
         ("distill.kl_kernel=fused", "unknown distill.kl_kernel 'fused'"),
         ("distill.loss=fkll", "distill.loss: unknown loss 'fkll'; did you mean 'fkl'"),
         ("distill.checkpointing=ful", "did you mean 'full'"),
-        ("distill.zero_stage=3", "distill.zero_stage=3: use 0, 1 or 2"),
+        ("distill.zero_stage=4", "distill.zero_stage=4: use 0, 1, 2, 3 or auto"),
         ("stage=3", "stage=3: use 1 or 2"),
         ("stage3.analysis.questions=mmul", "stage3.analysis.questions='mmul': did you mean mmlu"),
     ],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -104,6 +105,66 @@ def test_two_gloo_ranks_with_ddp_and_deepspeed_match_one_rank(student_dir, ds_en
     # DDP reduces gradients in buckets inside its reducer: the Python side issues only the loop's few
     # collectives (losses, validation), not one per parameter per step
     assert len(ranks_ddp := json.loads((tmp_path / "ddp-rank0.json").read_text())["all_reduce"]) < n_params, ranks_ddp
+
+
+def _zero_main(rank: int, world: int, port: int, student: str, out: str, runs: dict[str, DistillConfig]) -> None:
+    """One rank of ZeRO-2, ZeRO-3 and ZeRO-3 resumed from its step-2 checkpoint (every rank's files copied into one
+    directory, as Ray Train's storage holds them)."""
+    join(rank, world, port)
+    try:
+        for name, cfg in runs.items():
+            reports: list[dict] = []
+
+            def report(m: dict, ckpt: Path | None, name=name, reports=reports) -> None:
+                reports.append(m)
+                if ckpt is not None and m["step"] == 2:
+                    shutil.copytree(ckpt, f"{out}/{name}-ckpt", dirs_exist_ok=True)
+
+            restore = Path(f"{out}/zero3-ckpt") if name == "zero3-resumed" else None
+            job = DistillJob(default_teacher(), student, cfg, "synthetic:valid", out=f"{out}/{name}")
+            dist.barrier()  # every rank's checkpoint files are in place before a rank restores them
+            run_distill(job, WorkerIO(rank=rank, world=world, report=report, restore=restore))
+            Path(f"{out}/{name}-rank{rank}.json").write_text(json.dumps(reports))
+    finally:
+        dist.destroy_process_group()
+
+
+def _zero_runs(student_dir: Path, tmp_path: Path, names: tuple[str, ...]) -> dict[str, list[dict]]:
+    """The named runs of ZeRO-2, ZeRO-3 (full checkpointing under it) and ZeRO-3 resumed from its step-2 checkpoint,
+    in float32 at 2 gloo ranks; rank 0's reports by name."""
+    base = replace(CFG, batch_size=2, deepspeed=True, precision="fp32")
+    runs = {
+        "zero2": replace(base, zero_stage=2),
+        "zero3": replace(base, zero_stage=3, checkpointing="full"),
+        "zero3-resumed": replace(base, zero_stage=3),
+    }
+    spawn(_zero_main, 2, str(student_dir), str(tmp_path), {n: runs[n] for n in names})
+    return {n: json.loads((tmp_path / f"{n}-rank0.json").read_text()) for n in names}
+
+
+def test_zero3_trains_as_zero2_and_exports_the_same_student(student_dir, ds_env, tmp_path):
+    """ZeRO-3 (the weights partitioned, the head gathered for the KL and validation) in float32 at 2 gloo ranks: the
+    loss trajectory of ZeRO-2, with full checkpointing under it; the exported student has the same parameter names
+    and values."""
+    got = _zero_runs(student_dir, tmp_path, ("zero2", "zero3"))
+    assert [m["step"] for m in got["zero3"]] == [2, 4]
+    for a, b in zip(got["zero3"], got["zero2"]):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
+    init, two, three = _weights(student_dir), _weights(tmp_path / "zero2"), _weights(tmp_path / "zero3")
+    assert set(three) == set(two) == set(init)
+    moved = max((two[k] - init[k]).abs().max().item() for k in two)
+    assert moved > 1e-3  # trained: agreeing is not trivial
+    assert max((three[k] - two[k]).abs().max().item() for k in two) < 1e-3 * moved
+
+
+@pytest.mark.slow
+def test_zero3_resumed_from_its_checkpoint_continues_zero2_s_trajectory(student_dir, ds_env, tmp_path):
+    """Every rank's ZeRO-3 partition files in one checkpoint directory (as Ray Train's storage holds them): a resume
+    from step 2 reaches ZeRO-2's step-4 loss."""
+    got = _zero_runs(student_dir, tmp_path, ("zero2", "zero3", "zero3-resumed"))
+    assert [m["step"] for m in got["zero3-resumed"]] == [4]
+    assert got["zero3-resumed"][0]["train_loss"] == pytest.approx(got["zero2"][1]["train_loss"], rel=1e-5)
 
 
 class _Sentinel(Exception):

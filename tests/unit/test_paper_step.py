@@ -55,7 +55,7 @@ def test_the_plan_decides_the_paper_student_s_checkpointing_for_the_device(tmp_p
     one_rank = ["distill.workers=1", "distill.deepspeed=false", "distill.accelerator=null", "stage2.targets=hidden"]
     cfg = load_config(PAPER_CONFIG, one_rank)
     h100 = plan_run(cfg, Devices(gpu_memory=80 * 10**9), model=str(PAPER_MODEL), stages=STAGES.only("stage2"))
-    assert h100.decided == {"distill.checkpointing": "full"}
+    assert h100.decided == {"distill.checkpointing": "full", "distill.zero_stage": "2"}
 
 
 def _run(tmp_path, *args: str) -> dict:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,6 +32,8 @@ OFFLINE = {
     "Qwen/Qwen3-32B": "Qwen--Qwen3-32B",
     "deepseek-ai/DeepSeek-V2-Lite": "deepseek-ai--DeepSeek-V2-Lite",
     "openai/gpt-oss-20b": "openai--gpt-oss-20b",
+    "Qwen/Qwen3-235B-A22B": "Qwen--Qwen3-235B-A22B",
+    "deepseek-ai/DeepSeek-V3": "deepseek-ai--DeepSeek-V3",
 }
 
 
@@ -67,7 +71,7 @@ def test_the_30b_teacher_and_its_student(qwen30b):
 def test_online_stage2_at_8_gpus_is_the_issue_s_70_gib_before_activations(qwen30b):
     """A rank holds the 56.9 GiB teacher and a 3.34B student's ZeRO-2 share: ~70 GiB before activations,
     so it does not fit an 80 GB GPU; cached targets bring it to ~23 GiB."""
-    cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml", ["stage2.targets=online"])
+    cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml", ["stage2.targets=online", "distill.zero_stage=2"])
     plan = make_plan(cfg, qwen30b, Devices(gpu_memory=80 * 10**9))
     s2 = plan.by_stage()["stage2"].parts
     assert 68 < (s2["teacher"] + s2["student"] + s2["grads"] + s2["optimizer"]) / GiB < 73
@@ -85,8 +89,31 @@ def test_online_stage2_at_8_gpus_is_the_issue_s_70_gib_before_activations(qwen30
     assert cached.by_stage()["targets"].fits and "teacher" not in cached.by_stage()["stage2"].parts
     # under checkpointing auto the plan spends what is left on keeping activations: selective fits, none does not
     auto = make_plan(replace(full, distill=cfg.distill), qwen30b, Devices(gpu_memory=80 * 10**9))
-    assert auto.decided == {"distill.checkpointing": "selective"} and not auto.problems()
+    assert auto.decided["distill.checkpointing"] == "selective" and not auto.problems()  # ZeRO-2 as asked
     assert 26 * GiB < auto.by_stage()["stage2"].per_device <= auto.by_stage()["stage2"].capacity
+
+
+def test_zero3_shards_the_weights_and_auto_takes_it_only_where_zero2_does_not_fit(qwen30b):
+    """ZeRO-3's rank holds 1/W of the weights, one float32 gradient partition and ZeRO-2's optimizer share, plus the
+    layers in flight and the head; auto keeps the paper's ZeRO-2 for the 30B study and shards the 22B student of
+    Qwen3-235B-A22B, said in one line."""
+    s = models_of(qwen30b).student
+    two, three = (memory.training(s, 16384, 2, 8, True, z, "full", 1024) for z in (2, 3))
+    assert three["student"] == s.params * 2 // 8 and three["optimizer"] == two["optimizer"]
+    assert two["grads"] - three["grads"] == s.params * 2 // 8
+    assert three["gathered"] == (max(2 * s.layer_params, s.vocab * s.hidden) + s.vocab * s.hidden) * 2
+    paper = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml")
+    assert paper.distill.zero_stage == "auto"
+    small = make_plan(paper, qwen30b, Devices(gpu_memory=80 * 10**9))
+    assert small.decided["distill.zero_stage"] == "2" and not small.problems()
+    h100 = Devices(gpu_memory=80 * GiB)
+    big = make_plan(paper, model_config(str(CONFIGS / "Qwen--Qwen3-235B-A22B")), h100)
+    (line,) = [n for n in big.decision_lines() if n.startswith("distill.zero_stage")]
+    assert re.fullmatch(r"distill\.zero_stage=auto: 3 \(2: 1\d\d\.\d GiB a rank; 3: .*\)", line), line
+    assert big.decided["distill.zero_stage"] == "3" and big.by_stage()["stage2"].fits
+    pinned = replace(paper, distill=replace(paper.distill, zero_stage=2))
+    refused = make_plan(pinned, model_config(str(CONFIGS / "Qwen--Qwen3-235B-A22B")), h100)
+    assert refused.by_stage()["stage2"].fits is False  # as asked, ZeRO-2 cannot hold the 22B student a rank
 
 
 def test_zero2_shards_the_optimizer_and_checkpointing_keeps_one_layer(qwen30b):
@@ -107,7 +134,7 @@ def test_the_30b_config_distils_from_hidden_states_on_80gb_gpus(qwen30b, workers
     (151,936 x 2,048 in bf16) and the online KL's buffers, and fits an 80 GB GPU at 2 and 8 workers."""
     cfg = load_config(
         EXPERIMENTS / "qwen3_30b_a3b.yaml",
-        [f"distill.workers={workers}", "distill.checkpointing=full"],
+        [f"distill.workers={workers}", "distill.checkpointing=full", "distill.zero_stage=2"],
     )
     assert cfg.stage2.targets == "auto"  # the plan's choice: hidden states here
     plan = make_plan(cfg, qwen30b, Devices(gpu_memory=80 * 10**9))
@@ -240,7 +267,8 @@ def test_the_smallest_gpu_that_may_receive_a_stage_is_the_one_planned_for(qwen30
     nodes = tuple(from_cluster_yaml(ROOT / "cluster.yaml"))
     cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml", ["distill.accelerator=null"])
     loose = make_plan(cfg, qwen30b, Devices(nodes=nodes)).by_stage()["stage2"]
-    assert set(loose.holders) == {"gpu_a10g_1x", "gpu_a10g_1x_spot", "gpu_h100_8x"} and loose.fits is False
+    assert set(loose.holders) == {"gpu_a10g_1x", "gpu_a10g_1x_spot", "gpu_h100_8x", "gpu_h200_8x"}
+    assert loose.fits is False
     pinned = make_plan(load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml"), qwen30b, Devices(nodes=nodes)).by_stage()[
         "stage2"
     ]
@@ -347,12 +375,89 @@ def test_checkpointing_auto_is_the_least_recompute_that_fits_and_never_enlarges_
         return make_plan(cfg, qwen30b, Devices(gpu_memory=gb * 10**9))
 
     assert [at(gb).decided["distill.checkpointing"] for gb in (200, 141, 80)] == ["none", "selective", "full"]
-    (line,) = at(141).decision_lines()
+    (line,) = [n for n in at(141).decision_lines() if n.startswith("distill.checkpointing")]
     assert re.fullmatch(r"distill\.checkpointing=auto: selective \(none: [\d.]+ GiB a rank; selective: fits\)", line)
     small = at(40)
-    assert small.decided == {"distill.checkpointing": "full"}
-    (line,) = [n for n in small.decision_lines()]
+    assert small.decided["distill.checkpointing"] == "full" and small.decided["distill.zero_stage"] == "2"  # 1 rank
+    (line,) = [n for n in small.decision_lines() if n.startswith("distill.checkpointing")]
     assert line.startswith("distill.checkpointing=auto: full (none: ") and "; full: " in line
     rank = small.by_stage()["stage2"]
     assert not rank.fits and rank.parts["activations"] == at(80).by_stage()["stage2"].parts["activations"]
     assert any(p.startswith("stage2: one rank needs") for p in small.problems())
+
+
+def test_the_235b_study_plans_fitting_on_cluster_yaml_with_its_decisions_said(capsys):
+    """Qwen3-235B-A22B by its shipped hub name: stage 1's 22B students move from half an A10G to a whole H100, stage
+    2 shards them with ZeRO-3 over one 8 x H100 node; every stage fits, the bill is printed, exit 0; the 30B study
+    keeps half an A10G and ZeRO-2."""
+    from m2d_ray.cli import main
+
+    args = ["plan", "qwen3_30b_a3b", "--cluster", str(ROOT / "cluster.yaml"), "--model"]
+    assert main([*args, "Qwen/Qwen3-235B-A22B"]) == 0
+    out = capsys.readouterr().out
+    assert "ray.gpus_per_trial=auto: 1 of an H100 (a trial needs 46.3 GiB; 0.5 of an H100 gives" in out
+    assert "distill.zero_stage=auto: 3 (2: 113.8 GiB a rank; 3: fits)" in out
+    assert " NO " not in out and "the bill" in out and '"stages"' not in out
+    assert main([*args, "Qwen/Qwen3-30B-A3B"]) == 0
+    out = capsys.readouterr().out
+    assert "ray.gpus_per_trial=auto: 0.5 of an A10G" in out and "distill.zero_stage=auto: 2 (2: fits)" in out
+
+
+def _deepseek_v3_stage3(tmp_path, *overrides):
+    from m2d_ray.pipeline import STAGES
+
+    cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml", list(overrides))
+    nodes = Devices(nodes=tuple(from_cluster_yaml(ROOT / "cluster.yaml")))
+    teacher = model_config(str(CONFIGS / "deepseek-ai--DeepSeek-V3"))
+    return make_plan(cfg, teacher, nodes, stages=STAGES.only("stage3", "analysis"))
+
+
+def test_a_teacher_no_node_holds_is_refused_naming_its_scores_file_or_read_from_it(tmp_path):
+    """DeepSeek-V3 in bf16 (164 GiB a GPU over 8) fits no 8-GPU node of cluster.yaml: stage 3 and the analysis refuse
+    it in one line each naming what would do instead; with stage3.teacher_scores (and another judge) it is read, said
+    in a note, never silently left out; a file without scores is refused in one line."""
+    from m2d_ray.stages.stage3 import teacher_scores
+
+    refused = _deepseek_v3_stage3(tmp_path)
+    lines = {line.split(":")[0] + ":" + line.split(":")[1]: line for line in refused.problems()}
+    assert "stage3.teacher_scores=FILE" in lines["stage3:teacher"], lines
+    assert "stage3.analysis.judge=none or openai:MODEL" in lines["analysis:teacher"], lines
+    scores = tmp_path / "scores.json"
+    scores.write_text(json.dumps({"tasks": {"mmlu": {"score": 0.88}, "arc_challenge": {"score": 0.66}}}))
+    read = _deepseek_v3_stage3(tmp_path, f"stage3.teacher_scores={scores}", "stage3.analysis.judge=none")
+    assert read.problems() == [] and "stage3:teacher" not in [r.name for r in read.stages]
+    assert any(n.startswith(f"stage3:teacher: its scores read from {scores}") for n in read.notes)
+    assert teacher_scores(str(scores))["mean"] == pytest.approx(0.77)
+    scores.write_text('{"mmlu": "high"}')
+    with pytest.raises(M2DError, match="holds no scores"):
+        teacher_scores(str(scores))
+
+
+@pytest.mark.slow
+def test_the_deepseek_v3_study_plans_fitting_with_h200_nodes_and_the_teacher_s_scores(tmp_path, capsys):
+    """DeepSeek-V3's 37B students: stage-1 trials on a whole H200, ZeRO-3 ranks on the 8 x H200 node, the teacher's
+    scores from a file: every stage fits and the bill is printed."""
+    from m2d_ray.cli import main
+
+    scores = tmp_path / "scores.json"
+    scores.write_text('{"mmlu": 0.88}')
+    args = ["plan", "qwen3_30b_a3b", "--cluster", str(ROOT / "cluster.yaml"), "--model", "deepseek-ai/DeepSeek-V3"]
+    extra = ["distill.accelerator=H200", f"stage3.teacher_scores={scores}", "stage3.analysis.judge=none"]
+    assert main([*args, *extra]) == 0
+    out = capsys.readouterr().out
+    assert "ray.gpus_per_trial=auto: 1 of an H200" in out and "distill.zero_stage=auto: 3" in out and " NO " not in out
+
+
+def test_the_zero3_rank_of_the_22b_student_is_within_15_percent_of_a_meta_count():
+    """benchmarks/perf/zero3_rank.py: the 22B student's partitions over 8 ranks, DeepSpeed's reduce bucket, the
+    layers and head gathered whole, and a micro-batch's activations and KL counted on `meta` under full checkpointing
+    (each gradient freed as ZeRO-3 frees it): the plan's rank within 15% of that count, part by part for the arithmetic
+    ones."""
+    cmd = [sys.executable, "-m", "benchmarks.perf.zero3_rank", "--world", "8", "--checkpointing", "full"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["student_params"] == pytest.approx(22.14e9, rel=0.01)
+    for part in ("student", "grads", "optimizer"):
+        assert r["planned_gib"][part] == pytest.approx(r["counted_gib"][part], rel=0.01), part
+    assert 0.85 <= r["ratio"] <= 1.15, r
