@@ -77,6 +77,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from workshop.measured_write import accelerator_of, measured_file, prior
+from workshop.step_paths import lever_figures
 from workshop.time_budget import RUNNING, Part, Share, TimedOut, Variant, kill_group, plan, run_logged
 
 REPO = Path(__file__).resolve().parents[2]
@@ -200,36 +201,6 @@ def p7_rows(name: str, got: dict) -> list[tuple[str, str]]:
     if left and not modes:
         rows.append((f"{name} left out", "; ".join(f"{n}: {why}" for n, why in left.items())))
     return rows
-
-
-def lever_figures(r: dict) -> str:
-    """Each lever's tok/s against the platform's, its MFU against the data sheet, its trajectory gap and its peak
-    beside the plan's bytes for it; the paths that failed or were left out, with why."""
-    base = r.get("platform_tokens_per_s")
-    sheet = r.get("lever_mfu_datasheet") or {}
-    plan = r.get("peak_vs_plan") or {}
-    out = [
-        f"{n.removeprefix('lever:')} {t:,.0f} tok/s ({t / base:.2f}x"
-        + (f", MFU {sheet[n]:.1%} of the data sheet" if n in sheet else "")
-        + f", gap {r['gap'].get(n, math.nan):.1e}"
-        + (f", peak {plan[n]:.2f}x the plan" if n in plan else "")
-        + ")"
-        for n, t in r.get("tokens_per_s", {}).items()
-        if n.startswith("lever:") and base
-    ]
-    if "platform" in plan:
-        out.insert(0, f"platform ({r.get('checkpointing')}) peak {plan['platform']:.2f}x the plan's path")
-    if r.get("attention"):
-        out.append(f"attention: {r['attention']['implementation']} fastest")
-    if r.get("compile_note"):  # the compiled row is an eager one: said, so the table marks it
-        out.append(f"COMPILE DID NOT COMPOSE WITH CHECKPOINTING: {r['compile_note']}")
-    out += [f"{n} left out ({why})" for n, why in (r.get("levers_skipped") or {}).items()]
-    out += [
-        f"{n.removeprefix('lever:')} left out, never attempted ({why})"
-        for n, why in (r.get("paths_left_out") or {}).items()
-        if n.startswith("lever:")
-    ]
-    return "; ".join(out)
 
 
 def gpu_name() -> str:
@@ -999,14 +970,14 @@ def p7_path_plan(args: dict, memory: int, est_s: float) -> dict:
     estimate shared among them) and those left out with why. The paper preset's from `m2d plan` (distill_step's own
     planning); the head preset's plain loop from its whole logits (REFERENCE_LOGITS float32 [tokens x vocabulary]
     buffers), its other paths from the chunked KL's buffers and the 2-layer student's training state."""
-    from benchmarks.perf.distill_step import (
+    from workshop.random_models import STEP_PRESETS
+    from workshop.step_paths import (
         REFERENCE_LOGITS,
         checkpointing_of,
         fitting_paths,
         path_peaks,
         planned_levers,
     )
-    from workshop.random_models import STEP_PRESETS
 
     p = STEP_PRESETS[args["preset"]]
     names = [n for n in args.get("paths", "").split(",") if n]

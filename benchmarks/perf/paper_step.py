@@ -25,32 +25,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from benchmarks.common import REPO
+from benchmarks.common import REPO  # noqa: F401
+from workshop.step_paths import ONE_RANK, PAPER_CONFIG, PAPER_MODEL, POLICIES, paper_plan  # noqa: F401
 
-PAPER_CONFIG = REPO / "m2d_ray" / "experiments" / "qwen3_30b_a3b.yaml"
-PAPER_MODEL = REPO / "m2d_ray" / "experiments" / "configs" / "Qwen--Qwen3-30B-A3B"
 #: the paper config at one rank, trained from cached hidden states
-ONE_RANK = ("distill.workers=1", "distill.deepspeed=false", "distill.accelerator=null", "stage2.targets=hidden")
-POLICIES = ("none", "selective", "full")
-
-
-def paper_plan(gpu_memory: int, overrides: tuple[str, ...] = ()) -> dict:
-    """What `m2d plan experiments/qwen3_30b_a3b.yaml` says of one stage-2 rank of the paper student on one GPU of
-    `gpu_memory` bytes: the checkpointing it decides, the rank's bytes and its parts."""
-    from m2d_ray.config import load_config
-    from m2d_ray.pipeline import STAGES, plan_run
-    from m2d_ray.plan.run_plan import Devices
-
-    cfg = load_config(PAPER_CONFIG, [*ONE_RANK, *overrides])
-    plan = plan_run(cfg, Devices(gpu_memory=int(gpu_memory)), model=str(PAPER_MODEL), stages=STAGES.only("stage2"))
-    row = next(s for s in plan.stages if s.name == "stage2")
-    return {
-        "checkpointing": plan.decided.get("distill.checkpointing", cfg.distill.checkpointing),
-        "rank_bytes": row.per_device,
-        "capacity_bytes": row.capacity,
-        "parts": dict(row.parts),
-        "notes": list(plan.notes),
-    }
 
 
 class LiveBytes(TorchDispatchMode):

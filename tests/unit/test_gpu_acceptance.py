@@ -235,7 +235,7 @@ def test_a_failing_path_the_plain_loop_included_is_said_and_the_others_kept(runn
     out; the others' figures are kept (on an H100 the loop's out-of-memory ended the whole part before)."""
     import torch
 
-    from benchmarks.perf import distill_step
+    from workshop import step_paths
 
     def good(student):
         losses = []
@@ -246,7 +246,7 @@ def test_a_failing_path_the_plain_loop_included_is_said_and_the_others_kept(runn
 
     p = {"device": "cpu", "warmup": 0, "batch": 1, "seq_len": 4}
     make = {"platform": good, "reference": oom, "lever:compile": good}
-    times, losses, _, failed = getattr(distill_step, runner)(
+    times, losses, _, failed = getattr(step_paths, runner)(
         list(make), make, torch.nn.Linear(1, 1), [torch.ones(2)] * 2, p
     )
     assert set(failed) == {"reference"} and failed["reference"].startswith("OutOfMemoryError: CUDA out of memory")
@@ -256,8 +256,8 @@ def test_a_failing_path_the_plain_loop_included_is_said_and_the_others_kept(runn
 def test_a_path_the_plan_says_cannot_fit_is_left_out_with_its_planned_peak():
     """The plain loop at the paper's micro-batch holds its whole float32 logits: its planned peak is over both
     cards, so it is never attempted; the platform's own step fits."""
-    from benchmarks.perf.distill_step import checkpointing_of, fitting_paths, path_peaks
     from workshop.random_models import STEP_PRESETS
+    from workshop.step_paths import checkpointing_of, fitting_paths, path_peaks
 
     p = STEP_PRESETS["paper"]
     for memory in (80 * 10**9, 141 * 10**9):

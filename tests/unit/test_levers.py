@@ -227,8 +227,7 @@ def test_a_compiled_checkpointed_layer_is_one_graph_with_the_checkpoint_inside(p
 def test_a_torch_that_cannot_compose_compile_and_checkpoint_says_so_and_the_table_marks_it(monkeypatch):
     """Without Dynamo's setting for a checkpointed forward's side effects (torch < 2.10) a checkpointed layer would
     break its graph and run eagerly: the lever says so in one line, and the GPU call's table marks the row."""
-    from benchmarks.gpu.acceptance import lever_figures
-    from benchmarks.perf.distill_step import compile_note
+    from workshop.step_paths import compile_note, lever_figures
 
     assert checkpointing.compose_problem() is None and compile_note(["lever:compile"], "selective") is None
     monkeypatch.setattr(checkpointing, "SIDE_EFFECTS", "a_setting_this_torch_lacks")
