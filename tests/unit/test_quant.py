@@ -228,7 +228,7 @@ def test_a_students_config_is_unquantised_whatever_the_teacher_was_published_in(
 
 def test_m2d_plan_on_a_quantised_teacher_counts_its_stored_size(tmp_path, capsys):
     quantised, _ = quantize.write(quantize.teacher("gpt_oss"), tmp_path, "mxfp4")
-    assert main(["plan", "tiny", "--model", str(quantised)]) == 0
+    assert main(["plan", "tiny", "--model", str(quantised), "--json"]) == 0
     out = capsys.readouterr()
     text = out.out + out.err
     stored = json.loads(next(t for t in reversed(text.splitlines()) if t.startswith("{")))["teacher_checkpoint_bytes"]
