@@ -291,10 +291,13 @@ class MoEAdapter:
 
     def set_top_k(self, model: nn.Module, k: int) -> None:
         """Expanded routing: every MoE block uses its top-`k` experts, weighted by the router's own rule
-        (renormalised top-k probabilities where the model renormalises)."""
+        (renormalised top-k probabilities where the model renormalises). The router's `top_k`, and the block's
+        where it keeps one too (several families read the block's)."""
         self.check_top_k(model.config, k)
         for block in self.moe_blocks(model).values():
             self.router(block).top_k = k
+            if hasattr(block, "top_k"):
+                block.top_k = k
 
     def expert_module(self, block: nn.Module) -> nn.Module:
         """The submodule holding the block's fused expert tensors (every one has leading dimension E)."""

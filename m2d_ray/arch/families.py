@@ -163,13 +163,6 @@ class StructuredAdapter(MoEAdapter):
             probs = torch.softmax(logits, dim=-1)
         return Routing(probs=probs, index=cap.index.long(), weight=cap.weight * _block_scale(block))
 
-    def set_top_k(self, model: nn.Module, k: int) -> None:
-        self.check_top_k(model.config, k)
-        for block in self.moe_blocks(model).values():
-            for m in (block, self.router(block)):
-                if hasattr(m, "top_k"):
-                    m.top_k = k
-
     def experts(self, block: nn.Module):
         w = expert_weights(block.experts)
         d = block.experts.config.hidden_size

@@ -57,11 +57,7 @@ class Multimodal:
         self.inner.check_top_k(text_config(config), k)
 
     def set_top_k(self, model: nn.Module, k: int) -> None:
-        self.check_top_k(model.config, k)
-        for block in self.moe_blocks(model).values():
-            for m in (block, self.inner.router(block)):
-                if hasattr(m, "top_k"):
-                    m.top_k = k
+        MoEAdapter.set_top_k(self, model, k)  # the shared rule, over the language model's blocks
 
     def unstreamable(self, config) -> str | None:
         return self.inner.unstreamable(text_config(config))

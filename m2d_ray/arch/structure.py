@@ -92,11 +92,6 @@ def activation(experts: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
     return OwnGate(experts, bool(experts.is_concatenated))
 
 
-def custom_gate(experts: nn.Module) -> bool:
-    """The experts compute something a plain dense MLP of the family does not (clamps, soft-caps, offsets)."""
-    return isinstance(activation(experts), OwnGate)
-
-
 # ---- expert tensors ---------------------------------------------------------------------------------------------
 def _split(t: Tensor, concatenated: bool) -> tuple[Tensor, Tensor]:
     """Gate and up halves along dim 1 of a fused [E, 2I, ...] tensor."""

@@ -14,6 +14,7 @@ family's own config class (tests/families.py: tiny_config):
 
 from __future__ import annotations
 
+import copy
 import shutil
 
 import pytest
@@ -323,3 +324,15 @@ def test_the_head_is_a_plain_projection_or_refused_by_name(teacher):
     head = t.model.get_output_embeddings().weight
     product = out.hidden_states[-1].double() @ head.double().T
     torch.testing.assert_close(product, out.logits.double(), rtol=1e-5, atol=1e-6)
+
+
+@torch.no_grad()
+def test_expanded_routing_reaches_the_experts(teacher):
+    """teacher_topk: set_top_k(k') makes every block hand its experts k' of them (the router's top_k and the block's,
+    where a family reads the block's); a copy, so the fixture's teacher keeps its own k."""
+    _, t = teacher
+    model, k = copy.deepcopy(t.model), t.adapter.top_k(t.config) + 1
+    t.adapter.set_top_k(model, k)
+    d = t.config.get_text_config().hidden_size
+    for block in t.adapter.moe_blocks(model).values():
+        assert t.adapter.route(block, torch.randn(5, d, dtype=t.adapter.exact_dtype)).index.shape == (5, k)
