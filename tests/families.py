@@ -384,13 +384,14 @@ def tiny_config(model_type: str, layers: list[int] | None = None, **extra):
             out[k] = 0
     out.update(tie_word_embeddings=False)
     out.update(extra)
+    if "vocab_size_per_layer_input" in d:  # Gemma-4's per-layer embeddings read the same token ids
+        out["vocab_size_per_layer_input"] = out.get("vocab_size", d.get("vocab_size"))
     kept = {k: v for k, v in d.items() if k not in ("model_type", "transformers_version", "architectures")}
     return cls(**{**kept, **out})
 
 
 #: per family, what the generic shrinking above cannot guess (sizes its class checks against each other)
 TINY_EXTRA: dict[str, dict] = {
-    "mistral4": {"architectures": ["Mistral4ForCausalLM"]},  # shipped, not in the causal-LM auto mapping
     "dots1": {"n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2},
     "dots3_note_text": {
         "head_dim": 24,
@@ -399,6 +400,14 @@ TINY_EXTRA: dict[str, dict] = {
         },
     },
     "inkling2_text": {"unpadded_vocab_size": 128},
+    "gemma4_text": {  # the MoE is off by default (Gemma-4's dense sizes); the 26B-A4B checkpoint turns it on
+        "enable_moe_block": True,
+        "num_experts": 8,
+        "top_k_experts": 2,
+        "moe_intermediate_size": 16,
+        "final_logit_softcapping": 30.0,
+        "per_layer_config": {"1": {"head_dim": 32}},  # its global layers' wider heads (512 to 256 in the checkpoint)
+    },
     "inkling2_loop_text": {"unpadded_vocab_size": 128},
     "granitemoehybrid": {"mamba_n_heads": 8, "layer_types": ["mamba", "attention"]},
     "lfm2_moe": {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"], "num_dense_layers": 1},
@@ -434,7 +443,12 @@ def tiny_structured(model_type: str, seed: int = 0, dtype=torch.float64, **extra
 
 
 #: vision-language checkpoints of an MoE family: composite model type -> its language model's (tiny_config's)
-MULTIMODAL = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl_moe": "qwen3_vl_moe_text", "kimi_k25": "deepseek_v3"}
+MULTIMODAL = {
+    "qwen3_5_moe": "qwen3_5_moe_text",
+    "qwen3_vl_moe": "qwen3_vl_moe_text",
+    "kimi_k25": "deepseek_v3",
+    "gemma4": "gemma4_text",
+}
 _VISION = dict(
     depth=1,
     hidden_size=32,
@@ -452,7 +466,10 @@ def tiny_multimodal(model_type: str, seed: int = 0, dtype=torch.float64) -> PreT
     from transformers import AutoModelForImageTextToText
 
     config = CONFIG_MAPPING[model_type]()
-    config.text_config = tiny_config(MULTIMODAL[model_type])
+    text = MULTIMODAL[model_type]
+    config.text_config = tiny_config(text, **TINY_EXTRA.get(text, {}))
+    if getattr(config, "vision_config", 0) is None:  # Gemma-4 leaves its towers out by default
+        config.vision_config = config.sub_configs["vision_config"]()
     vision = getattr(config, "vision_config", None)
     for k, v in _VISION.items():
         if vision is not None and hasattr(vision, k):

@@ -9,7 +9,7 @@ at an unrelated family.
 from __future__ import annotations
 
 import transformers
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForPreTraining
 
 from m2d_ray.arch.base import MoEAdapter
 from m2d_ray.arch.multimodal import Multimodal, is_composite
@@ -118,22 +118,18 @@ def auto_class(config):
     class: the image-text-to-text one for a vision-language config, the causal LM one otherwise."""
     if is_composite(config) and type(config) in AutoModelForImageTextToText._model_mapping:
         return AutoModelForImageTextToText
-    if type(config) not in AutoModelForCausalLM._model_mapping and (named := _classes(config)):
-        return _Named(named[0])  # a class transformers ships but does not map (mistral4): the one the config names
+    if type(config) in AutoModelForCausalLM._model_mapping:
+        return AutoModelForCausalLM
+    if _pretraining_causal_lm(config):  # mistral4: transformers maps its causal LM as its pretraining model only
+        return AutoModelForPreTraining
     return AutoModelForCausalLM
 
 
-class _Named:
-    """A model class used as an auto class: `from_config` and `from_pretrained` of that class itself."""
-
-    def __init__(self, cls) -> None:
-        self.cls = cls
-
-    def from_config(self, config, **kwargs):
-        return self.cls._from_config(config, **kwargs)
-
-    def from_pretrained(self, *args, **kwargs):
-        return self.cls.from_pretrained(*args, **kwargs)
+def _pretraining_causal_lm(config) -> bool:
+    try:
+        return AutoModelForPreTraining._model_mapping[type(config)].__name__.endswith("ForCausalLM")
+    except Exception:  # noqa: BLE001 - no pretraining class for it
+        return False
 
 
 # Importing the family modules registers them.
@@ -141,6 +137,7 @@ from m2d_ray.arch import (  # noqa: E402,F401
     deepseek_v2,
     deepseek_v3,
     families,
+    gemma4,
     gpt_oss,
     llama4,
     mixtral,
@@ -152,6 +149,7 @@ from m2d_ray.arch import (  # noqa: E402,F401
 for _family in families.FAMILIES:
     ADAPTERS.register(_family.model_type)(families.StructuredAdapter(_family))
 ADAPTERS.register(llama4.FAMILY.model_type)(llama4.Llama4Adapter())
+ADAPTERS.register(gemma4.FAMILY.model_type)(gemma4.Gemma4Adapter())
 
 __all__ = [
     "family_rows",

@@ -257,6 +257,16 @@ class MoEAdapter:
     def is_moe(self, mlp: nn.Module) -> bool:
         return hasattr(mlp, "experts")
 
+    def input_module(self, block: nn.Module) -> nn.Module:
+        """The module whose forward's first argument is the block's input, where calibration observes it (the block
+        itself, but where the block is a decoder layer whose MoE branch reads the residual: Gemma-4's router)."""
+        return block
+
+    def expert_input(self, block: nn.Module, h: Tensor) -> Tensor:
+        """What the experts compute on, from the block's input h (h itself, but where the layer normalises the
+        experts' input apart from the router's: Gemma-4)."""
+        return h
+
     def num_experts(self, config) -> int:
         raise NotImplementedError
 

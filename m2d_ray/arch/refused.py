@@ -22,8 +22,6 @@ CANNOT: dict[str, str] = {
     "need a dense DBRX class that transformers does not have",
     "inkling_text": "its router normalises the shared experts together with the routed ones (a token-dependent share "
     "of the shared experts): a dense student cannot keep that share",
-    "gemma4_text": "its MoE reads the residual stream beside a parallel dense MLP with norms of their own: the layer "
-    "has no single FFN to replace",
     "deepseek_v4": "its first layers route by token id (a hash table) and its attention compresses the cache: "
     "calibration sees hidden states only",
 }

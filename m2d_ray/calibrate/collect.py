@@ -30,9 +30,9 @@ def observe(adapter: MoEAdapter, block: nn.Module, stats: LayerStats, current: d
     def fn(module: nn.Module, args: tuple) -> None:
         h = args[0]
         keep = current["mask"].reshape(-1).bool()
-        stats.add_(layer_stats(adapter, module, h.reshape(-1, h.shape[-1])[keep], weights))
+        stats.add_(layer_stats(adapter, block, h.reshape(-1, h.shape[-1])[keep], weights))
 
-    return block.register_forward_pre_hook(fn)
+    return adapter.input_module(block).register_forward_pre_hook(fn)
 
 
 @torch.no_grad()

@@ -118,7 +118,7 @@ def layer_stats(
     shared = adapter.shared(block)
     if shared is not None and shared.gate is not None:
         st.shared_gate += shared.scale(h.double()).sum()  # float64: a sum of T gates
-    st.gram += output_gram(weights, h)
+    st.gram += output_gram(weights, adapter.expert_input(block, h))
     return st
 
 

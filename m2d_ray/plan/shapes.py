@@ -71,6 +71,21 @@ def _dtype_bytes(config) -> int:
     return 4 if str(dt).endswith("float32") else 2
 
 
+def attention_widths(text) -> tuple[int, int, int, int]:
+    """A layer's query and key/value widths (heads x head_dim) and head counts, averaged over the layers where a
+    config sets them per layer (Gemma-4's wider global-attention heads): a figure times the layers is the model's."""
+    per_layer = getattr(text, "per_layer_config", None)
+    views = [per_layer[i] for i in range(text.num_hidden_layers)] if per_layer is not None else [text]
+
+    def widths(c) -> tuple[int, int, int, int]:
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        kv = getattr(c, "num_key_value_heads", None) or heads
+        return heads * head_dim, kv * head_dim, heads, kv
+
+    return tuple(round(sum(col) / len(col)) for col in zip(*map(widths, views)))
+
+
 def shape_of(config, c: Counts | None = None, adapter: MoEAdapter | None = None) -> Shape:
     """A model's Shape from its transformers config: its parameters counted by arithmetic where its family is known
     (arch/counts.py), else on the meta device (arch/meta.py); an MoE's E and k through its arch adapter.
@@ -80,9 +95,7 @@ def shape_of(config, c: Counts | None = None, adapter: MoEAdapter | None = None)
     c = c or param_counts(config)
     adapter = (adapter or get_adapter(config)) if c.moe_layers else None
     E, k = (adapter.num_experts(config), adapter.top_k(config)) if adapter else (0, 0)
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv = getattr(text, "num_key_value_heads", None) or heads
+    q_width, kv_width, heads, kv = attention_widths(text)
     if scheme is None:
         quantised = 0
     elif scheme.method == MXFP4:  # the experts alone (gpt-oss's gate_up_proj and down_proj)
@@ -96,8 +109,8 @@ def shape_of(config, c: Counts | None = None, adapter: MoEAdapter | None = None)
         text.vocab_size,
         text.hidden_size,
         len(c.layers),
-        heads * head_dim,
-        kv * head_dim,
+        q_width,
+        kv_width,
         max(getattr(text, "intermediate_size", 0) or 0, k * c.expert_width + c.shared_width),
         E,
         k,

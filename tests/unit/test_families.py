@@ -25,6 +25,7 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForImage
 from m2d_ray.arch import auto_class, family_of, get_adapter
 from m2d_ray.arch.base import expert_outputs, rel_error
 from m2d_ray.arch.families import FAMILIES
+from m2d_ray.arch.gemma4 import FAMILY as GEMMA4
 from m2d_ray.arch.llama4 import FAMILY as LLAMA4
 from m2d_ray.arch.meta import param_counts
 from m2d_ray.arch.refused import CANNOT
@@ -41,12 +42,13 @@ from m2d_ray.weights import LazyTeacher, skeleton
 
 #: every family's tiny teacher, but the language models transformers builds only inside their vision-language model
 INSIDE_VLM = {"qwen3_vl_moe_text"}
-TYPES = [f.model_type for f in (*FAMILIES, LLAMA4) if f.model_type in CONFIG_MAPPING and f.model_type not in INSIDE_VLM]
+TYPES = [
+    f.model_type
+    for f in (*FAMILIES, LLAMA4, GEMMA4)
+    if f.model_type in CONFIG_MAPPING and f.model_type not in INSIDE_VLM
+]
 #: config-only families transformers builds with another family's class
 BY_CLASS = {"sarvam_mla": "deepseek_v3", "sarvam_moe": "glm4_moe", "param2moe": "glm4_moe"}
-#: families whose checkpoint stores experts in a form the lazy reader does not dequantise (inkling2-loop: NVFP4 and
-#: MXFP8 experts): converted from a loaded teacher; the lazy reader refuses them in one line
-OWN_OPS = {"inkling2_loop_text"}
 
 
 @pytest.fixture(scope="module", params=TYPES + sorted(BY_CLASS))
@@ -73,7 +75,7 @@ def test_block_parity(teacher):
         r = adapter.route(block, flat)
         assert r.index.shape[1] == adapter.top_k(model.config)
         torch.testing.assert_close(r.probs.sum(-1), torch.ones(flat.shape[0]), rtol=0, atol=1e-5)
-        out = expert_outputs(adapter.experts(block), flat)
+        out = expert_outputs(adapter.experts(block), adapter.expert_input(block, flat))
         y = (r.weight[..., None].to(out.dtype) * out[r.index, torch.arange(flat.shape[0])[:, None]]).sum(1)
         shared = adapter.shared(block)
         if shared is not None:
@@ -108,11 +110,6 @@ def test_lazy_reads_equal_the_loaded_model(teacher, tmp_path):
         checkpoint=Checkpoint(tmp_path),
     )
     state = t.model.state_dict()
-    if name in OWN_OPS:  # a layout transformers converts with other operations: one line
-        with pytest.raises(M2DError, match="its checkpoint layout .* is not read"):
-            for n in state:
-                lazy.tensor(n)
-        return
     for n, v in state.items():
         assert torch.equal(lazy.tensor(n), v), n
 
@@ -167,7 +164,7 @@ STREAMED_DEFAULT = {"jamba", "qwen3_next", "glm4_moe_lite", "minimax", "nemotron
 
 @pytest.mark.parametrize(
     "model_type",
-    [pytest.param(t, marks=() if t in STREAMED_DEFAULT else pytest.mark.slow) for t in sorted(set(TYPES) - OWN_OPS)],
+    [pytest.param(t, marks=() if t in STREAMED_DEFAULT else pytest.mark.slow) for t in sorted(TYPES)],
 )
 def test_layer_streamed_calibration_equals_the_whole_pass(model_type, tmp_path):
     """calibrate.stream: one decoder layer at a time from the checkpoint gives the whole pass's statistics, or, for a
@@ -202,7 +199,7 @@ CONVERTED_DEFAULT = {"glm4_moe", "minimax", "axk1", "nemotron_h", "inkling2_text
     "model_type",
     [
         pytest.param(t, marks=() if t in CONVERTED_DEFAULT else pytest.mark.slow)
-        for t in sorted(set(TYPES) - OWN_OPS) + sorted(BY_CLASS)
+        for t in sorted(TYPES) + sorted(BY_CLASS)
     ],
 )
 def test_m2d_convert_from_a_checkpoint(model_type, tmp_path):
@@ -285,7 +282,7 @@ def test_an_approximated_family_says_what_differs_and_the_difference_is_measured
         h = torch.randn(2, 7, d, generator=torch.Generator().manual_seed(i), dtype=torch.float64)
         flat = h.reshape(-1, d)
         r = adapter.route(block, flat)
-        out = expert_outputs(adapter.experts(block), flat)
+        out = expert_outputs(adapter.experts(block), adapter.expert_input(block, flat))
         y = (r.weight[..., None].to(out.dtype) * out[r.index, torch.arange(flat.shape[0])[:, None]]).sum(1)
         y = y + expert_outputs(adapter.shared(block).weights, flat)[0]
         err = rel_error(y, adapter.block_output(block, h).reshape(-1, d))
@@ -336,3 +333,65 @@ def test_expanded_routing_reaches_the_experts(teacher):
     d = t.config.get_text_config().hidden_size
     for block in t.adapter.moe_blocks(model).values():
         assert t.adapter.route(block, torch.randn(5, d, dtype=t.adapter.exact_dtype)).index.shape == (5, k)
+
+
+def _quantise_inkling2_loop(directory) -> None:
+    """Rewrite a saved Inkling2-loop checkpoint's experts as the original checkpoints store them: the fused gate/up in
+    MXFP8 (float8 values, a power-of-two exponent per 32), the down projections in NVFP4 (two E2M1 codes a byte, a
+    float8 scale per 16, a per-expert amax over a denominator); random codes, as the layout is what is tested."""
+    from safetensors.torch import load_file, save_file
+
+    path = directory / "model.safetensors"
+    state, gen = load_file(path), torch.Generator().manual_seed(0)
+    for key in [k for k in state if k.endswith("experts.w13_weight")]:
+        w = state.pop(key)
+        state[key] = (torch.randn(w.shape, generator=gen) * 4).to(torch.float8_e4m3fn)
+        state[key + "_scale"] = torch.randint(118, 126, (*w.shape[:2], w.shape[2] // 32), generator=gen).to(torch.uint8)
+    for key in [k for k in state if k.endswith("experts.w2_weight")]:
+        w = state.pop(key)
+        E, rows, cols = w.shape
+        state[key] = torch.randint(0, 256, (E, rows, cols // 2), generator=gen).to(torch.uint8)
+        state[key + "_scale"] = (torch.rand(E, rows, cols // 16, generator=gen) + 0.5).to(torch.float8_e4m3fn)
+        state[key + "_amax"] = torch.rand(E, generator=gen) + 1
+        state[key + "_outer_scale_denominator"] = torch.full((E,), 448.0 * 6.0)
+    save_file(state, path, metadata={"format": "pt"})
+
+
+def test_quantised_experts_transformers_dequantises_are_read_lazily_as_it_loads_them(tmp_path):
+    """Inkling2-loop's original checkpoints store NVFP4 and MXFP8 experts that transformers dequantises on load with
+    an op of its own: the lazy teacher runs that op on just the experts it is asked for, equal to from_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_structured("inkling2_loop_text", dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    _quantise_inkling2_loop(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    lazy = LazyTeacher(
+        str(tmp_path),
+        model.config,
+        None,
+        get_adapter(model.config),
+        skeleton(model.config, torch.float32),
+        Checkpoint(tmp_path),
+    )
+    state = loaded.state_dict()
+    assert not torch.equal(
+        state["model.layers.0.mlp.experts.down_proj"], model.state_dict()["model.layers.0.mlp.experts.down_proj"]
+    )
+    for n, v in state.items():
+        assert torch.equal(lazy.tensor(n), v), n
+    experts = [5, 1]
+    for n in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"):
+        assert torch.equal(lazy.tensor(n, experts), state[n][experts]), n
+
+
+def test_a_family_transformers_maps_as_its_pretraining_model_only_loads_with_that_auto_class():
+    """transformers 5.25 maps Mistral-4's causal LM under AutoModelForPreTraining, not AutoModelForCausalLM: the
+    student is built and loaded back with that auto class, as the teacher is (no class of m2d's in between)."""
+    from transformers import AutoModelForPreTraining
+
+    config = tiny_config("mistral4")
+    with pytest.raises(ValueError, match="Unrecognized configuration class"):
+        AutoModelForCausalLM.from_config(config)
+    assert auto_class(config) is AutoModelForPreTraining
+    assert type(auto_class(config).from_config(config)).__name__ == "Mistral4ForCausalLM"
