@@ -231,6 +231,8 @@ class LazyTeacher:
         if stored is not None and stored.swap is not None:  # stored transposed
             t = check_finite(stored.key, reader.read(stored.key, None, target.dtype))
             return t.transpose(*stored.swap).contiguous().to(target.dtype)
+        if stored is not None and stored.ops is not None:
+            return self._converted(stored, rows, target.dtype)
         if stored is not None and stored.interleaved:  # (g0, u0, g1, u1 ...) along dim -> [gate; up]
             t = check_finite(stored.key, reader.read(stored.key, rows, target.dtype))
             shape = list(t.shape)
@@ -250,6 +252,28 @@ class LazyTeacher:
             else "is it a checkpoint of this model?"
         )
         raise M2DError(f"checkpoint {ckpt.dir} has no tensor {name} ({hint})")
+
+    def _converted(self, stored, rows: Sequence[int] | None, dtype: torch.dtype) -> Tensor:
+        """A tensor transformers assembles with operations of its own (`Stored.ops`): its sources read raw (only the
+        experts `rows` where the operations work expert by expert), then those operations run on them, into `dtype`
+        as `from_pretrained` runs them into the parameter's."""
+        ops, patterns, targets, target = stored.ops
+        pushed = rows if stored.per_expert else None
+        tensors: dict = {p: [self.checkpoint.shard(k).read(k, pushed)] for p, k in stored.sources}
+        for op in ops:
+            tensors = op.convert(
+                tensors,
+                source_patterns=list(patterns),
+                target_patterns=list(targets),
+                model=_Dtype(dtype),
+                full_layer_name=target,
+                config=self.config,
+            )
+        out = tensors[target]
+        out = out[0] if isinstance(out, list) else out
+        if rows is not None and pushed is None:
+            out = out[list(rows)]
+        return check_finite(stored.key, out.to(dtype), rows)
 
     def _mapped(self) -> dict:
         """In-memory name -> checkpoint keys by transformers' conversion mapping (arch/checkpoint_names.py), for the
@@ -304,6 +328,16 @@ class LazyTeacher:
 
     def _relative(self, module: nn.Module, parent: nn.Module) -> str:
         return self._names[module].removeprefix(self._names[parent] + ".") + "."
+
+
+class _Dtype:
+    """What a transformers loading op asks of the model it loads into: a parameter's dtype."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def get_parameter(self, name: str) -> _Dtype:
+        return self
 
 
 def open_teacher(name: str | None = None, device: str = "cpu", dtype: torch.dtype | None = None) -> LazyTeacher:

@@ -30,6 +30,11 @@ class Stored:
     interleaved: bool = False  # `key` holds (gate, up) interleaved along `dim`: de-interleaved on read
     swap: tuple[int, int] | None = None  # `key` stored with these two dims swapped (transposed back on read)
     unread: str = ""  # why the tensor cannot be read lazily (said when it is asked for)
+    #: (operations, source patterns, target patterns, this tensor's target) of a transformers converter run on read
+    #: over `sources` ((pattern, checkpoint key) of each source the checkpoint has): `_by_ops`
+    ops: tuple | None = None
+    sources: tuple[tuple[str, str], ...] = ()
+    per_expert: bool = False  # the ops work expert by expert: only the experts asked for are read
 
 
 def _template(key: str, expert: str) -> str:
@@ -83,6 +88,9 @@ def checkpoint_map(model: nn.Module, keys: Iterable[str]) -> dict[str, Stored]:
         if {type(op).__name__ for op in conv.operations} == {"Inkling2UnpadVocab"} and len(items) == 1:
             out[new] = Stored(key=items[0][1], dim=0, part=(0, meta[new].shape[0]))  # the padded rows dropped
             continue
+        if MergeModulelist not in ops and not ops <= {Concatenate}:  # the converter's own ops, run on read
+            out[new] = _by_ops(new, items, conv, Interleave)
+            continue
         if not ops <= {MergeModulelist, Concatenate}:
             names = ", ".join(sorted(o.__name__ for o in ops))
             out[new] = Stored(unread=f"{new}: its checkpoint layout ({names}) is not read; load the teacher whole")
@@ -95,6 +103,24 @@ def checkpoint_map(model: nn.Module, keys: Iterable[str]) -> dict[str, Stored]:
         dims = [op.dim for op in conv.operations if isinstance(op, Concatenate)]
         out[new] = Stored(templates=tuple(dict.fromkeys(templates)), dim=dims[0] if dims else 1)
     return out
+
+
+def _by_ops(new: str, items: list[tuple[str | None, str]], conv, interleave_cls) -> Stored:
+    """A tensor transformers assembles on load with operations of its own (Inkling2-loop's NVFP4 and MXFP8 experts
+    dequantised, its message queries merged): those very operations, run on read on the sources the checkpoint has.
+    Where each works expert by expert (the dequantisation, an interleave below the expert axis), only the experts
+    asked for are read."""
+    target = next((t for t in conv.target_patterns if new.endswith(t)), conv.target_patterns[0])
+    per_expert = all(
+        type(op).__name__ == "Inkling2LoopDequantizeExperts" or (isinstance(op, interleave_cls) and op.dim >= 1)
+        for op in conv.operations
+    )
+    return Stored(
+        key=items[0][1],
+        ops=(tuple(conv.operations), tuple(conv.source_patterns), tuple(conv.target_patterns), target),
+        sources=tuple((pattern, key) for pattern, key in items),
+        per_expert=per_expert,
+    )
 
 
 def _split(new: str, key: str, conv, meta: dict) -> dict[str, Stored]:

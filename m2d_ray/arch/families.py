@@ -329,6 +329,7 @@ def _is_norm(block: nn.Module, name: str) -> bool:
     return bool(owner) and "norm" in type(block.get_submodule(owner)).__name__.lower()
 
 
+BLOCK_STATES = "its layers read the hidden states of every earlier block boundary (block_states)"
 HYPER_CONNECTIONS = "its layers carry hyper-connection streams (copies of the hidden state), not one hidden state"
 
 #: the families read from their structure: what each declares beyond it (families.md in the design notes)
@@ -378,8 +379,22 @@ FAMILIES: tuple[Family, ...] = (
         scores="sigmoid",
         unstreamed="its layers read other layers' keys and values (cross-layer KV sharing)",
     ),
-    Family("inkling2_text", scores="sigmoid", renormalized=True, student="one-expert", float32=True),
-    Family("inkling2_loop_text", scores="sigmoid", renormalized=True, student="one-expert", float32=True),
+    Family(
+        "inkling2_text",
+        scores="sigmoid",
+        renormalized=True,
+        student="one-expert",
+        float32=True,
+        unstreamed=BLOCK_STATES,
+    ),
+    Family(
+        "inkling2_loop_text",
+        scores="sigmoid",
+        renormalized=True,
+        student="one-expert",
+        float32=True,
+        unstreamed=BLOCK_STATES,
+    ),
     Family("laguna", scores="sigmoid", renormalized=True),
     Family("lara_mini", student="one-expert"),
     Family("mellum"),

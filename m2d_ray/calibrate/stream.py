@@ -117,19 +117,34 @@ class _Stop(Exception):
         self.value = value
 
 
-class _PassThrough(nn.Module):
+class _StandIn(nn.Module):
+    """In place of a decoder layer: what the model's forward reads off its layers (Inkling-2's `attention_type`)
+    is read off the layer it stands for, which is not registered (its weights may be on the meta device)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "_layer", layer)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_layer"), name)
+
+
+class _PassThrough(_StandIn):
     def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
         return hidden_states
 
 
-class _StopBefore(nn.Module):
+class _StopBefore(_StandIn):
     def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
         raise _Stop(hidden_states)
 
 
-class _StopAfter(nn.Module):
+class _StopAfter(_StandIn):
     def __init__(self, layer: nn.Module) -> None:
-        super().__init__()
+        super().__init__(layer)
         self.layer = layer
 
     def forward(self, *args, **kwargs) -> Tensor:
@@ -144,7 +159,7 @@ def run_until(teacher, index: int, stop: nn.Module, **inputs) -> Tensor:
     saved = list(layers)
     try:
         for j in range(index):
-            layers[j] = _PassThrough()
+            layers[j] = _PassThrough(saved[j])
         layers[index] = stop
         teacher.skeleton.base_model(**inputs, use_cache=False)
     except _Stop as s:
@@ -186,7 +201,9 @@ def stream_layers(
             for b, (b_ids, b_mask) in enumerate(batches):
                 store.put(
                     b,
-                    run_until(teacher, 0, _StopBefore(), input_ids=b_ids.to(device), attention_mask=b_mask.to(device)),
+                    run_until(
+                        teacher, 0, _StopBefore(layers[0]), input_ids=b_ids.to(device), attention_mask=b_mask.to(device)
+                    ),
                 )
                 bar.update()
         finally:
@@ -243,7 +260,8 @@ def collect_stats_streamed(
         if i not in stats:
             return []
         block = adapter.moe_blocks(skel)[i]
-        rel = teacher.name_of(block).removeprefix(teacher.name_of(layers[i]) + ".")
+        name, outer = teacher.name_of(block), teacher.name_of(layers[i])
+        rel = "" if name == outer else name.removeprefix(outer + ".")  # the block may be the layer (Gemma-4)
         return [observe(adapter, layer.get_submodule(rel), stats[i], current)]
 
     bar = console.bar((moe[-1] + 2) * len(batches), "calibrate (streamed)", "batch") if progress else tqdm(disable=True)
