@@ -213,6 +213,9 @@ def reinit_(model: torch.nn.Module, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith("tid2eid"):  # a hash router's token -> experts table: k distinct experts a token
+                p.copy_(torch.stack([torch.randperm(E, generator=g)[: p.shape[1]] for _ in range(p.shape[0])]))
+                continue
             if not p.is_floating_point() or name.endswith("inv_freq") or "rotary" in name:
                 continue
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32)

@@ -136,6 +136,7 @@ def _pretraining_causal_lm(config) -> bool:
 from m2d_ray.arch import (  # noqa: E402,F401
     deepseek_v2,
     deepseek_v3,
+    deepseek_v4,
     families,
     gemma4,
     gpt_oss,
@@ -150,6 +151,7 @@ for _family in families.FAMILIES:
     ADAPTERS.register(_family.model_type)(families.StructuredAdapter(_family))
 ADAPTERS.register(llama4.FAMILY.model_type)(llama4.Llama4Adapter())
 ADAPTERS.register(gemma4.FAMILY.model_type)(gemma4.Gemma4Adapter())
+ADAPTERS.register(deepseek_v4.FAMILY.model_type)(deepseek_v4.DeepseekV4Adapter())
 
 __all__ = [
     "family_rows",

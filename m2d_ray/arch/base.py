@@ -192,6 +192,19 @@ class DenseFFN:
             up_bias=rows(self.up_bias),
         )
 
+    def part(self, rows: slice) -> DenseFFN:
+        """The hidden units `rows` alone (the down projection's bias kept by the part that starts at unit 0): the
+        parts' outputs sum to the whole's, for any activation, since units do not mix."""
+        return replace(
+            self,
+            gate=self.gate[rows],
+            up=self.up[rows],
+            down=self.down[:, rows],
+            gate_bias=None if self.gate_bias is None else self.gate_bias[rows],
+            up_bias=None if self.up_bias is None else self.up_bias[rows],
+            down_bias=self.down_bias if not rows.start else None,
+        )
+
     def __call__(self, h: Tensor) -> Tensor:
         g = F.linear(h, self.gate, self.gate_bias)
         u = F.linear(h, self.up, self.up_bias)
@@ -286,8 +299,9 @@ class MoEAdapter:
         """The block's router module (returns logits, applied top-k weights, top-k indices)."""
         return block.gate
 
-    def route(self, block: nn.Module, h: Tensor) -> Routing:
-        """Router decisions for tokens h [T, d], computed by the model's own router module."""
+    def route(self, block: nn.Module, h: Tensor, ids: Tensor | None = None) -> Routing:
+        """Router decisions for tokens h [T, d] (their token ids [T], for a block that routes by them), computed by
+        the model's own router module."""
         logits, weight, index = self.router(block)(h)
         return softmax_routing(logits, weight, index)
 
@@ -329,7 +343,7 @@ class MoEAdapter:
     def shared(self, block: nn.Module) -> SharedExpert | None:
         return None
 
-    def block_output(self, block: nn.Module, h: Tensor) -> Tensor:
+    def block_output(self, block: nn.Module, h: Tensor, ids: Tensor | None = None) -> Tensor:
         """The model's own MoE block output for hidden states [B, S, d] (parity tests)."""
         out = block(h)
         return out[0] if isinstance(out, tuple) else out

@@ -89,7 +89,7 @@ def checkpoint_map(model: nn.Module, keys: Iterable[str]) -> dict[str, Stored]:
             out[new] = Stored(key=items[0][1], dim=0, part=(0, meta[new].shape[0]))  # the padded rows dropped
             continue
         if MergeModulelist not in ops and not ops <= {Concatenate}:  # the converter's own ops, run on read
-            out[new] = _by_ops(new, items, conv, Interleave)
+            out.update(_by_ops(new, items, conv, Interleave))
             continue
         if not ops <= {MergeModulelist, Concatenate}:
             names = ", ".join(sorted(o.__name__ for o in ops))
@@ -105,22 +105,23 @@ def checkpoint_map(model: nn.Module, keys: Iterable[str]) -> dict[str, Stored]:
     return out
 
 
-def _by_ops(new: str, items: list[tuple[str | None, str]], conv, interleave_cls) -> Stored:
-    """A tensor transformers assembles on load with operations of its own (Inkling2-loop's NVFP4 and MXFP8 experts
-    dequantised, its message queries merged): those very operations, run on read on the sources the checkpoint has.
-    Where each works expert by expert (the dequantisation, an interleave below the expert axis), only the experts
-    asked for are read."""
-    target = next((t for t in conv.target_patterns if new.endswith(t)), conv.target_patterns[0])
+def _by_ops(new: str, items: list[tuple[str | None, str]], conv, interleave_cls) -> dict[str, Stored]:
+    """The tensors transformers assembles on load with operations of its own (Inkling2-loop's NVFP4 and MXFP8 experts
+    dequantised, its message queries merged, Kimi-K2.5's vision qkv split and permuted for its rotary embedding):
+    those very operations, run on read on the sources the checkpoint has, for each of the converter's targets. Where
+    each works expert by expert (the dequantisation, an interleave below the expert axis), only the experts asked for
+    are read."""
+    first = next((t for t in conv.target_patterns if t in new), conv.target_patterns[0])
     per_expert = all(
         type(op).__name__ == "Inkling2LoopDequantizeExperts" or (isinstance(op, interleave_cls) and op.dim >= 1)
         for op in conv.operations
     )
-    return Stored(
-        key=items[0][1],
-        ops=(tuple(conv.operations), tuple(conv.source_patterns), tuple(conv.target_patterns), target),
-        sources=tuple((pattern, key) for pattern, key in items),
-        per_expert=per_expert,
-    )
+    ops = (tuple(conv.operations), tuple(conv.source_patterns), tuple(conv.target_patterns))
+    sources = tuple((pattern, key) for pattern, key in items)
+    return {
+        new.replace(first, target): Stored(key=items[0][1], ops=(*ops, target), sources=sources, per_expert=per_expert)
+        for target in conv.target_patterns
+    }
 
 
 def _split(new: str, key: str, conv, meta: dict) -> dict[str, Stored]:

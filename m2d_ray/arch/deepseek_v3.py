@@ -33,7 +33,7 @@ class DeepseekV3Adapter(DeepseekAdapterBase):
     def renormalizes(self, config) -> bool:
         return bool(getattr(config, "norm_topk_prob", True))
 
-    def route(self, block: nn.Module, h: Tensor) -> Routing:
+    def route(self, block: nn.Module, h: Tensor, ids: Tensor | None = None) -> Routing:
         logits, weight, index = self.router(block)(h)
         scores = torch.sigmoid(logits.float())
         return Routing(probs=scores / scores.sum(dim=-1, keepdim=True), index=index, weight=weight)

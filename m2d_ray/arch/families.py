@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -43,6 +43,7 @@ from m2d_ray.arch.structure import (
     experts_state,
     is_experts,
     name_of,
+    token_inputs,
 )
 from m2d_ray.errors import M2DError
 
@@ -153,8 +154,8 @@ class StructuredAdapter(MoEAdapter):
     def router(self, block: nn.Module) -> nn.Module:
         return child(block, ROUTER_NAMES)
 
-    def route(self, block: nn.Module, h: Tensor) -> Routing:
-        cap = capture_routing(block, h)
+    def route(self, block: nn.Module, h: Tensor, ids: Tensor | None = None) -> Routing:
+        cap = capture_routing(block, h, ids)
         logits = cap.logits.reshape(h.shape[0], -1).float()
         if self.family.scores == "sigmoid":
             s = torch.sigmoid(logits)
@@ -201,11 +202,11 @@ class StructuredAdapter(MoEAdapter):
     def dense_ffn(self, mlp: nn.Module) -> DenseFFN:
         return dense_ffn(mlp)
 
-    def block_output(self, block: nn.Module, h: Tensor) -> Tensor:
+    def block_output(self, block: nn.Module, h: Tensor, ids: Tensor | None = None) -> Tensor:
         """The block's output before any norm of its own (axk1 normalises the sum of routed and shared experts:
         the method's FFN is what goes into that norm, which the student keeps)."""
         with _norms_bypassed(block):
-            out = block(h)
+            out = block(h, **token_inputs(block, ids, h.shape[:-1]))
         return out[0] if isinstance(out, tuple) else out
 
     # ---- student ------------------------------------------------------------------------------------------
@@ -255,20 +256,12 @@ class StructuredAdapter(MoEAdapter):
         down projection divided by the weight its zeroed router gives it; the router and the shared expert zero."""
         n = block.experts.gate_up_proj.shape[0] if block.experts.has_gate else block.experts.up_proj.shape[0]
         applied = self._applied_weights(block)
-        parts = []
-        for e, w in enumerate(ffn.gate.chunk(n)):
-            rows = slice(e * w.shape[0], (e + 1) * w.shape[0])
-            parts.append(
-                DenseFFN(
-                    gate=ffn.gate[rows],
-                    up=ffn.up[rows],
-                    down=ffn.down[:, rows] / applied[e],
-                    act=ffn.act,
-                    gate_bias=None if ffn.gate_bias is None else ffn.gate_bias[rows],
-                    up_bias=None if ffn.up_bias is None else ffn.up_bias[rows],
-                    down_bias=None if ffn.down_bias is None or e else ffn.down_bias / applied[e],
-                )
-            )
+        step = ffn.width // n
+        parts = [ffn.part(slice(e * step, (e + 1) * step)) for e in range(n)]
+        parts = [
+            replace(p, down=p.down / a, down_bias=None if p.down_bias is None else p.down_bias / a)
+            for p, a in zip(parts, applied)
+        ]
         out = experts_state(block.experts, prefix + "experts.", parts)
         for name, t in _tensors(block):
             if not name.startswith("experts.") and not _is_norm(block, name):
@@ -290,7 +283,7 @@ class StructuredAdapter(MoEAdapter):
                     if not t.is_meta:
                         t.zero_()
             d = block.experts.config.hidden_size
-            cap = capture_routing(real, torch.randn(3, d, dtype=self.exact_dtype))
+            cap = capture_routing(real, torch.randn(3, d, dtype=self.exact_dtype), torch.zeros(3, dtype=torch.long))
             n = cap.index.shape[1]
             w = torch.zeros(n, dtype=torch.float64).scatter_(0, cap.index[0].long(), cap.weight[0].double())
             if not torch.allclose(cap.weight, cap.weight[:1].expand_as(cap.weight)) or (w == 0).any():
@@ -299,7 +292,8 @@ class StructuredAdapter(MoEAdapter):
         return self._applied_cache[key]
 
     def student_ffn(self, mlp: nn.Module) -> Callable[[Tensor], Tensor]:
-        return lambda x: self.block_output(mlp, x.unsqueeze(0)).squeeze(0)
+        """A student block on tokens [T, d]; any token id, where it reads them (its zeroed table routes all to 0)."""
+        return lambda x: self.block_output(mlp, x.unsqueeze(0), torch.zeros(x.shape[0], dtype=torch.long)).squeeze(0)
 
 
 def _block_scale(block: nn.Module) -> float:

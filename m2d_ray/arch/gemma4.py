@@ -45,11 +45,11 @@ class Gemma4Adapter(StructuredAdapter):
     def expert_input(self, block: nn.Module, h: Tensor) -> Tensor:
         return block.pre_feedforward_layernorm_2(h)
 
-    def route(self, block: nn.Module, h: Tensor) -> Routing:
+    def route(self, block: nn.Module, h: Tensor, ids: Tensor | None = None) -> Routing:
         probs, weight, index = block.router.forward(h)  # not through its hooks: calibration observes it there
         return Routing(probs=probs.float(), index=index.long(), weight=weight)
 
-    def block_output(self, block: nn.Module, h: Tensor) -> Tensor:
+    def block_output(self, block: nn.Module, h: Tensor, ids: Tensor | None = None) -> Tensor:
         """The routed branch before its output norm: the sum the method's FFN replaces."""
         flat = h.reshape(-1, h.shape[-1])
         r = self.route(block, flat)

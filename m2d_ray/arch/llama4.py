@@ -34,7 +34,7 @@ class Llama4Adapter(StructuredAdapter):
         gate, up = ex.gate_up_proj.detach().transpose(1, 2).chunk(2, dim=1)
         return ExpertWeights(gate=gate, up=up, down=ex.down_proj.detach().transpose(1, 2), act=Gated(ex.act_fn))
 
-    def route(self, block: nn.Module, h: Tensor) -> Routing:
+    def route(self, block: nn.Module, h: Tensor, ids: Tensor | None = None) -> Routing:
         scores, logits = block.router(h)
         index = torch.topk(logits, block.router.top_k, dim=-1).indices
         s = torch.sigmoid(logits.float())

@@ -22,8 +22,6 @@ CANNOT: dict[str, str] = {
     "need a dense DBRX class that transformers does not have",
     "inkling_text": "its router normalises the shared experts together with the routed ones (a token-dependent share "
     "of the shared experts): a dense student cannot keep that share",
-    "deepseek_v4": "its first layers route by token id (a hash table) and its attention compresses the cache: "
-    "calibration sees hidden states only",
 }
 
 #: families of a newer transformers than the installed one: model type -> the first release that has it

@@ -244,9 +244,18 @@ class Captured:
     weight: Tensor  # [T, k]: what the experts module multiplies each chosen expert's output by
 
 
-def capture_routing(block: nn.Module, h: Tensor) -> Captured:
-    """Run `block`'s own forward on tokens h [T, d] up to its experts call: the index and weights it passes them
-    and its router's logits. The block's own hooks do not fire (its forward is called, not the module)."""
+def token_inputs(block: nn.Module, ids: Tensor | None, shape: tuple[int, ...]) -> dict[str, Tensor]:
+    """The token ids a block's forward reads beside its hidden states (DeepSeek-V4's hash-routed layers choose their
+    experts by token id), shaped as its hidden states' tokens; none for a block that reads none."""
+    if ids is None or "input_ids" not in inspect.signature(type(block).forward).parameters:
+        return {}
+    return {"input_ids": ids.reshape(shape)}
+
+
+def capture_routing(block: nn.Module, h: Tensor, ids: Tensor | None = None) -> Captured:
+    """Run `block`'s own forward on tokens h [T, d] (and their ids [T], where it reads them) up to its experts call:
+    the index and weights it passes them and its router's logits. The block's own hooks do not fire (its forward
+    is called, not the module)."""
     got: dict[str, Tensor] = {}
     experts, router = block.experts, child(block, ROUTER_NAMES)
 
@@ -261,7 +270,7 @@ def capture_routing(block: nn.Module, h: Tensor) -> Captured:
     if router is not None:
         handles.append(router.register_forward_hook(post))
     try:
-        type(block).forward(block, h.unsqueeze(0))
+        type(block).forward(block, h.unsqueeze(0), **token_inputs(block, ids, (1, h.shape[0])))
     except _Stop:
         pass
     finally:

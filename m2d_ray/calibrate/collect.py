@@ -27,12 +27,14 @@ def observe(adapter: MoEAdapter, block: nn.Module, stats: LayerStats, current: d
     (`current["mask"]`, set by the caller before each forward) to `stats`."""
     weights = adapter.experts(block)
 
-    def fn(module: nn.Module, args: tuple) -> None:
-        h = args[0]
+    def fn(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        h = args[0] if args else kwargs["hidden_states"]
         keep = current["mask"].reshape(-1).bool()
-        stats.add_(layer_stats(adapter, block, h.reshape(-1, h.shape[-1])[keep], weights))
+        ids = kwargs.get("input_ids")  # a block routing by token id is handed them (DeepSeek-V4's hash layers)
+        ids = None if ids is None else ids.reshape(-1)[keep]
+        stats.add_(layer_stats(adapter, block, h.reshape(-1, h.shape[-1])[keep], weights, ids))
 
-    return adapter.input_module(block).register_forward_pre_hook(fn)
+    return adapter.input_module(block).register_forward_pre_hook(fn, with_kwargs=True)
 
 
 @torch.no_grad()

@@ -108,13 +108,18 @@ def routing_stats(r: Routing, num_experts: int) -> LayerStats:
 
 @torch.no_grad()
 def layer_stats(
-    adapter: MoEAdapter, block: torch.nn.Module, h: Tensor, weights: ExpertWeights | None = None
+    adapter: MoEAdapter,
+    block: torch.nn.Module,
+    h: Tensor,
+    weights: ExpertWeights | None = None,
+    ids: Tensor | None = None,
 ) -> LayerStats:
-    """Statistics of one MoE block on tokens h [T, d] (padding already removed)."""
+    """Statistics of one MoE block on tokens h [T, d] (padding already removed; `ids` [T]: their token ids, which a
+    block routing by token id reads)."""
     weights = weights if weights is not None else adapter.experts(block)
     if h.shape[0] == 0:
         return LayerStats.zeros(weights.num_experts, device=h.device)
-    st = routing_stats(adapter.route(block, h), weights.num_experts)
+    st = routing_stats(adapter.route(block, h, ids), weights.num_experts)
     shared = adapter.shared(block)
     if shared is not None and shared.gate is not None:
         st.shared_gate += shared.scale(h.double()).sum()  # float64: a sum of T gates
