@@ -20,7 +20,7 @@ from torch import Tensor
 from transformers import AutoConfig, AutoTokenizer
 
 from m2d_ray import storage
-from m2d_ray.arch import auto_class, family_of, get_adapter
+from m2d_ray.arch import auto_class, family_of, get_adapter, supported_types
 from m2d_ray.arch.base import (
     DenseFFN,
     ExpertWeights,
@@ -234,7 +234,7 @@ def _newer_family(path: Path) -> str | None:
         model_type = json.loads((path / "config.json").read_text()).get("model_type")
     except (OSError, ValueError):
         return None
-    return missing_release(model_type) if model_type else None
+    return missing_release(model_type, known=model_type in supported_types()) if model_type else None
 
 
 def load_tokenizer(name: str):

@@ -37,6 +37,10 @@ class Stored:
     per_expert: bool = False  # the ops work expert by expert: only the experts asked for are read
 
 
+class _Absent:
+    """An op the installed transformers does not have."""
+
+
 def _template(key: str, expert: str) -> str:
     """The key with its expert index (the last `.N.` equal to `expert`) as '{e}'."""
     spans = [m.span() for m in _EXPERT.finditer(key) if m.group(1) == expert]
@@ -46,18 +50,15 @@ def _template(key: str, expert: str) -> str:
 
 def checkpoint_map(model: nn.Module, keys: Iterable[str]) -> dict[str, Stored]:
     """In-memory name -> its checkpoint keys, for every checkpoint key transformers' mapping renames or fuses."""
+    from transformers import core_model_loading as loading
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import (
-        Concatenate,
-        Interleave,
-        MergeModulelist,
-        Split,
-        Transpose,
-        WeightConverter,
-        WeightRenaming,
-        dot_natural_key,
-        rename_source_key,
+
+    # the ops the installed release has (5.17 has no Split): one it lacks matches no converter
+    Concatenate, Interleave, MergeModulelist, Split, Transpose = (
+        getattr(loading, n, _Absent) for n in ("Concatenate", "Interleave", "MergeModulelist", "Split", "Transpose")
     )
+    WeightConverter, WeightRenaming = loading.WeightConverter, loading.WeightRenaming
+    dot_natural_key, rename_source_key = loading.dot_natural_key, loading.rename_source_key
 
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
