@@ -32,12 +32,15 @@ SINCE: dict[str, str] = {"ergo": "5.25", "kolibri1_1": "5.25", "minicpm5_moe": "
 READ_AGAINST = "5.25"
 
 #: families an older release builds otherwise (its experts not yet transformers' decorated kind, other checkpoint
-#: names, a router returning other shapes): model type -> the oldest release m2d has run it on. Run on 5.0, 5.17 and
-#: 5.25 (tests/unit/test_families.py under each); a family not listed runs on all three where the release has it.
+#: names, a router returning probabilities for logits): model type -> the oldest release m2d has run it on. Run on
+#: 5.0, 5.17 and 5.25 (tests/unit/test_families.py and test_arch.py under each); a family not listed runs on all three
+#: where the release has it.
 READS_FROM: dict[str, str] = {
     **dict.fromkeys(
         (
             "afmoe",
+            "deepseek_v2",  # 5.0's router returns other outputs
+            "deepseek_v3",
             "dots1",
             "ernie4_5_moe",
             "flex_olmo",
@@ -48,6 +51,9 @@ READS_FROM: dict[str, str] = {
             "lfm2_moe",
             "minimax",
             "minimax_m2",
+            "olmoe",  # 5.0's routers return probabilities where 5.17's return logits
+            "qwen2_moe",
+            "qwen3_moe",
             "qwen3_next",
             "qwen3_vl_moe",
             "solar_open",
