@@ -10,7 +10,7 @@ from torch import nn
 
 from m2d_ray.arch import auto_class, family_of, get_adapter
 from m2d_ray.arch.base import dense_from_mlp
-from m2d_ray.arch.counts import Counts, counts
+from m2d_ray.arch.counts import Counts, param_counts  # noqa: F401  (param_counts: its callers' name for it here)
 
 #: meta-device models by config (a plan asks for the same few configs many times over)
 _META: dict[str, nn.Module] = {}
@@ -49,9 +49,3 @@ def meta_counts(config) -> Counts:
         shared.weights.width if shared else 0,
         max(dense, default=0),
     )
-
-
-def param_counts(config) -> Counts:
-    """A model's parameter counts: by arithmetic where arch/counts.py knows its family (no modelling code built),
-    else on the meta device."""
-    return counts(config) or meta_counts(config)
