@@ -50,6 +50,10 @@ DEFAULTS: dict[str, dict] = {
     },
 }
 
+#: model type -> {field: the other name its config class reads and writes it under} (its `attribute_map`): a
+#: config.json may give either; the plain config answers to both
+ALIASES: dict[str, dict[str, str]] = {"qwen3_moe": {"num_experts": "num_local_experts"}}
+
 #: fields a dense student takes from its teacher whatever the family (the checkpoint's dtype)
 CARRIED = ("dtype", "torch_dtype")
 
@@ -88,7 +92,13 @@ def plain(fields: dict) -> PlainConfig | None:
     if model_type not in DEFAULTS or "text_config" in fields or "vision_config" in fields:
         return None
     given = {k: v for k, v in fields.items() if v is not None or k not in DEFAULTS[model_type]}
-    return PlainConfig(**_derive({**DEFAULTS[model_type], **given}))
+    for name, other in ALIASES.get(model_type, {}).items():
+        if other in given and name not in given:
+            given[name] = given[other]
+    merged = _derive({**DEFAULTS[model_type], **given})
+    for name, other in ALIASES.get(model_type, {}).items():
+        merged[other] = merged[name]
+    return PlainConfig(**merged)
 
 
 def read(directory: str | Path) -> PlainConfig | None:
