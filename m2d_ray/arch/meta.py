@@ -1,5 +1,6 @@
-"""A model's parameter counts (`param_counts`): by arithmetic (arch/counts.py), else read off its meta-device model
-through its arch adapter for an MoE, which is also the reference `tests/unit/test_counts.py` holds the arithmetic to."""
+"""A model's parameter counts read off its meta-device model through its arch adapter for an MoE (`meta_counts`): what
+`counts.param_counts` falls back to for a family its arithmetic does not know, and the reference
+`tests/unit/test_counts.py` holds the arithmetic to."""
 
 from __future__ import annotations
 
