@@ -44,9 +44,10 @@ for its time keeps what it finished), not to be read back from its output.
 
 Paths. A P7 part's paths run one at a time where the card cannot hold them together (the paper student's, the head's:
 its plain loop's logits alone are ~56 GiB); a path whose planned peak (`m2d plan`'s rank for it) is over the card is
-left out and said with that peak, never attempted; a path that fails (the plain loop included) is said in one line
-and the part keeps the others' figures. `--plan-only` prints every path per card (H100 80 GB, H200 141 GB) with its
-planned peak and seconds.
+left out and said with that peak, never attempted; a checkpointing lever asked `@fit` whose rank fits only at a
+smaller micro-batch runs at the largest that fits, and its row says which (SAC on an H100: 1 x 2048); a path that
+fails (the plain loop included) is said in one line and the part keeps the others' figures. `--plan-only` prints
+every path per card (H100 80 GB, H200 141 GB) with its planned peak and seconds.
 
 Nothing is lost to a kill: WORK/table.md and WORK/results.json are rewritten after every part and, while a P7 part
 runs, after every path it finishes; the call's own alarm at --budget-s + 20 s (under the device's limit) or a SIGTERM
