@@ -8,6 +8,8 @@ import difflib
 
 from m2d_ray.errors import M2DError
 
+# Imported inside functions: psutil (optional: without it the host's memory is unknown).
+
 MiB = 1 << 20
 #: the most GPUs of one node where nothing says otherwise (stage3.gpus_per_node, a cluster's node types): a p5.48xlarge,
 #: a DGX
@@ -69,3 +71,13 @@ SPOT = "spot"
 def spot(wanted: bool) -> dict[str, float]:
     """The Ray resources that keep a task on spot nodes ({} when it may run anywhere)."""
     return {SPOT: PIN} if wanted else {}
+
+
+def host_available() -> int | None:
+    """This machine's available memory in bytes (None where psutil cannot say)."""
+    try:
+        import psutil
+
+        return psutil.virtual_memory().available
+    except Exception:
+        return None

@@ -29,7 +29,13 @@ from m2d_ray.arch.base import (
 )
 from m2d_ray.arch.dense import dense_types
 from m2d_ray.arch.refused import missing_release
-from m2d_ray.assets import TINY_DENSE_TEACHER_DIR, TINY_TEACHER_DIR
+from m2d_ray.assets import (  # noqa: F401  (absolute and the defaults re-exported: their callers' names for them)
+    TINY_DENSE_TEACHER_DIR,
+    TINY_TEACHER_DIR,
+    absolute,
+    default_dense_teacher,
+    default_teacher,
+)
 from m2d_ray.checkpoint import WEIGHT_SUFFIXES, Checkpoint, check_files, check_model_finite
 from m2d_ray.errors import M2DError
 from m2d_ray.quant import scheme_of
@@ -46,23 +52,6 @@ if TYPE_CHECKING:
 def device_default() -> str:
     """cuda when this process sees a GPU, else cpu (the one-off commands' --device default)."""
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def default_teacher() -> str:
-
-    return str(TINY_TEACHER_DIR)
-
-
-def default_dense_teacher() -> str:
-    """The embedded MoE teacher's dense twin (same tokens and schedule): its dense-to-dense baseline's teacher."""
-
-    return str(TINY_DENSE_TEACHER_DIR)
-
-
-def absolute(name: str) -> str:
-    """A local model path made absolute (Ray runs trials and tasks in their own directories); a hub name as is."""
-    path = Path(name).expanduser()
-    return str(path.resolve()) if path.exists() else name
 
 
 def is_embedded(name: str | None) -> bool:

@@ -12,10 +12,8 @@ from __future__ import annotations
 import resource
 from pathlib import Path
 
-import torch
-
-# Imported inside functions: transformers' modelling code (reset_peaks: loaded before a work's window opens, by the
-# workers that build a model; `m2d plan` reads the stages without it).
+# Imported inside functions: torch and transformers' modelling code (reset_peaks: loaded before a work's window opens,
+# by the workers that build a model; `m2d plan` reads the stages without them).
 
 
 def proc_kib(path: str, field: str) -> int | None:
@@ -44,6 +42,7 @@ def reset_peaks() -> None:
     """Start both high-water marks again from now (writing 5 to clear_refs resets VmHWM, Linux >= 4.0). Every caller
     builds a model next: transformers' modelling code (~140 MiB of a process, imported where a model is first built)
     is loaded first, so that the work's peak is the work's and not the library's."""
+    import torch
     import transformers.modeling_utils  # noqa: F401
 
     global _base
@@ -60,6 +59,7 @@ def reset_peaks() -> None:
 def peaks() -> dict:
     """{"peak_rss_bytes", "peak_work_bytes" (after a reset), "peak_cuda_bytes" (on CUDA)} of this process since the
     start or the last reset."""
+    import torch
 
     cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
     rss = peak_rss()

@@ -19,15 +19,15 @@ from pathlib import Path
 
 from m2d_ray import shipped
 from m2d_ray.accelerators import GPU_MEMORY
+from m2d_ray.arch import json_config
 from m2d_ray.artifacts import write_json_atomic
+from m2d_ray.assets import default_teacher
 from m2d_ray.catalog.distill import AUTO, CHECKPOINTING, LOSSES
 from m2d_ray.catalog.targets import HIDDEN, ONLINE
-from m2d_ray.checkpoint import scan
 from m2d_ray.config import SweepConfig, load_config
 from m2d_ray.console import say
 from m2d_ray.data import source
 from m2d_ray.errors import M2DError
-from m2d_ray.models import check_teacher, default_teacher, model_config
 from m2d_ray.plan.bill import RunCost, duration
 from m2d_ray.plan.cost import Host, cpu_rate
 from m2d_ray.plan.prices import hourly
@@ -41,7 +41,8 @@ from m2d_ray.stages.contract import Stage
 from m2d_ray.stages.students import taught
 from m2d_ray.track import Tracker
 
-# Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
+# Imported inside functions: Ray, and the model loader and checkpoint reader (torch) (`m2d plan` reads this module
+# without importing them: a config whose counts are arithmetic is read as JSON).
 
 
 class Stages:
@@ -98,6 +99,9 @@ def check(cfg: SweepConfig, stages: Stages = STAGES, tracking_uri: str | None = 
     """Every input the stages will read, checked on the driver before anything is written. The teacher's weights
     are read once, one tensor at a time, for NaN/inf (local checkpoints): workers that load it later need not fail
     one by one. A tracking server named by the user must answer; the storage must read back what is written."""
+
+    from m2d_ray.checkpoint import scan
+    from m2d_ray.models import check_teacher
 
     check_config(cfg)
     teacher = cfg.model or default_teacher()
@@ -175,8 +179,14 @@ def plan_run(
 
 def _shape(model: str):
     """A model's config for the plan: a hub name whose config.json ships with m2d (shipped.shape) is read from that,
-    offline; anything else as the model loader reads it."""
-    return model_config(str(shipped.shape(model) or model))
+    offline; a directory's config.json of a family whose plan is arithmetic as plain JSON (arch/json_config.py: no
+    torch imported); anything else as the model loader reads it."""
+    where = str(shipped.shape(model) or model)
+    if Path(where).expanduser().is_dir() and (config := json_config.read(where)) is not None:
+        return config
+    from m2d_ray.models import model_config
+
+    return model_config(where)
 
 
 def plan(

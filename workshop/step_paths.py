@@ -132,10 +132,10 @@ def compile_note(names: list[str], policy: str) -> str | None:
 
 
 def path_figures(times: dict, losses: dict, peaks: dict, failed: dict, p: dict) -> dict:
-    """The paths finished so far: tokens/s, losses, step peak; and those that failed, with why."""
-    tokens = p["batch"] * p["seq_len"]
+    """The paths finished so far: tokens/s (at each path's own micro-batch), losses, step peak; and those that
+    failed, with why."""
     return {
-        "tokens_per_s": {n: tokens / statistics.median(ts) for n, ts in times.items() if ts},
+        "tokens_per_s": {n: path_tokens(n, p) / statistics.median(ts) for n, ts in times.items() if ts},
         "losses": dict(losses),
         "peak_step_bytes": dict(peaks) if p["device"] == "cuda" else None,
         "paths_failed": dict(failed),
@@ -185,7 +185,9 @@ def _kernel_failure(name: str, failed: dict[str, str]):
 def checkpointing_of(p: dict, device: str, memory: int | None = None) -> tuple[str, dict]:
     """The preset's activation checkpointing and what the plan says of it: `auto` (the paper preset) is what
     `m2d plan experiments/qwen3_30b_a3b.yaml` decides at one rank for this GPU's memory (or `memory` bytes), with the
-    plan's rank for each policy; a preset without it trains with none (no plan to compare)."""
+    plan's rank for each policy; a preset without it trains with none (no plan to compare). A policy whose rank does
+    not fit is also planned at the smaller micro-batches (`smaller_micro_batches`), largest first, down to the first
+    that fits: its rank and its path's bytes at each."""
     if p.get("checkpointing") != "auto":
         return p.get("checkpointing", "none"), {}
 
@@ -194,58 +196,131 @@ def checkpointing_of(p: dict, device: str, memory: int | None = None) -> tuple[s
     decided = paper_plan(memory)
     plans = {policy: paper_plan(memory, (f"distill.checkpointing={policy}",)) for policy in POLICIES}
     for policy, x in plans.items():  # what a P7 path holds itself of the rank the plan counts
-        x["path_bytes"] = sum(v for k, v in x["parts"].items() if k in PATH_PARTS)
-        if x["rank_bytes"] > x["capacity_bytes"]:  # its rank at the smaller micro-batches, the paper's sequence
-            x["rank_by_micro_batch"] = {
-                mb: paper_plan(memory, (f"distill.checkpointing={policy}", f"distill.batch_size={mb}"))["rank_bytes"]
-                for mb in range(p["batch"] - 1, 0, -1)
-            }
+        x["path_bytes"] = _path_bytes(x)
+        if x["rank_bytes"] > x["capacity_bytes"]:  # its rank at the smaller micro-batches
+            x["rank_by_micro_batch"], x["path_by_micro_batch"] = {}, {}
+            for sequences, seq_len in smaller_micro_batches(p):
+                y = paper_plan(
+                    memory,
+                    (
+                        f"distill.checkpointing={policy}",
+                        f"distill.batch_size={sequences}",
+                        f"distill.seq_len={seq_len}",
+                    ),
+                )
+                mb = micro_batch(sequences, seq_len)
+                x["rank_by_micro_batch"][mb], x["path_by_micro_batch"][mb] = y["rank_bytes"], _path_bytes(y)
+                if y["rank_bytes"] <= y["capacity_bytes"]:  # the largest that fits: no smaller one is run
+                    break
     return decided["checkpointing"], {"decided": decided, "policies": plans, "gpu_memory": memory}
+
+
+def _path_bytes(x: dict) -> int:
+    return sum(v for k, v in x["parts"].items() if k in PATH_PARTS)
+
+
+#: the shortest sequence a path is planned at below the preset's (a micro-batch of one sequence, halved down to this)
+MIN_SEQ_LEN = 1024
+
+
+def smaller_micro_batches(p: dict) -> list[tuple[int, int]]:
+    """(sequences, tokens a sequence) below the preset's micro-batch, largest first: fewer of its sequences, then one
+    sequence of half its length, halved again down to MIN_SEQ_LEN (the paper's 4 x 4096: 3, 2, 1 x 4096, 1 x 2048,
+    1 x 1024)."""
+    out = [(b, p["seq_len"]) for b in range(p["batch"] - 1, 0, -1)]
+    length = p["seq_len"] // 2
+    while length >= MIN_SEQ_LEN:
+        out.append((1, length))
+        length //= 2
+    return out
+
+
+def micro_batch(sequences: int, seq_len: int) -> str:
+    """A micro-batch's name in a path's and the table's: "1x2048"."""
+    return f"{sequences}x{seq_len}"
+
+
+def path_micro_batch(name: str, p: dict) -> tuple[int, int]:
+    """(sequences, tokens a sequence) path `name` trains on: a lever run at a smaller micro-batch says it after "@"
+    ("lever:ckpt:selective@1x2048"), every other path the preset's."""
+    _, at, mb = name.partition("@")
+    if not at:
+        return p["batch"], p["seq_len"]
+    sequences, _, length = mb.partition("x")
+    return int(sequences), int(length)
+
+
+def path_tokens(name: str, p: dict) -> int:
+    """The tokens of one step of path `name` (its tokens/s are these over its step's seconds)."""
+    sequences, length = path_micro_batch(name, p)
+    return sequences * length
+
+
+#: a checkpointing lever asked as "ckpt:POLICY@fit" runs, where its rank does not fit at the preset's micro-batch, at
+#: the largest smaller one whose rank fits (smaller_micro_batches), named with it: "ckpt:selective@1x2048"
+FIT = "fit"
 
 
 def planned_levers(levers: list[str], policy: str, plans: dict) -> tuple[list[str], dict[str, str]]:
     """The levers worth a device's time, and why the others are left out: a checkpointing lever that is the
     platform's own policy (the platform path runs it), or whose rank the plan says does not fit the device (it would
-    only fail for want of memory)."""
+    only fail for want of memory); a lever asked "@fit" whose rank fits at a smaller micro-batch is kept at the largest
+    that fits, named with it (its row says which)."""
     keep, skipped = [], {}
-    for lever in levers:
+    for asked in levers:
+        lever, _, at = asked.partition("@")
         value = lever.removeprefix("ckpt:")
         plan = (plans.get("policies") or {}).get(value) if lever.startswith("ckpt:") else None
         if lever.startswith("ckpt:") and value == policy:
             skipped[lever] = "the platform's own checkpointing"
         elif plan and plan["rank_bytes"] > plan["capacity_bytes"]:
             smaller = plan.get("rank_by_micro_batch") or {}
-            fits = [mb for mb, b in smaller.items() if b <= plan["capacity_bytes"]]
+            fits = [mb for mb, b in smaller.items() if b <= plan["capacity_bytes"]]  # the first: the largest
+            if fits and at == FIT:
+                keep.append(f"{lever}@{fits[0]}")
+                continue
             skipped[lever] = (
                 f"the plan's rank needs {plan['rank_bytes'] / 2**30:.1f} GiB of {plan['capacity_bytes'] / 2**30:.1f}"
                 + (
                     f"; at micro-batch {', '.join(f'{mb}: {b / 2**30:.1f}' for mb, b in smaller.items())}: "
-                    + (f"{max(fits)} would fit (the paths share the preset's)" if fits else "none fits")
+                    + (
+                        f"{fits[0]} would fit (asked without @{FIT}: the paths share the preset's)"
+                        if fits
+                        else "none fits"
+                    )
                     if smaller
                     else ""
                 )
             )
-        else:
-            keep.append(lever)
+        else:  # a micro-batch named outright ("@1x2048") is kept as asked
+            keep.append(lever if at in ("", FIT) else asked)
     return keep, skipped
 
 
 def path_peaks(names: list[str], plans: dict, p: dict, policy: str) -> dict[str, int]:
     """Each path's planned peak on the device, where the preset has a plan: the plan's rank for the path's
-    checkpointing (a ckpt lever's own, else the decided one), the plain loop's with its whole logits instead of the
-    chunked KL; what the benchmark holds besides the path (the teacher's head, the cached targets, the CUDA context)
-    included. {} without a plan."""
+    checkpointing (a ckpt lever's own, at its micro-batch where it names one, else the decided one), the plain loop's
+    with its whole logits instead of the chunked KL; what the benchmark holds besides the path (the teacher's head,
+    the cached targets, the CUDA context) included. {} without a plan."""
     if not plans:
         return {}
     pol = plans["policies"]
     out = {}
     for n in names:
-        x = pol[n.removeprefix("lever:ckpt:") if n.startswith("lever:ckpt:") else policy]
-        b = x["rank_bytes"]
+        name, _, mb = n.partition("@")
+        x = pol[name.removeprefix("lever:ckpt:") if name.startswith("lever:ckpt:") else policy]
+        b = x["rank_by_micro_batch"][mb] if mb else x["rank_bytes"]
         if n == "reference":
             b += REFERENCE_LOGITS * p["batch"] * p["seq_len"] * p["vocab"] * 4 - x["parts"]["kl"]
         out[n] = int(b)
     return out
+
+
+def path_plan_bytes(name: str, plans: dict, policy: str) -> int:
+    """What path `name` holds itself by the plan (its checkpointing's, at its micro-batch): its peak's reference."""
+    base, _, mb = name.partition("@")
+    x = plans["policies"][base.removeprefix("lever:ckpt:") if base.startswith("lever:ckpt:") else policy]
+    return x["path_by_micro_batch"][mb] if mb else x["path_bytes"]
 
 
 def fitting_paths(names: list[str], peaks: dict, plans: dict) -> tuple[list[str], dict[str, str]]:
@@ -262,21 +337,29 @@ def fitting_paths(names: list[str], peaks: dict, plans: dict) -> tuple[list[str]
 
 def lever_figures(r: dict) -> str:
     """Each lever's tok/s against the platform's, its MFU against the data sheet, its trajectory gap and its peak
-    beside the plan's bytes for it; the paths that failed or were left out, with why."""
+    beside the plan's bytes for it; a lever run at a smaller micro-batch says which (its tokens are not the
+    platform's: no gap); the paths that failed or were left out, with why."""
     base = r.get("platform_tokens_per_s")
     sheet = r.get("lever_mfu_datasheet") or {}
     plan = r.get("peak_vs_plan") or {}
+    mbs = r.get("micro_batch") or {}
+
+    def name_of(n: str) -> str:
+        lever, at, _ = n.removeprefix("lever:").partition("@")
+        return f"{lever} at micro-batch {mbs.get(n, n.partition('@')[2])} (the largest its rank fits)" if at else lever
+
     out = [
-        f"{n.removeprefix('lever:')} {t:,.0f} tok/s ({t / base:.2f}x"
+        f"{name_of(n)} {t:,.0f} tok/s ({t / base:.2f}x"
         + (f", MFU {sheet[n]:.1%} of the data sheet" if n in sheet else "")
-        + f", gap {r['gap'].get(n, math.nan):.1e}"
+        + (f", gap {r['gap'].get(n, math.nan):.1e}" if "@" not in n else ", no gap: other tokens than the platform's")
         + (f", peak {plan[n]:.2f}x the plan" if n in plan else "")
         + ")"
         for n, t in r.get("tokens_per_s", {}).items()
         if n.startswith("lever:") and base
     ]
     if "platform" in plan:
-        out.insert(0, f"platform ({r.get('checkpointing')}) peak {plan['platform']:.2f}x the plan's path")
+        at = f", micro-batch {mbs['platform']}" if "platform" in mbs else ""
+        out.insert(0, f"platform ({r.get('checkpointing')}{at}) peak {plan['platform']:.2f}x the plan's path")
     if r.get("attention"):
         out.append(f"attention: {r['attention']['implementation']} fastest")
     if r.get("compile_note"):  # the compiled row is an eager one: said, so the table marks it

@@ -44,9 +44,10 @@ for its time keeps what it finished), not to be read back from its output.
 
 Paths. A P7 part's paths run one at a time where the card cannot hold them together (the paper student's, the head's:
 its plain loop's logits alone are ~56 GiB); a path whose planned peak (`m2d plan`'s rank for it) is over the card is
-left out and said with that peak, never attempted; a path that fails (the plain loop included) is said in one line
-and the part keeps the others' figures. `--plan-only` prints every path per card (H100 80 GB, H200 141 GB) with its
-planned peak and seconds.
+left out and said with that peak, never attempted; a checkpointing lever asked `@fit` whose rank fits only at a
+smaller micro-batch runs at the largest that fits, and its row says which (SAC on an H100: 1 x 2048); a path that
+fails (the plain loop included) is said in one line and the part keeps the others' figures. `--plan-only` prints
+every path per card (H100 80 GB, H200 141 GB) with its planned peak and seconds.
 
 Nothing is lost to a kill: WORK/table.md and WORK/results.json are rewritten after every part and, while a P7 part
 runs, after every path it finishes; the call's own alarm at --budget-s + 20 s (under the device's limit) or a SIGTERM
@@ -235,8 +236,9 @@ def p7_figures(r: dict) -> str:
     if r.get("head_kl_s"):
         share = f"head + KL {r['head_kl_s'] * 1e3:.1f} ms = {r['head_kl_share']:.0%} of the step; "
     spread = f" (admitted within bf16-mixed's spread vs fp32, {r['bf16_spread']:.1e})" if r.get("bf16_spread") else ""
+    at = f"micro-batch {r['micro_batch']['platform']}: " if (r.get("micro_batch") or {}).get("platform") else ""
     return (
-        f"tok/s platform {tps('platform_tokens_per_s')}, DeepSpeed {tps('platform_deepspeed_tokens_per_s')}, "
+        f"{at}tok/s platform {tps('platform_tokens_per_s')}, DeepSpeed {tps('platform_deepspeed_tokens_per_s')}, "
         f"plain loop {tps('reference_tokens_per_s')}: ratio {ratio(r.get('ratio'))}, DeepSpeed "
         f"{ratio(r.get('deepspeed_ratio'))}; MFU {pct(r.get('mfu'))} of the measured matmul rate, "
         f"{pct(r.get('mfu_datasheet'))} of the data sheet (loop {pct(r.get('reference_mfu'))}, "
@@ -529,13 +531,14 @@ RUN_SMOKE = {  # the CPU rehearsal's run: experiments/smoke.yaml and what it cha
 # no DeepSpeed path (its CPU op compiles for ~80 s the first time in a checkout; the path is the same code with a flag);
 # one thread (a core busy with another process stalls every 2-thread OpenMP region: RESULTS.md's header)
 P7_SMOKE = {"preset": "smoke", "targets": "online,hidden,sampled:8", "paths": "platform,reference", "threads": 1}
-# the paper part rehearsed: one path at a time, bf16-mixed, a checkpointing lever beside the platform and the loop
+# the paper part rehearsed: one path at a time, bf16-mixed, a checkpointing lever beside the platform and the loop,
+# at a smaller micro-batch than theirs (1 x 32 of 2 x 64: an H100 runs selective at the micro-batch the plan fits)
 P7_PAPER_SMOKE = {
     "name": "P7-paper",
     "preset": "smoke",
     "targets": "hidden",
     "paths": "platform,reference",
-    "levers": "ckpt:selective",
+    "levers": "ckpt:selective@1x32",
     "one_path_at_a_time": True,
     "no_fp32_spread": True,
     "kernels": "",
@@ -578,8 +581,9 @@ def measured(part: str, label: str, guess: float, args: dict) -> Variant:
 
 
 #: the paper part's levers: each checkpointing (the platform's own and those the plan says do not fit are left out by
-#: P7 itself) and the compiled layers
-PAPER_LEVERS = "ckpt:none,ckpt:selective,ckpt:full,compile"
+#: P7 itself; selective, at the largest micro-batch its rank fits where the paper's 4 x 4096 does not: an H100's
+#: 1 x 2048, its row says so) and the compiled layers
+PAPER_LEVERS = "ckpt:none,ckpt:selective@fit,ckpt:full,compile"
 #: the head part's paths one after the other: the plain loop's [tokens x vocabulary] logits alone peak at ~56 GiB
 ONE_AT_A_TIME = {"one_path_at_a_time": True}
 PAPER_FULL = "paper preset (48 x 2048, V 151,936, 4 x 4096 tokens), hidden, platform + plain loop + levers, 2 + 4 steps"

@@ -83,7 +83,10 @@ from workshop.step_paths import (
     fitting_paths,
     in_turns,
     one_at_a_time,
+    path_micro_batch,
     path_peaks,
+    path_plan_bytes,
+    path_tokens,
     planned_levers,
 )
 
@@ -258,9 +261,15 @@ LEVERS = ("ckpt:none", "ckpt:selective", "ckpt:full", "compile", "attn:sdpa", "a
 
 
 def lever_path(student, teacher, cfg, with_, lever: str, device: str, precision, spec, head):
-    """The platform's step (chunked KL) with one lever changed."""
+    """The platform's step (chunked KL) with one lever changed; a lever named with a smaller micro-batch
+    ("ckpt:selective@1x2048": the plan's rank fits only there) trains on that part of each batch."""
     from m2d_ray.distill import checkpointing
 
+    lever, at, mb = lever.partition("@")
+    if at:
+        sequences, _, length = mb.partition("x")
+        step, take_loss = lever_path(student, teacher, cfg, with_, lever, device, precision, spec, head)
+        return (lambda batch: step(shrink(batch, int(sequences), int(length)))), take_loss
     if lever not in LEVERS:
         raise SystemExit(f"--levers: unknown lever {lever!r} (known: {', '.join(LEVERS)})")
     what, _, value = lever.partition(":")
@@ -275,6 +284,16 @@ def lever_path(student, teacher, cfg, with_, lever: str, device: str, precision,
         student.set_attn_implementation(value)
         return platform_path(student, teacher, with_(kl_kernel="chunked"), device, precision, spec, head)
     return platform_path(student, teacher, with_(kl_kernel="chunked", compile=True), device, precision, spec, head)
+
+
+def shrink(batch, sequences: int, length: int):
+    """The first `sequences` sequences of a batch, each cut to its first `length` tokens (a causal model's targets of
+    a prefix are the prefix's): token ids [B, L] or a cached-targets dict of [B, L, ...] tensors."""
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        return t[:sequences, :length].contiguous()
+
+    return {k: cut(v) for k, v in batch.items()} if isinstance(batch, dict) else cut(batch)
 
 
 def attention_choice(tps: dict, gaps: dict, tol: float, student0) -> dict | None:
@@ -366,9 +385,11 @@ def run_mode(
     if device == "cuda":
         torch.cuda.empty_cache()
     tokens = p["batch"] * p["seq_len"]
-    tps = {n: tokens / statistics.median(ts) for n, ts in times.items()}
+    tps = {n: path_tokens(n, p) / statistics.median(ts) for n, ts in times.items()}
     base = "platform" if "platform" in losses else None  # a failed platform leaves the others' speed, no gap
-    gaps = {n: trajectory_gap(losses[n], losses[base]) for n in names} if base else {}
+    # a path at a smaller micro-batch learns from other tokens: its trajectory is not the platform's (no gap)
+    same = [n for n in names if "@" not in n]
+    gaps = {n: trajectory_gap(losses[n], losses[base]) for n in same} if base else {}
     spread = gaps.get("platform_fp32") if spread_path else None
     tol = 2e-2 if low else 1e-4  # what every path must agree within (else exit 1)
     admit = spread if spread_path and spread is not None else tol  # a kernel's admission: bf16's own spread
@@ -391,6 +412,10 @@ def run_mode(
         "kl_kernel": (best.partition(":")[2] or "chunked") if best else None,
         "auto_tokens_per_s": tps[best] if best else None,
         "flops_per_token": mode_flops(teacher, student0, spec, p["seq_len"]),
+        "path_flops_per_token": {  # a path at another sequence length: its attention's own share
+            n: mode_flops(teacher, student0, spec, path_micro_batch(n, p)[1]) for n in tps if "@" in n
+        },
+        "micro_batch": {n: "{} x {}".format(*path_micro_batch(n, p)) for n in tps},
         "tokens_per_s": tps,
         "peak_step_bytes": peaks if device == "cuda" else None,
         "step_s": {n: [round(t, 4) for t in ts] for n, ts in times.items()},
@@ -485,8 +510,11 @@ def add_mfu(m: dict, rate: float, peak: float | None = None) -> dict:
     for key, tps in (("mfu", m["auto_tokens_per_s"]), ("reference_mfu", m["reference_tokens_per_s"])):
         m[key] = tps * m["flops_per_token"] / rate if tps else None
         m[f"{key}_datasheet"] = tps * m["flops_per_token"] / peak if tps and peak else None
+    flops = m.get("path_flops_per_token") or {}
     m["lever_mfu_datasheet"] = {
-        n: t * m["flops_per_token"] / peak for n, t in m["tokens_per_s"].items() if peak and n.startswith("lever:")
+        n: t * flops.get(n, m["flops_per_token"]) / peak
+        for n, t in m["tokens_per_s"].items()
+        if peak and n.startswith("lever:")
     }
     m["matmul_rate_vs_datasheet"] = rate / peak if peak else None
     return m
@@ -509,13 +537,8 @@ def beside_plan(m: dict, plans: dict, policy: str) -> dict:
     the decided one), where the preset has a plan."""
     if not plans:
         return m
-    planned = {pol: x["path_bytes"] for pol, x in plans["policies"].items()}
-
-    def policy_of(name: str) -> str:
-        return name.removeprefix("lever:ckpt:") if name.startswith("lever:ckpt:") else policy
-
-    m["plan_path_bytes"] = {n: planned[policy_of(n)] for n in m["peak_step_bytes"] or {}}
-    m["peak_vs_plan"] = {n: b / planned[policy_of(n)] for n, b in (m["peak_step_bytes"] or {}).items()}
+    m["plan_path_bytes"] = {n: path_plan_bytes(n, plans, policy) for n in m["peak_step_bytes"] or {}}
+    m["peak_vs_plan"] = {n: b / m["plan_path_bytes"][n] for n, b in (m["peak_step_bytes"] or {}).items()}
     m["plan_rank_bytes"] = plans["decided"]["rank_bytes"]
     m["checkpointing"] = policy
     return m
@@ -626,7 +649,7 @@ def main() -> None:
         return
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--preset {a.preset} needs a CUDA device")
-    bad = [lv for lv in (a.levers or "").split(",") if lv and lv not in LEVERS]
+    bad = [lv for lv in (a.levers or "").split(",") if lv and lv.partition("@")[0] not in LEVERS]
     if bad:
         raise SystemExit(f"--levers: unknown {', '.join(bad)} (known: {', '.join(LEVERS)})")
     from m2d_ray.config import DistillConfig

@@ -4,20 +4,52 @@ A config is matched by its model type, else by the class transformers builds for
 mapping of its config class): `sarvam_mla` is built as `DeepseekV3ForCausalLM` and converted as deepseek_v3. A family
 the method cannot express is refused in one line that says why (`refused.py`); no "did you mean" points a known MoE
 at an unrelated family.
+
+The family modules (torch, transformers' config and model classes) are imported at the registry's first lookup, not
+with the package: `m2d plan` reads the arithmetic modules here (counts.py, json_config.py) and imports no torch.
 """
 
 from __future__ import annotations
 
-import transformers
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForPreTraining
+from typing import TYPE_CHECKING
 
-from m2d_ray.arch.base import MoEAdapter
-from m2d_ray.arch.multimodal import Multimodal, is_composite
+import transformers
+
 from m2d_ray.arch.refused import CANNOT, refuse
 from m2d_ray.errors import M2DError
 from m2d_ray.registry import Registry
 
-ADAPTERS: Registry[MoEAdapter] = Registry(
+if TYPE_CHECKING:
+    from m2d_ray.arch.base import MoEAdapter
+
+# Imported inside functions: the family modules, transformers' auto classes and the vision-language wrapper (torch:
+# the package is read by `m2d plan`, which counts a known family's parameters by arithmetic).
+
+
+class _Adapters(Registry):
+    """The adapters' registry, filled by importing the family modules at its first lookup (each registers itself)."""
+
+    _loaded = False
+
+    def _load(self) -> None:
+        if not _Adapters._loaded:
+            _Adapters._loaded = True  # first: a family module's own lookups during its import find what is there
+            _register_families()
+
+    def __getitem__(self, name: str):
+        self._load()
+        return super().__getitem__(name)
+
+    def __contains__(self, name: object) -> bool:
+        self._load()
+        return super().__contains__(name)
+
+    def names(self) -> list[str]:
+        self._load()
+        return super().names()
+
+
+ADAPTERS: Registry[MoEAdapter] = _Adapters(
     "Mixture-of-Experts model", "model_type {name!r} is not a supported {kind}{hint}; supported: {names}"
 )
 
@@ -52,6 +84,8 @@ def family_of(config) -> str | None:
 
 def _classes(config) -> list:
     """The causal-LM classes transformers would build for `config` (named ones first)."""
+    from transformers import AutoModelForCausalLM
+
     named = [getattr(transformers, a, None) for a in getattr(config, "architectures", None) or []]
     try:
         auto = [AutoModelForCausalLM._model_mapping[type(config)]]
@@ -63,6 +97,8 @@ def _classes(config) -> list:
 def get_adapter(config) -> MoEAdapter:
     """The adapter for a transformers config; a family the method cannot express, one the installed transformers
     lacks, or an unknown type each get one line."""
+    from m2d_ray.arch.multimodal import Multimodal
+
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if text is not config:  # a vision-language checkpoint: its language model converted, the rest copied
         refuse(getattr(config, "model_type", None))
@@ -81,6 +117,8 @@ def get_adapter(config) -> MoEAdapter:
 def family_rows() -> list[tuple[str, str, str, str]]:
     """(model type, adapter, student, exact to / what differs) of each family m2d converts, then (model type,
     "refused", "-", why) of each it refuses: `m2d families` and the reference page."""
+    from m2d_ray.arch import families
+
     rows = []
     for name in sorted(ADAPTERS):
         a = ADAPTERS[name]
@@ -116,6 +154,10 @@ def mtp_left_out(config) -> str | None:
 def auto_class(config):
     """The transformers auto class whose `from_config` / `from_pretrained` builds the model as its checkpoint's own
     class: the image-text-to-text one for a vision-language config, the causal LM one otherwise."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForPreTraining
+
+    from m2d_ray.arch.multimodal import is_composite
+
     if is_composite(config) and type(config) in AutoModelForImageTextToText._model_mapping:
         return AutoModelForImageTextToText
     if type(config) in AutoModelForCausalLM._model_mapping:
@@ -126,39 +168,46 @@ def auto_class(config):
 
 
 def _pretraining_causal_lm(config) -> bool:
+    from transformers import AutoModelForPreTraining
+
     try:
         return AutoModelForPreTraining._model_mapping[type(config)].__name__.endswith("ForCausalLM")
     except Exception:  # noqa: BLE001 - no pretraining class for it
         return False
 
 
-# Importing the family modules registers them.
-from m2d_ray.arch import (  # noqa: E402,F401
-    deepseek_v2,
-    deepseek_v3,
-    deepseek_v4,
-    families,
-    gemma4,
-    gpt_oss,
-    llama4,
-    mixtral,
-    olmoe,
-    qwen2_moe,
-    qwen3_moe,  # noqa: E402,F401
-)
+def _register_families() -> None:
+    """Importing the family modules registers them; the structured families and those with a module of their own
+    that subclasses the structured adapter (Llama 4, Gemma 4, DeepSeek-V4) are registered here."""
+    from m2d_ray.arch import (  # noqa: F401
+        deepseek_v2,
+        deepseek_v3,
+        deepseek_v4,
+        families,
+        gemma4,
+        gpt_oss,
+        llama4,
+        mixtral,
+        olmoe,
+        qwen2_moe,
+        qwen3_moe,
+    )
 
-for _family in families.FAMILIES:
-    ADAPTERS.register(_family.model_type)(families.StructuredAdapter(_family))
-ADAPTERS.register(llama4.FAMILY.model_type)(llama4.Llama4Adapter())
-ADAPTERS.register(gemma4.FAMILY.model_type)(gemma4.Gemma4Adapter())
-ADAPTERS.register(deepseek_v4.FAMILY.model_type)(deepseek_v4.DeepseekV4Adapter())
+    for family in families.FAMILIES:
+        ADAPTERS.register(family.model_type)(families.StructuredAdapter(family))
+    for module, adapter in (
+        (llama4, llama4.Llama4Adapter),
+        (gemma4, gemma4.Gemma4Adapter),
+        (deepseek_v4, deepseek_v4.DeepseekV4Adapter),
+    ):
+        ADAPTERS.register(module.FAMILY.model_type)(adapter())
+
 
 __all__ = [
     "family_rows",
     "mtp_left_out",
     "ADAPTERS",
     "M2DError",
-    "MoEAdapter",
     "auto_class",
     "family_of",
     "get_adapter",

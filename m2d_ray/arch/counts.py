@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+# Imported inside functions: arch/meta.py (torch: a family known here is counted without it).
+
 
 @dataclass(frozen=True)
 class Counts:
@@ -234,3 +236,14 @@ def counts(config) -> Counts | None:
     dense = int(_get(c, "intermediate_size", 0)) if len(moe) < n and family.mlp is not None else 0
     widths = (family.expert_width(c), family.shared_width(c), dense) if moe else (0, 0, dense)
     return Counts(sum(layers) + outer, tuple(layers), vector + d, tuple(moe), tied, *widths)
+
+
+def param_counts(config) -> Counts:
+    """A model's parameter counts: by arithmetic where this module knows its family (no modelling code built, no
+    torch imported), else on the meta device (arch/meta.py)."""
+    found = counts(config)
+    if found is not None:
+        return found
+    from m2d_ray.arch.meta import meta_counts
+
+    return meta_counts(config)

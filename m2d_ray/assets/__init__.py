@@ -13,4 +13,21 @@ import pathlib
 TINY_TEACHER_DIR = pathlib.Path(__file__).parent / "tiny_qwen3_moe"
 TINY_DENSE_TEACHER_DIR = pathlib.Path(__file__).parent / "tiny_qwen3_dense"
 
-__all__ = ["TINY_TEACHER_DIR", "TINY_DENSE_TEACHER_DIR"]
+
+def default_teacher() -> str:
+    """The embedded MoE teacher: a run's model when its config names none."""
+    return str(TINY_TEACHER_DIR)
+
+
+def default_dense_teacher() -> str:
+    """The embedded MoE teacher's dense twin (same tokens and schedule): its dense-to-dense baseline's teacher."""
+    return str(TINY_DENSE_TEACHER_DIR)
+
+
+def absolute(name: str) -> str:
+    """A local model path made absolute (Ray runs trials and tasks in their own directories); a hub name as is."""
+    path = pathlib.Path(name).expanduser()
+    return str(path.resolve()) if path.exists() else name
+
+
+__all__ = ["TINY_TEACHER_DIR", "TINY_DENSE_TEACHER_DIR", "absolute", "default_dense_teacher", "default_teacher"]

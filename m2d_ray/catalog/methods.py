@@ -54,3 +54,16 @@ RANDOM_BASELINES = Registry.in_module(
 #: the paper's best recipe (D-optimal ACP scores, round-robin groups by rank, uniform scaling): what `m2d convert`
 #: makes unless told otherwise
 PAPER_BEST = {"scoring": "do-acp", "grouping": "rr", "scaling": "uniform"}
+
+
+#: the dense-to-dense baseline's candidate shapes at a parameter budget (prune/search.py), each scored by perplexity
+#: before distillation: (kind, hidden factor, heads factor, layers factor); the FFN width is solved for the budget.
+#: Here, without torch: the plan prices one evaluation per mix.
+PRUNING_MIXES = (
+    ("width: ffn", 1.0, 1.0, 1.0),
+    ("width: hidden + ffn", 0.75, 1.0, 1.0),
+    ("width: heads + ffn", 1.0, 0.5, 1.0),
+    ("depth + width: ffn", 1.0, 1.0, 0.75),
+    ("depth + width: ffn", 1.0, 1.0, 0.5),
+    ("depth + width: hidden + ffn", 0.75, 1.0, 0.75),
+)

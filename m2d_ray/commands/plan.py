@@ -22,14 +22,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
+from m2d_ray.accelerators import host_available
 from m2d_ray.artifacts import write_json_atomic
 from m2d_ray.catalog.distill import AUTO
 from m2d_ray.config import SweepConfig
 from m2d_ray.console import emit, note, say
 from m2d_ray.errors import M2DError
-from m2d_ray.evaluate.runner import host_available
 from m2d_ray.pipeline import plan_run
 from m2d_ray.plan.devices import cluster_settings, from_cluster_yaml, local_node
 from m2d_ray.plan.run_plan import Devices, RunPlan, as_record, plan_line
@@ -38,7 +36,7 @@ from m2d_ray.plan.targets import recorded
 from m2d_ray.sizes import parse_size
 from m2d_ray.storage import is_remote
 
-# Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
+# Imported inside functions: Ray, torch (`m2d plan` and the checks read this module without importing them).
 
 
 def show(plan: RunPlan, where: str, out=say) -> None:
@@ -55,6 +53,7 @@ def refuse(problems: list[str]) -> None:
 
 
 def local_gpu_memory() -> int | None:
+    import torch
 
     return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
 

@@ -9,9 +9,13 @@ backward (3x its forward). Recomputation under gradient checkpointing is not cou
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+# Imported inside functions: torch (`m2d plan` counts FLOPs from shapes with this module and imports no torch).
 
 
 def matmul_params(model: nn.Module) -> int:
@@ -83,6 +87,8 @@ def matmul_rate(
     the device really reaches, so an MFU against it is a little above one against a data sheet. Bounded in time, not
     in matmuls: a CPU without bfloat16 units runs a bf16 matmul ~50x slower than float32 (0.8 against 53 GFLOP/s
     here at n = 1024, where a fixed 41 matmuls took 116 s)."""
+    import torch
+
     cuda = torch.device(device).type == "cuda"
     n = n or (8192 if cuda else 512)
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))

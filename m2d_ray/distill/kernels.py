@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from importlib import metadata
 
 import torch
 from packaging.version import Version
@@ -41,6 +40,7 @@ from m2d_ray.catalog.distill import AUTO, COMPILED, KL_KERNELS
 from m2d_ray.catalog.targets import mode_of
 from m2d_ray.console import say
 from m2d_ray.distill.losses import chunked_kl
+from m2d_ray.distill.precision import installed_version
 from m2d_ray.errors import M2DError
 
 # Imported inside functions: liger_kernel (an optional GPU dependency, the [gpu] extra).
@@ -76,14 +76,6 @@ class KLKernel:
             found = installed_version(dist)
             if found is not None and Version(found) < Version(oldest):
                 return f"needs {dist} >= {oldest} (found {found}; pip install '{dist}>={oldest}')"
-        return None
-
-
-def installed_version(dist: str) -> str | None:
-    """The installed version of distribution `dist`, or None (a module on the path without metadata)."""
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
         return None
 
 

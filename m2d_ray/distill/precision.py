@@ -1,4 +1,5 @@
-"""Stage 2's precision policies (`distill.precision`) and the float32 master weights of the plain-torch path.
+"""Stage 2's precision policies (`distill.precision`); the float32 master weights of the plain-torch path are in
+masters.py (torch: `m2d plan` reads the policies without it).
 
     bf16-mixed  the teacher, its cached states and head, and the student's forward and backward in bfloat16; the
                 student's master weights, the gradient the optimizer reads and AdamW's moments in float32
@@ -18,32 +19,47 @@ micro-batches and ranks by `MasterWeights` on the plain path, by ZeRO's float32 
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterable
 from dataclasses import dataclass
+from importlib import metadata
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-from torch import nn
+from packaging.version import Version
 
 from m2d_ray.catalog.distill import AUTO, PRECISIONS
 
-HOOK = "_m2d_master_hook"  # a parameter's float32-sum hook (one at a time: a second step object replaces it)
+if TYPE_CHECKING:
+    import torch
+
+# Imported inside functions: torch (a policy's dtype; `m2d plan` reads the policies' bytes without it).
+
+#: the bytes of one weight in each dtype a policy computes in (torch's name for it)
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+
+#: the first DeepSpeed whose ZeRO-2 honours `grad_accum_dtype: fp32` (a float32 gradient partition: stage_1_and_2.py's
+#: `_use_compact_grad_partition_buffer`); through 0.19.7 ZeRO-2 sums micro-batches in its bfloat16
+#: `grads_in_partition` and the key does nothing there (pyproject.toml's floor)
+DEEPSPEED_FP32_SUMS = "0.19.8"
 
 
 @dataclass(frozen=True)
 class Precision:
-    """A policy: the dtype a student and its teacher compute in, and whether float32 master weights and optimizer
-    states stand behind a lower-precision student."""
+    """A policy: the dtype a student and its teacher compute in (torch's name for it), and whether float32 master
+    weights and optimizer states stand behind a lower-precision student."""
 
     name: str
-    dtype: torch.dtype
+    dtype_name: str
     masters: bool
+
+    @property
+    def dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype_name)
 
     @property
     def weight_bytes(self) -> int:
         """Bytes of one weight of the model that computes (the student, the teacher, cached hidden states)."""
-        return torch.empty((), dtype=self.dtype).element_size()
+        return DTYPE_BYTES[self.dtype_name]
 
     @property
     def state_bytes(self) -> int:
@@ -52,9 +68,9 @@ class Precision:
 
 
 for _p in (
-    Precision("bf16-mixed", torch.bfloat16, masters=True),
-    Precision("bf16-pure", torch.bfloat16, masters=False),
-    Precision("fp32", torch.float32, masters=False),
+    Precision("bf16-mixed", "bfloat16", masters=True),
+    Precision("bf16-pure", "bfloat16", masters=False),
+    Precision("fp32", "float32", masters=False),
 ):
     PRECISIONS.register(_p.name)(_p)
 
@@ -67,77 +83,32 @@ def resolve(name: str, gpu: bool) -> Precision:
 
 
 def for_device(name: str, device: str | torch.device) -> Precision:
+    import torch
+
     return resolve(name, torch.device(device).type == "cuda")
 
 
-class MasterWeights:
-    """Float32 copies of a lower-precision model's trainable parameters, for the plain-torch path (one rank or more).
+def installed_version(dist: str) -> str | None:
+    """The installed version of distribution `dist`, or None (a module on the path without metadata)."""
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
 
-    The optimizer is built over `masters` (groups mapped by `groups`). Gradients are summed in float32: as soon as
-    autograd has accumulated a parameter's gradient of a micro-batch (a post-accumulate-grad hook), it is added into a
-    flat float32 buffer and the lower-precision one freed, so no sum over micro-batches is ever rounded to bfloat16
-    (its error grows with the count: 2.7e-3 relative at 4, 9e-3 at 64); over `world` ranks the buffer is all-reduced
-    in float32 once per step (`take_grads`), as Megatron's `accumulate_allreduce_grads_in_fp32` and torchtitan's
-    float32 reduce do, and the masters are broadcast from rank 0 here, as DDP broadcasts a module's. Before the
-    optimizer steps `take_grads` hands it the sums; after it `write_back` rounds the masters into the model.
-    """
 
-    def __init__(self, params: Iterable[nn.Parameter], world: int = 1) -> None:
-        self.params = [p for p in params if p.requires_grad]
-        self.masters = [nn.Parameter(p.detach().float().clone()) for p in self.params]
-        self._of = {id(p): m for p, m in zip(self.params, self.masters)}
-        self.world = world
-        device = self.params[0].device if self.params else "cpu"
-        self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32, device=device)
-        self.grads = [g.view_as(p) for g, p in zip(self.flat.split([p.numel() for p in self.params]), self.params)]
-        self.seen = [False] * len(self.params)  # which parameters had a gradient since the last step
-        for i, p in enumerate(self.params):
-            if hasattr(p, HOOK):  # an earlier MasterWeights over the same model: its sums are no longer read
-                getattr(p, HOOK).remove()
-            setattr(p, HOOK, p.register_post_accumulate_grad_hook(functools.partial(self._accumulate, i)))
-        if world > 1 and dist.is_initialized():
-            for m in self.masters:
-                dist.broadcast(m.data, 0)
-            self.write_back()
-
-    def _accumulate(self, i: int, p: nn.Parameter) -> None:
-        self.grads[i].add_(p.grad)
-        self.seen[i] = True
-        p.grad = None
-
-    def groups(self, groups: list[dict]) -> list[dict]:
-        """The optimizer's parameter groups over the model's parameters, mapped to their masters."""
-        return [{**g, "params": [self._of[id(p)] for p in g["params"]]} for g in groups]
-
-    def take_grads(self) -> None:
-        """Each master's gradient: the float32 sum of its parameter's over the micro-batches (and the mean over the
-        ranks); None for a parameter no micro-batch reached on any rank."""
-        if self.world > 1 and dist.is_initialized():
-            seen = torch.tensor(self.seen, dtype=torch.float32, device=self.flat.device)
-            dist.all_reduce(self.flat)
-            dist.all_reduce(seen)
-            self.flat.div_(self.world)
-            self.seen = [bool(x) for x in seen.tolist()]
-        for m, g, seen in zip(self.masters, self.grads, self.seen):
-            m.grad = g if seen else None
-
-    @torch.no_grad()
-    def write_back(self) -> None:
-        """The model's parameters: its masters rounded to the model's dtype; the gradient sums restarted."""
-        torch._foreach_copy_(self.params, self.masters)
-        self.flat.zero_()
-        self.seen = [False] * len(self.params)
-
-    def state_dict(self) -> dict:
-        return {"masters": [m.detach() for m in self.masters]}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict | None) -> None:
-        """Restore the masters a checkpoint saved (the model's rounding alone would lose their low bits); a checkpoint
-        without them (a plain-path run of another policy) restarts them from the model's restored weights."""
-        if state is None:
-            torch._foreach_copy_(self.masters, self.params)
-            return
-        for m, saved in zip(self.masters, state["masters"], strict=True):
-            m.copy_(saved)
-        self.write_back()
+def deepspeed_refusal(dtype: torch.dtype | str, zero_stage: int) -> str | None:
+    """Why the installed DeepSpeed cannot train ZeRO-`zero_stage` in `dtype` (a torch dtype or its name: a config's
+    check imports no torch) with float32 gradient sums, or None: a dtype below float32 at ZeRO-2 needs
+    DEEPSPEED_FP32_SUMS (an older one would silently sum in bfloat16)."""
+    name = str(dtype).removeprefix("torch.")
+    if zero_stage < 2 or (getattr(dtype, "itemsize", None) or DTYPE_BYTES[name]) >= 4:
+        return None
+    found = installed_version("deepspeed")
+    if found is None or Version(found) >= Version(DEEPSPEED_FP32_SUMS):
+        return None
+    return (
+        f"distill.deepspeed with ZeRO-{zero_stage} in {name} needs deepspeed >= "
+        f"{DEEPSPEED_FP32_SUMS} to sum gradients in float32 (found {found}, which sums micro-batches in "
+        f"{name}); pip install 'deepspeed>={DEEPSPEED_FP32_SUMS}', or set "
+        "distill.deepspeed=false"
+    )

@@ -27,7 +27,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from packaging.version import Version
 from torch import Tensor, nn
 
 from m2d_ray.catalog.targets import HIDDEN, ONLINE, TOPK, mode_of
@@ -36,7 +35,13 @@ from m2d_ray.distill import kernels
 from m2d_ray.distill.checkpointing import compile_layers, compose_problem
 from m2d_ray.distill.kernels import KLKernel, Where, kl_kernel
 from m2d_ray.distill.losses import LOSSES, hidden_mse, sampled_kl, sparse_kl
-from m2d_ray.distill.precision import PRECISIONS, MasterWeights, Precision
+from m2d_ray.distill.masters import MasterWeights
+from m2d_ray.distill.precision import (  # noqa: F401  (DEEPSPEED_FP32_SUMS, deepspeed_refusal: re-exported)
+    DEEPSPEED_FP32_SUMS,
+    PRECISIONS,
+    Precision,
+    deepspeed_refusal,
+)
 from m2d_ray.distill.targets import TargetSpec
 from m2d_ray.errors import M2DError
 
@@ -51,28 +56,6 @@ def lr_factor(step: int, cfg: DistillConfig) -> float:
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     low = cfg.min_lr / cfg.lr
     return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-#: the first DeepSpeed whose ZeRO-2 honours `grad_accum_dtype: fp32` (a float32 gradient partition: stage_1_and_2.py's
-#: `_use_compact_grad_partition_buffer`); through 0.19.7 ZeRO-2 sums micro-batches in its bfloat16
-#: `grads_in_partition` and the key does nothing there (pyproject.toml's floor)
-DEEPSPEED_FP32_SUMS = "0.19.8"
-
-
-def deepspeed_refusal(dtype: torch.dtype, zero_stage: int) -> str | None:
-    """Why the installed DeepSpeed cannot train ZeRO-`zero_stage` in `dtype` with float32 gradient sums, or None: a
-    dtype below float32 at ZeRO-2 needs DEEPSPEED_FP32_SUMS (an older one would silently sum in bfloat16)."""
-    if zero_stage < 2 or torch.finfo(dtype).bits >= 32:
-        return None
-    found = kernels.installed_version("deepspeed")
-    if found is None or Version(found) >= Version(DEEPSPEED_FP32_SUMS):
-        return None
-    return (
-        f"distill.deepspeed with ZeRO-{zero_stage} in {str(dtype).removeprefix('torch.')} needs deepspeed >= "
-        f"{DEEPSPEED_FP32_SUMS} to sum gradients in float32 (found {found}, which sums micro-batches in "
-        f"{str(dtype).removeprefix('torch.')}); pip install 'deepspeed>={DEEPSPEED_FP32_SUMS}', or set "
-        "distill.deepspeed=false"
-    )
 
 
 def ds_config(cfg: DistillConfig, dtype: torch.dtype) -> dict:

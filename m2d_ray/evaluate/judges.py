@@ -46,14 +46,13 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import torch
-
 from m2d_ray.catalog.evaluate import parse_judge  # noqa: F401  (re-exported)
 from m2d_ray.config import AnalysisConfig
 from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.extraction import letters
-from m2d_ray.evaluate.generation import context_of
 from m2d_ray.evaluate.taxonomy import JUDGED
+
+# Imported inside functions: torch and the generation loop (`m2d plan` reads this module without them).
 
 KINDS = ("teacher", "none", "openai:MODEL")
 PROMPT = (
@@ -124,6 +123,8 @@ def label_loglikelihoods(
 ) -> list[list[float]]:
     """log p(label | context) for every context and label, in float64 from the model's logits (sequences right-padded:
     a causal model's earlier positions never see the padding)."""
+    import torch
+
     device = next(model.parameters()).device
     conts = [tokenizer(lab, add_special_tokens=False)["input_ids"] for lab in labels]
     seqs = [(c, x) for c in contexts for x in conts]
@@ -159,6 +160,8 @@ class TeacherJudge:
         return ties(self.said)
 
     def __call__(self, records: list[dict]) -> list[str]:
+        from m2d_ray.evaluate.generation import context_of
+
         ctx = context_of(self.model)
         longest = max(len(self.tokenizer(x, add_special_tokens=False)["input_ids"]) for x in TEACHER_LABELS)
         room = None if ctx is None else ctx - longest

@@ -11,10 +11,7 @@ import functools
 import json
 from dataclasses import replace
 
-import torch
-from transformers import AutoConfig
-
-from m2d_ray.accelerators import GPUS_PER_NODE
+from m2d_ray.accelerators import GPUS_PER_NODE, host_available
 from m2d_ray.catalog.evaluate import check_stage3, parse_batch, setting_bytes  # noqa: F401  (check_stage3 re-exported)
 from m2d_ray.evaluate.harness import PAPER_NAMES, evaluate
 from m2d_ray.evaluate.paper_data import pack
@@ -26,10 +23,9 @@ from m2d_ray.evaluate.placement import (
     plan_eval,
     plan_generation,
 )
-from m2d_ray.models import _source, load_model, model_config
 
 # Imported inside functions: what may be missing (optional packages, Ray's internal API), where its absence is handled;
-# Ray (`m2d plan` and the checks read this module without importing it).
+# Ray, torch, transformers' configs and the model loader (`m2d plan` and the checks read this module without them).
 
 
 def max_length(config, cap: int = DEFAULT_SEQ) -> int:
@@ -40,24 +36,17 @@ def max_length(config, cap: int = DEFAULT_SEQ) -> int:
 
 def gpu_facts() -> tuple[int | None, int]:
     """(one GPU's total memory in bytes, GPUs visible) here; (None, 0) without CUDA."""
+    import torch
 
     if not torch.cuda.is_available():
         return None, 0
     return torch.cuda.get_device_properties(0).total_memory, torch.cuda.device_count()
 
 
-def host_available() -> int | None:
-    try:
-        import psutil
-
-        return psutil.virtual_memory().available
-    except Exception:
-        return None
-
-
 @functools.lru_cache(maxsize=64)
 def _size(config_json: str):
     """model_size of a config given as JSON (students of one K share it: counted once per process)."""
+    from transformers import AutoConfig
 
     d = json.loads(config_json)
     return model_size(AutoConfig.for_model(d.pop("model_type"), **d))
@@ -74,6 +63,7 @@ def plan(
     what: str | None = None,
 ) -> EvalPlacement:
     """The placement of `model` (a directory, storage URL or hub name) from its config."""
+    from m2d_ray.models import model_config
 
     config = model_config(model)
     return plan_eval(
@@ -94,6 +84,7 @@ def evaluate_model(
 ) -> dict:
     """Run `suite` on `model`: sharded placements are loaded by HFLM itself with an accelerate device map over
     the visible GPUs; others by our loader (checked weights, eager experts on CPU) onto `device`."""
+    from m2d_ray.models import _source, load_model
 
     kwargs = hflm_kwargs(placement)
     if placement.shard:
@@ -119,6 +110,7 @@ def probe_gpus(get=None) -> tuple[int, int]:
     """(one GPU's memory, the most GPUs on one node) of the Ray cluster: a 1-GPU task measures the memory (`get`:
     how to wait for it, the stage's resource waiter; default ray.get)."""
     import ray
+    import torch
 
     @ray.remote(num_gpus=1, num_cpus=0)
     def _memory() -> int:
@@ -191,6 +183,8 @@ def generation_placement(
 ) -> EvalPlacement:
     """placement.plan_generation of `model` from its config (no weights read); `m2d analyze` gives this machine's
     GPUs (gpu_facts), the analysis stage the cluster's."""
+    from m2d_ray.models import model_config
+
     config = model_config(model)
     return plan_generation(
         _size(config.to_json_string()),

@@ -18,14 +18,14 @@ import heapq
 import math
 from dataclasses import dataclass, replace
 
-import torch
-
 from m2d_ray.accelerators import GPU_PEAK_BF16
 from m2d_ray.config import SweepConfig
 from m2d_ray.distill.flops import matmul_rate
 from m2d_ray.plan.bill import StageCost, add
 from m2d_ray.plan.devices import NodeType, holders
 from m2d_ray.plan.prices import hourly
+
+# Imported inside functions: torch (a CPU's matmul rate, measured only where a stage runs on CPUs).
 
 
 def lanes_wall(unit_seconds: list[float], lanes: int) -> float:
@@ -40,6 +40,7 @@ def cpu_rate(cfg: SweepConfig) -> float:
     """One CPU thread's fp32 FLOP/s: plan.cpu_flops, else a 512 x 512 matmul measured on one thread (~0.1 s)."""
     if cfg.plan.cpu_flops:
         return cfg.plan.cpu_flops
+    import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

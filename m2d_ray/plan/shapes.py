@@ -1,15 +1,19 @@
 """The sizes a memory plan needs, from a model's config alone: its parameters counted by arithmetic (arch/counts.py),
-or on the meta device for a family that module does not know (no weights are read either way)."""
+or on the meta device for a family that module does not know (no weights are read either way). A config read as plain
+JSON (arch/json_config.py) is answered for by its plain adapter: no torch is imported for it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from m2d_ray.arch import get_adapter, mtp_left_out
-from m2d_ray.arch.base import MoEAdapter
-from m2d_ray.arch.counts import Counts
-from m2d_ray.arch.meta import param_counts
+from m2d_ray.arch.counts import Counts, param_counts
+from m2d_ray.arch.json_config import adapter_of
 from m2d_ray.quant import MXFP4, scheme_of, stored_bytes
+
+if TYPE_CHECKING:
+    from m2d_ray.arch.base import MoEAdapter
 
 GiB = 1 << 30
 
@@ -93,7 +97,7 @@ def shape_of(config, c: Counts | None = None, adapter: MoEAdapter | None = None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     scheme = scheme_of(config)
     c = c or param_counts(config)
-    adapter = (adapter or get_adapter(config)) if c.moe_layers else None
+    adapter = (adapter or adapter_of(config) or get_adapter(config)) if c.moe_layers else None
     E, k = (adapter.num_experts(config), adapter.top_k(config)) if adapter else (0, 0)
     q_width, kv_width, heads, kv = attention_widths(text)
     if scheme is None:
@@ -141,7 +145,7 @@ def models_of(config) -> Models:
     """Teacher and student shapes from the teacher's config (the student's config as convert/ makes it: one width,
     convert/student.student_width's widest of k x d_expert + shared and the dense layers')."""
     c = param_counts(config)
-    adapter = get_adapter(config)
+    adapter = adapter_of(config) or get_adapter(config)
     multiple = adapter.student_width_multiple(config)
     width = -(-max(c.dense_width, adapter.top_k(config) * c.expert_width + c.shared_width) // multiple) * multiple
     student = adapter.dense_config(config, width)

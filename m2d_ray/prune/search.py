@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from m2d_ray import console
 from m2d_ray.arch.dense import DenseAdapter, DenseSizes, get_dense_adapter
+from m2d_ray.catalog.methods import PRUNING_MIXES
 from m2d_ray.config import EvalConfig
 from m2d_ray.convert.baselines import dense_width
 from m2d_ray.convert.student import student_width
@@ -39,14 +40,7 @@ if TYPE_CHECKING:
 
 MIN_CANDIDATES = 4
 #: (kind, hidden factor, heads factor, layers factor); the FFN width is solved for the budget
-MIXES = (
-    ("width: ffn", 1.0, 1.0, 1.0),
-    ("width: hidden + ffn", 0.75, 1.0, 1.0),
-    ("width: heads + ffn", 1.0, 0.5, 1.0),
-    ("depth + width: ffn", 1.0, 1.0, 0.75),
-    ("depth + width: ffn", 1.0, 1.0, 0.5),
-    ("depth + width: hidden + ffn", 0.75, 1.0, 0.75),
-)
+MIXES = PRUNING_MIXES
 
 
 def count_params(config) -> int:

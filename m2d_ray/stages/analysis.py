@@ -36,8 +36,7 @@ import json
 import time
 from dataclasses import asdict
 from functools import partial
-
-import torch
+from typing import TYPE_CHECKING
 
 from m2d_ray.artifacts import write_json_atomic, write_text_atomic
 from m2d_ray.catalog.units import ACTOR
@@ -45,7 +44,6 @@ from m2d_ray.config import AnalysisConfig, SweepConfig
 from m2d_ray.console import say
 from m2d_ray.data.synthetic import DOMAINS
 from m2d_ray.errors import M2DError
-from m2d_ray.evaluate.generation import BatchStore, Sampling, answer_all, load, recorded
 from m2d_ray.evaluate.judges import OpenAIJudge, TeacherJudge, describe, parse_judge, shortfall, ties
 from m2d_ray.evaluate.paper_tasks import MMLU_SUBJECTS
 from m2d_ray.evaluate.placement import model_size, plan_generation
@@ -67,7 +65,11 @@ from m2d_ray.stages import stage3
 from m2d_ray.stages.contract import Section, Stage
 from m2d_ray.track import model_kind, run_tags
 
-# Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
+if TYPE_CHECKING:
+    from m2d_ray.evaluate.generation import Sampling
+
+# Imported inside functions: Ray, torch and the generation loop (`m2d plan` and the checks read this module
+# without them).
 
 
 class Analysis(Stage):
@@ -172,11 +174,15 @@ def questions_of(a: AnalysisConfig) -> int:
 
 
 def sampling(a: AnalysisConfig) -> Sampling:
+    from m2d_ray.evaluate.generation import Sampling
+
     return Sampling(a.max_new_tokens, a.temperature, a.seed, a.batch_size)
 
 
 def fixed(a: AnalysisConfig) -> dict:
     """What the answers are generated from: a started analysis keeps it."""
+    from m2d_ray.evaluate.generation import recorded
+
     return recorded(a.questions, a.per_subject, sampling(a))
 
 
@@ -409,6 +415,10 @@ def _judge(ctx, stage: Analysis, records: list[dict]) -> tuple[list[str], str, l
 def _answer_task(model, questions, s, device, placement, url, threads, store) -> dict:
     """A Ray task on any node: load one model (sharded when its placement says so) and answer every question, a
     batch at a time, each batch saved to the run's storage as it ends (those saved already are read back)."""
+    import torch
+
+    from m2d_ray.evaluate.generation import BatchStore, Sampling, answer_all, load
+
     store.ensure_visible()
     torch.set_num_threads(threads)
     reset_peaks()
@@ -423,6 +433,10 @@ def _answer_task(model, questions, s, device, placement, url, threads, store) ->
 def _judge_task(teacher, records, batch_size, device, placement, threads, store) -> tuple[list[str], list[float]]:
     """A Ray task: the teacher judges `records` (its label continuations' log-likelihoods): its verdicts and their
     log-odds."""
+    import torch
+
+    from m2d_ray.evaluate.generation import load
+
     store.ensure_visible()
     torch.set_num_threads(threads)
     lm, tok = load(teacher, device, placement)

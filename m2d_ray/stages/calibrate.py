@@ -12,11 +12,8 @@ makes it finished too.
 
 from __future__ import annotations
 
-from m2d_ray.calibrate.tokens import calibration_tokens, resolve_calib
 from m2d_ray.catalog.units import ACTOR
 from m2d_ray.console import say
-from m2d_ray.data.text import check_spec
-from m2d_ray.models import load_tokenizer
 from m2d_ray.plan import memory
 from m2d_ray.plan.devices import bundle
 from m2d_ray.plan.flops import calibration_flops
@@ -31,9 +28,14 @@ class Calibrate(Stage):
     keys = "ray.data_gpus_per_actor / ray.data_accelerator"
 
     def reads(self, cfg) -> dict[str, str]:
+        from m2d_ray.calibrate.tokens import resolve_calib
+
         return {"calib.data": resolve_calib(cfg.calib.data, cfg.model)}
 
     def check(self, cfg, teacher: str) -> None:
+        from m2d_ray.calibrate.tokens import resolve_calib
+        from m2d_ray.data.text import check_spec
+
         check_spec(resolve_calib(cfg.calib.data, cfg.model), "calib.data")
 
     def request(self, cfg) -> dict:
@@ -66,6 +68,8 @@ class Calibrate(Stage):
 
     def run(self, ctx) -> None:
         from m2d_ray.calibrate.ray_data import calibrate_ray
+        from m2d_ray.calibrate.tokens import calibration_tokens
+        from m2d_ray.models import load_tokenizer
 
         cfg, c, r = ctx.cfg, ctx.cfg.calib, ctx.cfg.ray
         ctx.ray()

@@ -8,9 +8,14 @@ so the student is evaluated once and the result is shared. Names never enter the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from m2d_ray.config import GridConfig, k_values
-from m2d_ray.convert.plan import ConversionPlan, make_plans
+
+if TYPE_CHECKING:
+    from m2d_ray.convert.plan import ConversionPlan
+
+# Imported inside functions: the conversion plans (torch: `m2d plan` reads the grid without them).
 
 
 @dataclass(frozen=True, order=True)
@@ -41,6 +46,8 @@ def expand(grid: GridConfig, k: int, E: int) -> list[TrialSpec]:
 
 def plan_all(teacher, stats, specs: list[TrialSpec]) -> dict[str, dict]:
     """Plan (as JSON) of every spec; CPU work on the statistics and router/expert weights, read layer by layer."""
+    from m2d_ray.convert.plan import make_plans
+
     plans = make_plans(teacher, stats, [(s.scoring, s.grouping, s.scaling, s.K) for s in specs])
     return {s.key: p.to_json() for s, p in zip(specs, plans)}
 
@@ -71,4 +78,6 @@ def dedupe(specs: list[TrialSpec], plans: dict[str, dict], enabled: bool = True)
 
 
 def plan_of(plans: dict[str, dict], key: str) -> ConversionPlan:
+    from m2d_ray.convert.plan import ConversionPlan
+
     return ConversionPlan.from_json(plans[key])

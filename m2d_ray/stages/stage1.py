@@ -23,9 +23,7 @@ from pathlib import Path
 from m2d_ray.accelerators import spot
 from m2d_ray.catalog.units import TRIAL
 from m2d_ray.config import parse_recipe
-from m2d_ray.data.text import check_spec
 from m2d_ray.errors import M2DError, RunFailed
-from m2d_ray.models import check_teacher, model_config
 from m2d_ray.plan import memory
 from m2d_ray.plan.devices import bundle
 from m2d_ray.plan.flops import distinct_students, eval_tokens, forward_flops, stage1_chunks
@@ -43,7 +41,7 @@ from m2d_ray.run_dir import STAGE1_HEATMAP, STAGE1_MD
 from m2d_ray.stages.contract import Section, Stage
 from m2d_ray.stages.grid import expand
 
-# Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
+# Imported inside functions: Ray, torch (`m2d plan` and the checks read this module without importing them).
 
 
 class Stage1(Stage):
@@ -51,6 +49,9 @@ class Stage1(Stage):
     keys = "ray.gpus_per_trial / ray.cpus_per_trial / ray.trial_accelerator / ray.spot_trials"
 
     def check(self, cfg, teacher: str) -> None:
+
+        from m2d_ray.data.text import check_spec
+        from m2d_ray.models import check_teacher, model_config
 
         adapter, config = check_teacher(teacher), model_config(teacher)
         k, E = adapter.top_k(config), adapter.num_experts(config)

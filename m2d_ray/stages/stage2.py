@@ -27,13 +27,8 @@ from functools import partial
 from m2d_ray.catalog.units import STUDENT
 from m2d_ray.config import dump_config, load_config
 from m2d_ray.console import say
-from m2d_ray.convert.initial import InitialStudent
-from m2d_ray.data.text import check_spec
-from m2d_ray.distill.data import check_source
-from m2d_ray.distill.precision import resolve
-from m2d_ray.distill.step import deepspeed_refusal
+from m2d_ray.distill.precision import deepspeed_refusal, resolve
 from m2d_ray.errors import M2DError
-from m2d_ray.models import check_teacher_topk
 from m2d_ray.plan import memory
 from m2d_ray.plan.cost import before
 from m2d_ray.plan.devices import bundle
@@ -49,7 +44,7 @@ from m2d_ray.stages.contract import Section, Stage
 from m2d_ray.stages.grid import plan_of
 from m2d_ray.stages.students import copy_duplicates, reads, taught, teacher_key, todo
 
-# Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
+# Imported inside functions: Ray, torch (`m2d plan` and the checks read this module without importing them).
 
 STAGE1_KEYS = ("model", "calib", "grid")  # what decided the promotions: stage 2 must not change them
 STAGE2_KEYS = ("distill", "stage2")  # what a started stage 2 must keep (ray, mlflow, stage3 may change)
@@ -65,12 +60,13 @@ class Stage2(Stage):
     keys = "distill.gpus_per_worker / distill.cpus_per_worker / distill.accelerator"
 
     def check_config(self, cfg) -> None:
+
         baselines.of(cfg)  # known names
         for b in BASELINES:
             BASELINES[b].check_config(cfg)
         x = cfg.distill
         if x.uses_deepspeed:  # before any work: the engine's start refuses it too
-            why = deepspeed_refusal(resolve(x.precision, gpu=x.gpus_per_worker > 0).dtype, x.zero)
+            why = deepspeed_refusal(resolve(x.precision, gpu=x.gpus_per_worker > 0).dtype_name, x.zero)
             if why:
                 raise M2DError(why)
 
@@ -83,6 +79,10 @@ class Stage2(Stage):
         }
 
     def check(self, cfg, teacher: str) -> None:
+
+        from m2d_ray.data.text import check_spec
+        from m2d_ray.distill.data import check_source
+        from m2d_ray.models import check_teacher_topk
 
         check_spec(cfg.distill.eval_data or cfg.eval.data, "distill.eval_data")
         check_teacher_topk(teacher, cfg.distill.teacher_topk)
@@ -115,6 +115,7 @@ class Stage2(Stage):
     def needs(self, p):
         """One rank of a student of each teacher (`stage2` for the MoE teacher's, `stage2:<key>` for a baseline's own
         teacher's), holding what it holds of that teacher as the teacher's targets say (plan/targets.py)."""
+
         x = p.cfg.distill
         policy = resolve(x.precision, gpu=x.gpus_per_worker > 0)  # what distill/loop.py trains in
         rows = []
@@ -154,6 +155,7 @@ class Stage2(Stage):
     def storage(self, p):
         """Every student's initial and distilled model and the token shards stay; each student's Train checkpoints
         stay too with stage2.keep_training_state, else only while it trains (those of the students at once)."""
+
         x, s = p.cfg.distill, p.models.student
         n = p.pairs + len(p.cfg.stage2.baselines)
         policy = resolve(x.precision, gpu=x.gpus_per_worker > 0)
@@ -297,6 +299,7 @@ def _prepare(ctx, waiting, pending: list, recorder) -> tuple[list, dict]:
 def _job(ctx, data, plans: dict, prepared: dict, s, stop):
     """The DistillJob of student `s` (`stop`: its stop check): a promoted one built from its plan, a baseline by its
     own builder."""
+    from m2d_ray.convert.initial import InitialStudent
     from m2d_ray.stages.student import job
 
     cfg = ctx.cfg

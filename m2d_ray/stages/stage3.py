@@ -20,8 +20,6 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
-import torch
-
 from m2d_ray import storage
 from m2d_ray.accelerators import GPUS_PER_NODE
 from m2d_ray.artifacts import write_json_atomic
@@ -58,7 +56,7 @@ from m2d_ray.stages import baselines
 from m2d_ray.stages.contract import Section, Stage
 from m2d_ray.track import model_kind, run_tags
 
-# Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
+# Imported inside functions: Ray, torch (`m2d plan` and the checks read this module without importing them).
 
 
 @dataclass(frozen=True)
@@ -407,6 +405,7 @@ def _evaluate_task(
     """A Ray task on any node: fetch and load one model (sharded over its GPUs when its placement says so),
     run the lm-eval suite on it (1 thread on CPU: tasks run side by side). A text:PATH task's file arrives
     as bytes and the paper suite's data as a Ray object (the node need not see the driver's disk)."""
+    import torch
 
     if store is not None:
         store.ensure_visible()  # this node sees the run's storage (checked once per node)

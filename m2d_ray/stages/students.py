@@ -15,14 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from m2d_ray.config import DistillConfig
-from m2d_ray.models import load_tokenizer
 from m2d_ray.plan.shapes import Shape
 from m2d_ray.plan.targets import MOE
 from m2d_ray.run_dir import RunDir
 from m2d_ray.runtime.record import StageRecorder
 from m2d_ray.stages.baselines import BASELINES, Baseline, of
 
-# Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
+# Imported inside functions: Ray, torch (`m2d plan` and the checks read this module without importing them).
 
 
 @dataclass(frozen=True)
@@ -145,6 +144,7 @@ class Reads:
 def reads(ctx, waiting, baselines: list[Baseline]) -> Reads:
     """The students' reads (`baselines`: those whose teachers they need), made into the run's storage where missing:
     the text copied once, each teacher's tokens by Ray Data and, with stage2.targets cached, its targets pass."""
+    from m2d_ray.models import load_tokenizer
     from m2d_ray.runtime.shards import targets, tokens
 
     cfg, store = ctx.cfg, ctx.store

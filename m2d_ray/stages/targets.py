@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import math
 
-from m2d_ray.catalog.targets import HIDDEN, ONLINE
+from m2d_ray.catalog.targets import HIDDEN, ONLINE, blocks_per_shard
 from m2d_ray.catalog.units import ACTOR
-from m2d_ray.distill.targets import blocks_per_shard
 from m2d_ray.plan import memory
 from m2d_ray.plan.cost import before
 from m2d_ray.plan.devices import bundle
@@ -106,7 +105,6 @@ def _stored(p) -> list:
 def _pass(p, t) -> list[float]:
     """The FLOPs of each actor of teacher `t`'s pass over the run's tokens: its forward (no head for hidden states),
     split over the actors that have a shard to compute (ray.data_actors, at most the shards)."""
-
     x = p.cfg.distill
     shards = math.ceil(x.blocks / blocks_per_shard(x.seq_len, p.per_token(t.shape, t.key)))
     actors = max(1, min(p.cfg.ray.data_actors, shards))

@@ -112,7 +112,10 @@ def test_cpu_smoke_runs_its_parts_and_writes_the_table_and_results(tmp_path):
     # the head's GPU branch ran at the paper student's head and micro-batch (meta tensors, the seam forced)
     assert "'vocab': 151936" in table and "'tokens': 16384" in table and "torch.bfloat16" in table
     paper = results["parts"]["P7-paper"]["p7"]["targets"]["hidden"]  # one path at a time, a lever beside the platform
-    assert set(paper["tokens_per_s"]) == {"platform", "reference", "lever:ckpt:selective"} and paper["losses_agree"]
+    lever = "lever:ckpt:selective@1x32"  # a micro-batch of 1 x 32 tokens (its plan's, on a GPU), said in its row
+    assert set(paper["tokens_per_s"]) == {"platform", "reference", lever} and paper["losses_agree"]
+    assert paper["micro_batch"] == {"platform": "2 x 64", "reference": "2 x 64", lever: "1 x 32"}
+    assert "ckpt:selective at micro-batch 1 x 32" in table and "micro-batch 2 x 64: tok/s platform" in table
     assert "ckpt:selective" in table and results["parts"]["P7-paper"]["efficiency"]["modes"]["hidden"]["efficiency"] > 0
     online = head["p7"]["targets"]["online"]  # bf16-mixed: its spread against float32 measured, kernels held to it
     assert online["bf16_spread"] > 0 and online["kernel_admission"] == online["bf16_spread"]
@@ -198,8 +201,19 @@ def test_on_a_gpu_the_paper_student_runs_first_then_its_kernels_and_the_memory_p
         assert "reference" in paper["left_out"] and "GiB" in paper["left_out"]["reference"]  # never attempted
     h100, h200 = call["cards"]["H100 80 GB"]["parts"]["P7-paper"], call["cards"]["H200 141 GB"]["parts"]["P7-paper"]
     assert (h100["checkpointing"], h200["checkpointing"]) == ("full", "selective")
-    # SAC at the paper's shape on an H100: left out with its rank at every smaller micro-batch (none fits 80 GB)
-    assert "micro-batch 3:" in h100["left_out"]["ckpt:selective"] and "none fits" in h100["left_out"]["ckpt:selective"]
+    # SAC at the paper's shape on an H100: at the largest micro-batch whose rank the plan fits in 80 GB (the paper's
+    # 4 x 4096 and one of its sequences do not), named so; on an H200 it is the platform's own policy
+    from workshop.random_models import STEP_PRESETS
+    from workshop.step_paths import checkpointing_of, micro_batch
+
+    paper_preset = STEP_PRESETS["paper"]
+    _, plans = checkpointing_of(paper_preset, "cuda", call["cards"]["H100 80 GB"]["memory_bytes"])
+    selective, cap = plans["policies"]["selective"], plans["decided"]["capacity_bytes"]
+    fits = [mb for mb, b in selective["rank_by_micro_batch"].items() if b <= cap]
+    assert selective["rank_bytes"] > cap and selective["rank_by_micro_batch"][micro_batch(1, 4096)] > cap and fits
+    assert [n for n in h100["paths"] if "selective" in n] == [f"lever:ckpt:selective@{fits[0]}"]
+    assert h100["paths"][f"lever:ckpt:selective@{fits[0]}"]["peak_bytes"] == selective["rank_by_micro_batch"][fits[0]]
+    assert "ckpt:selective" not in h100["left_out"] and h200["left_out"]["ckpt:selective"].startswith("the platform")
 
 
 def test_a_killed_smoke_keeps_the_figures_of_the_paths_it_finished(tmp_path):

@@ -143,8 +143,9 @@ def test_the_checks_find_what_they_look_for():
 
 # ---- imports inside functions -------------------------------------------------------------------------
 #: what a module may import inside a function instead of at its top: packages that cost seconds to import or that a
-#: process must not load (`m2d plan` reads every stage without Ray), and the package modules that pull them
-LAZY = {"ray", "lm_eval", "mlflow", "deepspeed", "matplotlib", "datasets"}
+#: process must not load (`m2d plan` reads every stage without Ray, and without torch where its counts are arithmetic),
+#: and the package modules that pull them
+LAZY = {"ray", "lm_eval", "mlflow", "deepspeed", "matplotlib", "datasets", "torch", "safetensors"}
 #: transformers' model classes (its modelling code: seconds of imports); its configs and tokenizers are not
 MODELS = "transformers models"
 #: transformers' experts integration and weight-conversion machinery: they load the kernels hub and torch._dynamo
@@ -152,17 +153,19 @@ INTEGRATIONS = "transformers integrations"
 REASON = "# Imported inside functions:"
 
 
-def _unit(name: str) -> str | None:
-    """The LAZY unit an imported name loads, if any (transformers' top level is lazy: a config class or a tokenizer
-    loads no modelling code, a model class does)."""
+def _units(name: str) -> set[str]:
+    """The LAZY units an imported name loads (transformers' top level is lazy: a config class or a tokenizer loads no
+    modelling code, a model class does; and all but its top level and its tokenizers load torch, its configs too)."""
     root = name.split(".")[0]
     if root in LAZY:
-        return root
-    if root == "transformers" and ("Model" in name.rpartition(".")[2] or ".modeling" in name):
-        return MODELS
-    if root == "transformers" and any(p in name for p in (".integrations", ".core_model_loading", ".conversion")):
-        return INTEGRATIONS
-    return None
+        return {root}
+    if root != "transformers" or name == "transformers" or "Tokenizer" in name.rpartition(".")[2]:
+        return set()
+    if "Model" in name.rpartition(".")[2] or ".modeling" in name:
+        return {MODELS, "torch"}
+    if any(p in name for p in (".integrations", ".core_model_loading", ".conversion")):
+        return {INTEGRATIONS, "torch"}
+    return {"torch"}
 
 
 def _top_level(tree: ast.Module) -> list:
@@ -206,8 +209,8 @@ def lazy_packages() -> dict[str, set[str]]:
         if m not in memo:
             out = set()
             for n in direct[m]:
-                if _unit(n):
-                    out.add(_unit(n))
+                if _units(n):
+                    out |= _units(n)
                 elif n.startswith("m2d_ray") and (r := resolve(n)) and r != m and r not in seen:
                     out |= pulls(r, seen | {m})
             memo[m] = out
@@ -236,8 +239,8 @@ def needless_lazy_imports() -> list[str]:
                     continue
                 need = set()
                 for n in _names(node):
-                    if _unit(n):
-                        need.add(_unit(n))
+                    if _units(n):
+                        need |= _units(n)
                     elif n.startswith("m2d_ray") and (r := resolve(n)):
                         need |= have[r]
                 if not need - have[m]:

@@ -6,6 +6,8 @@ levers its GPU run takes, reached on the CPU at the smoke preset."""
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import subprocess
 import sys
 
@@ -86,11 +88,24 @@ def test_one_path_at_a_time_with_a_lever_agrees_with_the_platform(tmp_path):
     r = _run(
         tmp_path,
         *("--preset", "smoke", "--precision", "bf16-mixed", "--paths", "platform,reference"),
-        *("--levers", "ckpt:selective", "--one-path-at-a-time", "--no-fp32-spread", "--steps", "3", "--warmup", "1"),
+        *("--levers", "ckpt:selective,ckpt:full@1x32", "--one-path-at-a-time", "--no-fp32-spread"),
+        *("--steps", "3", "--warmup", "1"),
     )
     m = r["modes"]["online"]
-    assert set(m["tokens_per_s"]) == {"platform", "reference", "lever:ckpt:selective"}
+    small = "lever:ckpt:full@1x32"  # a lever at a smaller micro-batch (an H100's SAC): its own tokens, no gap
+    assert set(m["tokens_per_s"]) == {"platform", "reference", "lever:ckpt:selective", small}
     assert m["losses_agree"] and not m["kernels_failed"] and all(len(v) == 3 for v in m["step_s"].values())
+    assert set(m["gap"]) == {"platform", "reference", "lever:ckpt:selective"}
+    assert m["micro_batch"] == {
+        "platform": "2 x 64",
+        "reference": "2 x 64",
+        "lever:ckpt:selective": "2 x 64",
+        small: "1 x 32",
+    }
+    speed = {n: 2 * 64 / statistics.median(m["step_s"][n]) for n in m["step_s"]} | {
+        small: 32 / statistics.median(m["step_s"][small])
+    }
+    assert all(math.isclose(m["tokens_per_s"][n], t, rel_tol=1e-2) for n, t in speed.items())
     assert m["mfu"] > 0 and m["mfu_datasheet"] is None
 
 

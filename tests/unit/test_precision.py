@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from m2d_ray.config import DistillConfig
-from m2d_ray.distill.precision import PRECISIONS, MasterWeights, resolve
+from m2d_ray.distill.masters import MasterWeights
+from m2d_ray.distill.precision import PRECISIONS, resolve
 from m2d_ray.distill.step import DistillStep
 from m2d_ray.errors import M2DError
 from m2d_ray.shipped import EXPERIMENTS
@@ -157,10 +158,10 @@ def test_an_older_deepspeed_is_refused_in_one_line_below_float32_at_the_engine_a
     from m2d_ray import pipeline
     from m2d_ray.catalog.methods import RANDOM_BASELINES
     from m2d_ray.config import load_config
-    from m2d_ray.distill import kernels
+    from m2d_ray.distill import precision
     from m2d_ray.distill.step import deepspeed_refusal
 
-    monkeypatch.setattr(kernels, "installed_version", lambda dist: "0.19.6" if dist == "deepspeed" else None)
+    monkeypatch.setattr(precision, "installed_version", lambda dist: "0.19.6" if dist == "deepspeed" else None)
     said = "needs deepspeed >= 0.19.8 to sum gradients in float32 (found 0.19.6"
     student = RANDOM_BASELINES["random-ffn"](tiny_teacher, seed=0)
     cfg = DistillConfig(steps=1, warmup_steps=1, batch_size=1, seq_len=8, deepspeed=True)
@@ -172,7 +173,7 @@ def test_an_older_deepspeed_is_refused_in_one_line_below_float32_at_the_engine_a
         pipeline.check_config(load_config(tiny, ["distill.deepspeed=true", "distill.precision=bf16-mixed"]))
     pipeline.check_config(load_config(tiny, ["distill.deepspeed=true", "distill.precision=fp32"]))
     assert deepspeed_refusal(torch.float32, 2) is None and deepspeed_refusal(torch.bfloat16, 1) is None
-    monkeypatch.setattr(kernels, "installed_version", lambda dist: "0.19.8")
+    monkeypatch.setattr(precision, "installed_version", lambda dist: "0.19.8")
     assert deepspeed_refusal(torch.bfloat16, 2) is None
 
 

@@ -25,30 +25,27 @@ import json
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from m2d_ray.arch.dense import DenseSizes, get_dense_adapter
 from m2d_ray.artifacts import write_json_atomic, write_text_atomic
-from m2d_ray.calibrate.tokens import resolve_calib
+from m2d_ray.assets import absolute, default_dense_teacher
+from m2d_ray.catalog.methods import PRUNING_MIXES
 from m2d_ray.catalog.units import MODEL
-from m2d_ray.checkpoint import check_files
 from m2d_ray.config import CalibConfig, EvalConfig, SweepConfig
 from m2d_ray.console import say
 from m2d_ray.errors import M2DError
-from m2d_ray.models import absolute, default_dense_teacher, load_model, model_config
 from m2d_ray.plan.flops import eval_tokens, forward_flops
-from m2d_ray.prune.data import data_specs, load_tokens
-from m2d_ray.prune.export import IMPORTANCE_FILE, candidates_table
-from m2d_ray.prune.importance import Importance
-from m2d_ray.prune.prune import PrunedSpec
-from m2d_ray.prune.search import MIXES, moe_student_params, search
 from m2d_ray.report.page import Table, render
 from m2d_ray.run_dir import RunDir
 from m2d_ray.stages.baselines.base import Baseline, BaselineFailed
 from m2d_ray.stages.contract import Section
 
-# Imported inside functions: Ray (`m2d plan` and the checks read this module without importing it).
+if TYPE_CHECKING:
+    from m2d_ray.prune.prune import PrunedSpec
+
+
+# Imported inside functions: Ray, torch and the pruning modules (`m2d plan` and the checks read this module without
+# them).
 
 NAME = "d2d"
 SEARCH, CANDIDATES = (
@@ -87,6 +84,9 @@ class D2D(Baseline):
 
     def check(self, cfg: SweepConfig) -> None:
         """From its config and files alone: a dense model the pruning supports."""
+        from m2d_ray.arch.dense import get_dense_adapter
+        from m2d_ray.checkpoint import check_files
+        from m2d_ray.models import model_config
 
         name = self.teacher(cfg)
         get_dense_adapter(model_config(name))
@@ -94,12 +94,19 @@ class D2D(Baseline):
 
     def reads(self, cfg: SweepConfig) -> dict[str, str]:
 
+        from m2d_ray.calibrate.tokens import resolve_calib
+
         return {"calib.data": resolve_calib(cfg.calib.data, cfg.model), "eval.data": cfg.eval.data}
 
     def prepare(self, ctx, waiting, moe: str, teacher: str | None) -> PrunedSpec:
         """The promoted candidate of this run (`moe`, `teacher`: the teachers as workers reach them): searched once
         by a Ray task (under stage 2's resource waiter), its record kept in RUN_DIR/stage2/d2d/ and reused on resume."""
         import ray
+
+        from m2d_ray.arch.dense import DenseSizes
+        from m2d_ray.prune.export import IMPORTANCE_FILE, candidates_table
+        from m2d_ray.prune.importance import Importance
+        from m2d_ray.prune.prune import PrunedSpec
 
         cfg, where = ctx.cfg, ctx.rd.baseline(NAME)
         if (where / SEARCH).exists():
@@ -155,7 +162,7 @@ class D2D(Baseline):
         tail)."""
         p = c.p
         cfg, x, t = p.cfg, p.cfg.distill, p.teachers.get(self.teacher_key, p.models.teacher)
-        flops = cfg.calib.max_tokens * forward_flops(t, cfg.calib.seq_len) + len(MIXES) * eval_tokens(
+        flops = cfg.calib.max_tokens * forward_flops(t, cfg.calib.seq_len) + len(PRUNING_MIXES) * eval_tokens(
             cfg
         ) * forward_flops(p.models.student, cfg.eval.seq_len)
         gpus = 1.0 if x.gpus_per_worker > 0 else 0.0
@@ -176,6 +183,11 @@ class D2D(Baseline):
 
 def _search_task(dense: str, moe: str, calib: CalibConfig, ev: EvalConfig, device: str, threads: int) -> dict:
     """On any node (a Ray task): the candidate search of `dense` at the parameters of `moe`'s K = k student."""
+    import torch
+
+    from m2d_ray.models import load_model
+    from m2d_ray.prune.data import data_specs, load_tokens
+    from m2d_ray.prune.search import moe_student_params, search
 
     torch.set_num_threads(threads)
     target = moe_student_params(moe)

@@ -7,8 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from m2d_ray.catalog.methods import RANDOM_BASELINES
-from m2d_ray.convert.initial import InitialStudent
 from m2d_ray.stages.baselines.base import Baseline
+
+# Imported inside functions: torch and the conversion (`m2d plan` reads this baseline without them).
 
 
 class RandomBaseline(Baseline):
@@ -18,4 +19,6 @@ class RandomBaseline(Baseline):
         return RANDOM_BASELINES[self.name].__doc__ or ""
 
     def builder(self, moe: str, prepared: object | None, seed: int) -> Callable[[Path], None]:
+        from m2d_ray.convert.initial import InitialStudent
+
         return InitialStudent(moe, None, self.name, seed)
