@@ -27,6 +27,8 @@ from m2d_ray.sizes import gib
 
 HEADROOM = 0.95  # of a device's memory a plan may fill (allocator fragmentation)
 GPU_RESERVE = 1 << 30  # CUDA context and allocator slack (evaluate/placement.RESERVE)
+#: the GPU-type keys the plan places a stage by when the user leaves them unset (pipeline.decide_placement)
+PLACEABLE = ("ray.data_accelerator", "distill.accelerator", "stage3.accelerator")
 
 
 @dataclass(frozen=True)
