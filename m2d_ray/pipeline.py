@@ -182,9 +182,7 @@ def _pins_said(cfg: SweepConfig, out: RunPlan, devices: Devices) -> RunPlan:
     pins = [k for k, (_, section, name) in PLACED.items() if getattr(getattr(cfg, section), name) and len(kinds) > 1]
     said = "or leave {} unset (null: the plan places it on the cheapest GPU type that holds it)"
     rows = tuple(
-        replace(r, fix=f"{r.fix}, {said.format(key)}")
-        if key and r.fits is False
-        else r
+        replace(r, fix=f"{r.fix}, {said.format(key)}") if key and r.fits is False else r
         for r in out.stages
         for key in [next((k for k in pins if r.name.split(":")[0] in PLACED[k][0]), None)]
     )
@@ -271,14 +269,17 @@ def decide_zero(cfg: SweepConfig, teacher_config, devices, own, stages, choices)
 
 #: ray.gpus_per_trial=auto's shares of one GPU, the smallest first (a trial runs on one device)
 TRIAL_SHARES = (0.125, 0.25, 0.5, 1.0)
+#: then, where no GPU of the cluster holds a trial whole, whole GPUs of one node its student is spread over in order
+TRIAL_SPREADS = (2, 4, 8)
 
 
 def decide_trial_gpus(cfg: SweepConfig, teacher_config, devices, own, stages, choices) -> RunPlan:
     """ray.gpus_per_trial=auto: the smallest share of a GPU whose stage-1 trial fits, on the pinned GPU type first
-    (ray.trial_accelerator), then on each other GPU type of the cluster's node types, the smallest GPU first; where
-    none holds it, a whole GPU of the largest (the plan refuses it there, at its smallest). The trials alone are
-    planned per candidate; the run is planned once at the choice. Said in one line and recorded in `RunPlan.decided`
-    (both keys: a trial moved to another GPU type is pinned to it)."""
+    (ray.trial_accelerator), then on each other GPU type of the cluster's node types, the smallest GPU first; where no
+    GPU holds it whole, the fewest whole GPUs of one node (2, 4, 8) its student's layers are spread over in order
+    (evaluate/split.py); where none holds it, the last of those (the plan refuses it there, at its smallest). The trials
+    alone are planned per candidate; the run is planned once at the choice. Said in one line and recorded in
+    `RunPlan.decided` (both keys: a trial moved to another GPU type is pinned to it)."""
     r = cfg.ray
     if "stage1" not in stages.names():  # a plan of other stages: nothing to decide (the trials' share read as one GPU)
         return plan(
@@ -286,7 +287,10 @@ def decide_trial_gpus(cfg: SweepConfig, teacher_config, devices, own, stages, ch
         )
     kinds = sorted({n.accelerator for n in devices.nodes or () if n.gpus > 0 and n.gpu_memory}, key=GPU_MEMORY.get)
     types = [r.trial_accelerator, *(k for k in kinds if k != r.trial_accelerator)] if kinds else [r.trial_accelerator]
-    candidates = [(share, kind) for kind in types for share in TRIAL_SHARES]
+    most = {k: max((n.gpus for n in devices.nodes or () if n.accelerator == k), default=0) for k in kinds}
+    candidates = [(share, kind) for kind in types for share in TRIAL_SHARES] + [
+        (float(n), kind) for n in TRIAL_SPREADS for kind in types if most.get(kind, 0) >= n
+    ]
 
     def at(c: tuple) -> SweepConfig:
         return replace(cfg, ray=replace(r, gpus_per_trial=c[0], trial_accelerator=c[1]))
@@ -304,7 +308,9 @@ def decide_trial_gpus(cfg: SweepConfig, teacher_config, devices, own, stages, ch
         return out
     i = candidates.index(chosen)
     before = f"; {_share(candidates[i - 1])} gives {gib(rows[candidates[i - 1]][0].capacity or 0)}" if i else ""
-    note = f"ray.gpus_per_trial=auto: {_share(chosen)} (a trial needs {gib(row.per_device)}{before})"
+    whole = f" whole, {gib(row.per_device)} a GPU spread" if chosen[0] > 1 else ""
+    need = gib(rows[candidates[i - 1]][0].per_device) if whole else gib(row.per_device)
+    note = f"ray.gpus_per_trial=auto: {_share(chosen)} (a trial needs {need}{whole}{before})"
     decided = {"ray.gpus_per_trial": str(chosen[0]), "ray.trial_accelerator": chosen[1] or "null"}
     return replace(out, notes=(*out.notes, note), decided={**out.decided, **decided})
 
@@ -399,6 +405,8 @@ def _placed_text(unfit: list, price: tuple) -> str:
 
 
 def _share(c: tuple) -> str:
+    if c[0] > 1:
+        return f"{c[0]:g} {c[1] + 's' if c[1] else 'GPUs'}, the student spread over {c[0]:g} GPUs (its layers in order)"
     return f"{c[0]:g} of {'an ' + c[1] if c[1] else 'a GPU'}"
 
 

@@ -481,6 +481,29 @@ def test_deepseek_v3_s_stages_are_each_placed_on_the_node_type_that_holds_them(c
                            "holds it)")  # fmt: skip
 
 
+def test_a_trial_no_gpu_holds_whole_is_spread_over_whole_gpus_of_one_node():
+    """DeepSeek-V3's 37B student (78.6 GiB a trial) on a cluster without the H200 nodes: no GPU holds it whole, so
+    ray.gpus_per_trial=auto gives it 2 H100s of one node and its layers are spread over them in order; the plan counts
+    a GPU's part (the larger half of the weights, evaluate/split.py) and says it in one line; the request asks for
+    both."""
+    from m2d_ray.evaluate.split import decoder_sizes, largest
+    from m2d_ray.pipeline import STAGES
+
+    nodes = tuple(n for n in from_cluster_yaml(ROOT / "cluster.yaml") if n.accelerator != "H200")
+    teacher = model_config(str(CONFIGS / "deepseek-ai--DeepSeek-V3"))
+    cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml")
+    out = make_plan(cfg, teacher, Devices(nodes=nodes), stages=STAGES.only("stage1"))
+    (row,) = out.stages
+    s = models_of(teacher).student
+    half = largest(decoder_sizes(s.params, s.layers, s.layer_params, s.vocab, s.hidden, s.tied, s.dtype_bytes), 2)
+    assert row.unit == "trial, spread over 2" and row.fits and row.parts["student"] == half < 0.55 * s.weights
+    assert row.request["GPU"] == 2 and row.request["accelerator_type:H100"] > 0 and row.holders == ("gpu_h100_8x",)
+    assert out.decided["ray.gpus_per_trial"] == "2.0" and out.decided["ray.trial_accelerator"] == "H100"
+    (line,) = [n for n in out.decision_lines() if n.startswith("ray.gpus_per_trial")]
+    assert line.startswith("ray.gpus_per_trial=auto: 2 H100s, the student spread over 2 GPUs (its layers in order)")
+    assert "(a trial needs 78.6 GiB whole, " in line and "1 of an H100 gives 75.7 GiB" in line
+
+
 def test_the_zero3_rank_of_the_22b_student_is_within_15_percent_of_a_meta_count():
     """benchmarks/perf/zero3_rank.py: the 22B student's partitions over 8 ranks, DeepSpeed's reduce bucket, the
     layers and head gathered whole, and a micro-batch's activations and KL counted on `meta` under full checkpointing
