@@ -34,6 +34,8 @@ OFFLINE = {
     "openai/gpt-oss-20b": "openai--gpt-oss-20b",
     "Qwen/Qwen3-235B-A22B": "Qwen--Qwen3-235B-A22B",
     "deepseek-ai/DeepSeek-V3": "deepseek-ai--DeepSeek-V3",
+    "Qwen/Qwen3-Coder-480B-A35B-Instruct": "Qwen--Qwen3-Coder-480B-A35B-Instruct",
+    "zai-org/GLM-4.5": "zai-org--GLM-4.5",
 }
 
 
@@ -479,6 +481,31 @@ def test_deepseek_v3_s_stages_are_each_placed_on_the_node_type_that_holds_them(c
     assert pinned.startswith("stage2: one rank needs 114.3 GiB") and "gives it 75.7 GiB" in pinned
     assert pinned.endswith("or leave distill.accelerator unset (null: the plan places it on the cheapest GPU type that "
                            "holds it)")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("hub", "params", "active", "judge_gpus"),
+    [("Qwen/Qwen3-Coder-480B-A35B-Instruct", 480.2e9, 35.5e9, 8), ("zai-org/GLM-4.5", 352.8e9, 33.6e9, 6)],
+)
+def test_the_other_flagships_plan_fitting_on_cluster_yaml_by_their_shipped_hub_names(capsys, hub, params, active,
+                                                                                      judge_gpus):  # fmt: skip
+    """Qwen3-Coder-480B-A35B-Instruct and GLM-4.5 (published in bf16; GLM-4.5's count leaves out its MTP layer) by
+    their shipped config.json: every stage fits cluster.yaml with nothing set, the teacher's lm-eval and its judging
+    placed on the 8 x H200 node (an H100 node cannot hold the bf16 teacher), the ZeRO-3 ranks there too, the trials
+    on a whole H100; exit 0 with the bill."""
+    from m2d_ray import shipped
+    from m2d_ray.cli import main
+
+    m = models_of(model_config(str(shipped.shape(hub))))
+    assert m.teacher.params == pytest.approx(params, rel=1e-3) and m.teacher.dtype_bytes == 2
+    assert m.teacher.params - m.teacher.inactive_expert_params == pytest.approx(active, rel=1e-3)
+    assert main(["plan", "qwen3_30b_a3b", "--cluster", str(ROOT / "cluster.yaml"), "--model", hub]) == 0
+    out = capsys.readouterr().out
+    assert " NO " not in out and "the bill" in out and "ray.gpus_per_trial=auto: 1 of an H100" in out
+    assert "distill.zero_stage=auto: 3" in out and "distill.accelerator=H200: placed by the plan on gpu_h200_8x" in out
+    line = next(x for x in out.splitlines() if "stage3.accelerator=" in x)
+    assert "stage3.accelerator=H200: placed by the plan" in line and "H100: stage3:teacher needs" in line, line
+    assert f"analysis:teacher  teacher, sharded over {judge_gpus}" in out
 
 
 def test_a_trial_no_gpu_holds_whole_is_spread_over_whole_gpus_of_one_node():
