@@ -171,15 +171,20 @@ def plan_run(
         for key, name in teachers.items()
         if model is None or Path(name).expanduser().is_dir() or shipped.shape(name)
     }
-    out = plan(cfg, _shape(model or cfg.model or default_teacher()), devices, own, stages, choices)
-    return _pins_said(cfg, out, devices)
+    pins = _user_pins(cfg, devices)
+    return _pins_said(plan(cfg, _shape(model or cfg.model or default_teacher()), devices, own, stages, choices), pins)
 
 
-def _pins_said(cfg: SweepConfig, out: RunPlan, devices: Devices) -> RunPlan:
-    """A GPU type the user pinned stays as given; where a unit of its stages does not fit there, its refusal says
-    that leaving the key unset lets the plan place it (on a cluster of several GPU types)."""
+def _user_pins(cfg: SweepConfig, devices: Devices) -> list[str]:
+    """The GPU-type keys (`PLACED`) the user set, on a cluster of several GPU types (where leaving one unset would
+    have the plan place its stages)."""
     kinds = {n.accelerator for n in devices.nodes or () if n.gpus > 0 and n.gpu_memory}
-    pins = [k for k, (_, section, name) in PLACED.items() if getattr(getattr(cfg, section), name) and len(kinds) > 1]
+    return [k for k, (_, section, name) in PLACED.items() if getattr(getattr(cfg, section), name) and len(kinds) > 1]
+
+
+def _pins_said(out: RunPlan, pins: list[str]) -> RunPlan:
+    """A GPU type the user pinned stays as given; where a unit of its stages does not fit there, its refusal says
+    that leaving the key unset lets the plan place it."""
     said = "or leave {} unset (null: the plan places it on the cheapest GPU type that holds it)"
     rows = tuple(
         replace(r, fix=f"{r.fix}, {said.format(key)}") if key and r.fits is False else r
@@ -344,8 +349,8 @@ def _placing(cfg: SweepConfig, key: str, devices: Devices, stages: Stages) -> bo
     gpus = {
         "ray.data_accelerator": cfg.ray.data_gpus_per_actor,
         "distill.accelerator": cfg.distill.gpus_per_worker,
-        "stage3.accelerator": stage3._gpus(cfg),
-    }[key]
+        "stage3.accelerator": cfg.uses_gpus() if cfg.stage3.gpus_per_task is None else cfg.stage3.gpus_per_task,
+    }[key]  # stage 3's: stage3.gpus_per_task, else one GPU a model where the run uses GPUs (stage3._gpus)
     run = {s.name for s in wanted(cfg, stages)}
     return len(kinds) > 1 and gpus > 0 and any(n in run for n in names)
 
