@@ -281,6 +281,8 @@ def test_an_unpinned_stage_is_placed_on_the_cheapest_gpu_type_that_holds_it_and_
     from m2d_ray.stages.stage2 import STAGE
 
     assert STAGE.request(applied)["accelerator_type:H100"] > 0
+    alone = make_plan(cfg, qwen30b, Devices(gpu_memory=80 * 10**9)).cost.by_name()["stage2"]  # no node types
+    assert alone.device == "8 x H100" and alone.seconds > 0  # priced at the GPU type of that memory
     small = make_plan(load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml", ["distill.accelerator=A10G"]), qwen30b,
                       Devices(nodes=nodes))  # fmt: skip
     assert "distill.accelerator" not in small.decided
