@@ -370,8 +370,14 @@ def decide_placement(cfg: SweepConfig, key: str, teacher_config, devices, own, s
         {n.accelerator for n in devices.nodes if n.gpus > 0 and n.gpu_memory and n.gpus >= per_node},
         key=GPU_MEMORY.get,
     ) or sorted({n.accelerator for n in devices.nodes if n.gpus > 0 and n.gpu_memory}, key=GPU_MEMORY.get)
-    tried = {k: plan(_pinned(cfg, key, k), teacher_config, devices, own, stages.only(*names), choices) for k in kinds}
-    unfit = {k: [r for r in p.stages if r.fits is False or not r.feasible] for k, p in tried.items()}
+    # the targets pass stores what stage 2 reads, so stage 2 is planned beside it (its targets chosen as in the run)
+    beside = [n for n in ("stage2",) if "targets" in names and n in stages.names()]
+    sub = stages.only(*names, *beside)
+    tried = {k: plan(_pinned(cfg, key, k), teacher_config, devices, own, sub, choices) for k in kinds}
+    unfit = {
+        k: [r for r in p.stages if r.name.split(":")[0] in names and (r.fits is False or not r.feasible)]
+        for k, p in tried.items()
+    }
     somewhere = set.intersection(*({r.name for r in rows} for rows in unfit.values()))  # fits under no type
 
     def price(k: str) -> tuple:

@@ -281,6 +281,14 @@ def test_an_unpinned_stage_is_placed_on_the_cheapest_gpu_type_that_holds_it_and_
     from m2d_ray.stages.stage2 import STAGE
 
     assert STAGE.request(applied)["accelerator_type:H100"] > 0
+    data = make_plan(replace(cfg, ray=replace(cfg.ray, data_accelerator=None)), qwen30b, Devices(nodes=nodes))
+    (line,) = [n for n in data.decision_lines() if n.startswith("ray.data_accelerator=")]
+    prices = {k: float(v.replace(",", "")) for k, v in re.findall(r"(\w+): fits, \$([\d,.]+)", line)}
+    assert set(prices) == {"A10G", "H100", "H200"} and data.decided["ray.data_accelerator"] == min(
+        prices, key=prices.get
+    )
+    bill = data.cost.by_name()  # the calibration and the targets pass, as the line priced the choice
+    assert bill["calibrate"].dollars + bill["targets"].dollars == pytest.approx(min(prices.values()), abs=0.5)
     alone = make_plan(cfg, qwen30b, Devices(gpu_memory=80 * 10**9)).cost.by_name()["stage2"]  # no node types
     assert alone.device == "8 x H100" and alone.seconds > 0  # priced at the GPU type of that memory
     small = make_plan(load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml", ["distill.accelerator=A10G"]), qwen30b,
