@@ -359,10 +359,11 @@ def decide_placement(cfg: SweepConfig, key: str, teacher_config, devices, own, s
     """A stage whose GPU type the user left unset (`PLACED`: null) is placed by the plan on a GPU type of the cluster's
     node types: of those under which every unit of its stages fits (their rows planned alone, the other `auto`
     settings decided under each), the cheapest by those stages' bill (dollars, else GPU-hours), the smallest GPU on a
-    tie; a student's ranks only on a node type that holds all of its workers (ZeRO within one node). Where no type
-    holds every unit, the first that holds every unit some type holds (the rest are refused there, each in its own
-    line); where none, the largest GPU (refused at its smallest). Said in one line and recorded in `RunPlan.decided`,
-    for the run's config to pin its Ray request to it (a resume keeps it); a pinned key stays as given."""
+    tie; a student's ranks only on a node type that holds all of its workers (ZeRO within one node). A unit no type
+    holds (a teacher too large for any node) does not decide it: it is refused wherever the rest is placed, in its own
+    line; where no type holds all the others, the largest GPU (refused at its smallest). Said in one line and
+    recorded in `RunPlan.decided`, for the run's config to pin its Ray request to it (a resume keeps it); a pinned key
+    stays as given."""
     names = [n for n in PLACED[key][0] if n in stages.names()]
     x = cfg.distill
     per_node = x.workers * x.gpus_per_worker if key == "distill.accelerator" and x.uses_deepspeed else 0

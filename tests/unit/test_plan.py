@@ -483,6 +483,13 @@ def test_deepseek_v3_s_stages_are_each_placed_on_the_node_type_that_holds_them(c
         cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml", [f"stage3.teacher_scores={scores}", *overrides])
         return plan_run(cfg, cluster, "deepseek-ai/DeepSeek-V3", STAGES.only(*stages)).problems()
 
+    given = [f"stage3.teacher_scores={scores}", "stage3.analysis.judge=none"]
+    placed = plan_run(load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml", given), cluster, "deepseek-ai/DeepSeek-V3")
+    assert placed.decided["distill.accelerator"] == "H200" and placed.problems() == []
+    recorded = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml", [*given, *placed.overrides()])  # the run's config
+    resumed = plan_run(recorded, cluster, "deepseek-ai/DeepSeek-V3")  # a resume plans it as recorded
+    assert resumed.decided == {} and resumed.problems() == []
+    assert resumed.by_stage()["stage2"].request["accelerator_type:H200"] > 0
     (judge,) = problems(["stage3", "analysis"])
     assert judge.startswith("analysis:teacher: one teacher, sharded over 8 needs 174.0 GiB") and judge.endswith(
         "or another judge: stage3.analysis.judge=none or openai:MODEL"
