@@ -1,7 +1,7 @@
 """A model whose weights one GPU cannot hold, spread over several as a pipeline of its layers: the input embeddings
 on the first, the decoder layers in order, the final norm and the head on the last. Pure arithmetic on module
 sizes (no torch): the plan counts a spread trial's GPU with it and the trial places its student with the same split
-(stages/trial.spread), so the plan's bytes and the run's placement are one decision.
+(evaluate/spread.py), so the plan's bytes and the run's placement are one decision.
 
 The split keeps the modules' order (a hidden state crosses each GPU boundary once, forward) and makes the largest
 GPU's load as small as any split in order can (a binary search on that load, each step a greedy fill).
