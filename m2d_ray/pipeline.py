@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 import time
 from collections.abc import Iterable, Iterator
@@ -31,7 +32,7 @@ from m2d_ray.errors import M2DError
 from m2d_ray.plan.bill import RunCost, duration
 from m2d_ray.plan.cost import Host, cpu_rate
 from m2d_ray.plan.prices import hourly
-from m2d_ray.plan.run_plan import Costing, Devices, Planning, RunPlan
+from m2d_ray.plan.run_plan import PLACEABLE, Costing, Devices, Planning, RunPlan
 from m2d_ray.plan.shapes import Shape, models_of, shape_of
 from m2d_ray.plan.targets import MOE, TeacherTargets, configured, storage_dollars
 from m2d_ray.run_dir import RunDir
@@ -174,7 +175,27 @@ def plan_run(
         for key, name in teachers.items()
         if model is None or Path(name).expanduser().is_dir() or shipped.shape(name)
     }
-    return plan(cfg, _shape(model or cfg.model or default_teacher()), devices, own, stages, choices)
+    pins = _user_pins(cfg, devices)
+    return _pins_said(plan(cfg, _shape(model or cfg.model or default_teacher()), devices, own, stages, choices), pins)
+
+
+def _user_pins(cfg: SweepConfig, devices: Devices) -> list[str]:
+    """The GPU-type keys (`PLACED`) the user set, on a cluster of several GPU types (where leaving one unset would
+    have the plan place its stages)."""
+    kinds = {n.accelerator for n in devices.nodes or () if n.gpus > 0 and n.gpu_memory}
+    return [k for k, (_, section, name) in PLACED.items() if getattr(getattr(cfg, section), name) and len(kinds) > 1]
+
+
+def _pins_said(out: RunPlan, pins: list[str]) -> RunPlan:
+    """A GPU type the user pinned stays as given; where a unit of its stages does not fit there, its refusal says
+    that leaving the key unset lets the plan place it."""
+    said = "or leave {} unset (null: the plan places it on the cheapest GPU type that holds it)"
+    rows = tuple(
+        replace(r, fix=f"{r.fix}, {said.format(key)}") if key and r.fits is False else r
+        for r in out.stages
+        for key in [next((k for k in pins if r.name.split(":")[0] in PLACED[k][0]), None)]
+    )
+    return replace(out, stages=rows) if pins else out
 
 
 def _shape(model: str):
@@ -199,7 +220,11 @@ def plan(
 ) -> RunPlan:
     """Every stage's rows added up, from configs alone: the MoE teacher's, and the baselines' own teachers' (`own`, by
     stage 3's key) where known (else planned at the MoE teacher's shape). Under stage2.targets=auto each stage-2
-    teacher's targets are chosen first (`choose_targets`)."""
+    teacher's targets are chosen first (`choose_targets`). A stage whose GPU type is not pinned is placed first
+    (`decide_placement`)."""
+    unplaced = [key for key in PLACED if _placing(cfg, key, devices, stages)]
+    if unplaced:
+        return decide_placement(cfg, unplaced[0], teacher_config, devices, own, stages, choices)
     if cfg.ray.gpus_per_trial == AUTO:
         return decide_trial_gpus(cfg, teacher_config, devices, own, stages, choices)
     if cfg.distill.zero_stage == AUTO:
@@ -259,14 +284,17 @@ def decide_zero(cfg: SweepConfig, teacher_config, devices, own, stages, choices)
 
 #: ray.gpus_per_trial=auto's shares of one GPU, the smallest first (a trial runs on one device)
 TRIAL_SHARES = (0.125, 0.25, 0.5, 1.0)
+#: then, where no GPU of the cluster holds a trial whole, whole GPUs of one node its student is spread over in order
+TRIAL_SPREADS = (2, 4, 8)
 
 
 def decide_trial_gpus(cfg: SweepConfig, teacher_config, devices, own, stages, choices) -> RunPlan:
     """ray.gpus_per_trial=auto: the smallest share of a GPU whose stage-1 trial fits, on the pinned GPU type first
-    (ray.trial_accelerator), then on each other GPU type of the cluster's node types, the smallest GPU first; where
-    none holds it, a whole GPU of the largest (the plan refuses it there, at its smallest). The trials alone are
-    planned per candidate; the run is planned once at the choice. Said in one line and recorded in `RunPlan.decided`
-    (both keys: a trial moved to another GPU type is pinned to it)."""
+    (ray.trial_accelerator), then on each other GPU type of the cluster's node types, the smallest GPU first; where no
+    GPU holds it whole, the fewest whole GPUs of one node (2, 4, 8) its student's layers are spread over in order
+    (evaluate/split.py); where none holds it, the last of those (the plan refuses it there, at its smallest). The trials
+    alone are planned per candidate; the run is planned once at the choice. Said in one line and recorded in
+    `RunPlan.decided` (both keys: a trial moved to another GPU type is pinned to it)."""
     r = cfg.ray
     if "stage1" not in stages.names():  # a plan of other stages: nothing to decide (the trials' share read as one GPU)
         return plan(
@@ -274,7 +302,10 @@ def decide_trial_gpus(cfg: SweepConfig, teacher_config, devices, own, stages, ch
         )
     kinds = sorted({n.accelerator for n in devices.nodes or () if n.gpus > 0 and n.gpu_memory}, key=GPU_MEMORY.get)
     types = [r.trial_accelerator, *(k for k in kinds if k != r.trial_accelerator)] if kinds else [r.trial_accelerator]
-    candidates = [(share, kind) for kind in types for share in TRIAL_SHARES]
+    most = {k: max((n.gpus for n in devices.nodes or () if n.accelerator == k), default=0) for k in kinds}
+    candidates = [(share, kind) for kind in types for share in TRIAL_SHARES] + [
+        (float(n), kind) for n in TRIAL_SPREADS for kind in types if most.get(kind, 0) >= n
+    ]
 
     def at(c: tuple) -> SweepConfig:
         return replace(cfg, ray=replace(r, gpus_per_trial=c[0], trial_accelerator=c[1]))
@@ -292,12 +323,112 @@ def decide_trial_gpus(cfg: SweepConfig, teacher_config, devices, own, stages, ch
         return out
     i = candidates.index(chosen)
     before = f"; {_share(candidates[i - 1])} gives {gib(rows[candidates[i - 1]][0].capacity or 0)}" if i else ""
-    note = f"ray.gpus_per_trial=auto: {_share(chosen)} (a trial needs {gib(row.per_device)}{before})"
+    whole = f" whole, {gib(row.per_device)} a GPU spread" if chosen[0] > 1 else ""
+    need = gib(rows[candidates[i - 1]][0].per_device) if whole else gib(row.per_device)
+    note = f"ray.gpus_per_trial=auto: {_share(chosen)} (a trial needs {need}{whole}{before})"
     decided = {"ray.gpus_per_trial": str(chosen[0]), "ray.trial_accelerator": chosen[1] or "null"}
     return replace(out, notes=(*out.notes, note), decided={**out.decided, **decided})
 
 
+#: the GPU-type keys the plan places a stage by when the user left them unset (null): each with the stages it pins
+#: (they share the one request) and the section and field of the config it lives in
+PLACED = dict(
+    zip(
+        PLACEABLE,
+        [
+            (("calibrate", "targets"), "ray", "data_accelerator"),
+            (("stage2",), "distill", "accelerator"),
+            (("stage3", "analysis"), "stage3", "accelerator"),
+        ],
+    )
+)
+
+
+def _pinned(cfg: SweepConfig, key: str, value: str | None) -> SweepConfig:
+    _, section, name = PLACED[key]
+    return replace(cfg, **{section: replace(getattr(cfg, section), **{name: value})})
+
+
+def _placing(cfg: SweepConfig, key: str, devices: Devices, stages: Stages) -> bool:
+    """Whether the plan places `key`'s stages: the key is unset, one of its stages runs here on GPUs, and the cluster's
+    node types have more than one GPU type to choose from (with one, any GPU is that one)."""
+    names, section, name = PLACED[key]
+    if getattr(getattr(cfg, section), name) is not None or devices.nodes is None:
+        return False
+    kinds = {n.accelerator for n in devices.nodes if n.gpus > 0 and n.gpu_memory}
+    gpus = {
+        "ray.data_accelerator": cfg.ray.data_gpus_per_actor,
+        "distill.accelerator": cfg.distill.gpus_per_worker,
+        "stage3.accelerator": cfg.uses_gpus() if cfg.stage3.gpus_per_task is None else cfg.stage3.gpus_per_task,
+    }[key]  # stage 3's: stage3.gpus_per_task, else one GPU a model where the run uses GPUs (stage3._gpus)
+    run = {s.name for s in wanted(cfg, stages)}
+    return len(kinds) > 1 and gpus > 0 and any(n in run for n in names)
+
+
+def decide_placement(cfg: SweepConfig, key: str, teacher_config, devices, own, stages, choices) -> RunPlan:
+    """A stage whose GPU type the user left unset (`PLACED`: null) is placed by the plan on a GPU type of the cluster's
+    node types: of those under which every unit of its stages fits (their rows planned alone, the other `auto`
+    settings decided under each), the cheapest by those stages' bill (dollars, else GPU-hours), the smallest GPU on a
+    tie; a student's ranks only on a node type that holds all of its workers (ZeRO within one node). A unit no type
+    holds (a teacher too large for any node) does not decide it: it is refused wherever the rest is placed, in its own
+    line; where no type holds all the others, the largest GPU (refused at its smallest). Said in one line and
+    recorded in `RunPlan.decided`, for the run's config to pin its Ray request to it (a resume keeps it); a pinned key
+    stays as given."""
+    names = [n for n in PLACED[key][0] if n in stages.names()]
+    x = cfg.distill
+    per_node = x.workers * x.gpus_per_worker if key == "distill.accelerator" and x.uses_deepspeed else 0
+    kinds = sorted(
+        {n.accelerator for n in devices.nodes if n.gpus > 0 and n.gpu_memory and n.gpus >= per_node},
+        key=GPU_MEMORY.get,
+    ) or sorted({n.accelerator for n in devices.nodes if n.gpus > 0 and n.gpu_memory}, key=GPU_MEMORY.get)
+    # the targets pass stores what stage 2 reads, so stage 2 is planned beside it (its targets chosen as in the run)
+    beside = [n for n in ("stage2",) if "targets" in names and n in stages.names()]
+    sub = stages.only(*names, *beside)
+    tried = {k: plan(_pinned(cfg, key, k), teacher_config, devices, own, sub, choices) for k in kinds}
+    unfit = {
+        k: [r for r in p.stages if r.name.split(":")[0] in names and (r.fits is False or not r.feasible)]
+        for k, p in tried.items()
+    }
+    somewhere = set.intersection(*({r.name for r in rows} for rows in unfit.values()))  # fits under no type
+
+    def price(k: str) -> tuple:
+        bill = tried[k].cost.by_name() if tried[k].cost else {}
+        rows = [bill[n] for n in names if n in bill]
+        dollars = [r.dollars for r in rows]
+        hours = [r.gpu_hours for r in rows]
+        return (
+            sum(dollars) if rows and None not in dollars else math.inf,
+            sum(hours) if rows and None not in hours else math.inf,
+            GPU_MEMORY[k],
+        )
+
+    fitting = [k for k in kinds if {r.name for r in unfit[k]} <= somewhere]
+    chosen = min(fitting, key=price) if fitting else kinds[-1]
+    out = plan(_pinned(cfg, key, chosen), teacher_config, devices, own, stages, choices)
+    why = "; ".join(f"{k}: {_placed_text([r for r in unfit[k] if r.name not in somewhere], price(k))}" for k in kinds)
+    node = next(n.name for n in devices.nodes if n.accelerator == chosen)
+    what = " and ".join(names)
+    nowhere = f"; {', '.join(sorted(somewhere))} fits no GPU type (refused below)" if somewhere else ""
+    note = (
+        f"{key}={chosen}: placed by the plan on {node}, the cheapest GPU type whose {what} fit ({why}{nowhere})"
+        if fitting
+        else f"{key}={chosen}: placed by the plan on {node}, the largest GPU type; none holds {what} ({why})"
+    )
+    return replace(out, notes=(*out.notes, note), decided={**out.decided, key: chosen})
+
+
+def _placed_text(unfit: list, price: tuple) -> str:
+    """A GPU type as placement weighed it: what does not fit there (the worst unit), else its price."""
+    if unfit:
+        row = max(unfit, key=lambda r: r.per_device)
+        where = f"{gib(row.capacity)} there" if row.feasible else "no node type holds it"
+        return f"{row.name} needs {gib(row.per_device)} a {row.unit.split(' (')[0].split(',')[0]}, {where}"
+    return f"fits, ${price[0]:,.0f}" if price[0] < math.inf else "fits"
+
+
 def _share(c: tuple) -> str:
+    if c[0] > 1:
+        return f"{c[0]:g} {c[1] + 's' if c[1] else 'GPUs'}, the student spread over {c[0]:g} GPUs (its layers in order)"
     return f"{c[0]:g} of {'an ' + c[1] if c[1] else 'a GPU'}"
 
 

@@ -55,21 +55,23 @@ PLANS = {
         "cluster.yaml",
         None,
     ),
+    # the extended experiment's ranks pinned to the H100 nodes the page's table is about (unpinned, the plan places them
+    # on the 8 x H200 node: cheaper without recompute, slower with one such node)
     "extended": (
         "qwen3_30b_a3b_extended",
-        ["stage2.d2d_teacher=Qwen/Qwen3-32B"],
+        ["stage2.d2d_teacher=Qwen/Qwen3-32B", "distill.accelerator=H100"],
         "cluster.yaml",
         None,
     ),
     "extended-10tb": (
         "qwen3_30b_a3b_extended",
-        ["stage2.d2d_teacher=Qwen/Qwen3-32B", "plan.max_storage=10TB"],
+        ["stage2.d2d_teacher=Qwen/Qwen3-32B", "plan.max_storage=10TB", "distill.accelerator=H100"],
         "cluster.yaml",
         None,
     ),
     "extended-hidden": (
         "qwen3_30b_a3b_extended",
-        ["stage2.d2d_teacher=Qwen/Qwen3-32B", "stage2.targets=hidden"],
+        ["stage2.d2d_teacher=Qwen/Qwen3-32B", "stage2.targets=hidden", "distill.accelerator=H100"],
         "cluster.yaml",
         None,
     ),

@@ -114,14 +114,16 @@ class RayConfig:
     data_gpus_per_actor: float = setting(0.0, "GPUs of each of those actors (0: CPU)")
     data_accelerator: str | None = setting(
         None,
-        "pin the calibration and targets passes to a GPU type (Ray's accelerator_type, e.g. H100)",
+        "pin the calibration and targets passes to a GPU type (Ray's accelerator_type, e.g. H100); unset: the plan "
+        "places them on the cheapest GPU type of the cluster's whose GPU holds an actor (the run's config records it)",
     )
     cpus_per_trial: float = setting(1.0, "CPUs of a stage-1 trial")
     gpus_per_trial: float | Auto = setting(
         0.0,
         "GPUs of a stage-1 trial (fractional: trials share one device); auto = the smallest share of a GPU (1/8, "
-        "1/4, 1/2, 1) whose trial fits, on the pinned GPU type, else on the cluster's type that holds it (the plan "
-        "decides it, with ray.trial_accelerator, and the run's config records both); one whole GPU where no plan did",
+        "1/4, 1/2, 1) whose trial fits, on the pinned GPU type, else on the cluster's type that holds it, else the "
+        "fewest whole GPUs of one node (2, 4, 8) the student's layers are spread over in order (the plan decides it, "
+        "with ray.trial_accelerator, and the run's config records both); one whole GPU where no plan did",
     )
     trial_accelerator: str | None = setting(
         None,

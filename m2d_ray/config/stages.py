@@ -87,7 +87,11 @@ class DistillConfig:
     )
     workers: int = setting(1, "Ray Train workers per student")
     gpus_per_worker: float = setting(0.0, "GPUs per worker (0: CPU)")
-    accelerator: str | None = setting(None, "pin the workers to a GPU type (Ray's accelerator_type, e.g. H100)")
+    accelerator: str | None = setting(
+        None,
+        "pin the workers to a GPU type (Ray's accelerator_type, e.g. H100); unset: the plan places them on the "
+        "cheapest GPU type of the cluster's whose node holds all the workers and whose GPU a rank fits (recorded)",
+    )
     cpus_per_worker: float = setting(1.0, "CPUs per worker")
     threads_per_worker: int = setting(1, "torch threads per worker on CPU")
     checkpointing: CheckpointingName = setting(
@@ -273,7 +277,11 @@ class Stage3Config:
         "memory for a batch's activations, e.g. 20GB (a memory plan's); None = what is left beside the weights",
     )
     max_length: int = setting(4096, "the longest sequence planned for (longer contexts are left-truncated by lm-eval)")
-    accelerator: str | None = setting(None, "pin stage-3 tasks to a GPU type (e.g. H100)")
+    accelerator: str | None = setting(
+        None,
+        "pin stage-3 and analysis tasks to a GPU type (e.g. H100); unset: the plan places them on the cheapest GPU "
+        "type of the cluster's whose GPUs hold every model (recorded)",
+    )
     analysis: AnalysisConfig = setting(
         doc="what the models write: the paper's error taxonomy after stage 3 (stages/analysis.py)",
         factory=AnalysisConfig,

@@ -63,9 +63,11 @@ def window_nll(model, ids: Tensor, mask: Tensor, chunk: int = 1024) -> tuple[flo
     device = next(model.parameters()).device
     ids, mask = ids.to(device), mask.to(device)
     h = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[:, :-1]
+    w = model.get_output_embeddings().weight
+    if h.device != device or w.device != device:  # spread over devices (evaluate/spread.py): the head's device
+        h, ids, mask = h.to(w.device), ids.to(w.device), mask.to(w.device)
     valid = mask[:, 1:].bool() & mask[:, :-1].bool()
     h, target = h[valid], ids[:, 1:][valid]
-    w = model.get_output_embeddings().weight
     total = 0.0
     for s in range(0, h.shape[0], chunk):
         z = logits(h[s : s + chunk], w)  # float32, not rounded to the model's dtype first

@@ -5,6 +5,7 @@ stage 2 end (fixed seed: the same plan every time), which the bill prices instea
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import random
@@ -37,14 +38,21 @@ def asha_ends(cfg: SweepConfig, n: int, lanes: int | None = None) -> list[tuple[
     rungs = asha_rungs(full, min(s2.grace_evals, full), s2.reduction_factor) if s2.asha else []
     if not rungs or n < 2:
         return [(full, n)]
+    return list(_expected_ends(n, full, tuple(rungs), s2.reduction_factor, lanes or n))
+
+
+@functools.lru_cache(maxsize=256)
+def _expected_ends(n: int, full: int, rungs: tuple, rf: float, lanes: int) -> tuple[tuple[float, int], ...]:
+    """`asha_ends`' simulation, kept per its inputs: a plan weighs many candidates (auto settings, placements) whose
+    stage 2 is the same, and the simulation (fixed seed) gives each the same ends."""
     rng, seen = random.Random(0), Counter()
     for _ in range(ASHA_RUNS):
-        seen.update(_asha_run([rng.gauss(0, 1) for _ in range(n)], full, rungs, s2.reduction_factor, lanes or n))
+        seen.update(_asha_run([rng.gauss(0, 1) for _ in range(n)], full, list(rungs), rf, lanes))
     counts = {r: k / ASHA_RUNS for r, k in seen.items()}
     whole = {r: math.floor(k) for r, k in counts.items()}  # largest remainders: whole students, n in all
     for r in sorted(counts, key=lambda r: whole[r] - counts[r])[: n - sum(whole.values())]:
         whole[r] += 1
-    return [(r, whole[r]) for r in sorted(whole) if whole[r]]
+    return tuple((r, whole[r]) for r in sorted(whole) if whole[r])
 
 
 def _asha_run(loss: list[float], full: int, rungs: list[float], rf: float, lanes: int) -> Counter:

@@ -15,6 +15,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
+from m2d_ray.accelerators import GPU_MEMORY, GPU_PEAK_BF16
 from m2d_ray.config import SweepConfig
 from m2d_ray.plan import memory
 from m2d_ray.plan.asha import asha_ends
@@ -27,6 +28,8 @@ from m2d_ray.sizes import gib
 
 HEADROOM = 0.95  # of a device's memory a plan may fill (allocator fragmentation)
 GPU_RESERVE = 1 << 30  # CUDA context and allocator slack (evaluate/placement.RESERVE)
+#: the GPU-type keys the plan places a stage by when the user leaves them unset (pipeline.decide_placement)
+PLACEABLE = ("ray.data_accelerator", "distill.accelerator", "stage3.accelerator")
 
 
 @dataclass(frozen=True)
@@ -297,6 +300,9 @@ class Costing:
     def place(
         self, name: str, gpus: float, threads: int, wanted: int, accelerator: str | None, request: dict | None = None
     ) -> Place:
+        d = self.p.devices
+        if accelerator is None and d.nodes is None and d.gpu_memory:  # --gpu-memory alone: no type to place it on
+            accelerator = min(GPU_PEAK_BF16.keys() & GPU_MEMORY.keys(), key=lambda k: abs(GPU_MEMORY[k] - d.gpu_memory))
         return place(
             self.plans[name].request if request is None else request,
             gpus,

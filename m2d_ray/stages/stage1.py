@@ -24,6 +24,7 @@ from m2d_ray.accelerators import spot
 from m2d_ray.catalog.units import TRIAL
 from m2d_ray.config import parse_recipe
 from m2d_ray.errors import M2DError, RunFailed
+from m2d_ray.evaluate.split import decoder_sizes, largest, spread_over
 from m2d_ray.plan import memory
 from m2d_ray.plan.devices import bundle
 from m2d_ray.plan.flops import distinct_students, eval_tokens, forward_flops, stage1_chunks
@@ -78,11 +79,15 @@ class Stage1(Stage):
         r, e, s = p.cfg.ray, p.cfg.eval, p.models.student
         if p.cfg.stage2.recipes:
             return []
+        parts, n = memory.trial(s, e.batch_size, e.seq_len, s.dtype_bytes), spread_over(r.trial_gpus)
+        if n > 1:  # whole GPUs: the student's layers spread over them in order (evaluate/split.py), a GPU's the largest
+            sizes = decoder_sizes(s.params, s.layers, s.layer_params, s.vocab, s.hidden, s.tied, s.dtype_bytes)
+            parts = {**parts, "student": largest(sizes, n)}
         return [
             unit(
                 self.name,
-                "trial",
-                memory.trial(s, e.batch_size, e.seq_len, s.dtype_bytes),
+                "trial" if n == 1 else f"trial, spread over {n}",
+                parts,
                 r.trial_gpus,
                 r.max_concurrent_trials,
                 self.request(p.cfg),

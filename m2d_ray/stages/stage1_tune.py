@@ -24,6 +24,7 @@ from m2d_ray.calibrate.stats import LayerStats
 from m2d_ray.config import SweepConfig, parse_recipe
 from m2d_ray.console import say
 from m2d_ray.data.text import load_text, tokenize
+from m2d_ray.evaluate.split import spread_over
 from m2d_ray.models import model_config
 from m2d_ray.report.stage1 import heatmap, write_tables
 from m2d_ray.run_dir import RunDir
@@ -73,7 +74,13 @@ def stage1_trainable(config: dict, *, model: str, plans: dict, eval_ids, cfg: Sw
     device = cfg.device or ("cuda" if cfg.ray.trial_gpus > 0 else "cpu")
     teacher = _teacher(model, "cpu")  # the student is built on CPU and moved: a GPU slice holds only the student
     for metrics in run_trial(
-        teacher, plan_of(plans, key), eval_ids, cfg.eval, poison=key in cfg.faults.nan_in, device=device
+        teacher,
+        plan_of(plans, key),
+        eval_ids,
+        cfg.eval,
+        poison=key in cfg.faults.nan_in,
+        device=device,
+        devices=spread_over(cfg.ray.trial_gpus),  # whole GPUs: the student's layers spread over them
     ):
         tune.report(metrics)
         if metrics["chunk"] == config.get("max_chunks"):

@@ -16,6 +16,7 @@ from m2d_ray.config import EvalConfig
 from m2d_ray.convert.build import build_from_plan
 from m2d_ray.convert.plan import ConversionPlan
 from m2d_ray.evaluate.perplexity import perplexity_batches, windows
+from m2d_ray.evaluate.spread import spread
 
 
 class InjectedFault(RuntimeError):
@@ -35,12 +36,19 @@ def run_trial(
     cfg: EvalConfig,
     poison: bool = False,
     device: str = "cpu",
+    devices: int = 1,
 ) -> Iterator[dict]:
     """Build the student of `plan` and yield {"chunk", "ppl", "nll", "tokens", "final", "diverged"}.
 
-    The last dict has final=True; a non-finite partial perplexity ends the trial as diverged.
+    The last dict has final=True; a non-finite partial perplexity ends the trial as diverged. `devices` > 1: the
+    student is spread over that many devices of `device`'s kind, its layers in order (a trial given several whole GPUs
+    because one cannot hold its student: evaluate/spread.py).
     """
-    student = build_from_plan(teacher, plan).to(device)
+    student = build_from_plan(teacher, plan)
+    if devices > 1:
+        spread(student, [f"cuda:{i}" if device == "cuda" else device for i in range(devices)])
+    else:
+        student = student.to(device)
     if poison:  # fault drill: a NaN weight, so the real evaluation path produces a NaN loss
         with torch.no_grad():
             next(p for n, p in student.named_parameters() if "mlp" in n).view(-1)[0] = float("nan")

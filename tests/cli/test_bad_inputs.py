@@ -611,6 +611,7 @@ CASES = {
             "plan.max_storage=1TB",
             "distill.workers=1",
             "distill.deepspeed=false",  # at one rank ZeRO shards nothing (and its float32 bucket would not fit)
+            "distill.accelerator=H100",  # unset, the plan would place the rank on an H200, where online fits
         ],
         "no exact mode fits teacher (hidden stores 2004.3 GiB, over plan.max_storage 931.3 GiB; online needs 124.4 GiB "
         "a rank, over the 75.7 GiB a device gives it)",

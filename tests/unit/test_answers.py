@@ -550,7 +550,7 @@ def wrong(r: dict) -> str:
 # ---- the plan -----------------------------------------------------------------------------------------------------
 def test_the_plan_prices_the_analysis_and_refuses_what_cannot_fit():
     qwen = model_config(str(EXPERIMENTS / "configs" / "Qwen--Qwen3-30B-A3B"))
-    cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml")
+    cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml", ["stage3.accelerator=H100"])  # priced at an H100's peak
     a = cfg.stage3.analysis
     assert a.enabled and (a.questions, a.per_subject, a.max_new_tokens, a.temperature) == ("mmlu", 10, 2048, 0.7)
 

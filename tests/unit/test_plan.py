@@ -34,6 +34,8 @@ OFFLINE = {
     "openai/gpt-oss-20b": "openai--gpt-oss-20b",
     "Qwen/Qwen3-235B-A22B": "Qwen--Qwen3-235B-A22B",
     "deepseek-ai/DeepSeek-V3": "deepseek-ai--DeepSeek-V3",
+    "Qwen/Qwen3-Coder-480B-A35B-Instruct": "Qwen--Qwen3-Coder-480B-A35B-Instruct",
+    "zai-org/GLM-4.5": "zai-org--GLM-4.5",
 }
 
 
@@ -262,17 +264,38 @@ def test_a_request_no_node_type_holds_and_an_unknown_gpu_type_are_one_line():
         load_config(EXPERIMENTS / "tiny.yaml", ["distill.accelerator=H10"])
 
 
-def test_the_smallest_gpu_that_may_receive_a_stage_is_the_one_planned_for(qwen30b):
-    """Without a pin, a 1-GPU student may land on the A10G type: it must fit there; pinned, only on the H100s."""
+def test_an_unpinned_stage_is_placed_on_the_cheapest_gpu_type_that_holds_it_and_pinned_there(qwen30b):
+    """distill.accelerator unset: the 8 ranks go to a node type that holds all 8 (never the 1-GPU A10G types) whose GPU
+    a rank fits, the cheapest of those (H100 before H200); the choice is recorded for the run's config and its Ray
+    request pins it. Pinned to a GPU a rank does not fit, the plan keeps the pin and refuses it in one line."""
     nodes = tuple(from_cluster_yaml(ROOT / "cluster.yaml"))
-    cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml", ["distill.accelerator=null"])
-    loose = make_plan(cfg, qwen30b, Devices(nodes=nodes)).by_stage()["stage2"]
-    assert set(loose.holders) == {"gpu_a10g_1x", "gpu_a10g_1x_spot", "gpu_h100_8x", "gpu_h200_8x"}
-    assert loose.fits is False
-    pinned = make_plan(load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml"), qwen30b, Devices(nodes=nodes)).by_stage()[
-        "stage2"
-    ]
-    assert pinned.holders == ("gpu_h100_8x",) and pinned.fits is True
+    cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml", ["distill.accelerator=null", "stage3.accelerator=H100"])
+    placed = make_plan(cfg, qwen30b, Devices(nodes=nodes))
+    rank = placed.by_stage()["stage2"]
+    assert placed.decided["distill.accelerator"] == "H100" and "distill.accelerator=H100" in placed.overrides()
+    assert rank.holders == ("gpu_h100_8x",) and rank.fits is True and rank.request["accelerator_type:H100"] > 0
+    (line,) = [n for n in placed.decision_lines() if n.startswith("distill.accelerator=")]
+    assert line.startswith("distill.accelerator=H100: placed by the plan on gpu_h100_8x") and "A10G" not in line
+    assert "H100: fits, $" in line and "H200: fits, $" in line
+    applied = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml", placed.overrides())  # what `m2d run` records
+    from m2d_ray.stages.stage2 import STAGE
+
+    assert STAGE.request(applied)["accelerator_type:H100"] > 0
+    data = make_plan(replace(cfg, ray=replace(cfg.ray, data_accelerator=None)), qwen30b, Devices(nodes=nodes))
+    (line,) = [n for n in data.decision_lines() if n.startswith("ray.data_accelerator=")]
+    prices = {k: float(v.replace(",", "")) for k, v in re.findall(r"(\w+): fits, \$([\d,.]+)", line)}
+    assert set(prices) == {"A10G", "H100", "H200"} and data.decided["ray.data_accelerator"] == min(
+        prices, key=prices.get
+    )
+    bill = data.cost.by_name()  # the calibration and the targets pass, as the line priced the choice
+    assert bill["calibrate"].dollars + bill["targets"].dollars == pytest.approx(min(prices.values()), abs=0.5)
+    alone = make_plan(cfg, qwen30b, Devices(gpu_memory=80 * 10**9)).cost.by_name()["stage2"]  # no node types
+    assert alone.device == "8 x H100" and alone.seconds > 0  # priced at the GPU type of that memory
+    small = make_plan(load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml", ["distill.accelerator=A10G"]), qwen30b,
+                      Devices(nodes=nodes))  # fmt: skip
+    assert "distill.accelerator" not in small.decided
+    refused = small.problems()[0]
+    assert refused.startswith("stage2: one rank needs") and "but 1 GPU of 22.5 GiB gives it" in refused
 
 
 def test_cluster_yaml_of_the_wrong_shape_is_one_line(tmp_path):
@@ -433,19 +456,96 @@ def test_a_teacher_no_node_holds_is_refused_naming_its_scores_file_or_read_from_
         teacher_scores(str(scores))
 
 
-@pytest.mark.slow
-def test_the_deepseek_v3_study_plans_fitting_with_h200_nodes_and_the_teacher_s_scores(tmp_path, capsys):
-    """DeepSeek-V3's 37B students: stage-1 trials on a whole H200, ZeRO-3 ranks on the 8 x H200 node, the teacher's
-    scores from a file: every stage fits and the bill is printed."""
+def test_deepseek_v3_s_stages_are_each_placed_on_the_node_type_that_holds_them(capsys, tmp_path):
+    """DeepSeek-V3 by its shipped hub name, nothing pinned but the paper's data passes: the 37B students' ZeRO-3 ranks
+    on the 8 x H200 node (114 GiB a rank: an H100 gives 75.7), stage 3 and the analysis where their models fit, each
+    choice in one line, the Ray requests pinned to it; with the teacher's scores from a file and another judge every
+    stage fits and the bill is printed (exit 0); with the teacher as judge (the default), that judge, which no node
+    holds (164 GiB a GPU over 8 in bf16), is refused in one line naming the judges that would do; a user's pin to the
+    H100 is kept and refused in one line."""
     from m2d_ray.cli import main
+    from m2d_ray.pipeline import STAGES, plan_run
 
     scores = tmp_path / "scores.json"
     scores.write_text('{"mmlu": 0.88}')
     args = ["plan", "qwen3_30b_a3b", "--cluster", str(ROOT / "cluster.yaml"), "--model", "deepseek-ai/DeepSeek-V3"]
-    extra = ["distill.accelerator=H200", f"stage3.teacher_scores={scores}", "stage3.analysis.judge=none"]
-    assert main([*args, *extra]) == 0
+    assert main([*args, f"stage3.teacher_scores={scores}", "stage3.analysis.judge=none", "--json"]) == 0
     out = capsys.readouterr().out
-    assert "ray.gpus_per_trial=auto: 1 of an H200" in out and "distill.zero_stage=auto: 3" in out and " NO " not in out
+    assert "distill.accelerator=H200: placed by the plan on gpu_h200_8x" in out
+    assert "(H100: stage2 needs 114.3 GiB a rank, 75.7 GiB there; H200: fits, $" in out
+    assert re.search(r"stage3.accelerator=H[12]00: placed by the plan on gpu_h[12]00_8x", out), out
+    assert "ray.gpus_per_trial=auto: 1 of an H200" in out and "distill.zero_stage=auto: 3" in out
+    assert " NO " not in out and "the bill" in out
+    assert json.loads(out.strip().splitlines()[-1])["stages"]["stage2"]["fits"] is True
+    cluster = Devices(nodes=tuple(from_cluster_yaml(ROOT / "cluster.yaml")))
+
+    def problems(stages, *overrides):
+        cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml", [f"stage3.teacher_scores={scores}", *overrides])
+        return plan_run(cfg, cluster, "deepseek-ai/DeepSeek-V3", STAGES.only(*stages)).problems()
+
+    given = [f"stage3.teacher_scores={scores}", "stage3.analysis.judge=none"]
+    placed = plan_run(load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml", given), cluster, "deepseek-ai/DeepSeek-V3")
+    assert placed.decided["distill.accelerator"] == "H200" and placed.problems() == []
+    recorded = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml", [*given, *placed.overrides()])  # the run's config
+    resumed = plan_run(recorded, cluster, "deepseek-ai/DeepSeek-V3")  # a resume plans it as recorded
+    assert resumed.decided == {} and resumed.problems() == []
+    assert resumed.by_stage()["stage2"].request["accelerator_type:H200"] > 0
+    (judge,) = problems(["stage3", "analysis"])
+    assert judge.startswith("analysis:teacher: one teacher, sharded over 8 needs 174.0 GiB") and judge.endswith(
+        "or another judge: stage3.analysis.judge=none or openai:MODEL"
+    )
+    pinned = problems(["stage2"], "distill.accelerator=H100")[0]  # (and stage2.targets=auto: no exact mode fits)
+    assert pinned.startswith("stage2: one rank needs 114.3 GiB") and "gives it 75.7 GiB" in pinned
+    assert pinned.endswith("or leave distill.accelerator unset (null: the plan places it on the cheapest GPU type that "
+                           "holds it)")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("hub", "params", "active", "judge_gpus"),
+    [("Qwen/Qwen3-Coder-480B-A35B-Instruct", 480.2e9, 35.5e9, 8), ("zai-org/GLM-4.5", 352.8e9, 33.6e9, 6)],
+)
+def test_the_other_flagships_plan_fitting_on_cluster_yaml_by_their_shipped_hub_names(capsys, hub, params, active,
+                                                                                      judge_gpus):  # fmt: skip
+    """Qwen3-Coder-480B-A35B-Instruct and GLM-4.5 (published in bf16; GLM-4.5's count leaves out its MTP layer) by
+    their shipped config.json: every stage fits cluster.yaml with nothing set, the teacher's lm-eval and its judging
+    placed on the 8 x H200 node (an H100 node cannot hold the bf16 teacher), the ZeRO-3 ranks there too, the trials
+    on a whole H100; exit 0 with the bill."""
+    from m2d_ray import shipped
+    from m2d_ray.cli import main
+
+    m = models_of(model_config(str(shipped.shape(hub))))
+    assert m.teacher.params == pytest.approx(params, rel=1e-3) and m.teacher.dtype_bytes == 2
+    assert m.teacher.params - m.teacher.inactive_expert_params == pytest.approx(active, rel=1e-3)
+    assert main(["plan", "qwen3_30b_a3b", "--cluster", str(ROOT / "cluster.yaml"), "--model", hub]) == 0
+    out = capsys.readouterr().out
+    assert " NO " not in out and "the bill" in out and "ray.gpus_per_trial=auto: 1 of an H100" in out
+    assert "distill.zero_stage=auto: 3" in out and "distill.accelerator=H200: placed by the plan on gpu_h200_8x" in out
+    line = next(x for x in out.splitlines() if "stage3.accelerator=" in x)
+    assert "stage3.accelerator=H200: placed by the plan" in line and "H100: stage3:teacher needs" in line, line
+    assert f"analysis:teacher  teacher, sharded over {judge_gpus}" in out
+
+
+def test_a_trial_no_gpu_holds_whole_is_spread_over_whole_gpus_of_one_node():
+    """DeepSeek-V3's 37B student (78.6 GiB a trial) on a cluster without the H200 nodes: no GPU holds it whole, so
+    ray.gpus_per_trial=auto gives it 2 H100s of one node and its layers are spread over them in order; the plan counts
+    a GPU's part (the larger half of the weights, evaluate/split.py) and says it in one line; the request asks for
+    both."""
+    from m2d_ray.evaluate.split import decoder_sizes, largest
+    from m2d_ray.pipeline import STAGES
+
+    nodes = tuple(n for n in from_cluster_yaml(ROOT / "cluster.yaml") if n.accelerator != "H200")
+    teacher = model_config(str(CONFIGS / "deepseek-ai--DeepSeek-V3"))
+    cfg = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml")
+    out = make_plan(cfg, teacher, Devices(nodes=nodes), stages=STAGES.only("stage1"))
+    (row,) = out.stages
+    s = models_of(teacher).student
+    half = largest(decoder_sizes(s.params, s.layers, s.layer_params, s.vocab, s.hidden, s.tied, s.dtype_bytes), 2)
+    assert row.unit == "trial, spread over 2" and row.fits and row.parts["student"] == half < 0.55 * s.weights
+    assert row.request["GPU"] == 2 and row.request["accelerator_type:H100"] > 0 and row.holders == ("gpu_h100_8x",)
+    assert out.decided["ray.gpus_per_trial"] == "2.0" and out.decided["ray.trial_accelerator"] == "H100"
+    (line,) = [n for n in out.decision_lines() if n.startswith("ray.gpus_per_trial")]
+    assert line.startswith("ray.gpus_per_trial=auto: 2 H100s, the student spread over 2 GPUs (its layers in order)")
+    assert "(a trial needs 78.6 GiB whole, " in line and "1 of an H100 gives 75.7 GiB" in line
 
 
 def test_the_zero3_rank_of_the_22b_student_is_within_15_percent_of_a_meta_count():

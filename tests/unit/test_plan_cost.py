@@ -235,7 +235,8 @@ def test_asha_s_stops_shorten_stage_2_and_leave_stage_3_only_the_finishers(paper
     assert (
         evaluated == finished + 1 and plan.cost.bound.by_name()["stage3"].units == 37 + 1
     )  # the students that finish, the teacher
-    off = replace(cfg, stage2=replace(cfg.stage2, asha=False))
+    placed = load_config(EXPERIMENTS / "qwen3_30b_a3b.yaml", plan.overrides())  # the GPU types the plan placed it on
+    off = replace(placed, stage2=replace(cfg.stage2, asha=False))
     head, idle = cluster_settings(CLUSTER)
     again = make_plan(
         off, model_config(str(QWEN30B)), Devices(None, None, tuple(from_cluster_yaml(CLUSTER)), None, head, idle)

@@ -115,6 +115,8 @@ def test_run_trial_reports_chunks_then_the_full_perplexity(tiny_teacher, grid_pl
     assert out[-1]["ppl"] == pytest.approx(ref.ppl, rel=1e-12) and out[-1]["tokens"] == ref.tokens
     poisoned = list(run_trial(tiny_teacher, plan, ids, cfg, poison=True))
     assert len(poisoned) == 1 and poisoned[0]["diverged"] and poisoned[0]["final"]
+    spread = list(run_trial(tiny_teacher, plan, ids, cfg, devices=3))  # the several-GPU branch, on three `cpu`s
+    assert [r["nll"] for r in spread] == [r["nll"] for r in out]
 
 
 def _rec(s, g, c, K, status, ppl):
