@@ -166,10 +166,57 @@ class TeacherJudge:
         longest = max(len(self.tokenizer(x, add_special_tokens=False)["input_ids"]) for x in TEACHER_LABELS)
         room = None if ctx is None else ctx - longest
         contexts = [context_ids(self.tokenizer, r, room, ask) for r in records for ask in TEACHER_ASKS]
-        s = label_loglikelihoods(self.model, self.tokenizer, contexts, TEACHER_LABELS, self.batch_size)
+        s = self.scores(contexts)
         self.said = [verdict(s[i], s[i + 1]) for i in range(0, len(s), 2)]
         self.log_odds = [log_odds(knowledge_probability(s[i], s[i + 1])) for i in range(0, len(s), 2)]
         return self.said
+
+    def scores(self, contexts: list[list[int]]) -> list[list[float]]:
+        return label_loglikelihoods(self.model, self.tokenizer, contexts, TEACHER_LABELS, self.batch_size)
+
+
+@dataclass
+class StreamedTeacherJudge(TeacherJudge):
+    """The teacher as the judge where no node holds it: `model` is its lazy checkpoint (weights.LazyTeacher), read a
+    decoder layer at a time onto `device` for every sequence at once (one pass over its weights), the labels'
+    log-likelihoods then taken from the final hidden states through its output head."""
+
+    device: str = "cpu"
+
+    def scores(self, contexts: list[list[int]]) -> list[list[float]]:
+        return streamed_label_loglikelihoods(
+            self.model, self.tokenizer, contexts, TEACHER_LABELS, self.batch_size, self.device
+        )
+
+
+def streamed_label_loglikelihoods(
+    teacher, tokenizer, contexts: list[list[int]], labels: tuple[str, ...], batch_size: int, device: str
+) -> list[list[float]]:
+    """`label_loglikelihoods` of a lazy teacher streamed a decoder layer at a time (calibrate/stream.py): every
+    sequence right-padded to one width in a single pass over the weights, the logits of the positions scored only,
+    as the model's head gives them (a plain projection: a soft-capped or scaled head is refused by name)."""
+    import torch
+
+    from m2d_ray.arch.head import check_plain_head
+    from m2d_ray.calibrate.stream import final_hidden_streamed
+    from m2d_ray.weights import read_output_head
+
+    check_plain_head(teacher.config)
+    conts = [tokenizer(lab, add_special_tokens=False)["input_ids"] for lab in labels]
+    seqs = [(c, x) for c in contexts for x in conts]
+    width = max(len(c) + len(x) for c, x in seqs)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids = torch.tensor([c + x + [pad] * (width - len(c) - len(x)) for c, x in seqs])
+    hidden = final_hidden_streamed(teacher, ids, batch_size, device)  # after the final norm, on the host
+    head = read_output_head(teacher.name, hidden.dtype).to(device)
+    out: list[float] = []
+    for row, (c, x) in enumerate(seqs):
+        pos = torch.arange(len(c) - 1, len(c) + len(x) - 1)
+        logits = torch.nn.functional.linear(hidden[row, pos].to(device), head)
+        logp = torch.log_softmax(logits.double(), dim=-1)
+        out.append(float(logp[torch.arange(len(x)), torch.tensor(x, device=device)].sum()))
+    n = len(labels)
+    return [out[j : j + n] for j in range(0, len(out), n)]
 
 
 def ties(said: list[str]) -> str:

@@ -81,9 +81,12 @@ class EvalPlacement:
     max_memory_per_gpu: int | None  # bytes of weights per GPU for the device map (sharded only)
     weights: int
     sequence: int
+    #: the model read a decoder layer at a time (no node holds it; forward passes only: the teacher judge's scores)
+    streamed: bool = False
 
     def describe(self) -> str:
         where = f"{self.gpus:g} GPU" + ("s, sharded" if self.shard else "") if self.gpus else "CPU"
+        where += ", streamed a decoder layer at a time" if self.streamed else ""
         return (
             f"{where}; weights {_gib(self.weights)}, {_gib(self.sequence)} per {self.max_length}-token sequence, "
             f"batch {self.batch_size}" + (f" (at most {self.max_batch_size})" if self.batch_size == AUTO else "")
@@ -199,6 +202,27 @@ def plan_generation(
         f"{what} does not fit: {size.weights / GiB:.1f} GiB of weights + {batch} sequences of {length} tokens "
         f"({batch * seq / GiB:.2f} GiB) need more than {gpus_per_node} GPU(s) of {gpu_bytes / GiB:.0f} GiB; use a "
         "smaller stage3.analysis.batch_size or max_new_tokens, or nodes with more or bigger GPUs"
+    )
+
+
+def plan_streamed(
+    size: ModelSize, gpu_bytes: int | None, batch: int, length: int, what: str = "the model"
+) -> EvalPlacement:
+    """A model no node holds, scoring sequences (forward passes only: the teacher judge's log-likelihoods) a decoder
+    layer at a time on one GPU (calibrate/stream.py): there, its largest layer (its weights less the embedding and
+    the head, over its layers) and then its output head, beside one batch's activations; the hidden states of every
+    sequence wait on the host between layers."""
+    b = size.bytes_per_param
+    head = size.vocab * size.hidden * b
+    layer = max(0, size.weights - 2 * head) // max(1, size.layers)
+    seq = length * (8 * size.hidden + 3 * size.ffn) * b + length * size.vocab * 4
+    if gpu_bytes is not None and max(layer, head) + batch * seq > gpu_bytes * UTILISATION - RESERVE:
+        raise M2DError(
+            f"{what} does not fit a decoder layer at a time either: {max(layer, head) / GiB:.1f} GiB + {batch} "
+            f"sequences of {length} tokens on a GPU of {gpu_bytes / GiB:.0f} GiB; use a smaller batch"
+        )
+    return EvalPlacement(
+        1 if gpu_bytes is not None else 0, False, batch, batch, length, None, max(layer, head), seq, True
     )
 
 

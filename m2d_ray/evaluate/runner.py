@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from m2d_ray.accelerators import GPUS_PER_NODE, host_available
 from m2d_ray.catalog.evaluate import check_stage3, parse_batch, setting_bytes  # noqa: F401  (check_stage3 re-exported)
+from m2d_ray.errors import M2DError
 from m2d_ray.evaluate.harness import PAPER_NAMES, evaluate
 from m2d_ray.evaluate.paper_data import pack
 from m2d_ray.evaluate.placement import (
@@ -22,6 +23,7 @@ from m2d_ray.evaluate.placement import (
     model_size,
     plan_eval,
     plan_generation,
+    plan_streamed,
 )
 
 # Imported inside functions: what may be missing (optional packages, Ray's internal API), where its absence is handled;
@@ -158,17 +160,32 @@ def gpu_of(c, get=None) -> tuple[int, int]:
 
 
 def generation_placements(
-    models: dict[str, str], c, gpus: float, batch: int, prompt: int, length: int, get=None
+    models: dict[str, str], c, gpus: float, batch: int, prompt: int, length: int, get=None, streamable=()
 ) -> dict[str, EvalPlacement]:
     """{key: placement} of every model the analysis generates with (placement.plan_generation), from configs alone,
-    before any task starts: stage 3's GPUs (`gpus`: its share, 0 = CPU), the whole batch beside the weights."""
+    before any task starts: stage 3's GPUs (`gpus`: its share, 0 = CPU), the whole batch beside the weights. A model
+    of `streamable` (one that only scores: the teacher judge) that no node holds is read a layer at a time instead."""
     mem, per_node = gpu_of(c, get) if gpus > 0 else (None, 0)
     out = {}
     for k, m in models.items():
         fraction = gpus if 0 < gpus < 1 else None
-        p = generation_placement(m, mem, per_node, batch, prompt, length, fraction, f"the analysis' model {k} ({m})")
+        what = f"the analysis' model {k} ({m})"
+        try:
+            p = generation_placement(m, mem, per_node, batch, prompt, length, fraction, what)
+        except M2DError:
+            if k not in streamable:
+                raise
+            p = streamed_placement(m, mem, batch, length, what)
         out[k] = replace(p, gpus=gpus) if gpus >= 1 and p.gpus < gpus else p
     return out
+
+
+def streamed_placement(model: str, gpu_bytes: int | None, batch: int, length: int, what: str) -> EvalPlacement:
+    """placement.plan_streamed of `model` from its config (no weights read)."""
+    from m2d_ray.models import model_config
+
+    config = model_config(model)
+    return plan_streamed(_size(config.to_json_string()), gpu_bytes, batch, max_length(config, length), what)
 
 
 def generation_placement(

@@ -44,9 +44,17 @@ from m2d_ray.config import AnalysisConfig, SweepConfig
 from m2d_ray.console import say
 from m2d_ray.data.synthetic import DOMAINS
 from m2d_ray.errors import M2DError
-from m2d_ray.evaluate.judges import OpenAIJudge, TeacherJudge, describe, parse_judge, shortfall, ties
+from m2d_ray.evaluate.judges import (
+    OpenAIJudge,
+    StreamedTeacherJudge,
+    TeacherJudge,
+    describe,
+    parse_judge,
+    shortfall,
+    ties,
+)
 from m2d_ray.evaluate.paper_tasks import MMLU_SUBJECTS
-from m2d_ray.evaluate.placement import model_size, plan_generation
+from m2d_ray.evaluate.placement import model_size, plan_generation, plan_streamed
 from m2d_ray.evaluate.questions import TEMPLATE_CHARS, Question, check_set, group_of, sample
 from m2d_ray.evaluate.runner import generation_placements, max_length
 from m2d_ray.evaluate.taxonomy import by_rules, classify, judge_extracted, summary
@@ -105,20 +113,35 @@ class Analysis(Stage):
         for key, config in models.items():
             size, length = model_size(config), max_length(config, prompt + a.max_new_tokens)
             gpu = mem if gpus > 0 else None
+            streamed = None
             try:
                 e = plan_generation(size, gpu, per_node, a.batch_size, prompt, length, gpus if gpus < 1 else None)
                 shard = max(1, int(e.gpus))
             except M2DError:  # fits on no number of a node's GPUs: what it would need on all of them
                 shard = per_node
+                if key == TEACHER_KEY:  # the judge only scores: a decoder layer at a time, where that fits
+                    streamed = _streamed(size, gpu, a.batch_size, length)
             spread, each = size.generation_bytes(prompt, length)
             parts = {
                 "weights": int(size.weights / shard * (1.05 if shard > 1 else 1)),
                 "batch of sequences": a.batch_size * (spread // shard + each),
             }
+            if streamed is not None:
+                shard, parts = (
+                    1,
+                    {
+                        "a decoder layer or the head": streamed.weights,
+                        "batch of sequences": a.batch_size * streamed.sequence,
+                    },
+                )
             rows.append(
                 unit(
                     f"{self.name}:{key}",
-                    f"{key}, sharded over {shard}" if shard > 1 else key,
+                    f"{key}, streamed a decoder layer at a time"
+                    if streamed
+                    else f"{key}, sharded over {shard}"
+                    if shard > 1
+                    else key,
                     parts,
                     (gpus if gpus < 1 else 1) if gpus > 0 else 0,
                     shard,
@@ -320,12 +343,13 @@ def _analysed(ctx, stage: Analysis, jobs: list, questions: list[Question], base:
     return out
 
 
-def _places(cfg: SweepConfig, models: dict[str, str], get) -> dict:
-    """Where each model generates: stage 3's devices, the analysis' whole batch beside the weights."""
+def _places(cfg: SweepConfig, models: dict[str, str], get, streamable=()) -> dict:
+    """Where each model generates: stage 3's devices, the analysis' whole batch beside the weights (`streamable`: the
+    models that only score, read a layer at a time where no node holds them)."""
     a = cfg.stage3.analysis
     prompt = int(prompt_tokens(a.questions, TEMPLATE_CHARS))
     return generation_placements(
-        models, cfg.stage3, stage3._gpus(cfg), a.batch_size, prompt, prompt + a.max_new_tokens, get
+        models, cfg.stage3, stage3._gpus(cfg), a.batch_size, prompt, prompt + a.max_new_tokens, get, streamable
     )
 
 
@@ -393,7 +417,7 @@ def _judge(ctx, stage: Analysis, records: list[dict]) -> tuple[list[str], str, l
     gpus, opts = stage3._gpus(cfg), stage3.task_options(cfg)
     teacher = ctx.workers_teacher
     with ctx.waiting(stage) as waiting:
-        place = _places(cfg, {TEACHER_KEY: teacher}, waiting.get)[TEACHER_KEY]
+        place = _places(cfg, {TEACHER_KEY: teacher}, waiting.get, streamable=(TEACHER_KEY,))[TEACHER_KEY]
         ref = (
             ray.remote(_judge_task)
             .options(**{**opts, "num_gpus": place.gpus})
@@ -430,17 +454,31 @@ def _answer_task(model, questions, s, device, placement, url, threads, store) ->
     return {"rows": rows, "gen_s": round(time.time() - t0, 1), "placement": placement.describe(), **peaks()}
 
 
+def _streamed(size, gpu: int | None, batch: int, length: int):
+    """The teacher judge's placement a decoder layer at a time, None where even that does not fit."""
+    try:
+        return plan_streamed(size, gpu, batch, length)
+    except M2DError:
+        return None
+
+
 def _judge_task(teacher, records, batch_size, device, placement, threads, store) -> tuple[list[str], list[float]]:
     """A Ray task: the teacher judges `records` (its label continuations' log-likelihoods): its verdicts and their
-    log-odds."""
+    log-odds; a teacher no node holds is read from its checkpoint a decoder layer at a time (its placement says so)."""
     import torch
 
     from m2d_ray.evaluate.generation import load
 
     store.ensure_visible()
     torch.set_num_threads(threads)
-    lm, tok = load(teacher, device, placement)
-    judge = TeacherJudge(lm, tok, batch_size)
+    if placement.streamed:
+        from m2d_ray.weights import open_model
+
+        lazy = open_model(teacher)
+        judge = StreamedTeacherJudge(lazy, lazy.tokenizer, batch_size, device=device)
+    else:
+        lm, tok = load(teacher, device, placement)
+        judge = TeacherJudge(lm, tok, batch_size)
     return judge(records), judge.log_odds
 
 

@@ -312,6 +312,37 @@ def test_teacher_judge_averages_both_label_orders_as_a_float64_brute_force_does(
     assert len({tuple(s) for s in batched}) == len(contexts)  # the scores depend on the answer and the order
 
 
+def test_a_teacher_no_node_holds_judges_a_decoder_layer_at_a_time_as_the_loaded_one_does(byte_teacher_dir, local):
+    """The streamed judge (every sequence in one pass over the weights, a decoder layer at a time, the labels scored
+    through the output head) gives the loaded judge's log-likelihoods, verdicts and log-odds; the analysis' judge task
+    takes that path when its placement says streamed."""
+    from m2d_ray.evaluate.judges import StreamedTeacherJudge, streamed_label_loglikelihoods
+    from m2d_ray.evaluate.placement import EvalPlacement
+    from m2d_ray.stages.analysis import _judge_task
+    from m2d_ray.weights import open_model
+
+    lm, tok = load_model(str(byte_teacher_dir))
+    records = _wrong(local)[:3]
+    contexts = [context_ids(tok, r, None, ask) for r in records for ask in TEACHER_ASKS]
+    lazy = open_model(str(byte_teacher_dir))
+    loaded = label_loglikelihoods(lm, tok, contexts, TEACHER_LABELS, 5)
+    streamed = streamed_label_loglikelihoods(lazy, tok, contexts, TEACHER_LABELS, 5, "cpu")
+    assert len({tuple(s) for s in streamed}) == len(contexts)  # the scores depend on the answer and the order
+    for got, want in zip(streamed, loaded):
+        assert got == [pytest.approx(w, abs=1e-5) for w in want]
+    said = TeacherJudge(lm, tok)(records)
+    judge = StreamedTeacherJudge(lazy, tok)
+    assert judge(records) == said
+    placed = EvalPlacement(0, False, 5, 5, 64, None, 0, 0, streamed=True)
+
+    class Visible:
+        def ensure_visible(self):
+            pass
+
+    verdicts, odds = _judge_task(str(byte_teacher_dir), records, 5, "cpu", placed, 1, Visible())
+    assert verdicts == said and odds == [pytest.approx(x, abs=1e-4) for x in judge.log_odds]
+
+
 def test_the_label_orders_cancel_a_bias_for_one_label():
     ln = math.log
     assert verdict([ln(0.7), ln(0.3)], [ln(0.7), ln(0.3)]) == "unjudged"  # " 1" either way: a bias, no verdict
