@@ -19,8 +19,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-# Imported inside functions: arch/meta.py (torch: a family known here is counted without it).
-
 
 @dataclass(frozen=True)
 class Counts:
@@ -161,6 +159,13 @@ def _olmoe_attention(c) -> _Tally:
     return _gqa(c, bias, bias, qk_norm="all")
 
 
+def _glm4_moe_attention(c) -> _Tally:
+    """GLM-4.5's: biases on q, k and v (attention_bias), none on o; a per-head q/k norm where use_qk_norm."""
+    return _gqa(
+        c, bool(_get(c, "attention_bias", False)), False, qk_norm="head" if _get(c, "use_qk_norm", False) else ""
+    )
+
+
 def _deepseek_shared(c) -> int:
     return int(_get(c, "n_shared_experts", 0) or 0) * c.moe_intermediate_size
 
@@ -210,6 +215,14 @@ FAMILIES: dict[str, Family] = {
         for name in ("deepseek_v2", "deepseek_v3")
     },
     "gpt_oss": _every_layer_moe(lambda c: _gqa(c, True, True, sinks=True), "num_local_experts", biases=True),
+    "glm4_moe": Family(  # DeepSeek's MoE (routed, shared, the correction bias a buffer) under GQA attention
+        _glm4_moe_attention,
+        _deepseek_sparse,
+        moe=_deepseek_block,
+        mlp=_dense_mlp,
+        expert_width=lambda c: c.moe_intermediate_size,
+        shared_width=_deepseek_shared,
+    ),
 }
 
 
@@ -236,14 +249,3 @@ def counts(config) -> Counts | None:
     dense = int(_get(c, "intermediate_size", 0)) if len(moe) < n and family.mlp is not None else 0
     widths = (family.expert_width(c), family.shared_width(c), dense) if moe else (0, 0, dense)
     return Counts(sum(layers) + outer, tuple(layers), vector + d, tuple(moe), tied, *widths)
-
-
-def param_counts(config) -> Counts:
-    """A model's parameter counts: by arithmetic where this module knows its family (no modelling code built, no
-    torch imported), else on the meta device (arch/meta.py)."""
-    found = counts(config)
-    if found is not None:
-        return found
-    from m2d_ray.arch.meta import meta_counts
-
-    return meta_counts(config)

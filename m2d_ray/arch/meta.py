@@ -1,17 +1,19 @@
-"""A model's parameter counts read off its meta-device model through its arch adapter for an MoE (`meta_counts`): what
-`counts.param_counts` falls back to for a family its arithmetic does not know, and the reference
-`tests/unit/test_counts.py` holds the arithmetic to."""
+"""A model's parameter counts (`param_counts`): by arithmetic where arch/counts.py knows its family (no modelling code
+built, no torch imported), else read off its meta-device model through its arch adapter for an MoE (`meta_counts`),
+which is also the reference `tests/unit/test_counts.py` holds the arithmetic to."""
 
 from __future__ import annotations
 
 import copy
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from m2d_ray.arch import auto_class, family_of, get_adapter
-from m2d_ray.arch.base import dense_from_mlp
-from m2d_ray.arch.counts import Counts, param_counts  # noqa: F401  (param_counts: its callers' name for it here)
+from m2d_ray.arch.counts import Counts, counts
+
+if TYPE_CHECKING:
+    from torch import nn
+
+# Imported inside functions: torch and arch/base (a family counts.py knows is counted without them: `m2d plan`).
 
 #: meta-device models by config (a plan asks for the same few configs many times over)
 _META: dict[str, nn.Module] = {}
@@ -20,6 +22,8 @@ _META: dict[str, nn.Module] = {}
 def meta_model(config) -> nn.Module:
     """The model of `config` on the meta device in bfloat16 (no weights), built once per distinct config. Read only:
     it is shared."""
+    import torch
+
     key = f"{type(config).__name__}:{config.to_json_string(use_diff=False)}"
     if key not in _META:
         with torch.device("meta"):
@@ -28,6 +32,8 @@ def meta_model(config) -> nn.Module:
 
 
 def meta_counts(config) -> Counts:
+    from m2d_ray.arch.base import dense_from_mlp
+
     model = meta_model(config)
     adapter = get_adapter(config) if family_of(config) is not None else None
     layers = adapter.layers(model) if adapter is not None else model.get_decoder().layers
@@ -50,3 +56,8 @@ def meta_counts(config) -> Counts:
         shared.weights.width if shared else 0,
         max(dense, default=0),
     )
+
+
+def param_counts(config) -> Counts:
+    """A model's parameter counts: by arithmetic where arch/counts.py knows its family, else on the meta device."""
+    return counts(config) or meta_counts(config)

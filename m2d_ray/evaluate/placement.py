@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from m2d_ray.arch.counts import param_counts
+from m2d_ray.arch.meta import param_counts
 from m2d_ray.catalog.distill import AUTO
 from m2d_ray.errors import M2DError
 

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from m2d_ray.arch import get_adapter, mtp_left_out
-from m2d_ray.arch.counts import Counts, param_counts
+from m2d_ray.arch.counts import Counts
 from m2d_ray.arch.json_config import adapter_of
+from m2d_ray.arch.meta import param_counts
 from m2d_ray.quant import MXFP4, scheme_of, stored_bytes
 
 if TYPE_CHECKING:
