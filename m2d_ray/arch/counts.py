@@ -182,6 +182,19 @@ def _every_layer_moe(attention: Callable[[object], _Tally], experts: str, biases
     )
 
 
+def _deepseek_moe(attention: Callable[[object], _Tally]) -> Family:
+    """DeepSeek's MoE layers (dense before first_k_dense_replace; routed experts, the shared ones, the correction bias
+    a buffer) under `attention`: MLA in DeepSeek-V2/V3, grouped-query attention in GLM-4.5."""
+    return Family(
+        attention,
+        _deepseek_sparse,
+        moe=_deepseek_block,
+        mlp=_dense_mlp,
+        expert_width=lambda c: c.moe_intermediate_size,
+        shared_width=_deepseek_shared,
+    )
+
+
 FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family(
         _qwen3_attention,
@@ -203,26 +216,9 @@ FAMILIES: dict[str, Family] = {
     "mixtral": _every_layer_moe(lambda c: _gqa(c, False, False), "num_local_experts"),
     "mistral": Family(lambda c: _gqa(c, False, False), _never, moe=None, mlp=_dense_mlp),
     "olmoe": _every_layer_moe(_olmoe_attention, "num_experts"),
-    **{
-        name: Family(
-            _mla,
-            _deepseek_sparse,
-            moe=_deepseek_block,
-            mlp=_dense_mlp,
-            expert_width=lambda c: c.moe_intermediate_size,
-            shared_width=_deepseek_shared,
-        )
-        for name in ("deepseek_v2", "deepseek_v3")
-    },
+    **{name: _deepseek_moe(_mla) for name in ("deepseek_v2", "deepseek_v3")},
     "gpt_oss": _every_layer_moe(lambda c: _gqa(c, True, True, sinks=True), "num_local_experts", biases=True),
-    "glm4_moe": Family(  # DeepSeek's MoE (routed, shared, the correction bias a buffer) under GQA attention
-        _glm4_moe_attention,
-        _deepseek_sparse,
-        moe=_deepseek_block,
-        mlp=_dense_mlp,
-        expert_width=lambda c: c.moe_intermediate_size,
-        shared_width=_deepseek_shared,
-    ),
+    "glm4_moe": _deepseek_moe(_glm4_moe_attention),
 }
 
 
