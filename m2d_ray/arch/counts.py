@@ -58,6 +58,28 @@ def _kv_heads(c) -> int:
     return int(_get(c, "num_key_value_heads") or c.num_attention_heads)
 
 
+def layer_attention_widths(text) -> list[tuple[int, int, int, int]]:
+    """(query width, key/value width, heads, key/value heads) of each distinct layer: one for a config whose layers
+    are alike, one a layer where it sets them per layer (Gemma-4's wider global-attention heads), whose global
+    attribute transformers refuses to read."""
+    per_layer = getattr(text, "per_layer_config", None)
+    views = [per_layer[i] for i in range(text.num_hidden_layers)] if per_layer is not None else [text]
+
+    def widths(c) -> tuple[int, int, int, int]:
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        kv = getattr(c, "num_key_value_heads", None) or heads
+        return heads * head_dim, kv * head_dim, heads, kv
+
+    return [widths(c) for c in views]
+
+
+def attention_widths(text) -> tuple[int, int, int, int]:
+    """`layer_attention_widths` averaged over the layers: a figure times the layers is the model's."""
+    rows = layer_attention_widths(text)
+    return tuple(round(sum(col) / len(col)) for col in zip(*rows))
+
+
 # ---- attention --------------------------------------------------------------------------------------------
 def _gqa(c, qkv_bias: bool, o_bias: bool, qk_norm: str = "", sinks: bool = False) -> _Tally:
     """q/k/v/o projections of grouped-query attention; `qk_norm` "head" (a gain of head_dim each: Qwen3) or "all"

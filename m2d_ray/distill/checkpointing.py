@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from m2d_ray.arch.counts import layer_attention_widths
 from m2d_ray.catalog.distill import AUTO, CHECKPOINTING, ambiguous_down
 
 # Imported inside functions: transformers' modelling code (a worker that imports this module may build no model).
@@ -87,9 +88,8 @@ def down_projection(model: nn.Module) -> tuple[int, int] | None:
     projections; they cannot be told apart by shape, and the down projection is kept too: `ambiguous_down`)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     ffn, hidden = getattr(config, "intermediate_size", None), config.hidden_size
-    heads = config.num_attention_heads
-    q = heads * (getattr(config, "head_dim", None) or hidden // heads)
-    return None if not ffn or ambiguous_down(hidden, q, ffn) else (ffn, hidden)
+    qs = {row[0] for row in layer_attention_widths(config)}
+    return None if not ffn or any(ambiguous_down(hidden, q, ffn) for q in qs) else (ffn, hidden)
 
 
 def _enable(model: nn.Module, kwargs: dict) -> None:

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+from m2d_ray.arch.counts import attention_widths
+
 # Imported inside functions: torch (`m2d plan` counts FLOPs from shapes with this module and imports no torch).
 
 
@@ -27,9 +29,7 @@ def matmul_params(model: nn.Module) -> int:
 
 def attention_flops(config, seq_len: int) -> float:
     """Forward FLOPs per token of causal attention over `seq_len` positions, all layers."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return causal_attention_flops(heads * head_dim, config.num_hidden_layers, seq_len)
+    return causal_attention_flops(attention_widths(config)[0], config.num_hidden_layers, seq_len)
 
 
 def causal_attention_flops(q_width: int, layers: int, seq_len: int) -> float:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from m2d_ray.arch.counts import attention_widths
 from m2d_ray.arch.meta import param_counts
 from m2d_ray.catalog.distill import AUTO
 from m2d_ray.errors import M2DError
@@ -106,8 +107,7 @@ def model_size(config, dtype_bytes: int | None = None) -> ModelSize:
     if dtype_bytes is None:
         dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         dtype_bytes = 4 if str(dt).endswith("float32") else 2
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    _, kv_width, _, kv_heads = attention_widths(text)
     k = getattr(text, "num_experts_per_tok", None) or 1
     moe = getattr(text, "moe_intermediate_size", None)
     ffn = max(getattr(text, "intermediate_size", 0) or 0, k * moe if moe else 0)
@@ -117,8 +117,8 @@ def model_size(config, dtype_bytes: int | None = None) -> ModelSize:
         text.vocab_size,
         text.hidden_size,
         text.num_hidden_layers,
-        getattr(text, "num_key_value_heads", None) or heads,
-        head_dim,
+        kv_heads,
+        kv_width // kv_heads,  # a layer's key/value width (averaged where layers differ: Gemma-4) over its heads
         ffn,
     )
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from m2d_ray.arch import get_adapter, mtp_left_out
-from m2d_ray.arch.counts import Counts
+from m2d_ray.arch.counts import Counts, attention_widths
 from m2d_ray.arch.json_config import adapter_of
 from m2d_ray.arch.meta import param_counts
 from m2d_ray.quant import MXFP4, scheme_of, stored_bytes
@@ -74,21 +74,6 @@ class Shape:
 def _dtype_bytes(config) -> int:
     dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     return 4 if str(dt).endswith("float32") else 2
-
-
-def attention_widths(text) -> tuple[int, int, int, int]:
-    """A layer's query and key/value widths (heads x head_dim) and head counts, averaged over the layers where a
-    config sets them per layer (Gemma-4's wider global-attention heads): a figure times the layers is the model's."""
-    per_layer = getattr(text, "per_layer_config", None)
-    views = [per_layer[i] for i in range(text.num_hidden_layers)] if per_layer is not None else [text]
-
-    def widths(c) -> tuple[int, int, int, int]:
-        heads = c.num_attention_heads
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-        kv = getattr(c, "num_key_value_heads", None) or heads
-        return heads * head_dim, kv * head_dim, heads, kv
-
-    return tuple(round(sum(col) / len(col)) for col in zip(*map(widths, views)))
 
 
 def shape_of(config, c: Counts | None = None, adapter: MoEAdapter | None = None) -> Shape:

@@ -422,3 +422,22 @@ def test_a_family_an_older_transformers_builds_otherwise_is_named_with_the_relea
     assert get_adapter(config) is not None
     assert "needs transformers>=" + refused.READ_AGAINST in refused.missing_release("some_moe", known=True)
     assert refused.missing_release("some_moe") is None
+
+
+def test_a_config_whose_layers_differ_in_attention_is_planned_as_the_sum_of_its_layers():
+    """Gemma-4 sets wider heads on its global layers (per_layer_config), and transformers refuses to read such an
+    attribute off the whole config: stage 3's placement, the FLOPs and the plan's shapes count each layer's own."""
+    from m2d_ray.distill.flops import attention_flops, causal_attention_flops
+    from m2d_ray.evaluate.placement import model_size
+
+    config = tiny_config("gemma4_text", **TINY_EXTRA["gemma4_text"])
+    layers = [config.per_layer_config[i] for i in range(config.num_hidden_layers)]
+    q = [c.num_attention_heads * c.head_dim for c in layers]
+    kv = [c.num_key_value_heads * c.head_dim for c in layers]
+    assert len(set(q)) == 2  # the layers do differ
+    assert attention_flops(config, 16) == sum(causal_attention_flops(w, 1, 16) for w in q)
+    size = model_size(config)
+    assert size.layers * size.kv_heads * size.head_dim == sum(kv)
+    shape = models_of(config).teacher
+    assert shape.layers * shape.q_width == sum(q) and shape.layers * shape.kv_width == sum(kv)
+
