@@ -254,12 +254,13 @@ class LazyTeacher:
         raise M2DError(f"checkpoint {ckpt.dir} has no tensor {name} ({hint})")
 
     def _converted(self, stored, rows: Sequence[int] | None, dtype: torch.dtype) -> Tensor:
-        """A tensor transformers assembles with operations of its own (`Stored.ops`): its sources read raw (only the
-        experts `rows` where the operations work expert by expert), then those operations run on them, into `dtype`
-        as `from_pretrained` runs them into the parameter's."""
+        """A tensor transformers assembles with operations of its own (`Stored.ops`): its sources read as stored, or
+        dequantised by the checkpoint's scheme (only the experts `rows` where the operations work expert by expert),
+        then those operations run on them, into `dtype` as `from_pretrained` runs them into the parameter's."""
         ops, patterns, targets, target = stored.ops
         pushed = rows if stored.per_expert else None
-        tensors: dict = {p: [self.checkpoint.shard(k).read(k, pushed)] for p, k in stored.sources}
+        # each source as stored, or dequantised where the teacher's published scheme stores it quantised
+        tensors: dict = {p: [self._reader.read(k, pushed, dtype)] for p, k in stored.sources}
         for op in ops:
             tensors = op.convert(
                 tensors,

@@ -441,3 +441,38 @@ def test_a_config_whose_layers_differ_in_attention_is_planned_as_the_sum_of_its_
     shape = models_of(config).teacher
     assert shape.layers * shape.q_width == sum(q) and shape.layers * shape.kv_width == sum(kv)
 
+
+def test_a_quantised_tensor_transformers_assembles_with_ops_of_its_own_is_dequantised_before_them(tmp_path):
+    """Kimi-K2.5 published in fine-grained FP8: its vision tower's fused qkv, which transformers splits and permutes
+    for its rotary embedding on load, is read dequantised and then through those operations: equal to the same tower
+    read from the dequantised copy."""
+    from quantize import FORMATS, expand, quantise_blocks, write
+    from safetensors.torch import load_file, save_file
+
+    from m2d_ray.models import model_config
+
+    model = tiny_multimodal("kimi_k25", dtype=torch.float32)
+    quantised, plain = write(model, tmp_path, "fp8")  # the language model's matrices
+    block = FORMATS["fp8"]["weight_block_size"]
+    stored, dequantised = load_file(quantised / "model.safetensors"), load_file(plain / "model.safetensors")
+    for key in [k for k in stored if k.endswith("wqkv.weight")]:  # and the vision tower's fused qkv
+        w = stored[key]
+        stored[key], stored[key + "_scale_inv"] = quantise_blocks(w, *block, torch.float8_e4m3fn)
+        dequantised[key] = (stored[key].double() * expand(stored[key + "_scale_inv"], w.shape, *block)).to(w.dtype)
+    save_file(stored, quantised / "model.safetensors", metadata={"format": "pt"})
+    save_file(dequantised, plain / "model.safetensors", metadata={"format": "pt"})
+
+    def lazy(directory):
+        config = model_config(str(directory))
+        adapter = get_adapter(config)
+        return LazyTeacher(
+            str(directory), config, None, adapter, skeleton(config, torch.float32), Checkpoint(directory)
+        )
+
+    q, p = lazy(quantised), lazy(plain)
+    fused = [k for k in Checkpoint(quantised).names() if k.endswith("wqkv.weight")]
+    assert fused and all(q._reader.quantised(k) for k in fused)
+    names = [n for n in model.state_dict() if "vision_tower" in n and n.endswith(("q_proj.weight", "k_proj.weight"))]
+    assert names
+    for n in names:
+        assert torch.equal(q.tensor(n), p.tensor(n)), n
