@@ -359,8 +359,8 @@ def _placing(cfg: SweepConfig, key: str, devices: Devices, stages: Stages) -> bo
     gpus = {
         "ray.data_accelerator": cfg.ray.data_gpus_per_actor,
         "distill.accelerator": cfg.distill.gpus_per_worker,
-        "stage3.accelerator": cfg.uses_gpus() if cfg.stage3.gpus_per_task is None else cfg.stage3.gpus_per_task,
-    }[key]  # stage 3's: stage3.gpus_per_task, else one GPU a model where the run uses GPUs (stage3._gpus)
+        "stage3.accelerator": cfg.stage3_gpus(),
+    }[key]
     run = {s.name for s in wanted(cfg, stages)}
     return len(kinds) > 1 and gpus > 0 and any(n in run for n in names)
 

@@ -55,6 +55,11 @@ class SweepConfig:
         scaling from zero GPU nodes has none until someone asks)."""
         return self.distill.gpus_per_worker > 0 or self.ray.trial_gpus > 0 or self.ray.data_gpus_per_actor > 0
 
+    def stage3_gpus(self) -> float:
+        """GPUs a stage-3 or analysis model's task asks for: stage3.gpus_per_task, else 1 when the run uses GPUs."""
+        c = self.stage3
+        return c.gpus_per_task if c.gpus_per_task is not None else float(self.uses_gpus())
+
     def students_at_once(self) -> int | None:
         """Stage 2's students at a time: as set, else all of them on GPUs (Ray queues their worker groups and an
         autoscaler starts nodes for them), else `ray.max_concurrent_trials` on CPUs."""

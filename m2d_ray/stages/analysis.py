@@ -349,7 +349,7 @@ def _places(cfg: SweepConfig, models: dict[str, str], get, streamable=()) -> dic
     a = cfg.stage3.analysis
     prompt = int(prompt_tokens(a.questions, TEMPLATE_CHARS))
     return generation_placements(
-        models, cfg.stage3, stage3._gpus(cfg), a.batch_size, prompt, prompt + a.max_new_tokens, get, streamable
+        models, cfg.stage3, cfg.stage3_gpus(), a.batch_size, prompt, prompt + a.max_new_tokens, get, streamable
     )
 
 
@@ -360,7 +360,7 @@ def _generate(ctx, stage: Analysis, jobs: list, questions: list[Question]) -> di
     from m2d_ray.runtime.ray_env import failure
 
     cfg, a = ctx.cfg, ctx.cfg.stage3.analysis
-    gpus, opts = stage3._gpus(cfg), stage3.task_options(cfg)
+    gpus, opts = cfg.stage3_gpus(), stage3.task_options(cfg)
     device = "cuda" if gpus > 0 else "cpu"
     models = stage3.reachable(ctx, jobs)
     task = ray.remote(_answer_task)
@@ -414,7 +414,7 @@ def _judge(ctx, stage: Analysis, records: list[dict]) -> tuple[list[str], str, l
         unjudged = sum(v == "unjudged" for v in said)
         say(f"analysis: {judge.name} judged {len(records)} answers ({unjudged} unjudged, {judge.failures} failed)")
         return said, judge.why(), []
-    gpus, opts = stage3._gpus(cfg), stage3.task_options(cfg)
+    gpus, opts = cfg.stage3_gpus(), stage3.task_options(cfg)
     teacher = ctx.workers_teacher
     with ctx.waiting(stage) as waiting:
         place = _places(cfg, {TEACHER_KEY: teacher}, waiting.get, streamable=(TEACHER_KEY,))[TEACHER_KEY]

@@ -82,7 +82,7 @@ class Stage3(Stage):
         check_suite(rd, cfg.stage3)
 
     def request(self, cfg) -> dict:
-        c, gpus = cfg.stage3, _gpus(cfg)
+        c, gpus = cfg.stage3, cfg.stage3_gpus()
         return bundle(c.cpus_per_task, gpus, c.accelerator if gpus else None)
 
     def needs(self, p):
@@ -224,7 +224,7 @@ def teacher_scores(path: str) -> dict:
 def gpu_room(p) -> tuple[float, int | None, int]:
     """(GPUs a model's task asks for, one GPU's memory (None: unknown, or CPU), the most GPUs of a node)."""
     c, d = p.cfg.stage3, p.devices
-    gpus = _gpus(p.cfg)
+    gpus = p.cfg.stage3_gpus()
     found = (
         holders(list(d.nodes), bundle(c.cpus_per_task, min(gpus, 1), c.accelerator))
         if d.nodes is not None and gpus > 0
@@ -263,12 +263,6 @@ def price_models(c, name: str, flops_of, unit: str = MODEL, rounds: int = 1) -> 
     return rows[0] if len(rows) == 1 else side_by_side(name, rows)
 
 
-def _gpus(cfg: SweepConfig) -> float:
-    """GPUs a model's task asks for: stage3.gpus_per_task, else 1 when the run uses GPUs."""
-    c = cfg.stage3
-    return c.gpus_per_task if c.gpus_per_task is not None else float(cfg.uses_gpus())
-
-
 def _suite(c: Stage3Config) -> dict:
 
     return {"tasks": parse_tasks(c.tasks, c.num_fewshot), "text": text_source(c.tasks), "limit": c.limit}
@@ -302,7 +296,7 @@ def jobs(rd: RunDir, cfg: SweepConfig, teacher: str) -> list[EvalJob]:
 
 def task_options(cfg: SweepConfig) -> dict:
     """Ray options of a model's task (its GPUs: the placement's)."""
-    c, gpus = cfg.stage3, _gpus(cfg)
+    c, gpus = cfg.stage3, cfg.stage3_gpus()
     return {
         "num_cpus": c.cpus_per_task,
         "num_gpus": gpus,
@@ -352,7 +346,7 @@ def evaluate(ctx, stage: Stage3) -> dict[str, dict]:
     )
     if pending:
         ctx.ray()
-        gpus, opts = _gpus(cfg), task_options(cfg)
+        gpus, opts = cfg.stage3_gpus(), task_options(cfg)
         device = "cuda" if gpus > 0 else "cpu"
         text = Path(suite["text"]).read_bytes() if suite["text"] else None
         models = reachable(ctx, pending)

@@ -165,15 +165,14 @@ def test_gpu_use_is_decided_by_the_config_not_by_the_gpus_up_now(monkeypatch):
     import ray
 
     from m2d_ray.config import load_config
-    from m2d_ray.stages import stage3
 
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": 0.0})
     gpu = load_config(None, ["distill.gpus_per_worker=1"])
-    assert stage3._gpus(gpu) == 1.0 and gpu.students_at_once() is None  # Ray queues the students
-    assert stage3._gpus(load_config(None, ["ray.gpus_per_trial=0.25"])) == 1.0
+    assert gpu.stage3_gpus() == 1.0 and gpu.students_at_once() is None  # Ray queues the students
+    assert load_config(None, ["ray.gpus_per_trial=0.25"]).stage3_gpus() == 1.0
     cpu = load_config(None)
-    assert stage3._gpus(cpu) == 0.0 and cpu.students_at_once() == cpu.ray.max_concurrent_trials
-    assert stage3._gpus(load_config(None, ["stage3.gpus_per_task=0.5"])) == 0.5
+    assert cpu.stage3_gpus() == 0.0 and cpu.students_at_once() == cpu.ray.max_concurrent_trials
+    assert load_config(None, ["stage3.gpus_per_task=0.5"]).stage3_gpus() == 0.5
     assert load_config(None, ["distill.gpus_per_worker=1", "stage2.max_concurrent_trials=3"]).students_at_once() == 3
 
 
