@@ -121,27 +121,23 @@ class Analysis(Stage):
                 shard = per_node
                 if key == TEACHER_KEY:  # the judge only scores: a decoder layer at a time, where that fits
                     streamed = _streamed(size, gpu, a.batch_size, length)
-            spread, each = size.generation_bytes(prompt, length)
-            parts = {
-                "weights": int(size.weights / shard * (1.05 if shard > 1 else 1)),
-                "batch of sequences": a.batch_size * (spread // shard + each),
-            }
             if streamed is not None:
-                shard, parts = (
-                    1,
-                    {
-                        "a decoder layer or the head": streamed.weights,
-                        "batch of sequences": a.batch_size * streamed.sequence,
-                    },
-                )
+                shard, label = 1, f"{key}, streamed a decoder layer at a time"
+                parts = {
+                    "a decoder layer or the head": streamed.weights,
+                    "batch of sequences": a.batch_size * streamed.sequence,
+                }
+            else:
+                spread, each = size.generation_bytes(prompt, length)
+                label = f"{key}, sharded over {shard}" if shard > 1 else key
+                parts = {
+                    "weights": int(size.weights / shard * (1.05 if shard > 1 else 1)),
+                    "batch of sequences": a.batch_size * (spread // shard + each),
+                }
             rows.append(
                 unit(
                     f"{self.name}:{key}",
-                    f"{key}, streamed a decoder layer at a time"
-                    if streamed
-                    else f"{key}, sharded over {shard}"
-                    if shard > 1
-                    else key,
+                    label,
                     parts,
                     (gpus if gpus < 1 else 1) if gpus > 0 else 0,
                     shard,
